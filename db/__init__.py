@@ -1,0 +1,1 @@
+"""Persistence: SQLAlchemy models (the ledger), engine set-up and Alembic migrations."""

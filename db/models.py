@@ -1,0 +1,183 @@
+"""The ledger: SQLAlchemy 2 models shared by the scheduler and the checkpoint coordinator.
+
+The one invariant the database itself enforces: a GPU is held by at most one active allocation
+(`uq_allocations_active_gpu`, a partial unique index portable to SQLite and PostgreSQL). Every gang
+reservation inserts all of its allocation rows in one transaction, so a gang holds all its GPUs or none.
+Times are unix seconds (double precision).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, float: Double}
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(253), unique=True)
+    state: Mapped[str] = mapped_column(String(16))  # READY, DRAINED, LOST
+    message: Mapped[str] = mapped_column(Text, default="")
+    gpus: Mapped[int] = mapped_column(Integer)
+    gpu_model: Mapped[str] = mapped_column(String(128), default="")
+    profile: Mapped[str] = mapped_column(String(128), default="")
+    address: Mapped[str] = mapped_column(String(255), default="")
+    topology: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    fabric_path: Mapped[list[Any]] = mapped_column(default=list)
+    agent_instance: Mapped[str] = mapped_column(String(64), default="")
+    registered_at: Mapped[float] = mapped_column()
+    last_heartbeat: Mapped[float] = mapped_column()
+    # Assignment revisions are per node; bumping this row serialises them in commit order.
+    revision: Mapped[int] = mapped_column(BigInteger, default=0)
+    acked_revision: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Gpu(Base):
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str] = mapped_column(String(64), default="")
+    name: Mapped[str] = mapped_column(String(128), default="")
+    memory_mib: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index(None, "state", "priority", "submitted_at"), Index(None, "submitted_at"))
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
+    name: Mapped[str] = mapped_column(String(253))
+    state: Mapped[str] = mapped_column(String(16))  # PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED
+    priority: Mapped[int] = mapped_column(BigInteger, default=0)
+    replicas: Mapped[int] = mapped_column(Integer)
+    gpus_per_replica: Mapped[int] = mapped_column(Integer)
+    procs_per_replica: Mapped[int] = mapped_column(Integer, default=0)
+    command: Mapped[list[Any]] = mapped_column()
+    env: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    message: Mapped[str] = mapped_column(Text, default="")
+    exit_code: Mapped[int] = mapped_column(Integer, default=0)
+    placement: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    submitted_at: Mapped[float] = mapped_column()
+    started_at: Mapped[float] = mapped_column(default=0.0)
+    finished_at: Mapped[float] = mapped_column(default=0.0)
+    # Optimistic concurrency: every state change is `UPDATE ... WHERE version = :seen`.
+    version: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Allocation(Base):
+    """One GPU held by one rank's replica. Active while released_at IS NULL."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (
+        Index(
+            "uq_allocations_active_gpu",
+            "gpu_id",
+            unique=True,
+            sqlite_where=text("released_at IS NULL"),
+            postgresql_where=text("released_at IS NULL"),
+        ),
+        Index(None, "job_id", "attempt"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    replica: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id"))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    reserved_at: Mapped[float] = mapped_column()
+    released_at: Mapped[float | None] = mapped_column(nullable=True)
+
+
+class Rank(Base):
+    __tablename__ = "ranks"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    replica: Mapped[int] = mapped_column(Integer)
+    local_rank: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
+    state: Mapped[str] = mapped_column(String(24))  # ASSIGNED, RUNNING, EXITED, FAILED_TO_START, KILLED, LOST
+    exit_code: Mapped[int] = mapped_column(Integer, default=0)
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    message: Mapped[str] = mapped_column(Text, default="")
+    updated_at: Mapped[float] = mapped_column()
+
+
+class Assignment(Base):
+    """The outbox of a node's assignment stream: a serialized phalanx.v1.Assignment per revision."""
+
+    __tablename__ = "assignments"
+    __table_args__ = (UniqueConstraint("node_id", "revision"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    revision: Mapped[int] = mapped_column(BigInteger)
+    job_id: Mapped[str] = mapped_column(String(32))
+    attempt: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # launch, kill
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float] = mapped_column()
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index(None, "job_id", "state", "step"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))  # COMMITTED (PENDING and ABORTED come with the commit protocol)
+    created_at: Mapped[float] = mapped_column()
+    committed_at: Mapped[float | None] = mapped_column(nullable=True)
+
+
+class CheckpointShard(Base):
+    __tablename__ = "checkpoint_shards"
+
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    checksum: Mapped[str] = mapped_column(String(128), default="")
+
+
+ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
+TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")

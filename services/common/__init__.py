@@ -1,0 +1,1 @@
+"""Shared service plumbing: logging, gRPC server factory, metrics, error mapping."""

@@ -1,0 +1,25 @@
+"""Prometheus metrics, exposed over HTTP only when a service is given --metrics-port."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+RPCS = Counter("phalanx_rpcs_total", "RPCs received", ["method"])
+RPC_ERRORS = Counter("phalanx_rpc_errors_total", "RPCs answered with an error status", ["method", "code"])
+RPC_LATENCY = Histogram("phalanx_rpc_latency_seconds", "Unary RPC handling time", ["method"])
+QUEUE_DEPTH = Gauge("phalanx_queue_depth", "Pending jobs known to this scheduler replica")
+GPUS_FREE = Gauge("phalanx_gpus_free", "Free GPUs on ready nodes")
+GPUS_ALLOCATED = Gauge("phalanx_gpus_allocated", "GPUs held by running gangs")
+RESERVATION_LATENCY = Histogram(
+    "phalanx_reservation_latency_seconds",
+    "Submit-to-reserved time of gangs reserved by this replica",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
+RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
+
+
+def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:
+    """Expose /metrics on port when one is given; metrics stay off otherwise, so ports never collide."""
+    if port:
+        start_http_server(port, addr=host)

@@ -1,0 +1,72 @@
+"""Decorators for servicer methods: map domain errors to status codes, count RPCs, never leak a traceback."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from . import metrics
+from .errors import ServiceError
+
+log = structlog.get_logger()
+
+
+def _method_name(fn: Callable[..., Any]) -> str:
+    return fn.__qualname__.replace(".", "/")
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, ServiceError):
+        metrics.RPC_ERRORS.labels(method=method, code=exc.code.name).inc()
+        await context.abort(exc.code, exc.message)
+    log.error("rpc_internal_error", method=method, exc_info=exc)
+    metrics.RPC_ERRORS.labels(method=method, code="INTERNAL").inc()
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+
+
+def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    method = _method_name(fn)
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        metrics.RPCS.labels(method=method).inc()
+        start = time.perf_counter()
+        try:
+            return await fn(self, request, context)
+        except (ServiceError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never re-raised raw
+            if isinstance(exc, grpc.aio.AbortError) or _is_abort(exc):
+                raise
+            await _abort(context, method, exc)
+        finally:
+            metrics.RPC_LATENCY.labels(method=method).observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+def stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    method = _method_name(fn)
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        metrics.RPCS.labels(method=method).inc()
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except (ServiceError, Exception) as exc:  # noqa: BLE001
+            if _is_abort(exc):
+                raise
+            await _abort(context, method, exc)
+
+    return wrapper
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # grpc.aio raises AbortError out of context.abort(); it must pass through untouched.
+    return type(exc).__name__ in {"AbortError", "CancelledError", "InternalError", "UsageError"} and (
+        type(exc).__module__.startswith("grpc") or type(exc).__name__ == "CancelledError"
+    )

@@ -1,0 +1,63 @@
+"""gRPC server factory: every service gets the standard health service, reflection and size limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # A fresh process must be able to take over the port of one that was just killed.
+    ("grpc.so_reuseport", 0),
+]
+
+
+class AioServer:
+    """A grpc.aio server with health and reflection, bound to `address` (port 0 picks a free port)."""
+
+    def __init__(
+        self,
+        address: str,
+        register: Sequence[Callable[[grpc.aio.Server], None]],
+        service_names: Iterable[str],
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        for add in register:
+            add(self.server)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC server to {address}")
+        host = address.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+
+    async def _set_all(self, status) -> None:
+        for name in ["", *self.service_names]:
+            result = self.health.set(name, status)
+            if hasattr(result, "__await__"):
+                await result

@@ -1,0 +1,113 @@
+"""Shared fixtures: a real database per test on SQLite and on PostgreSQL.
+
+PostgreSQL comes from PHALANX_TEST_PG (a URL), else 127.0.0.1:5432 (database `test`) when it answers. One
+database is created per test session and dropped at the end; each test starts from empty tables. Without a
+server the Postgres cases skip with a loud reason, unless PHALANX_REQUIRE_PG=1 (as in CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from db.engine import normalize_url
+from db.migrate import upgrade
+from db.models import Base
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("PHALANX_DATA", ROOT.parent / "shared" / "data"))
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def _pg_admin_url() -> str:
+    return normalize_url(os.environ.get("PHALANX_TEST_PG", DEFAULT_PG))
+
+
+def _pg_reachable(url: str) -> str | None:
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
+@pytest.fixture(scope="session")
+def pg_session_url():
+    """A throwaway PostgreSQL database for this test session, migrated to head."""
+    admin = _pg_admin_url()
+    problem = _pg_reachable(admin)
+    if problem:
+        message = f"PostgreSQL not reachable at {admin} ({problem}); set PHALANX_TEST_PG"
+        if os.environ.get("PHALANX_REQUIRE_PG") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    name = f"phalanx_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    engine = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    base, _, _ = admin.rpartition("/")
+    url = f"{base}/{name}"
+    upgrade(url)
+    yield url
+    with engine.connect() as conn:
+        conn.execute(
+            text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n AND pid <> pg_backend_pid()"),
+            {"n": name},
+        )
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+def _truncate_pg(url: str) -> None:
+    engine = create_engine(url)
+    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path, sqlite_template) -> str:
+    """A migrated, empty database: each test runs once on SQLite and once on PostgreSQL."""
+    if request.param == "sqlite":
+        path = tmp_path / "phalanx.db"
+        shutil.copy(sqlite_template, path)
+        return f"sqlite:///{path}"
+    url = request.getfixturevalue("pg_session_url")
+    _truncate_pg(url)
+    return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path, sqlite_template) -> str:
+    path = tmp_path / "phalanx.db"
+    shutil.copy(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def pg_url(pg_session_url) -> str:
+    _truncate_pg(pg_session_url)
+    return pg_session_url
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA} (set PHALANX_DATA)")
+    return SHARED_DATA
