@@ -1,0 +1,61 @@
+"""Core value types: what a gang asks for, what a node offers, and a placement decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class GangRequest:
+    """R replicas x G GPUs that must start together; each replica lives on one node."""
+
+    job_id: str
+    replicas: int
+    gpus_per_replica: int
+    priority: int = 0
+    submitted_at: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.gpus_per_replica
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPlacement:
+    replica: int
+    node: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where every replica of a gang goes, in ring order, and why.
+
+    `tier` is the highest tier the gang crosses ("node" when it fits in one node), `domains` how many domains of
+    the tier below it spans, `score` a lower-is-better summary of both.
+    """
+
+    job_id: str
+    replicas: tuple[ReplicaPlacement, ...]
+    tier: str
+    domains: int
+    score: float
+    reason: str
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.node for r in self.replicas))
+
+
+@dataclass(slots=True)
+class NodeCapacity:
+    """Free GPUs of one node. `path` is its switches from the leaf up (see core.fabric)."""
+
+    name: str
+    total: int
+    free: set[int] = field(default_factory=set)
+    schedulable: bool = True
+    path: tuple[str, ...] = ()
+
+    def slots(self, gpus_per_replica: int) -> int:
+        return len(self.free) // gpus_per_replica if self.schedulable and gpus_per_replica > 0 else 0

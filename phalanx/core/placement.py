@@ -1,0 +1,137 @@
+"""Gang placement: every replica at once, under the lowest common switch, best fit among equals.
+
+The algorithm (this issue's level; the full topology objective builds on it):
+1. Count, per node, how many replicas of G GPUs its free GPUs hold ("slots").
+2. Going up the tiers (node, leaf, spine, ..., cluster), find the lowest tier where one domain holds all R
+   replicas. Among the domains of that tier that do, take the one with the least free GPUs (best fit, global
+   within the tier), so emptier domains stay whole for larger gangs.
+3. Inside it, span as few child domains as possible: the fullest-fitting child first, the remainder into the
+   tightest child that holds it; recursively down to nodes.
+4. Ranks follow the switch order of their nodes, so ring neighbours share the closest switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .capacity import ClusterCapacity
+from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
+
+
+@dataclass(frozen=True, slots=True)
+class Unplaceable:
+    job_id: str
+    reason: str
+
+
+def tier_names(capacity: ClusterCapacity, fabric_tiers: Sequence[str] = ()) -> list[str]:
+    depth = max((len(n.path) for n in capacity.nodes.values()), default=0)
+    names = list(fabric_tiers[:depth])
+    while len(names) < depth:
+        names.append(f"tier{len(names)}")
+    return ["node", *names, "cluster"]
+
+
+def _key(node: NodeCapacity, level: int) -> str:
+    """Domain of `node` at `level`: 0 is the node itself, i >= 1 its switch of tier i-1, the top is the cluster."""
+    if level == 0:
+        return node.name
+    if level - 1 < len(node.path):
+        return node.path[level - 1]
+    return ""
+
+
+def place_gang(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str] = ()
+) -> Placement | Unplaceable:
+    """Place all replicas of `request` at once, or say why not. Does not change `capacity`."""
+    g = request.gpus_per_replica
+    candidates = [n for n in capacity.nodes.values() if n.slots(g) > 0]
+    total_slots = sum(n.slots(g) for n in candidates)
+    if total_slots < request.replicas:
+        return Unplaceable(
+            request.job_id,
+            f"needs {request.replicas} x {g} GPUs; free capacity holds {total_slots} such replica(s) now "
+            f"({capacity.free_gpus()} GPUs free)",
+        )
+    names = tier_names(capacity, fabric_tiers)
+    top = len(names) - 1
+    for level in range(top + 1):
+        groups: dict[str, list[NodeCapacity]] = {}
+        for node in candidates:
+            groups.setdefault(_key(node, level) if level < top else "", []).append(node)
+        fitting = [(k, ns) for k, ns in groups.items() if sum(n.slots(g) for n in ns) >= request.replicas]
+        if not fitting:
+            continue
+        key, members = min(fitting, key=lambda kv: (sum(len(n.free) for n in kv[1]), kv[0]))
+        takes = _take(members, request.replicas, g, level)
+        return _build(request, takes, names, level)
+    raise AssertionError("the cluster level always fits when total slots suffice")
+
+
+def _take(nodes: list[NodeCapacity], need: int, g: int, level: int) -> list[tuple[NodeCapacity, int]]:
+    """Choose `need` replica slots among `nodes` (all inside one domain of `level`), spanning few children."""
+    if level == 0:
+        (node,) = nodes
+        return [(node, need)]
+    groups: dict[str, list[NodeCapacity]] = {}
+    for node in nodes:
+        groups.setdefault(_key(node, level - 1), []).append(node)
+    stats = {k: (sum(n.slots(g) for n in ns), sum(len(n.free) for n in ns)) for k, ns in groups.items()}
+    chosen: list[tuple[NodeCapacity, int]] = []
+    remaining = need
+    unused = set(groups)
+    while remaining > 0:
+        fitting = [k for k in unused if stats[k][0] >= remaining]
+        if fitting:
+            key = min(fitting, key=lambda k: (stats[k][1], k))
+            chosen += _take(groups[key], remaining, g, level - 1)
+            break
+        key = min(unused, key=lambda k: (-stats[k][0], stats[k][1], k))
+        unused.discard(key)
+        chosen += _take(groups[key], stats[key][0], g, level - 1)
+        remaining -= stats[key][0]
+    return chosen
+
+
+def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: list[str], level: int) -> Placement:
+    g = request.gpus_per_replica
+    ordered = sorted(takes, key=lambda t: (tuple(reversed(t[0].path)), t[0].name))
+    replicas: list[ReplicaPlacement] = []
+    for node, count in ordered:
+        free = sorted(node.free)[: count * g]
+        for i in range(count):
+            replicas.append(ReplicaPlacement(len(replicas), node.name, tuple(free[i * g:(i + 1) * g])))
+    spanned = len({_key(node, level - 1) for node, _ in takes}) if level > 0 else 1
+    tier = names[level]
+    child = names[level - 1] if level > 0 else "node"
+    if level == 0:
+        reason = f"{request.replicas} x {g} GPUs inside node {takes[0][0].name}"
+    else:
+        reason = f"{request.replicas} x {g} GPUs on {len(takes)} nodes under one {tier}, spanning {spanned} {child}(s)"
+    return Placement(request.job_id, tuple(replicas), tier, spanned, float(level * 1000 + spanned), reason)
+
+
+def schedule_in_order(
+    capacity: ClusterCapacity, pending: Sequence[GangRequest], fabric_tiers: Sequence[str] = ()
+) -> tuple[list[Placement], Unplaceable | None]:
+    """Serve `pending` in priority, then submission order: each gang all at once, or the queue stops there.
+
+    Strict order means a large gang at the head is never starved by smaller ones behind it; it waits holding
+    nothing. Reserves each placement in `capacity` as it goes. Returns the placements and, when the queue
+    stopped at a gang that does not fit now, why.
+    """
+    placements: list[Placement] = []
+    for request in queue_order(pending):
+        result = place_gang(capacity, request, fabric_tiers)
+        if isinstance(result, Unplaceable):
+            return placements, result
+        capacity.reserve(result)
+        placements.append(result)
+    return placements, None
+
+
+def queue_order(pending: Sequence[GangRequest]) -> list[GangRequest]:
+    """Priority (higher first), then submission time, then id: the order every replica agrees on."""
+    return sorted(pending, key=lambda r: (-r.priority, r.submitted_at, r.job_id))

@@ -1,0 +1,116 @@
+"""A lightweight node agent that speaks the real node protocol but runs no processes.
+
+Benchmarks and scheduler tests use it to stand in for hundreds of hosts in one process. The rank "program" is
+read from the job's command:
+- `sleep S`   : ranks report RUNNING, then EXITED 0 after S seconds;
+- `exit C`    : ranks report RUNNING, then EXITED with code C;
+- `hang`      : ranks never start (the launch deadline must catch it);
+- anything else: ranks run until killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+
+def simple_topology(gpus: int, model: str = "NVIDIA H100 80GB HBM3") -> agent_pb2.HostTopology:
+    return agent_pb2.HostTopology(
+        profile="lite",
+        gpus=[agent_pb2.GpuInfo(index=i, uuid=f"GPU-lite-{uuid.uuid4().hex[:12]}", name=model, memory_mib=81559,
+                                numa_node=i // 4, nic=f"NIC{i}") for i in range(gpus)],
+    )
+
+
+@dataclass
+class LiteAgent:
+    target: str
+    name: str
+    gpus: int = 8
+    address: str = "127.0.0.1"
+    launched: list[agent_pb2.LaunchReplica] = field(default_factory=list)
+    killed: list[agent_pb2.KillJob] = field(default_factory=list)
+    running: dict[tuple[str, int, int], asyncio.Task] = field(default_factory=dict)
+    acked: int = 0
+
+    async def start(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.target)
+        self.stub = agent_pb2_grpc.NodeServiceStub(self.channel)
+        self.instance = uuid.uuid4().hex
+        resp = await self.stub.RegisterNode(agent_pb2.RegisterNodeRequest(
+            node_name=self.name, topology=simple_topology(self.gpus), address=self.address,
+            agent_instance=self.instance))
+        self.acked = max(self.acked, resp.acked_revision)
+        self._stream_task = asyncio.create_task(self._stream())
+        self._beat_task = asyncio.create_task(self._beat(resp.heartbeat_interval_ms / 1000))
+
+    async def stop(self) -> None:
+        for task in [self._stream_task, self._beat_task, *self.running.values()]:
+            task.cancel()
+        for task in [self._stream_task, self._beat_task, *self.running.values()]:
+            with contextlib.suppress(BaseException):
+                await task
+        await self.channel.close()
+
+    async def _beat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=self.name, agent_instance=self.instance))
+
+    async def _stream(self) -> None:
+        while True:
+            try:
+                call = self.stub.StreamAssignments(
+                    agent_pb2.StreamAssignmentsRequest(node_name=self.name, after_revision=self.acked))
+                async for assignment in call:
+                    await self._take(assignment)
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2)
+
+    async def _take(self, a: agent_pb2.Assignment) -> None:
+        if a.revision <= self.acked:
+            return
+        if a.HasField("launch"):
+            self.launched.append(a.launch)
+            for r in a.launch.ranks:
+                key = (a.launch.job_id, a.launch.attempt, r.rank)
+                if key not in self.running:
+                    self.running[key] = asyncio.create_task(self._rank(a.launch, r))
+        else:
+            self.killed.append(a.kill)
+            for key, task in list(self.running.items()):
+                if key[0] == a.kill.job_id and key[1] == a.kill.attempt and not task.done():
+                    task.cancel()
+                    asyncio.create_task(self._report(key[0], key[1], key[2], common_pb2.RANK_STATE_KILLED, -15))
+        self.acked = a.revision
+        await self.stub.AckAssignments(agent_pb2.AckAssignmentsRequest(node_name=self.name, revision=a.revision))
+
+    async def _rank(self, launch: agent_pb2.LaunchReplica, rank: agent_pb2.RankLaunch) -> None:
+        cmd = list(launch.command)
+        if cmd[:1] == ["hang"]:
+            return
+        await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_RUNNING, 0)
+        if cmd[:1] == ["sleep"]:
+            await asyncio.sleep(float(cmd[1]))
+            await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, 0)
+        elif cmd[:1] == ["exit"]:
+            await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, int(cmd[1]))
+
+    async def _report(self, job_id: str, attempt: int, rank: int, state: int, code: int) -> bool:
+        for _ in range(50):
+            try:
+                resp = await self.stub.ReportRankStatus(agent_pb2.ReportRankStatusRequest(
+                    node_name=self.name, job_id=job_id, attempt=attempt, rank=rank, state=state, exit_code=code))
+                return resp.stale
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.1)
+        return False

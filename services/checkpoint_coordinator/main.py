@@ -1,0 +1,96 @@
+"""`phalanx-checkpointd`: the checkpoint coordinator process, and `serve()` to run it in-process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+from db.engine import DEFAULT_DB_URL, make_engine
+from phalanx.api.v1 import checkpoint_pb2_grpc
+from services.common.logging import configure_logging
+from services.common.metrics import serve_metrics
+from services.common.server import AioServer
+
+from .servicer import SERVICE_NAME, CheckpointCoordinatorServicer
+
+DEFAULT_LISTEN = "127.0.0.1:50052"
+
+
+class CheckpointServer:
+    """A started coordinator: `.address` is host:port actually bound; `await .stop()` shuts it down."""
+
+    def __init__(self, server: AioServer, engine) -> None:
+        self._server = server
+        self._engine = engine
+        self.address = server.address
+        self.port = server.port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        try:
+            await self._server.stop(grace)
+        finally:
+            self._engine.dispose()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.server.wait_for_termination()
+
+
+async def serve(db_url: str, listen: str = DEFAULT_LISTEN) -> CheckpointServer:
+    """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database."""
+    engine = make_engine(db_url)
+    try:
+        servicer = CheckpointCoordinatorServicer(engine)
+        server = AioServer(
+            listen,
+            [lambda s: checkpoint_pb2_grpc.add_CheckpointCoordinatorServicer_to_server(servicer, s)],
+            [SERVICE_NAME],
+        )
+        await server.start()
+    except BaseException:
+        engine.dispose()
+        raise
+    return CheckpointServer(server, engine)
+
+
+async def _run(db_url: str, listen: str, log) -> None:
+    server = await serve(db_url, listen)
+    log.info("checkpointd_started", address=server.address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("checkpointd_stopping")
+    await server.stop()
+    log.info("checkpointd_stopped")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="phalanx-checkpointd", description="Phalanx checkpoint coordinator")
+    parser.add_argument("--db", default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL), help="database URL (env PHALANX_DB)")
+    parser.add_argument(
+        "--listen",
+        default=os.environ.get("PHALANX_CHECKPOINTD_LISTEN", DEFAULT_LISTEN),
+        help="gRPC listen address host:port (env PHALANX_CHECKPOINTD_LISTEN)",
+    )
+    parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = configure_logging("checkpointd")
+    serve_metrics(args.metrics_port, args.metrics_host)
+    try:
+        asyncio.run(_run(args.db, args.listen, log))
+    except OSError as exc:
+        log.error("checkpointd_failed", error=str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The scheduler service: job API, node API, and the scheduling loop over the ledger."""

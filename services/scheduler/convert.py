@@ -1,0 +1,69 @@
+"""Build protobuf messages from the in-memory view and from ledger rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.api.v1 import common_pb2
+
+from .state import JobRecord
+
+JOB_STATES = {
+    "PENDING": common_pb2.JOB_STATE_PENDING,
+    "RUNNING": common_pb2.JOB_STATE_RUNNING,
+    "SUCCEEDED": common_pb2.JOB_STATE_SUCCEEDED,
+    "FAILED": common_pb2.JOB_STATE_FAILED,
+    "CANCELLED": common_pb2.JOB_STATE_CANCELLED,
+    "PREEMPTED": common_pb2.JOB_STATE_PREEMPTED,
+}
+JOB_STATE_NAMES = {v: k for k, v in JOB_STATES.items()}
+NODE_STATES = {
+    "READY": common_pb2.NODE_STATE_READY,
+    "DRAINED": common_pb2.NODE_STATE_DRAINED,
+    "LOST": common_pb2.NODE_STATE_LOST,
+}
+RANK_STATE_NAMES = {
+    common_pb2.RANK_STATE_ASSIGNED: "ASSIGNED",
+    common_pb2.RANK_STATE_RUNNING: "RUNNING",
+    common_pb2.RANK_STATE_EXITED: "EXITED",
+    common_pb2.RANK_STATE_FAILED_TO_START: "FAILED_TO_START",
+    common_pb2.RANK_STATE_KILLED: "KILLED",
+    common_pb2.RANK_STATE_LOST: "LOST",
+}
+
+
+def _spec(j: Any) -> common_pb2.JobSpec:
+    return common_pb2.JobSpec(
+        name=j["name"], replicas=j["replicas"], gpus_per_replica=j["gpus_per_replica"], priority=j["priority"],
+        procs_per_replica=j["procs_per_replica"], command=list(j["command"]), env=dict(j["env"] or {}),
+    )
+
+
+def _placement(p: dict[str, Any]) -> common_pb2.PlacementInfo | None:
+    if not p:
+        return None
+    return common_pb2.PlacementInfo(
+        tier=p.get("tier", ""), domains=p.get("domains", 0), score=p.get("score", 0.0), reason=p.get("reason", "")
+    )
+
+
+def job_from_row(j: Any, allocations) -> common_pb2.Job:
+    return common_pb2.Job(
+        id=j["id"], spec=_spec(j), state=JOB_STATES[j["state"]],
+        allocations=[common_pb2.Allocation(replica=r, node=n, gpus=list(g)) for r, n, g in allocations],
+        attempt=j["attempt"], message=j["message"], submitted_at=j["submitted_at"], started_at=j["started_at"],
+        finished_at=j["finished_at"], placement=_placement(j["placement"] or {}), exit_code=j["exit_code"],
+    )
+
+
+def job_from_record(job: JobRecord) -> common_pb2.Job:
+    return job_from_row(job.__dict__, job.allocations)
+
+
+def node_from_row(n: Any, used: int) -> common_pb2.Node:
+    free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
+    return common_pb2.Node(
+        name=n["name"], state=NODE_STATES.get(n["state"], common_pb2.NODE_STATE_UNSPECIFIED), gpus=n["gpus"],
+        free_gpus=free, profile=n["profile"], gpu_model=n["gpu_model"], fabric_path=list(n["fabric_path"] or ()),
+        message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"],
+    )

@@ -1,0 +1,497 @@
+"""One scheduling cycle: apply a batch of commands, fire timers, place pending gangs, all in one transaction.
+
+The cycle runs in the scheduler's single writer thread. Commands validate before they write, so a rejected
+command changes nothing; the in-memory view is updated as the ledger is, and if the transaction does not commit
+the service reloads the view from the ledger. A reservation runs inside a savepoint: when the ledger refuses it
+(another replica took a GPU or the job first), only that reservation is undone.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from sqlalchemy import Connection, select
+from sqlalchemy.exc import IntegrityError
+
+from db.models import Job
+from phalanx.api.v1 import agent_pb2, common_pb2
+from phalanx.core.model import NodeCapacity, Placement
+from phalanx.core.placement import schedule_in_order
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+
+from . import ledger
+from .convert import job_from_record
+from .settings import SchedulerSettings
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, RankRecord, SchedulerState
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Cycle:
+    conn: Connection
+    state: SchedulerState
+    settings: SchedulerSettings
+    now: float
+    changed: dict[str, common_pb2.Job] = field(default_factory=dict)
+    woken_nodes: set[str] = field(default_factory=set)
+    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
+    resync_after: bool = False
+    heartbeats: dict[int, float] = field(default_factory=dict)
+
+    def touched(self, job: JobRecord) -> None:
+        self.changed[job.id] = job_from_record(job)
+
+    def reload(self) -> None:
+        """Reload the view inside this transaction (it sees this cycle's own writes)."""
+        reload_state(self.conn, self.state, self.settings, self.now, initial=False)
+
+
+def reload_state(conn: Connection, state: SchedulerState, settings: SchedulerSettings, now: float, *, initial: bool) -> None:
+    """Load the ledger into the view. Leases and launch deadlines are re-armed on the initial load."""
+    beats = {n.name: n.last_heartbeat for n in state.nodes.values()}
+    deadlines = {j.id: (j.attempt, j.launch_deadline) for j in state.jobs.values()}
+    ledger.load_state(conn, state, settings.fabric.path)
+    for node in state.nodes.values():
+        node.last_heartbeat = now if initial else max(node.last_heartbeat, beats.get(node.name, 0.0))
+    for job in state.jobs.values():
+        if job.state != "RUNNING" or all(r.state != "ASSIGNED" for r in job.ranks.values()):
+            continue
+        attempt, deadline = deadlines.get(job.id, (None, None))
+        if initial:
+            job.launch_deadline = now + settings.launch_timeout
+        elif attempt == job.attempt and deadline is not None:
+            job.launch_deadline = deadline
+        else:
+            job.launch_deadline = job.started_at + settings.launch_timeout
+
+
+# ---- commands ---------------------------------------------------------------------------------------------------
+
+class Command:
+    """A request to the cycle. `execute` raises ServiceError before writing anything, or returns a result."""
+
+    def execute(self, cycle: Cycle) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class Submit(Command):
+    spec: common_pb2.JobSpec
+    request_id: str
+
+    def execute(self, cycle: Cycle) -> common_pb2.Job:
+        raise AssertionError("submits are executed in bulk by submit_all")
+
+
+def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
+    """Insert every valid submission in one statement. Repeated request ids return the first job."""
+    results: dict[int, Any] = {}
+    existing = ledger.find_by_request_ids(cycle.conn, [s.request_id for s in submits if s.request_id])
+    new: list[JobRecord] = []
+    by_request: dict[str, JobRecord] = {}
+    for i, sub in enumerate(submits):
+        if sub.request_id and sub.request_id in existing:
+            results[i] = ("existing", existing[sub.request_id])
+            continue
+        if sub.request_id and sub.request_id in by_request:
+            results[i] = by_request[sub.request_id]
+            continue
+        try:
+            check_fits_ever(cycle.state, sub.spec)
+        except FailedPrecondition as exc:
+            results[i] = exc
+            continue
+        spec = sub.spec
+        job = JobRecord(
+            id=uuid.uuid4().hex[:12], name=spec.name, state="PENDING", priority=spec.priority,
+            replicas=spec.replicas, gpus_per_replica=spec.gpus_per_replica, procs_per_replica=spec.procs_per_replica,
+            command=list(spec.command), env=dict(spec.env), submitted_at=cycle.now, request_id=sub.request_id or None,
+            message="queued",
+        )
+        new.append(job)
+        results[i] = job
+        if sub.request_id:
+            by_request[sub.request_id] = job
+    if new:
+        ledger.insert_jobs(cycle.conn, new)
+        for job in new:
+            cycle.state.jobs[job.id] = job
+            cycle.touched(job)
+    for i, value in list(results.items()):
+        if isinstance(value, tuple):
+            job_id = value[1]
+            job = cycle.state.jobs.get(job_id)
+            results[i] = job_from_record(job) if job else ("read", job_id)
+        elif isinstance(value, JobRecord):
+            results[i] = job_from_record(value)
+    return results
+
+
+def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
+    """Refuse a gang that no state of this cluster could hold (drained and lost nodes count as capacity)."""
+    nodes = list(state.capacity.nodes.values())
+    if not nodes:
+        raise FailedPrecondition("no nodes have registered yet, so no gang can be placed; start node agents first")
+    largest = max(n.total for n in nodes)
+    g, r = spec.gpus_per_replica, spec.replicas
+    if g > largest:
+        raise FailedPrecondition(
+            f"each replica needs {g} GPUs on one node, but the largest node has {largest} GPUs"
+        )
+    total = sum(n.total for n in nodes)
+    if g * r > total:
+        raise FailedPrecondition(
+            f"the gang needs {r} x {g} = {g * r} GPUs, but all {len(nodes)} known nodes have {total} GPUs in total"
+        )
+    fit = state.capacity.max_replicas_ever(g)
+    if fit < r:
+        raise FailedPrecondition(
+            f"the gang needs {r} replicas of {g} GPUs, each on one node, but the {len(nodes)} known nodes can hold "
+            f"at most {fit} such replicas even when empty"
+        )
+
+
+@dataclass
+class Cancel(Command):
+    job_id: str
+
+    def execute(self, cycle: Cycle) -> Any:
+        job = lookup_job(cycle, self.job_id)
+        if job is None:
+            return ("read", self.job_id)  # already finished: cancelling again is a no-op
+        if job.state == "PENDING":
+            if not ledger.update_job(cycle.conn, job, state="CANCELLED", finished_at=cycle.now,
+                                     message="cancelled before it started"):
+                cycle.resync_after = True
+                raise FailedPrecondition(f"job {job.id} changed while cancelling; try again")
+            del cycle.state.jobs[job.id]
+            cycle.touched(job)
+        else:
+            teardown(cycle, job, final_state="CANCELLED", message="cancelled while running")
+        return job_from_record(job)
+
+
+def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
+    """The active job `job_id`; None when it exists but has finished; NotFound when the ledger has no such job."""
+    job = cycle.state.jobs.get(job_id)
+    if job is not None:
+        return job
+    row = cycle.conn.execute(select(Job.state).where(Job.id == job_id)).first()
+    if row is None:
+        raise NotFound(f"no job with id {job_id!r}")
+    if row.state in ("PENDING", "RUNNING"):
+        cycle.reload()  # another replica created or changed it since our last look
+        return cycle.state.jobs.get(job_id)
+    return None
+
+
+@dataclass
+class Register(Command):
+    name: str
+    topology: Any  # agent_pb2.HostTopology
+    topology_json: dict[str, Any]
+    address: str
+    agent_instance: str
+
+    def execute(self, cycle: Cycle) -> int:
+        gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib) for g in self.topology.gpus]
+        path = cycle.settings.fabric.path(self.name)
+        node_id, acked = ledger.upsert_node(
+            cycle.conn, name=self.name, gpus=gpus, topology=self.topology_json, address=self.address,
+            agent_instance=self.agent_instance, profile=self.topology.profile,
+            gpu_model=gpus[0]["name"] if gpus else "", fabric_path=path, now=cycle.now,
+        )
+        state = cycle.state
+        old = state.nodes.get(self.name)
+        node = NodeRecord(
+            id=node_id, name=self.name, state="READY", gpus=len(gpus), gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
+            path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
+            agent_instance=self.agent_instance,
+        )
+        state.nodes[self.name] = node
+        if old is None or old.gpus != node.gpus:
+            state.rebuild_capacity()
+        else:
+            state.set_node_schedulable(self.name)
+        if old is not None and old.state != "READY":
+            log.info("node_ready_again", node=self.name, was=old.state)
+        return acked
+
+
+@dataclass
+class Heartbeat(Command):
+    name: str
+    agent_instance: str
+
+    def execute(self, cycle: Cycle) -> tuple[str, bool]:
+        node = cycle.state.nodes.get(self.name)
+        if node is None:
+            return ("UNKNOWN", True)
+        node.last_heartbeat = cycle.now
+        if cycle.now - node.persisted_heartbeat >= cycle.settings.heartbeat_persist_interval:
+            cycle.heartbeats[node.id] = cycle.now
+            node.persisted_heartbeat = cycle.now
+        return (node.state, node.state == "LOST")
+
+
+@dataclass
+class Ack(Command):
+    name: str
+    revision: int
+
+    def execute(self, cycle: Cycle) -> None:
+        node = cycle.state.nodes.get(self.name)
+        if node is None:
+            raise NotFound(f"node {self.name!r} is not registered")
+        ledger.set_acked(cycle.conn, node.id, self.revision)
+
+
+@dataclass
+class RankReport(Command):
+    node: str
+    job_id: str
+    attempt: int
+    rank: int
+    state: str
+    exit_code: int
+    message: str
+    pid: int
+
+    def execute(self, cycle: Cycle) -> bool:
+        """Apply a rank's status. Returns True when the report is stale and the agent must kill the rank."""
+        node = cycle.state.nodes.get(self.node)
+        if node is None:
+            raise NotFound(f"node {self.node!r} is not registered")
+        job = cycle.state.jobs.get(self.job_id)
+        if job is None or job.attempt != self.attempt:
+            exists = cycle.conn.execute(select(Job.state, Job.attempt).where(Job.id == self.job_id)).first()
+            if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:
+                cycle.reload()
+                job = cycle.state.jobs.get(self.job_id)
+        if job is None or job.state != "RUNNING" or job.attempt != self.attempt:
+            ledger.update_rank(cycle.conn, self.job_id, self.attempt, self.rank, node.id, state=self.state,
+                               exit_code=self.exit_code, pid=self.pid, message=self.message, updated_at=cycle.now)
+            return self.state == "RUNNING"
+        rank = job.ranks.get(self.rank)
+        if rank is None or rank.node != self.node:
+            raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
+        if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
+            return False
+        ledger.update_rank(cycle.conn, job.id, job.attempt, self.rank, node.id, state=self.state,
+                           exit_code=self.exit_code, pid=self.pid, message=self.message, updated_at=cycle.now)
+        rank.state, rank.exit_code = self.state, self.exit_code
+        where = f"rank {self.rank} on {self.node}"
+        if self.state == "RUNNING":
+            if all(r.state != "ASSIGNED" for r in job.ranks.values()):
+                job.launch_deadline = None
+                cycle.touched(job)
+        elif self.state == "EXITED" and self.exit_code != 0:
+            teardown(cycle, job, final_state="FAILED", exit_code=self.exit_code,
+                     message=f"{where} exited with code {self.exit_code}")
+        elif self.state == "EXITED":
+            if all(r.state == "EXITED" and r.exit_code == 0 for r in job.ranks.values()):
+                teardown(cycle, job, final_state="SUCCEEDED", message="all ranks exited with code 0", kill=False)
+        elif self.state == "FAILED_TO_START":
+            teardown(cycle, job, final_state="FAILED", exit_code=127,
+                     message=f"{where} failed to start: {self.message or 'unknown error'}")
+        elif self.state in ("KILLED", "LOST"):
+            teardown(cycle, job, message=f"{where} was {self.state.lower()} by its agent; requeued")
+        return False
+
+
+# ---- transitions ------------------------------------------------------------------------------------------------
+
+def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, message: str, exit_code: int = 0,
+             kill: bool = True) -> bool:
+    """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it (final_state None)."""
+    if final_state is None and job.attempt >= cycle.settings.max_attempts:
+        final_state, message = "FAILED", f"{message}; gave up after {job.attempt} attempts"
+    changes: dict[str, Any] = dict(message=message)
+    if final_state:
+        changes.update(state=final_state, finished_at=cycle.now, exit_code=exit_code)
+    else:
+        changes.update(state="PENDING")
+    attempt = job.attempt
+    if not ledger.update_job(cycle.conn, job, **changes):
+        cycle.resync_after = True
+        return False
+    ledger.release_allocations(cycle.conn, job, cycle.now)
+    for _, node, gpus in job.allocations:
+        cycle.state.capacity.release(node, gpus)
+    if kill:
+        for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
+            node = cycle.state.nodes.get(node_name)
+            if node is None:
+                continue
+            kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=message)
+            ledger.append_assignment(
+                cycle.conn, node, job.id, attempt, "kill",
+                lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k).SerializeToString(), cycle.now,
+            )
+            cycle.woken_nodes.add(node_name)
+    job.launch_deadline = None
+    if final_state:
+        cycle.state.jobs.pop(job.id, None)
+    cycle.touched(job)
+    return True
+
+
+def fire_timers(cycle: Cycle) -> None:
+    s, now = cycle.settings, cycle.now
+    for node in list(cycle.state.nodes.values()):
+        if node.state == "READY" and now - node.last_heartbeat > s.lease_timeout:
+            threshold = now - s.lease_timeout
+            msg = f"no heartbeat for {now - node.last_heartbeat:.0f}s (lease {s.lease_timeout:.0f}s)"
+            if not ledger.set_node_state(cycle.conn, node.id, "LOST", msg, only_if_heartbeat_before=threshold):
+                cycle.resync_after = True  # another replica heard from it more recently
+                continue
+            node.state = "LOST"
+            cycle.state.set_node_schedulable(node.name)
+            log.warning("node_lost", node=node.name, reason=msg)
+            for job in cycle.state.running_on(node.name):
+                teardown(cycle, job, message=f"node {node.name} was lost ({msg}); requeued")
+    for job in list(cycle.state.jobs.values()):
+        if job.state == "RUNNING" and job.launch_deadline is not None and now > job.launch_deadline:
+            waiting = sorted(r.rank for r in job.ranks.values() if r.state == "ASSIGNED")
+            teardown(cycle, job, message=f"ranks {waiting[:8]} did not start within {s.launch_timeout:.0f}s; requeued")
+
+
+def schedule(cycle: Cycle) -> None:
+    state = cycle.state
+    pending = state.pending()
+    if not pending:
+        return
+    placements, blocked = schedule_in_order(state.capacity, [j.request() for j in pending], state_tiers(cycle))
+    for placement in placements:
+        job = state.jobs[placement.job_id]
+        if not reserve(cycle, job, placement):
+            for rep in placement.replicas:
+                state.capacity.release(rep.node, rep.gpus)
+            cycle.resync_after = True
+    if blocked is not None:
+        head = state.jobs[blocked.job_id]
+        message = f"waiting, holding no GPUs: {blocked.reason}"
+        if head.message != message and ledger.update_job(cycle.conn, head, message=message):
+            cycle.touched(head)
+
+
+def state_tiers(cycle: Cycle) -> tuple[str, ...]:
+    return cycle.settings.fabric.tiers
+
+
+def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
+    """Write the whole gang's reservation (allocations, ranks, launch assignments) in one savepoint."""
+    saved = copy.copy(job)
+    savepoint = cycle.conn.begin_nested()
+    try:
+        placement_info = dict(tier=placement.tier, domains=placement.domains, score=placement.score,
+                              reason=placement.reason)
+        if not ledger.update_job(cycle.conn, job, state="RUNNING", attempt=job.attempt + 1, started_at=cycle.now,
+                                 finished_at=0.0, exit_code=0, placement=placement_info,
+                                 message=f"reserved: {placement.reason}"):
+            savepoint.rollback()
+            return False
+        job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
+        job.ranks = layout_ranks(job)
+        ledger.insert_allocations(cycle.conn, job, cycle.state.nodes, cycle.now)
+        ledger.insert_ranks(cycle.conn, job, cycle.state.nodes, cycle.now)
+        for launch in launches(job, cycle.state.nodes):
+            node = cycle.state.nodes[launch_node(job, launch.replica)]
+            ledger.append_assignment(
+                cycle.conn, node, job.id, job.attempt, "launch",
+                lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l).SerializeToString(), cycle.now,
+            )
+            cycle.woken_nodes.add(node.name)
+        savepoint.commit()
+    except IntegrityError as exc:
+        savepoint.rollback()
+        job.__dict__.update(saved.__dict__)
+        log.info("reservation_refused_by_ledger", job=job.id, error=str(exc.orig)[:200])
+        return False
+    job.launch_deadline = cycle.now + cycle.settings.launch_timeout
+    cycle.reserved.append((job, cycle.now - job.submitted_at))
+    cycle.touched(job)
+    return True
+
+
+def layout_ranks(job: JobRecord) -> dict[int, RankRecord]:
+    ranks: dict[int, RankRecord] = {}
+    for replica, node, gpus in job.allocations:
+        if job.procs_per_replica == 1:
+            ranks[replica] = RankRecord(replica, replica, 0, node)
+        else:
+            for local in range(len(gpus)):
+                r = replica * job.gpus_per_replica + local
+                ranks[r] = RankRecord(r, replica, local, node)
+    return ranks
+
+
+def launch_node(job: JobRecord, replica: int) -> str:
+    return job.allocations[replica][1]
+
+
+def master_port(job_id: str, attempt: int) -> int:
+    digest = hashlib.sha1(f"{job_id}:{attempt}".encode()).digest()
+    return 20000 + int.from_bytes(digest[:4], "big") % 30000
+
+
+def launches(job: JobRecord, nodes: dict[str, NodeRecord]) -> list[agent_pb2.LaunchReplica]:
+    master = nodes[job.allocations[0][1]].address or "127.0.0.1"
+    world = len(job.ranks)
+    per_replica = 1 if job.procs_per_replica == 1 else job.gpus_per_replica
+    out = []
+    for replica, node, gpus in job.allocations:
+        ranks = []
+        for r in sorted(job.ranks.values(), key=lambda r: r.rank):
+            if r.replica != replica:
+                continue
+            rank_gpus = list(gpus) if job.procs_per_replica == 1 else [gpus[r.local_rank]]
+            env = dict(job.env)
+            env.update(
+                RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(per_replica), NODE_RANK=str(replica), MASTER_ADDR=master,
+                MASTER_PORT=str(master_port(job.id, job.attempt)),
+                CUDA_VISIBLE_DEVICES=",".join(str(g) for g in rank_gpus), PHALANX_JOB_ID=job.id,
+                PHALANX_ATTEMPT=str(job.attempt), PHALANX_REPLICA=str(replica), PHALANX_NODE=node,
+                PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
+            )
+            ranks.append(agent_pb2.RankLaunch(rank=r.rank, local_rank=r.local_rank, gpus=rank_gpus, env=env))
+        out.append(agent_pb2.LaunchReplica(job_id=job.id, attempt=job.attempt, replica=replica,
+                                           command=job.command, ranks=ranks))
+    return out
+
+
+def run_cycle(cycle: Cycle, commands: list[Command]) -> list[Any]:
+    """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each."""
+    results: list[Any] = [None] * len(commands)
+    submits = [(i, c) for i, c in enumerate(commands) if isinstance(c, Submit)]
+    if submits:
+        for (i, _), value in zip(submits, submit_all(cycle, [c for _, c in submits]).values(), strict=True):
+            results[i] = value
+    from services.common.errors import ServiceError
+
+    for i, command in enumerate(commands):
+        if isinstance(command, Submit):
+            continue
+        try:
+            results[i] = command.execute(cycle)
+        except ServiceError as exc:
+            results[i] = exc
+    fire_timers(cycle)
+    schedule(cycle)
+    if cycle.heartbeats:
+        ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
+    if cycle.changed or cycle.woken_nodes:
+        ledger.notify(cycle.conn, {"replica": cycle.settings.replica_id, "nodes": sorted(cycle.woken_nodes),
+                                   "jobs": sorted(cycle.changed)})
+    return results
+
+
+def node_capacity(node: NodeRecord) -> NodeCapacity:
+    return NodeCapacity(node.name, node.gpus, set(range(node.gpus)), node.schedulable, node.path)

@@ -1,0 +1,285 @@
+"""SQL over the ledger for the scheduler: loading the view, and the writes each transition makes.
+
+Every function takes an open Connection inside the caller's transaction and never commits: the scheduling cycle
+groups a whole batch of decisions into one durable commit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, insert, select, text, update
+
+from db.models import Allocation, Assignment, Gpu, Job, Node, Rank
+
+from .state import JobRecord, NodeRecord, RankRecord, SchedulerState
+
+NOTIFY_CHANNEL = "phalanx_events"
+
+
+def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
+    """Replace the in-memory view with what the ledger holds now."""
+    state.nodes.clear()
+    state.jobs.clear()
+    gpu_ids: dict[int, dict[int, int]] = {}
+    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index)):
+        gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
+    names: dict[int, str] = {}
+    for n in conn.execute(select(*Node.__table__.c)).mappings():
+        names[n["id"]] = n["name"]
+        path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
+        state.nodes[n["name"]] = NodeRecord(
+            id=n["id"], name=n["name"], state=n["state"], gpus=n["gpus"], gpu_ids=gpu_ids.get(n["id"], {}),
+            path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
+            persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"],
+        )
+    for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
+        state.jobs[j["id"]] = job_from_row(j)
+    running = [j.id for j in state.jobs.values() if j.state == "RUNNING"]
+    for chunk in _chunks(running, 500):
+        rows = conn.execute(
+            select(Allocation.job_id, Allocation.replica, Allocation.node_id, Allocation.gpu_index)
+            .join(Job, and_(Job.id == Allocation.job_id, Job.attempt == Allocation.attempt))
+            .where(Allocation.job_id.in_(chunk))
+            .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index)
+        )
+        for job_id, allocs in _group_allocations(rows, names).items():
+            state.jobs[job_id].allocations = allocs
+        ranks = conn.execute(
+            select(*Rank.__table__.c).join(Job, and_(Job.id == Rank.job_id, Job.attempt == Rank.attempt)).where(Rank.job_id.in_(chunk))
+        ).mappings()
+        for r in ranks:
+            state.jobs[r["job_id"]].ranks[r["rank"]] = RankRecord(
+                r["rank"], r["replica"], r["local_rank"], names[r["node_id"]], r["state"], r["exit_code"]
+            )
+    state.rebuild_capacity()
+
+
+def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def _group_allocations(rows, names: dict[int, str]) -> dict[str, list[tuple[int, str, tuple[int, ...]]]]:
+    grouped: dict[str, dict[int, tuple[str, list[int]]]] = {}
+    for job_id, replica, node_id, gpu_index in rows:
+        grouped.setdefault(job_id, {}).setdefault(replica, (names[node_id], []))[1].append(gpu_index)
+    return {
+        job_id: [(rep, node, tuple(gpus)) for rep, (node, gpus) in sorted(reps.items())]
+        for job_id, reps in grouped.items()
+    }
+
+
+def job_from_row(j) -> JobRecord:
+    return JobRecord(
+        id=j["id"], name=j["name"], state=j["state"], priority=j["priority"], replicas=j["replicas"],
+        gpus_per_replica=j["gpus_per_replica"], procs_per_replica=j["procs_per_replica"], command=list(j["command"]),
+        env=dict(j["env"] or {}), submitted_at=j["submitted_at"], request_id=j["request_id"], attempt=j["attempt"],
+        message=j["message"], exit_code=j["exit_code"], placement=dict(j["placement"] or {}),
+        started_at=j["started_at"], finished_at=j["finished_at"], version=j["version"],
+    )
+
+
+def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
+    conn.execute(
+        insert(Job),
+        [
+            dict(
+                id=j.id, request_id=j.request_id, name=j.name, state=j.state, priority=j.priority,
+                replicas=j.replicas, gpus_per_replica=j.gpus_per_replica, procs_per_replica=j.procs_per_replica,
+                command=j.command, env=j.env, attempt=j.attempt, message=j.message, exit_code=0, placement={},
+                submitted_at=j.submitted_at, started_at=0.0, finished_at=0.0, version=0,
+            )
+            for j in jobs
+        ],
+    )
+
+
+def find_by_request_ids(conn: Connection, request_ids: Sequence[str]) -> dict[str, str]:
+    if not request_ids:
+        return {}
+    rows = conn.execute(select(Job.request_id, Job.id).where(Job.request_id.in_(request_ids)))
+    return {r.request_id: r.id for r in rows}
+
+
+def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
+    """Compare-and-set on the job's version. Returns False (and changes nothing) when another writer got there."""
+    result = conn.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.version == job.version)
+        .values(version=job.version + 1, **changes)
+    )
+    if result.rowcount != 1:
+        return False
+    job.version += 1
+    for key, value in changes.items():
+        setattr(job, key, value)
+    return True
+
+
+def insert_allocations(conn: Connection, job: JobRecord, nodes: dict[str, NodeRecord], now: float) -> None:
+    conn.execute(
+        insert(Allocation),
+        [
+            dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=nodes[node].id,
+                 gpu_id=nodes[node].gpu_ids[g], gpu_index=g, reserved_at=now, released_at=None)
+            for replica, node, gpus in job.allocations
+            for g in gpus
+        ],
+    )
+
+
+def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
+    conn.execute(
+        update(Allocation)
+        .where(Allocation.job_id == job.id, Allocation.attempt == job.attempt, Allocation.released_at.is_(None))
+        .values(released_at=now)
+    )
+
+
+def insert_ranks(conn: Connection, job: JobRecord, nodes: dict[str, NodeRecord], now: float) -> None:
+    conn.execute(
+        insert(Rank),
+        [
+            dict(job_id=job.id, attempt=job.attempt, rank=r.rank, replica=r.replica, local_rank=r.local_rank,
+                 node_id=nodes[r.node].id, state=r.state, exit_code=0, pid=0, message="", updated_at=now)
+            for r in job.ranks.values()
+        ],
+    )
+
+
+def update_rank(conn: Connection, job_id: str, attempt: int, rank: int, node_id: int, **values: Any) -> int:
+    return conn.execute(
+        update(Rank)
+        .where(Rank.job_id == job_id, Rank.attempt == attempt, Rank.rank == rank, Rank.node_id == node_id)
+        .values(**values)
+    ).rowcount
+
+
+def append_assignment(conn: Connection, node: NodeRecord, job_id: str, attempt: int, kind: str, build, now: float) -> int:
+    """Bump the node's revision (row lock: revisions commit in order) and store the assignment under it.
+
+    `build(revision)` returns the serialized phalanx.v1.Assignment.
+    """
+    revision = conn.execute(
+        update(Node).where(Node.id == node.id).values(revision=Node.revision + 1).returning(Node.revision)
+    ).scalar_one()
+    conn.execute(
+        insert(Assignment).values(
+            node_id=node.id, revision=revision, job_id=job_id, attempt=attempt, kind=kind,
+            payload=build(revision), created_at=now,
+        )
+    )
+    return revision
+
+
+def assignments_after(conn: Connection, node_name: str, after: int, limit: int = 500) -> list[tuple[int, bytes]]:
+    rows = conn.execute(
+        select(Assignment.revision, Assignment.payload)
+        .join(Node, Node.id == Assignment.node_id)
+        .where(Node.name == node_name, Assignment.revision > after)
+        .order_by(Assignment.revision)
+        .limit(limit)
+    )
+    return [(r.revision, bytes(r.payload)) for r in rows]
+
+
+def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topology: dict[str, Any], address: str,
+                agent_instance: str, profile: str, gpu_model: str, fabric_path: Sequence[str], now: float) -> tuple[int, int]:
+    """Insert or refresh a node and its GPU rows; the node becomes READY. Returns (node id, acked revision)."""
+    row = conn.execute(select(Node.id, Node.acked_revision).where(Node.name == name)).first()
+    values = dict(state="READY", message="", gpus=len(gpus), gpu_model=gpu_model, profile=profile, address=address,
+                  topology=topology, fabric_path=list(fabric_path), agent_instance=agent_instance, last_heartbeat=now)
+    if row is None:
+        node_id = conn.execute(
+            insert(Node).values(name=name, registered_at=now, revision=0, acked_revision=0, **values).returning(Node.id)
+        ).scalar_one()
+        acked = 0
+    else:
+        node_id, acked = row
+        conn.execute(update(Node).where(Node.id == node_id).values(**values))
+    known = {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
+    for g in gpus:
+        if g["index"] in known:
+            conn.execute(update(Gpu).where(Gpu.id == known[g["index"]]).values(
+                uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"]))
+        else:
+            conn.execute(insert(Gpu).values(node_id=node_id, index=g["index"], uuid=g["uuid"], name=g["name"],
+                                            memory_mib=g["memory_mib"]))
+    return node_id, acked
+
+
+def gpu_ids(conn: Connection, node_id: int) -> dict[int, int]:
+    return {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
+
+
+def set_node_state(conn: Connection, node_id: int, state: str, message: str, *, only_if_heartbeat_before: float | None = None) -> bool:
+    stmt = update(Node).where(Node.id == node_id)
+    if only_if_heartbeat_before is not None:
+        stmt = stmt.where(Node.last_heartbeat < only_if_heartbeat_before, Node.state != state)
+    return conn.execute(stmt.values(state=state, message=message)).rowcount == 1
+
+
+def persist_heartbeats(conn: Connection, beats: dict[int, float]) -> None:
+    for node_id, ts in beats.items():
+        conn.execute(update(Node).where(Node.id == node_id, Node.last_heartbeat < ts).values(last_heartbeat=ts))
+
+
+def set_acked(conn: Connection, node_id: int, revision: int) -> None:
+    conn.execute(update(Node).where(Node.id == node_id, Node.acked_revision < revision).values(acked_revision=revision))
+
+
+def notify(conn: Connection, payload: dict[str, Any]) -> None:
+    """Wake other replicas (PostgreSQL only): delivered at commit, never for a rolled-back cycle."""
+    if conn.dialect.name != "postgresql":
+        return
+    body = json.dumps(payload, separators=(",", ":"))
+    if len(body) > 7000:
+        body = json.dumps({"replica": payload.get("replica"), "all": True})
+    conn.execute(text("SELECT pg_notify(:c, :p)"), {"c": NOTIFY_CHANNEL, "p": body})
+
+
+# ---- reads (the API's consistent snapshots) --------------------------------------------------------------------
+
+def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states: Sequence[str] = (),
+              limit: int = 0) -> list[tuple[Any, list[tuple[int, str, list[int]]]]]:
+    """Jobs with the allocations of their current (or last) attempt, newest first, from one statement."""
+    stmt = (
+        select(*Job.__table__.c, Allocation.replica.label("a_replica"), Node.name.label("a_node"),
+               Allocation.gpu_index.label("a_gpu"))
+        .outerjoin(Allocation, and_(Allocation.job_id == Job.id, Allocation.attempt == Job.attempt))
+        .outerjoin(Node, Node.id == Allocation.node_id)
+        .order_by(Job.submitted_at.desc(), Job.id.desc(), Allocation.replica, Allocation.gpu_index)
+    )
+    if job_ids is not None:
+        stmt = stmt.where(Job.id.in_(list(job_ids)))
+    if states:
+        stmt = stmt.where(Job.state.in_(list(states)))
+    if limit:
+        newest = select(Job.id).order_by(Job.submitted_at.desc(), Job.id.desc()).limit(limit)
+        if states:
+            newest = newest.where(Job.state.in_(list(states)))
+        stmt = stmt.where(Job.id.in_(newest.scalar_subquery()))
+    out: dict[str, tuple[Any, dict[int, tuple[str, list[int]]]]] = {}
+    for row in conn.execute(stmt).mappings():
+        entry = out.setdefault(row["id"], (row, {}))
+        if row["a_replica"] is not None:
+            entry[1].setdefault(row["a_replica"], (row["a_node"], []))[1].append(row["a_gpu"])
+    return [(job, [(rep, node, gpus) for rep, (node, gpus) in sorted(allocs.items())]) for job, allocs in out.values()]
+
+
+def read_nodes(conn: Connection) -> list[tuple[Any, int]]:
+    used = (
+        select(Allocation.node_id, func.count().label("used"))
+        .where(Allocation.released_at.is_(None))
+        .group_by(Allocation.node_id)
+        .subquery()
+    )
+    rows = conn.execute(
+        select(*Node.__table__.c, func.coalesce(used.c.used, 0).label("used_gpus"))
+        .outerjoin(used, used.c.node_id == Node.id)
+        .order_by(Node.name)
+    ).mappings()
+    return [(r, int(r["used_gpus"])) for r in rows]

@@ -1,0 +1,286 @@
+"""The scheduler replica: an inbox of commands, one writer thread running cycles, and the fan-out after commit.
+
+Event-driven: a submit, a release or an agent report wakes the loop at once; it drains everything queued since
+its last cycle into one transaction (group commit). After the commit it answers callers, pushes job events to
+watchers and wakes the assignment streams of the nodes that got work. Other replicas learn of the change through
+PostgreSQL LISTEN/NOTIFY (sent inside the transaction, so only committed work is announced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from db.engine import is_sqlite, make_engine
+from phalanx.api.v1 import common_pb2
+from services.common import metrics
+from services.common.errors import ServiceError, Unavailable
+
+from . import ledger
+from .convert import job_from_row, node_from_row
+from .cycle import Command, Cycle, reload_state, run_cycle
+from .settings import SchedulerSettings
+from .state import SchedulerState
+
+log = structlog.get_logger()
+
+
+class SchedulerService:
+    def __init__(self, settings: SchedulerSettings) -> None:
+        if not settings.replica_id:
+            settings = type(settings)(**{**settings.__dict__, "replica_id": uuid.uuid4().hex[:8]})
+        self.settings = settings
+        self.engine: Engine = make_engine(settings.db_url, pool_size=12)
+        self.state = SchedulerState()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
+        self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
+        self._inbox: list[tuple[Command, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._resync = True
+        self._initial = True
+        self._last_sync = 0.0
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self._listener: threading.Thread | None = None
+        self._watchers: set[tuple[frozenset[str] | None, asyncio.Queue]] = set()
+        self._node_waiters: dict[str, set[asyncio.Event]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._loop.run_in_executor(self._writer, self._cycle_once, [])
+        self._task = asyncio.create_task(self._run(), name="scheduler-loop")
+        if not is_sqlite(self.engine):
+            self._listener = threading.Thread(target=self._listen, name="pg-listener", daemon=True)
+            self._listener.start()
+        log.info("scheduler_started", replica=self.settings.replica_id, nodes=len(self.state.nodes),
+                 active_jobs=len(self.state.jobs))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        for _, fut in self._inbox:
+            if not fut.done():
+                fut.set_exception(Unavailable("the scheduler is shutting down"))
+        for events in self._node_waiters.values():
+            for ev in events:
+                ev.set()
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=False)
+        self.engine.dispose()
+
+    # ---- commands ------------------------------------------------------------------------------------------------
+
+    async def execute(self, command: Command) -> Any:
+        """Queue a command for the next cycle and wait until its transaction committed."""
+        if self._stopping:
+            raise Unavailable("the scheduler is shutting down")
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.append((command, fut))
+        self._wake.set()
+        result = await fut
+        if isinstance(result, ServiceError):
+            raise result
+        return result
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self._next_timeout())
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if self._stopping:
+                break
+            batch, self._inbox = self._inbox, []
+            commands = [c for c, _ in batch]
+            try:
+                results, outcome = await loop.run_in_executor(self._writer, self._cycle_once, commands)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                log.error("cycle_failed", error=str(exc)[:500])
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(Unavailable(f"the ledger is unavailable: {str(exc)[:200]}"))
+                await asyncio.sleep(0.2)
+                continue
+            for (_, fut), result in zip(batch, results, strict=True):
+                if not fut.done():
+                    fut.set_result(result)
+            if outcome is not None:
+                self._after_commit(outcome)
+
+    def _next_timeout(self) -> float:
+        return 0.25
+
+    def _cycle_once(self, commands: list[Command]) -> tuple[list[Any], Cycle | None]:
+        """Runs in the writer thread. One transaction; on failure, reload and retry commands one by one."""
+        now = time.time()
+        periodic = now - self._last_sync >= (self.settings.poll_interval if is_sqlite(self.engine) else 5.0)
+        if not commands and not self._resync and not periodic and not self._timers_due(now):
+            return [], None
+        try:
+            return self._transaction(commands, now, resync=self._resync or periodic)
+        except (DBAPIError, OperationalError) as exc:
+            log.warning("cycle_rolled_back", error=str(exc.orig if hasattr(exc, "orig") else exc)[:300],
+                        commands=len(commands))
+            self._resync = True
+            if len(commands) <= 1:
+                if not commands:
+                    raise
+                return [Unavailable(f"the ledger refused the change: {str(exc)[:200]}")], None
+        results: list[Any] = []
+        merged: Cycle | None = None
+        for command in commands:
+            try:
+                (result,), cycle = self._transaction([command], time.time(), resync=True)
+                merged = _merge(merged, cycle)
+                results.append(result)
+            except (DBAPIError, OperationalError) as exc:
+                self._resync = True
+                results.append(Unavailable(f"the ledger refused the change: {str(exc)[:200]}"))
+        return results, merged
+
+    def _transaction(self, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
+        with self.engine.begin() as conn:
+            cycle = Cycle(conn, self.state, self.settings, now)
+            if resync:
+                reload_state(conn, self.state, self.settings, now, initial=self._initial)
+                self._last_sync = now
+            results = run_cycle(cycle, commands)
+        self._initial = False
+        self._resync = cycle.resync_after
+        return results, cycle
+
+    def _timers_due(self, now: float) -> bool:
+        s = self.settings
+        if any(n.state == "READY" and now - n.last_heartbeat > s.lease_timeout for n in self.state.nodes.values()):
+            return True
+        return any(j.launch_deadline is not None and now > j.launch_deadline for j in self.state.jobs.values())
+
+    def _after_commit(self, cycle: Cycle) -> None:
+        for job, latency in cycle.reserved:
+            metrics.RESERVATIONS.inc()
+            metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
+            log.info("gang_reserved", job=job.id, name=job.name, attempt=job.attempt, nodes=job.nodes,
+                     tier=job.placement.get("tier"), latency_ms=round(latency * 1000, 2))
+        metrics.QUEUE_DEPTH.set(len(self.state.pending()))
+        free = self.state.capacity.free_gpus()
+        metrics.GPUS_FREE.set(free)
+        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in self.state.jobs.values() if j.state == "RUNNING"
+                                       for _, _, g in j.allocations))
+        for job in cycle.changed.values():
+            self._publish(job)
+        for name in cycle.woken_nodes:
+            self.wake_node(name)
+
+    # ---- fan-out -------------------------------------------------------------------------------------------------
+
+    def _publish(self, job: common_pb2.Job) -> None:
+        for ids, queue in list(self._watchers):
+            if ids is None or job.id in ids:
+                queue.put_nowait(job)
+
+    def subscribe(self, job_ids: frozenset[str] | None) -> tuple[frozenset[str] | None, asyncio.Queue]:
+        entry = (job_ids, asyncio.Queue())
+        self._watchers.add(entry)
+        return entry
+
+    def unsubscribe(self, entry) -> None:
+        self._watchers.discard(entry)
+
+    def node_waiter(self, name: str) -> asyncio.Event:
+        ev = asyncio.Event()
+        self._node_waiters.setdefault(name, set()).add(ev)
+        return ev
+
+    def drop_node_waiter(self, name: str, ev: asyncio.Event) -> None:
+        self._node_waiters.get(name, set()).discard(ev)
+
+    def wake_node(self, name: str) -> None:
+        for ev in self._node_waiters.get(name, ()):
+            ev.set()
+
+    # ---- cross-replica notifications (PostgreSQL) ----------------------------------------------------------------
+
+    def _listen(self) -> None:
+        import psycopg
+
+        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        while not self._stopping:
+            try:
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {ledger.NOTIFY_CHANNEL}")
+                    while not self._stopping:
+                        for note in conn.notifies(timeout=1.0):
+                            self._loop.call_soon_threadsafe(self._on_remote_change, note.payload)
+            except Exception as exc:  # noqa: BLE001 - keep listening across outages
+                if not self._stopping:
+                    log.warning("listen_reconnect", error=str(exc)[:200])
+                    time.sleep(1.0)
+
+    def _on_remote_change(self, payload: str) -> None:
+        try:
+            body = json.loads(payload)
+        except ValueError:
+            return
+        if body.get("replica") == self.settings.replica_id:
+            return
+        self._resync = True
+        self._wake.set()
+        nodes = list(self._node_waiters) if body.get("all") else body.get("nodes", [])
+        for name in nodes:
+            self.wake_node(name)
+        jobs = body.get("jobs", [])
+        if jobs and self._watchers:
+            asyncio.ensure_future(self._publish_from_ledger(jobs))
+
+    async def _publish_from_ledger(self, job_ids: list[str]) -> None:
+        for job in await self.read_jobs(job_ids=job_ids):
+            self._publish(job)
+
+    # ---- reads (consistent snapshots straight from the ledger) ---------------------------------------------------
+
+    async def read(self, fn, *args, **kwargs):
+        def run():
+            with self.engine.connect().execution_options(readonly=True) as conn:
+                with conn.begin():
+                    return fn(conn, *args, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._readers, run)
+
+    async def read_jobs(self, **filters) -> list[common_pb2.Job]:
+        rows = await self.read(ledger.read_jobs, **filters)
+        return [job_from_row(j, allocs) for j, allocs in rows]
+
+    async def read_nodes(self) -> list[common_pb2.Node]:
+        return [node_from_row(n, used) for n, used in await self.read(ledger.read_nodes)]
+
+    async def assignments_after(self, node: str, after: int) -> list[tuple[int, bytes]]:
+        return await self.read(ledger.assignments_after, node, after)
+
+
+def _merge(a: Cycle | None, b: Cycle) -> Cycle:
+    if a is None:
+        return b
+    a.changed.update(b.changed)
+    a.woken_nodes |= b.woken_nodes
+    a.reserved += b.reserved
+    return a

@@ -1,0 +1,214 @@
+"""gRPC servicers: thin adapters that validate requests, run commands through the service, and convert."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from google.protobuf.json_format import MessageToDict
+
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.rpc import stream, unary
+
+from .convert import JOB_STATE_NAMES, NODE_STATES, RANK_STATE_NAMES
+from .cycle import Ack, Cancel, Heartbeat, RankReport, Register, Submit
+from .service import SchedulerService
+
+MAX_NAME = 253
+MAX_COMMAND_ARGS = 4096
+MAX_COMMAND_BYTES = 256 * 1024
+MAX_REPLICAS = 100_000
+MAX_GPUS_PER_REPLICA = 1024
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB_ID = re.compile(r"^[0-9a-f]{12}$")
+
+
+def validate_spec(spec: common_pb2.JobSpec) -> None:
+    """Raise InvalidArgument with a message a person understands; nothing has been written yet."""
+    problems = []
+    if not spec.name.strip():
+        problems.append("name must not be empty")
+    elif len(spec.name) > MAX_NAME:
+        problems.append(f"name is {len(spec.name)} characters; at most {MAX_NAME}")
+    elif "\x00" in spec.name:
+        problems.append("name must not contain NUL characters")
+    if spec.replicas < 1:
+        problems.append(f"replicas must be at least 1, got {spec.replicas}")
+    elif spec.replicas > MAX_REPLICAS:
+        problems.append(f"replicas must be at most {MAX_REPLICAS}, got {spec.replicas}")
+    if spec.gpus_per_replica < 1:
+        problems.append(f"gpus_per_replica must be at least 1, got {spec.gpus_per_replica}")
+    elif spec.gpus_per_replica > MAX_GPUS_PER_REPLICA:
+        problems.append(f"gpus_per_replica must be at most {MAX_GPUS_PER_REPLICA}, got {spec.gpus_per_replica}")
+    if spec.procs_per_replica < 0:
+        problems.append(f"procs_per_replica must be 0 (one per GPU) or 1, got {spec.procs_per_replica}")
+    elif spec.procs_per_replica > 1 and spec.procs_per_replica != spec.gpus_per_replica:
+        problems.append(
+            f"procs_per_replica must be 0 or 1 (or equal gpus_per_replica), got {spec.procs_per_replica}"
+        )
+    if not spec.command or not spec.command[0].strip():
+        problems.append("command must not be empty")
+    elif len(spec.command) > MAX_COMMAND_ARGS or sum(len(a) for a in spec.command) > MAX_COMMAND_BYTES:
+        problems.append("command is too long")
+    elif any("\x00" in a for a in spec.command):
+        problems.append("command arguments must not contain NUL characters")
+    for key, value in spec.env.items():
+        if not _ENV_KEY.match(key):
+            problems.append(f"env name {key!r} is not a valid variable name")
+            break
+        if "\x00" in value:
+            problems.append(f"env {key} must not contain NUL characters")
+            break
+    if problems:
+        raise InvalidArgument("invalid job: " + "; ".join(problems))
+
+
+def check_job_id(job_id: str) -> str:
+    """Any malformed id is simply an id no job has: NOT_FOUND, like an unknown well-formed one."""
+    if not _JOB_ID.match(job_id or ""):
+        raise NotFound(f"no job with id {job_id[:80]!r}")
+    return job_id
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    async def _job(self, result) -> common_pb2.Job:
+        if isinstance(result, tuple):  # ("read", id): finished or created elsewhere; the ledger has it
+            jobs = await self.service.read_jobs(job_ids=[result[1]])
+            if not jobs:
+                raise NotFound(f"no job with id {result[1]!r}")
+            return jobs[0]
+        return result
+
+    @unary
+    async def SubmitJob(self, request, context):
+        validate_spec(request.spec)
+        if len(request.request_id) > 128:
+            raise InvalidArgument("request_id must be at most 128 characters")
+        return await self._job(await self.service.execute(Submit(request.spec, request.request_id)))
+
+    @unary
+    async def GetJob(self, request, context):
+        jobs = await self.service.read_jobs(job_ids=[check_job_id(request.job_id)])
+        if not jobs:
+            raise NotFound(f"no job with id {request.job_id!r}")
+        return jobs[0]
+
+    @unary
+    async def ListJobs(self, request, context):
+        states = []
+        for s in request.states:
+            if s not in JOB_STATE_NAMES:
+                raise InvalidArgument(f"unknown job state {s}")
+            states.append(JOB_STATE_NAMES[s])
+        if request.limit < 0:
+            raise InvalidArgument(f"limit must not be negative, got {request.limit}")
+        return scheduler_pb2.ListJobsResponse(jobs=await self.service.read_jobs(states=states, limit=request.limit))
+
+    @unary
+    async def CancelJob(self, request, context):
+        return await self._job(await self.service.execute(Cancel(check_job_id(request.job_id))))
+
+    @stream
+    async def WatchJobs(self, request, context):
+        ids = frozenset(request.job_ids) if request.job_ids else None
+        if ids is not None:
+            for job_id in ids:
+                check_job_id(job_id)
+        entry = self.service.subscribe(ids)
+        try:
+            current = await self.service.read_jobs(job_ids=sorted(ids)) if ids is not None else []
+            if ids is not None and len(current) != len(ids):
+                missing = sorted(ids - {j.id for j in current})
+                raise NotFound(f"no job with id {missing[0]!r}")
+            for job in current:
+                yield scheduler_pb2.JobEvent(job=job)
+            queue = entry[1]
+            while True:
+                job = await queue.get()
+                yield scheduler_pb2.JobEvent(job=job)
+        finally:
+            self.service.unsubscribe(entry)
+
+    @unary
+    async def ListNodes(self, request, context):
+        return scheduler_pb2.ListNodesResponse(nodes=await self.service.read_nodes())
+
+
+class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+
+    @unary
+    async def RegisterNode(self, request, context):
+        name = request.node_name
+        if not name or len(name) > MAX_NAME or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name):
+            raise InvalidArgument(f"node name {name[:80]!r} must be 1-253 letters, digits, '.', '_' or '-'")
+        gpus = request.topology.gpus
+        indices = [g.index for g in gpus]
+        if sorted(indices) != list(range(len(indices))):
+            raise InvalidArgument(f"GPU indices must be 0..{len(indices) - 1}, got {sorted(indices)}")
+        topology = MessageToDict(request.topology, preserving_proto_field_name=True)
+        acked = await self.service.execute(
+            Register(name, request.topology, topology, request.address or "127.0.0.1", request.agent_instance)
+        )
+        s = self.service.settings
+        return agent_pb2.RegisterNodeResponse(
+            heartbeat_interval_ms=int(s.heartbeat_interval * 1000), lease_timeout_ms=int(s.lease_timeout * 1000),
+            acked_revision=acked,
+        )
+
+    @unary
+    async def Heartbeat(self, request, context):
+        state, reregister = await self.service.execute(Heartbeat(request.node_name, request.agent_instance))
+        return agent_pb2.HeartbeatResponse(
+            state=NODE_STATES.get(state, common_pb2.NODE_STATE_UNSPECIFIED), reregister=reregister
+        )
+
+    @stream
+    async def StreamAssignments(self, request, context):
+        name = request.node_name
+        if name not in self.service.state.nodes:
+            nodes = {n.name for n in await self.service.read_nodes()}
+            if name not in nodes:
+                raise FailedPrecondition(f"node {name[:80]!r} is not registered; call RegisterNode first")
+        waiter = self.service.node_waiter(name)
+        last = request.after_revision
+        try:
+            while True:
+                waiter.clear()
+                for revision, payload in await self.service.assignments_after(name, last):
+                    assignment = agent_pb2.Assignment.FromString(payload)
+                    last = revision
+                    yield assignment
+                try:
+                    await asyncio.wait_for(waiter.wait(), timeout=2.0)
+                except TimeoutError:
+                    pass
+                if self.service._stopping:
+                    return
+        finally:
+            self.service.drop_node_waiter(name, waiter)
+
+    @unary
+    async def AckAssignments(self, request, context):
+        if request.revision < 0:
+            raise InvalidArgument("revision must not be negative")
+        await self.service.execute(Ack(request.node_name, request.revision))
+        return agent_pb2.AckAssignmentsResponse()
+
+    @unary
+    async def ReportRankStatus(self, request, context):
+        state = RANK_STATE_NAMES.get(request.state)
+        if state is None or state == "ASSIGNED":
+            raise InvalidArgument(f"rank state {request.state} cannot be reported")
+        if request.rank < 0 or request.attempt < 1:
+            raise InvalidArgument("rank must be >= 0 and attempt >= 1")
+        stale = await self.service.execute(RankReport(
+            request.node_name, request.job_id, request.attempt, request.rank, state, request.exit_code,
+            request.message[:2000], request.pid,
+        ))
+        return agent_pb2.ReportRankStatusResponse(stale=stale)

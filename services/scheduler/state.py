@@ -1,0 +1,105 @@
+"""The scheduler replica's in-memory view of the ledger: active jobs, nodes, and free capacity.
+
+It is a cache. The ledger is the truth: a cycle that fails to commit, or a change made by another replica,
+triggers a full reload (`ledger.load_state`). Only the scheduling cycle (one thread at a time) touches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.model import GangRequest, NodeCapacity
+
+TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    replica: int
+    local_rank: int
+    node: str
+    state: str = "ASSIGNED"
+    exit_code: int = 0
+
+
+@dataclass
+class JobRecord:
+    id: str
+    name: str
+    state: str
+    priority: int
+    replicas: int
+    gpus_per_replica: int
+    procs_per_replica: int
+    command: list[str]
+    env: dict[str, str]
+    submitted_at: float
+    request_id: str | None = None
+    attempt: int = 0
+    message: str = ""
+    exit_code: int = 0
+    placement: dict[str, Any] = field(default_factory=dict)
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    version: int = 0
+    # (replica, node, gpu indices) of the current (or last) attempt
+    allocations: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
+    ranks: dict[int, RankRecord] = field(default_factory=dict)
+    launch_deadline: float | None = None
+
+    def request(self) -> GangRequest:
+        return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(node for _, node, _ in self.allocations))
+
+
+@dataclass
+class NodeRecord:
+    id: int
+    name: str
+    state: str
+    gpus: int
+    gpu_ids: dict[int, int]  # GPU index -> gpus.id
+    path: tuple[str, ...] = ()
+    address: str = ""
+    last_heartbeat: float = 0.0
+    persisted_heartbeat: float = 0.0
+    agent_instance: str = ""
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == "READY"
+
+
+class SchedulerState:
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobRecord] = {}  # PENDING and RUNNING jobs only
+        self.nodes: dict[str, NodeRecord] = {}
+        self.capacity = ClusterCapacity()
+
+    def rebuild_capacity(self) -> None:
+        self.capacity = ClusterCapacity(
+            NodeCapacity(n.name, n.gpus, set(range(n.gpus)), n.schedulable, n.path) for n in self.nodes.values()
+        )
+        for job in self.jobs.values():
+            if job.state == "RUNNING":
+                for _, node, gpus in job.allocations:
+                    if node in self.capacity.nodes:
+                        self.capacity.nodes[node].free -= set(gpus)
+
+    def set_node_schedulable(self, name: str) -> None:
+        node = self.nodes[name]
+        cap = self.capacity.nodes.get(name)
+        if cap is not None:
+            cap.schedulable = node.schedulable
+
+    def pending(self) -> list[JobRecord]:
+        return [j for j in self.jobs.values() if j.state == "PENDING"]
+
+    def running_on(self, node: str) -> list[JobRecord]:
+        return [j for j in self.jobs.values() if j.state == "RUNNING" and node in j.nodes]
