@@ -179,5 +179,18 @@ class CheckpointShard(Base):
     checksum: Mapped[str] = mapped_column(String(128), default="")
 
 
+class LedgerClock(Base):
+    """One row whose generation every scheduling transaction bumps when it writes.
+
+    A replica that finds a generation other than the one it last wrote knows another process changed the ledger
+    and reloads its view before deciding anything.
+    """
+
+    __tablename__ = "ledger_clock"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
 TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")

@@ -75,9 +75,10 @@ def sqlite_template(tmp_path_factory) -> Path:
 
 def _truncate_pg(url: str) -> None:
     engine = create_engine(url)
-    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables)
+    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables if t.name != "ledger_clock")
     with engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+        conn.execute(text("UPDATE ledger_clock SET generation = 0"))
     engine.dispose()
 
 

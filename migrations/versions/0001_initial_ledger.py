@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 02:25:35.968784
+Create Date: 2026-11-30
 """
 
 from alembic import op
@@ -16,6 +16,12 @@ depends_on = None
 
 
 def upgrade() -> None:
+    clock = op.create_table('ledger_clock',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('generation', sa.BigInteger(), nullable=False),
+    sa.PrimaryKeyConstraint('id', name=op.f('pk_ledger_clock'))
+    )
+    op.bulk_insert(clock, [{'id': 1, 'generation': 0}])
     op.create_table('jobs',
     sa.Column('id', sa.String(length=32), nullable=False),
     sa.Column('request_id', sa.String(length=128), nullable=True),
@@ -165,3 +171,4 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f('ix_jobs_state_priority_submitted_at'))
 
     op.drop_table('jobs')
+    op.drop_table('ledger_clock')

@@ -12,11 +12,33 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, insert, select, text, update
 
-from db.models import Allocation, Assignment, Gpu, Job, Node, Rank
+from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, Rank
 
 from .state import JobRecord, NodeRecord, RankRecord, SchedulerState
 
 NOTIFY_CHANNEL = "phalanx_events"
+
+
+SCHEDULER_LOCK_KEY = 0x5048414C  # "PHAL"
+
+
+def begin_cycle(conn: Connection) -> int:
+    """Serialise scheduling transactions across replicas and return the ledger generation.
+
+    On PostgreSQL a transaction-scoped advisory lock makes cycles of different replicas take turns (so their row
+    locks can never deadlock); SQLite's BEGIN IMMEDIATE already does. The generation tells whether anyone else
+    wrote since this replica's last cycle.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": SCHEDULER_LOCK_KEY})
+    return conn.execute(select(LedgerClock.generation).where(LedgerClock.id == 1)).scalar_one()
+
+
+def bump_generation(conn: Connection) -> int:
+    return conn.execute(
+        update(LedgerClock).where(LedgerClock.id == 1).values(generation=LedgerClock.generation + 1)
+        .returning(LedgerClock.generation)
+    ).scalar_one()
 
 
 def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:

@@ -48,6 +48,7 @@ class SchedulerService:
         self._resync = True
         self._initial = True
         self._last_sync = 0.0
+        self._generation: int | None = None
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -133,11 +134,12 @@ class SchedulerService:
     def _cycle_once(self, commands: list[Command]) -> tuple[list[Any], Cycle | None]:
         """Runs in the writer thread. One transaction; on failure, reload and retry commands one by one."""
         now = time.time()
+        # Other processes' writes are caught by the generation check; polling only bounds how late we notice them.
         periodic = now - self._last_sync >= (self.settings.poll_interval if is_sqlite(self.engine) else 5.0)
         if not commands and not self._resync and not periodic and not self._timers_due(now):
             return [], None
         try:
-            return self._transaction(commands, now, resync=self._resync or periodic)
+            return self._transaction(commands, now, resync=self._resync)
         except (DBAPIError, OperationalError) as exc:
             log.warning("cycle_rolled_back", error=str(exc.orig if hasattr(exc, "orig") else exc)[:300],
                         commands=len(commands))
@@ -161,10 +163,14 @@ class SchedulerService:
     def _transaction(self, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
         with self.engine.begin() as conn:
             cycle = Cycle(conn, self.state, self.settings, now)
-            if resync:
+            generation = ledger.begin_cycle(conn)
+            self._last_sync = now
+            if resync or generation != self._generation:
                 reload_state(conn, self.state, self.settings, now, initial=self._initial)
-                self._last_sync = now
             results = run_cycle(cycle, commands)
+            if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats:
+                generation = ledger.bump_generation(conn)
+        self._generation = generation
         self._initial = False
         self._resync = cycle.resync_after
         return results, cycle

@@ -1,0 +1,392 @@
+"""The ``phalanx`` command line: submit, list, inspect, cancel and watch jobs; list nodes; migrate the database.
+
+This is a stable contract that scripts depend on:
+
+* standard output carries only the command's result (with ``--json``: exactly one JSON document, or one JSON
+  object per line for ``watch --json``); logs and errors go to standard error;
+* exit codes: 0 success, 1 an RPC or runtime error (stderr ``error: <CODE_NAME>: <message>``), 2 a usage error
+  (bad flags, reserved flags that are not supported yet), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from phalanx import __version__
+from phalanx.client import (
+    DEFAULT_TARGET,
+    DEFAULT_TIMEOUT,
+    Client,
+    Job,
+    JobState,
+    PhalanxError,
+    RPCError,
+    UnavailableError,
+    resolve_target,
+)
+
+from . import render
+
+__all__ = ["main", "build_parser", "UsageError"]
+
+# Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
+RESERVED_SUBMIT_FLAGS = (
+    "--required-tier",
+    "--preferred-tier",
+    "--mig",
+    "--gpu-milli",
+    "--gpu-model",
+    "--time-limit",
+    "--queue",
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A command line that parses but cannot be honoured; exits with code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that prints ``error: ...`` in the CLI's format (still exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"error: {message}\n")
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def _out() -> TextIO:
+    return sys.stdout
+
+
+def _print(text: str) -> None:
+    out = _out()
+    out.write(text)
+    if not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.scheduler, timeout=args.timeout)
+
+
+def _parse_env(pairs: Sequence[str] | None) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env expects KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def _parse_states(values: Sequence[str] | None) -> list[JobState]:
+    states: list[JobState] = []
+    for value in values or ():
+        for part in value.split(","):
+            if part.strip():
+                try:
+                    states.append(JobState.parse(part))
+                except ValueError as exc:
+                    raise UsageError(str(exc)) from None
+    return states
+
+
+def _show_job(job: Job, as_json: bool) -> None:
+    _print(render.to_json(job.to_dict()) if as_json else render.job_detail(job))
+
+
+# -- commands --------------------------------------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """``phalanx submit``: submit a job and print it (rejects the reserved flags with exit code 2)."""
+    for flag in RESERVED_SUBMIT_FLAGS:
+        if getattr(args, flag.lstrip("-").replace("-", "_"), None) is not None:
+            raise UsageError(f"{flag} is not supported yet")
+    command = list(args.command or [])
+    if not command:
+        raise UsageError("a command is required: phalanx submit ... -- CMD ARGS...")
+    env = _parse_env(args.env)
+    with _client(args) as client:
+        job = client.submit(
+            args.name,
+            args.replicas,
+            args.gpus_per_replica,
+            command,
+            priority=args.priority,
+            procs_per_replica=args.procs_per_replica,
+            env=env,
+        )
+    _show_job(job, args.json)
+    return EXIT_OK
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """``phalanx jobs``: every job, newest first; ``--json`` prints one array."""
+    states = _parse_states(args.state)
+    with _client(args) as client:
+        jobs = client.list_jobs(states or None)
+    if args.json:
+        _print(render.to_json([j.to_dict() for j in jobs]))
+    else:
+        _print(render.jobs_table(jobs))
+    return EXIT_OK
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    """``phalanx job ID``: one job."""
+    with _client(args) as client:
+        job = client.get_job(args.job_id)
+    _show_job(job, args.json)
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """``phalanx cancel ID``: cancel a job and print it."""
+    with _client(args) as client:
+        job = client.cancel(args.job_id)
+    _show_job(job, args.json)
+    return EXIT_OK
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    """``phalanx nodes``: every node; ``--json`` prints one array."""
+    with _client(args) as client:
+        nodes = client.nodes()
+    if args.json:
+        _print(render.to_json([n.to_dict() for n in nodes]))
+    else:
+        _print(render.nodes_table(nodes))
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """``phalanx watch ID...``: a line (or JSON object) per change until every job has finished."""
+    ids = list(dict.fromkeys(args.job_ids))
+
+    def emit(job: Job) -> None:
+        _print(render.to_json(job.to_dict(), lines=True) if args.json else render.watch_line(job))
+
+    with _client(args) as client:
+        last: dict[str, Job] = {}
+        for job_id in ids:  # NOT_FOUND fails fast, and every job gets a first line even if already finished
+            job = client.get_job(job_id)
+            last[job_id] = job
+            emit(job)
+        pending = {j for j, job in last.items() if not job.terminal}
+        if not pending:
+            return EXIT_OK
+        stream = client.watch(sorted(pending))
+        try:
+            for job in stream:
+                if job.id not in pending or last.get(job.id) == job:
+                    continue
+                last[job.id] = job
+                emit(job)
+                if job.terminal:
+                    pending.discard(job.id)
+                    if not pending:
+                        break
+        finally:
+            stream.close()
+    if pending:
+        raise UnavailableError(
+            f"the scheduler at {args.scheduler or resolve_target(None)} ended the watch before "
+            f"{', '.join(sorted(pending))} finished"
+        )
+    return EXIT_OK
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    """``phalanx db upgrade``: apply the migrations to ``--db`` and print the revision reached."""
+    from sqlalchemy.engine import make_url
+
+    from db import migrate
+
+    url = args.db
+    migrate.upgrade(url)
+    revision = migrate.current(url)
+    shown = make_url(url).render_as_string(hide_password=True)
+    if args.json:
+        _print(render.to_json({"db": shown, "revision": revision}))
+    else:
+        _print(f"database {shown} is at revision {revision}")
+    return EXIT_OK
+
+
+# -- parser ----------------------------------------------------------------------------------------------------
+
+
+def _default_db_url() -> str:
+    env = os.environ.get("PHALANX_DB")
+    if env:
+        return env
+    from db.engine import DEFAULT_DB_URL
+
+    return DEFAULT_DB_URL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``phalanx`` argument parser (subcommands set ``func``, which returns an exit code)."""
+    parser = _Parser(prog="phalanx", description="Phalanx GPU-cluster control plane: jobs, nodes, database.")
+    parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
+    parser.add_argument(
+        "--scheduler",
+        metavar="ADDR",
+        default=None,
+        help=f"scheduler host:port (default: $PHALANX_SCHEDULER, else {DEFAULT_TARGET})",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        help=f"deadline of each call, retries included (default: {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on standard error")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def json_flag(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("submit", help="submit a gang job", usage="phalanx submit --name NAME --replicas R "
+                       "--gpus-per-replica G [options] -- CMD ARGS...")
+    p.add_argument("--name", required=True)
+    p.add_argument("--replicas", type=int, required=True, metavar="R")
+    p.add_argument("--gpus-per-replica", type=int, required=True, metavar="G")
+    p.add_argument("--priority", type=int, default=0, metavar="P", help="higher wins (default 0)")
+    p.add_argument("--procs-per-replica", type=int, default=0, metavar="K",
+                   help="0: one process per GPU (default); 1: one per replica")
+    p.add_argument("--env", action="extend", nargs="+", metavar="K=V", help="environment for the job (repeatable)")
+    for flag in RESERVED_SUBMIT_FLAGS:
+        p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
+    json_flag(p)
+    p.add_argument("command", nargs="*", metavar="CMD", help="the command, after --")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("jobs", help="list jobs, newest first (finished ones included)")
+    p.add_argument("--state", action="extend", nargs="+", metavar="STATE",
+                   help="only these states: " + ", ".join(s.value for s in JobState if s.value != "UNSPECIFIED"))
+    json_flag(p)
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("job", help="show one job")
+    p.add_argument("job_id", metavar="ID")
+    json_flag(p)
+    p.set_defaults(func=cmd_job)
+
+    p = sub.add_parser("cancel", help="cancel a job")
+    p.add_argument("job_id", metavar="ID")
+    json_flag(p)
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("nodes", help="list nodes")
+    json_flag(p)
+    p.set_defaults(func=cmd_nodes)
+
+    p = sub.add_parser("watch", help="print a line per change of the jobs until all have finished")
+    p.add_argument("job_ids", nargs="+", metavar="ID")
+    p.add_argument("--json", action="store_true", help="one JSON job object per line")
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("db", help="database administration")
+    db_sub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    db_sub.required = True
+    up = db_sub.add_parser("upgrade", help="apply the migrations (creates a SQLite file if needed)")
+    up.add_argument("--db", default=None, metavar="URL",
+                    help="database URL (default: $PHALANX_DB, else the local SQLite file)")
+    json_flag(up)
+    up.set_defaults(func=cmd_db_upgrade)
+
+    try:
+        from . import cluster
+    except ImportError:
+        cluster = None  # type: ignore[assignment]
+    if cluster is not None:
+        cluster.register(sub)
+    return parser
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Split ``... submit ... -- CMD ARGS`` at the first ``--``, so that CMD may contain anything."""
+    if "--" not in argv:
+        return argv, None
+    idx = argv.index("--")
+    if "submit" not in argv[:idx]:
+        return argv, None
+    return argv[:idx], argv[idx + 1:]
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI.
+
+    Args:
+        argv: Arguments without the program name; defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The exit code: 0 success, 1 error, 2 usage error, 130 interrupted.
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args_list, command = _split_command(args_list)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if command is not None:
+        if getattr(args, "command", None):
+            _error("give the command after -- only")
+            return EXIT_USAGE
+        args.command = command
+    if getattr(args, "func", None) is cmd_db_upgrade and args.db is None:
+        args.db = _default_db_url()
+    if args.verbose:
+        from services.common.logging import configure_logging
+
+        configure_logging("phalanx-cli", "DEBUG").debug("cli", argv=args_list, scheduler=args.scheduler)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return int(func(args) or 0)
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except RPCError as exc:
+        _error(f"{exc.code_name}: {exc.message}")
+        return EXIT_ERROR
+    except PhalanxError as exc:
+        _error(str(exc))
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (e.g. `phalanx jobs | head`); nothing more to say.
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        except OSError:
+            pass
+        return EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001 - e.g. a database error in `db upgrade`: one line, no traceback
+        if args.verbose:
+            raise
+        _error(f"{type(exc).__name__}: {exc}")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Human-readable output of the ``phalanx`` CLI: aligned tables, job details, watch lines, and JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from phalanx.client import Job, Node
+
+__all__ = [
+    "table",
+    "format_age",
+    "format_time",
+    "job_nodes",
+    "jobs_table",
+    "nodes_table",
+    "job_detail",
+    "watch_line",
+    "to_json",
+]
+
+
+def to_json(obj: Any, *, lines: bool = False) -> str:
+    """Serialise a result for ``--json``: indented, or one compact line (``lines=True``, for JSON lines)."""
+    if lines:
+        return json.dumps(obj, separators=(",", ":"), sort_keys=False)
+    return json.dumps(obj, indent=2, sort_keys=False)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Render rows as a left-aligned table with two spaces between columns (no trailing spaces).
+
+    Args:
+        headers: Column titles.
+        rows: One sequence of cells per row; cells are turned into strings.
+
+    Returns:
+        The table, lines joined with newlines, without a final newline.
+    """
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def format_age(seconds: float) -> str:
+    """Compact age: ``42s``, ``5m``, ``3h``, ``2d``; ``-`` for a negative or unknown age."""
+    if seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def format_time(ts: float) -> str:
+    """A unix time as ISO 8601 UTC (seconds), or ``-`` when 0 (never)."""
+    if not ts:
+        return "-"
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def job_nodes(job: Job, limit: int = 3) -> str:
+    """Distinct nodes of a job's allocation, at most ``limit`` named then ``+N``; ``-`` when none."""
+    nodes = list(job.nodes)
+    if not nodes:
+        return "-"
+    shown = ",".join(nodes[:limit])
+    return shown if len(nodes) <= limit else f"{shown},+{len(nodes) - limit}"
+
+
+def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
+    """The ``phalanx jobs`` table: ID NAME STATE PRI GANG NODES AGE (GANG is ``replicas x gpus``)."""
+    now = time.time() if now is None else now
+    rows = [
+        (
+            j.id,
+            j.name,
+            j.state.value,
+            j.priority,
+            f"{j.replicas}x{j.gpus_per_replica}",
+            job_nodes(j),
+            format_age(now - j.submitted_at) if j.submitted_at else "-",
+        )
+        for j in jobs
+    ]
+    return table(["ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE"], rows)
+
+
+def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
+    """The ``phalanx nodes`` table: NAME STATE GPUS FREE MODEL PROFILE FABRIC HEARTBEAT MESSAGE."""
+    now = time.time() if now is None else now
+    rows = [
+        (
+            n.name,
+            n.state.value,
+            n.gpus,
+            n.free_gpus,
+            n.gpu_model or "-",
+            n.profile or "-",
+            "/".join(n.fabric_path) or "-",
+            format_age(now - n.last_heartbeat) if n.last_heartbeat else "-",
+            n.message,
+        )
+        for n in nodes
+    ]
+    return table(["NAME", "STATE", "GPUS", "FREE", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"], rows)
+
+
+def job_detail(job: Job) -> str:
+    """A ``key: value`` view of one job (``phalanx job``, ``submit``, ``cancel``)."""
+    lines = [
+        ("id", job.id),
+        ("name", job.name),
+        ("state", job.state.value),
+        ("message", job.message or "-"),
+        ("priority", job.priority),
+        ("gang", f"{job.replicas} x {job.gpus_per_replica} GPUs"),
+        ("procs/replica", job.procs_per_replica),
+        ("command", " ".join(job.command) or "-"),
+        ("attempt", job.attempt),
+        ("exit code", job.exit_code),
+        ("submitted", format_time(job.submitted_at)),
+        ("started", format_time(job.started_at)),
+        ("finished", format_time(job.finished_at)),
+    ]
+    if job.placement:
+        p = job.placement
+        lines.append(("placement", f"tier={p.get('tier', '')} domains={p.get('domains', 0)} "
+                                   f"score={p.get('score', 0):g} {p.get('reason', '')}".rstrip()))
+    width = max(len(k) for k, _ in lines) + 1
+    out = [f"{(k + ':').ljust(width)} {v}" for k, v in lines]
+    if job.allocations:
+        out.append("allocations:")
+        out.extend(
+            "  " + line
+            for line in table(
+                ["REPLICA", "NODE", "GPUS"],
+                [(a.replica, a.node, ",".join(str(g) for g in a.gpus)) for a in job.allocations],
+            ).splitlines()
+        )
+    return "\n".join(out)
+
+
+def watch_line(job: Job, now: float | None = None) -> str:
+    """One line per change in ``phalanx watch``: time, id, name, state, attempt, nodes, message."""
+    now = time.time() if now is None else now
+    stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%H:%M:%S")
+    parts = [stamp, job.id, job.name, job.state.value, f"attempt={job.attempt}", f"nodes={job_nodes(job)}"]
+    if job.terminal and job.state.value != "CANCELLED":
+        parts.append(f"exit_code={job.exit_code}")
+    if job.message:
+        parts.append(job.message)
+    return " ".join(parts)

@@ -1,0 +1,56 @@
+"""Python SDK for the Phalanx scheduler.
+
+Use :class:`Client` (blocking) or :class:`AsyncClient` (asyncio)::
+
+    from phalanx.client import Client, NotFoundError
+
+    with Client() as client:                      # $PHALANX_SCHEDULER, else 127.0.0.1:50051
+        job = client.submit("train", replicas=2, gpus_per_replica=8, command=["python", "train.py"])
+        job = client.wait(job.id, timeout=3600)   # SUCCEEDED, FAILED or CANCELLED
+        print(job.state, job.exit_code)
+
+Results are frozen dataclasses (:class:`Job`, :class:`Node`, :class:`Allocation`) whose ``to_dict()`` is the
+JSON shape of the ``phalanx`` CLI. Errors derive from :class:`PhalanxError`; see :mod:`phalanx.client._errors`
+for the tree (``RPCError`` and one subclass per common gRPC status code).
+"""
+
+from ._async_client import AsyncClient
+from ._client import DEFAULT_RETRIES, DEFAULT_TARGET, DEFAULT_TIMEOUT, Client, resolve_target
+from ._errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    PhalanxError,
+    ResourceExhaustedError,
+    RPCError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from ._types import TERMINAL_STATES, Allocation, Job, JobState, Node, NodeState
+
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "Job",
+    "Node",
+    "Allocation",
+    "JobState",
+    "NodeState",
+    "TERMINAL_STATES",
+    "DEFAULT_TARGET",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_RETRIES",
+    "resolve_target",
+    "PhalanxError",
+    "RPCError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "FailedPreconditionError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
+    "ResourceExhaustedError",
+    "DeadlineExceededError",
+    "UnavailableError",
+]

@@ -1,0 +1,272 @@
+"""The asyncio Phalanx client: the same API as :class:`phalanx.client.Client`, with coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from ._client import (
+    BACKOFF_MAX,
+    CHANNEL_OPTIONS,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
+    backoff_delay,
+    build_submit_request,
+    resolve_target,
+    wait_timeout_error,
+    watch_ids,
+)
+from ._errors import DeadlineExceededError, from_grpc_error
+from ._types import TERMINAL_STATES, Job, JobState, Node, job_state_to_proto, parse_states
+
+__all__ = ["AsyncClient"]
+
+
+class AsyncClient:
+    """An asyncio client for the Phalanx scheduler, with the same behaviour as :class:`Client`.
+
+    The gRPC channel is opened on first use, in the running event loop.
+
+    Example:
+        >>> async with AsyncClient() as client:
+        ...     job = await client.submit("train", 2, 8, ["python", "train.py"])
+        ...     async for update in client.watch([job.id]):
+        ...         print(update.state)
+
+    Args:
+        target: Scheduler ``host:port``; defaults to ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
+        timeout: Deadline in seconds of each call, retries included.
+        retries: How many times a call failing with UNAVAILABLE is retried (0: never).
+    """
+
+    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES):
+        self.target = resolve_target(target)
+        self.timeout = float(timeout)
+        self.retries = max(0, int(retries))
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    @property
+    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+        """The generated stub over this client's channel (opened on first access)."""
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        """Close the channel; open calls are cancelled."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(target={self.target!r}, timeout={self.timeout}, retries={self.retries})"
+
+    # -- plumbing --------------------------------------------------------------------------------------------
+
+    async def _call(self, method_name: str, request: Any, timeout: float | None = None) -> Any:
+        method: Callable[..., Any] = getattr(self.stub, method_name)
+        budget = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(f"scheduler at {self.target} did not answer within {budget:g}s")
+            try:
+                return await method(request, timeout=remaining)
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    delay = backoff_delay(attempt)
+                    if time.monotonic() + delay < deadline:
+                        await asyncio.sleep(delay)
+                        attempt += 1
+                        continue
+                raise from_grpc_error(exc, self.target) from exc
+
+    # -- API -------------------------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        name: str,
+        replicas: int,
+        gpus_per_replica: int,
+        command: Sequence[str] | str,
+        *,
+        priority: int = 0,
+        procs_per_replica: int = 0,
+        env: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> Job:
+        """Submit a gang job; see :meth:`Client.submit`.
+
+        Args:
+            name: A human-readable name.
+            replicas: Number of replicas; each lives on one node.
+            gpus_per_replica: GPUs per replica.
+            command: The argv to run; a string is split with :func:`shlex.split`.
+            priority: Higher wins.
+            procs_per_replica: 0: one process per GPU; 1: one per replica.
+            env: Extra environment variables.
+            request_id: Idempotency key; generated (uuid4 hex) when omitted, reused across retries.
+
+        Returns:
+            The job as accepted by the scheduler.
+        """
+        request = build_submit_request(
+            name, replicas, gpus_per_replica, command,
+            priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
+        )
+        return Job.from_proto(await self._call("SubmitJob", request))
+
+    async def get_job(self, job_id: str) -> Job:
+        """Fetch one job.
+
+        Args:
+            job_id: The job's id.
+
+        Returns:
+            The job.
+
+        Raises:
+            NotFoundError: No such job.
+        """
+        return Job.from_proto(await self._call("GetJob", scheduler_pb2.GetJobRequest(job_id=job_id)))
+
+    async def list_jobs(
+        self, states: Iterable[str | JobState] | str | JobState | None = None, *, limit: int = 0
+    ) -> list[Job]:
+        """List jobs, finished ones included, newest first.
+
+        Args:
+            states: Only jobs in these states; None: all.
+            limit: At most this many; 0: no limit.
+
+        Returns:
+            The jobs in the scheduler's order.
+        """
+        request = scheduler_pb2.ListJobsRequest(
+            states=[job_state_to_proto(s) for s in parse_states(states)], limit=int(limit)
+        )
+        return [Job.from_proto(j) for j in (await self._call("ListJobs", request)).jobs]
+
+    async def cancel(self, job_id: str) -> Job:
+        """Cancel a job.
+
+        Args:
+            job_id: The job's id.
+
+        Returns:
+            The job after the cancellation.
+
+        Raises:
+            NotFoundError: No such job.
+        """
+        return Job.from_proto(await self._call("CancelJob", scheduler_pb2.CancelJobRequest(job_id=job_id)))
+
+    async def nodes(self) -> list[Node]:
+        """List the cluster's nodes.
+
+        Returns:
+            Every node the scheduler knows.
+        """
+        return [Node.from_proto(n) for n in (await self._call("ListNodes", scheduler_pb2.ListNodesRequest())).nodes]
+
+    async def watch(
+        self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None
+    ) -> AsyncIterator[Job]:
+        """Stream the current state of each job, then every change; see :meth:`Client.watch`.
+
+        Args:
+            job_ids: Jobs to watch; None or empty: every job.
+            timeout: Give up after this many seconds (DeadlineExceededError); None: never.
+
+        Yields:
+            A :class:`Job` per state the scheduler reports.
+        """
+        request = scheduler_pb2.WatchJobsRequest(job_ids=watch_ids(job_ids))
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        last: dict[str, Job] = {}
+        attempt = 0
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceededError(f"watch did not finish within {timeout:g}s")
+            call = self.stub.WatchJobs(request, timeout=remaining)
+            try:
+                async for event in call:
+                    attempt = 0
+                    job = Job.from_proto(event.job)
+                    if last.get(job.id) == job:
+                        continue
+                    last[job.id] = job
+                    yield job
+                return
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    delay = backoff_delay(attempt)
+                    if deadline is None or time.monotonic() + delay < deadline:
+                        await asyncio.sleep(delay)
+                        attempt += 1
+                        continue
+                raise from_grpc_error(exc, self.target) from exc
+            finally:
+                call.cancel()
+
+    async def wait(
+        self,
+        job_id: str,
+        states: Iterable[str | JobState] | str | JobState | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Job:
+        """Wait until a job reaches one of ``states`` (default: terminal); see :meth:`Client.wait`.
+
+        Args:
+            job_id: The job's id.
+            states: Target states; None: SUCCEEDED, FAILED or CANCELLED.
+            timeout: Give up after this many seconds; None: wait forever.
+
+        Returns:
+            The job in the first matching state.
+
+        Raises:
+            NotFoundError: No such job.
+            DeadlineExceededError: The job did not get there within ``timeout``.
+        """
+        targets = set(parse_states(states)) or set(TERMINAL_STATES)
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        job = await self.get_job(job_id)
+        while job.state not in targets:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise wait_timeout_error(job_id, targets, timeout)
+            stream = self.watch([job_id], timeout=remaining)
+            try:
+                async for job in stream:
+                    if job.id == job_id and job.state in targets:
+                        return job
+            except DeadlineExceededError:
+                raise wait_timeout_error(job_id, targets, timeout) from None
+            finally:
+                await stream.aclose()
+            job = await self.get_job(job_id)
+            if job.state not in targets:
+                await asyncio.sleep(min(BACKOFF_MAX, 0.2))
+        return job

@@ -1,0 +1,345 @@
+"""The synchronous Phalanx client, plus the settings it shares with :class:`phalanx.client.AsyncClient`."""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+import phalanx
+from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from ._errors import DeadlineExceededError, from_grpc_error
+from ._types import TERMINAL_STATES, Job, JobState, Node, job_state_to_proto, parse_states
+
+__all__ = ["Client", "DEFAULT_TARGET", "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "resolve_target"]
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 10.0
+DEFAULT_RETRIES = 4
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+BACKOFF_INITIAL = 0.1
+BACKOFF_MAX = 2.0
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Keepalive pings only while a call is open (long watches); the scheduler allows one every 5 s.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly, so that our own UNAVAILABLE retries meet a restarted scheduler.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.primary_user_agent", f"phalanx-python/{phalanx.__version__}"),
+]
+
+T = TypeVar("T")
+
+
+def resolve_target(target: str | None) -> str:
+    """Pick the scheduler address: the argument, else ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
+
+    Args:
+        target: An explicit ``host:port``, or None.
+
+    Returns:
+        The address to dial.
+    """
+    return target or os.environ.get("PHALANX_SCHEDULER") or DEFAULT_TARGET
+
+
+def backoff_delay(attempt: int, initial: float = BACKOFF_INITIAL, cap: float = BACKOFF_MAX) -> float:
+    """Exponential backoff with jitter: about ``initial * 2**attempt``, capped, scaled by a random 0.5..1."""
+    return min(cap, initial * (2**attempt)) * random.uniform(0.5, 1.0)
+
+
+def build_submit_request(
+    name: str,
+    replicas: int,
+    gpus_per_replica: int,
+    command: Sequence[str] | str,
+    *,
+    priority: int,
+    procs_per_replica: int,
+    env: Mapping[str, str] | None,
+    request_id: str | None,
+) -> scheduler_pb2.SubmitJobRequest:
+    """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    spec = common_pb2.JobSpec(
+        name=name,
+        replicas=int(replicas),
+        gpus_per_replica=int(gpus_per_replica),
+        priority=int(priority),
+        procs_per_replica=int(procs_per_replica),
+        command=argv,
+        env={str(k): str(v) for k, v in (env or {}).items()},
+    )
+    return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
+
+
+def watch_ids(job_ids: Iterable[str] | str | None) -> list[str]:
+    """Normalise the job id argument of watch: one id, several, or None (every job)."""
+    if job_ids is None:
+        return []
+    if isinstance(job_ids, str):
+        return [job_ids]
+    return [str(j) for j in job_ids]
+
+
+def wait_timeout_error(job_id: str, states: Iterable[JobState], timeout: float | None) -> DeadlineExceededError:
+    """The error :meth:`Client.wait` raises when the job does not reach the states in time."""
+    names = "/".join(sorted(s.value for s in states))
+    return DeadlineExceededError(f"job {job_id} did not reach {names} within {timeout:g}s")
+
+
+class Client:
+    """A synchronous client for the Phalanx scheduler.
+
+    Every call has a deadline (``timeout`` seconds, retries included). Calls that fail with UNAVAILABLE are
+    retried with exponential backoff; this includes :meth:`submit`, which is idempotent thanks to a request id
+    that is generated once per call and reused by every retry.
+
+    Example:
+        >>> with Client("127.0.0.1:50051") as client:
+        ...     job = client.submit("train", 2, 8, ["python", "train.py"])
+        ...     done = client.wait(job.id, timeout=3600)
+
+    Args:
+        target: Scheduler ``host:port``; defaults to ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
+        timeout: Deadline in seconds of each call, retries included.
+        retries: How many times a call failing with UNAVAILABLE is retried (0: never).
+    """
+
+    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES):
+        self.target = resolve_target(target)
+        self.timeout = float(timeout)
+        self.retries = max(0, int(retries))
+        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the channel. The client cannot be used afterwards."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(target={self.target!r}, timeout={self.timeout}, retries={self.retries})"
+
+    # -- plumbing --------------------------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        budget = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(f"scheduler at {self.target} did not answer within {budget:g}s")
+            try:
+                return method(request, timeout=remaining)
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    delay = backoff_delay(attempt)
+                    if time.monotonic() + delay < deadline:
+                        time.sleep(delay)
+                        attempt += 1
+                        continue
+                raise from_grpc_error(exc, self.target) from exc
+
+    # -- API -------------------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        name: str,
+        replicas: int,
+        gpus_per_replica: int,
+        command: Sequence[str] | str,
+        *,
+        priority: int = 0,
+        procs_per_replica: int = 0,
+        env: Mapping[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> Job:
+        """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
+
+        Args:
+            name: A human-readable name.
+            replicas: Number of replicas; each lives on one node.
+            gpus_per_replica: GPUs per replica.
+            command: The argv to run; a string is split with :func:`shlex.split`.
+            priority: Higher wins; may preempt lower priorities.
+            procs_per_replica: 0: one process per GPU; 1: one per replica (torchrun style).
+            env: Extra environment variables for the job's processes.
+            request_id: Idempotency key; generated (uuid4 hex) when omitted. A repeated key returns the first job.
+
+        Returns:
+            The job as accepted by the scheduler (usually PENDING).
+
+        Raises:
+            InvalidArgumentError: The spec was rejected.
+            UnavailableError: The scheduler could not be reached, even after retries.
+            DeadlineExceededError: No answer within the timeout.
+        """
+        request = build_submit_request(
+            name, replicas, gpus_per_replica, command,
+            priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
+        )
+        return Job.from_proto(self._call(self._stub.SubmitJob, request))
+
+    def get_job(self, job_id: str) -> Job:
+        """Fetch one job.
+
+        Args:
+            job_id: The job's id.
+
+        Returns:
+            The job.
+
+        Raises:
+            NotFoundError: No such job.
+        """
+        return Job.from_proto(self._call(self._stub.GetJob, scheduler_pb2.GetJobRequest(job_id=job_id)))
+
+    def list_jobs(self, states: Iterable[str | JobState] | str | JobState | None = None, *, limit: int = 0) -> list[Job]:
+        """List jobs, finished ones included, newest first.
+
+        Args:
+            states: Only jobs in these states (names or :class:`JobState`); None: all.
+            limit: At most this many jobs; 0: no limit.
+
+        Returns:
+            The jobs, in the scheduler's order (newest first).
+        """
+        request = scheduler_pb2.ListJobsRequest(
+            states=[job_state_to_proto(s) for s in parse_states(states)], limit=int(limit)
+        )
+        return [Job.from_proto(j) for j in self._call(self._stub.ListJobs, request).jobs]
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel a job (idempotent: cancelling a finished job returns it as it is, or the server's error).
+
+        Args:
+            job_id: The job's id.
+
+        Returns:
+            The job after the cancellation.
+
+        Raises:
+            NotFoundError: No such job.
+            FailedPreconditionError: The scheduler refuses to cancel it in its current state.
+        """
+        return Job.from_proto(self._call(self._stub.CancelJob, scheduler_pb2.CancelJobRequest(job_id=job_id)))
+
+    def nodes(self) -> list[Node]:
+        """List the cluster's nodes.
+
+        Returns:
+            Every node the scheduler knows, READY, DRAINED or LOST.
+        """
+        return [Node.from_proto(n) for n in self._call(self._stub.ListNodes, scheduler_pb2.ListNodesRequest()).nodes]
+
+    def watch(self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None) -> Iterator[Job]:
+        """Stream the current state of each job, then every change.
+
+        The stream is re-opened after an UNAVAILABLE (the scheduler re-sends current states; repeats of an
+        unchanged job are dropped). Closing the iterator hangs up.
+
+        Args:
+            job_ids: Jobs to watch (one id or several); None or empty: every job.
+            timeout: Give up after this many seconds (DeadlineExceededError); None: never.
+
+        Yields:
+            A :class:`Job` per state the scheduler reports.
+
+        Raises:
+            DeadlineExceededError: ``timeout`` passed.
+            UnavailableError: The scheduler could not be reached, even after retries.
+        """
+        request = scheduler_pb2.WatchJobsRequest(job_ids=watch_ids(job_ids))
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        last: dict[str, Job] = {}
+        attempt = 0
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceededError(f"watch did not finish within {timeout:g}s")
+            call = self._stub.WatchJobs(request, timeout=remaining)
+            try:
+                for event in call:
+                    attempt = 0
+                    job = Job.from_proto(event.job)
+                    if last.get(job.id) == job:
+                        continue
+                    last[job.id] = job
+                    yield job
+                return
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    delay = backoff_delay(attempt)
+                    if deadline is None or time.monotonic() + delay < deadline:
+                        time.sleep(delay)
+                        attempt += 1
+                        continue
+                raise from_grpc_error(exc, self.target) from exc
+            finally:
+                call.cancel()
+
+    def wait(
+        self,
+        job_id: str,
+        states: Iterable[str | JobState] | str | JobState | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Job:
+        """Block until a job reaches one of ``states`` (default: SUCCEEDED, FAILED or CANCELLED).
+
+        Args:
+            job_id: The job's id.
+            states: Target states; None: the terminal ones.
+            timeout: Give up after this many seconds; None: wait forever.
+
+        Returns:
+            The job in the first matching state.
+
+        Raises:
+            NotFoundError: No such job.
+            DeadlineExceededError: The job did not get there within ``timeout``.
+        """
+        targets = set(parse_states(states)) or set(TERMINAL_STATES)
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        job = self.get_job(job_id)
+        while job.state not in targets:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise wait_timeout_error(job_id, targets, timeout)
+            stream = self.watch([job_id], timeout=remaining)
+            try:
+                for job in stream:
+                    if job.id == job_id and job.state in targets:
+                        return job
+            except DeadlineExceededError:
+                raise wait_timeout_error(job_id, targets, timeout) from None
+            finally:
+                stream.close()
+            # The server ended the stream: look again, then re-watch.
+            job = self.get_job(job_id)
+            if job.state not in targets:
+                time.sleep(min(BACKOFF_MAX, 0.2))
+        return job

@@ -1,0 +1,264 @@
+"""Typed, immutable (frozen) views of the scheduler's protobuf messages, and their JSON shape (the CLI's contract)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.api.v1 import common_pb2
+
+__all__ = [
+    "JobState",
+    "NodeState",
+    "Allocation",
+    "Job",
+    "Node",
+    "TERMINAL_STATES",
+    "job_state_to_proto",
+]
+
+
+class JobState(str, enum.Enum):
+    """Lifecycle of a job. A job holds GPUs only while RUNNING."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job will never change state again."""
+        return self in TERMINAL_STATES
+
+    @classmethod
+    def parse(cls, value: str | JobState) -> JobState:
+        """Parse ``"running"``, ``"RUNNING"`` or ``"JOB_STATE_RUNNING"``.
+
+        Args:
+            value: A state name, any case, with or without the ``JOB_STATE_`` prefix.
+
+        Returns:
+            The state.
+
+        Raises:
+            ValueError: If the name is not a job state.
+        """
+        if isinstance(value, JobState):
+            return value
+        name = str(value).strip().upper()
+        name = name.removeprefix("JOB_STATE_")
+        try:
+            return cls(name)
+        except ValueError:
+            valid = ", ".join(s.value for s in cls if s is not cls.UNSPECIFIED)
+            raise ValueError(f"unknown job state {value!r} (expected one of {valid})") from None
+
+
+class NodeState(str, enum.Enum):
+    """Whether a node takes work."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    READY = "READY"
+    DRAINED = "DRAINED"
+    LOST = "LOST"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# SUCCEEDED, FAILED and CANCELLED are final. PREEMPTED is not: a preempted job goes back to PENDING.
+TERMINAL_STATES: frozenset[JobState] = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+
+def _enum_from_proto(enum_cls: type[enum.Enum], descriptor: Any, prefix: str, number: int) -> Any:
+    try:
+        name = descriptor.Name(number)
+    except ValueError:
+        return enum_cls("UNSPECIFIED")
+    return enum_cls(name.removeprefix(prefix))
+
+
+def job_state_to_proto(state: str | JobState) -> int:
+    """Map a job state (or its name) to the protobuf enum number.
+
+    Args:
+        state: A :class:`JobState` or a name accepted by :meth:`JobState.parse`.
+
+    Returns:
+        The ``phalanx.v1.JobState`` number.
+    """
+    return common_pb2.JobState.Value("JOB_STATE_" + JobState.parse(state).value)
+
+
+@dataclass(frozen=True, eq=True)
+class Allocation:
+    """GPUs of one replica on one node."""
+
+    replica: int
+    node: str
+    gpus: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Allocation) -> Allocation:
+        """Build from a ``phalanx.v1.Allocation`` message."""
+        return cls(replica=int(msg.replica), node=msg.node, gpus=[int(g) for g in msg.gpus])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape: ``{"replica": int, "node": str, "gpus": [int, ...]}``."""
+        return {"replica": self.replica, "node": self.node, "gpus": list(self.gpus)}
+
+
+@dataclass(frozen=True, eq=True)
+class Job:
+    """A job as the scheduler reports it. Times are unix seconds; 0 means "not yet"."""
+
+    id: str
+    name: str
+    state: JobState
+    replicas: int
+    gpus_per_replica: int
+    priority: int = 0
+    procs_per_replica: int = 0
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    allocations: list[Allocation] = field(default_factory=list)
+    attempt: int = 0
+    message: str = ""
+    submitted_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    exit_code: int = 0
+    placement: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job has finished for good (SUCCEEDED, FAILED or CANCELLED)."""
+        return self.state in TERMINAL_STATES
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs the whole gang needs: replicas x gpus_per_replica."""
+        return self.replicas * self.gpus_per_replica
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Distinct nodes of the current (or last) allocation, in replica order."""
+        seen: dict[str, None] = {}
+        for alloc in sorted(self.allocations, key=lambda a: a.replica):
+            seen.setdefault(alloc.node, None)
+        return tuple(seen)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Job) -> Job:
+        """Build from a ``phalanx.v1.Job`` message."""
+        spec = msg.spec
+        placement: dict[str, Any] = {}
+        if msg.HasField("placement"):
+            p = msg.placement
+            placement = {"tier": p.tier, "domains": int(p.domains), "score": float(p.score), "reason": p.reason}
+        return cls(
+            id=msg.id,
+            name=spec.name,
+            state=_enum_from_proto(JobState, common_pb2.JobState, "JOB_STATE_", msg.state),
+            replicas=int(spec.replicas),
+            gpus_per_replica=int(spec.gpus_per_replica),
+            priority=int(spec.priority),
+            procs_per_replica=int(spec.procs_per_replica),
+            command=list(spec.command),
+            env=dict(spec.env),
+            allocations=[Allocation.from_proto(a) for a in msg.allocations],
+            attempt=int(msg.attempt),
+            message=msg.message,
+            submitted_at=float(msg.submitted_at),
+            started_at=float(msg.started_at),
+            finished_at=float(msg.finished_at),
+            exit_code=int(msg.exit_code),
+            placement=placement,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``phalanx ... --json`` (a stable contract)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state.value,
+            "replicas": self.replicas,
+            "gpus_per_replica": self.gpus_per_replica,
+            "priority": self.priority,
+            "procs_per_replica": self.procs_per_replica,
+            "command": list(self.command),
+            "env": dict(self.env),
+            "allocations": [a.to_dict() for a in self.allocations],
+            "attempt": self.attempt,
+            "message": self.message,
+            "exit_code": self.exit_code,
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "placement": dict(self.placement),
+        }
+
+
+@dataclass(frozen=True, eq=True)
+class Node:
+    """A GPU node as the scheduler sees it."""
+
+    name: str
+    gpus: int
+    free_gpus: int
+    state: NodeState
+    profile: str = ""
+    gpu_model: str = ""
+    fabric_path: list[str] = field(default_factory=list)
+    message: str = ""
+    last_heartbeat: float = 0.0
+    address: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Node) -> Node:
+        """Build from a ``phalanx.v1.Node`` message."""
+        return cls(
+            name=msg.name,
+            gpus=int(msg.gpus),
+            free_gpus=int(msg.free_gpus),
+            state=_enum_from_proto(NodeState, common_pb2.NodeState, "NODE_STATE_", msg.state),
+            profile=msg.profile,
+            gpu_model=msg.gpu_model,
+            fabric_path=list(msg.fabric_path),
+            message=msg.message,
+            last_heartbeat=float(msg.last_heartbeat),
+            address=msg.address,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``phalanx nodes --json`` (a stable contract)."""
+        return {
+            "name": self.name,
+            "gpus": self.gpus,
+            "free_gpus": self.free_gpus,
+            "state": self.state.value,
+            "profile": self.profile,
+            "gpu_model": self.gpu_model,
+            "fabric_path": list(self.fabric_path),
+            "message": self.message,
+            "last_heartbeat": self.last_heartbeat,
+            "address": self.address,
+        }
+
+
+def parse_states(states: Iterable[str | JobState] | str | JobState | None) -> list[JobState]:
+    """Normalise a state filter (one state, several, or None) to a list of :class:`JobState`."""
+    if states is None:
+        return []
+    if isinstance(states, (str, JobState)):
+        states = [states]
+    return [JobState.parse(s) for s in states]

@@ -1,0 +1,258 @@
+"""The scheduler against a real ledger (SQLite and PostgreSQL) and real gRPC, with protocol-level agents."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from sqlalchemy import create_engine, text
+
+from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.core.fabric import default_fabric
+from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.main import serve
+from services.scheduler.settings import SchedulerSettings
+
+from helpers.procs import eventually
+
+PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
+SUCCEEDED, FAILED, CANCELLED = common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED
+
+
+class Cluster:
+    def __init__(self, db_url: str, nodes: int, **settings) -> None:
+        self.db_url = db_url
+        self.names = [f"node-{i}" for i in range(nodes)]
+        self.settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(self.names),
+                                          **settings)
+
+    async def __aenter__(self) -> Cluster:
+        self.scheduler = await serve(self.settings)
+        self.agents = {n: LiteAgent(self.scheduler.address, n) for n in self.names}
+        for agent in self.agents.values():
+            await agent.start()
+        self.channel = grpc.aio.insecure_channel(self.scheduler.address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for agent in self.agents.values():
+            await agent.stop()
+        await self.channel.close()
+        await self.scheduler.stop()
+
+    async def submit(self, name, replicas, gpus, command=("sleep", "30"), priority=0, **kw) -> common_pb2.Job:
+        spec = common_pb2.JobSpec(name=name, replicas=replicas, gpus_per_replica=gpus, command=list(command),
+                                  priority=priority, **kw)
+        return await self.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))
+
+    async def job(self, job_id: str) -> common_pb2.Job:
+        return await self.stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))
+
+    async def wait_state(self, job_id: str, state: int, timeout: float = 15.0) -> common_pb2.Job:
+        async def check():
+            job = await self.job(job_id)
+            return job if job.state == state else None
+
+        return await eventually(check, timeout=timeout, what=f"job {job_id} in {common_pb2.JobState.Name(state)}")
+
+    def sql(self, query: str, **params):
+        engine = create_engine(self.db_url.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.connect() as conn:
+            rows = conn.execute(text(query), params).all()
+        engine.dispose()
+        return rows
+
+    def active_gpus(self, job_id: str) -> int:
+        return self.sql("SELECT count(*) FROM allocations WHERE job_id = :j AND released_at IS NULL", j=job_id)[0][0]
+
+
+async def test_deadlock_scenario_one_gang_runs_the_other_waits_holding_nothing(db_url):
+    async with Cluster(db_url, 4) as c:
+        first, second = await asyncio.gather(
+            c.submit("gang-a", 3, 8, ("sleep", "1.0")), c.submit("gang-b", 3, 8, ("sleep", "0.3"))
+        )
+        await eventually(lambda: _any_running(c, first.id, second.id), what="one gang running")
+        a, b = await c.job(first.id), await c.job(second.id)
+        running, waiting = (a, b) if a.state == RUNNING else (b, a)
+        assert running.state == RUNNING and waiting.state == PENDING
+        assert c.active_gpus(running.id) == 24
+        assert c.active_gpus(waiting.id) == 0 and not waiting.allocations
+        assert "holding no GPUs" in waiting.message
+        done = await c.wait_state(running.id, SUCCEEDED)
+        later = await c.wait_state(waiting.id, SUCCEEDED, timeout=20)
+        assert later.started_at >= done.finished_at
+        assert len(later.allocations) == 3 and all(len(a.gpus) == 8 for a in later.allocations)
+
+
+async def _any_running(c: Cluster, *ids: str) -> bool:
+    return any([(await c.job(i)).state == RUNNING for i in ids])
+
+
+async def test_ranks_get_the_torchrun_environment(db_url):
+    async with Cluster(db_url, 2) as c:
+        job = await c.submit("env", 2, 8, ("run",))
+        await c.wait_state(job.id, RUNNING)
+        await eventually(lambda: _launched(c, 2), what="launches on both nodes")
+        launches = [l for a in c.agents.values() for l in a.launched if l.job_id == job.id]
+        ranks = sorted((r for l in launches for r in l.ranks), key=lambda r: r.rank)
+        assert [r.rank for r in ranks] == list(range(16))
+        master = {r.env["MASTER_ADDR"] for r in ranks}, {r.env["MASTER_PORT"] for r in ranks}
+        assert len(master[0]) == 1 and len(master[1]) == 1
+        for r in ranks:
+            assert r.env["RANK"] == str(r.rank) and r.env["WORLD_SIZE"] == "16"
+            assert r.env["LOCAL_RANK"] == str(r.rank % 8) and r.env["LOCAL_WORLD_SIZE"] == "8"
+            assert r.env["NODE_RANK"] == str(r.rank // 8) and r.env["PHALANX_JOB_ID"] == job.id
+            assert r.env["CUDA_VISIBLE_DEVICES"] == str(r.gpus[0])
+
+
+async def _launched(c: Cluster, n: int) -> bool:
+    return sum(len(a.launched) for a in c.agents.values()) >= n
+
+
+async def test_one_process_per_replica_for_torchrun(db_url):
+    async with Cluster(db_url, 2) as c:
+        job = await c.submit("torchrun", 2, 8, ("run",), procs_per_replica=1)
+        await c.wait_state(job.id, RUNNING)
+        await eventually(lambda: _launched(c, 2), what="launches")
+        ranks = [r for a in c.agents.values() for l in a.launched for r in l.ranks]
+        assert sorted(r.rank for r in ranks) == [0, 1]
+        assert all(r.env["WORLD_SIZE"] == "2" and r.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" for r in ranks)
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (dict(name="x", replicas=0, gpus_per_replica=1, command=["a"]), "replicas must be at least 1"),
+        (dict(name="x", replicas=1, gpus_per_replica=-2, command=["a"]), "gpus_per_replica must be at least 1"),
+        (dict(name="x", replicas=1, gpus_per_replica=1, command=[]), "command must not be empty"),
+        (dict(name="", replicas=1, gpus_per_replica=1, command=["a"]), "name must not be empty"),
+        (dict(name="x", replicas=1, gpus_per_replica=1, command=["a"], env={"1BAD": "v"}), "not a valid variable"),
+    ],
+)
+async def test_invalid_submissions_are_refused_and_change_nothing(db_url, spec, words):
+    async with Cluster(db_url, 1) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(**spec)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in err.value.details()
+        assert c.sql("SELECT count(*) FROM jobs")[0][0] == 0
+
+
+@pytest.mark.parametrize(
+    "replicas, gpus, words",
+    [(1, 16, "largest node has 8 GPUs"), (3, 8, "16 GPUs in total"), (3, 5, "at most 2 such replicas")],
+)
+async def test_gangs_that_can_never_fit_are_refused_at_submit(db_url, replicas, gpus, words):
+    async with Cluster(db_url, 2) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.submit("huge", replicas, gpus)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert words in err.value.details()
+        assert c.sql("SELECT count(*) FROM jobs")[0][0] == 0
+
+
+@pytest.mark.parametrize("job_id", ["", "nope", "-1", "0" * 12, "ü" * 40, "x" * 5000, "' OR 1=1 --"])
+async def test_unknown_job_ids_in_any_form_are_not_found(db_url, job_id):
+    async with Cluster(db_url, 1) as c:
+        for call in (c.stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id)),
+                     c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id))):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_cancel_releases_every_gpu_and_kills_every_rank(db_url):
+    async with Cluster(db_url, 2) as c:
+        job = await c.submit("victim", 2, 8, ("run",))
+        await c.wait_state(job.id, RUNNING)
+        cancelled = await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id))
+        assert cancelled.state == CANCELLED
+        assert c.active_gpus(job.id) == 0
+        await eventually(lambda: _killed(c, job.id, 2), what="kill on both nodes")
+        assert len((await c.job(job.id)).allocations) == 2  # a finished job keeps its last allocations
+        again = await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id))
+        assert again.state == CANCELLED
+
+
+async def _killed(c: Cluster, job_id: str, nodes: int) -> bool:
+    return sum(any(k.job_id == job_id for k in a.killed) for a in c.agents.values()) >= nodes
+
+
+async def test_rank_failure_fails_the_gang_and_stops_the_rest(db_url):
+    async with Cluster(db_url, 2) as c:
+        job = await c.submit("crash", 2, 8, ("exit", "3"))
+        failed = await c.wait_state(job.id, FAILED)
+        assert failed.exit_code == 3 and "exited with code 3" in failed.message
+        assert c.active_gpus(job.id) == 0
+
+
+async def test_gang_whose_ranks_never_start_is_torn_down_whole_and_requeued(db_url):
+    async with Cluster(db_url, 2, launch_timeout=0.6, max_attempts=2) as c:
+        job = await c.submit("stuck", 2, 8, ("hang",))
+        failed = await c.wait_state(job.id, FAILED, timeout=20)
+        assert failed.attempt == 2 and "did not start" in failed.message
+        rows = c.sql("SELECT attempt, count(*), count(released_at) FROM allocations WHERE job_id = :j "
+                     "GROUP BY attempt ORDER BY attempt", j=job.id)
+        assert [tuple(r) for r in rows] == [(1, 16, 16), (2, 16, 16)]
+
+
+async def test_lost_node_requeues_its_gang_onto_healthy_nodes(db_url):
+    async with Cluster(db_url, 3, lease_timeout=1.0, heartbeat_interval=0.2) as c:
+        job = await c.submit("survivor", 2, 8, ("run",))
+        running = await c.wait_state(job.id, RUNNING)
+        victim = running.allocations[0].node
+        await c.agents[victim].stop()
+        c.agents.pop(victim)
+
+        async def moved():
+            j = await c.job(job.id)
+            return j if j.state == RUNNING and j.attempt == 2 else None
+
+        moved_job = await eventually(moved, timeout=15, what="gang restarted elsewhere")
+        assert victim not in {a.node for a in moved_job.allocations}
+        nodes = {n.name: n for n in (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes}
+        assert nodes[victim].state == common_pb2.NODE_STATE_LOST and "no heartbeat" in nodes[victim].message
+        assert c.active_gpus(job.id) == 16
+
+
+async def test_priority_then_submission_order(db_url):
+    async with Cluster(db_url, 1) as c:
+        blocker = await c.submit("blocker", 1, 8, ("run",))
+        await c.wait_state(blocker.id, RUNNING)
+        low = await c.submit("low", 1, 8, ("run",), priority=1)
+        high = await c.submit("high", 1, 8, ("run",), priority=5)
+        await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=blocker.id))
+        await c.wait_state(high.id, RUNNING)
+        assert (await c.job(low.id)).state == PENDING
+
+
+async def test_submit_is_idempotent_per_request_id(db_url):
+    async with Cluster(db_url, 1) as c:
+        spec = common_pb2.JobSpec(name="once", replicas=1, gpus_per_replica=1, command=["run"])
+        a = await c.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, request_id="req-1"))
+        b = await c.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, request_id="req-1"))
+        assert a.id == b.id
+        assert c.sql("SELECT count(*) FROM jobs")[0][0] == 1
+
+
+async def test_watch_streams_every_state_change(db_url):
+    async with Cluster(db_url, 1) as c:
+        job = await c.submit("watched", 1, 2, ("sleep", "0.2"))
+        seen = []
+        async for event in c.stub.WatchJobs(scheduler_pb2.WatchJobsRequest(job_ids=[job.id])):
+            seen.append(event.job.state)
+            if event.job.state == SUCCEEDED:
+                break
+        assert seen[-1] == SUCCEEDED and RUNNING in seen
+
+
+async def test_list_jobs_is_newest_first_and_filters_by_state(db_url):
+    async with Cluster(db_url, 1) as c:
+        ids = [(await c.submit(f"j{i}", 1, 1, ("run",))).id for i in range(3)]
+        jobs = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest())).jobs
+        assert [j.id for j in jobs] == ids[::-1]
+        await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=ids[1]))
+        cancelled = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(states=[CANCELLED]))).jobs
+        assert [j.id for j in cancelled] == [ids[1]]
