@@ -47,13 +47,16 @@ class LiteAgent:
             node_name=self.name, topology=simple_topology(self.gpus), address=self.address,
             agent_instance=self.instance))
         self.acked = max(self.acked, resp.acked_revision)
+        self._ack_due = asyncio.Event()
         self._stream_task = asyncio.create_task(self._stream())
+        self._ack_task = asyncio.create_task(self._acker())
         self._beat_task = asyncio.create_task(self._beat(resp.heartbeat_interval_ms / 1000))
 
     async def stop(self) -> None:
-        for task in [self._stream_task, self._beat_task, *self.running.values()]:
+        tasks = [self._stream_task, self._beat_task, self._ack_task, *self.running.values()]
+        for task in tasks:
             task.cancel()
-        for task in [self._stream_task, self._beat_task, *self.running.values()]:
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
         await self.channel.close()
@@ -90,7 +93,21 @@ class LiteAgent:
                     task.cancel()
                     asyncio.create_task(self._report(key[0], key[1], key[2], common_pb2.RANK_STATE_KILLED, -15))
         self.acked = a.revision
-        await self.stub.AckAssignments(agent_pb2.AckAssignmentsRequest(node_name=self.name, revision=a.revision))
+        self._ack_due.set()
+
+    async def _acker(self) -> None:
+        """Acknowledge the latest revision taken, coalescing a burst of assignments into one call."""
+        sent = 0
+        while True:
+            await self._ack_due.wait()
+            self._ack_due.clear()
+            await asyncio.sleep(0.01)
+            if self.acked > sent:
+                revision = self.acked
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.stub.AckAssignments(agent_pb2.AckAssignmentsRequest(node_name=self.name,
+                                                                                   revision=revision))
+                    sent = revision
 
     async def _rank(self, launch: agent_pb2.LaunchReplica, rank: agent_pb2.RankLaunch) -> None:
         cmd = list(launch.command)

@@ -1,0 +1,268 @@
+"""Submit-to-reserved latency and throughput through the real gRPC + PostgreSQL path.
+
+For each cluster size (256 and 512 nodes x 8 GPUs) it starts a real scheduler process on a fresh PostgreSQL
+database, registers lightweight agents that speak the real node protocol (phalanx.testing.lite_agent), and
+measures:
+- latency: one gang at a time on an idle cluster, SubmitJob call to the RUNNING event on a WatchJobs stream,
+  for gangs of 1, 8 and 64 GPUs;
+- throughput: 8 concurrent SDK clients submit a mix of 1-, 8- and 64-GPU gangs that fills the cluster; the rate
+  is gangs reserved per second from the first submit to the last reservation (durable commits, no tricks);
+- release-to-reserve: a pending 64-GPU gang, and the time from the cancel that makes room to its reservation.
+Baselines from the same run: the durable commit floor (one INSERT + COMMIT on the same server) and a naive
+one-transaction-per-submit writer with 8 threads, which is what a scheduler without group commit can reach.
+
+Run: .venv/bin/python bench/gang_reservation.py [--nodes 256,512] [--quick]
+The last line of output is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import grpc  # noqa: E402
+import psycopg  # noqa: E402
+
+from db.engine import normalize_url  # noqa: E402
+from db.migrate import upgrade  # noqa: E402
+from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from phalanx.client import AsyncClient  # noqa: E402
+from phalanx.testing.lite_agent import LiteAgent  # noqa: E402
+from helpers.procs import start_scheduler  # noqa: E402
+
+RUNNING = common_pb2.JOB_STATE_RUNNING
+SHAPES = {1: (1, 1), 8: (1, 8), 64: (8, 8)}  # GPUs -> (replicas, gpus per replica)
+
+
+def say(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+class Bench:
+    def __init__(self, admin_url: str, nodes: int, workdir: Path) -> None:
+        self.admin_url = admin_url
+        self.nodes = nodes
+        self.workdir = workdir
+        self.reserved: dict[str, float] = {}
+        self.waiters: dict[str, asyncio.Future] = {}
+
+    async def __aenter__(self) -> Bench:
+        self.db_name = f"phalanx_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{self.db_name}"')
+        self.db_url = self.admin_url.rsplit("/", 1)[0] + "/" + self.db_name
+        upgrade(self.db_url)
+        self.scheduler = start_scheduler(self.db_url, self.workdir / f"scheduler-{self.nodes}.log",
+                                         "--launch-timeout", "3600", "--lease-timeout", "600",
+                                         "--heartbeat-interval", "10")
+        self.agents = [LiteAgent(self.scheduler.address, f"node-{i:04d}") for i in range(self.nodes)]
+        for i in range(0, self.nodes, 64):
+            await asyncio.gather(*(a.start() for a in self.agents[i:i + 64]))
+        self.channel = grpc.aio.insecure_channel(self.scheduler.address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.watch_task = asyncio.create_task(self._watch())
+        await asyncio.sleep(0.5)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.watch_task.cancel()
+        for a in self.agents:
+            await a.stop()
+        await self.channel.close()
+        self.scheduler.terminate()
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+
+    async def _watch(self) -> None:
+        async for event in self.stub.WatchJobs(scheduler_pb2.WatchJobsRequest()):
+            job = event.job
+            if job.state == RUNNING and job.id not in self.reserved:
+                self.reserved[job.id] = time.perf_counter()
+                fut = self.waiters.pop(job.id, None)
+                if fut and not fut.done():
+                    fut.set_result(None)
+
+    async def wait_reserved(self, job_id: str, timeout: float = 30.0) -> float:
+        if job_id not in self.reserved:
+            fut = asyncio.get_running_loop().create_future()
+            self.waiters[job_id] = fut
+            if job_id not in self.reserved:
+                await asyncio.wait_for(fut, timeout)
+        return self.reserved[job_id]
+
+    async def submit(self, gpus: int, command=("hang",), stub=None) -> str:
+        r, g = SHAPES[gpus]
+        spec = common_pb2.JobSpec(name=f"bench-{gpus}", replicas=r, gpus_per_replica=g, command=list(command))
+        job = await (stub or self.stub).SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))
+        return job.id
+
+    async def cancel(self, job_id: str) -> None:
+        await self.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id))
+
+    async def latency(self, gpus: int, samples: int) -> list[float]:
+        out = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            job_id = await self.submit(gpus)
+            out.append(await self.wait_reserved(job_id) - t0)
+            await self.cancel(job_id)
+        return out
+
+    async def throughput(self, clients: int, rounds: int) -> list[float]:
+        total = self.nodes * 8
+        mix = [64] * (total // 4 // 64) + [8] * (total // 4 // 8) + [1] * (total // 2)
+        rates = []
+        sdk = [AsyncClient(self.scheduler.address, timeout=60) for _ in range(clients)]
+        try:
+            for _ in range(rounds):
+                queue = list(mix)
+                ids: list[str] = []
+                t0 = time.perf_counter()
+
+                async def worker(client: AsyncClient) -> None:
+                    while queue:
+                        gpus = queue.pop()
+                        r, g = SHAPES[gpus]
+                        job = await client.submit(f"tp-{gpus}", r, g, ["hang"])
+                        ids.append(job.id)
+
+                await asyncio.gather(*(worker(c) for c in sdk))
+                last = max([await self.wait_reserved(i, 60) for i in ids])
+                rates.append(len(ids) / (last - t0))
+                await asyncio.gather(*(self.cancel(i) for i in ids))
+                await asyncio.sleep(0.3)
+        finally:
+            for c in sdk:
+                await c.close()
+        return rates
+
+    async def release_to_reserve(self, samples: int) -> list[float]:
+        out = []
+        blockers = [await self.submit(8) for _ in range(self.nodes)]
+        for b in blockers:
+            await self.wait_reserved(b)
+        for _ in range(samples):
+            big = await self.submit(64)
+            await asyncio.sleep(0.05)
+            assert big not in self.reserved, "the cluster should be full"
+            freed = blockers[:8]
+            blockers = blockers[8:]
+            for b in freed[:-1]:
+                await self.cancel(b)
+            await self.cancel(freed[-1])
+            t_release = time.perf_counter()
+            out.append(await self.wait_reserved(big) - t_release)
+            await self.cancel(big)
+            refill = [await self.submit(8) for _ in range(8)]
+            for b in refill:
+                await self.wait_reserved(b)
+            blockers += refill
+        for b in blockers:
+            await self.cancel(b)
+        return out
+
+
+def commit_floor(admin_url: str, samples: int = 500) -> float:
+    with psycopg.connect(admin_url) as conn:
+        conn.execute("CREATE TEMP TABLE floor (id text, body text)")
+        conn.commit()
+        out = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            conn.execute("INSERT INTO floor VALUES (%s, %s)", (uuid.uuid4().hex, "x" * 200))
+            conn.commit()
+            out.append(time.perf_counter() - t0)
+    return pct(out, 50)
+
+
+def naive_writer_rate(admin_url: str, threads: int = 8, seconds: float = 2.0) -> float:
+    """One transaction per submission from 8 threads: the ceiling without group commit."""
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_naive (id text primary key, body text)")
+    count = [0]
+    stop = time.perf_counter() + seconds
+
+    def run() -> None:
+        with psycopg.connect(admin_url) as conn:
+            n = 0
+            while time.perf_counter() < stop:
+                conn.execute("INSERT INTO bench_naive VALUES (%s, %s)", (uuid.uuid4().hex, "x" * 200))
+                conn.commit()
+                n += 1
+            count[0] += n
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE bench_naive")
+    return count[0] / seconds
+
+
+async def run(args) -> dict:
+    admin = normalize_url(args.db).replace("postgresql+psycopg://", "postgresql://")
+    results: dict = {"commit_floor_ms": round(commit_floor(admin) * 1000, 3),
+                     "naive_txn_per_submit_per_s": round(naive_writer_rate(admin))}
+    say(f"baseline: durable commit p50 {results['commit_floor_ms']} ms; "
+        f"naive one-txn-per-submit x8 threads {results['naive_txn_per_submit_per_s']}/s")
+    workdir = Path(tempfile.mkdtemp(prefix="phalanx-bench-"))
+    for nodes in args.nodes:
+        say(f"--- {nodes} nodes x 8 GPUs ---")
+        async with Bench(admin, nodes, workdir) as bench:
+            for gpus in (1, 8, 64):
+                lat = await bench.latency(gpus, args.samples)
+                key = f"n{nodes}_g{gpus}"
+                results[f"{key}_p50_ms"] = round(pct(lat, 50) * 1000, 2)
+                results[f"{key}_p99_ms"] = round(pct(lat, 99) * 1000, 2)
+                say(f"latency {gpus:>2}-GPU gang: p50 {results[f'{key}_p50_ms']} ms, p99 {results[f'{key}_p99_ms']} ms")
+            rates = await bench.throughput(args.clients, args.rounds)
+            results[f"n{nodes}_throughput_gangs_per_s"] = round(statistics.median(rates), 1)
+            say(f"throughput, {args.clients} SDK clients, mixed 1/8/64-GPU gangs: "
+                f"{results[f'n{nodes}_throughput_gangs_per_s']} gangs/s (rounds: {[round(r) for r in rates]})")
+            rel = await bench.release_to_reserve(args.release_samples)
+            results[f"n{nodes}_release_to_reserve_p50_ms"] = round(pct(rel, 50) * 1000, 2)
+            results[f"n{nodes}_release_to_reserve_p99_ms"] = round(pct(rel, 99) * 1000, 2)
+            say(f"release-to-reserve of a pending 64-GPU gang: p50 {results[f'n{nodes}_release_to_reserve_p50_ms']} "
+                f"ms, p99 {results[f'n{nodes}_release_to_reserve_p99_ms']} ms")
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", default=os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test"),
+                   help="PostgreSQL server (a database per cluster size is created and dropped)")
+    p.add_argument("--nodes", default="256,512", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--samples", type=int, default=100)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--release-samples", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="small sample counts, for a smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.samples, args.rounds, args.release_samples = 10, 1, 3
+    results = asyncio.run(run(args))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

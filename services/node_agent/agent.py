@@ -1,0 +1,557 @@
+"""The node agent daemon: registers its host, heartbeats, takes assignments, runs and reports ranks.
+
+    agent = NodeAgent(AgentConfig(scheduler="127.0.0.1:7070", node_name="n1", topology=topo))
+    await agent.run()            # until agent.request_stop() (SIGTERM/SIGINT in the CLI)
+
+Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
+- RegisterNode with a fresh agent_instance per process; Heartbeat every heartbeat_interval_ms; a heartbeat
+  answered `reregister` (or any RPC failure) ends the session and the agent registers again.
+- StreamAssignments from the last revision acked in the local state file. Each assignment is applied
+  idempotently (launches keyed by (job_id, attempt, rank); a killed attempt is never launched), the state file is
+  written, and only then AckAssignments(revision).
+- Every rank state change is queued in the state file and sent with ReportRankStatus until the scheduler takes
+  it, so nothing is lost while the scheduler is down. A report answered `stale` kills the rank.
+- The connection is retried with exponential backoff and jitter (capped at backoff_cap_s).
+- After a restart the agent adopts ranks whose wrapper process is still alive (same pid and start time) and
+  reports the others EXITED (exit code from the wrapper's status file) or LOST.
+- request_stop(): stop taking work, kill running ranks (KILLED), flush reports, return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+from prometheus_client import Gauge
+
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+from . import launcher
+from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key
+
+RANKS_RUNNING = Gauge("phalanx_agent_ranks_running", "Rank processes this node agent is running")
+REPORTS_PENDING = Gauge("phalanx_agent_reports_pending", "Rank status reports not yet taken by the scheduler")
+
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 0),
+]
+
+# Report errors that retrying cannot fix; anything else (UNAVAILABLE, NOT_FOUND while the scheduler forgot the
+# node, DEADLINE_EXCEEDED, ...) is retried with backoff.
+_PERMANENT = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
+
+_STATE_ENUM = {
+    "running": common_pb2.RANK_STATE_RUNNING,
+    "exited": common_pb2.RANK_STATE_EXITED,
+    "failed": common_pb2.RANK_STATE_FAILED_TO_START,
+    "killed": common_pb2.RANK_STATE_KILLED,
+    "lost": common_pb2.RANK_STATE_LOST,
+}
+
+
+@dataclass
+class AgentConfig:
+    scheduler: str
+    node_name: str
+    topology: agent_pb2.HostTopology
+    state_dir: Path | None = None          # default $PHALANX_HOME/agents/<node_name> (.phalanx/...)
+    address: str = "127.0.0.1"             # where ranks reach this host (MASTER_ADDR when it hosts rank 0)
+    kill_grace_s: float = 5.0              # SIGTERM -> SIGKILL
+    backoff_initial_s: float = 0.1
+    backoff_cap_s: float = 5.0
+    rpc_timeout_s: float = 5.0
+    poll_interval_s: float = 0.05          # how often rank processes are checked
+    start_timeout_s: float = 15.0          # for the wrapper to say the command started
+    flush_timeout_s: float = 5.0           # at shutdown, for queued reports
+    default_heartbeat_ms: int = 1000
+    extra: dict = field(default_factory=dict)
+
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir) if self.state_dir is not None else default_state_dir(self.node_name)
+
+
+class _Reregister(Exception):
+    """Register again at once (heartbeat said `reregister`)."""
+
+
+class _StreamEnded(Exception):
+    """The scheduler closed the assignment stream: reconnect after a backoff."""
+
+
+def backoff_delay(attempt: int, initial: float, cap: float) -> float:
+    """Exponential backoff with full jitter in [base/2, base], base = min(cap, initial * 2**attempt)."""
+    base = min(cap, initial * (2 ** min(attempt, 30)))
+    return random.uniform(base / 2, base)
+
+
+class NodeAgent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.node_name = config.node_name
+        self.instance = uuid.uuid4().hex
+        self.state_dir = config.resolved_state_dir().resolve()
+        self.state = AgentState.load(self.state_dir / "state.json", node_name=self.node_name)
+        self.state.node_name = self.node_name
+        self.log = structlog.get_logger(service="node-agent").bind(node=self.node_name, instance=self.instance[:8])
+        self._lock = StateLock(self.state_dir)
+        self._stop = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._reports_changed = asyncio.Event()
+        self._stub: agent_pb2_grpc.NodeServiceStub | None = None
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._monitors: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._reporter: asyncio.Task | None = None
+        self._run_task: asyncio.Task | None = None
+        self._attempt = 0
+        self.registrations = 0                 # successful RegisterNode calls (for tests / introspection)
+        self.heartbeat_interval_ms = config.default_heartbeat_ms
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self) -> None:
+        """Run until request_stop(); then kill ranks, flush reports and return."""
+        self._run_task = asyncio.current_task()
+        self._lock.acquire()
+        self.log.info("agent_starting", scheduler=self.config.scheduler, state_dir=str(self.state_dir),
+                      acked_revision=self.state.acked_revision, gpus=len(self.config.topology.gpus))
+        try:
+            self._adopt()
+            self._reporter = asyncio.create_task(self._report_loop(), name="reporter")
+            await self._supervise()
+            await self._shutdown()
+        finally:
+            self._lock.release()
+        self.log.info("agent_stopped")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def stop(self) -> None:
+        """Request a graceful stop and wait for run() to return (when it runs as a task)."""
+        self.request_stop()
+        if self._run_task is not None and self._run_task is not asyncio.current_task():
+            await asyncio.shield(self._run_task)
+
+    async def abort(self) -> None:
+        """Simulate a crash: drop everything at once, leaving rank processes and the state file as they are."""
+        tasks = [t for t in [self._run_task, self._reporter, *self._monitors.values(), *self._tasks] if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._lock.release()
+
+    # ---------------------------------------------------------------- connection
+
+    async def _supervise(self) -> None:
+        self._attempt = 0
+        while not self._stop.is_set():
+            try:
+                await self._session()
+                continue
+            except _Reregister:
+                self.log.info("reregistering")
+                continue
+            except _StreamEnded:
+                self.log.warning("assignment_stream_ended", attempt=self._attempt)
+            except grpc.aio.AioRpcError as exc:
+                self.log.warning("scheduler_unreachable", code=exc.code().name, detail=exc.details(),
+                                 attempt=self._attempt)
+            except (OSError, grpc.RpcError) as exc:
+                self.log.warning("scheduler_connection_error", error=str(exc), attempt=self._attempt)
+            except Exception:  # noqa: BLE001 - a bug must not end the daemon; log it and reconnect
+                self.log.exception("agent_session_error", attempt=self._attempt)
+            if self._stop.is_set():
+                break
+            delay = backoff_delay(self._attempt, self.config.backoff_initial_s, self.config.backoff_cap_s)
+            self._attempt += 1
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+
+    async def _session(self) -> None:
+        channel = grpc.aio.insecure_channel(self.config.scheduler, options=CHANNEL_OPTIONS)
+        stub = agent_pb2_grpc.NodeServiceStub(channel)
+        tasks: list[asyncio.Task] = []
+        try:
+            resp = await stub.RegisterNode(
+                agent_pb2.RegisterNodeRequest(
+                    node_name=self.node_name,
+                    topology=self.config.topology,
+                    address=self.config.address,
+                    agent_instance=self.instance,
+                ),
+                timeout=self.config.rpc_timeout_s,
+            )
+            self.registrations += 1
+            self._attempt = 0
+            self.heartbeat_interval_ms = resp.heartbeat_interval_ms or self.config.default_heartbeat_ms
+            self.log.info("registered", heartbeat_ms=self.heartbeat_interval_ms,
+                          scheduler_acked=resp.acked_revision, local_acked=self.state.acked_revision)
+            if resp.acked_revision < self.state.acked_revision:
+                await stub.AckAssignments(
+                    agent_pb2.AckAssignmentsRequest(node_name=self.node_name, revision=self.state.acked_revision),
+                    timeout=self.config.rpc_timeout_s,
+                )
+            self._stub = stub
+            self._connected.set()
+            self._reports_changed.set()
+            tasks = [
+                asyncio.create_task(self._heartbeat_loop(stub), name="heartbeat"),
+                asyncio.create_task(self._consume(stub), name="assignments"),
+                asyncio.create_task(self._stop.wait(), name="stop"),
+            ]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.get_name() != "stop" and t.exception() is not None:
+                    raise t.exception()
+            if not self._stop.is_set():
+                raise _StreamEnded()
+        finally:
+            self._connected.clear()
+            self._stub = None
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await channel.close(grace=None)
+
+    async def _heartbeat_loop(self, stub) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_ms / 1000)
+            resp = await stub.Heartbeat(
+                agent_pb2.HeartbeatRequest(node_name=self.node_name, agent_instance=self.instance),
+                timeout=self.config.rpc_timeout_s,
+            )
+            if resp.reregister:
+                raise _Reregister()
+
+    async def _consume(self, stub) -> None:
+        call = stub.StreamAssignments(
+            agent_pb2.StreamAssignmentsRequest(node_name=self.node_name, after_revision=self.state.acked_revision)
+        )
+        async for assignment in call:
+            if self._stop.is_set():
+                return
+            await self._take(stub, assignment)
+
+    # ---------------------------------------------------------------- assignments
+
+    async def _take(self, stub, a: agent_pb2.Assignment) -> None:
+        kind = a.WhichOneof("action")
+        started: list[RankRecord] = []
+        if kind == "launch":
+            started = self._prepare_launch(a.launch)
+        elif kind == "kill":
+            self._prepare_kill(a.kill)
+        else:
+            self.log.warning("unknown_assignment", revision=a.revision)
+        self.state.acked_revision = max(self.state.acked_revision, a.revision)
+        self.state.save()  # durable before the ack
+        self._start(started, a.launch.command if kind == "launch" else [], a.launch if kind == "launch" else None)
+        if kind == "kill":
+            for rec in self._ranks_of(a.kill.job_id, a.kill.attempt):
+                self._spawn_task(self._kill_rank(rec, a.kill.reason or "killed by the scheduler"))
+        await stub.AckAssignments(
+            agent_pb2.AckAssignmentsRequest(node_name=self.node_name, revision=self.state.acked_revision),
+            timeout=self.config.rpc_timeout_s,
+        )
+        self.log.info("assignment_acked", revision=a.revision, action=kind)
+
+    def _prepare_launch(self, launch: agent_pb2.LaunchReplica) -> list[RankRecord]:
+        new: list[RankRecord] = []
+        if attempt_key(launch.job_id, launch.attempt) in self.state.killed_attempts:
+            self.log.info("launch_of_killed_attempt_ignored", job_id=launch.job_id, attempt=launch.attempt)
+            return new
+        for r in launch.ranks:
+            key = rank_key(launch.job_id, launch.attempt, r.rank)
+            if key in self.state.ranks:
+                self.log.info("rank_already_launched", job_id=launch.job_id, attempt=launch.attempt, rank=r.rank)
+                continue
+            status, log_file = launcher.rank_paths(self.state_dir, launch.job_id, launch.attempt, r.rank)
+            rec = RankRecord(
+                job_id=launch.job_id, attempt=launch.attempt, rank=r.rank, local_rank=r.local_rank,
+                gpus=list(r.gpus), replica=launch.replica, status_file=str(status), log_file=str(log_file),
+            )
+            self.state.ranks[key] = rec
+            new.append(rec)
+        return new
+
+    def _start(self, records: list[RankRecord], command, launch) -> None:
+        if not records:
+            return
+        envs = {r.rank: dict(r.env) for r in launch.ranks}
+        for rec in records:
+            if not command:
+                self._finish(rec, "failed", exit_code=127, message="empty command")
+                continue
+            try:
+                proc = launcher.spawn_rank(rec, list(command), envs.get(rec.rank, {}))
+            except OSError as exc:
+                self._finish(rec, "failed", exit_code=127, message=f"cannot start rank wrapper: {exc}")
+                continue
+            rec.wrapper_pid = proc.pid
+            rec.wrapper_start = launcher.proc_start_time(proc.pid)
+            self._procs[rec.key] = proc
+            self.log.info("rank_spawned", job_id=rec.job_id, attempt=rec.attempt, rank=rec.rank, pid=proc.pid)
+            self._monitors[rec.key] = asyncio.create_task(self._monitor(rec, proc), name=f"rank {rec.key}")
+        self.state.save()
+
+    def _prepare_kill(self, kill: agent_pb2.KillJob) -> None:
+        self.state.killed_attempts.add(attempt_key(kill.job_id, kill.attempt))
+        for rec in self._ranks_of(kill.job_id, kill.attempt):
+            rec.kill_requested = True
+
+    def _ranks_of(self, job_id: str, attempt: int) -> list[RankRecord]:
+        return [r for r in self.state.ranks.values() if r.job_id == job_id and r.attempt == attempt and not r.final]
+
+    def _spawn_task(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # ---------------------------------------------------------------- ranks
+
+    def _alive(self, rec: RankRecord) -> bool:
+        proc = self._procs.get(rec.key)
+        if proc is not None:
+            return proc.poll() is None
+        return launcher.pid_alive(rec.wrapper_pid, rec.wrapper_start)
+
+    async def _monitor(self, rec: RankRecord, proc: subprocess.Popen | None, adopted: bool = False) -> None:
+        poll = self.config.poll_interval_s
+        if not adopted:
+            deadline = time.monotonic() + self.config.start_timeout_s
+            while True:
+                st = launcher.read_status(rec.status_file)
+                if st and st.get("state") in ("running", "exited"):
+                    rec.child_pid = int(st.get("child_pid", 0))
+                    rec.state = "running"
+                    self.state.save()
+                    self._report(rec, "running", message="started")
+                    break
+                if st and st.get("state") == "failed":
+                    self._wait_gone(rec)
+                    self._finish(rec, "failed", exit_code=127, message=st.get("error", "could not start"))
+                    return
+                if not self._alive(rec):
+                    st = launcher.read_status(rec.status_file)
+                    if st:
+                        continue
+                    rc = proc.returncode if proc is not None else -1
+                    if rec.kill_requested:
+                        self._finish(rec, "killed", exit_code=launcher.exit_code_from_returncode(rc),
+                                     message="killed before it started")
+                    else:
+                        self._finish(rec, "failed", exit_code=launcher.exit_code_from_returncode(rc),
+                                     message=f"rank wrapper exited with {rc} before starting the command")
+                    return
+                if time.monotonic() > deadline:
+                    self.log.warning("rank_start_slow", rank=rec.key)
+                    deadline = float("inf")
+                await asyncio.sleep(poll)
+        while self._alive(rec):
+            await asyncio.sleep(poll)
+        self._procs.pop(rec.key, None)
+        st = launcher.read_status(rec.status_file) or {}
+        if st.get("state") == "exited":
+            code = int(st.get("exit_code", 0))
+        elif proc is not None and proc.returncode is not None:
+            code = launcher.exit_code_from_returncode(proc.returncode)
+        else:
+            code = None
+        if rec.kill_requested:
+            self._finish(rec, "killed", exit_code=code or 0, message="killed")
+        elif code is not None:
+            self._finish(rec, "exited", exit_code=code, message=f"exited with code {code}")
+        else:
+            self._finish(rec, "lost", message="the rank process is gone and left no exit status")
+
+    def _wait_gone(self, rec: RankRecord) -> None:
+        proc = self._procs.pop(rec.key, None)
+        if proc is not None:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+
+    async def _kill_rank(self, rec: RankRecord, reason: str) -> None:
+        if rec.final:
+            return
+        rec.kill_requested = True
+        self.state.save()
+        self.log.info("killing_rank", rank=rec.key, reason=reason, pid=rec.wrapper_pid)
+        if rec.wrapper_pid and self._alive(rec):
+            launcher.signal_group(rec.wrapper_pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.kill_grace_s
+        while not rec.final and self._alive(rec) and time.monotonic() < deadline:
+            await asyncio.sleep(self.config.poll_interval_s)
+        if not rec.final and rec.wrapper_pid and self._alive(rec):
+            self.log.warning("rank_sigkill", rank=rec.key)
+            launcher.signal_group(rec.wrapper_pid, signal.SIGKILL)
+        monitor = self._monitors.get(rec.key)
+        if monitor is None and not rec.final:
+            # Nothing watches it (e.g. still "starting" with no process): settle it here.
+            while rec.wrapper_pid and self._alive(rec):
+                await asyncio.sleep(self.config.poll_interval_s)
+            self._finish(rec, "killed", message=reason)
+
+    def _finish(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "") -> None:
+        if rec.final:
+            return
+        rec.state, rec.exit_code, rec.message = state, exit_code, message
+        self._monitors.pop(rec.key, None)
+        self._procs.pop(rec.key, None)
+        self.log.info("rank_finished", rank=rec.key, state=state, exit_code=exit_code, message=message)
+        self._report(rec, state, exit_code=exit_code, message=message)
+
+    def _report(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "") -> None:
+        self.state.pending_reports.append({
+            "job_id": rec.job_id, "attempt": rec.attempt, "rank": rec.rank, "state": state,
+            "exit_code": exit_code, "message": message, "pid": rec.child_pid or rec.wrapper_pid,
+        })
+        self.state.save()
+        REPORTS_PENDING.set(len(self.state.pending_reports))
+        RANKS_RUNNING.set(sum(1 for r in self.state.ranks.values() if r.state == "running"))
+        self._reports_changed.set()
+
+    def _adopt(self) -> None:
+        """Take over ranks left by a previous agent process: adopt live ones, settle the dead ones."""
+        for rec in list(self.state.ranks.values()):
+            if rec.final:
+                continue
+            st = launcher.read_status(rec.status_file) or {}
+            if not rec.wrapper_pid and st.get("wrapper_pid"):
+                rec.wrapper_pid = int(st["wrapper_pid"])
+                rec.wrapper_start = launcher.proc_start_time(rec.wrapper_pid)
+            if rec.wrapper_pid and launcher.pid_alive(rec.wrapper_pid, rec.wrapper_start):
+                rec.child_pid = rec.child_pid or int(st.get("child_pid", 0))
+                was_running = rec.state == "running"
+                rec.state = "running"
+                self.log.info("rank_adopted", rank=rec.key, pid=rec.wrapper_pid)
+                if not was_running:
+                    self._report(rec, "running", message="adopted by a restarted agent")
+                self._monitors[rec.key] = asyncio.create_task(self._monitor(rec, None, adopted=True))
+                if rec.kill_requested or attempt_key(rec.job_id, rec.attempt) in self.state.killed_attempts:
+                    self._spawn_task(self._kill_rank(rec, "kill requested before the agent restarted"))
+            elif st.get("state") == "exited":
+                code = int(st.get("exit_code", 0))
+                if rec.kill_requested:
+                    self._finish(rec, "killed", exit_code=code, message="killed")
+                else:
+                    self._finish(rec, "exited", exit_code=code, message=f"exited with code {code} while the agent was down")
+            elif st.get("state") == "failed":
+                self._finish(rec, "failed", exit_code=127, message=st.get("error", "could not start"))
+            elif rec.kill_requested:
+                self._finish(rec, "killed", message="killed")
+            else:
+                self._finish(rec, "lost", message="rank process gone after an agent restart, no exit status")
+        self.state.save()
+
+    # ---------------------------------------------------------------- reports
+
+    async def _report_loop(self) -> None:
+        attempt = 0
+        while True:
+            if not self.state.pending_reports:
+                self._reports_changed.clear()
+                await self._reports_changed.wait()
+                continue
+            stub = self._stub
+            if stub is None:
+                await self._connected.wait()
+                continue
+            item = self.state.pending_reports[0]
+            req = agent_pb2.ReportRankStatusRequest(
+                node_name=self.node_name, job_id=item["job_id"], attempt=item["attempt"], rank=item["rank"],
+                state=_STATE_ENUM[item["state"]], exit_code=item["exit_code"], message=item["message"],
+                pid=item["pid"],
+            )
+            try:
+                resp = await stub.ReportRankStatus(req, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _PERMANENT:
+                    # Retrying cannot help (e.g. the scheduler has no such rank on this node): drop it, say so.
+                    self.log.warning("report_rejected", rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
+                                     state=item["state"], code=exc.code().name, detail=exc.details())
+                    if self.state.pending_reports and self.state.pending_reports[0] is item:
+                        self.state.pending_reports.pop(0)
+                        self.state.save()
+                    continue
+                self.log.info("report_retry", rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
+                              error=exc.code().name, attempt=attempt)
+                await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
+                attempt += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - any other failure: keep the report and retry
+                detail = repr(exc)
+                self.log.info("report_retry", rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
+                              error=detail, attempt=attempt)
+                await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
+                attempt += 1
+                continue
+            attempt = 0
+            if self.state.pending_reports and self.state.pending_reports[0] is item:
+                self.state.pending_reports.pop(0)
+                self.state.save()
+                REPORTS_PENDING.set(len(self.state.pending_reports))
+            if resp.stale:
+                rec = self.state.ranks.get(rank_key(item["job_id"], item["attempt"], item["rank"]))
+                if rec is not None and not rec.final:
+                    self.log.info("stale_rank", rank=rec.key)
+                    self.state.killed_attempts.add(attempt_key(rec.job_id, rec.attempt))
+                    self._spawn_task(self._kill_rank(rec, "attempt superseded (stale)"))
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def _shutdown(self) -> None:
+        live = [r for r in self.state.ranks.values() if not r.final]
+        self.log.info("agent_shutting_down", live_ranks=len(live), pending_reports=len(self.state.pending_reports))
+        kills = [asyncio.create_task(self._kill_rank(r, "node agent shutting down")) for r in live]
+        if kills:
+            await asyncio.gather(*kills, return_exceptions=True)
+        monitors = list(self._monitors.values())
+        if monitors:
+            await asyncio.wait(monitors, timeout=self.config.kill_grace_s + 2)
+        for t in list(self._tasks):
+            t.cancel()
+        if self.state.pending_reports:
+            channel = grpc.aio.insecure_channel(self.config.scheduler, options=CHANNEL_OPTIONS)
+            self._stub = agent_pb2_grpc.NodeServiceStub(channel)
+            self._connected.set()
+            self._reports_changed.set()
+            deadline = time.monotonic() + self.config.flush_timeout_s
+            while self.state.pending_reports and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            self._stub = None
+            await channel.close(grace=None)
+            if self.state.pending_reports:
+                self.log.warning("reports_unsent", count=len(self.state.pending_reports),
+                                 note="kept in the state file; sent by the next agent start")
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.gather(self._reporter, return_exceptions=True)
+        self.state.save()

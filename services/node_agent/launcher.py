@@ -1,0 +1,114 @@
+"""Starting, finding and signalling rank processes.
+
+Each rank runs as `python rank_wrapper.py --status-file F -- command...` in its own session (process group =
+the wrapper's pid), with env = os.environ + the rank env and stdout/stderr appended to a per-rank log file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import rank_wrapper
+from .state import RankRecord, safe_name
+
+WRAPPER = str(Path(rank_wrapper.__file__).resolve())
+
+
+def rank_paths(state_dir: Path, job_id: str, attempt: int, rank: int) -> tuple[Path, Path]:
+    stem = f"{safe_name(job_id)}-a{attempt}-r{rank}"
+    return state_dir / "ranks" / f"{stem}.status.json", state_dir / "logs" / f"{stem}.log"
+
+
+def spawn_rank(record: RankRecord, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start the rank wrapper for `record` (status_file and log_file already set). Raises OSError on failure."""
+    status = Path(record.status_file)
+    log = Path(record.log_file)
+    status.parent.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    status.unlink(missing_ok=True)
+    full_env = {**os.environ, **env}
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-I", WRAPPER, "--status-file", str(status), "--", *command],
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a live pid from /proc, or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_start_time(pid: int) -> int:
+    st = proc_stat(pid)
+    return st[1] if st else 0
+
+
+def pid_alive(pid: int, start_time: int = 0) -> bool:
+    """The same process (pid and start time) still exists and is not a zombie."""
+    if pid <= 0:
+        return False
+    st = proc_stat(pid)
+    if st is None:
+        return False
+    state, started = st
+    if state in ("Z", "X"):
+        try:  # reap it if it happens to be our child
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        return False
+    return not start_time or started == start_time
+
+
+def read_status(path: str | Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Signal the rank's whole process group; False when it is gone."""
+    if pgid <= 0:
+        return False
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def exit_code_from_returncode(rc: int) -> int:
+    """Popen returncode -> shell-style exit code (a death by signal S is 128 + S)."""
+    return rc if rc >= 0 else 128 - rc
+
+
+__all__ = [
+    "exit_code_from_returncode",
+    "pid_alive",
+    "proc_start_time",
+    "rank_paths",
+    "read_status",
+    "signal_group",
+    "spawn_rank",
+]
