@@ -1,0 +1,163 @@
+"""End to end with real processes: `LocalCluster` (scheduler, checkpoint coordinator, three simulated agents) on
+SQLite runs a 2 x 8 gang whose ranks are real Python processes, survives the SIGKILL of an agent (the node goes
+LOST, the rest keeps working), and leaves no process behind when stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.cli.cluster import LocalCluster
+from phalanx.cli.main import main as cli_main
+from phalanx.client import Client, JobState
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+# The documented JSON shapes of `phalanx jobs --json` and `phalanx nodes --json` (README, Job/Node.to_dict).
+JOB_FIELDS = {
+    "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "env",
+    "allocations", "attempt", "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement",
+}
+NODE_FIELDS = {
+    "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",
+    "address",
+}
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR")
+
+RANK_PROGRAM = (
+    "import json, os\n"
+    f"keys = {ENV_KEYS!r}\n"
+    "path = os.path.join(os.environ['OUT_DIR'], 'rank-%s.json' % os.environ['RANK'])\n"
+    "with open(path + '.tmp', 'w') as f:\n"
+    "    json.dump({k: os.environ.get(k) for k in keys}, f)\n"
+    "os.replace(path + '.tmp', path)\n"
+)
+
+
+def _cli_json(capsys, address: str, *argv: str):
+    code = cli_main(["--scheduler", address, "--timeout", "10", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)  # stdout is exactly one JSON document
+
+
+def _eventually(check, *, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def _processes_of(state_dir: Path) -> list[str]:
+    """Live processes that belong to this cluster: its state dir on their command line or as PHALANX_HOME."""
+    marker = str(state_dir).encode()
+    home = b"PHALANX_HOME=" + marker
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text()
+            environ = (entry / "environ").read_bytes() if os.access(entry / "environ", os.R_OK) else b""
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:].startswith("Z"):
+            continue
+        if marker in cmdline or home in environ.split(b"\0"):
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry.name}: {shown}")
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
+    monkeypatch.delenv("PHALANX_DB", raising=False)
+    state_dir = tmp_path / "cluster"
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    messages: list[str] = []
+    cluster = LocalCluster(nodes=3, state_dir=state_dir, port=0, log=messages.append, ready_timeout=60)
+    try:
+        cluster.start()
+        assert (state_dir / "phalanx.db").exists() and (state_dir / "topology.conf").exists()
+        with Client(cluster.address, timeout=10) as client:
+            nodes = client.nodes()
+            assert sorted(n.name for n in nodes) == ["node-01", "node-02", "node-03"]
+            assert all(n.state.value == "READY" and n.gpus == 8 for n in nodes)
+
+            # -- a 2 x 8 gang of real processes ------------------------------------------------------------------
+            job = client.submit("e2e-gang", 2, 8, [sys.executable, "-c", RANK_PROGRAM], env={"OUT_DIR": str(out_dir)})
+            done = client.wait(job.id, timeout=60)
+            assert done.state is JobState.SUCCEEDED, done
+            assert len(done.allocations) == 2 and len(set(done.nodes)) == 2
+
+        envs = [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(16)]
+        assert sorted(int(e["RANK"]) for e in envs) == list(range(16))
+        assert {e["WORLD_SIZE"] for e in envs} == {"16"}
+        by_node: dict[str, list[dict]] = {}
+        for e in envs:
+            by_node.setdefault(e["PHALANX_NODE"], []).append(e)
+        assert set(by_node) == set(done.nodes)
+        for node, ranks in by_node.items():
+            assert len(ranks) == 8, node
+            devices = [e["CUDA_VISIBLE_DEVICES"] for e in ranks]
+            assert len(set(devices)) == 8, (node, devices)  # one distinct GPU per rank on each node
+            assert sorted(int(e["LOCAL_RANK"]) for e in ranks) == list(range(8))
+        alloc_nodes = {a.replica: a.node for a in done.allocations}
+        for e in envs:
+            assert alloc_nodes[int(e["NODE_RANK"])] == e["PHALANX_NODE"]
+
+        # -- `phalanx jobs --json`: exactly a JSON array with the documented fields ------------------------------
+        jobs = _cli_json(capsys, cluster.address, "jobs", "--json")
+        assert isinstance(jobs, list) and len(jobs) == 1
+        (row,) = jobs
+        assert set(row) == JOB_FIELDS
+        assert row["id"] == job.id and row["state"] == "SUCCEEDED" and row["exit_code"] == 0
+        assert (row["replicas"], row["gpus_per_replica"]) == (2, 8)
+        assert sorted(a["replica"] for a in row["allocations"]) == [0, 1]
+        assert all(len(a["gpus"]) == 8 for a in row["allocations"])
+
+        # -- SIGKILL one agent: a node failure, not the end of the cluster -------------------------------------
+        victim = next(n for n in cluster.node_names if n not in done.nodes)
+        cluster.kill_agent(victim)
+        _eventually(lambda: cluster.agents[victim].exit_code is not None, timeout=10, what="the monitor to notice")
+        assert any(victim in m and "node failure" in m for m in messages), messages
+        survivors = [p for p in cluster.children() if p.name != victim]
+        assert all(p.alive() for p in survivors), [(p.name, p.proc.returncode) for p in survivors]
+
+        def victim_lost():
+            nodes = _cli_json(capsys, cluster.address, "nodes", "--json")
+            assert all(set(n) == NODE_FIELDS for n in nodes)
+            states = {n["name"]: n["state"] for n in nodes}
+            return states if states.get(victim) == "LOST" else None
+
+        states = _eventually(victim_lost, timeout=30, what=f"{victim} to be LOST")
+        assert all(states[n] == "READY" for n in cluster.node_names if n != victim), states
+        assert cluster.running and cluster.failed_service is None
+
+        with Client(cluster.address, timeout=10) as client:  # the rest still takes work
+            after = client.submit("after-loss", 1, 8, [sys.executable, "-c", "pass"])
+            after = client.wait(after.id, timeout=60)
+            assert after.state is JobState.SUCCEEDED, after
+            assert victim not in after.nodes
+    finally:
+        cluster.stop()
+
+    # -- nothing is left behind ----------------------------------------------------------------------------------
+    assert all(not p.alive() for p in cluster.children())
+    deadline = time.monotonic() + 10
+    while _processes_of(state_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_of(state_dir) == []
+    assert not (state_dir / "cluster.json").exists()
