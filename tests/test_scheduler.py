@@ -96,15 +96,15 @@ async def test_ranks_get_the_torchrun_environment(db_url):
         await c.wait_state(job.id, RUNNING)
         await eventually(lambda: _launched(c, 2), what="launches on both nodes")
         launches = [l for a in c.agents.values() for l in a.launched if l.job_id == job.id]
-        ranks = sorted((r for l in launches for r in l.ranks), key=lambda r: r.rank)
-        assert [r.rank for r in ranks] == list(range(16))
-        master = {r.env["MASTER_ADDR"] for r in ranks}, {r.env["MASTER_PORT"] for r in ranks}
-        assert len(master[0]) == 1 and len(master[1]) == 1
-        for r in ranks:
-            assert r.env["RANK"] == str(r.rank) and r.env["WORLD_SIZE"] == "16"
-            assert r.env["LOCAL_RANK"] == str(r.rank % 8) and r.env["LOCAL_WORLD_SIZE"] == "8"
-            assert r.env["NODE_RANK"] == str(r.rank // 8) and r.env["PHALANX_JOB_ID"] == job.id
-            assert r.env["CUDA_VISIBLE_DEVICES"] == str(r.gpus[0])
+        ranks = sorted(((r, {**l.env, **r.env}) for l in launches for r in l.ranks), key=lambda x: x[0].rank)
+        assert [r.rank for r, _ in ranks] == list(range(16))
+        assert len({env["MASTER_ADDR"] for _, env in ranks}) == 1
+        assert len({env["MASTER_PORT"] for _, env in ranks}) == 1
+        for r, env in ranks:
+            assert env["RANK"] == str(r.rank) and env["WORLD_SIZE"] == "16"
+            assert env["LOCAL_RANK"] == str(r.rank % 8) and env["LOCAL_WORLD_SIZE"] == "8"
+            assert env["NODE_RANK"] == str(r.rank // 8) and env["PHALANX_JOB_ID"] == job.id
+            assert env["CUDA_VISIBLE_DEVICES"] == str(r.gpus[0])
 
 
 async def _launched(c: Cluster, n: int) -> bool:
@@ -116,9 +116,9 @@ async def test_one_process_per_replica_for_torchrun(db_url):
         job = await c.submit("torchrun", 2, 8, ("run",), procs_per_replica=1)
         await c.wait_state(job.id, RUNNING)
         await eventually(lambda: _launched(c, 2), what="launches")
-        ranks = [r for a in c.agents.values() for l in a.launched for r in l.ranks]
-        assert sorted(r.rank for r in ranks) == [0, 1]
-        assert all(r.env["WORLD_SIZE"] == "2" and r.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" for r in ranks)
+        ranks = [(r, {**l.env, **r.env}) for a in c.agents.values() for l in a.launched for r in l.ranks]
+        assert sorted(r.rank for r, _ in ranks) == [0, 1]
+        assert all(env["WORLD_SIZE"] == "2" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" for _, env in ranks)
 
 
 @pytest.mark.parametrize(

@@ -46,27 +46,31 @@ def place_gang(
     capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str] = ()
 ) -> Placement | Unplaceable:
     """Place all replicas of `request` at once, or say why not. Does not change `capacity`."""
-    g = request.gpus_per_replica
-    candidates = [n for n in capacity.nodes.values() if n.slots(g) > 0]
-    total_slots = sum(n.slots(g) for n in candidates)
-    if total_slots < request.replicas:
+    g, need = request.gpus_per_replica, request.replicas
+    candidates = [n for n in capacity.nodes.values() if n.schedulable and len(n.free) >= g]
+    total_slots = sum(len(n.free) // g for n in candidates)
+    if total_slots < need:
         return Unplaceable(
             request.job_id,
-            f"needs {request.replicas} x {g} GPUs; free capacity holds {total_slots} such replica(s) now "
+            f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now "
             f"({capacity.free_gpus()} GPUs free)",
         )
     names = tier_names(capacity, fabric_tiers)
     top = len(names) - 1
     for level in range(top + 1):
-        groups: dict[str, list[NodeCapacity]] = {}
+        # One pass per tier: slots and free GPUs per domain; the best fit is the fitting domain with least free.
+        slots: dict[str, int] = {}
+        free: dict[str, int] = {}
         for node in candidates:
-            groups.setdefault(_key(node, level) if level < top else "", []).append(node)
-        fitting = [(k, ns) for k, ns in groups.items() if sum(n.slots(g) for n in ns) >= request.replicas]
+            key = _key(node, level) if level < top else ""
+            slots[key] = slots.get(key, 0) + len(node.free) // g
+            free[key] = free.get(key, 0) + len(node.free)
+        fitting = [k for k, s in slots.items() if s >= need]
         if not fitting:
             continue
-        key, members = min(fitting, key=lambda kv: (sum(len(n.free) for n in kv[1]), kv[0]))
-        takes = _take(members, request.replicas, g, level)
-        return _build(request, takes, names, level)
+        best = min(fitting, key=lambda k: (free[k], k))
+        members = [n for n in candidates if (_key(n, level) if level < top else "") == best]
+        return _build(request, _take(members, need, g, level), names, level)
     raise AssertionError("the cluster level always fits when total slots suffice")
 
 

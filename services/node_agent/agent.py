@@ -303,7 +303,8 @@ class NodeAgent:
     def _start(self, records: list[RankRecord], command, launch) -> None:
         if not records:
             return
-        envs = {r.rank: dict(r.env) for r in launch.ranks}
+        shared = dict(launch.env)
+        envs = {r.rank: {**shared, **r.env} for r in launch.ranks}
         for rec in records:
             if not command:
                 self._finish(rec, "failed", exit_code=127, message="empty command")

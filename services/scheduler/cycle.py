@@ -8,7 +8,6 @@ the service reloads the view from the ledger. A reservation runs inside a savepo
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import uuid
 from dataclasses import dataclass, field
@@ -16,7 +15,6 @@ from typing import Any
 
 import structlog
 from sqlalchemy import Connection, select
-from sqlalchemy.exc import IntegrityError
 
 from db.models import Job
 from phalanx.api.v1 import agent_pb2, common_pb2
@@ -27,7 +25,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from . import ledger
 from .convert import job_from_record
 from .settings import SchedulerSettings
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, RankRecord, SchedulerState
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, RankRecord, SchedulerState, layout_ranks
 
 log = structlog.get_logger()
 
@@ -43,13 +41,31 @@ class Cycle:
     reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
     resync_after: bool = False
     heartbeats: dict[int, float] = field(default_factory=dict)
+    foreign_writes: bool = False
+    # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
+    new_jobs: list[JobRecord] = field(default_factory=list)
+    new_allocations: list[JobRecord] = field(default_factory=list)
+    outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
+    delivered: list[tuple[str, int, bytes]] = field(default_factory=list)
+
+    def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
+        """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
+        self.outbox.append((node, job_id, attempt, kind, build))
+        self.woken_nodes.add(node.name)
+
+    def flush(self) -> None:
+        if self.outbox:
+            self.delivered += ledger.append_assignments(self.conn, self.outbox, self.now)
+            self.outbox = []
 
     def touched(self, job: JobRecord) -> None:
         self.changed[job.id] = job_from_record(job)
 
     def reload(self) -> None:
-        """Reload the view inside this transaction (it sees this cycle's own writes)."""
+        """Reload the view inside this transaction (it sees this cycle's own writes, not its unwritten jobs)."""
         reload_state(self.conn, self.state, self.settings, self.now, initial=False)
+        for job in self.new_jobs:
+            self.state.jobs[job.id] = job
 
 
 def reload_state(conn: Connection, state: SchedulerState, settings: SchedulerSettings, now: float, *, initial: bool) -> None:
@@ -90,7 +106,10 @@ class Submit(Command):
 
 
 def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
-    """Insert every valid submission in one statement. Repeated request ids return the first job."""
+    """Accept every valid submission into the view; `write_new_jobs` inserts them all in one statement.
+
+    Repeated request ids return the first job.
+    """
     results: dict[int, Any] = {}
     existing = ledger.find_by_request_ids(cycle.conn, [s.request_id for s in submits if s.request_id])
     new: list[JobRecord] = []
@@ -118,19 +137,27 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
         results[i] = job
         if sub.request_id:
             by_request[sub.request_id] = job
-    if new:
-        ledger.insert_jobs(cycle.conn, new)
-        for job in new:
-            cycle.state.jobs[job.id] = job
-            cycle.touched(job)
+    for job in new:
+        job.version = -1  # not in the ledger yet
+        cycle.state.jobs[job.id] = job
+        cycle.new_jobs.append(job)
     for i, value in list(results.items()):
         if isinstance(value, tuple):
-            job_id = value[1]
-            job = cycle.state.jobs.get(job_id)
-            results[i] = job_from_record(job) if job else ("read", job_id)
-        elif isinstance(value, JobRecord):
-            results[i] = job_from_record(value)
+            job = cycle.state.jobs.get(value[1])
+            results[i] = job if job else ("read", value[1])
     return results
+
+
+def write_new_jobs(cycle: Cycle) -> None:
+    """Insert this cycle's new jobs as they are now, then every reservation's allocations, in bulk."""
+    if cycle.new_jobs:
+        for job in cycle.new_jobs:
+            job.version = 0
+        ledger.insert_jobs(cycle.conn, cycle.new_jobs)
+        for job in cycle.new_jobs:
+            cycle.touched(job)
+    if cycle.new_allocations:
+        ledger.insert_allocations(cycle.conn, cycle.new_allocations, cycle.state.nodes, cycle.now)
 
 
 def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
@@ -225,34 +252,6 @@ class Register(Command):
 
 
 @dataclass
-class Heartbeat(Command):
-    name: str
-    agent_instance: str
-
-    def execute(self, cycle: Cycle) -> tuple[str, bool]:
-        node = cycle.state.nodes.get(self.name)
-        if node is None:
-            return ("UNKNOWN", True)
-        node.last_heartbeat = cycle.now
-        if cycle.now - node.persisted_heartbeat >= cycle.settings.heartbeat_persist_interval:
-            cycle.heartbeats[node.id] = cycle.now
-            node.persisted_heartbeat = cycle.now
-        return (node.state, node.state == "LOST")
-
-
-@dataclass
-class Ack(Command):
-    name: str
-    revision: int
-
-    def execute(self, cycle: Cycle) -> None:
-        node = cycle.state.nodes.get(self.name)
-        if node is None:
-            raise NotFound(f"node {self.name!r} is not registered")
-        ledger.set_acked(cycle.conn, node.id, self.revision)
-
-
-@dataclass
 class RankReport(Command):
     node: str
     job_id: str
@@ -275,16 +274,14 @@ class RankReport(Command):
                 cycle.reload()
                 job = cycle.state.jobs.get(self.job_id)
         if job is None or job.state != "RUNNING" or job.attempt != self.attempt:
-            ledger.update_rank(cycle.conn, self.job_id, self.attempt, self.rank, node.id, state=self.state,
-                               exit_code=self.exit_code, pid=self.pid, message=self.message, updated_at=cycle.now)
-            return self.state == "RUNNING"
+            return self.state == "RUNNING"  # a superseded attempt: the agent must stop it; history keeps the rest
         rank = job.ranks.get(self.rank)
         if rank is None or rank.node != self.node:
             raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
         if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
             return False
-        ledger.update_rank(cycle.conn, job.id, job.attempt, self.rank, node.id, state=self.state,
-                           exit_code=self.exit_code, pid=self.pid, message=self.message, updated_at=cycle.now)
+        ledger.record_rank(cycle.conn, job.id, job.attempt, rank, node.id, state=self.state,
+                           exit_code=self.exit_code, pid=self.pid, message=self.message, now=cycle.now)
         rank.state, rank.exit_code = self.state, self.exit_code
         where = f"rank {self.rank} on {self.node}"
         if self.state == "RUNNING":
@@ -330,11 +327,8 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
             if node is None:
                 continue
             kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=message)
-            ledger.append_assignment(
-                cycle.conn, node, job.id, attempt, "kill",
-                lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k).SerializeToString(), cycle.now,
-            )
-            cycle.woken_nodes.add(node_name)
+            cycle.send(node, job.id, attempt, "kill",
+                       lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k).SerializeToString())
     job.launch_deadline = None
     if final_state:
         cycle.state.jobs.pop(job.id, None)
@@ -377,8 +371,17 @@ def schedule(cycle: Cycle) -> None:
     if blocked is not None:
         head = state.jobs[blocked.job_id]
         message = f"waiting, holding no GPUs: {blocked.reason}"
-        if head.message != message and ledger.update_job(cycle.conn, head, message=message):
+        if head.message != message and set_job(cycle, head, message=message):
             cycle.touched(head)
+
+
+def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> bool:
+    """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set."""
+    if job.version < 0:
+        for key, value in changes.items():
+            setattr(job, key, value)
+        return True
+    return ledger.update_job(cycle.conn, job, **changes)
 
 
 def state_tiers(cycle: Cycle) -> tuple[str, ...]:
@@ -386,50 +389,28 @@ def state_tiers(cycle: Cycle) -> tuple[str, ...]:
 
 
 def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
-    """Write the whole gang's reservation (allocations, ranks, launch assignments) in one savepoint."""
-    saved = copy.copy(job)
-    savepoint = cycle.conn.begin_nested()
-    try:
-        placement_info = dict(tier=placement.tier, domains=placement.domains, score=placement.score,
-                              reason=placement.reason)
-        if not ledger.update_job(cycle.conn, job, state="RUNNING", attempt=job.attempt + 1, started_at=cycle.now,
-                                 finished_at=0.0, exit_code=0, placement=placement_info,
-                                 message=f"reserved: {placement.reason}"):
-            savepoint.rollback()
-            return False
-        job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
-        job.ranks = layout_ranks(job)
-        ledger.insert_allocations(cycle.conn, job, cycle.state.nodes, cycle.now)
-        ledger.insert_ranks(cycle.conn, job, cycle.state.nodes, cycle.now)
-        for launch in launches(job, cycle.state.nodes):
-            node = cycle.state.nodes[launch_node(job, launch.replica)]
-            ledger.append_assignment(
-                cycle.conn, node, job.id, job.attempt, "launch",
-                lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l).SerializeToString(), cycle.now,
-            )
-            cycle.woken_nodes.add(node.name)
-        savepoint.commit()
-    except IntegrityError as exc:
-        savepoint.rollback()
-        job.__dict__.update(saved.__dict__)
-        log.info("reservation_refused_by_ledger", job=job.id, error=str(exc.orig)[:200])
+    """Write the whole gang's reservation (job state, allocations, ranks, launch assignments) in this transaction.
+
+    Cycles take turns on a fresh view (ledger.begin_cycle), so the ledger refusing a GPU here means a bug or a
+    writer outside the scheduler; the partial unique index then fails the whole transaction, nothing of it
+    commits, and the service reloads its view.
+    """
+    placement_info = dict(tier=placement.tier, domains=placement.domains, score=placement.score,
+                          reason=placement.reason)
+    if not set_job(cycle, job, state="RUNNING", attempt=job.attempt + 1, started_at=cycle.now, finished_at=0.0,
+                   exit_code=0, placement=placement_info, message=f"reserved: {placement.reason}"):
         return False
+    job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
+    job.ranks = layout_ranks(job)
+    cycle.new_allocations.append(job)
+    for launch in launches(job, cycle.state.nodes):
+        node = cycle.state.nodes[launch_node(job, launch.replica)]
+        cycle.send(node, job.id, job.attempt, "launch",
+                   lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l).SerializeToString())
     job.launch_deadline = cycle.now + cycle.settings.launch_timeout
     cycle.reserved.append((job, cycle.now - job.submitted_at))
     cycle.touched(job)
     return True
-
-
-def layout_ranks(job: JobRecord) -> dict[int, RankRecord]:
-    ranks: dict[int, RankRecord] = {}
-    for replica, node, gpus in job.allocations:
-        if job.procs_per_replica == 1:
-            ranks[replica] = RankRecord(replica, replica, 0, node)
-        else:
-            for local in range(len(gpus)):
-                r = replica * job.gpus_per_replica + local
-                ranks[r] = RankRecord(r, replica, local, node)
-    return ranks
 
 
 def launch_node(job: JobRecord, replica: int) -> str:
@@ -442,32 +423,35 @@ def master_port(job_id: str, attempt: int) -> int:
 
 
 def launches(job: JobRecord, nodes: dict[str, NodeRecord]) -> list[agent_pb2.LaunchReplica]:
+    """The torchrun-style environment: shared per replica, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES per rank."""
     master = nodes[job.allocations[0][1]].address or "127.0.0.1"
-    world = len(job.ranks)
     per_replica = 1 if job.procs_per_replica == 1 else job.gpus_per_replica
+    base = dict(job.env)
+    base.update(
+        WORLD_SIZE=str(len(job.ranks)), LOCAL_WORLD_SIZE=str(per_replica), MASTER_ADDR=master,
+        MASTER_PORT=str(master_port(job.id, job.attempt)), PHALANX_JOB_ID=job.id, PHALANX_ATTEMPT=str(job.attempt),
+        PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
+    )
+    by_replica: dict[int, list[RankRecord]] = {}
+    for r in job.ranks.values():
+        by_replica.setdefault(r.replica, []).append(r)
     out = []
     for replica, node, gpus in job.allocations:
         ranks = []
-        for r in sorted(job.ranks.values(), key=lambda r: r.rank):
-            if r.replica != replica:
-                continue
+        for r in sorted(by_replica[replica], key=lambda r: r.rank):
             rank_gpus = list(gpus) if job.procs_per_replica == 1 else [gpus[r.local_rank]]
-            env = dict(job.env)
-            env.update(
-                RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(per_replica), NODE_RANK=str(replica), MASTER_ADDR=master,
-                MASTER_PORT=str(master_port(job.id, job.attempt)),
-                CUDA_VISIBLE_DEVICES=",".join(str(g) for g in rank_gpus), PHALANX_JOB_ID=job.id,
-                PHALANX_ATTEMPT=str(job.attempt), PHALANX_REPLICA=str(replica), PHALANX_NODE=node,
-                PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
-            )
-            ranks.append(agent_pb2.RankLaunch(rank=r.rank, local_rank=r.local_rank, gpus=rank_gpus, env=env))
+            ranks.append(agent_pb2.RankLaunch(
+                rank=r.rank, local_rank=r.local_rank, gpus=rank_gpus,
+                env={"RANK": str(r.rank), "LOCAL_RANK": str(r.local_rank),
+                     "CUDA_VISIBLE_DEVICES": ",".join(map(str, rank_gpus))},
+            ))
+        env = dict(base, NODE_RANK=str(replica), PHALANX_REPLICA=str(replica), PHALANX_NODE=node)
         out.append(agent_pb2.LaunchReplica(job_id=job.id, attempt=job.attempt, replica=replica,
-                                           command=job.command, ranks=ranks))
+                                           command=job.command, ranks=ranks, env=env))
     return out
 
 
-def run_cycle(cycle: Cycle, commands: list[Command]) -> list[Any]:
+def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True) -> list[Any]:
     """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each."""
     results: list[Any] = [None] * len(commands)
     submits = [(i, c) for i, c in enumerate(commands) if isinstance(c, Submit)]
@@ -483,14 +467,22 @@ def run_cycle(cycle: Cycle, commands: list[Command]) -> list[Any]:
             results[i] = command.execute(cycle)
         except ServiceError as exc:
             results[i] = exc
-    fire_timers(cycle)
+    if timers_due:
+        fire_timers(cycle)
     schedule(cycle)
+    write_new_jobs(cycle)
+    cycle.flush()
+    for i, value in enumerate(results):
+        if isinstance(value, JobRecord):
+            results[i] = job_from_record(value)
     if cycle.heartbeats:
         ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
-    if cycle.changed or cycle.woken_nodes:
-        ledger.notify(cycle.conn, {"replica": cycle.settings.replica_id, "nodes": sorted(cycle.woken_nodes),
-                                   "jobs": sorted(cycle.changed)})
     return results
+
+
+def notice(cycle: Cycle) -> dict[str, Any]:
+    """What other replicas need to hear about this cycle: whose streams and watchers to wake."""
+    return {"replica": cycle.settings.replica_id, "nodes": sorted(cycle.woken_nodes), "jobs": sorted(cycle.changed)}
 
 
 def node_capacity(node: NodeRecord) -> NodeCapacity:

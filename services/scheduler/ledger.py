@@ -10,41 +10,46 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select, text, update
+from sqlalchemy import JSON, Connection, and_, func, insert, select, text, update
 
 from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, Rank
 
-from .state import JobRecord, NodeRecord, RankRecord, SchedulerState
+from .state import JobRecord, NodeRecord, RankRecord, SchedulerState, layout_ranks
 
 NOTIFY_CHANNEL = "phalanx_events"
-
-
-SCHEDULER_LOCK_KEY = 0x5048414C  # "PHAL"
 
 
 def begin_cycle(conn: Connection) -> int:
     """Serialise scheduling transactions across replicas and return the ledger generation.
 
-    On PostgreSQL a transaction-scoped advisory lock makes cycles of different replicas take turns (so their row
-    locks can never deadlock); SQLite's BEGIN IMMEDIATE already does. The generation tells whether anyone else
-    wrote since this replica's last cycle.
+    On PostgreSQL the row lock on the clock row (held to commit) makes cycles of different replicas take turns,
+    so their other row locks can never deadlock and each cycle decides on a view no older than the last commit;
+    SQLite's BEGIN IMMEDIATE already does this. The generation tells whether anyone else wrote since this
+    replica's last cycle.
     """
-    if conn.dialect.name == "postgresql":
-        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": SCHEDULER_LOCK_KEY})
-    return conn.execute(select(LedgerClock.generation).where(LedgerClock.id == 1)).scalar_one()
-
-
-def bump_generation(conn: Connection) -> int:
     return conn.execute(
-        update(LedgerClock).where(LedgerClock.id == 1).values(generation=LedgerClock.generation + 1)
-        .returning(LedgerClock.generation)
+        select(LedgerClock.generation).where(LedgerClock.id == 1).with_for_update()
     ).scalar_one()
 
 
+def bump_generation(conn: Connection, notice: dict[str, Any] | None = None) -> int:
+    """Advance the generation; on PostgreSQL the same statement queues the NOTIFY that wakes other replicas
+    (delivered at commit, never for a rolled-back cycle)."""
+    stmt = update(LedgerClock).where(LedgerClock.id == 1).values(generation=LedgerClock.generation + 1)
+    if conn.dialect.name == "postgresql" and notice is not None:
+        body = json.dumps(notice, separators=(",", ":"))
+        if len(body) > 7000:
+            body = json.dumps({"replica": notice.get("replica"), "all": True})
+        stmt = stmt.returning(LedgerClock.generation, func.pg_notify(NOTIFY_CHANNEL, body))
+    else:
+        stmt = stmt.returning(LedgerClock.generation)
+    return conn.execute(stmt).first()[0]
+
+
 def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
-    """Replace the in-memory view with what the ledger holds now."""
-    state.nodes.clear()
-    state.jobs.clear()
+    """Replace the in-memory view with what the ledger holds now (built aside, then swapped in at once)."""
+    nodes: dict[str, NodeRecord] = {}
+    jobs: dict[str, JobRecord] = {}
     gpu_ids: dict[int, dict[int, int]] = {}
     for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index)):
         gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
@@ -52,14 +57,14 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     for n in conn.execute(select(*Node.__table__.c)).mappings():
         names[n["id"]] = n["name"]
         path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
-        state.nodes[n["name"]] = NodeRecord(
+        nodes[n["name"]] = NodeRecord(
             id=n["id"], name=n["name"], state=n["state"], gpus=n["gpus"], gpu_ids=gpu_ids.get(n["id"], {}),
             path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
             persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"],
         )
     for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
-        state.jobs[j["id"]] = job_from_row(j)
-    running = [j.id for j in state.jobs.values() if j.state == "RUNNING"]
+        jobs[j["id"]] = job_from_row(j)
+    running = [j.id for j in jobs.values() if j.state == "RUNNING"]
     for chunk in _chunks(running, 500):
         rows = conn.execute(
             select(Allocation.job_id, Allocation.replica, Allocation.node_id, Allocation.gpu_index)
@@ -68,15 +73,55 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index)
         )
         for job_id, allocs in _group_allocations(rows, names).items():
-            state.jobs[job_id].allocations = allocs
+            jobs[job_id].allocations = allocs
+            jobs[job_id].ranks = layout_ranks(jobs[job_id])
         ranks = conn.execute(
             select(*Rank.__table__.c).join(Job, and_(Job.id == Rank.job_id, Job.attempt == Rank.attempt)).where(Rank.job_id.in_(chunk))
         ).mappings()
         for r in ranks:
-            state.jobs[r["job_id"]].ranks[r["rank"]] = RankRecord(
-                r["rank"], r["replica"], r["local_rank"], names[r["node_id"]], r["state"], r["exit_code"]
-            )
+            known = jobs[r["job_id"]].ranks.get(r["rank"])
+            if known is not None:
+                known.state, known.exit_code = r["state"], r["exit_code"]
+    state.nodes, state.jobs = nodes, jobs
     state.rebuild_capacity()
+
+
+_PG_ARRAY_TYPES = {"INTEGER": "int4", "BIGINT": "int8", "DOUBLE": "float8", "DOUBLE PRECISION": "float8",
+                   "TEXT": "text", "BYTEA": "bytea", "JSON": "text"}
+_UNNEST_SQL: dict[tuple[str, tuple[str, ...]], str] = {}
+
+
+def insert_rows(conn: Connection, table, rows: list[dict[str, Any]]) -> None:
+    """Insert many rows in one statement.
+
+    On PostgreSQL: `INSERT ... SELECT FROM unnest(array, array, ...)`, one round trip and one cached statement
+    whatever the gang size (psycopg's executemany sends a statement per row, which dominated the cost of
+    reserving a large gang). SQLite's executemany runs in C and is already cheap.
+    """
+    if not rows:
+        return
+    if conn.dialect.name != "postgresql":
+        conn.execute(insert(table), rows)
+        return
+    tbl = table.__table__
+    names = tuple(rows[0])
+    key = (tbl.name, names)
+    sql = _UNNEST_SQL.get(key)
+    if sql is None:
+        types = [tbl.c[n].type.compile(dialect=conn.dialect).upper() for n in names]
+        arrays = ", ".join(f"%s::{_PG_ARRAY_TYPES.get(t, 'text')}[]" for t in types)
+        cols = ", ".join(f'"{n}"' for n in names)
+        select_list = ", ".join(f'c{i}::json' if t == "JSON" else f"c{i}" for i, t in enumerate(types))
+        aliases = ", ".join(f"c{i}" for i in range(len(names)))
+        sql = f'INSERT INTO "{tbl.name}" ({cols}) SELECT {select_list} FROM unnest({arrays}) AS t({aliases})'
+        _UNNEST_SQL[key] = sql
+    columns = []
+    for n in names:
+        values = [r[n] for r in rows]
+        if isinstance(tbl.c[n].type, JSON):
+            values = [json.dumps(v) for v in values]
+        columns.append(values)
+    conn.exec_driver_sql(sql, tuple(columns))
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
@@ -105,14 +150,15 @@ def job_from_row(j) -> JobRecord:
 
 
 def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
-    conn.execute(
-        insert(Job),
+    insert_rows(
+        conn, Job,
         [
             dict(
                 id=j.id, request_id=j.request_id, name=j.name, state=j.state, priority=j.priority,
                 replicas=j.replicas, gpus_per_replica=j.gpus_per_replica, procs_per_replica=j.procs_per_replica,
-                command=j.command, env=j.env, attempt=j.attempt, message=j.message, exit_code=0, placement={},
-                submitted_at=j.submitted_at, started_at=0.0, finished_at=0.0, version=0,
+                command=j.command, env=j.env, attempt=j.attempt, message=j.message, exit_code=j.exit_code,
+                placement=j.placement, submitted_at=j.submitted_at, started_at=j.started_at,
+                finished_at=j.finished_at, version=j.version,
             )
             for j in jobs
         ],
@@ -141,12 +187,14 @@ def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
     return True
 
 
-def insert_allocations(conn: Connection, job: JobRecord, nodes: dict[str, NodeRecord], now: float) -> None:
-    conn.execute(
-        insert(Allocation),
+def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[str, NodeRecord], now: float) -> None:
+    """Every GPU of every gang reserved in this cycle, in one statement."""
+    insert_rows(
+        conn, Allocation,
         [
             dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=nodes[node].id,
                  gpu_id=nodes[node].gpu_ids[g], gpu_index=g, reserved_at=now, released_at=None)
+            for job in jobs
             for replica, node, gpus in job.allocations
             for g in gpus
         ],
@@ -161,40 +209,48 @@ def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
     )
 
 
-def insert_ranks(conn: Connection, job: JobRecord, nodes: dict[str, NodeRecord], now: float) -> None:
-    conn.execute(
-        insert(Rank),
-        [
-            dict(job_id=job.id, attempt=job.attempt, rank=r.rank, replica=r.replica, local_rank=r.local_rank,
-                 node_id=nodes[r.node].id, state=r.state, exit_code=0, pid=0, message="", updated_at=now)
-            for r in job.ranks.values()
-        ],
-    )
-
-
-def update_rank(conn: Connection, job_id: str, attempt: int, rank: int, node_id: int, **values: Any) -> int:
-    return conn.execute(
-        update(Rank)
-        .where(Rank.job_id == job_id, Rank.attempt == attempt, Rank.rank == rank, Rank.node_id == node_id)
-        .values(**values)
+def record_rank(conn: Connection, job_id: str, attempt: int, rank: RankRecord, node_id: int, *, state: str,
+                exit_code: int, pid: int, message: str, now: float) -> None:
+    """Store what an agent reported about a rank. A rank has a row from its first report on; before that it is
+    ASSIGNED, which the allocations already say (so reserving a gang writes no per-rank rows)."""
+    values = dict(state=state, exit_code=exit_code, pid=pid, message=message, updated_at=now)
+    updated = conn.execute(
+        update(Rank).where(Rank.job_id == job_id, Rank.attempt == attempt, Rank.rank == rank.rank).values(**values)
     ).rowcount
+    if not updated:
+        conn.execute(insert(Rank).values(job_id=job_id, attempt=attempt, rank=rank.rank, replica=rank.replica,
+                                         local_rank=rank.local_rank, node_id=node_id, **values))
 
 
-def append_assignment(conn: Connection, node: NodeRecord, job_id: str, attempt: int, kind: str, build, now: float) -> int:
-    """Bump the node's revision (row lock: revisions commit in order) and store the assignment under it.
+def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, int, str, Any]], now: float
+                       ) -> list[tuple[str, int, bytes]]:
+    """Store assignments, each under its node's next revision. Returns (node name, revision, payload) each.
 
-    `build(revision)` returns the serialized phalanx.v1.Assignment.
+    Bumping the node rows gives each node gap-free revisions in commit order (the rows stay locked until commit).
+    `items` are (node, job id, attempt, kind, build) where `build(revision)` returns the serialized Assignment.
     """
-    revision = conn.execute(
-        update(Node).where(Node.id == node.id).values(revision=Node.revision + 1).returning(Node.revision)
-    ).scalar_one()
-    conn.execute(
-        insert(Assignment).values(
-            node_id=node.id, revision=revision, job_id=job_id, attempt=attempt, kind=kind,
-            payload=build(revision), created_at=now,
+    per_node: dict[int, int] = {}
+    for node, *_ in items:
+        per_node[node.id] = per_node.get(node.id, 0) + 1
+    top: dict[int, int] = {}
+    for count in sorted(set(per_node.values())):
+        ids = [nid for nid, c in per_node.items() if c == count]
+        rows = conn.execute(
+            update(Node).where(Node.id.in_(ids)).values(revision=Node.revision + count)
+            .returning(Node.id, Node.revision)
         )
-    )
-    return revision
+        top.update({r.id: r.revision for r in rows})
+    next_rev = {nid: top[nid] - per_node[nid] for nid in per_node}
+    rows, out = [], []
+    for node, job_id, attempt, kind, build in items:
+        next_rev[node.id] += 1
+        revision = next_rev[node.id]
+        payload = build(revision)
+        rows.append(dict(node_id=node.id, revision=revision, job_id=job_id, attempt=attempt, kind=kind,
+                         payload=payload, created_at=now))
+        out.append((node.name, revision, payload))
+    insert_rows(conn, Assignment, rows)
+    return out
 
 
 def assignments_after(conn: Connection, node_name: str, after: int, limit: int = 500) -> list[tuple[int, bytes]]:
@@ -249,18 +305,10 @@ def persist_heartbeats(conn: Connection, beats: dict[int, float]) -> None:
         conn.execute(update(Node).where(Node.id == node_id, Node.last_heartbeat < ts).values(last_heartbeat=ts))
 
 
-def set_acked(conn: Connection, node_id: int, revision: int) -> None:
-    conn.execute(update(Node).where(Node.id == node_id, Node.acked_revision < revision).values(acked_revision=revision))
-
-
-def notify(conn: Connection, payload: dict[str, Any]) -> None:
-    """Wake other replicas (PostgreSQL only): delivered at commit, never for a rolled-back cycle."""
-    if conn.dialect.name != "postgresql":
-        return
-    body = json.dumps(payload, separators=(",", ":"))
-    if len(body) > 7000:
-        body = json.dumps({"replica": payload.get("replica"), "all": True})
-    conn.execute(text("SELECT pg_notify(:c, :p)"), {"c": NOTIFY_CHANNEL, "p": body})
+def persist_acks(conn: Connection, acks: dict[int, int]) -> None:
+    for node_id, revision in acks.items():
+        conn.execute(update(Node).where(Node.id == node_id, Node.acked_revision < revision)
+                     .values(acked_revision=revision))
 
 
 # ---- reads (the API's consistent snapshots) --------------------------------------------------------------------

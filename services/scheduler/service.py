@@ -9,6 +9,7 @@ PostgreSQL LISTEN/NOTIFY (sent inside the transaction, so only committed work is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -27,7 +28,7 @@ from services.common.errors import ServiceError, Unavailable
 
 from . import ledger
 from .convert import job_from_row, node_from_row
-from .cycle import Command, Cycle, reload_state, run_cycle
+from .cycle import Command, Cycle, notice, reload_state, run_cycle
 from .settings import SchedulerSettings
 from .state import SchedulerState
 
@@ -49,11 +50,15 @@ class SchedulerService:
         self._initial = True
         self._last_sync = 0.0
         self._generation: int | None = None
+        self._writer_conn = None
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
         self._watchers: set[tuple[frozenset[str] | None, asyncio.Queue]] = set()
-        self._node_waiters: dict[str, set[asyncio.Event]] = {}
+        self._feeds: dict[str, set[asyncio.Queue]] = {}
+        self._beats: dict[str, float] = {}
+        self._acks: dict[str, int] = {}
+        self._next_timer_check = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -80,9 +85,10 @@ class SchedulerService:
         for _, fut in self._inbox:
             if not fut.done():
                 fut.set_exception(Unavailable("the scheduler is shutting down"))
-        for events in self._node_waiters.values():
-            for ev in events:
-                ev.set()
+        for feeds in self._feeds.values():
+            for feed in feeds:
+                feed.put_nowait(None)
+        self._writer.submit(self._close_writer_connection)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=False)
         self.engine.dispose()
@@ -136,7 +142,10 @@ class SchedulerService:
         now = time.time()
         # Other processes' writes are caught by the generation check; polling only bounds how late we notice them.
         periodic = now - self._last_sync >= (self.settings.poll_interval if is_sqlite(self.engine) else 5.0)
-        if not commands and not self._resync and not periodic and not self._timers_due(now):
+        self._timers = now >= self._next_timer_check
+        if self._timers:
+            self._next_timer_check = now + 0.2
+        if not commands and not self._resync and not periodic and not (self._timers and self._timers_due(now)):
             return [], None
         try:
             return self._transaction(commands, now, resync=self._resync)
@@ -160,20 +169,75 @@ class SchedulerService:
                 results.append(Unavailable(f"the ledger refused the change: {str(exc)[:200]}"))
         return results, merged
 
+    def _writer_connection(self):
+        """The writer thread keeps one connection: no pool checkout and liveness ping on every cycle."""
+        if self._writer_conn is None or self._writer_conn.closed or self._writer_conn.invalidated:
+            self._writer_conn = self.engine.connect()
+        return self._writer_conn
+
     def _transaction(self, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
-        with self.engine.begin() as conn:
+        conn = self._writer_connection()
+        try:
+            return self._transaction_on(conn, commands, now, resync=resync)
+        except Exception:
+            with contextlib.suppress(Exception):
+                conn.invalidate()
+            self._writer_conn = None
+            raise
+
+    def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
+        with conn.begin():
             cycle = Cycle(conn, self.state, self.settings, now)
             generation = ledger.begin_cycle(conn)
             self._last_sync = now
+            cycle.foreign_writes = self._generation is not None and generation != self._generation
             if resync or generation != self._generation:
                 reload_state(conn, self.state, self.settings, now, initial=self._initial)
-            results = run_cycle(cycle, commands)
+            self._take_beats_and_acks(cycle)
+            results = run_cycle(cycle, commands, timers_due=self._timers)
             if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats:
-                generation = ledger.bump_generation(conn)
+                generation = ledger.bump_generation(conn, notice(cycle))
         self._generation = generation
         self._initial = False
         self._resync = cycle.resync_after
         return results, cycle
+
+    def _close_writer_connection(self) -> None:
+        if self._writer_conn is not None:
+            with contextlib.suppress(Exception):
+                self._writer_conn.close()
+            self._writer_conn = None
+
+    def _take_beats_and_acks(self, cycle: Cycle) -> None:
+        """Fold heartbeats and acks (kept in memory by the RPC handlers) into the view; persist them when due."""
+        beats, self._beats = self._beats, {}
+        acks, self._acks = self._acks, {}
+        persist_every = self.settings.heartbeat_persist_interval
+        for name, ts in beats.items():
+            node = self.state.nodes.get(name)
+            if node is None:
+                continue
+            node.last_heartbeat = max(node.last_heartbeat, ts)
+            if ts - node.persisted_heartbeat >= persist_every:
+                cycle.heartbeats[node.id] = ts
+                node.persisted_heartbeat = ts
+        known = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
+        if known:
+            ledger.persist_acks(cycle.conn, known)
+
+    def heartbeat(self, name: str) -> tuple[str, bool]:
+        """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds)."""
+        node = self.state.nodes.get(name)
+        if node is None:
+            return "UNKNOWN", True
+        self._beats[name] = time.time()
+        return node.state, node.state == "LOST"
+
+    def ack(self, name: str, revision: int) -> bool:
+        if name not in self.state.nodes:
+            return False
+        self._acks[name] = max(revision, self._acks.get(name, 0))
+        return True
 
     def _timers_due(self, now: float) -> bool:
         s = self.settings
@@ -185,7 +249,7 @@ class SchedulerService:
         for job, latency in cycle.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
-            log.info("gang_reserved", job=job.id, name=job.name, attempt=job.attempt, nodes=job.nodes,
+            log.debug("gang_reserved", job=job.id, name=job.name, attempt=job.attempt, nodes=job.nodes,
                      tier=job.placement.get("tier"), latency_ms=round(latency * 1000, 2))
         metrics.QUEUE_DEPTH.set(len(self.state.pending()))
         free = self.state.capacity.free_gpus()
@@ -194,8 +258,11 @@ class SchedulerService:
                                        for _, _, g in j.allocations))
         for job in cycle.changed.values():
             self._publish(job)
-        for name in cycle.woken_nodes:
-            self.wake_node(name)
+        for name, revision, payload in cycle.delivered:
+            for feed in self._feeds.get(name, ()):
+                feed.put_nowait((revision, payload))
+        if cycle.foreign_writes:
+            self.wake_all_nodes()
 
     # ---- fan-out -------------------------------------------------------------------------------------------------
 
@@ -212,17 +279,23 @@ class SchedulerService:
     def unsubscribe(self, entry) -> None:
         self._watchers.discard(entry)
 
-    def node_waiter(self, name: str) -> asyncio.Event:
-        ev = asyncio.Event()
-        self._node_waiters.setdefault(name, set()).add(ev)
-        return ev
+    def open_feed(self, name: str) -> asyncio.Queue:
+        """A queue of (revision, payload) for assignments this replica commits for `name`; None means
+        "look at the ledger" (another process wrote, or the service is stopping)."""
+        feed: asyncio.Queue = asyncio.Queue()
+        self._feeds.setdefault(name, set()).add(feed)
+        return feed
 
-    def drop_node_waiter(self, name: str, ev: asyncio.Event) -> None:
-        self._node_waiters.get(name, set()).discard(ev)
+    def close_feed(self, name: str, feed: asyncio.Queue) -> None:
+        self._feeds.get(name, set()).discard(feed)
 
     def wake_node(self, name: str) -> None:
-        for ev in self._node_waiters.get(name, ()):
-            ev.set()
+        for feed in self._feeds.get(name, ()):
+            feed.put_nowait(None)
+
+    def wake_all_nodes(self) -> None:
+        for name in list(self._feeds):
+            self.wake_node(name)
 
     # ---- cross-replica notifications (PostgreSQL) ----------------------------------------------------------------
 
@@ -251,7 +324,7 @@ class SchedulerService:
             return
         self._resync = True
         self._wake.set()
-        nodes = list(self._node_waiters) if body.get("all") else body.get("nodes", [])
+        nodes = list(self._feeds) if body.get("all") else body.get("nodes", [])
         for name in nodes:
             self.wake_node(name)
         jobs = body.get("jobs", [])

@@ -12,7 +12,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.rpc import stream, unary
 
 from .convert import JOB_STATE_NAMES, NODE_STATES, RANK_STATE_NAMES
-from .cycle import Ack, Cancel, Heartbeat, RankReport, Register, Submit
+from .cycle import Cancel, RankReport, Register, Submit
 from .service import SchedulerService
 
 MAX_NAME = 253
@@ -163,7 +163,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
     @unary
     async def Heartbeat(self, request, context):
-        state, reregister = await self.service.execute(Heartbeat(request.node_name, request.agent_instance))
+        state, reregister = self.service.heartbeat(request.node_name)
         return agent_pb2.HeartbeatResponse(
             state=NODE_STATES.get(state, common_pb2.NODE_STATE_UNSPECIFIED), reregister=reregister
         )
@@ -175,29 +175,37 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             nodes = {n.name for n in await self.service.read_nodes()}
             if name not in nodes:
                 raise FailedPrecondition(f"node {name[:80]!r} is not registered; call RegisterNode first")
-        waiter = self.service.node_waiter(name)
+        feed = self.service.open_feed(name)  # before the catch-up read, so nothing falls in between
         last = request.after_revision
         try:
-            while True:
-                waiter.clear()
-                for revision, payload in await self.service.assignments_after(name, last):
-                    assignment = agent_pb2.Assignment.FromString(payload)
-                    last = revision
-                    yield assignment
+            need_read = True
+            while not self.service._stopping:
+                if need_read:
+                    for revision, payload in await self.service.assignments_after(name, last):
+                        last = revision
+                        yield agent_pb2.Assignment.FromString(payload)
                 try:
-                    await asyncio.wait_for(waiter.wait(), timeout=2.0)
+                    item = await asyncio.wait_for(feed.get(), timeout=30.0)
                 except TimeoutError:
-                    pass
-                if self.service._stopping:
-                    return
+                    need_read = True  # a safety net only: commits and notifications push
+                    continue
+                if item is None or item[0] > last + 1:
+                    need_read = True  # another process wrote, or we missed one: read the ledger
+                elif item[0] == last + 1:
+                    last = item[0]
+                    need_read = False
+                    yield agent_pb2.Assignment.FromString(item[1])
+                else:
+                    need_read = False  # already sent
         finally:
-            self.service.drop_node_waiter(name, waiter)
+            self.service.close_feed(name, feed)
 
     @unary
     async def AckAssignments(self, request, context):
         if request.revision < 0:
             raise InvalidArgument("revision must not be negative")
-        await self.service.execute(Ack(request.node_name, request.revision))
+        if not self.service.ack(request.node_name, request.revision):
+            raise NotFound(f"node {request.node_name[:80]!r} is not registered")
         return agent_pb2.AckAssignmentsResponse()
 
     @unary

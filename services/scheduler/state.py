@@ -103,3 +103,16 @@ class SchedulerState:
 
     def running_on(self, node: str) -> list[JobRecord]:
         return [j for j in self.jobs.values() if j.state == "RUNNING" and node in j.nodes]
+
+
+def layout_ranks(job: JobRecord) -> dict[int, RankRecord]:
+    """Ranks follow from the allocations: one per GPU in replica order, or one per replica (torchrun)."""
+    ranks: dict[int, RankRecord] = {}
+    for replica, node, gpus in job.allocations:
+        if job.procs_per_replica == 1:
+            ranks[replica] = RankRecord(replica, replica, 0, node)
+        else:
+            for local in range(len(gpus)):
+                r = replica * job.gpus_per_replica + local
+                ranks[r] = RankRecord(r, replica, local, node)
+    return ranks
