@@ -121,6 +121,15 @@ class Bench:
     async def cancel(self, job_id: str) -> None:
         await self.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id))
 
+    async def cancel_all(self, ids: list[str], concurrency: int = 128) -> None:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(job_id: str) -> None:
+            async with gate:
+                await self.cancel(job_id)
+
+        await asyncio.gather(*(one(i) for i in ids))
+
     async def latency(self, gpus: int, samples: int) -> list[float]:
         out = []
         for _ in range(samples):
@@ -130,7 +139,7 @@ class Bench:
             await self.cancel(job_id)
         return out
 
-    async def throughput(self, clients: int, rounds: int) -> list[float]:
+    async def throughput(self, clients: int, rounds: int, inflight: int) -> list[float]:
         total = self.nodes * 8
         mix = [64] * (total // 4 // 64) + [8] * (total // 4 // 8) + [1] * (total // 2)
         rates = []
@@ -148,10 +157,11 @@ class Bench:
                         job = await client.submit(f"tp-{gpus}", r, g, ["hang"])
                         ids.append(job.id)
 
-                await asyncio.gather(*(worker(c) for c in sdk))
+                # Each SDK client pipelines `inflight` submissions at a time (an asyncio client is built for it).
+                await asyncio.gather(*(worker(c) for c in sdk for _ in range(inflight)))
                 last = max([await self.wait_reserved(i, 60) for i in ids])
                 rates.append(len(ids) / (last - t0))
-                await asyncio.gather(*(self.cancel(i) for i in ids))
+                await self.cancel_all(ids)
                 await asyncio.sleep(0.3)
         finally:
             for c in sdk:
@@ -252,9 +262,9 @@ async def run(args) -> dict:
                 results[f"{key}_p50_ms"] = round(pct(lat, 50) * 1000, 2)
                 results[f"{key}_p99_ms"] = round(pct(lat, 99) * 1000, 2)
                 say(f"latency {gpus:>2}-GPU gang: p50 {results[f'{key}_p50_ms']} ms, p99 {results[f'{key}_p99_ms']} ms")
-            rates = await bench.throughput(args.clients, args.rounds)
+            rates = await bench.throughput(args.clients, args.rounds, args.inflight)
             results[f"n{nodes}_throughput_gangs_per_s"] = round(statistics.median(rates), 1)
-            say(f"throughput, {args.clients} SDK clients, mixed 1/8/64-GPU gangs: "
+            say(f"throughput, {args.clients} SDK clients x {args.inflight} in flight, mixed 1/8/64-GPU gangs: "
                 f"{results[f'n{nodes}_throughput_gangs_per_s']} gangs/s (rounds: {[round(r) for r in rates]})")
             rel = await bench.release_to_reserve(args.release_samples)
             results[f"n{nodes}_release_to_reserve_p50_ms"] = round(pct(rel, 50) * 1000, 2)
@@ -272,6 +282,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=100)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--inflight", type=int, default=8, help="submissions each client keeps in flight")
     p.add_argument("--release-samples", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="small sample counts, for a smoke run")
     args = p.parse_args()

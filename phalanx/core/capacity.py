@@ -14,9 +14,28 @@ class CapacityError(RuntimeError):
 class ClusterCapacity:
     def __init__(self, nodes: Iterable[NodeCapacity] = ()) -> None:
         self.nodes: dict[str, NodeCapacity] = {n.name: n for n in nodes}
+        self._shape: tuple[list[int], int] | None = None
 
     def add(self, node: NodeCapacity) -> None:
         self.nodes[node.name] = node
+        self._shape = None
+
+    def shape(self) -> tuple[list[int], int]:
+        """Static shape, cached: the most nodes any domain of each level holds, and the largest node's GPUs.
+
+        Placement skips a level whose largest domain could not hold the gang even when empty.
+        """
+        if self._shape is None:
+            depth = max((len(n.path) for n in self.nodes.values()), default=0)
+            most = [1]
+            for level in range(1, depth + 2):
+                counts: dict[str, int] = {}
+                for n in self.nodes.values():
+                    key = n.path[level - 1] if level - 1 < len(n.path) else ""
+                    counts[key] = counts.get(key, 0) + 1
+                most.append(max(counts.values(), default=0))
+            self._shape = (most, max((n.total for n in self.nodes.values()), default=0))
+        return self._shape
 
     def free_gpus(self) -> int:
         return sum(len(n.free) for n in self.nodes.values() if n.schedulable)

@@ -57,7 +57,10 @@ def place_gang(
         )
     names = tier_names(capacity, fabric_tiers)
     top = len(names) - 1
+    most_nodes, largest = capacity.shape()
     for level in range(top + 1):
+        if level < top and most_nodes[min(level, len(most_nodes) - 1)] * (largest // g) < need:
+            continue  # no domain of this tier could hold the gang even empty
         # One pass per tier: slots and free GPUs per domain; the best fit is the fitting domain with least free.
         slots: dict[str, int] = {}
         free: dict[str, int] = {}

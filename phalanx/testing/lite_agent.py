@@ -37,6 +37,7 @@ class LiteAgent:
     launched: list[agent_pb2.LaunchReplica] = field(default_factory=list)
     killed: list[agent_pb2.KillJob] = field(default_factory=list)
     running: dict[tuple[str, int, int], asyncio.Task] = field(default_factory=dict)
+    by_attempt: dict[tuple[str, int], dict[int, asyncio.Task]] = field(default_factory=dict)
     acked: int = 0
 
     async def start(self) -> None:
@@ -82,16 +83,18 @@ class LiteAgent:
             return
         if a.HasField("launch"):
             self.launched.append(a.launch)
+            ranks = self.by_attempt.setdefault((a.launch.job_id, a.launch.attempt), {})
             for r in a.launch.ranks:
                 key = (a.launch.job_id, a.launch.attempt, r.rank)
                 if key not in self.running:
-                    self.running[key] = asyncio.create_task(self._rank(a.launch, r))
+                    self.running[key] = ranks[r.rank] = asyncio.create_task(self._rank(a.launch, r))
         else:
             self.killed.append(a.kill)
-            for key, task in list(self.running.items()):
-                if key[0] == a.kill.job_id and key[1] == a.kill.attempt and not task.done():
+            for rank, task in self.by_attempt.pop((a.kill.job_id, a.kill.attempt), {}).items():
+                if not task.done():
                     task.cancel()
-                    asyncio.create_task(self._report(key[0], key[1], key[2], common_pb2.RANK_STATE_KILLED, -15))
+                    asyncio.create_task(self._report(a.kill.job_id, a.kill.attempt, rank,
+                                                     common_pb2.RANK_STATE_KILLED, -15))
         self.acked = a.revision
         self._ack_due.set()
 

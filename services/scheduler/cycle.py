@@ -41,6 +41,8 @@ class Cycle:
     reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
     resync_after: bool = False
     heartbeats: dict[int, float] = field(default_factory=dict)
+    acks: dict[int, int] = field(default_factory=dict)
+    generation: int = 0
     foreign_writes: bool = False
     # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
     new_jobs: list[JobRecord] = field(default_factory=list)
@@ -55,7 +57,9 @@ class Cycle:
 
     def flush(self) -> None:
         if self.outbox:
-            self.delivered += ledger.append_assignments(self.conn, self.outbox, self.now)
+            # The view may have been reloaded since an item was queued: revisions live on the current records.
+            items = [(self.state.nodes.get(n.name, n), *rest) for n, *rest in self.outbox]
+            self.delivered += ledger.append_assignments(self.conn, items, self.now)
             self.outbox = []
 
     def touched(self, job: JobRecord) -> None:
@@ -229,7 +233,7 @@ class Register(Command):
     def execute(self, cycle: Cycle) -> int:
         gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib) for g in self.topology.gpus]
         path = cycle.settings.fabric.path(self.name)
-        node_id, acked = ledger.upsert_node(
+        node_id, acked, revision = ledger.upsert_node(
             cycle.conn, name=self.name, gpus=gpus, topology=self.topology_json, address=self.address,
             agent_instance=self.agent_instance, profile=self.topology.profile,
             gpu_model=gpus[0]["name"] if gpus else "", fabric_path=path, now=cycle.now,
@@ -239,7 +243,7 @@ class Register(Command):
         node = NodeRecord(
             id=node_id, name=self.name, state="READY", gpus=len(gpus), gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
             path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
-            agent_instance=self.agent_instance,
+            agent_instance=self.agent_instance, revision=revision,
         )
         state.nodes[self.name] = node
         if old is None or old.gpus != node.gpus:
@@ -470,14 +474,20 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True)
     if timers_due:
         fire_timers(cycle)
     schedule(cycle)
+    return results
+
+
+def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
+    """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
     cycle.flush()
+    ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
+    ledger.persist_acks(cycle.conn, cycle.acks)
+    if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats:
+        cycle.generation = ledger.bump_generation(cycle.conn, cycle.generation, notice(cycle))
     for i, value in enumerate(results):
         if isinstance(value, JobRecord):
             results[i] = job_from_record(value)
-    if cycle.heartbeats:
-        ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
-    return results
 
 
 def notice(cycle: Cycle) -> dict[str, Any]:

@@ -6,6 +6,7 @@ groups a whole batch of decisions into one durable commit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,18 +33,29 @@ def begin_cycle(conn: Connection) -> int:
     ).scalar_one()
 
 
-def bump_generation(conn: Connection, notice: dict[str, Any] | None = None) -> int:
-    """Advance the generation; on PostgreSQL the same statement queues the NOTIFY that wakes other replicas
-    (delivered at commit, never for a rolled-back cycle)."""
-    stmt = update(LedgerClock).where(LedgerClock.id == 1).values(generation=LedgerClock.generation + 1)
+def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | None = None) -> int:
+    """Set the next generation (the caller holds the clock row, so it knows the current one); on PostgreSQL the
+    same statement queues the NOTIFY that wakes other replicas (delivered at commit, never on rollback)."""
     if conn.dialect.name == "postgresql" and notice is not None:
         body = json.dumps(notice, separators=(",", ":"))
         if len(body) > 7000:
             body = json.dumps({"replica": notice.get("replica"), "all": True})
-        stmt = stmt.returning(LedgerClock.generation, func.pg_notify(NOTIFY_CHANNEL, body))
+        conn.exec_driver_sql("UPDATE ledger_clock SET generation = %s WHERE id = 1 AND pg_notify(%s, %s) IS NOT NULL",
+                             (generation + 1, NOTIFY_CHANNEL, body))
     else:
-        stmt = stmt.returning(LedgerClock.generation)
-    return conn.execute(stmt).first()[0]
+        conn.execute(update(LedgerClock).where(LedgerClock.id == 1).values(generation=generation + 1))
+    return generation + 1
+
+
+@contextlib.contextmanager
+def pipelined(conn: Connection):
+    """On PostgreSQL, send the statements issued inside without waiting for each reply (psycopg pipeline mode):
+    a cycle's closing writes need no results, so they cost one round trip instead of one each."""
+    if conn.dialect.name != "postgresql":
+        yield
+        return
+    with conn.connection.driver_connection.pipeline():
+        yield
 
 
 def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
@@ -60,7 +72,7 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
         nodes[n["name"]] = NodeRecord(
             id=n["id"], name=n["name"], state=n["state"], gpus=n["gpus"], gpu_ids=gpu_ids.get(n["id"], {}),
             path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
-            persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"],
+            persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"], revision=n["revision"],
         )
     for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
         jobs[j["id"]] = job_from_row(j)
@@ -226,30 +238,22 @@ def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, 
                        ) -> list[tuple[str, int, bytes]]:
     """Store assignments, each under its node's next revision. Returns (node name, revision, payload) each.
 
-    Bumping the node rows gives each node gap-free revisions in commit order (the rows stay locked until commit).
+    Revisions come from the view: cycles hold the clock row and decide on a fresh view, so the next revision of a
+    node is known without asking; the unique (node_id, revision) constraint would refuse a wrong one.
     `items` are (node, job id, attempt, kind, build) where `build(revision)` returns the serialized Assignment.
     """
-    per_node: dict[int, int] = {}
-    for node, *_ in items:
-        per_node[node.id] = per_node.get(node.id, 0) + 1
-    top: dict[int, int] = {}
-    for count in sorted(set(per_node.values())):
-        ids = [nid for nid, c in per_node.items() if c == count]
-        rows = conn.execute(
-            update(Node).where(Node.id.in_(ids)).values(revision=Node.revision + count)
-            .returning(Node.id, Node.revision)
-        )
-        top.update({r.id: r.revision for r in rows})
-    next_rev = {nid: top[nid] - per_node[nid] for nid in per_node}
     rows, out = [], []
+    touched: dict[int, NodeRecord] = {}
     for node, job_id, attempt, kind, build in items:
-        next_rev[node.id] += 1
-        revision = next_rev[node.id]
+        node.revision += 1
+        touched[node.id] = node
+        revision = node.revision
         payload = build(revision)
         rows.append(dict(node_id=node.id, revision=revision, job_id=job_id, attempt=attempt, kind=kind,
                          payload=payload, created_at=now))
         out.append((node.name, revision, payload))
     insert_rows(conn, Assignment, rows)
+    _raise_node_column(conn, "revision", "int8", {nid: n.revision for nid, n in touched.items()})
     return out
 
 
@@ -266,17 +270,20 @@ def assignments_after(conn: Connection, node_name: str, after: int, limit: int =
 
 def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topology: dict[str, Any], address: str,
                 agent_instance: str, profile: str, gpu_model: str, fabric_path: Sequence[str], now: float) -> tuple[int, int]:
-    """Insert or refresh a node and its GPU rows; the node becomes READY. Returns (node id, acked revision)."""
-    row = conn.execute(select(Node.id, Node.acked_revision).where(Node.name == name)).first()
+    """Insert or refresh a node and its GPU rows; the node becomes READY.
+
+    Returns (node id, acked revision, last assignment revision).
+    """
+    row = conn.execute(select(Node.id, Node.acked_revision, Node.revision).where(Node.name == name)).first()
     values = dict(state="READY", message="", gpus=len(gpus), gpu_model=gpu_model, profile=profile, address=address,
                   topology=topology, fabric_path=list(fabric_path), agent_instance=agent_instance, last_heartbeat=now)
     if row is None:
         node_id = conn.execute(
             insert(Node).values(name=name, registered_at=now, revision=0, acked_revision=0, **values).returning(Node.id)
         ).scalar_one()
-        acked = 0
+        acked = revision = 0
     else:
-        node_id, acked = row
+        node_id, acked, revision = row
         conn.execute(update(Node).where(Node.id == node_id).values(**values))
     known = {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
     for g in gpus:
@@ -286,7 +293,7 @@ def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topo
         else:
             conn.execute(insert(Gpu).values(node_id=node_id, index=g["index"], uuid=g["uuid"], name=g["name"],
                                             memory_mib=g["memory_mib"]))
-    return node_id, acked
+    return node_id, acked, revision
 
 
 def gpu_ids(conn: Connection, node_id: int) -> dict[int, int]:
@@ -301,14 +308,28 @@ def set_node_state(conn: Connection, node_id: int, state: str, message: str, *, 
 
 
 def persist_heartbeats(conn: Connection, beats: dict[int, float]) -> None:
-    for node_id, ts in beats.items():
-        conn.execute(update(Node).where(Node.id == node_id, Node.last_heartbeat < ts).values(last_heartbeat=ts))
+    _raise_node_column(conn, "last_heartbeat", "float8", beats)
 
 
 def persist_acks(conn: Connection, acks: dict[int, int]) -> None:
-    for node_id, revision in acks.items():
-        conn.execute(update(Node).where(Node.id == node_id, Node.acked_revision < revision)
-                     .values(acked_revision=revision))
+    _raise_node_column(conn, "acked_revision", "int8", acks)
+
+
+def _raise_node_column(conn: Connection, column: str, pg_type: str, values: dict[int, Any]) -> None:
+    """Raise a monotonic node column to new values for many nodes in one statement."""
+    if not values:
+        return
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f"UPDATE nodes SET {column} = v.x FROM unnest(%s::int4[], %s::{pg_type}[]) AS v(id, x) "
+            f"WHERE nodes.id = v.id AND nodes.{column} < v.x",
+            (list(values), list(values.values())),
+        )
+    else:
+        conn.execute(
+            text(f"UPDATE nodes SET {column} = :x WHERE id = :id AND {column} < :x"),
+            [{"id": k, "x": v} for k, v in values.items()],
+        )
 
 
 # ---- reads (the API's consistent snapshots) --------------------------------------------------------------------

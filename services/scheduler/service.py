@@ -28,7 +28,7 @@ from services.common.errors import ServiceError, Unavailable
 
 from . import ledger
 from .convert import job_from_row, node_from_row
-from .cycle import Command, Cycle, notice, reload_state, run_cycle
+from .cycle import Command, Cycle, finish_cycle, reload_state, run_cycle
 from .settings import SchedulerSettings
 from .state import SchedulerState
 
@@ -51,6 +51,7 @@ class SchedulerService:
         self._last_sync = 0.0
         self._generation: int | None = None
         self._writer_conn = None
+        self._acks_persisted = 0.0
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -186,7 +187,7 @@ class SchedulerService:
             raise
 
     def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
-        with conn.begin():
+        with conn.begin() as trans:
             cycle = Cycle(conn, self.state, self.settings, now)
             generation = ledger.begin_cycle(conn)
             self._last_sync = now
@@ -194,10 +195,12 @@ class SchedulerService:
             if resync or generation != self._generation:
                 reload_state(conn, self.state, self.settings, now, initial=self._initial)
             self._take_beats_and_acks(cycle)
+            cycle.generation = generation
             results = run_cycle(cycle, commands, timers_due=self._timers)
-            if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats:
-                generation = ledger.bump_generation(conn, notice(cycle))
-        self._generation = generation
+            with ledger.pipelined(conn):  # closing writes and the commit: one round trip on PostgreSQL
+                finish_cycle(cycle, commands, results)
+                trans.commit()
+        self._generation = cycle.generation
         self._initial = False
         self._resync = cycle.resync_after
         return results, cycle
@@ -211,7 +214,11 @@ class SchedulerService:
     def _take_beats_and_acks(self, cycle: Cycle) -> None:
         """Fold heartbeats and acks (kept in memory by the RPC handlers) into the view; persist them when due."""
         beats, self._beats = self._beats, {}
-        acks, self._acks = self._acks, {}
+        if cycle.now - self._acks_persisted >= 1.0:
+            acks, self._acks = self._acks, {}
+            self._acks_persisted = cycle.now
+        else:
+            acks = {}
         persist_every = self.settings.heartbeat_persist_interval
         for name, ts in beats.items():
             node = self.state.nodes.get(name)
@@ -221,9 +228,7 @@ class SchedulerService:
             if ts - node.persisted_heartbeat >= persist_every:
                 cycle.heartbeats[node.id] = ts
                 node.persisted_heartbeat = ts
-        known = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
-        if known:
-            ledger.persist_acks(cycle.conn, known)
+        cycle.acks = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
 
     def heartbeat(self, name: str) -> tuple[str, bool]:
         """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds)."""

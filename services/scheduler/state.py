@@ -70,6 +70,7 @@ class NodeRecord:
     last_heartbeat: float = 0.0
     persisted_heartbeat: float = 0.0
     agent_instance: str = ""
+    revision: int = 0  # last assignment revision; exact while this replica holds the cycle lock on a fresh view
 
     @property
     def schedulable(self) -> bool:
