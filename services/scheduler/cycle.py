@@ -48,7 +48,7 @@ class Cycle:
     new_jobs: list[JobRecord] = field(default_factory=list)
     new_allocations: list[JobRecord] = field(default_factory=list)
     outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
-    delivered: list[tuple[str, int, bytes]] = field(default_factory=list)
+    delivered: list[tuple[str, int, Any]] = field(default_factory=list)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
@@ -332,7 +332,7 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
                 continue
             kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=message)
             cycle.send(node, job.id, attempt, "kill",
-                       lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k).SerializeToString())
+                       lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k))
     job.launch_deadline = None
     if final_state:
         cycle.state.jobs.pop(job.id, None)
@@ -410,7 +410,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
     for launch in launches(job, cycle.state.nodes):
         node = cycle.state.nodes[launch_node(job, launch.replica)]
         cycle.send(node, job.id, job.attempt, "launch",
-                   lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l).SerializeToString())
+                   lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l))
     job.launch_deadline = cycle.now + cycle.settings.launch_timeout
     cycle.reserved.append((job, cycle.now - job.submitted_at))
     cycle.touched(job)

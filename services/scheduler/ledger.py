@@ -235,12 +235,12 @@ def record_rank(conn: Connection, job_id: str, attempt: int, rank: RankRecord, n
 
 
 def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, int, str, Any]], now: float
-                       ) -> list[tuple[str, int, bytes]]:
-    """Store assignments, each under its node's next revision. Returns (node name, revision, payload) each.
+                       ) -> list[tuple[str, int, Any]]:
+    """Store assignments, each under its node's next revision. Returns (node name, revision, Assignment) each.
 
     Revisions come from the view: cycles hold the clock row and decide on a fresh view, so the next revision of a
     node is known without asking; the unique (node_id, revision) constraint would refuse a wrong one.
-    `items` are (node, job id, attempt, kind, build) where `build(revision)` returns the serialized Assignment.
+    `items` are (node, job id, attempt, kind, build) where `build(revision)` returns the phalanx.v1.Assignment.
     """
     rows, out = [], []
     touched: dict[int, NodeRecord] = {}
@@ -248,10 +248,11 @@ def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, 
         node.revision += 1
         touched[node.id] = node
         revision = node.revision
-        payload = build(revision)
+        message = build(revision)
+        payload = message.SerializeToString()
         rows.append(dict(node_id=node.id, revision=revision, job_id=job_id, attempt=attempt, kind=kind,
                          payload=payload, created_at=now))
-        out.append((node.name, revision, payload))
+        out.append((node.name, revision, message))
     insert_rows(conn, Assignment, rows)
     _raise_node_column(conn, "revision", "int8", {nid: n.revision for nid, n in touched.items()})
     return out

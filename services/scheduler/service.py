@@ -263,9 +263,9 @@ class SchedulerService:
                                        for _, _, g in j.allocations))
         for job in cycle.changed.values():
             self._publish(job)
-        for name, revision, payload in cycle.delivered:
+        for name, revision, message in cycle.delivered:
             for feed in self._feeds.get(name, ()):
-                feed.put_nowait((revision, payload))
+                feed.put_nowait((revision, message))
         if cycle.foreign_writes:
             self.wake_all_nodes()
 
@@ -285,7 +285,7 @@ class SchedulerService:
         self._watchers.discard(entry)
 
     def open_feed(self, name: str) -> asyncio.Queue:
-        """A queue of (revision, payload) for assignments this replica commits for `name`; None means
+        """A queue of (revision, Assignment) for assignments this replica commits for `name`; None means
         "look at the ledger" (another process wrote, or the service is stopping)."""
         feed: asyncio.Queue = asyncio.Queue()
         self._feeds.setdefault(name, set()).add(feed)

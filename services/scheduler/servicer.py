@@ -194,7 +194,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 elif item[0] == last + 1:
                     last = item[0]
                     need_read = False
-                    yield agent_pb2.Assignment.FromString(item[1])
+                    yield item[1]  # the message this replica just committed
                 else:
                     need_read = False  # already sent
         finally:
