@@ -256,3 +256,28 @@ async def test_list_jobs_is_newest_first_and_filters_by_state(db_url):
         await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=ids[1]))
         cancelled = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(states=[CANCELLED]))).jobs
         assert [j.id for j in cancelled] == [ids[1]]
+
+
+async def test_ledger_refuses_a_stale_view_and_the_scheduler_recovers_without_partial_state(db_url):
+    """A writer outside the scheduler takes a GPU behind its back (no generation bump): the scheduler's view is
+    stale, its reservation hits the partial unique index, nothing of that cycle commits, and after reloading it
+    places the gang on GPUs that really are free."""
+    async with Cluster(db_url, 1) as c:
+        warm = await c.submit("warm", 1, 1, ("exit", "0"))
+        await c.wait_state(warm.id, SUCCEEDED)
+        engine = create_engine(c.db_url.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO jobs (id, name, state, priority, replicas, gpus_per_replica, procs_per_replica, command,"
+                " env, attempt, message, exit_code, placement, submitted_at, started_at, finished_at, version)"
+                " VALUES ('intruder0000', 'intruder', 'RUNNING', 0, 1, 1, 0, '[\"x\"]', '{}', 1, '', 0, '{}', 0, 0, 0, 0)"))
+            conn.execute(text(
+                "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at)"
+                " SELECT 'intruder0000', 1, 0, g.node_id, g.id, g.\"index\", 0 FROM gpus g WHERE g.\"index\" = 0"))
+        engine.dispose()
+        job = await c.submit("victim-of-stale-view", 1, 4, ("run",))
+        running = await c.wait_state(job.id, RUNNING)
+        assert 0 not in running.allocations[0].gpus  # GPU 0 was taken behind the scheduler's back
+        assert c.active_gpus(job.id) == 4
+        double = c.sql("SELECT gpu_id FROM allocations WHERE released_at IS NULL GROUP BY gpu_id HAVING count(*) > 1")
+        assert double == []

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from db.engine import is_sqlite, make_engine
 from phalanx.api.v1 import common_pb2
@@ -126,7 +126,7 @@ class SchedulerService:
                 log.error("cycle_failed", error=str(exc)[:500])
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(Unavailable(f"the ledger is unavailable: {str(exc)[:200]}"))
+                        fut.set_exception(Unavailable("the ledger is unavailable; nothing was written, try again"))
                 await asyncio.sleep(0.2)
                 continue
             for (_, fut), result in zip(batch, results, strict=True):
@@ -150,14 +150,19 @@ class SchedulerService:
             return [], None
         try:
             return self._transaction(commands, now, resync=self._resync)
-        except (DBAPIError, OperationalError) as exc:
-            log.warning("cycle_rolled_back", error=str(exc.orig if hasattr(exc, "orig") else exc)[:300],
-                        commands=len(commands))
+        except DBAPIError as exc:
             self._resync = True
-            if len(commands) <= 1:
-                if not commands:
-                    raise
-                return [Unavailable(f"the ledger refused the change: {str(exc)[:200]}")], None
+            log.warning("cycle_rolled_back", error=_db_error(exc), commands=len(commands))
+        # The usual cause is a stale view (a writer the generation did not reveal): nothing of the cycle
+        # committed, so run it again once on a view reloaded from the ledger.
+        try:
+            return self._transaction(commands, time.time(), resync=True)
+        except DBAPIError as exc:
+            self._resync = True
+            log.warning("cycle_rolled_back_again", error=_db_error(exc), commands=len(commands))
+            if not commands:
+                raise
+        # Still refused: isolate the command at fault, so the others go through.
         results: list[Any] = []
         merged: Cycle | None = None
         for command in commands:
@@ -165,9 +170,10 @@ class SchedulerService:
                 (result,), cycle = self._transaction([command], time.time(), resync=True)
                 merged = _merge(merged, cycle)
                 results.append(result)
-            except (DBAPIError, OperationalError) as exc:
+            except DBAPIError as exc:
                 self._resync = True
-                results.append(Unavailable(f"the ledger refused the change: {str(exc)[:200]}"))
+                log.error("command_refused_by_ledger", command=type(command).__name__, error=_db_error(exc))
+                results.append(Unavailable("the ledger refused the change; nothing was written, try again"))
         return results, merged
 
     def _writer_connection(self):
@@ -359,6 +365,10 @@ class SchedulerService:
 
     async def assignments_after(self, node: str, after: int) -> list[tuple[int, bytes]]:
         return await self.read(ledger.assignments_after, node, after)
+
+
+def _db_error(exc: DBAPIError) -> str:
+    return str(getattr(exc, "orig", exc) or exc).strip()[:300]
 
 
 def _merge(a: Cycle | None, b: Cycle) -> Cycle:
