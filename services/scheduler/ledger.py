@@ -6,12 +6,16 @@ groups a whole batch of decisions into one durable commit.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import JSON, Connection, and_, func, insert, select, text, update
+from sqlalchemy import Connection, and_, func, insert, select, text, update
+
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, Rank
 
@@ -98,17 +102,15 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     state.rebuild_capacity()
 
 
-_PG_ARRAY_TYPES = {"INTEGER": "int4", "BIGINT": "int8", "DOUBLE": "float8", "DOUBLE PRECISION": "float8",
-                   "TEXT": "text", "BYTEA": "bytea", "JSON": "text"}
-_UNNEST_SQL: dict[tuple[str, tuple[str, ...]], str] = {}
+_RECORDSET_SQL: dict[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]] = {}
 
 
 def insert_rows(conn: Connection, table, rows: list[dict[str, Any]]) -> None:
     """Insert many rows in one statement.
 
-    On PostgreSQL: `INSERT ... SELECT FROM unnest(array, array, ...)`, one round trip and one cached statement
-    whatever the gang size (psycopg's executemany sends a statement per row, which dominated the cost of
-    reserving a large gang). SQLite's executemany runs in C and is already cheap.
+    On PostgreSQL the rows travel as one JSON document, expanded by `json_to_recordset`: one round trip and one
+    cached statement whatever the gang size, and the encoding runs in C (psycopg's `executemany` sends a statement
+    per row, and adapting per-column arrays costs more than the insert). SQLite's executemany runs in C already.
     """
     if not rows:
         return
@@ -118,22 +120,19 @@ def insert_rows(conn: Connection, table, rows: list[dict[str, Any]]) -> None:
     tbl = table.__table__
     names = tuple(rows[0])
     key = (tbl.name, names)
-    sql = _UNNEST_SQL.get(key)
-    if sql is None:
-        types = [tbl.c[n].type.compile(dialect=conn.dialect).upper() for n in names]
-        arrays = ", ".join(f"%s::{_PG_ARRAY_TYPES.get(t, 'text')}[]" for t in types)
+    cached = _RECORDSET_SQL.get(key)
+    if cached is None:
+        types = [tbl.c[n].type.compile(dialect=conn.dialect) for n in names]
+        binary = tuple(n for n, t in zip(names, types, strict=True) if t.upper() == "BYTEA")
         cols = ", ".join(f'"{n}"' for n in names)
-        select_list = ", ".join(f'c{i}::json' if t == "JSON" else f"c{i}" for i, t in enumerate(types))
-        aliases = ", ".join(f"c{i}" for i in range(len(names)))
-        sql = f'INSERT INTO "{tbl.name}" ({cols}) SELECT {select_list} FROM unnest({arrays}) AS t({aliases})'
-        _UNNEST_SQL[key] = sql
-    columns = []
-    for n in names:
-        values = [r[n] for r in rows]
-        if isinstance(tbl.c[n].type, JSON):
-            values = [json.dumps(v) for v in values]
-        columns.append(values)
-    conn.exec_driver_sql(sql, tuple(columns))
+        select_list = ", ".join(f"decode(\"{n}\", 'base64')" if n in binary else f'"{n}"' for n in names)
+        record = ", ".join(f'"{n}" {"text" if n in binary else t}' for n, t in zip(names, types, strict=True))
+        sql = f'INSERT INTO "{tbl.name}" ({cols}) SELECT {select_list} FROM json_to_recordset(%s::json) AS t({record})'
+        cached = _RECORDSET_SQL[key] = (sql, binary)
+    sql, binary = cached
+    if binary:
+        rows = [{**r, **{n: base64.b64encode(r[n]).decode() for n in binary}} for r in rows]
+    conn.exec_driver_sql(sql, (json.dumps(rows, separators=(",", ":")),))
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
@@ -226,12 +225,10 @@ def record_rank(conn: Connection, job_id: str, attempt: int, rank: RankRecord, n
     """Store what an agent reported about a rank. A rank has a row from its first report on; before that it is
     ASSIGNED, which the allocations already say (so reserving a gang writes no per-rank rows)."""
     values = dict(state=state, exit_code=exit_code, pid=pid, message=message, updated_at=now)
-    updated = conn.execute(
-        update(Rank).where(Rank.job_id == job_id, Rank.attempt == attempt, Rank.rank == rank.rank).values(**values)
-    ).rowcount
-    if not updated:
-        conn.execute(insert(Rank).values(job_id=job_id, attempt=attempt, rank=rank.rank, replica=rank.replica,
-                                         local_rank=rank.local_rank, node_id=node_id, **values))
+    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    stmt = dialect_insert(Rank).values(job_id=job_id, attempt=attempt, rank=rank.rank, replica=rank.replica,
+                                       local_rank=rank.local_rank, node_id=node_id, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["job_id", "attempt", "rank"], set_=values))
 
 
 def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, int, str, Any]], now: float
