@@ -59,7 +59,7 @@ def test_unplaceable_says_why_and_changes_nothing():
 
 def test_unschedulable_nodes_are_never_used():
     cap, tiers = cluster(nodes=2)
-    cap.nodes["n0"].schedulable = False
+    cap.set_schedulable("n0", False)
     assert place_gang(cap, GangRequest("j", 1, 8), tiers).nodes == ("n1",)
     assert isinstance(place_gang(cap, GangRequest("k", 2, 8), tiers), Unplaceable)
 
@@ -116,3 +116,36 @@ def test_placements_never_double_book_and_hold_exactly_what_was_asked(nodes, per
             assert result.tier == "node"
         elif max(leaf_slots.values()) >= replicas:
             assert result.tier == "leaf"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nodes=st.integers(1, 10),
+    per_leaf=st.integers(1, 4),
+    ops=st.lists(st.tuples(st.sampled_from(["take", "release", "drain", "undrain"]), st.integers(0, 9),
+                           st.sets(st.integers(0, 7), max_size=8)), max_size=40),
+)
+def test_the_free_capacity_index_always_matches_a_full_scan(nodes, per_leaf, ops):
+    cap, _ = cluster(nodes=nodes, per_leaf=per_leaf)
+    for op, i, gpus in ops:
+        name = f"n{i % nodes}"
+        if op == "take":
+            cap.take(name, gpus)
+        elif op == "release":
+            cap.release(name, gpus)
+        else:
+            cap.set_schedulable(name, op == "undrain")
+        effective = {n.name: (len(n.free) if n.schedulable else 0) for n in cap.nodes.values()}
+        assert cap.free_gpus() == sum(effective.values())
+        for g in (1, 2, 8):
+            for level in range(1, cap.levels() + 1):
+                scan: dict[str, tuple[int, int]] = {}
+                for n in cap.nodes.values():
+                    key = n.path[level - 1] if level < cap.levels() else ""
+                    slots, free = scan.get(key, (0, 0))
+                    scan[key] = (slots + effective[n.name] // g, free + effective[n.name])
+                assert cap.domain_stats(level, g) == scan
+        for want in (1, 4, 8):
+            fits = [n for n in cap.nodes.values() if effective[n.name] >= want]
+            best = min(fits, key=lambda n: (effective[n.name], n.name)) if fits else None
+            assert cap.tightest_node(want) is best

@@ -1,4 +1,11 @@
-"""The free-capacity view of a cluster that placement reads and reservations update."""
+"""The free-capacity view of a cluster that placement reads and reservations update.
+
+Static structure (which domain of each tier a node sits in) is built once per set of nodes; free capacity is an
+index kept up to date on every reservation and release: for each domain, a histogram of its nodes' free-GPU
+counts. "How many replicas of G GPUs does this leaf hold?" is then a sum over at most (GPUs per node + 1)
+buckets, not a scan of the leaf's nodes, and the best-fitting single node comes from a bucket of nodes with the
+same free count.
+"""
 
 from __future__ import annotations
 
@@ -11,37 +18,120 @@ class CapacityError(RuntimeError):
     """A reservation or release that does not match the view: a bug or a stale view."""
 
 
+def domain_key(node: NodeCapacity, level: int, top: int) -> str:
+    """Domain of `node` at `level`: 0 is the node itself, 1..top-1 its switch of that tier, `top` the cluster."""
+    if level == 0:
+        return node.name
+    if level >= top:
+        return ""
+    return node.path[level - 1] if level - 1 < len(node.path) else ""
+
+
 class ClusterCapacity:
     def __init__(self, nodes: Iterable[NodeCapacity] = ()) -> None:
         self.nodes: dict[str, NodeCapacity] = {n.name: n for n in nodes}
-        self._shape: tuple[list[int], int] | None = None
+        self._built = False
+
+    # ---- structure -------------------------------------------------------------------------------------------
 
     def add(self, node: NodeCapacity) -> None:
         self.nodes[node.name] = node
-        self._shape = None
+        self._built = False
+
+    def _build(self) -> None:
+        nodes = list(self.nodes.values())
+        self.depth = max((len(n.path) for n in nodes), default=0)
+        self.top = self.depth + 1
+        self.largest = max((n.total for n in nodes), default=0)
+        self._members: list[dict[str, list[NodeCapacity]]] = [{} for _ in range(self.top + 1)]
+        self._hist: list[dict[str, list[int]]] = [{} for _ in range(self.top + 1)]
+        self._by_free: list[set[str]] = [set() for _ in range(self.largest + 1)]
+        self._effective: dict[str, int] = {}
+        for node in nodes:
+            for level in range(1, self.top + 1):
+                self._members[level].setdefault(domain_key(node, level, self.top), []).append(node)
+            self._effective[node.name] = 0
+            for level in range(1, self.top + 1):
+                hist = self._hist[level].setdefault(domain_key(node, level, self.top), [0] * (self.largest + 1))
+                hist[0] += 1
+            self._by_free[0].add(node.name)
+        self._built = True
+        for node in nodes:
+            self._changed(node)
+        self.most_nodes = [1] + [max((len(m) for m in self._members[lv].values()), default=0)
+                                 for lv in range(1, self.top + 1)]
+
+    def _ensure(self) -> None:
+        if not self._built:
+            self._build()
+
+    def _changed(self, node: NodeCapacity) -> None:
+        """Move a node to the histogram buckets of its current effective free count."""
+        if not self._built:
+            return
+        new = len(node.free) if node.schedulable else 0
+        old = self._effective[node.name]
+        if new == old:
+            return
+        self._effective[node.name] = new
+        for level in range(1, self.top + 1):
+            hist = self._hist[level][domain_key(node, level, self.top)]
+            hist[old] -= 1
+            hist[new] += 1
+        self._by_free[old].discard(node.name)
+        self._by_free[new].add(node.name)
+
+    # ---- queries ---------------------------------------------------------------------------------------------
 
     def shape(self) -> tuple[list[int], int]:
-        """Static shape, cached: the most nodes any domain of each level holds, and the largest node's GPUs.
+        """The most nodes any domain of each level holds, and the largest node's GPUs."""
+        self._ensure()
+        return self.most_nodes, self.largest
 
-        Placement skips a level whose largest domain could not hold the gang even when empty.
-        """
-        if self._shape is None:
-            depth = max((len(n.path) for n in self.nodes.values()), default=0)
-            most = [1]
-            for level in range(1, depth + 2):
-                counts: dict[str, int] = {}
-                for n in self.nodes.values():
-                    key = n.path[level - 1] if level - 1 < len(n.path) else ""
-                    counts[key] = counts.get(key, 0) + 1
-                most.append(max(counts.values(), default=0))
-            self._shape = (most, max((n.total for n in self.nodes.values()), default=0))
-        return self._shape
+    def levels(self) -> int:
+        """Index of the top (cluster) level: 0 node, 1..depth switch tiers, depth+1 cluster."""
+        self._ensure()
+        return self.top
+
+    def domain_stats(self, level: int, gpus_per_replica: int) -> dict[str, tuple[int, int]]:
+        """For every domain of `level` (>= 1): (replicas of this size it holds now, free GPUs)."""
+        self._ensure()
+        g = gpus_per_replica
+        out = {}
+        for key, hist in self._hist[level].items():
+            slots = free = 0
+            for f in range(1, len(hist)):
+                count = hist[f]
+                if count:
+                    free += f * count
+                    slots += (f // g) * count
+            out[key] = (slots, free)
+        return out
+
+    def members(self, level: int, key: str) -> list[NodeCapacity]:
+        self._ensure()
+        return self._members[level].get(key, [])
+
+    def tightest_node(self, gpus: int) -> NodeCapacity | None:
+        """The schedulable node with the fewest free GPUs that still has `gpus` free (ties: by name)."""
+        self._ensure()
+        for f in range(max(gpus, 1), self.largest + 1):
+            if self._by_free[f]:
+                return self.nodes[min(self._by_free[f])]
+        return None
 
     def free_gpus(self) -> int:
-        return sum(len(n.free) for n in self.nodes.values() if n.schedulable)
+        self._ensure()
+        return sum(f * c for hist in self._hist[self.top].values() for f, c in enumerate(hist))
 
     def total_gpus(self) -> int:
         return sum(n.total for n in self.nodes.values())
+
+    def max_replicas_ever(self, gpus_per_replica: int) -> int:
+        """Replicas of this size the whole cluster could hold if empty (drained and lost nodes included)."""
+        return sum(n.total // gpus_per_replica for n in self.nodes.values()) if gpus_per_replica > 0 else 0
+
+    # ---- updates ---------------------------------------------------------------------------------------------
 
     def reserve(self, placement: Placement) -> None:
         """Take every GPU of the placement, or none (raises CapacityError and changes nothing)."""
@@ -56,14 +146,25 @@ class ClusterCapacity:
                 raise CapacityError(f"GPUs {sorted(gpus)} of {rep.node} are not free")
             taken |= gpus
         for name, gpus in wanted.items():
-            self.nodes[name].free -= gpus
+            self.take(name, gpus)
+
+    def take(self, node: str, gpus: Iterable[int]) -> None:
+        n = self.nodes.get(node)
+        if n is None:
+            return
+        n.free -= set(gpus)
+        self._changed(n)
 
     def release(self, node: str, gpus: Iterable[int]) -> None:
         n = self.nodes.get(node)
         if n is None:
             return
         n.free |= {g for g in gpus if 0 <= g < n.total}
+        self._changed(n)
 
-    def max_replicas_ever(self, gpus_per_replica: int) -> int:
-        """Replicas of this size the whole cluster could hold if empty (drained and lost nodes included)."""
-        return sum(n.total // gpus_per_replica for n in self.nodes.values()) if gpus_per_replica > 0 else 0
+    def set_schedulable(self, node: str, schedulable: bool) -> None:
+        n = self.nodes.get(node)
+        if n is None:
+            return
+        n.schedulable = schedulable
+        self._changed(n)

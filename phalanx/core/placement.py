@@ -26,7 +26,7 @@ class Unplaceable:
 
 
 def tier_names(capacity: ClusterCapacity, fabric_tiers: Sequence[str] = ()) -> list[str]:
-    depth = max((len(n.path) for n in capacity.nodes.values()), default=0)
+    depth = capacity.levels() - 1
     names = list(fabric_tiers[:depth])
     while len(names) < depth:
         names.append(f"tier{len(names)}")
@@ -34,7 +34,7 @@ def tier_names(capacity: ClusterCapacity, fabric_tiers: Sequence[str] = ()) -> l
 
 
 def _key(node: NodeCapacity, level: int) -> str:
-    """Domain of `node` at `level`: 0 is the node itself, i >= 1 its switch of tier i-1, the top is the cluster."""
+    """Domain of `node` at a switch level below the top: 0 is the node itself, i >= 1 its switch of tier i-1."""
     if level == 0:
         return node.name
     if level - 1 < len(node.path):
@@ -47,32 +47,32 @@ def place_gang(
 ) -> Placement | Unplaceable:
     """Place all replicas of `request` at once, or say why not. Does not change `capacity`."""
     g, need = request.gpus_per_replica, request.replicas
-    candidates = [n for n in capacity.nodes.values() if n.schedulable and len(n.free) >= g]
-    total_slots = sum(len(n.free) // g for n in candidates)
+    if not capacity.nodes or g < 1:
+        return Unplaceable(request.job_id, "the cluster has no nodes")
+    top = capacity.levels()
+    total_slots, free_now = capacity.domain_stats(top, g).get("", (0, 0))
     if total_slots < need:
         return Unplaceable(
             request.job_id,
-            f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now "
-            f"({capacity.free_gpus()} GPUs free)",
+            f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now ({free_now} GPUs free)",
         )
     names = tier_names(capacity, fabric_tiers)
-    top = len(names) - 1
     most_nodes, largest = capacity.shape()
     for level in range(top + 1):
-        if level < top and most_nodes[min(level, len(most_nodes) - 1)] * (largest // g) < need:
+        if level < top and most_nodes[level] * (largest // g) < need:
             continue  # no domain of this tier could hold the gang even empty
-        # One pass per tier: slots and free GPUs per domain; the best fit is the fitting domain with least free.
-        slots: dict[str, int] = {}
-        free: dict[str, int] = {}
-        for node in candidates:
-            key = _key(node, level) if level < top else ""
-            slots[key] = slots.get(key, 0) + len(node.free) // g
-            free[key] = free.get(key, 0) + len(node.free)
-        fitting = [k for k, s in slots.items() if s >= need]
+        if level == 0:
+            node = capacity.tightest_node(need * g)
+            if node is not None:
+                return _build(request, [(node, need)], names, 0)
+            continue
+        # Best fit, global within the tier: the fitting domain with the least free GPUs (from the index).
+        stats = capacity.domain_stats(level, g)
+        fitting = [k for k, (slots, _) in stats.items() if slots >= need]
         if not fitting:
             continue
-        best = min(fitting, key=lambda k: (free[k], k))
-        members = [n for n in candidates if (_key(n, level) if level < top else "") == best]
+        best = min(fitting, key=lambda k: (stats[k][1], k))
+        members = [n for n in capacity.members(level, best) if n.schedulable and len(n.free) >= g]
         return _build(request, _take(members, need, g, level), names, level)
     raise AssertionError("the cluster level always fits when total slots suffice")
 

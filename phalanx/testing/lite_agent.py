@@ -39,6 +39,9 @@ class LiteAgent:
     running: dict[tuple[str, int, int], asyncio.Task] = field(default_factory=dict)
     by_attempt: dict[tuple[str, int], dict[int, asyncio.Task]] = field(default_factory=dict)
     acked: int = 0
+    # Acks only tell the scheduler where to resume a stream after a reconnect (this agent resumes from its own
+    # record), so a burst of assignments is acknowledged once, after this delay.
+    ack_delay: float = 0.2
 
     async def start(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.target)
@@ -104,7 +107,7 @@ class LiteAgent:
         while True:
             await self._ack_due.wait()
             self._ack_due.clear()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(self.ack_delay)
             if self.acked > sent:
                 revision = self.acked
                 with contextlib.suppress(grpc.aio.AioRpcError):

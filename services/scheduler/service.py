@@ -52,6 +52,7 @@ class SchedulerService:
         self._generation: int | None = None
         self._writer_conn = None
         self._acks_persisted = 0.0
+        self._next_gauges = 0.0
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -257,16 +258,6 @@ class SchedulerService:
         return any(j.launch_deadline is not None and now > j.launch_deadline for j in self.state.jobs.values())
 
     def _after_commit(self, cycle: Cycle) -> None:
-        for job, latency in cycle.reserved:
-            metrics.RESERVATIONS.inc()
-            metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
-            log.debug("gang_reserved", job=job.id, name=job.name, attempt=job.attempt, nodes=job.nodes,
-                     tier=job.placement.get("tier"), latency_ms=round(latency * 1000, 2))
-        metrics.QUEUE_DEPTH.set(len(self.state.pending()))
-        free = self.state.capacity.free_gpus()
-        metrics.GPUS_FREE.set(free)
-        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in self.state.jobs.values() if j.state == "RUNNING"
-                                       for _, _, g in j.allocations))
         for job in cycle.changed.values():
             self._publish(job)
         for name, revision, message in cycle.delivered:
@@ -274,6 +265,19 @@ class SchedulerService:
                 feed.put_nowait((revision, message))
         if cycle.foreign_writes:
             self.wake_all_nodes()
+        for job, latency in cycle.reserved:
+            metrics.RESERVATIONS.inc()
+            metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
+        now = time.monotonic()
+        if now >= self._next_gauges:  # whole-cluster gauges are O(nodes): refresh them twice a second at most
+            self._next_gauges = now + 0.5
+            asyncio.get_running_loop().call_soon(self._update_gauges)
+
+    def _update_gauges(self) -> None:
+        metrics.QUEUE_DEPTH.set(len(self.state.pending()))
+        metrics.GPUS_FREE.set(self.state.capacity.free_gpus())
+        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in self.state.jobs.values() if j.state == "RUNNING"
+                                       for _, _, g in j.allocations))
 
     # ---- fan-out -------------------------------------------------------------------------------------------------
 

@@ -90,14 +90,10 @@ class SchedulerState:
         for job in self.jobs.values():
             if job.state == "RUNNING":
                 for _, node, gpus in job.allocations:
-                    if node in self.capacity.nodes:
-                        self.capacity.nodes[node].free -= set(gpus)
+                    self.capacity.take(node, gpus)
 
     def set_node_schedulable(self, name: str) -> None:
-        node = self.nodes[name]
-        cap = self.capacity.nodes.get(name)
-        if cap is not None:
-            cap.schedulable = node.schedulable
+        self.capacity.set_schedulable(name, self.nodes[name].schedulable)
 
     def pending(self) -> list[JobRecord]:
         return [j for j in self.jobs.values() if j.state == "PENDING"]
