@@ -41,6 +41,7 @@ from db.engine import normalize_url  # noqa: E402
 from db.migrate import upgrade  # noqa: E402
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from phalanx.client import AsyncClient  # noqa: E402
+from phalanx.core.fabric import default_fabric, to_slurm_tree  # noqa: E402
 from phalanx.testing.lite_agent import LiteAgent  # noqa: E402
 from helpers.procs import start_scheduler  # noqa: E402
 
@@ -71,9 +72,13 @@ class Bench:
             conn.execute(f'CREATE DATABASE "{self.db_name}"')
         self.db_url = self.admin_url.rsplit("/", 1)[0] + "/" + self.db_name
         upgrade(self.db_url)
+        # A SuperPOD-like fabric: scalable units of 32 nodes under one leaf group, 8 units per spine.
+        fabric = default_fabric([f"node-{i:04d}" for i in range(self.nodes)], nodes_per_leaf=32, leaves_per_spine=8)
+        fabric_file = self.workdir / f"topology-{self.nodes}.conf"
+        fabric_file.write_text(to_slurm_tree(fabric))
         self.scheduler = start_scheduler(self.db_url, self.workdir / f"scheduler-{self.nodes}.log",
                                          "--launch-timeout", "3600", "--lease-timeout", "600",
-                                         "--heartbeat-interval", "10")
+                                         "--heartbeat-interval", "10", "--fabric", str(fabric_file))
         # Agents live in their own process, so their gRPC work does not slow the measuring clients.
         ctx = multiprocessing.get_context("spawn")
         self.agent_pipe, child = ctx.Pipe()

@@ -86,20 +86,20 @@ def _take(nodes: list[NodeCapacity], need: int, g: int, level: int) -> list[tupl
     for node in nodes:
         groups.setdefault(_key(node, level - 1), []).append(node)
     stats = {k: (sum(n.slots(g) for n in ns), sum(len(n.free) for n in ns)) for k, ns in groups.items()}
+    # Fullest children first; the remainder goes to the tightest child that holds all of it. Sorted once, so the
+    # children that could take the whole remainder are always a prefix of what is left.
+    order = sorted(groups, key=lambda k: (-stats[k][0], stats[k][1], k))
     chosen: list[tuple[NodeCapacity, int]] = []
     remaining = need
-    unused = set(groups)
-    while remaining > 0:
-        fitting = [k for k in unused if stats[k][0] >= remaining]
-        if fitting:
-            key = min(fitting, key=lambda k: (stats[k][1], k))
-            chosen += _take(groups[key], remaining, g, level - 1)
-            break
-        key = min(unused, key=lambda k: (-stats[k][0], stats[k][1], k))
-        unused.discard(key)
+    for i, key in enumerate(order):
+        if stats[key][0] >= remaining:
+            prefix = order[i:]
+            end = next((j for j, k in enumerate(prefix) if stats[k][0] < remaining), len(prefix))
+            key = min(prefix[:end], key=lambda k: (stats[k][1], k))
+            return chosen + _take(groups[key], remaining, g, level - 1)
         chosen += _take(groups[key], stats[key][0], g, level - 1)
         remaining -= stats[key][0]
-    return chosen
+    raise AssertionError("the domain was chosen because it holds the gang")
 
 
 def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: list[str], level: int) -> Placement:
