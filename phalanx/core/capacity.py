@@ -60,6 +60,8 @@ class ClusterCapacity:
             self._changed(node)
         self.most_nodes = [1] + [max((len(m) for m in self._members[lv].values()), default=0)
                                  for lv in range(1, self.top + 1)]
+        self._total = sum(n.total for n in nodes)
+        self._ever: dict[int, int] = {}
 
     def _ensure(self) -> None:
         if not self._built:
@@ -125,11 +127,17 @@ class ClusterCapacity:
         return sum(f * c for hist in self._hist[self.top].values() for f, c in enumerate(hist))
 
     def total_gpus(self) -> int:
-        return sum(n.total for n in self.nodes.values())
+        self._ensure()
+        return self._total
 
     def max_replicas_ever(self, gpus_per_replica: int) -> int:
         """Replicas of this size the whole cluster could hold if empty (drained and lost nodes included)."""
-        return sum(n.total // gpus_per_replica for n in self.nodes.values()) if gpus_per_replica > 0 else 0
+        if gpus_per_replica <= 0:
+            return 0
+        self._ensure()
+        if gpus_per_replica not in self._ever:
+            self._ever[gpus_per_replica] = sum(n.total // gpus_per_replica for n in self.nodes.values())
+        return self._ever[gpus_per_replica]
 
     # ---- updates ---------------------------------------------------------------------------------------------
 

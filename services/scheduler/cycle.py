@@ -166,16 +166,17 @@ def write_new_jobs(cycle: Cycle) -> None:
 
 def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
     """Refuse a gang that no state of this cluster could hold (drained and lost nodes count as capacity)."""
-    nodes = list(state.capacity.nodes.values())
-    if not nodes:
+    cap = state.capacity
+    if not cap.nodes:
         raise FailedPrecondition("no nodes have registered yet, so no gang can be placed; start node agents first")
-    largest = max(n.total for n in nodes)
+    nodes = cap.nodes
+    largest = cap.shape()[1]
     g, r = spec.gpus_per_replica, spec.replicas
     if g > largest:
         raise FailedPrecondition(
             f"each replica needs {g} GPUs on one node, but the largest node has {largest} GPUs"
         )
-    total = sum(n.total for n in nodes)
+    total = cap.total_gpus()
     if g * r > total:
         raise FailedPrecondition(
             f"the gang needs {r} x {g} = {g * r} GPUs, but all {len(nodes)} known nodes have {total} GPUs in total"
