@@ -94,19 +94,14 @@ def reload_state(conn: Connection, state: SchedulerState, settings: SchedulerSet
 # ---- commands ---------------------------------------------------------------------------------------------------
 
 class Command:
-    """A request to the cycle. `execute` raises ServiceError before writing anything, or returns a result."""
-
-    def execute(self, cycle: Cycle) -> Any:  # pragma: no cover - interface
-        raise NotImplementedError
+    """A request to the cycle. Each kind has `execute(cycle)`, which raises ServiceError before writing anything
+    or returns a result; submissions are the exception, taken all at once by `submit_all`."""
 
 
 @dataclass
 class Submit(Command):
     spec: common_pb2.JobSpec
     request_id: str
-
-    def execute(self, cycle: Cycle) -> common_pb2.Job:
-        raise AssertionError("submits are executed in bulk by submit_all")
 
 
 def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
