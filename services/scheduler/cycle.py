@@ -18,7 +18,7 @@ from sqlalchemy import Connection, select
 
 from db.models import Job
 from phalanx.api.v1 import agent_pb2, common_pb2
-from phalanx.core.model import NodeCapacity, Placement
+from phalanx.core.model import Placement
 from phalanx.core.placement import schedule_in_order
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -489,7 +489,3 @@ def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> N
 def notice(cycle: Cycle) -> dict[str, Any]:
     """What other replicas need to hear about this cycle: whose streams and watchers to wake."""
     return {"replica": cycle.settings.replica_id, "nodes": sorted(cycle.woken_nodes), "jobs": sorted(cycle.changed)}
-
-
-def node_capacity(node: NodeRecord) -> NodeCapacity:
-    return NodeCapacity(node.name, node.gpus, set(range(node.gpus)), node.schedulable, node.path)
