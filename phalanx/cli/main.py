@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         cluster = None  # type: ignore[assignment]
     if cluster is not None:
         cluster.register(sub)
+    from . import place
+    place.register(sub)
     return parser
 
 

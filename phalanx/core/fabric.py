@@ -1,8 +1,9 @@
 """The inter-node fabric: which switch of each tier every node sits under.
 
 A fabric is static structure: tier names from the lowest switch tier up (for a Slurm tree: `leaf`, `spine`, `core`,
-then `tier3`, `tier4`, ...) and, per node, its switches from the leaf up. Read it from a Slurm `topology.conf` in tree
-syntax or from Phalanx's own YAML; nodes the fabric does not name sit directly under the cluster root.
+then `tier3`, `tier4`, ...; for Slurm block syntax: `block`, `block2`, ...) and, per node, its switches from the leaf
+up. Read it from a Slurm `topology.conf` in tree or block syntax or from Phalanx's own YAML; nodes the fabric does not
+name sit directly under the cluster root.
 """
 
 from __future__ import annotations
@@ -107,6 +108,88 @@ def parse_slurm_tree(text: str) -> Fabric:
     return Fabric(tiers=tuple(tree_tier_name(i) for i in range(depth)), paths=paths)
 
 
+def parse_slurm_block(text: str) -> Fabric:
+    """Parse Slurm topology.conf block syntax (`BlockName=b1 Nodes=node[01-18]`, optional `BlockSizes=18,36,72`).
+
+    Tiers are `block`, then one aggregate tier per BlockSizes entry beyond the first (the base block size):
+    `block2`, `block3`, ... An aggregate of size S groups S / base consecutive blocks, in file order, into domains
+    named `agg<level>-<index>` (level 2 for `block2`, index from 0); a trailing group may hold fewer blocks.
+    """
+    blocks: list[tuple[str, list[str]]] = []
+    block_of: dict[str, str] = {}
+    sizes: list[int] = []
+    sizes_line = 0
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = dict(_key_values(line, lineno))
+        if "switchname" in fields:
+            raise FabricError(f"line {lineno}: SwitchName= mixed with block topology (BlockName=); use one syntax")
+        if "blocksizes" in fields:
+            if sizes_line:
+                raise FabricError(f"line {lineno}: BlockSizes= given twice (first on line {sizes_line})")
+            if set(fields) != {"blocksizes"}:
+                raise FabricError(f"line {lineno}: BlockSizes= must be on a line of its own")
+            sizes_line = lineno
+            try:
+                sizes = [int(v) for v in fields["blocksizes"].split(",")]
+            except ValueError:
+                raise FabricError(
+                    f"line {lineno}: BlockSizes must be comma-separated node counts, got {fields['blocksizes']!r}"
+                ) from None
+            if not sizes or any(v < 1 for v in sizes):
+                raise FabricError(f"line {lineno}: BlockSizes must be positive node counts")
+            base = sizes[0]
+            for v in sizes[1:]:
+                if v % base:
+                    raise FabricError(f"line {lineno}: BlockSizes entry {v} is not a multiple of the base size {base}")
+            if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+                raise FabricError(f"line {lineno}: BlockSizes must increase, largest last")
+            continue
+        name = fields.get("blockname")
+        if not name:
+            raise FabricError(f"line {lineno}: expected BlockName=... or BlockSizes=..., got {raw.strip()!r}")
+        if any(b == name for b, _ in blocks):
+            raise FabricError(f"line {lineno}: block {name!r} is defined twice")
+        if "nodes" not in fields:
+            raise FabricError(f"line {lineno}: block {name!r} lists no Nodes=")
+        try:
+            members = expand_hostlist(fields["nodes"])
+        except ValueError as exc:
+            raise FabricError(f"line {lineno}: {exc}") from exc
+        if not members:
+            raise FabricError(f"line {lineno}: block {name!r} lists no nodes")
+        for node in members:
+            if node in block_of:
+                raise FabricError(f"line {lineno}: node {node!r} is in two blocks ({block_of[node]!r} and {name!r})")
+            block_of[node] = name
+        blocks.append((name, members))
+
+    groups = [size // sizes[0] for size in sizes[1:]] if sizes else []
+    paths: dict[str, tuple[str, ...]] = {}
+    for index, (name, members) in enumerate(blocks):
+        path = (name, *(f"agg{level}-{index // per}" for level, per in enumerate(groups, 2)))
+        for node in members:
+            paths[node] = path
+    tiers = ("block", *(f"block{level}" for level in range(2, len(groups) + 2))) if blocks else ()
+    return Fabric(tiers=tiers, paths=paths)
+
+
+def parse_slurm(text: str) -> Fabric:
+    """Parse a Slurm topology.conf in either syntax: block when any line sets BlockName=, else tree."""
+    if _is_block_syntax(text):
+        return parse_slurm_block(text)
+    return parse_slurm_tree(text)
+
+
+_BLOCK_KEY = re.compile(r"(?:^|\s)(?:blockname|blocksizes)=", re.IGNORECASE)
+
+
+def _is_block_syntax(text: str) -> bool:
+    return any(_BLOCK_KEY.search(raw.split("#", 1)[0]) for raw in text.splitlines())
+
+
 def _key_values(line: str, lineno: int) -> Iterable[tuple[str, str]]:
     for token in re.split(r"\s+", line):
         if "=" not in token:
@@ -167,7 +250,7 @@ def _walk_switches(tree, above: tuple[str, ...], paths: dict[str, tuple[str, ...
 
 
 def load_fabric(path: str | Path) -> Fabric:
-    """Read a fabric file: `.yaml`/`.yml` as Phalanx YAML, anything else as Slurm topology.conf."""
+    """Read a fabric file: `.yaml`/`.yml` as Phalanx YAML, anything else as Slurm topology.conf (tree or block)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -175,7 +258,7 @@ def load_fabric(path: str | Path) -> Fabric:
         raise FabricError(f"cannot read fabric file {p}: {exc.strerror}") from exc
     if p.suffix in (".yaml", ".yml"):
         return parse_fabric_yaml(text)
-    return parse_slurm_tree(text)
+    return parse_slurm(text)
 
 
 def default_fabric(nodes: Iterable[str], nodes_per_leaf: int = 4, leaves_per_spine: int = 8) -> Fabric:

@@ -1,0 +1,350 @@
+"""``phalanx place``: the what-if tool. Runs the placement core over a fabric file and a JSONL request list, offline.
+
+    phalanx place --fabric topology.conf --profile dgx-h100 --requests jobs.jsonl [--json]
+
+Every node the fabric names gets the same host profile (a shipped profile name, or a path to an
+``nvidia-smi topo -m`` dump: the node's GPU count is the number of GPUs in it). Each request line is decided once,
+at its line, in file order, and never retried; a placed request is reserved, so later lines see it, until a
+``{"release": NAME}`` line frees it. Request lines::
+
+    {"name": "train", "replicas": 4, "gpus_per_replica": 8, "required_tier": "spine", "priority": 0}
+
+``required_tier`` (a fabric tier name, or ``node`` / ``cluster``): the gang must fit under one domain of that tier
+now, else it is refused and nothing is reserved. ``preferred_tier`` is accepted and best effort (the core already
+places at the lowest tier it can). ``mig`` / ``gpu_milli`` are refused per line: the core does not support them yet.
+A malformed line is refused per line (its reason names the line number); the run goes on.
+
+Output, one line per request (and per release), then a summary line. With ``--json`` every such line is one JSON
+object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}], "cost": {"tier", "leaves",
+"spine_crossings"} | null, "reason"}``, ``{"release": NAME}``, and finally ``{"summary": {"requests", "placed",
+"not_placed", "gpus_allocated"}}``. Errors about the command itself (a missing file, an unreadable fabric, an
+unknown profile) go to standard error with exit code 2.
+
+Cost of a placement: ``tier`` is the highest tier the gang crosses (``node`` when it fits in one node); ``leaves``
+the number of distinct first-tier switches under its nodes (1 when it sits in one node); ``spine_crossings`` the
+number of ring hops, over the replicas in rank order with the wrap-around from last to first (R hops for R >= 2
+replicas, none for one), whose two nodes differ at the second tier (``path[1]``); 0 when the fabric has fewer than
+two tiers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.fabric import Fabric, FabricError, load_fabric
+from phalanx.core.model import GangRequest, NodeCapacity, Placement
+from phalanx.core.placement import Unplaceable, place_gang
+from phalanx.core.topo_dump import TopoParseError
+
+from . import render
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+MIG_UNSUPPORTED = "mig/gpu_milli placement is not supported yet"
+_FIELDS = {"name", "replicas", "gpus_per_replica", "required_tier", "preferred_tier", "mig", "gpu_milli", "priority"}
+
+
+class _CommandError(Exception):
+    """A problem with the command itself (not with one request line): stderr, exit code 2."""
+
+
+@dataclass
+class _Request:
+    lineno: int
+    name: str
+    replicas: int = 0
+    gpus_per_replica: int = 0
+    required_tier: str | None = None
+    priority: int = 0
+    error: str = ""          # a per-line refusal decided before placement
+
+
+@dataclass
+class _Outcome:
+    name: str
+    placement: Placement | None
+    reason: str
+    cost: dict[str, Any] | None
+
+
+# -- inputs ----------------------------------------------------------------------------------------------------
+
+
+def _load_fabric(path: str) -> Fabric:
+    if not Path(path).is_file():
+        raise _CommandError(f"fabric file {path} does not exist")
+    try:
+        fabric = load_fabric(path)
+    except FabricError as exc:
+        raise _CommandError(f"cannot read fabric {path}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _CommandError(f"cannot read fabric {path}: {exc}") from None
+    if not fabric.paths:
+        raise _CommandError(f"fabric {path} names no nodes")
+    return fabric
+
+
+def _gpu_count(profile: str) -> int:
+    from phalanx.profiles import UnknownProfile, load_profile, load_profile_file
+
+    path = Path(profile)
+    try:
+        if path.is_file():
+            prof = load_profile_file(path)
+            where = f"topology dump {profile}"
+        elif "/" in profile or path.suffix:
+            raise _CommandError(f"profile file {profile} does not exist")
+        else:
+            prof = load_profile(profile)
+            where = f"profile {profile}"
+    except UnknownProfile as exc:
+        raise _CommandError(str(exc)) from None
+    except (TopoParseError, ValueError) as exc:
+        raise _CommandError(f"cannot read profile {profile}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _CommandError(f"cannot read profile {profile}: {exc}") from None
+    if prof.gpu_count < 1:
+        raise _CommandError(f"{where} has no GPUs")
+    return prof.gpu_count
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise _CommandError(f"requests file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _CommandError(f"cannot read requests file {path}: {exc}") from None
+
+
+def _positive_int(doc: dict, key: str) -> int:
+    value = doc.get(key)
+    if value is None:
+        raise ValueError(f"missing {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key!r} must be an integer, got {json.dumps(value)}")
+    if value < 1:
+        raise ValueError(f"{key!r} must be positive, got {value}")
+    return value
+
+
+def _parse_request(lineno: int, doc: dict, tier_order: list[str]) -> _Request:
+    name = doc.get("name")
+    label = name if isinstance(name, str) and name else f"line {lineno}"
+    try:
+        unknown = sorted(set(doc) - _FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
+        if not isinstance(name, str) or not name:
+            raise ValueError("missing 'name' (a non-empty string)")
+        replicas = _positive_int(doc, "replicas")
+        gpus = _positive_int(doc, "gpus_per_replica")
+        priority = doc.get("priority", 0)
+        if priority is None:
+            priority = 0
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"'priority' must be an integer, got {json.dumps(priority)}")
+        tiers: dict[str, str | None] = {}
+        for key in ("required_tier", "preferred_tier"):
+            value = doc.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{key!r} must be a tier name, got {json.dumps(value)}")
+            if value is not None and value not in tier_order:
+                raise ValueError(f"unknown {key} {value!r}; this fabric has {', '.join(tier_order)}")
+            tiers[key] = value
+    except ValueError as exc:
+        return _Request(lineno, label, error=f"line {lineno}: {exc}")
+    request = _Request(lineno, name, replicas, gpus, tiers["required_tier"], priority)
+    if any(doc.get(key) is not None and doc.get(key) is not False for key in ("mig", "gpu_milli")):
+        request.error = MIG_UNSUPPORTED
+    return request
+
+
+# -- cost ------------------------------------------------------------------------------------------------------
+
+
+def placement_cost(placement: Placement, fabric: Fabric) -> dict[str, Any]:
+    """`tier`, `leaves` spanned and ring hops that cross a spine (see the module docstring)."""
+    nodes = [r.node for r in placement.replicas]
+    leaves = {fabric.path(n)[0] if fabric.path(n) else n for n in nodes}
+    crossings = 0
+    if len(fabric.tiers) >= 2 and len(nodes) >= 2:
+        def spine(node: str) -> str | None:
+            path = fabric.path(node)
+            return path[1] if len(path) > 1 else None
+
+        crossings = sum(1 for i, node in enumerate(nodes) if spine(node) != spine(nodes[(i + 1) % len(nodes)]))
+    return {"tier": placement.tier, "leaves": len(leaves), "spine_crossings": crossings}
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+
+def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str]):
+    """Decide every line in order. Yields `_Outcome` per request line, `("release", name, freed)` per release."""
+    capacity = ClusterCapacity(
+        NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name))
+        for name in sorted(fabric.paths)
+    )
+    tier_order = ["node", *fabric.tiers, "cluster"]
+    held: dict[str, Placement] = {}
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            doc = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            yield _Outcome(f"line {lineno}", None, f"line {lineno}: invalid JSON: {exc.msg}", None)
+            continue
+        if not isinstance(doc, dict):
+            yield _Outcome(f"line {lineno}", None, f"line {lineno}: expected a JSON object", None)
+            continue
+        if "release" in doc:
+            target = doc["release"]
+            if set(doc) != {"release"} or not isinstance(target, str) or not target:
+                yield _Outcome(f"line {lineno}", None,
+                               f"line {lineno}: a release is {{\"release\": NAME}} with NAME a non-empty string",
+                               None)
+                continue
+            placement = held.pop(target, None)
+            if placement is not None:
+                for rep in placement.replicas:
+                    capacity.release(rep.node, rep.gpus)
+            yield ("release", target, placement is not None)
+            continue
+        request = _parse_request(lineno, doc, tier_order)
+        if request.error:
+            yield _Outcome(request.name, None, request.error, None)
+            continue
+        if request.name in held:
+            yield _Outcome(request.name, None,
+                           f"line {lineno}: {request.name!r} already holds a placement; release it first", None)
+            continue
+        gang = GangRequest(request.name, request.replicas, request.gpus_per_replica, priority=request.priority)
+        result = place_gang(capacity, gang, fabric.tiers)
+        if isinstance(result, Unplaceable):
+            yield _Outcome(request.name, None, result.reason, None)
+            continue
+        if request.required_tier is not None:
+            got, want = _rank(tier_order, result.tier), tier_order.index(request.required_tier)
+            if got > want:
+                yield _Outcome(
+                    request.name, None,
+                    f"required_tier {request.required_tier}: no single {request.required_tier} holds "
+                    f"{gang.replicas} x {gang.gpus_per_replica} GPUs now (the best placement crosses {result.tier})",
+                    None,
+                )
+                continue
+        capacity.reserve(result)
+        held[request.name] = result
+        yield _Outcome(request.name, result, "", placement_cost(result, fabric))
+
+
+def _rank(tier_order: list[str], tier: str) -> int:
+    try:
+        return tier_order.index(tier)
+    except ValueError:  # a generated name beyond the fabric's: above every named tier but the cluster
+        return len(tier_order) - 1
+
+
+# -- output ----------------------------------------------------------------------------------------------------
+
+
+def _ranges(gpus) -> str:
+    gpus = sorted(gpus)
+    parts, i = [], 0
+    while i < len(gpus):
+        j = i
+        while j + 1 < len(gpus) and gpus[j + 1] == gpus[j] + 1:
+            j += 1
+        parts.append(str(gpus[i]) if i == j else f"{gpus[i]}-{gpus[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _compact(placement: Placement) -> str:
+    """`n01:[0-3][4-7] n02:[0-7]`: nodes in rank order, each replica's GPUs in brackets."""
+    by_node: dict[str, list[str]] = {}
+    for rep in placement.replicas:
+        by_node.setdefault(rep.node, []).append(f"[{_ranges(rep.gpus)}]")
+    return " ".join(f"{node}:{''.join(reps)}" for node, reps in by_node.items())
+
+
+def _json_line(outcome: _Outcome) -> dict[str, Any]:
+    allocations = [] if outcome.placement is None else [
+        {"replica": r.replica, "node": r.node, "gpus": list(r.gpus)} for r in outcome.placement.replicas
+    ]
+    return {
+        "name": outcome.name,
+        "placed": outcome.placement is not None,
+        "allocations": allocations,
+        "cost": outcome.cost,
+        "reason": outcome.reason,
+    }
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    try:
+        fabric = _load_fabric(args.fabric)
+        gpus = _gpu_count(args.profile)
+        lines = _read_lines(args.requests)
+    except _CommandError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
+        return EXIT_USAGE
+
+    out: list[str] = []
+    requests = placed = allocated = 0
+    for item in run_place(fabric, gpus, lines):
+        if isinstance(item, tuple):
+            if args.json:
+                out.append(render.to_json({"release": item[1]}, lines=True))
+            else:
+                out.append(f"release {item[1]}: " + ("freed" if item[2] else "nothing held under that name"))
+            continue
+        requests += 1
+        if item.placement is not None:
+            placed += 1
+            allocated += sum(len(r.gpus) for r in item.placement.replicas)
+        if args.json:
+            out.append(render.to_json(_json_line(item), lines=True))
+        elif item.placement is not None:
+            p, c = item.placement, item.cost or {}
+            g = len(p.replicas[0].gpus)
+            out.append(f"{item.name}  PLACED  {len(p.replicas)} x {g} GPUs  {_compact(p)}  "
+                       f"tier={c['tier']} leaves={c['leaves']} spine_crossings={c['spine_crossings']}")
+        else:
+            out.append(f"{item.name}  NOT PLACED  {item.reason}")
+    summary = {"requests": requests, "placed": placed, "not_placed": requests - placed, "gpus_allocated": allocated}
+    if args.json:
+        out.append(render.to_json({"summary": summary}, lines=True))
+    else:
+        out.append(f"{requests} request(s): {placed} placed, {requests - placed} not placed, "
+                   f"{allocated} GPUs allocated ({len(fabric.paths)} nodes x {gpus} GPUs)")
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+def register(subparsers) -> None:
+    """Add ``place`` to the ``phalanx`` CLI."""
+    p = subparsers.add_parser(
+        "place", help="what-if: place a list of gang requests on a fabric, offline (no services)",
+        description="Run the placement core over a fabric file and a JSONL list of requests, one pass in file "
+                    "order, and report where each gang would go and what it costs.",
+    )
+    p.add_argument("--fabric", required=True, metavar="FILE",
+                   help="fabric file: Slurm topology.conf (tree or block syntax) or Phalanx YAML")
+    p.add_argument("--profile", required=True, metavar="NAME|DUMP",
+                   help="host profile of every node: a shipped profile name or an `nvidia-smi topo -m` dump file")
+    p.add_argument("--requests", required=True, metavar="FILE.jsonl",
+                   help='one JSON request per line; {"release": NAME} frees an earlier placement')
+    p.add_argument("--json", action="store_true", help="one JSON object per line, then a summary object")
+    p.set_defaults(func=cmd_place)
