@@ -14,6 +14,10 @@ class GangRequest:
     gpus_per_replica: int
     priority: int = 0
     submitted_at: float = 0.0
+    # Kueue TAS style constraints, by tier name ("node", a fabric tier such as "leaf", or "cluster"): the gang must
+    # fit under one domain of `required_tier` or wait; `preferred_tier` is best effort. Empty: no constraint.
+    required_tier: str = ""
+    preferred_tier: str = ""
 
     @property
     def gpus(self) -> int:
