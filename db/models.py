@@ -94,6 +94,9 @@ class Job(Base):
     submitted_at: Mapped[float] = mapped_column()
     started_at: Mapped[float] = mapped_column(default=0.0)
     finished_at: Mapped[float] = mapped_column(default=0.0)
+    # Topology constraints by tier name ("node", a fabric tier, "cluster"); "" means none (revision 0002).
+    required_tier: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    preferred_tier: Mapped[str] = mapped_column(String(64), default="", server_default="")
     # Optimistic concurrency: every state change is `UPDATE ... WHERE version = :seen`.
     version: Mapped[int] = mapped_column(Integer, default=0)
 

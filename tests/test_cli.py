@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.api.v1 import common_pb2
-from phalanx.cli.main import RESERVED_SUBMIT_FLAGS, main
+from phalanx.cli.main import RESERVED_SUBMIT_FLAGS, TIER_SUBMIT_FLAGS, main
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -101,8 +101,40 @@ def test_reserved_submit_flags_are_rejected(fake, capsys, flag, with_value):
 
 
 def test_reserved_flag_names_are_exactly_the_contract():
-    assert set(RESERVED_SUBMIT_FLAGS) == {"--required-tier", "--preferred-tier", "--mig", "--gpu-milli",
-                                          "--gpu-model", "--time-limit", "--queue"}
+    # The tier flags were reserved names and are now supported under exactly those names; the rest stay refused.
+    assert set(TIER_SUBMIT_FLAGS) == {"--required-tier", "--preferred-tier"}
+    assert set(RESERVED_SUBMIT_FLAGS) == {"--mig", "--gpu-milli", "--gpu-model", "--time-limit", "--queue"}
+
+
+def test_submit_tier_flags_reach_the_scheduler_and_the_json(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "2", "--gpus-per-replica", "8",
+                         "--required-tier", "leaf", "--preferred-tier", "node", "--json", "--", "true")
+    assert code == 0, err
+    job = json.loads(out)
+    spec = servicer.jobs[job["id"]].spec
+    assert (spec.required_tier, spec.preferred_tier) == ("leaf", "node")
+    assert (job["required_tier"], job["preferred_tier"]) == ("leaf", "node")
+
+
+def test_submit_without_tier_flags_sends_no_constraint(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
+                         "--json", "--", "true")
+    assert code == 0, err
+    job = json.loads(out)
+    spec = servicer.jobs[job["id"]].spec
+    assert (spec.required_tier, spec.preferred_tier) == ("", "")
+    assert (job["required_tier"], job["preferred_tier"]) == ("", "")
+
+
+@pytest.mark.parametrize("flag", TIER_SUBMIT_FLAGS)
+def test_tier_flag_without_a_value_is_a_usage_error(fake, capsys, flag):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
+                         "--json", flag, "--", "true")
+    assert code == 2 and out == "" and "error:" in err and flag in err
+    assert servicer.calls == {}
 
 
 @pytest.mark.parametrize("argv", [
@@ -308,10 +340,10 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0001"}
-    assert current(url) == "0001"
+    assert json.loads(out) == {"db": url, "revision": "0002"}
+    assert current(url) == "0002"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0001" in out
+    assert code == 0 and "0002" in out
 
 
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
@@ -321,7 +353,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0001"
+    assert current(url) == "0002"
 
 
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):

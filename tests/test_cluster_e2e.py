@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 JOB_FIELDS = {
     "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "env",
     "allocations", "attempt", "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement",
+    "required_tier", "preferred_tier",
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",

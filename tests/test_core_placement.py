@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 from phalanx.core.capacity import CapacityError, ClusterCapacity
 from phalanx.core.fabric import default_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
-from phalanx.core.placement import Unplaceable, place_gang, schedule_in_order
+from phalanx.core.placement import (
+    Unplaceable,
+    _take,
+    _take_indexed,
+    pick_gpus,
+    place_gang,
+    place_replicas_one_by_one,
+    schedule_in_order,
+)
 
 
 def cluster(nodes: int = 8, gpus: int = 8, per_leaf: int = 4, used: dict[str, int] | None = None):
@@ -149,3 +157,100 @@ def test_the_free_capacity_index_always_matches_a_full_scan(nodes, per_leaf, ops
             fits = [n for n in cap.nodes.values() if effective[n.name] >= want]
             best = min(fits, key=lambda n: (effective[n.name], n.name)) if fits else None
             assert cap.tightest_node(want) is best
+
+
+# ---- GPU choice within a node: rail alignment and contiguous blocks ------------------------------------------
+
+
+def test_rail_alignment_gives_every_node_of_a_gang_the_same_gpu_indices():
+    cap, tiers = cluster(nodes=4, per_leaf=4)
+    cap.take("n0", {0, 1})
+    cap.take("n1", {6, 7})
+    cap.take("n2", {0, 7})
+    cap.take("n3", {1, 6})
+    p = place_gang(cap, GangRequest("j", 4, 4), tiers)
+    assert isinstance(p, Placement) and len(p.nodes) == 4
+    # free on every node: 2-5, so local rank i uses GPU 2+i (rail 2+i) on every node
+    assert {r.gpus for r in p.replicas} == {(2, 3, 4, 5)}
+    cap.reserve(p)
+
+
+def test_rail_alignment_falls_back_to_each_nodes_own_gpus_when_no_common_set_exists():
+    cap, tiers = cluster(nodes=2, per_leaf=2)
+    cap.take("n0", {0, 1, 2, 3})
+    cap.take("n1", {4, 5, 6, 7})
+    p = place_gang(cap, GangRequest("j", 2, 4), tiers)
+    assert {r.node: r.gpus for r in p.replicas} == {"n0": (4, 5, 6, 7), "n1": (0, 1, 2, 3)}
+
+
+def test_gpus_within_a_node_come_in_aligned_contiguous_blocks():
+    cap, tiers = cluster(nodes=1)
+    cap.take("n0", {0, 1})
+    p = place_gang(cap, GangRequest("j", 1, 4), tiers)
+    assert p.replicas[0].gpus == (4, 5, 6, 7)  # one half, not 2-5
+    cap.reserve(p)
+    q = place_gang(cap, GangRequest("k", 1, 2), tiers)
+    assert q.replicas[0].gpus == (2, 3)
+
+
+def test_pick_gpus_prefers_aligned_then_contiguous_then_lowest():
+    assert pick_gpus({1, 2, 3, 4, 5, 6, 7}, 4) == (4, 5, 6, 7)
+    assert pick_gpus({1, 2, 3, 5, 7}, 2) == (2, 3)
+    assert pick_gpus({1, 2, 3, 5, 7}, 3) == (1, 2, 3)
+    assert pick_gpus({0, 2, 4, 6}, 2) == (0, 2)
+
+
+# ---- per-replica mode (no gang semantics) --------------------------------------------------------------------
+
+
+def test_one_by_one_keeps_a_partial_gang_and_two_gangs_can_deadlock():
+    cap, _ = cluster(nodes=4, per_leaf=4)
+    a, b = GangRequest("a", 3, 8), GangRequest("b", 3, 8)
+    held_a: tuple = ()
+    held_b: tuple = ()
+    for _ in range(3):  # interleaved, one replica each per turn, like two controllers racing
+        held_a = place_replicas_one_by_one(cap, a, held_a, limit=1)
+        held_b = place_replicas_one_by_one(cap, b, held_b, limit=1)
+    assert len(held_a) == 2 and len(held_b) == 2  # both partial, neither complete, nothing left
+    assert cap.free_gpus() == 0
+    assert [r.replica for r in held_a] == [0, 1]
+    assert not {r.node for r in held_a} & {r.node for r in held_b}
+    # gang scheduling would have placed one of them whole and kept the other waiting holding nothing
+    cap2, tiers = cluster(nodes=4, per_leaf=4)
+    placed, blocked = schedule_in_order(cap2, [a, b], tiers)
+    assert [p.job_id for p in placed] == ["a"] and blocked is not None and blocked.job_id == "b"
+
+
+def test_one_by_one_without_limit_takes_the_best_fit_nodes():
+    cap, _ = cluster(nodes=3, per_leaf=3, used={"n1": 6})
+    got = place_replicas_one_by_one(cap, GangRequest("j", 2, 2), ())
+    assert [(r.node, r.gpus) for r in got] == [("n1", (6, 7)), ("n0", (0, 1))]
+    assert cap.nodes["n1"].free == set() and cap.nodes["n0"].free == set(range(2, 8))
+
+
+# ---- the index walk equals the scan --------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    nodes=st.integers(1, 16),
+    per_leaf=st.integers(1, 4),
+    per_spine=st.integers(1, 3),
+    used=st.lists(st.integers(0, 8), min_size=16, max_size=16),
+    replicas=st.integers(1, 12),
+    g=st.sampled_from([1, 2, 4, 8]),
+)
+def test_the_indexed_take_chooses_what_the_scan_take_chooses(nodes, per_leaf, per_spine, used, replicas, g):
+    fabric = default_fabric([f"n{i}" for i in range(nodes)], nodes_per_leaf=per_leaf, leaves_per_spine=per_spine)
+    cap = ClusterCapacity(
+        NodeCapacity(f"n{i}", 8, set(range(used[i], 8)), True, fabric.path(f"n{i}")) for i in range(nodes)
+    )
+    for level in range(1, cap.levels() + 1):
+        stats = cap.domain_stats(level, g)
+        for key, (slots, _) in stats.items():
+            if slots < replicas:
+                continue
+            members = [n for n in cap.members(level, key) if n.schedulable and len(n.free) >= g]
+            scan = [(n.name, c) for n, c in _take(members, replicas, g, level)]
+            indexed = [(n.name, c) for n, c in _take_indexed(cap, level, key, replicas, g)]
+            assert indexed == scan

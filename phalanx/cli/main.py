@@ -31,12 +31,17 @@ from phalanx.client import (
 
 from . import render
 
-__all__ = ["main", "build_parser", "UsageError"]
+__all__ = ["main", "build_parser", "UsageError", "RESERVED_SUBMIT_FLAGS", "TIER_SUBMIT_FLAGS"]
+
+# Topology flags of `phalanx submit` (SubmitJob's JobSpec.required_tier / preferred_tier): a tier name, "node", a
+# fabric tier of the scheduler ("leaf", "spine", ...) or "cluster". The scheduler checks the name.
+TIER_SUBMIT_FLAGS = (
+    "--required-tier",
+    "--preferred-tier",
+)
 
 # Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
 RESERVED_SUBMIT_FLAGS = (
-    "--required-tier",
-    "--preferred-tier",
     "--mig",
     "--gpu-milli",
     "--gpu-model",
@@ -128,6 +133,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             priority=args.priority,
             procs_per_replica=args.procs_per_replica,
             env=env,
+            required_tier=args.required_tier or "",
+            preferred_tier=args.preferred_tier or "",
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -268,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--procs-per-replica", type=int, default=0, metavar="K",
                    help="0: one process per GPU (default); 1: one per replica")
     p.add_argument("--env", action="extend", nargs="+", metavar="K=V", help="environment for the job (repeatable)")
+    p.add_argument("--required-tier", default=None, metavar="TIER",
+                   help="the gang must fit under one domain of this tier (node, a fabric tier such as leaf or "
+                        "spine, or cluster), or wait")
+    p.add_argument("--preferred-tier", default=None, metavar="TIER",
+                   help="best effort: prefer placing the gang under one domain of this tier")
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
     json_flag(p)

@@ -113,6 +113,8 @@ class AsyncClient:
         procs_per_replica: int = 0,
         env: Mapping[str, str] | None = None,
         request_id: str | None = None,
+        required_tier: str = "",
+        preferred_tier: str = "",
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -125,6 +127,8 @@ class AsyncClient:
             procs_per_replica: 0: one process per GPU; 1: one per replica.
             env: Extra environment variables.
             request_id: Idempotency key; generated (uuid4 hex) when omitted, reused across retries.
+            required_tier: The gang must fit under one domain of this tier, or wait; "" for none.
+            preferred_tier: Best effort: prefer one domain of this tier; "" for none.
 
         Returns:
             The job as accepted by the scheduler.
@@ -132,6 +136,7 @@ class AsyncClient:
         request = build_submit_request(
             name, replicas, gpus_per_replica, command,
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
+            required_tier=required_tier, preferred_tier=preferred_tier,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

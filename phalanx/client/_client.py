@@ -72,6 +72,8 @@ def build_submit_request(
     procs_per_replica: int,
     env: Mapping[str, str] | None,
     request_id: str | None,
+    required_tier: str = "",
+    preferred_tier: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -83,6 +85,8 @@ def build_submit_request(
         procs_per_replica=int(procs_per_replica),
         command=argv,
         env={str(k): str(v) for k, v in (env or {}).items()},
+        required_tier=str(required_tier or ""),
+        preferred_tier=str(preferred_tier or ""),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -176,6 +180,8 @@ class Client:
         procs_per_replica: int = 0,
         env: Mapping[str, str] | None = None,
         request_id: str | None = None,
+        required_tier: str = "",
+        preferred_tier: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -188,18 +194,23 @@ class Client:
             procs_per_replica: 0: one process per GPU; 1: one per replica (torchrun style).
             env: Extra environment variables for the job's processes.
             request_id: Idempotency key; generated (uuid4 hex) when omitted. A repeated key returns the first job.
+            required_tier: The gang must fit under one domain of this tier ("node", a fabric tier of the
+                scheduler such as "leaf" or "spine", or "cluster") or wait; "" for no constraint.
+            preferred_tier: Best effort: prefer one domain of this tier; "" for no preference.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
 
         Raises:
-            InvalidArgumentError: The spec was rejected.
+            InvalidArgumentError: The spec was rejected (for instance an unknown tier name).
+            FailedPreconditionError: The gang can never fit (for instance under one domain of its required tier).
             UnavailableError: The scheduler could not be reached, even after retries.
             DeadlineExceededError: No answer within the timeout.
         """
         request = build_submit_request(
             name, replicas, gpus_per_replica, command,
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
+            required_tier=required_tier, preferred_tier=preferred_tier,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -138,6 +138,9 @@ class Job:
     finished_at: float = 0.0
     exit_code: int = 0
     placement: dict[str, Any] = field(default_factory=dict)
+    # Topology constraints by tier name ("node", a fabric tier such as "leaf", or "cluster"); "" means none.
+    required_tier: str = ""
+    preferred_tier: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -183,6 +186,8 @@ class Job:
             finished_at=float(msg.finished_at),
             exit_code=int(msg.exit_code),
             placement=placement,
+            required_tier=spec.required_tier,
+            preferred_tier=spec.preferred_tier,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +200,8 @@ class Job:
             "gpus_per_replica": self.gpus_per_replica,
             "priority": self.priority,
             "procs_per_replica": self.procs_per_replica,
+            "required_tier": self.required_tier,
+            "preferred_tier": self.preferred_tier,
             "command": list(self.command),
             "env": dict(self.env),
             "allocations": [a.to_dict() for a in self.allocations],

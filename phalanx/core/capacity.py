@@ -9,6 +9,7 @@ same free count.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 
 from .model import NodeCapacity, Placement
@@ -45,19 +46,35 @@ class ClusterCapacity:
         self.largest = max((n.total for n in nodes), default=0)
         self._members: list[dict[str, list[NodeCapacity]]] = [{} for _ in range(self.top + 1)]
         self._hist: list[dict[str, list[int]]] = [{} for _ in range(self.top + 1)]
-        self._by_free: list[set[str]] = [set() for _ in range(self.largest + 1)]
+        # Nodes by effective free count, each bucket a sorted list of names (the tightest node is bucket[0]).
+        self._by_free: list[list[str]] = [[] for _ in range(self.largest + 1)]
         self._effective: dict[str, int] = {}
+        # Child domains (keys of level - 1) of every domain of level >= 2, and whether the domains form a tree
+        # (every child domain under exactly one parent); placement walks down the index only on a tree.
+        self._children: list[dict[str, list[str]]] = [{} for _ in range(self.top + 1)]
+        parent: list[dict[str, str]] = [{} for _ in range(self.top + 1)]
+        self.is_tree = True
         for node in nodes:
+            eff = min(len(node.free), self.largest) if node.schedulable else 0
+            self._effective[node.name] = eff
+            self._by_free[eff].append(node.name)
             for level in range(1, self.top + 1):
-                self._members[level].setdefault(domain_key(node, level, self.top), []).append(node)
-            self._effective[node.name] = 0
-            for level in range(1, self.top + 1):
-                hist = self._hist[level].setdefault(domain_key(node, level, self.top), [0] * (self.largest + 1))
-                hist[0] += 1
-            self._by_free[0].add(node.name)
+                key = domain_key(node, level, self.top)
+                self._members[level].setdefault(key, []).append(node)
+                hist = self._hist[level].get(key)
+                if hist is None:
+                    hist = self._hist[level][key] = [0] * (self.largest + 1)
+                hist[eff] += 1
+                if level >= 2:
+                    child = domain_key(node, level - 1, self.top)
+                    seen = parent[level - 1].setdefault(child, key)
+                    if seen != key:
+                        self.is_tree = False
+                    elif child not in self._children[level].setdefault(key, []):
+                        self._children[level][key].append(child)
+        for bucket in self._by_free:
+            bucket.sort()
         self._built = True
-        for node in nodes:
-            self._changed(node)
         self.most_nodes = [1] + [max((len(m) for m in self._members[lv].values()), default=0)
                                  for lv in range(1, self.top + 1)]
         self._total = sum(n.total for n in nodes)
@@ -71,7 +88,7 @@ class ClusterCapacity:
         """Move a node to the histogram buckets of its current effective free count."""
         if not self._built:
             return
-        new = len(node.free) if node.schedulable else 0
+        new = min(len(node.free), self.largest) if node.schedulable else 0
         old = self._effective[node.name]
         if new == old:
             return
@@ -80,8 +97,9 @@ class ClusterCapacity:
             hist = self._hist[level][domain_key(node, level, self.top)]
             hist[old] -= 1
             hist[new] += 1
-        self._by_free[old].discard(node.name)
-        self._by_free[new].add(node.name)
+        bucket = self._by_free[old]
+        del bucket[bisect_left(bucket, node.name)]
+        insort(self._by_free[new], node.name)
 
     # ---- queries ---------------------------------------------------------------------------------------------
 
@@ -119,8 +137,51 @@ class ClusterCapacity:
         self._ensure()
         for f in range(max(gpus, 1), self.largest + 1):
             if self._by_free[f]:
-                return self.nodes[min(self._by_free[f])]
+                return self.nodes[self._by_free[f][0]]
         return None
+
+    def most_free_on_a_node(self) -> int:
+        """The largest effective free count of any node (0 when none is schedulable or free)."""
+        self._ensure()
+        for f in range(self.largest, 0, -1):
+            if self._by_free[f]:
+                return f
+        return 0
+
+    def effective_free(self, node: str) -> int:
+        """Free GPUs of `node` as placement sees them: 0 when it is not schedulable."""
+        self._ensure()
+        return self._effective.get(node, 0)
+
+    def child_stats(self, level: int, key: str, gpus_per_replica: int) -> dict[str, tuple[int, int]]:
+        """For every child of domain `key` of `level` (>= 1) that holds at least one replica of this size:
+        (replicas it holds, free GPUs on its nodes that hold a replica). Children of a level-1 domain are nodes.
+
+        Read from the index: O(children x GPUs per node), not a scan of the domain's nodes. Meaningful only when
+        `is_tree` (for level >= 2).
+        """
+        self._ensure()
+        g = gpus_per_replica
+        out: dict[str, tuple[int, int]] = {}
+        if level == 1:
+            eff = self._effective
+            for node in self._members[1].get(key, ()):
+                f = eff[node.name]
+                if f >= g:
+                    out[node.name] = (f // g, f)
+            return out
+        hists = self._hist[level - 1]
+        for child in self._children[level].get(key, ()):
+            hist = hists[child]
+            slots = free = 0
+            for f in range(g, len(hist)):
+                count = hist[f]
+                if count:
+                    free += f * count
+                    slots += (f // g) * count
+            if slots:
+                out[child] = (slots, free)
+        return out
 
     def free_gpus(self) -> int:
         self._ensure()

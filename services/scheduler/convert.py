@@ -36,6 +36,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     return common_pb2.JobSpec(
         name=j["name"], replicas=j["replicas"], gpus_per_replica=j["gpus_per_replica"], priority=j["priority"],
         procs_per_replica=j["procs_per_replica"], command=list(j["command"]), env=dict(j["env"] or {}),
+        required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
     )
 
 

@@ -122,6 +122,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             continue
         try:
             check_fits_ever(cycle.state, sub.spec)
+            check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
         except FailedPrecondition as exc:
             results[i] = exc
             continue
@@ -130,7 +131,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             id=uuid.uuid4().hex[:12], name=spec.name, state="PENDING", priority=spec.priority,
             replicas=spec.replicas, gpus_per_replica=spec.gpus_per_replica, procs_per_replica=spec.procs_per_replica,
             command=list(spec.command), env=dict(spec.env), submitted_at=cycle.now, request_id=sub.request_id or None,
-            message="queued",
+            required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
         )
         new.append(job)
         results[i] = job
@@ -181,6 +182,47 @@ def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
         raise FailedPrecondition(
             f"the gang needs {r} replicas of {g} GPUs, each on one node, but the {len(nodes)} known nodes can hold "
             f"at most {fit} such replicas even when empty"
+        )
+
+
+def check_fits_required_tier(state: SchedulerState, spec: common_pb2.JobSpec, fabric_tiers: tuple[str, ...]) -> None:
+    """Refuse a gang that no single domain of its required tier could ever hold.
+
+    From the static structure only: every known node counts at its full size (drained and lost ones too), and a
+    node's domain at a fabric tier is its switch of that tier, as placement sees it (nodes without one share the
+    cluster root). "cluster" is check_fits_ever's business; the servicer has already checked the name.
+    """
+    tier = spec.required_tier
+    if not tier or tier == "cluster":
+        return
+    g, r = spec.gpus_per_replica, spec.replicas
+    nodes = list(state.capacity.nodes.values())
+    if not nodes or g < 1:
+        return
+    if tier == "node":
+        best = max(nodes, key=lambda n: (n.total // g, n.name))
+        fit = best.total // g
+        if fit < r:
+            raise FailedPrecondition(
+                f"required_tier=node: the gang needs {r} replicas of {g} GPUs on one node, but the largest node "
+                f"({best.name}, {best.total} GPUs) holds at most {fit} such replica(s)"
+            )
+        return
+    if tier not in fabric_tiers:
+        return
+    index = fabric_tiers.index(tier)
+    domains: dict[str, list[int]] = {}
+    for n in nodes:
+        key = n.path[index] if index < len(n.path) else ""
+        entry = domains.setdefault(key, [0, 0])
+        entry[0] += n.total // g
+        entry[1] += 1
+    key, (fit, count) = max(domains.items(), key=lambda kv: (kv[1][0], kv[0]))
+    if fit < r:
+        where = key or f"the nodes outside any {tier}"
+        raise FailedPrecondition(
+            f"required_tier={tier}: the gang needs {r} replicas of {g} GPUs under one {tier}, but the largest "
+            f"{tier} ({where}, {count} node(s)) holds at most {fit} such replica(s) even when empty"
         )
 
 

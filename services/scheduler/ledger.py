@@ -157,6 +157,7 @@ def job_from_row(j) -> JobRecord:
         env=dict(j["env"] or {}), submitted_at=j["submitted_at"], request_id=j["request_id"], attempt=j["attempt"],
         message=j["message"], exit_code=j["exit_code"], placement=dict(j["placement"] or {}),
         started_at=j["started_at"], finished_at=j["finished_at"], version=j["version"],
+        required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
     )
 
 
@@ -169,7 +170,8 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 replicas=j.replicas, gpus_per_replica=j.gpus_per_replica, procs_per_replica=j.procs_per_replica,
                 command=j.command, env=j.env, attempt=j.attempt, message=j.message, exit_code=j.exit_code,
                 placement=j.placement, submitted_at=j.submitted_at, started_at=j.started_at,
-                finished_at=j.finished_at, version=j.version,
+                finished_at=j.finished_at, version=j.version, required_tier=j.required_tier,
+                preferred_tier=j.preferred_tier,
             )
             for j in jobs
         ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Sequence
 
 from google.protobuf.json_format import MessageToDict
 
@@ -24,8 +25,16 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
 
-def validate_spec(spec: common_pb2.JobSpec) -> None:
-    """Raise InvalidArgument with a message a person understands; nothing has been written yet."""
+def tier_choices(fabric_tiers: Sequence[str] = ()) -> list[str]:
+    """Tier names a job may ask for, lowest first: the node, the scheduler's fabric tiers, the whole cluster."""
+    return list(dict.fromkeys(["node", *fabric_tiers, "cluster"]))
+
+
+def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) -> None:
+    """Raise InvalidArgument with a message a person understands; nothing has been written yet.
+
+    `fabric_tiers` are the scheduler's fabric tier names (SchedulerSettings.fabric.tiers), for the tier fields.
+    """
     problems = []
     if not spec.name.strip():
         problems.append("name must not be empty")
@@ -60,6 +69,13 @@ def validate_spec(spec: common_pb2.JobSpec) -> None:
         if "\x00" in value:
             problems.append(f"env {key} must not contain NUL characters")
             break
+    choices = tier_choices(fabric_tiers)
+    for field_name in ("required_tier", "preferred_tier"):
+        value = getattr(spec, field_name)
+        if value and value not in choices:
+            problems.append(
+                f"{field_name} {value[:80]!r} is not a tier of this cluster; valid tiers: {', '.join(choices)}"
+            )
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
@@ -85,7 +101,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def SubmitJob(self, request, context):
-        validate_spec(request.spec)
+        validate_spec(request.spec, self.service.settings.fabric.tiers)
         if len(request.request_id) > 128:
             raise InvalidArgument("request_id must be at most 128 characters")
         return await self._job(await self.service.execute(Submit(request.spec, request.request_id)))

@@ -38,6 +38,8 @@ class JobRecord:
     env: dict[str, str]
     submitted_at: float
     request_id: str | None = None
+    required_tier: str = ""  # "" none; else "node", a fabric tier or "cluster" (checked at submit)
+    preferred_tier: str = ""
     attempt: int = 0
     message: str = ""
     exit_code: int = 0
@@ -51,7 +53,8 @@ class JobRecord:
     launch_deadline: float | None = None
 
     def request(self) -> GangRequest:
-        return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at)
+        return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at,
+                           required_tier=self.required_tier, preferred_tier=self.preferred_tier)
 
     @property
     def nodes(self) -> list[str]:
