@@ -212,6 +212,16 @@ def agents_process(address: str, nodes: int, pipe) -> None:
     asyncio.run(run())
 
 
+def quiesce(admin_url: str) -> None:
+    """Flush dirty buffers left by the previous phase, so a background checkpoint does not land in this one."""
+    try:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute("CHECKPOINT")
+    except psycopg.Error as exc:  # needs a superuser or pg_checkpoint; the figures are just noisier without it
+        say(f"note: could not CHECKPOINT before measuring ({exc.__class__.__name__})")
+    time.sleep(1.0)
+
+
 def commit_floor(admin_url: str, samples: int = 500) -> float:
     with psycopg.connect(admin_url) as conn:
         conn.execute("CREATE TEMP TABLE floor (id text, body text)")
@@ -261,6 +271,7 @@ async def run(args) -> dict:
     for nodes in args.nodes:
         say(f"--- {nodes} nodes x 8 GPUs ---")
         async with Bench(admin, nodes, workdir) as bench:
+            quiesce(admin)
             for gpus in (1, 8, 64):
                 lat = await bench.latency(gpus, args.samples)
                 key = f"n{nodes}_g{gpus}"
