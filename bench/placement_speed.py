@@ -94,7 +94,24 @@ class NaivePlacer:
             fitting = [k for k, (slots, _) in stats.items() if slots >= need]
             if not fitting:
                 continue
-            key = min(fitting, key=lambda k: (stats[k][1], k))
+            # Fewest children spanned, then best fit: scan every node to count each fitting domain's children.
+            child_slots: dict[str, dict[str, int]] = {}
+            for n in self.nodes:
+                k = domain_key(n, level, self.top)
+                if k in stats and stats[k][0] >= need and n.schedulable and len(n.free) >= g:
+                    child = child_slots.setdefault(k, {})
+                    ck = domain_key(n, level - 1, self.top)
+                    child[ck] = child.get(ck, 0) + len(n.free) // g
+
+            def children_needed(k: str) -> int:
+                held = count = 0
+                for slots in sorted(child_slots[k].values(), reverse=True):
+                    count, held = count + 1, held + slots
+                    if held >= need:
+                        break
+                return count
+
+            key = min(fitting, key=lambda k: (children_needed(k), stats[k][1], k))
             members = [n for n in self.nodes
                        if domain_key(n, level, self.top) == key and n.schedulable and len(n.free) >= g]
             return _build(request, _take(members, need, g, level), self.names, level)

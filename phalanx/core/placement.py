@@ -94,14 +94,13 @@ def place_gang(
             if node is not None:
                 return _preferred(request, _build(request, [(node, need)], names, 0), names, fabric_tiers, capacity)
             continue
-        # Best fit, global within the tier: the fitting domain with the least free GPUs (from the index).
+        # Among the domains of this tier that hold the gang: fewest children spanned first, then best fit (least
+        # free GPUs), global within the tier; all read from the index.
         stats = capacity.domain_stats(level, g)
-        best = None
-        for k, (slots, free) in stats.items():
-            if slots >= need and (best is None or (free, k) < best):
-                best = (free, k)
-        if best is None:
+        fitting = sorted((free, k) for k, (slots, free) in stats.items() if slots >= need)
+        if not fitting:
             continue
+        best = _fewest_children(capacity, level, fitting, need, g, most_nodes, largest)
         if capacity.is_tree or level == 1:
             takes = _take_indexed(capacity, level, best[1], need, g)
         else:
@@ -120,6 +119,35 @@ def place_gang(
             f"replica(s) now",
         )
     raise AssertionError("the cluster level always fits when total slots suffice")
+
+
+def _fewest_children(
+    capacity: ClusterCapacity, level: int, fitting: list[tuple[int, str]], need: int, g: int,
+    most_nodes: list[int], largest: int,
+) -> tuple[int, str]:
+    """The fitting domain (given as (free, key), best fit first) that spans the fewest children; ties keep best fit.
+
+    Stops at the first domain that reaches the lower bound no domain can beat (children that are empty and as big
+    as any child of this tier), which in a mostly empty cluster is the first one looked at.
+    """
+    if level > 1 and not capacity.is_tree:
+        return fitting[0]  # child statistics need a tree; a switch under two parents keeps plain best fit
+    per_child = max(1, most_nodes[level - 1] * (largest // g)) if level > 1 else max(1, largest // g)
+    bound = -(-need // per_child)
+    best: tuple[int, int, str] | None = None
+    for free, key in fitting:
+        slots = sorted((s for s, _ in capacity.child_stats(level, key, g).values()), reverse=True)
+        count, held = 0, 0
+        for s in slots:
+            count += 1
+            held += s
+            if held >= need:
+                break
+        if best is None or count < best[0]:
+            best = (count, free, key)
+            if count <= bound:
+                break
+    return best[1], best[2]
 
 
 def _preferred(
