@@ -3,7 +3,8 @@
     phalanx place --fabric topology.conf --profile dgx-h100 --requests jobs.jsonl [--json]
 
 Every node the fabric names gets the same host profile (a shipped profile name, or a path to an
-``nvidia-smi topo -m`` dump: the node's GPU count is the number of GPUs in it). Each request line is decided once,
+``nvidia-smi topo -m`` dump: the node's GPU count is the number of GPUs in it; a gang that fits on one node
+gets the GPUs its matrix says are closest, e.g. one NUMA node of ``pcie-2numa``). Each request line is decided once,
 at its line, in file order, and never retried; a placed request is reserved, so later lines see it, until a
 ``{"release": NAME}`` line frees it. Request lines::
 
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.closeness import GpuCloseness
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement
 from phalanx.core.placement import Unplaceable, place_gang
@@ -92,6 +94,11 @@ def _load_fabric(path: str) -> Fabric:
 
 
 def _gpu_count(profile: str) -> int:
+    return _host_profile(profile).gpu_count
+
+
+def _host_profile(profile: str):
+    """The shipped profile of that name, or the profile / topo dump in that file (a HostProfile)."""
     from phalanx.profiles import UnknownProfile, load_profile, load_profile_file
 
     path = Path(profile)
@@ -112,7 +119,7 @@ def _gpu_count(profile: str) -> int:
         raise _CommandError(f"cannot read profile {profile}: {exc}") from None
     if prof.gpu_count < 1:
         raise _CommandError(f"{where} has no GPUs")
-    return prof.gpu_count
+    return prof
 
 
 def _read_lines(path: str) -> list[str]:
@@ -187,10 +194,13 @@ def placement_cost(placement: Placement, fabric: Fabric) -> dict[str, Any]:
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
-def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str]):
-    """Decide every line in order. Yields `_Outcome` per request line, `("release", name, freed)` per release."""
+def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: GpuCloseness | None = None):
+    """Decide every line in order. Yields `_Outcome` per request line, `("release", name, freed)` per release.
+
+    `closeness`: the host profile's GPU closeness (from its topo matrix), given to every node: a gang on one node
+    gets the GPUs that share the closest links (see placement.pick_gpus)."""
     capacity = ClusterCapacity(
-        NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name))
+        NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name), closeness)
         for name in sorted(fabric.paths)
     )
     tier_order = ["node", *fabric.tiers, "cluster"]
@@ -293,7 +303,8 @@ def _json_line(outcome: _Outcome) -> dict[str, Any]:
 def cmd_place(args: argparse.Namespace) -> int:
     try:
         fabric = _load_fabric(args.fabric)
-        gpus = _gpu_count(args.profile)
+        profile = _host_profile(args.profile)
+        gpus = profile.gpu_count
         lines = _read_lines(args.requests)
     except _CommandError as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -302,7 +313,7 @@ def cmd_place(args: argparse.Namespace) -> int:
 
     out: list[str] = []
     requests = placed = allocated = 0
-    for item in run_place(fabric, gpus, lines):
+    for item in run_place(fabric, gpus, lines, GpuCloseness.from_dump(profile.dump)):
         if isinstance(item, tuple):
             if args.json:
                 out.append(render.to_json({"release": item[1]}, lines=True))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .closeness import GpuCloseness
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +57,18 @@ class Placement:
 
 @dataclass(slots=True)
 class NodeCapacity:
-    """Free GPUs of one node. `path` is its switches from the leaf up (see core.fabric)."""
+    """Free GPUs of one node. `path` is its switches from the leaf up (see core.fabric).
+
+    `closeness`: how close each pair of its GPUs is (from its `nvidia-smi topo -m` matrix); None when unknown,
+    and then GPUs are chosen by index alone (see placement.pick_gpus).
+    """
 
     name: str
     total: int
     free: set[int] = field(default_factory=set)
     schedulable: bool = True
     path: tuple[str, ...] = ()
+    closeness: GpuCloseness | None = None
 
     def slots(self, gpus_per_replica: int) -> int:
         return len(self.free) // gpus_per_replica if self.schedulable and gpus_per_replica > 0 else 0

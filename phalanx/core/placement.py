@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
+from .closeness import GpuCloseness, closest_sets
 from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 
 
@@ -215,13 +216,25 @@ def _take(nodes: list[NodeCapacity], need: int, g: int, level: int) -> list[tupl
     return chosen + _take(groups[last], remaining, g, level - 1)
 
 
-def pick_gpus(free: set[int] | frozenset[int], k: int) -> tuple[int, ...]:
-    """`k` GPU indices out of `free`, preferring contiguous blocks (a proxy for sharing a PCIe switch / NUMA half).
+def pick_gpus(
+    free: set[int] | frozenset[int], k: int, closeness: GpuCloseness | None = None
+) -> tuple[int, ...]:
+    """`k` GPU indices out of `free`.
 
-    In order: the lowest naturally aligned free block when `k` is a power of two (GPUs 0-3 or 4-7 for k=4, never
-    2-5), else the lowest contiguous free run of `k`, else the `k` lowest free indices. Deterministic: the same
-    free set always gives the same answer, which rail alignment relies on.
+    Without `closeness` (or with a uniform one, where every pair is equally close), by index: contiguous blocks
+    as a proxy for sharing a PCIe switch / NUMA half. In order: the lowest naturally aligned free block when `k`
+    is a power of two (GPUs 0-3 or 4-7 for k=4, never 2-5), else the lowest contiguous free run of `k`, else the
+    `k` lowest free indices. Deterministic: the same free set always gives the same answer, which rail alignment
+    relies on.
+
+    With `closeness` (the node's per-pair topo matrix): the `k` free GPUs whose worst pair is closest (NV18 >
+    ... > NV1 > PIX > PXB > PHB > NODE > SYS), then the largest sum of pairwise closeness, then the index order
+    above among those equally close. When there are too many sets to try (large nodes), by index as above.
     """
+    if closeness is not None and not closeness.uniform and 1 < k < len(free):
+        sets = closest_sets(closeness, free, k)
+        if sets is not None:
+            return min(sets, key=lambda s: (_shape(s, k), s))
     ordered = sorted(free)
     if k >= len(ordered):
         return tuple(ordered[:k])
@@ -235,6 +248,24 @@ def pick_gpus(free: set[int] | frozenset[int], k: int) -> tuple[int, ...]:
     return tuple(ordered[:k])
 
 
+def _shape(gpus: tuple[int, ...], k: int) -> int:
+    """The index order of `pick_gpus`: 0 an aligned power-of-two block, 1 a contiguous run, 2 anything else."""
+    if gpus[-1] - gpus[0] != k - 1:
+        return 2
+    return 0 if k & (k - 1) == 0 and gpus[0] % k == 0 else 1
+
+
+def _split_close(gpus: tuple[int, ...], count: int, g: int, closeness: GpuCloseness) -> tuple[int, ...]:
+    """Order the GPUs of `count` replicas of `g` on one node so each replica's slice is as close as it can be:
+    the closest `g` first, then the closest `g` of the rest, and so on."""
+    rest, ordered = set(gpus), []
+    for _ in range(count - 1):
+        part = pick_gpus(rest, g, closeness)
+        ordered += part
+        rest -= set(part)
+    return tuple(ordered) + tuple(sorted(rest))
+
+
 def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: list[str], level: int) -> Placement:
     """Number the replicas in switch order and choose their GPUs.
 
@@ -242,6 +273,10 @@ def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: l
     leaves GPUs over takes the same GPU indices where it can: its choice is made from the GPUs free on every node
     of the gang (`pick_gpus` of the intersection, so equal needs get equal indices) and local rank i uses the same
     rail everywhere. A node whose need the intersection cannot cover picks from its own free GPUs.
+
+    Intra-node closeness (`NodeCapacity.closeness`, the node's topo matrix) decides only when the whole gang
+    sits on one node: a multi-node gang keeps the rail-aligned, index-based choice, because the same indices on
+    every node (one rail per local rank) matter more for its traffic than the links inside each node.
     """
     g = request.gpus_per_replica
     ordered = sorted(takes, key=lambda t: (tuple(reversed(t[0].path)), t[0].name))
@@ -250,14 +285,18 @@ def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: l
         for node, _ in ordered:
             common = set(node.free) if common is None else common & node.free
     replicas: list[ReplicaPlacement] = []
+    single = len(ordered) == 1
     for node, count in ordered:
         k = count * g
+        closeness = node.closeness if single else None
         if k == len(node.free):
             gpus = tuple(sorted(node.free))
         elif common is not None and len(common) >= k:
             gpus = pick_gpus(common, k)
         else:
-            gpus = pick_gpus(node.free, k)
+            gpus = pick_gpus(node.free, k, closeness)
+        if closeness is not None and not closeness.uniform and count > 1 and g > 1:
+            gpus = _split_close(gpus, count, g, closeness)
         for i in range(count):
             replicas.append(ReplicaPlacement(len(replicas), node.name, gpus[i * g:(i + 1) * g]))
     spanned = len({_key(node, level - 1) for node, _ in takes}) if level > 0 else 1

@@ -282,9 +282,10 @@ class Register(Command):
             id=node_id, name=self.name, state="READY", gpus=len(gpus), gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
             path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
             agent_instance=self.agent_instance, revision=revision,
+            closeness=ledger.node_closeness(self.topology_json),
         )
         state.nodes[self.name] = node
-        if old is None or old.gpus != node.gpus:
+        if old is None or old.gpus != node.gpus or old.closeness != node.closeness:
             state.rebuild_capacity()
         else:
             state.set_node_schedulable(self.name)

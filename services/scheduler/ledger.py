@@ -17,6 +17,8 @@ from sqlalchemy import Connection, and_, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from phalanx.core.closeness import GpuCloseness
+
 from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, Rank
 
 from .state import JobRecord, NodeRecord, RankRecord, SchedulerState, layout_ranks
@@ -77,6 +79,7 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             id=n["id"], name=n["name"], state=n["state"], gpus=n["gpus"], gpu_ids=gpu_ids.get(n["id"], {}),
             path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
             persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"], revision=n["revision"],
+            closeness=node_closeness(n["topology"]),
         )
     for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
         jobs[j["id"]] = job_from_row(j)
@@ -100,6 +103,22 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
                 known.state, known.exit_code = r["state"], r["exit_code"]
     state.nodes, state.jobs = nodes, jobs
     state.rebuild_capacity()
+
+
+def node_closeness(topology: Any) -> GpuCloseness | None:
+    """The GPU closeness of a node from its stored `topology` (the registered HostTopology as a dict); None when
+    it has no GPU matrix or cannot be read (placement then chooses GPUs by index)."""
+    if isinstance(topology, str):  # a JSON column read back as text by some drivers
+        try:
+            topology = json.loads(topology)
+        except ValueError:
+            return None
+    if not isinstance(topology, dict):
+        return None
+    try:
+        return GpuCloseness.from_topology(topology)
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 _RECORDSET_SQL: dict[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]] = {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import GangRequest, NodeCapacity
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
@@ -74,6 +75,7 @@ class NodeRecord:
     persisted_heartbeat: float = 0.0
     agent_instance: str = ""
     revision: int = 0  # last assignment revision; exact while this replica holds the cycle lock on a fresh view
+    closeness: GpuCloseness | None = None  # from the registered topology's GPU matrix; None when it has none
 
     @property
     def schedulable(self) -> bool:
@@ -88,7 +90,8 @@ class SchedulerState:
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(
-            NodeCapacity(n.name, n.gpus, set(range(n.gpus)), n.schedulable, n.path) for n in self.nodes.values()
+            NodeCapacity(n.name, n.gpus, set(range(n.gpus)), n.schedulable, n.path, n.closeness)
+            for n in self.nodes.values()
         )
         for job in self.jobs.values():
             if job.state == "RUNNING":
