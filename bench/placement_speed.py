@@ -12,7 +12,10 @@ node to sum free capacity per domain, scans again for the chosen domain's member
 version of the take. It replays the same decision sequence (its first --naive-decisions decisions) and the run
 checks that both choose the same nodes and GPUs.
 
-Run: .venv/bin/python bench/placement_speed.py [--decisions 20000] [--naive-decisions 3000] [--quick]
+--mix narrow adds multi-node gangs of 1, 2 and 4 GPUs per replica (4x4, 8x2, 16x4, 32x2, 64x1, 256x4): nodes then
+hold several replicas each, so placement also weighs how many nodes (not only leaves and spines) a gang uses.
+
+Run: .venv/bin/python bench/placement_speed.py [--decisions 20000] [--naive-decisions 3000] [--quick] [--mix narrow]
 Human lines go to stderr; the last line on stdout is one JSON object with every figure.
 """
 
@@ -33,12 +36,13 @@ sys.path.insert(0, str(ROOT))
 from phalanx.core.capacity import ClusterCapacity, domain_key  # noqa: E402
 from phalanx.core.fabric import default_fabric  # noqa: E402
 from phalanx.core.model import GangRequest, NodeCapacity, Placement  # noqa: E402
-from phalanx.core.placement import Unplaceable, _build, _take, place_gang, tier_names  # noqa: E402
+from phalanx.core.placement import Unplaceable, _build, _scan_cost, _take, place_gang  # noqa: E402
 
 NODES, GPUS, PER_LEAF, LEAVES_PER_SPINE = 4096, 8, 32, 16
 # (replicas, GPUs per replica) and how often each arrives
 SHAPES = [((1, 1), 30), ((1, 2), 12), ((1, 4), 12), ((1, 8), 16), ((2, 8), 10), ((8, 8), 8), ((32, 8), 6),
           ((128, 8), 4), ((512, 8), 2)]
+NARROW = [((4, 4), 8), ((8, 2), 6), ((16, 4), 6), ((32, 2), 4), ((64, 1), 3), ((256, 4), 2)]
 TARGETS = {"p99_ms_up_to_64_gpus": 2.0, "p99_ms_4096_gpus": 20.0, "single_node_per_s": 5000.0}
 
 
@@ -94,24 +98,17 @@ class NaivePlacer:
             fitting = [k for k, (slots, _) in stats.items() if slots >= need]
             if not fitting:
                 continue
-            # Fewest children spanned, then best fit: scan every node to count each fitting domain's children.
-            child_slots: dict[str, dict[str, int]] = {}
+            # Fewest children, then fewest domains of each level below, then best fit: scan every node for each
+            # fitting domain's members and rank it by the cost of its cheapest placement (the scan version).
+            members: dict[str, list[NodeCapacity]] = {}
             for n in self.nodes:
                 k = domain_key(n, level, self.top)
                 if k in stats and stats[k][0] >= need and n.schedulable and len(n.free) >= g:
-                    child = child_slots.setdefault(k, {})
-                    ck = domain_key(n, level - 1, self.top)
-                    child[ck] = child.get(ck, 0) + len(n.free) // g
-
-            def children_needed(k: str) -> int:
-                held = count = 0
-                for slots in sorted(child_slots[k].values(), reverse=True):
-                    count, held = count + 1, held + slots
-                    if held >= need:
-                        break
-                return count
-
-            key = min(fitting, key=lambda k: (children_needed(k), stats[k][1], k))
+                    members.setdefault(k, []).append(n)
+            if len(fitting) == 1:
+                key = fitting[0]
+            else:
+                key = min(fitting, key=lambda k: (_scan_cost(members[k], need, g, level), stats[k][1], k))
             members = [n for n in self.nodes
                        if domain_key(n, level, self.top) == key and n.schedulable and len(n.free) >= g]
             return _build(request, _take(members, need, g, level), self.names, level)
@@ -129,7 +126,7 @@ class NaivePlacer:
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
-def run_core(decisions: int, retries: int, seed: int):
+def run_core(decisions: int, retries: int, seed: int, mix: list = SHAPES):
     fabric, nodes = make_nodes()
     tracemalloc.start()
     cap = ClusterCapacity(nodes)
@@ -137,7 +134,7 @@ def run_core(decisions: int, retries: int, seed: int):
     _, index_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     rng = random.Random(seed)
-    shapes, weights = zip(*SHAPES, strict=True)
+    shapes, weights = zip(*mix, strict=True)
     total = cap.total_gpus()
     held: dict[str, Placement] = {}
     ops: list[tuple] = []
@@ -251,13 +248,16 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=40, help="attempts per gang after a failure (each one releases)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="2,000 decisions, 300 for the naive placer")
+    ap.add_argument("--mix", choices=["default", "narrow"], default="default",
+                    help="narrow: also multi-node gangs of fewer than 8 GPUs per replica")
     args = ap.parse_args()
     if args.quick:
         args.decisions, args.naive_decisions = 2000, 300
 
     say(f"fabric: {NODES} nodes x {GPUS} GPUs, {NODES // PER_LEAF} leaves of {PER_LEAF}, "
         f"{NODES // PER_LEAF // LEAVES_PER_SPINE} spines of {LEAVES_PER_SPINE} leaves")
-    ops, lat, lat_placed, placed, failed, utils, index_peak, _ = run_core(args.decisions, args.retries, args.seed)
+    ops, lat, lat_placed, placed, failed, utils, index_peak, _ = run_core(args.decisions, args.retries, args.seed,
+                                                                    SHAPES + NARROW if args.mix == 'narrow' else SHAPES)
     per_s, single_per_s = rates(lat)
     core = {"decisions": placed + failed, "placed": placed, "failed": failed, "decisions_per_s": round(per_s),
             "single_node_per_s": round(single_per_s), "all": summarize(lat), "placed_only": summarize(lat_placed),

@@ -3,6 +3,9 @@
 The one invariant the database itself enforces: a GPU is held by at most one active allocation
 (`uq_allocations_active_gpu`, a partial unique index portable to SQLite and PostgreSQL). Every gang
 reservation inserts all of its allocation rows in one transaction, so a gang holds all its GPUs or none.
+The same index covers partial GPUs: it is unique on (GPU, unit), where a whole GPU is unit -1 and a MIG
+instance takes one row per memory slice (units 0-7); a GPU split into instances or shares is held whole by
+one `hold` row, so no whole-GPU job can take it (see `Allocation`).
 Times are unix seconds (double precision).
 """
 
@@ -97,18 +100,29 @@ class Job(Base):
     # Topology constraints by tier name ("node", a fabric tier, "cluster"); "" means none (revision 0002).
     required_tier: Mapped[str] = mapped_column(String(64), default="", server_default="")
     preferred_tier: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    # GPU model filter and partial GPUs (revision 0003): see phalanx.v1.JobSpec.
+    gpu_model: Mapped[str] = mapped_column(String(128), default="", server_default="")
+    mig_profile: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    gpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Optimistic concurrency: every state change is `UPDATE ... WHERE version = :seen`.
     version: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Allocation(Base):
-    """One GPU held by one rank's replica. Active while released_at IS NULL."""
+    """One GPU, or part of one, held by one replica. Active while released_at IS NULL.
+
+    `kind`: `gpu` a whole GPU (unit -1); `mig` one memory slice (unit 0-7) of a MIG instance of `profile`;
+    `share` a fractional share of `gpu_milli` thousandths (unit NULL: shares are not slices); `hold` the GPU
+    itself while any instance or share is on it (unit -1, so it excludes whole-GPU rows; `gpu_milli` sums the
+    shares, which a guarded update keeps at or under 1000). A hold row carries the job that opened it.
+    """
 
     __tablename__ = "allocations"
     __table_args__ = (
         Index(
             "uq_allocations_active_gpu",
             "gpu_id",
+            "unit",
             unique=True,
             sqlite_where=text("released_at IS NULL"),
             postgresql_where=text("released_at IS NULL"),
@@ -125,6 +139,11 @@ class Allocation(Base):
     gpu_index: Mapped[int] = mapped_column(Integer)
     reserved_at: Mapped[float] = mapped_column()
     released_at: Mapped[float | None] = mapped_column(nullable=True)
+    # Partial GPUs (revision 0003); whole-GPU rows keep the defaults.
+    kind: Mapped[str] = mapped_column(String(8), default="gpu", server_default="gpu")
+    unit: Mapped[int | None] = mapped_column(Integer, nullable=True, default=-1, server_default="-1")
+    profile: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    gpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Rank(Base):

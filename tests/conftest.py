@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
+import structlog
 from sqlalchemy import create_engine, text
 
 from db.engine import normalize_url
@@ -112,3 +114,44 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set PHALANX_DATA)")
     return SHARED_DATA
+
+
+class _CurrentStderr:
+    """Whatever sys.stderr is when written to (capture swaps it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@pytest.fixture
+def logs_to_stderr(capsys):
+    """The in-process scheduler logs with structlog's default (stdout); keep stdout for the CLI's JSON only."""
+    old = structlog.get_config()
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()))
+    yield
+    structlog.configure(**old)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_db_url(request, tmp_path):
+    """An empty database (no tables), on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'old.db'}"
+        return
+    session_url = request.getfixturevalue("pg_session_url")
+    name = f"phalanx_mig_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(session_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    base, _, _ = session_url.rpartition("/")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = :n AND pid <> pg_backend_pid()"), {"n": name})
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()

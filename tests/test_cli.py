@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.api.v1 import common_pb2
-from phalanx.cli.main import RESERVED_SUBMIT_FLAGS, TIER_SUBMIT_FLAGS, main
+from phalanx.cli.main import GPU_SUBMIT_FLAGS, RESERVED_SUBMIT_FLAGS, TIER_SUBMIT_FLAGS, main
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -101,9 +101,43 @@ def test_reserved_submit_flags_are_rejected(fake, capsys, flag, with_value):
 
 
 def test_reserved_flag_names_are_exactly_the_contract():
-    # The tier flags were reserved names and are now supported under exactly those names; the rest stay refused.
+    # The tier and GPU flags were reserved names and are now supported under exactly those names; the rest stay
+    # refused.
     assert set(TIER_SUBMIT_FLAGS) == {"--required-tier", "--preferred-tier"}
-    assert set(RESERVED_SUBMIT_FLAGS) == {"--mig", "--gpu-milli", "--gpu-model", "--time-limit", "--queue"}
+    assert set(GPU_SUBMIT_FLAGS) == {"--mig", "--gpu-milli", "--gpu-model"}
+    assert set(RESERVED_SUBMIT_FLAGS) == {"--time-limit", "--queue"}
+
+
+def test_submit_gpu_flags_reach_the_scheduler_and_the_json(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "2", "--mig", "3g.40gb",
+                         "--gpu-model", "H100", "--json", "--", "true")
+    assert code == 0, err
+    job = json.loads(out)
+    spec = servicer.jobs[job["id"]].spec
+    assert (spec.mig_profile, spec.gpu_model, spec.gpu_milli, spec.gpus_per_replica) == ("3g.40gb", "H100", 0, 1)
+    assert (job["mig_profile"], job["gpu_model"], job["gpu_milli"]) == ("3g.40gb", "H100", 0)
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpu-milli", "250",
+                         "--json", "--", "true")
+    assert code == 0, err
+    spec = servicer.jobs[json.loads(out)["id"]].spec
+    assert (spec.gpu_milli, spec.mig_profile, spec.gpus_per_replica) == (250, "", 1)
+
+
+def test_gpus_per_replica_is_required_for_whole_gpus(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--json", "--", "true")
+    assert code == 2 and out == "" and "--gpus-per-replica is required" in err
+    assert servicer.calls == {}
+
+
+@pytest.mark.parametrize("flag", ["--mig", "--gpu-milli", "--gpu-model"])
+def test_gpu_flag_without_a_value_is_a_usage_error(fake, capsys, flag):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
+                         "--json", flag, "--", "true")
+    assert code == 2 and out == "" and flag in err
+    assert servicer.calls == {}
 
 
 def test_submit_tier_flags_reach_the_scheduler_and_the_json(fake, capsys):
@@ -340,10 +374,10 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0002"}
-    assert current(url) == "0002"
+    assert json.loads(out) == {"db": url, "revision": "0003"}
+    assert current(url) == "0003"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0002" in out
+    assert code == 0 and "0003" in out
 
 
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
@@ -353,7 +387,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0002"
+    assert current(url) == "0003"
 
 
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):

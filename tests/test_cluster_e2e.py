@@ -22,13 +22,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 JOB_FIELDS = {
     "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "env",
     "allocations", "attempt", "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement",
-    "required_tier", "preferred_tier",
+    "required_tier", "preferred_tier", "gpu_model", "mig_profile", "gpu_milli",
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",
-    "address",
+    "address", "shared_gpus",
 }
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR")
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI")
 
 RANK_PROGRAM = (
     "import json, os\n"
@@ -121,13 +122,34 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
 
         # -- `phalanx jobs --json`: exactly a JSON array with the documented fields ------------------------------
         jobs = _cli_json(capsys, cluster.address, "jobs", "--json")
-        assert isinstance(jobs, list) and len(jobs) == 1
+        assert isinstance(jobs, list) and len(jobs) == 1  # (the partial-GPU jobs come after this check)
         (row,) = jobs
         assert set(row) == JOB_FIELDS
         assert row["id"] == job.id and row["state"] == "SUCCEEDED" and row["exit_code"] == 0
         assert (row["replicas"], row["gpus_per_replica"]) == (2, 8)
         assert sorted(a["replica"] for a in row["allocations"]) == [0, 1]
         assert all(len(a["gpus"]) == 8 for a in row["allocations"])
+
+        # -- partial GPUs on the simulated DGX H100s: a MIG instance and two quarter-GPU shares ---------------------
+        with Client(cluster.address, timeout=10) as client:
+            program = [sys.executable, "-c", RANK_PROGRAM]
+            mig_dir, share_dir = tmp_path / "mig", tmp_path / "shares"
+            mig_dir.mkdir()
+            share_dir.mkdir()
+            mig_job = client.submit("e2e-mig", 1, 1, program, env={"OUT_DIR": str(mig_dir)}, mig_profile="3g.40gb")
+            share_job = client.submit("e2e-share", 2, 1, program, env={"OUT_DIR": str(share_dir)}, gpu_milli=250)
+            mig_done = client.wait(mig_job.id, timeout=60)
+            share_done = client.wait(share_job.id, timeout=60)
+        assert mig_done.state is JobState.SUCCEEDED and share_done.state is JobState.SUCCEEDED, (mig_done, share_done)
+        (mig_slice,) = mig_done.allocations[0].slices
+        assert (mig_slice.profile, mig_slice.start, mig_slice.size) == ("3g.40gb", 4, 4)
+        mig_env = json.loads((mig_dir / "rank-0.json").read_text())
+        assert mig_env["CUDA_VISIBLE_DEVICES"].startswith("MIG-"), mig_env  # the instance's MIG device UUID
+        share_envs = [json.loads((share_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+        for e in share_envs:
+            assert (e["PHALANX_GPU_MILLI"], e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("250", "25"), e
+            assert e["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M", e  # a quarter of 81,559 MiB
+        assert len({(a.node, a.gpus[0]) for a in share_done.allocations}) == 1  # both quarters on one GPU
 
         # -- SIGKILL one agent: a node failure, not the end of the cluster -------------------------------------
         victim = next(n for n in cluster.node_names if n not in done.nodes)

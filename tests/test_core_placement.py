@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phalanx.core import placement
 from phalanx.core.capacity import CapacityError, ClusterCapacity
-from phalanx.core.fabric import default_fabric
+from phalanx.core.fabric import Fabric, default_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import (
     Unplaceable,
@@ -55,6 +58,57 @@ def test_a_gang_too_big_for_a_leaf_spans_as_few_leaves_as_possible_in_switch_ord
     assert p.tier == "spine" and p.domains == 2
     assert list(p.nodes) == sorted(p.nodes, key=lambda n: int(n[1:]))  # ring neighbours share a switch
     assert [r.replica for r in p.replicas] == list(range(6))
+
+
+def test_crossing_the_cluster_it_weighs_the_leaves_below_the_spines():
+    """spine0: two leaves of one 4-GPU node each; spine1: one leaf with an 8-GPU node. 3 x 4 GPUs crosses the
+    cluster on 2 spines either way; filling spine0 whole would take 3 leaves, n2 + one of spine0 takes 2."""
+    fabric = default_fabric(["n0", "n1", "n2"], nodes_per_leaf=1, leaves_per_spine=2)
+    cap = ClusterCapacity(
+        NodeCapacity(name, gpus, set(range(gpus)), True, fabric.path(name)) for name, gpus in (("n0", 4), ("n1", 4),
+                                                                                           ("n2", 8))
+    )
+    p = place_gang(cap, GangRequest("j", 3, 4), fabric.tiers)
+    assert p.tier == "cluster" and p.domains == 2
+    assert set(p.nodes) in ({"n0", "n2"}, {"n1", "n2"})
+
+
+def test_inside_a_spine_it_weighs_the_nodes_below_the_leaves():
+    """Two leaves of two nodes, each leaf one empty node and one half-used: 4 x 4 GPUs needs the spine and 2 leaves
+    either way; filling one leaf whole would take 3 nodes, the two empty nodes take 2."""
+    cap, tiers = cluster(nodes=4, per_leaf=2, used={"n1": 4, "n3": 4})
+    p = place_gang(cap, GangRequest("j", 4, 4), tiers)
+    assert p.tier == "spine" and p.domains == 2
+    assert set(p.nodes) == {"n0", "n2"}
+
+
+def test_the_lowest_tier_comes_before_the_fewest_leaves_anywhere():
+    """spine0 holds 6 x 8 GPUs on 6 leaves (one free node each); three other spines hold 2 nodes on one leaf each.
+    3 leaves would do across the cluster, but the gang stays under spine0: the lowest tier first."""
+    full = {f"n{i}": 8 for i in range(0, 12, 2)}  # spine0: every leaf keeps one free node
+    full |= {f"n{i}": 8 for i in range(12, 48) if i % 12 >= 2}  # spines 1-3: only their first leaf is free
+    fabric = default_fabric([f"n{i}" for i in range(48)], nodes_per_leaf=2, leaves_per_spine=6)
+    cap = ClusterCapacity(
+        NodeCapacity(name, 8, set(range(full.get(name, 0), 8)), True, fabric.path(name)) for name in fabric.paths
+    )
+    p = place_gang(cap, GangRequest("j", 6, 8), fabric.tiers)
+    assert p.tier == "spine" and p.domains == 6
+    assert {cap.nodes[n].path[1] for n in p.nodes} == {"spine0"}
+
+
+def test_an_empty_uniform_cluster_needs_no_dp():
+    """Empty and uniform: filling the fullest children first reaches the lower bound at every level, so no knapsack
+    is ever run (the fast path), whatever the gang."""
+    paths = {f"n{i:02d}": (f"leaf{i // 4}", f"spine{i // 16}", f"core{i // 32}") for i in range(64)}
+    fabric = Fabric(tiers=("leaf", "spine", "core"), paths=paths)
+    for g in (1, 2, 3, 4, 8):
+        for replicas in (1, 3, 5, 9, 17, 33, 40, 64):
+            cap = ClusterCapacity(NodeCapacity(n, 8, set(range(8)), True, fabric.path(n)) for n in sorted(paths))
+            with patch.object(placement, "_cover", side_effect=AssertionError("the DP ran")):
+                p = place_gang(cap, GangRequest("j", replicas, g), fabric.tiers)
+            if replicas * g <= 512:
+                assert isinstance(p, Placement)
+                assert len(p.nodes) == -(-replicas // (8 // g))
 
 
 def test_unplaceable_says_why_and_changes_nothing():
@@ -231,17 +285,30 @@ def test_one_by_one_without_limit_takes_the_best_fit_nodes():
 # ---- the index walk equals the scan --------------------------------------------------------------------------
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    nodes=st.integers(1, 16),
+def three_tiers(nodes: int, per_leaf: int, per_spine: int, per_core: int) -> Fabric:
+    paths = {}
+    for i in range(nodes):
+        leaf = i // per_leaf
+        spine = leaf // per_spine
+        paths[f"n{i}"] = (f"leaf{leaf}", f"spine{spine}", f"core{spine // per_core}")
+    return Fabric(tiers=("leaf", "spine", "core"), paths=paths)
+
+
+take_cases = dict(
+    nodes=st.integers(1, 24),
     per_leaf=st.integers(1, 4),
     per_spine=st.integers(1, 3),
-    used=st.lists(st.integers(0, 8), min_size=16, max_size=16),
+    per_core=st.integers(0, 3),  # 0: two tiers (leaf, spine)
+    used=st.lists(st.integers(0, 8), min_size=24, max_size=24),
     replicas=st.integers(1, 12),
     g=st.sampled_from([1, 2, 4, 8]),
 )
-def test_the_indexed_take_chooses_what_the_scan_take_chooses(nodes, per_leaf, per_spine, used, replicas, g):
-    fabric = default_fabric([f"n{i}" for i in range(nodes)], nodes_per_leaf=per_leaf, leaves_per_spine=per_spine)
+
+
+def indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g) -> None:
+    names = [f"n{i}" for i in range(nodes)]
+    fabric = (three_tiers(nodes, per_leaf, per_spine, per_core) if per_core
+              else default_fabric(names, nodes_per_leaf=per_leaf, leaves_per_spine=per_spine))
     cap = ClusterCapacity(
         NodeCapacity(f"n{i}", 8, set(range(used[i], 8)), True, fabric.path(f"n{i}")) for i in range(nodes)
     )
@@ -254,3 +321,24 @@ def test_the_indexed_take_chooses_what_the_scan_take_chooses(nodes, per_leaf, pe
             scan = [(n.name, c) for n, c in _take(members, replicas, g, level)]
             indexed = [(n.name, c) for n, c in _take_indexed(cap, level, key, replicas, g)]
             assert indexed == scan
+            assert sum(c for _, c in scan) == replicas
+            assert all(c <= cap.nodes[n].slots(g) for n, c in scan)
+            # the fewest children, whether the DP ran or not
+            children = sorted((s for s, _ in cap.child_stats(level, key, g).values()), reverse=True)
+            fewest = next(i + 1 for i in range(len(children)) if sum(children[:i + 1]) >= replicas)
+            assert len({placement._key(cap.nodes[n], level - 1) for n, _ in scan}) == fewest
+
+
+@settings(max_examples=80, deadline=None)
+@given(**take_cases)
+def test_the_indexed_take_chooses_what_the_scan_take_chooses(nodes, per_leaf, per_spine, per_core, used, replicas, g):
+    indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**take_cases)
+def test_the_greedy_fallback_is_consistent_too(nodes, per_leaf, per_spine, per_core, used, replicas, g):
+    """With no room for any DP (what a huge gang on a huge fabric gets), both takes fall back to the same greedy:
+    still the fewest children, still valid."""
+    with patch.object(placement, "_EXACT_CELLS", 0):
+        indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g)

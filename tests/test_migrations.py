@@ -1,7 +1,7 @@
 """The Alembic migrations build the ledger on both stores, and the ledger refuses double booking itself."""
 
 import pytest
-from sqlalchemy import create_engine, insert, inspect, text
+from sqlalchemy import insert, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from db.engine import make_engine
@@ -10,7 +10,7 @@ from db.models import Allocation, Base, Gpu, Job, Node
 
 
 def test_upgrade_reaches_head_with_every_table(db_url):
-    assert current(db_url) == "0002"
+    assert current(db_url) == "0003"
     engine = make_engine(db_url)
     names = set(inspect(engine).get_table_names())
     engine.dispose()

@@ -80,7 +80,7 @@ def test_json_lines_have_exactly_the_documented_shapes(capsys, tmp_path, tree):
         {"replica": 0, "node": placed["allocations"][0]["node"], "gpus": list(range(8))},
         {"replica": 1, "node": placed["allocations"][1]["node"], "gpus": list(range(8))},
     ]
-    assert set(placed["cost"]) == {"tier", "leaves", "spine_crossings"}
+    assert set(placed["cost"]) == {"tier", "leaves", "leaf_crossings", "spine_crossings", "rails", "rail_changes"}
     assert refused["placed"] is False and refused["allocations"] == [] and refused["cost"] is None
     assert refused["reason"]
     assert release == {"release": "a"}
@@ -142,21 +142,27 @@ def test_an_unknown_tier_is_a_per_line_error(capsys, tmp_path, tree):
     assert got["ok"]["placed"] is True
 
 
+def base(cost: dict) -> dict:
+    """The cost keys every fabric has figures for (rails only on rail-optimized fabrics)."""
+    assert cost["rails"] == [] and cost["rail_changes"] == 0  # these fabrics are not rail-optimized
+    return {k: cost[k] for k in ("tier", "leaves", "spine_crossings")}
+
+
 def test_cost_counts_leaves_and_spine_crossings_of_the_ring(capsys, tmp_path, tree):
     lines = place(capsys, tree, write_requests(
         tmp_path, req("one", 2, 4), {"release": "one"}, req("leaf", 2, 8), {"release": "leaf"},
         req("spine", 4, 8), {"release": "spine"}, req("core", 6, 8),
     ))
     got = by_name(lines)
-    assert got["one"]["cost"] == {"tier": "node", "leaves": 1, "spine_crossings": 0}
-    assert got["leaf"]["cost"] == {"tier": "leaf", "leaves": 1, "spine_crossings": 0}
-    assert got["spine"]["cost"] == {"tier": "spine", "leaves": 2, "spine_crossings": 0}
+    assert base(got["one"]["cost"]) == {"tier": "node", "leaves": 1, "spine_crossings": 0}
+    assert base(got["leaf"]["cost"]) == {"tier": "leaf", "leaves": 1, "spine_crossings": 0}
+    assert base(got["spine"]["cost"]) == {"tier": "spine", "leaves": 2, "spine_crossings": 0}
     core = got["core"]
     nodes = [a["node"] for a in sorted(core["allocations"], key=lambda a: a["replica"])]
     leaf_of = {f"n{i:02d}": f"leaf{(i - 1) // 2}" for i in range(1, 9)}
     spine_of = {n: f"spine{(i - 1) // 4}" for i, n in enumerate(sorted(leaf_of), 1)}
     ring = sum(spine_of[a] != spine_of[b] for a, b in zip(nodes, nodes[1:] + nodes[:1]))
-    assert core["cost"] == {"tier": "core", "leaves": len({leaf_of[n] for n in nodes}), "spine_crossings": ring}
+    assert base(core["cost"]) == {"tier": "core", "leaves": len({leaf_of[n] for n in nodes}), "spine_crossings": ring}
     # 4 nodes of one spine and 2 of the other, in rank order: one crossing each way round the ring
     assert core["cost"]["leaves"] == 3 and core["cost"]["spine_crossings"] == 2
 
@@ -178,7 +184,7 @@ def test_block_fabrics_work_too(capsys, tmp_path):
     conf = tmp_path / "blocks.conf"
     conf.write_text("BlockName=b1 Nodes=n[01-02]\nBlockName=b2 Nodes=n[03-04]\nBlockSizes=2,4\n")
     got = by_name(place(capsys, conf, write_requests(tmp_path, req("a", 2, 8), req("b", 2, 8))))
-    assert got["a"]["cost"] == {"tier": "block", "leaves": 1, "spine_crossings": 0}
+    assert base(got["a"]["cost"]) == {"tier": "block", "leaves": 1, "spine_crossings": 0}
     assert got["b"]["placed"] is True
 
 
@@ -208,12 +214,51 @@ def test_a_malformed_line_is_refused_with_its_line_number_and_the_run_goes_on(ca
     assert lines[3]["summary"] == {"requests": 3, "placed": 2, "not_placed": 1, "gpus_allocated": 16}
 
 
-@pytest.mark.parametrize("extra", [{"mig": "1g.10gb"}, {"gpu_milli": 500}])
-def test_mig_and_gpu_milli_are_refused_per_line(capsys, tmp_path, tree, extra):
+def test_mig_and_gpu_milli_requests_are_placed_and_released(capsys, tmp_path, tree):
+    lines = place(capsys, tree, write_requests(
+        tmp_path,
+        {"name": "m1", "replicas": 1, "mig": "3g.40gb"},
+        {"name": "m2", "replicas": 1, "mig": "4g.40gb", "gpus_per_replica": 1},
+        {"name": "s1", "replicas": 2, "gpu_milli": 500},
+        {"release": "m1"},
+        {"name": "m3", "replicas": 1, "mig": "3g.40gb"},
+    ))
+    m1, m2, s1, _, m3, summary = lines
+    assert m1["placed"] and m1["allocations"][0]["slices"] == [
+        {"gpu": m1["allocations"][0]["gpus"][0], "profile": "3g.40gb", "start": 4, "size": 4}]
+    # the 4g goes next to the 3g on the same GPU (slices 0-3), not onto a fresh GPU
+    assert m2["allocations"][0]["gpus"] == m1["allocations"][0]["gpus"]
+    assert m2["allocations"][0]["slices"][0]["start"] == 0
+    assert [a["gpu_milli"] for a in s1["allocations"]] == [500, 500]
+    assert len({(a["node"], a["gpus"][0]) for a in s1["allocations"]}) == 1  # two halves share one GPU
+    assert "slices" not in s1["allocations"][0] and "gpu_milli" not in m1["allocations"][0]
+    assert m3["allocations"][0]["slices"][0]["start"] == 4  # the released instance's place is reused
+    assert summary["summary"]["placed"] == 4
+    assert "fragmentation" in m1["reason"] or m1["reason"] == ""
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"mig": "9g.99gb"}, "'mig' must be a MIG profile"),
+    ({"gpu_milli": 1000}, "'gpu_milli' must be an integer 1-999"),
+    ({"mig": "1g.10gb", "gpu_milli": 5}, "not both"),
+])
+def test_bad_partial_requests_are_refused_per_line(capsys, tmp_path, tree, extra, words):
     lines = place(capsys, tree, write_requests(tmp_path, req("m", 1, 1, **extra), req("ok", 1, 1)))
-    assert lines[0]["placed"] is False
-    assert lines[0]["reason"] == "mig/gpu_milli placement is not supported yet"
+    assert lines[0]["placed"] is False and words in lines[0]["reason"] and lines[0]["reason"].startswith("line 1:")
     assert lines[1]["placed"] is True
+
+
+def test_mig_on_a_profile_without_mig_says_why(capsys, tmp_path, tree):
+    lines = place(capsys, tree, write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}),
+                  profile="pcie-2numa")
+    assert lines[0]["placed"] is False and "no node here has MIG-capable GPUs" in lines[0]["reason"]
+
+
+def test_human_output_shows_mig_instances(capsys, tmp_path, tree):
+    code = main(["place", "--fabric", str(tree), "--profile", "dgx-h100", "--requests",
+                 str(write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}))])
+    out = capsys.readouterr().out
+    assert code == 0 and "m  PLACED  1 x MIG 1g.10gb" in out and ":1g.10gb@6]" in out  # the end of the GPU: slices 0-5 stay whole for 2g-4g
 
 
 def test_a_name_that_holds_a_placement_cannot_be_placed_again(capsys, tmp_path, tree):

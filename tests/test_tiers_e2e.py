@@ -10,94 +10,41 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-import uuid
 
 import grpc
 import pytest
-import structlog
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 from db.engine import make_engine
 from db.migrate import current, upgrade
-from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.cli.main import main as cli_main
 from phalanx.client import AsyncClient, FailedPreconditionError, InvalidArgumentError
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
-from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
+from helpers.lite_cluster import LiteCluster, run_sql
 from helpers.procs import eventually
 
 RUNNING = common_pb2.JOB_STATE_RUNNING
 
 
-class Cluster:
+class Cluster(LiteCluster):
     """A scheduler and `nodes` LiteAgents; node-0..3 under leaf0, node-4..7 under leaf1, all under spine0."""
 
+    default_command = ("sleep", "30")
+
     def __init__(self, db_url: str, nodes: int = 8, nodes_per_leaf: int = 4) -> None:
-        self.db_url = db_url
         self.names = [f"node-{i}" for i in range(nodes)]
-        self.settings = SchedulerSettings(
-            db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(self.names, nodes_per_leaf=nodes_per_leaf)
+        super().__init__(
+            SchedulerSettings(db_url=db_url, listen="127.0.0.1:0",
+                              fabric=default_fabric(self.names, nodes_per_leaf=nodes_per_leaf)),
+            lambda address: [LiteAgent(address, n) for n in self.names],
         )
-
-    async def __aenter__(self) -> Cluster:
-        self.scheduler = await serve(self.settings)
-        self.agents = [LiteAgent(self.scheduler.address, n) for n in self.names]
-        for agent in self.agents:
-            await agent.start()
-        self.channel = grpc.aio.insecure_channel(self.scheduler.address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for agent in self.agents:
-            await agent.stop()
-        await self.channel.close()
-        await self.scheduler.stop()
-
-    async def submit(self, name, replicas, gpus, command=("sleep", "30"), **kw) -> common_pb2.Job:
-        spec = common_pb2.JobSpec(name=name, replicas=replicas, gpus_per_replica=gpus, command=list(command), **kw)
-        return await self.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, request_id=uuid.uuid4().hex))
-
-    async def job(self, job_id: str) -> common_pb2.Job:
-        return await self.stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))
-
-    def sql(self, query: str, **params):
-        return _sql(self.db_url, query, **params)
 
     def job_rows(self) -> int:
         return self.sql("SELECT count(*) FROM jobs")[0][0]
-
-
-def _sql(db_url: str, query: str, **params):
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(text(query), params).all()
-    finally:
-        engine.dispose()
-
-
-class _CurrentStderr:
-    """Whatever sys.stderr is when written to (capture swaps it)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-@pytest.fixture
-def logs_to_stderr(capsys):
-    """The in-process scheduler logs with structlog's default (stdout); keep stdout for the CLI's JSON only."""
-    old = structlog.get_config()
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()))
-    yield
-    structlog.configure(**old)
 
 
 async def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -258,28 +205,6 @@ async def test_sdk_submit_and_to_dict_carry_the_tiers(db_url):
 # -- migration 0001 -> 0002 on an existing ledger ----------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_db_url(request, tmp_path):
-    """An empty database (no tables), on SQLite and on PostgreSQL."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'old.db'}"
-        return
-    session_url = request.getfixturevalue("pg_session_url")
-    name = f"phalanx_mig_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(session_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    base, _, _ = session_url.rpartition("/")
-    try:
-        yield f"{base}/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = :n AND pid <> pg_backend_pid()"), {"n": name})
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
-
-
 async def test_migration_0002_keeps_existing_jobs_with_empty_tiers(empty_db_url):
     url = empty_db_url
     upgrade(url, "0001")
@@ -294,8 +219,8 @@ async def test_migration_0002_keeps_existing_jobs_with_empty_tiers(empty_db_url)
         ), {"command": json.dumps(["true"])})
     engine.dispose()
     upgrade(url)
-    assert current(url) == "0002"
-    assert _sql(url, "SELECT name, required_tier, preferred_tier FROM jobs") == [("old", "", "")]
+    assert current(url) == "0003"
+    assert run_sql(url, "SELECT name, required_tier, preferred_tier FROM jobs") == [("old", "", "")]
     # The scheduler reads the old row, and writes new ones with tiers next to it.
     async with Cluster(url) as c:
         old = await c.job("0123456789ab")
@@ -303,5 +228,5 @@ async def test_migration_0002_keeps_existing_jobs_with_empty_tiers(empty_db_url)
         assert (old.spec.required_tier, old.spec.preferred_tier) == ("", "")
         new = await c.submit("new", 1, 8, command=("sleep", "0.1"), required_tier="leaf")
         assert (await c.job(new.id)).spec.required_tier == "leaf"
-    rows = _sql(url, "SELECT name, required_tier FROM jobs ORDER BY name")
+    rows = run_sql(url, "SELECT name, required_tier FROM jobs ORDER BY name")
     assert rows == [("new", "leaf"), ("old", "")]

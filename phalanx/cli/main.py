@@ -31,7 +31,7 @@ from phalanx.client import (
 
 from . import render
 
-__all__ = ["main", "build_parser", "UsageError", "RESERVED_SUBMIT_FLAGS", "TIER_SUBMIT_FLAGS"]
+__all__ = ["main", "build_parser", "UsageError", "RESERVED_SUBMIT_FLAGS", "TIER_SUBMIT_FLAGS", "GPU_SUBMIT_FLAGS"]
 
 # Topology flags of `phalanx submit` (SubmitJob's JobSpec.required_tier / preferred_tier): a tier name, "node", a
 # fabric tier of the scheduler ("leaf", "spine", ...) or "cluster". The scheduler checks the name.
@@ -40,11 +40,15 @@ TIER_SUBMIT_FLAGS = (
     "--preferred-tier",
 )
 
-# Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
-RESERVED_SUBMIT_FLAGS = (
+# Partial-GPU and model flags of `phalanx submit` (JobSpec.mig_profile / gpu_milli / gpu_model).
+GPU_SUBMIT_FLAGS = (
     "--mig",
     "--gpu-milli",
     "--gpu-model",
+)
+
+# Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
+RESERVED_SUBMIT_FLAGS = (
     "--time-limit",
     "--queue",
 )
@@ -123,6 +127,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     command = list(args.command or [])
     if not command:
         raise UsageError("a command is required: phalanx submit ... -- CMD ARGS...")
+    partial = bool(args.mig) or bool(args.gpu_milli)
+    if args.gpus_per_replica is None:
+        if not partial:
+            raise UsageError("--gpus-per-replica is required (it may be left out with --mig or --gpu-milli)")
+        args.gpus_per_replica = 1
     env = _parse_env(args.env)
     with _client(args) as client:
         job = client.submit(
@@ -135,6 +144,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             env=env,
             required_tier=args.required_tier or "",
             preferred_tier=args.preferred_tier or "",
+            gpu_model=args.gpu_model or "",
+            mig_profile=args.mig or "",
+            gpu_milli=args.gpu_milli or 0,
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -270,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "--gpus-per-replica G [options] -- CMD ARGS...")
     p.add_argument("--name", required=True)
     p.add_argument("--replicas", type=int, required=True, metavar="R")
-    p.add_argument("--gpus-per-replica", type=int, required=True, metavar="G")
+    p.add_argument("--gpus-per-replica", type=int, default=None, metavar="G",
+                   help="whole GPUs per replica (required, except with --mig or --gpu-milli, where it is 1)")
     p.add_argument("--priority", type=int, default=0, metavar="P", help="higher wins (default 0)")
     p.add_argument("--procs-per-replica", type=int, default=0, metavar="K",
                    help="0: one process per GPU (default); 1: one per replica")
@@ -280,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "spine, or cluster), or wait")
     p.add_argument("--preferred-tier", default=None, metavar="TIER",
                    help="best effort: prefer placing the gang under one domain of this tier")
+    p.add_argument("--mig", default=None, metavar="PROFILE",
+                   help="each replica is one MIG instance of this profile, e.g. 1g.10gb or 3g.40gb on H100 80GB")
+    p.add_argument("--gpu-milli", type=int, default=None, metavar="N",
+                   help="each replica is N thousandths of one GPU (1-999), shared through MPS")
+    p.add_argument("--gpu-model", default=None, metavar="MODEL",
+                   help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100")
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
     json_flag(p)

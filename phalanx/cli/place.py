@@ -12,20 +12,26 @@ at its line, in file order, and never retried; a placed request is reserved, so 
 
 ``required_tier`` (a fabric tier name, or ``node`` / ``cluster``): the gang must fit under one domain of that tier
 now, else it is refused and nothing is reserved. ``preferred_tier`` is accepted and best effort (the core already
-places at the lowest tier it can). ``mig`` / ``gpu_milli`` are refused per line: the core does not support them yet.
-A malformed line is refused per line (its reason names the line number); the run goes on.
+places at the lowest tier it can). ``mig`` (a MIG profile such as ``"3g.40gb"``, on a MIG-capable profile's GPUs)
+or ``gpu_milli`` (1-999 thousandths of a GPU) make each replica a partial GPU (``gpus_per_replica`` is then 1 and may
+be left out), placed by the FGD-style fragmentation score. A malformed line is refused per line (its reason names
+the line number); the run goes on.
 
 Output, one line per request (and per release), then a summary line. With ``--json`` every such line is one JSON
-object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}], "cost": {"tier", "leaves",
-"spine_crossings"} | null, "reason"}``, ``{"release": NAME}``, and finally ``{"summary": {"requests", "placed",
+object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}, plus "slices": [{"gpu", "profile",
+"start", "size"}] for a MIG instance or "gpu_milli" for a share], "cost": {"tier", "leaves", "leaf_crossings",
+"spine_crossings", "rails", "rail_changes"} | null, "reason"}``, ``{"release": NAME}``, and finally ``{"summary": {"requests", "placed",
 "not_placed", "gpus_allocated"}}``. Errors about the command itself (a missing file, an unreadable fabric, an
 unknown profile) go to standard error with exit code 2.
 
-Cost of a placement: ``tier`` is the highest tier the gang crosses (``node`` when it fits in one node); ``leaves``
-the number of distinct first-tier switches under its nodes (1 when it sits in one node); ``spine_crossings`` the
-number of ring hops, over the replicas in rank order with the wrap-around from last to first (R hops for R >= 2
-replicas, none for one), whose two nodes differ at the second tier (``path[1]``); 0 when the fabric has fewer than
-two tiers.
+Cost of a placement (phalanx.core.cost): ``tier`` is the highest tier the gang crosses (``node`` when it fits in
+one node); ``leaves`` the number of distinct leaf switches under its nodes (1 when it sits in one node; NVLink
+domains are not leaves); the ring runs over the replicas in rank order with the wrap-around from last to first, and
+its hops between nodes are counted: ``leaf_crossings`` those between different leaves, ``spine_crossings`` those
+between different spines (``path[1]``; 0 when the fabric has fewer than two switch tiers). On a rail-optimized
+fabric (``rails: N`` in the YAML) ``rails`` lists the rails the inter-node traffic uses and ``rail_changes`` counts
+hops inside one leaf domain where a channel changes rail (which takes it up to a spine); on other fabrics ``rails``
+is empty and ``rail_changes`` 0.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phalanx.core import mig
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
-from phalanx.core.fabric import Fabric, FabricError, load_fabric
+from phalanx.core.cost import ring_cost
+from phalanx.core.fabric import Fabric, FabricError, group_nvlink_domains, load_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement
 from phalanx.core.placement import Unplaceable, place_gang
 from phalanx.core.topo_dump import TopoParseError
@@ -49,7 +57,6 @@ from . import render
 EXIT_OK = 0
 EXIT_USAGE = 2
 
-MIG_UNSUPPORTED = "mig/gpu_milli placement is not supported yet"
 _FIELDS = {"name", "replicas", "gpus_per_replica", "required_tier", "preferred_tier", "mig", "gpu_milli", "priority"}
 
 
@@ -65,6 +72,8 @@ class _Request:
     gpus_per_replica: int = 0
     required_tier: str | None = None
     priority: int = 0
+    mig: str = ""
+    gpu_milli: int = 0
     error: str = ""          # a per-line refusal decided before placement
 
 
@@ -152,7 +161,18 @@ def _parse_request(lineno: int, doc: dict, tier_order: list[str]) -> _Request:
         if not isinstance(name, str) or not name:
             raise ValueError("missing 'name' (a non-empty string)")
         replicas = _positive_int(doc, "replicas")
-        gpus = _positive_int(doc, "gpus_per_replica")
+        profile, milli = doc.get("mig"), doc.get("gpu_milli")
+        if profile is not None and (not isinstance(profile, str) or not mig.known_profile(profile)):
+            raise ValueError(f"'mig' must be a MIG profile ({', '.join(mig.all_profile_names())}), "
+                             f"got {json.dumps(profile)}")
+        if milli is not None and (isinstance(milli, bool) or not isinstance(milli, int) or not 1 <= milli <= 999):
+            raise ValueError(f"'gpu_milli' must be an integer 1-999, got {json.dumps(milli)}")
+        if profile and milli:
+            raise ValueError("give 'mig' or 'gpu_milli', not both")
+        partial = bool(profile) or bool(milli)
+        gpus = 1 if partial and doc.get("gpus_per_replica") is None else _positive_int(doc, "gpus_per_replica")
+        if partial and gpus != 1:
+            raise ValueError(f"a MIG or fractional replica uses one GPU: 'gpus_per_replica' must be 1, got {gpus}")
         priority = doc.get("priority", 0)
         if priority is None:
             priority = 0
@@ -168,39 +188,31 @@ def _parse_request(lineno: int, doc: dict, tier_order: list[str]) -> _Request:
             tiers[key] = value
     except ValueError as exc:
         return _Request(lineno, label, error=f"line {lineno}: {exc}")
-    request = _Request(lineno, name, replicas, gpus, tiers["required_tier"], priority)
-    if any(doc.get(key) is not None and doc.get(key) is not False for key in ("mig", "gpu_milli")):
-        request.error = MIG_UNSUPPORTED
-    return request
+    return _Request(lineno, name, replicas, gpus, tiers["required_tier"], priority, (profile or "").lower(),
+                    milli or 0)
 
 
 # -- cost ------------------------------------------------------------------------------------------------------
 
 
 def placement_cost(placement: Placement, fabric: Fabric) -> dict[str, Any]:
-    """`tier`, `leaves` spanned and ring hops that cross a spine (see the module docstring)."""
-    nodes = [r.node for r in placement.replicas]
-    leaves = {fabric.path(n)[0] if fabric.path(n) else n for n in nodes}
-    crossings = 0
-    if len(fabric.tiers) >= 2 and len(nodes) >= 2:
-        def spine(node: str) -> str | None:
-            path = fabric.path(node)
-            return path[1] if len(path) > 1 else None
-
-        crossings = sum(1 for i, node in enumerate(nodes) if spine(node) != spine(nodes[(i + 1) % len(nodes)]))
-    return {"tier": placement.tier, "leaves": len(leaves), "spine_crossings": crossings}
+    """`tier`, `leaves` spanned, ring hops that cross leaves / spines, and rails (see the module docstring)."""
+    return ring_cost(placement, fabric).to_dict()
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
-def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: GpuCloseness | None = None):
+def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: GpuCloseness | None = None,
+              gpu_model: str = "", memory_mib: int = 0):
     """Decide every line in order. Yields `_Outcome` per request line, `("release", name, freed)` per release.
 
     `closeness`: the host profile's GPU closeness (from its topo matrix), given to every node: a gang on one node
-    gets the GPUs that share the closest links (see placement.pick_gpus)."""
+    gets the GPUs that share the closest links (see placement.pick_gpus). `gpu_model` / `memory_mib`: the
+    profile's GPUs, which decide the MIG profiles they offer."""
     capacity = ClusterCapacity(
-        NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name), closeness)
+        NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name), closeness,
+                     gpu_model, memory_mib)
         for name in sorted(fabric.paths)
     )
     tier_order = ["node", *fabric.tiers, "cluster"]
@@ -225,8 +237,7 @@ def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: G
                 continue
             placement = held.pop(target, None)
             if placement is not None:
-                for rep in placement.replicas:
-                    capacity.release(rep.node, rep.gpus)
+                capacity.release_placement(placement)
             yield ("release", target, placement is not None)
             continue
         request = _parse_request(lineno, doc, tier_order)
@@ -237,7 +248,8 @@ def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: G
             yield _Outcome(request.name, None,
                            f"line {lineno}: {request.name!r} already holds a placement; release it first", None)
             continue
-        gang = GangRequest(request.name, request.replicas, request.gpus_per_replica, priority=request.priority)
+        gang = GangRequest(request.name, request.replicas, request.gpus_per_replica, priority=request.priority,
+                           mig_profile=request.mig, gpu_milli=request.gpu_milli)
         result = place_gang(capacity, gang, fabric.tiers)
         if isinstance(result, Unplaceable):
             yield _Outcome(request.name, None, result.reason, None)
@@ -283,14 +295,28 @@ def _compact(placement: Placement) -> str:
     """`n01:[0-3][4-7] n02:[0-7]`: nodes in rank order, each replica's GPUs in brackets."""
     by_node: dict[str, list[str]] = {}
     for rep in placement.replicas:
-        by_node.setdefault(rep.node, []).append(f"[{_ranges(rep.gpus)}]")
+        if rep.mig_profile:
+            part = f"[{rep.gpus[0]}:{rep.mig_profile}@{rep.mig_start}]"
+        elif rep.gpu_milli:
+            part = f"[{rep.gpus[0]}:{rep.gpu_milli}m]"
+        else:
+            part = f"[{_ranges(rep.gpus)}]"
+        by_node.setdefault(rep.node, []).append(part)
     return " ".join(f"{node}:{''.join(reps)}" for node, reps in by_node.items())
 
 
+def _allocation(r) -> dict[str, Any]:
+    """As `phalanx job --json` prints an allocation."""
+    out: dict[str, Any] = {"replica": r.replica, "node": r.node, "gpus": list(r.gpus)}
+    if r.mig_profile:
+        out["slices"] = [{"gpu": r.gpus[0], "profile": r.mig_profile, "start": r.mig_start, "size": r.mig_size}]
+    if r.gpu_milli:
+        out["gpu_milli"] = r.gpu_milli
+    return out
+
+
 def _json_line(outcome: _Outcome) -> dict[str, Any]:
-    allocations = [] if outcome.placement is None else [
-        {"replica": r.replica, "node": r.node, "gpus": list(r.gpus)} for r in outcome.placement.replicas
-    ]
+    allocations = [] if outcome.placement is None else [_allocation(r) for r in outcome.placement.replicas]
     return {
         "name": outcome.name,
         "placed": outcome.placement is not None,
@@ -305,6 +331,10 @@ def cmd_place(args: argparse.Namespace) -> int:
         fabric = _load_fabric(args.fabric)
         profile = _host_profile(args.profile)
         gpus = profile.gpu_count
+        if profile.nvlink_domain_nodes > 1:
+            # Hosts such as gb200-nvl72 trays share multi-node NVLink domains: the nodes in no declared domain
+            # form domains of nodes_per_domain consecutive nodes under each leaf, as their agents' cliques would.
+            fabric = group_nvlink_domains(fabric, profile.nvlink_domain_nodes, prefix=profile.nvlink_domain or "nvl")
         lines = _read_lines(args.requests)
     except _CommandError as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -313,7 +343,8 @@ def cmd_place(args: argparse.Namespace) -> int:
 
     out: list[str] = []
     requests = placed = allocated = 0
-    for item in run_place(fabric, gpus, lines, GpuCloseness.from_dump(profile.dump)):
+    for item in run_place(fabric, gpus, lines, GpuCloseness.from_dump(profile.dump), profile.gpu_model,
+                          profile.memory_mib):
         if isinstance(item, tuple):
             if args.json:
                 out.append(render.to_json({"release": item[1]}, lines=True))
@@ -328,9 +359,13 @@ def cmd_place(args: argparse.Namespace) -> int:
             out.append(render.to_json(_json_line(item), lines=True))
         elif item.placement is not None:
             p, c = item.placement, item.cost or {}
-            g = len(p.replicas[0].gpus)
-            out.append(f"{item.name}  PLACED  {len(p.replicas)} x {g} GPUs  {_compact(p)}  "
-                       f"tier={c['tier']} leaves={c['leaves']} spine_crossings={c['spine_crossings']}")
+            first = p.replicas[0]
+            what = (f"MIG {first.mig_profile}" if first.mig_profile else
+                    f"{first.gpu_milli}/1000 GPU" if first.gpu_milli else f"{len(first.gpus)} GPUs")
+            out.append(f"{item.name}  PLACED  {len(p.replicas)} x {what}  {_compact(p)}  "
+                       f"tier={c['tier']} leaves={c['leaves']} spine_crossings={c['spine_crossings']}"
+                       + (f" rails={','.join(map(str, c['rails']))} rail_changes={c['rail_changes']}"
+                          if fabric.rails and c['rails'] else ""))
         else:
             out.append(f"{item.name}  NOT PLACED  {item.reason}")
     summary = {"requests": requests, "placed": placed, "not_placed": requests - placed, "gpus_allocated": allocated}

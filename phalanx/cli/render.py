@@ -84,7 +84,8 @@ def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
             j.name,
             j.state.value,
             j.priority,
-            f"{j.replicas}x{j.gpus_per_replica}",
+            f"{j.replicas}x{j.mig_profile}" if j.mig_profile else
+            f"{j.replicas}x{j.gpu_milli}m" if j.gpu_milli else f"{j.replicas}x{j.gpus_per_replica}",
             job_nodes(j),
             format_age(now - j.submitted_at) if j.submitted_at else "-",
         )
@@ -113,6 +114,24 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
     return table(["NAME", "STATE", "GPUS", "FREE", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"], rows)
 
 
+def _gang(job: Job) -> str:
+    if job.mig_profile:
+        return f"{job.replicas} x MIG {job.mig_profile}"
+    if job.gpu_milli:
+        return f"{job.replicas} x {job.gpu_milli}/1000 GPU"
+    return f"{job.replicas} x {job.gpus_per_replica} GPUs"
+
+
+def _alloc_gpus(a) -> str:
+    """``0,1`` for whole GPUs; ``3:3g.40gb@4`` for a MIG instance (GPU:profile@start slice); ``3:250m`` for a
+    share of 250 thousandths."""
+    if a.slices:
+        return ",".join(f"{s.gpu}:{s.profile}@{s.start}" for s in a.slices)
+    if a.gpu_milli:
+        return ",".join(f"{g}:{a.gpu_milli}m" for g in a.gpus)
+    return ",".join(str(g) for g in a.gpus)
+
+
 def job_detail(job: Job) -> str:
     """A ``key: value`` view of one job (``phalanx job``, ``submit``, ``cancel``)."""
     lines = [
@@ -121,7 +140,7 @@ def job_detail(job: Job) -> str:
         ("state", job.state.value),
         ("message", job.message or "-"),
         ("priority", job.priority),
-        ("gang", f"{job.replicas} x {job.gpus_per_replica} GPUs"),
+        ("gang", _gang(job)),
         ("procs/replica", job.procs_per_replica),
         ("command", " ".join(job.command) or "-"),
         ("attempt", job.attempt),
@@ -130,6 +149,8 @@ def job_detail(job: Job) -> str:
         ("started", format_time(job.started_at)),
         ("finished", format_time(job.finished_at)),
     ]
+    if job.gpu_model:
+        lines.insert(6, ("gpu model", job.gpu_model))
     if job.placement:
         p = job.placement
         lines.append(("placement", f"tier={p.get('tier', '')} domains={p.get('domains', 0)} "
@@ -142,7 +163,7 @@ def job_detail(job: Job) -> str:
             "  " + line
             for line in table(
                 ["REPLICA", "NODE", "GPUS"],
-                [(a.replica, a.node, ",".join(str(g) for g in a.gpus)) for a in job.allocations],
+                [(a.replica, a.node, _alloc_gpus(a)) for a in job.allocations],
             ).splitlines()
         )
     return "\n".join(out)

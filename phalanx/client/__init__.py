@@ -28,7 +28,7 @@ from ._errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from ._types import TERMINAL_STATES, Allocation, Job, JobState, Node, NodeState
+from ._types import TERMINAL_STATES, Allocation, Job, JobState, MigSlice, Node, NodeState
 
 __all__ = [
     "Client",
@@ -36,6 +36,7 @@ __all__ = [
     "Job",
     "Node",
     "Allocation",
+    "MigSlice",
     "JobState",
     "NodeState",
     "TERMINAL_STATES",

@@ -115,6 +115,9 @@ class AsyncClient:
         request_id: str | None = None,
         required_tier: str = "",
         preferred_tier: str = "",
+        gpu_model: str = "",
+        mig_profile: str = "",
+        gpu_milli: int = 0,
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -129,6 +132,9 @@ class AsyncClient:
             request_id: Idempotency key; generated (uuid4 hex) when omitted, reused across retries.
             required_tier: The gang must fit under one domain of this tier, or wait; "" for none.
             preferred_tier: Best effort: prefer one domain of this tier; "" for none.
+            gpu_model: Only nodes whose GPU model contains this text, case-insensitively.
+            mig_profile: Each replica is one MIG instance of this profile; gpus_per_replica must be 1.
+            gpu_milli: Each replica is this share of one GPU, in thousandths (1-999).
 
         Returns:
             The job as accepted by the scheduler.
@@ -137,6 +143,7 @@ class AsyncClient:
             name, replicas, gpus_per_replica, command,
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
+            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

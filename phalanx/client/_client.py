@@ -74,6 +74,9 @@ def build_submit_request(
     request_id: str | None,
     required_tier: str = "",
     preferred_tier: str = "",
+    gpu_model: str = "",
+    mig_profile: str = "",
+    gpu_milli: int = 0,
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -87,6 +90,9 @@ def build_submit_request(
         env={str(k): str(v) for k, v in (env or {}).items()},
         required_tier=str(required_tier or ""),
         preferred_tier=str(preferred_tier or ""),
+        gpu_model=str(gpu_model or ""),
+        mig_profile=str(mig_profile or ""),
+        gpu_milli=int(gpu_milli or 0),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -182,6 +188,9 @@ class Client:
         request_id: str | None = None,
         required_tier: str = "",
         preferred_tier: str = "",
+        gpu_model: str = "",
+        mig_profile: str = "",
+        gpu_milli: int = 0,
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -197,6 +206,10 @@ class Client:
             required_tier: The gang must fit under one domain of this tier ("node", a fabric tier of the
                 scheduler such as "leaf" or "spine", or "cluster") or wait; "" for no constraint.
             preferred_tier: Best effort: prefer one domain of this tier; "" for no preference.
+            gpu_model: Only nodes whose GPU model contains this text, case-insensitively ("H100").
+            mig_profile: Each replica is one MIG instance of this profile ("1g.10gb", "3g.40gb"...);
+                gpus_per_replica must be 1.
+            gpu_milli: Each replica is this share of one GPU, in thousandths (1-999); gpus_per_replica must be 1.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -211,6 +224,7 @@ class Client:
             name, replicas, gpus_per_replica, command,
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
+            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -100,21 +100,47 @@ def job_state_to_proto(state: str | JobState) -> int:
 
 
 @dataclass(frozen=True, eq=True)
+class MigSlice:
+    """One MIG instance: ``size`` memory slices of GPU ``gpu`` from slice ``start`` (NVIDIA's placement units)."""
+
+    gpu: int
+    profile: str
+    start: int
+    size: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape: ``{"gpu": int, "profile": str, "start": int, "size": int}``."""
+        return {"gpu": self.gpu, "profile": self.profile, "start": self.start, "size": self.size}
+
+
+@dataclass(frozen=True, eq=True)
 class Allocation:
-    """GPUs of one replica on one node."""
+    """GPUs of one replica on one node; for a partial GPU, its MIG instance (``slices``) or share (``gpu_milli``)."""
 
     replica: int
     node: str
     gpus: list[int] = field(default_factory=list)
+    slices: list[MigSlice] = field(default_factory=list)
+    gpu_milli: int = 0
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Allocation) -> Allocation:
         """Build from a ``phalanx.v1.Allocation`` message."""
-        return cls(replica=int(msg.replica), node=msg.node, gpus=[int(g) for g in msg.gpus])
+        return cls(
+            replica=int(msg.replica), node=msg.node, gpus=[int(g) for g in msg.gpus],
+            slices=[MigSlice(int(s.gpu), s.profile, int(s.start), int(s.size)) for s in msg.slices],
+            gpu_milli=int(msg.gpu_milli),
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape: ``{"replica": int, "node": str, "gpus": [int, ...]}``."""
-        return {"replica": self.replica, "node": self.node, "gpus": list(self.gpus)}
+        """The JSON shape: ``{"replica": int, "node": str, "gpus": [int, ...]}``, plus ``slices`` (a list of
+        ``{"gpu", "profile", "start", "size"}``) for a MIG instance and ``gpu_milli`` for a GPU share."""
+        out: dict[str, Any] = {"replica": self.replica, "node": self.node, "gpus": list(self.gpus)}
+        if self.slices:
+            out["slices"] = [s.to_dict() for s in self.slices]
+        if self.gpu_milli:
+            out["gpu_milli"] = self.gpu_milli
+        return out
 
 
 @dataclass(frozen=True, eq=True)
@@ -141,6 +167,10 @@ class Job:
     # Topology constraints by tier name ("node", a fabric tier such as "leaf", or "cluster"); "" means none.
     required_tier: str = ""
     preferred_tier: str = ""
+    # GPU model filter and partial GPUs (see phalanx.v1.JobSpec); "" / 0 means none.
+    gpu_model: str = ""
+    mig_profile: str = ""
+    gpu_milli: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -188,6 +218,9 @@ class Job:
             placement=placement,
             required_tier=spec.required_tier,
             preferred_tier=spec.preferred_tier,
+            gpu_model=spec.gpu_model,
+            mig_profile=spec.mig_profile,
+            gpu_milli=int(spec.gpu_milli),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +235,9 @@ class Job:
             "procs_per_replica": self.procs_per_replica,
             "required_tier": self.required_tier,
             "preferred_tier": self.preferred_tier,
+            "gpu_model": self.gpu_model,
+            "mig_profile": self.mig_profile,
+            "gpu_milli": self.gpu_milli,
             "command": list(self.command),
             "env": dict(self.env),
             "allocations": [a.to_dict() for a in self.allocations],
@@ -229,6 +265,7 @@ class Node:
     message: str = ""
     last_heartbeat: float = 0.0
     address: str = ""
+    shared_gpus: int = 0  # GPUs split into MIG instances or fractional shares
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Node) -> Node:
@@ -244,6 +281,7 @@ class Node:
             message=msg.message,
             last_heartbeat=float(msg.last_heartbeat),
             address=msg.address,
+            shared_gpus=int(msg.shared_gpus),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +297,7 @@ class Node:
             "message": self.message,
             "last_heartbeat": self.last_heartbeat,
             "address": self.address,
+            "shared_gpus": self.shared_gpus,
         }
 
 

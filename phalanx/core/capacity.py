@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 
-from .model import NodeCapacity, Placement
+from .model import NodeCapacity, Placement, ReplicaPlacement
 
 
 class CapacityError(RuntimeError):
@@ -32,12 +32,24 @@ class ClusterCapacity:
     def __init__(self, nodes: Iterable[NodeCapacity] = ()) -> None:
         self.nodes: dict[str, NodeCapacity] = {n.name: n for n in nodes}
         self._built = False
+        # Views over the nodes of one GPU model (see `restricted`), kept up to date with this one.
+        self._subs: dict[str, ClusterCapacity] = {}
 
     # ---- structure -------------------------------------------------------------------------------------------
 
     def add(self, node: NodeCapacity) -> None:
         self.nodes[node.name] = node
         self._built = False
+        self._subs.clear()
+
+    def restricted(self, gpu_model: str) -> ClusterCapacity:
+        """The same nodes, only those whose GPU model contains `gpu_model` (case-insensitive), with their own
+        index. It shares the NodeCapacity objects and follows every change made through this view."""
+        key = gpu_model.lower()
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = self._subs[key] = ClusterCapacity(n for n in self.nodes.values() if key in n.gpu_model.lower())
+        return sub
 
     def _build(self) -> None:
         nodes = list(self.nodes.values())
@@ -79,15 +91,31 @@ class ClusterCapacity:
                                  for lv in range(1, self.top + 1)]
         self._total = sum(n.total for n in nodes)
         self._ever: dict[int, int] = {}
+        # Nodes by free shape, for partial-GPU placement (core.shares): refreshed lazily from `_dirty`.
+        self._shapes: dict[tuple, list[str]] = {}
+        self._shape_of: dict[str, tuple | None] = {}
+        self._dirty: set[str] = set(self.nodes)
 
     def _ensure(self) -> None:
         if not self._built:
             self._build()
 
+    def _touch(self, node: NodeCapacity) -> None:
+        """A node's free GPUs, partial use or schedulability changed: update this index and the restricted views."""
+        self._changed(node)
+        if self._subs:
+            self._touch_subs(node)
+
+    def _touch_subs(self, node: NodeCapacity) -> None:
+        for sub in self._subs.values():
+            if node.name in sub.nodes:
+                sub._touch(node)
+
     def _changed(self, node: NodeCapacity) -> None:
         """Move a node to the histogram buckets of its current effective free count."""
         if not self._built:
             return
+        self._dirty.add(node.name)
         new = min(len(node.free), self.largest) if node.schedulable else 0
         old = self._effective[node.name]
         if new == old:
@@ -183,6 +211,51 @@ class ClusterCapacity:
                 out[child] = (slots, free)
         return out
 
+    def shape_buckets(self) -> dict[tuple, list[str]]:
+        """Schedulable nodes with any free capacity, grouped by free shape (`shape_key`); each list sorted by name.
+        Nodes of one shape are interchangeable for a partial-GPU request, so placement scores one per shape."""
+        self._ensure()
+        for name in self._dirty:
+            old = self._shape_of.get(name)
+            new = shape_key(self.nodes[name]) if name in self.nodes else None
+            if old == new:
+                continue
+            if old is not None:
+                bucket = self._shapes[old]
+                del bucket[bisect_left(bucket, name)]
+                if not bucket:
+                    del self._shapes[old]
+            if new is not None:
+                insort(self._shapes.setdefault(new, []), name)
+            self._shape_of[name] = new
+        self._dirty.clear()
+        return self._shapes
+
+    def node_slots(self, level: int, key: str, gpus_per_replica: int) -> tuple[int, ...]:
+        """Replicas of this size each node of domain `key` of `level` (>= 1) holds, ascending; nodes that hold
+        none are left out. Read from the index: O(nodes that hold one + GPUs per node)."""
+        self._ensure()
+        g = gpus_per_replica
+        hist = self._hist[level].get(key)
+        if hist is None or g < 1:
+            return ()
+        out: list[int] = []
+        for f in range(g, len(hist)):
+            if hist[f]:
+                out += [f // g] * hist[f]
+        return tuple(out)
+
+    def most_slots(self, level: int, key: str, gpus_per_replica: int) -> int:
+        """The most replicas of this size any one node of domain `key` of `level` (>= 1) holds."""
+        self._ensure()
+        hist = self._hist[level].get(key)
+        if hist is None or gpus_per_replica < 1:
+            return 0
+        for f in range(len(hist) - 1, gpus_per_replica - 1, -1):
+            if hist[f]:
+                return f // gpus_per_replica
+        return 0
+
     def free_gpus(self) -> int:
         self._ensure()
         return sum(f * c for hist in self._hist[self.top].values() for f, c in enumerate(hist))
@@ -203,9 +276,14 @@ class ClusterCapacity:
     # ---- updates ---------------------------------------------------------------------------------------------
 
     def reserve(self, placement: Placement) -> None:
-        """Take every GPU of the placement, or none (raises CapacityError and changes nothing)."""
+        """Take every GPU (or part of one) of the placement, or none (raises CapacityError and changes nothing)."""
         wanted: dict[str, set[int]] = {}
+        partial = [rep for rep in placement.replicas if rep.mig_profile or rep.gpu_milli]
+        if partial:
+            self._check_partial(partial)
         for rep in placement.replicas:
+            if rep.mig_profile or rep.gpu_milli:
+                continue
             node = self.nodes.get(rep.node)
             if node is None:
                 raise CapacityError(f"unknown node {rep.node!r}")
@@ -216,6 +294,76 @@ class ClusterCapacity:
             taken |= gpus
         for name, gpus in wanted.items():
             self.take(name, gpus)
+        for rep in partial:
+            self.take_partial(rep)
+
+    def release_placement(self, placement: Placement) -> None:
+        """Give back everything `placement` holds (whole GPUs, MIG instances and shares)."""
+        for rep in placement.replicas:
+            self.release_replica(rep)
+
+    def release_replica(self, rep: ReplicaPlacement) -> None:
+        if rep.mig_profile or rep.gpu_milli:
+            self.release_partial(rep)
+        else:
+            self.release(rep.node, rep.gpus)
+
+    def _check_partial(self, reps: list[ReplicaPlacement]) -> None:
+        mig: dict[tuple[str, int], int] = {}
+        milli: dict[tuple[str, int], int] = {}
+        for rep in reps:
+            node = self.nodes.get(rep.node)
+            if node is None:
+                raise CapacityError(f"unknown node {rep.node!r}")
+            (gpu,) = rep.gpus
+            key = (rep.node, gpu)
+            if not 0 <= gpu < node.total:
+                raise CapacityError(f"{rep.node} has no GPU {gpu}")
+            if rep.mig_profile:
+                used = mig.get(key, node.mig.get(gpu, 0 if gpu in node.free else None))
+                if used is None or used & rep.mig_mask or rep.mig_mask >> 8:
+                    raise CapacityError(f"MIG slices {rep.mig_start}-{rep.mig_start + rep.mig_size - 1} of GPU {gpu} "
+                                        f"of {rep.node} are not free")
+                mig[key] = used | rep.mig_mask
+            else:
+                used = milli.get(key, node.milli.get(gpu, 0 if gpu in node.free else None))
+                if used is None or used + rep.gpu_milli > 1000:
+                    raise CapacityError(f"GPU {gpu} of {rep.node} has no {rep.gpu_milli}/1000 share free")
+                milli[key] = used + rep.gpu_milli
+            if key in mig and key in milli:
+                raise CapacityError(f"GPU {gpu} of {rep.node} cannot hold MIG instances and shares at once")
+
+    def take_partial(self, rep: ReplicaPlacement) -> None:
+        """Take a MIG instance or a share (already checked, or read back from the ledger)."""
+        n = self.nodes.get(rep.node)
+        if n is None:
+            return
+        (gpu,) = rep.gpus
+        n.free.discard(gpu)
+        if rep.mig_profile:
+            n.mig[gpu] = n.mig.get(gpu, 0) | rep.mig_mask
+        else:
+            n.milli[gpu] = n.milli.get(gpu, 0) + rep.gpu_milli
+        self._touch(n)
+
+    def release_partial(self, rep: ReplicaPlacement) -> None:
+        n = self.nodes.get(rep.node)
+        if n is None:
+            return
+        (gpu,) = rep.gpus
+        if rep.mig_profile:
+            left = n.mig.get(gpu, 0) & ~rep.mig_mask
+            table = n.mig
+        else:
+            left = max(0, n.milli.get(gpu, 0) - rep.gpu_milli)
+            table = n.milli
+        if left:
+            table[gpu] = left
+        else:
+            table.pop(gpu, None)
+            if 0 <= gpu < n.total and gpu not in n.mig and gpu not in n.milli:
+                n.free.add(gpu)
+        self._touch(n)
 
     def take(self, node: str, gpus: Iterable[int]) -> None:
         n = self.nodes.get(node)
@@ -223,17 +371,36 @@ class ClusterCapacity:
             return
         n.free -= set(gpus)
         self._changed(n)
+        if self._subs:
+            self._touch_subs(n)
 
     def release(self, node: str, gpus: Iterable[int]) -> None:
         n = self.nodes.get(node)
         if n is None:
             return
-        n.free |= {g for g in gpus if 0 <= g < n.total}
+        if n.mig or n.milli:
+            n.free |= {g for g in gpus if 0 <= g < n.total and g not in n.mig and g not in n.milli}
+        else:
+            n.free |= {g for g in gpus if 0 <= g < n.total}
         self._changed(n)
+        if self._subs:
+            self._touch_subs(n)
 
     def set_schedulable(self, node: str, schedulable: bool) -> None:
         n = self.nodes.get(node)
         if n is None:
             return
         n.schedulable = schedulable
-        self._changed(n)
+        self._touch(n)
+
+
+def shape_key(node: NodeCapacity) -> tuple | None:
+    """What a partial-GPU request sees of a node: model, memory, GPUs, whole free GPUs, and the partial use of the
+    others (sorted, since which GPU index holds what does not change the score). None when it offers nothing."""
+    if not node.schedulable:
+        return None
+    mig = tuple(sorted(m for m in node.mig.values() if m != 0xFF))
+    milli = tuple(sorted(m for m in node.milli.values() if m < 1000))
+    if not node.free and not mig and not milli:
+        return None
+    return (node.gpu_model, node.memory_mib, node.total, len(node.free), mig, milli)

@@ -4,6 +4,11 @@ A fabric is static structure: tier names from the lowest switch tier up (for a S
 then `tier3`, `tier4`, ...; for Slurm block syntax: `block`, `block2`, ...) and, per node, its switches from the leaf
 up. Read it from a Slurm `topology.conf` in tree or block syntax or from Phalanx's own YAML; nodes the fabric does not
 name sit directly under the cluster root.
+
+NVLink domains (Phalanx YAML `nvlink_domains:`) add a tier below the leaf: the tiers become ("nvlink", leaf, ...) and
+each node's path (domain, leaf, ...). A domain is a node's own NVSwitch (keyed by the node's name) or a multi-node
+domain such as a GB200 NVL72 rack (18 trays of 4 GPUs), declared in the YAML or reported by the agents through
+NVML's fabric cluster UUID and clique (`Fabric.node_path`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import yaml
 from .hostlist import expand_hostlist
 
 TREE_TIER_NAMES = ("leaf", "spine", "core")
+NVLINK_TIER = "nvlink"
+AUTO = "auto"
 
 
 def tree_tier_name(level: int) -> str:
@@ -27,14 +34,142 @@ def tree_tier_name(level: int) -> str:
 
 @dataclass(frozen=True)
 class Fabric:
+    """Tier names, lowest first, and each node's path: its domain of each tier, `path[i]` being of `tiers[i]`.
+
+    `nvlink_domains` is None for a plain fabric. Otherwise the fabric has the NVLink tier: `tiers[0]` is "nvlink",
+    every path starts with the node's NVLink domain, and `nvlink_domains` maps each node of a declared multi-node
+    domain to that domain ({} for `nvlink_domains: auto`: every domain comes from the agents, see `node_path`).
+    """
+
     tiers: tuple[str, ...] = ()
     paths: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    nvlink_domains: Mapping[str, str] | None = None
+    # Rail-optimized (DGX SuperPOD style) when > 0: each leaf domain is a scalable unit of `rails` rail switches,
+    # NIC i of every node (GPU i's) on rail i; traffic between different rails goes up to the spine tier even
+    # inside one unit. 0: classic top-of-rack trees, every NIC of a node on its one leaf switch.
+    rails: int = 0
+
+    @property
+    def has_nvlink(self) -> bool:
+        return self.nvlink_domains is not None
+
+    @property
+    def switch_tiers(self) -> tuple[str, ...]:
+        """The switch tiers (leaf and up), without the NVLink tier."""
+        return self.tiers[1:] if self.has_nvlink else self.tiers
 
     def path(self, node: str) -> tuple[str, ...]:
+        """The node's static path (with the NVLink tier: its declared domain, else its own name, first)."""
         return tuple(self.paths.get(node, ()))
 
+    def switch_path(self, node: str) -> tuple[str, ...]:
+        """The node's switches from the leaf up (its path without the NVLink domain)."""
+        path = self.path(node)
+        return path[1:] if self.has_nvlink else path
+
+    def node_path(self, name: str, cluster_uuid: str = "", clique: str = "") -> tuple[str, ...]:
+        """The path of a node that registers with this NVML fabric cluster UUID and clique (both "" when none).
+
+        Plain fabrics: `path(name)`. With the NVLink tier: (domain, *switch path), the domain being the node's
+        declared one, else the agent's fabric clique (`nvlink_domain_key`), else the node's own name (its NVSwitch).
+        """
+        if self.nvlink_domains is None:
+            return self.path(name)
+        domain = self.nvlink_domains.get(name) or nvlink_domain_key(cluster_uuid, clique) or name
+        return (domain, *self.switch_path(name))
+
     def to_yaml(self) -> str:
-        return yaml.safe_dump({"tiers": list(self.tiers), "nodes": {n: list(p) for n, p in self.paths.items()}})
+        rails = {"rails": self.rails} if self.rails else {}
+        if self.nvlink_domains is None:
+            return yaml.safe_dump({"tiers": list(self.tiers), **rails,
+                                   "nodes": {n: list(p) for n, p in self.paths.items()}})
+        members: dict[str, list[str]] = {}
+        for node, domain in self.nvlink_domains.items():
+            members.setdefault(domain, []).append(node)
+        return yaml.safe_dump({
+            "tiers": list(self.switch_tiers), **rails,
+            "nvlink_domains": {d: sorted(ns) for d, ns in sorted(members.items())} or AUTO,
+            "nodes": {n: list(self.switch_path(n)) for n in self.paths},
+        })
+
+
+def nvlink_domain_key(cluster_uuid: str, clique: str = "") -> str:
+    """The NVLink domain of an agent's NVML fabric info: `nvl-<first 8 hex digits of the cluster UUID>-<clique>`
+    (`nvl-<8 hex>` without a clique); "" when the node reports no fabric cluster (no multi-node NVLink)."""
+    hexed = cluster_uuid.replace("-", "").strip().lower()
+    if not hexed.strip("0"):
+        return ""
+    return f"nvl-{hexed[:8]}-{clique}" if clique != "" else f"nvl-{hexed[:8]}"
+
+
+def with_nvlink_domains(fabric: Fabric, declared: Mapping[str, str] | None = None) -> Fabric:
+    """`fabric` (a plain one) with the NVLink tier: `declared` maps nodes to multi-node domains ({} or None: auto).
+
+    Every member of a domain must sit under the same switches; a member the fabric does not name gets the switch
+    path of the others (none when the fabric has no switches). A node outside every declared domain is its own
+    domain, keyed by its name (so a domain may not be named after a node outside it).
+    """
+    if fabric.has_nvlink:
+        raise FabricError("the fabric already has an NVLink tier")
+    if NVLINK_TIER in fabric.tiers:
+        raise FabricError(f"tier name {NVLINK_TIER!r} is reserved for NVLink domains (`nvlink_domains:`)")
+    declared = dict(declared or {})
+    depth = max((len(p) for p in fabric.paths.values()), default=0)
+    by_domain: dict[str, list[str]] = {}
+    for node, domain in declared.items():
+        by_domain.setdefault(domain, []).append(node)
+    paths = {node: (declared.get(node, node), *path) for node, path in fabric.paths.items()}
+    for domain, members in by_domain.items():
+        if domain in fabric.paths and domain not in members:
+            raise FabricError(f"NVLink domain {domain!r} has the name of node {domain!r}, which is not in it")
+        placed = {m: fabric.paths[m] for m in members if m in fabric.paths}
+        where = set(placed.values())
+        if len(where) > 1:
+            (a, pa), (b, pb) = _two_differing(placed)
+            raise FabricError(
+                f"NVLink domain {domain!r} spans two leaves: {a} is under {'/'.join(pa) or 'the root'}, "
+                f"{b} under {'/'.join(pb) or 'the root'}; all nodes of a domain must sit under the same leaf"
+            )
+        if not where and depth:
+            raise FabricError(
+                f"NVLink domain {domain!r} lists node {sorted(members)[0]!r}, which the fabric's switches do not name"
+            )
+        switches = next(iter(where)) if where else ()
+        for node in members:
+            paths[node] = (domain, *switches)
+    return Fabric(tiers=(NVLINK_TIER, *fabric.tiers), paths=paths, nvlink_domains=declared, rails=fabric.rails)
+
+
+def _two_differing(placed: Mapping[str, tuple[str, ...]]):
+    items = sorted(placed.items())
+    first = items[0]
+    return first, next(item for item in items if item[1] != first[1])
+
+
+def group_nvlink_domains(fabric: Fabric, nodes_per_domain: int, prefix: str = "nvl") -> Fabric:
+    """Simulated multi-node NVLink domains (what agents of e.g. `gb200-nvl72` would report): the nodes in no declared
+    domain, taken per switch path in name order, form domains of `nodes_per_domain` consecutive nodes named
+    `<prefix>-0`, `<prefix>-1`, ... (names already in use are skipped). Declared domains win. The fabric gets the
+    NVLink tier if it has none."""
+    if nodes_per_domain < 1:
+        raise ValueError("nodes_per_domain must be at least 1")
+    base = fabric if fabric.has_nvlink else with_nvlink_domains(fabric, {})
+    declared = dict(base.nvlink_domains or {})
+    taken = set(declared.values()) | set(base.paths)
+    by_switches: dict[tuple[str, ...], list[str]] = {}
+    for node in sorted(base.paths):
+        if node not in declared:
+            by_switches.setdefault(base.switch_path(node), []).append(node)
+    index = 0
+    for _, nodes in sorted(by_switches.items()):
+        for start in range(0, len(nodes), nodes_per_domain):
+            while f"{prefix}-{index}" in taken:
+                index += 1
+            for node in nodes[start:start + nodes_per_domain]:
+                declared[node] = f"{prefix}-{index}"
+            index += 1
+    plain = Fabric(tiers=base.switch_tiers, paths={n: base.switch_path(n) for n in base.paths}, rails=base.rails)
+    return with_nvlink_domains(plain, declared)
 
 
 class FabricError(ValueError):
@@ -209,6 +344,19 @@ def parse_fabric_yaml(text: str) -> Fabric:
         leaf1: [dgx[05-08]]
     ```
     or the flat form `nodes: {dgx01: [leaf0, spine0], ...}` that `Fabric.to_yaml` writes.
+
+    `rails: 8` makes it rail-optimized: every leaf is a scalable unit of 8 rail switches, GPU/NIC i of each node on
+    rail i (see `Fabric.rails` and core.cost). Without it, leaves are classic top-of-rack switches.
+
+    NVLink domains add the `nvlink` tier below the leaf (do not list it in `tiers`):
+    ```yaml
+    nvlink_domains:         # multi-node domains (GB200 NVL72 racks), hostlists or lists of them
+      nvl0: "gb[001-018]"
+      nvl1: ["gb[019-036]"]
+    ```
+    A node in no declared domain is its own domain (its NVSwitch), unless its agent reports an NVML fabric clique
+    (`Fabric.node_path`). `nvlink_domains: auto` declares none: the tier exists, the agents' cliques say who shares
+    a domain. All nodes of one domain must sit under the same leaf.
     """
     try:
         doc = yaml.safe_load(text) or {}
@@ -216,7 +364,16 @@ def parse_fabric_yaml(text: str) -> Fabric:
         raise FabricError(f"invalid YAML: {exc}") from exc
     if not isinstance(doc, dict):
         raise FabricError("fabric YAML must be a mapping with `tiers` and `switches` or `nodes`")
-    tiers = tuple(str(t) for t in doc.get("tiers", ()))
+    tiers = tuple(str(t) for t in doc.get("tiers") or ())
+    declared = _nvlink_section(doc["nvlink_domains"]) if "nvlink_domains" in doc else None
+    if declared is not None and tiers[:1] == (NVLINK_TIER,):
+        tiers = tiers[1:]  # tolerated: the tier is implied by nvlink_domains
+    if NVLINK_TIER in tiers:
+        raise FabricError(
+            f"tier {NVLINK_TIER!r} comes from `nvlink_domains:` (a mapping of domains to hostlists, or `auto`) "
+            "and is always the lowest; leave it out of `tiers`" if declared is not None else
+            f"tier {NVLINK_TIER!r} needs `nvlink_domains:` (a mapping of domains to hostlists, or `auto`)"
+        )
     paths: dict[str, tuple[str, ...]] = {}
     if "nodes" in doc:
         for node, path in (doc["nodes"] or {}).items():
@@ -231,7 +388,45 @@ def parse_fabric_yaml(text: str) -> Fabric:
     for node, path in paths.items():
         if len(path) != depth:
             raise FabricError(f"node {node!r} sits {len(path)} switches deep, others {depth}")
-    return Fabric(tiers=tiers, paths=paths)
+    rails = doc.get("rails", 0) or 0
+    if isinstance(rails, bool) or not isinstance(rails, int) or rails < 0:
+        raise FabricError(f"rails must be a non-negative number of rail switches per leaf, got {rails!r}")
+    fabric = Fabric(tiers=tiers, paths=paths, rails=rails)
+    return fabric if declared is None else with_nvlink_domains(fabric, declared)
+
+
+def _nvlink_section(section) -> dict[str, str]:
+    """`nvlink_domains:` of the YAML: `auto` (or an empty mapping) -> {}, else node -> domain."""
+    if isinstance(section, str) and section.strip().lower() == AUTO:
+        return {}
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise FabricError(
+            f"nvlink_domains must be `auto` or a mapping of domain names to hostlists, got {section!r}"
+        )
+    declared: dict[str, str] = {}
+    for domain, members in section.items():
+        domain = str(domain)
+        if not domain:
+            raise FabricError("nvlink_domains: a domain has an empty name")
+        items = [members] if isinstance(members, str) else members
+        if not isinstance(items, list) or not items:
+            raise FabricError(f"nvlink domain {domain!r} must list its nodes (a hostlist or a list of them)")
+        for item in items:
+            try:
+                names = expand_hostlist(str(item))
+            except ValueError as exc:
+                raise FabricError(f"nvlink domain {domain!r}: {exc}") from exc
+            for node in names:
+                if node in declared and declared[node] != domain:
+                    raise FabricError(
+                        f"node {node!r} is in two NVLink domains ({declared[node]!r} and {domain!r})"
+                    )
+                if node in declared:
+                    raise FabricError(f"node {node!r} is listed twice in NVLink domain {domain!r}")
+                declared[node] = domain
+    return declared
 
 
 def _walk_switches(tree, above: tuple[str, ...], paths: dict[str, tuple[str, ...]]) -> None:
@@ -261,22 +456,26 @@ def load_fabric(path: str | Path) -> Fabric:
     return parse_slurm(text)
 
 
-def default_fabric(nodes: Iterable[str], nodes_per_leaf: int = 4, leaves_per_spine: int = 8) -> Fabric:
-    """A two-tier fat-tree for nodes given in order: `nodes_per_leaf` nodes per leaf, leaves under spines."""
+def default_fabric(nodes: Iterable[str], nodes_per_leaf: int = 4, leaves_per_spine: int = 8, rails: int = 0) -> Fabric:
+    """A two-tier fat-tree for nodes given in order: `nodes_per_leaf` nodes per leaf, leaves under spines
+    (`rails` > 0: each leaf a rail-optimized scalable unit of that many rails)."""
     names = list(nodes)
     paths = {}
     for i, node in enumerate(names):
         leaf = i // nodes_per_leaf
         paths[node] = (f"leaf{leaf}", f"spine{leaf // leaves_per_spine}")
-    return Fabric(tiers=("leaf", "spine"), paths=paths)
+    return Fabric(tiers=("leaf", "spine"), paths=paths, rails=rails)
 
 
 def to_slurm_tree(fabric: Fabric) -> str:
-    """Write the fabric as Slurm tree syntax (one line per switch), for Slurm users and for tests."""
+    """Write the fabric as Slurm tree syntax (one line per switch), for Slurm users and for tests.
+
+    Slurm has no NVLink tier: NVLink domains are left out (the switches from the leaf up are written)."""
     lines = []
     leaves: dict[str, list[str]] = {}
     parents: dict[str, set[str]] = {}
-    for node, path in sorted(fabric.paths.items()):
+    for node in sorted(fabric.paths):
+        path = fabric.switch_path(node)
         if not path:
             continue
         leaves.setdefault(path[0], []).append(node)

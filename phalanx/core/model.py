@@ -22,17 +22,38 @@ class GangRequest:
     # fit under one domain of `required_tier` or wait; `preferred_tier` is best effort. Empty: no constraint.
     required_tier: str = ""
     preferred_tier: str = ""
+    # Only nodes whose GPU model contains this text (case-insensitive). Empty: any.
+    gpu_model: str = ""
+    # Partial GPUs (then gpus_per_replica is 1): each replica is one MIG instance of `mig_profile`, or a share of
+    # `gpu_milli` thousandths of one GPU. See core.shares.
+    mig_profile: str = ""
+    gpu_milli: int = 0
 
     @property
     def gpus(self) -> int:
         return self.replicas * self.gpus_per_replica
 
+    @property
+    def partial(self) -> bool:
+        return bool(self.mig_profile) or self.gpu_milli > 0
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaPlacement:
+    """A replica's GPUs. For a partial GPU, `gpus` is its one GPU and either `mig_profile` (an instance of
+    `mig_size` memory slices from `mig_start`) or `gpu_milli` (a share in thousandths) says which part."""
+
     replica: int
     node: str
     gpus: tuple[int, ...]
+    mig_profile: str = ""
+    mig_start: int = -1
+    mig_size: int = 0
+    gpu_milli: int = 0
+
+    @property
+    def mig_mask(self) -> int:
+        return ((1 << self.mig_size) - 1) << self.mig_start if self.mig_profile else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +82,10 @@ class NodeCapacity:
 
     `closeness`: how close each pair of its GPUs is (from its `nvidia-smi topo -m` matrix); None when unknown,
     and then GPUs are chosen by index alone (see placement.pick_gpus).
+
+    Partial GPUs: `mig` maps a GPU to the mask of its memory slices used by MIG instances, `milli` a GPU to the
+    thousandths of it that fractional shares use. Such a GPU is not in `free` (no whole-GPU job may take it) until
+    its last instance or share is released.
     """
 
     name: str
@@ -69,6 +94,10 @@ class NodeCapacity:
     schedulable: bool = True
     path: tuple[str, ...] = ()
     closeness: GpuCloseness | None = None
+    gpu_model: str = ""
+    memory_mib: int = 0
+    mig: dict[int, int] = field(default_factory=dict)
+    milli: dict[int, int] = field(default_factory=dict)
 
     def slots(self, gpus_per_replica: int) -> int:
         return len(self.free) // gpus_per_replica if self.schedulable and gpus_per_replica > 0 else 0

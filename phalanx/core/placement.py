@@ -1,23 +1,36 @@
 """Gang placement: every replica at once, under the lowest common switch, best fit among equals.
 
-The algorithm (this issue's level; the full topology objective builds on it):
+The objective, lexicographic and top-down (required_tier first: never above it):
+1. the lowest tier crossed: the lowest tier where one domain holds all R replicas;
+2. the fewest domains of the tier just below it (children of that domain);
+3. then the fewest domains of each lower tier in turn, down to nodes (crossing a core: spines, then leaves, then
+   nodes). This is not "the fewest leaves anywhere": a gang that fits under one spine on 6 leaves stays there
+   even when 3 leaves of 3 spines would hold it;
+4. best fit among equals: the domain with the least free GPUs (so emptier domains stay whole for larger gangs),
+   and inside it the tightest children.
+
+The algorithm:
 1. Count, per node, how many replicas of G GPUs its free GPUs hold ("slots").
-2. Going up the tiers (node, leaf, spine, ..., cluster), find the lowest tier where one domain holds all R
-   replicas. Among the domains of that tier that do, take the one with the least free GPUs (best fit, global
-   within the tier), so emptier domains stay whole for larger gangs.
-3. Inside it, span as few child domains as possible: the fullest-fitting child first, the remainder into the
-   tightest child that holds it; recursively down to nodes.
+2. Going up the tiers (node, leaf, spine, ..., cluster), find the lowest tier where one domain holds the gang.
+   Among those domains, take the cheapest by 2-3, then the least free GPUs (`_fewest_children`).
+3. Inside it, choose the children and how many replicas each takes by 2-3 (`_plan`): the fullest children whole
+   and the remainder into the tightest child that holds it, when that meets a lower bound at every level (always
+   when the children are atoms: leaves over nodes, or whenever no node holds two replicas); else a small exact
+   knapsack over the children's cost functions (`_select`, see the comment above `_EXACT_CELLS`), with a greedy
+   fallback only where that would be too big; recursively down to nodes.
 4. Ranks follow the switch order of their nodes, so ring neighbours share the closest switch.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
 from .closeness import GpuCloseness, closest_sets
 from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
+from .shares import place_partial
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +80,13 @@ def place_gang(
     domain of the preferred tier whenever one fits, and otherwise at the lowest tier above it that fits (the
     reason then says the preference was not met).
     """
+    if request.partial:
+        result = place_partial(capacity, request, tier_names(capacity, fabric_tiers))
+        return result if isinstance(result, Placement) else Unplaceable(result.job_id, result.reason)
+    if request.gpu_model:
+        capacity = capacity.restricted(request.gpu_model)
+        if not capacity.nodes:
+            return Unplaceable(request.job_id, f"no node has GPU model {request.gpu_model!r}")
     g, need = request.gpus_per_replica, request.replicas
     if not capacity.nodes or g < 1:
         return Unplaceable(request.job_id, "the cluster has no nodes")
@@ -95,15 +115,16 @@ def place_gang(
             if node is not None:
                 return _preferred(request, _build(request, [(node, need)], names, 0), names, fabric_tiers, capacity)
             continue
-        # Among the domains of this tier that hold the gang: fewest children spanned first, then best fit (least
-        # free GPUs), global within the tier; all read from the index.
+        # Among the domains of this tier that hold the gang: fewest children spanned first, then fewest domains of
+        # each level below, then best fit (least free GPUs), global within the tier; all read from the index.
         stats = capacity.domain_stats(level, g)
         fitting = sorted((free, k) for k, (slots, free) in stats.items() if slots >= need)
         if not fitting:
             continue
-        best = _fewest_children(capacity, level, fitting, need, g, most_nodes, largest)
+        objective = _Objective(_IndexView(capacity, g), need)
+        best = _fewest_children(capacity, level, fitting, need, g, most_nodes, largest, objective)
         if capacity.is_tree or level == 1:
-            takes = _take_indexed(capacity, level, best[1], need, g)
+            takes = _take_indexed(capacity, level, best[1], need, g, objective)
         else:
             members = [n for n in capacity.members(level, best[1]) if n.schedulable and len(n.free) >= g]
             takes = _take(members, need, g, level)
@@ -124,30 +145,37 @@ def place_gang(
 
 def _fewest_children(
     capacity: ClusterCapacity, level: int, fitting: list[tuple[int, str]], need: int, g: int,
-    most_nodes: list[int], largest: int,
+    most_nodes: list[int], largest: int, objective: _Objective | None = None,
 ) -> tuple[int, str]:
-    """The fitting domain (given as (free, key), best fit first) that spans the fewest children; ties keep best fit.
+    """The fitting domain (given as (free, key), best fit first) whose best placement is cheapest (`_Objective`:
+    fewest children, then fewest domains of each level below, down to nodes); ties keep best fit, then the key.
 
-    Stops at the first domain that reaches the lower bound no domain can beat (children that are empty and as big
-    as any child of this tier), which in a mostly empty cluster is the first one looked at.
+    Leaves: the cost is the fewest nodes, read from the index; stops at the first leaf that reaches the lower bound
+    no leaf can beat (as few nodes as empty ones as big as any would need), in a mostly empty cluster the first
+    one looked at. Higher tiers: every domain's `_bound` first (cheap, from the index), then domains in order of
+    (bound, free GPUs, key), each costed (the DP only where its greedy fill misses its bound) until the next bound
+    cannot beat the best found.
     """
-    if level > 1 and not capacity.is_tree:
+    if len(fitting) == 1 or (level > 1 and not capacity.is_tree):
         return fitting[0]  # child statistics need a tree; a switch under two parents keeps plain best fit
-    per_child = max(1, most_nodes[level - 1] * (largest // g)) if level > 1 else max(1, largest // g)
-    bound = -(-need // per_child)
-    best: tuple[int, int, str] | None = None
-    for free, key in fitting:
-        slots = sorted((s for s, _ in capacity.child_stats(level, key, g).values()), reverse=True)
-        count, held = 0, 0
-        for s in slots:
-            count += 1
-            held += s
-            if held >= need:
-                break
-        if best is None or count < best[0]:
-            best = (count, free, key)
-            if count <= bound:
-                break
+    objective = objective or _Objective(_IndexView(capacity, g), need)
+    if level == 1:
+        bound = -(-need // max(1, largest // g))
+        best: tuple[int, int, str] | None = None
+        for free, key in fitting:
+            cost = _domain_cost(objective, 1, key)
+            if best is None or cost < best[0]:
+                best = (cost, free, key)
+                if cost <= bound:
+                    break
+        return best[1], best[2]
+    ranked = sorted((_bound(objective, level, key, need), free, key) for free, key in fitting)
+    best = None
+    for low, free, key in ranked:
+        if best is not None and (low, free, key) >= best:
+            break  # neither this domain nor any after it can beat the best
+        cost = _domain_cost(objective, level, key, low)
+        best = min(best or (cost, free, key), (cost, free, key))
     return best[1], best[2]
 
 
@@ -165,55 +193,495 @@ def _preferred(
     return Placement(placement.job_id, placement.replicas, placement.tier, placement.domains, placement.score, reason)
 
 
-def _order_and_pick(stats: dict[str, tuple[int, int]], need: int) -> tuple[list[tuple[str, int]], str | None, int]:
+def _order_and_pick(kids: list, need: int) -> tuple[list, tuple, int]:
     """Fullest children first; the remainder goes to the tightest child that holds all of it.
 
-    Returns the children taken whole (key, replicas), the child that takes the remainder, and the remainder.
-    Sorted once, so the children that could take the whole remainder are always a prefix of what is left.
+    `kids`: (key, slots, free GPUs, handle) each. Returns the children taken whole (kid, replicas), the child that
+    takes the remainder, and the remainder. Sorted once, so the children that could take the whole remainder are
+    always a prefix of what is left.
     """
-    order = sorted(stats, key=lambda k: (-stats[k][0], stats[k][1], k))
-    whole: list[tuple[str, int]] = []
+    order = sorted(kids, key=lambda kid: (-kid[1], kid[2], kid[0]))
+    whole: list = []
     remaining = need
-    for i, key in enumerate(order):
-        if stats[key][0] >= remaining:
-            prefix = order[i:]
-            end = next((j for j, k in enumerate(prefix) if stats[k][0] < remaining), len(prefix))
-            return whole, min(prefix[:end], key=lambda k: (stats[k][1], k)), remaining
-        whole.append((key, stats[key][0]))
-        remaining -= stats[key][0]
+    for i, kid in enumerate(order):
+        if kid[1] >= remaining:
+            best = kid
+            for other in order[i + 1:]:
+                if other[1] < remaining:
+                    break
+                if (other[2], other[0]) < (best[2], best[0]):
+                    best = other
+            return whole, best, remaining
+        whole.append((kid, kid[1]))
+        remaining -= kid[1]
     raise AssertionError("the domain was chosen because it holds the gang")
 
 
 def _take_indexed(
-    capacity: ClusterCapacity, level: int, key: str, need: int, g: int
+    capacity: ClusterCapacity, level: int, key: str, need: int, g: int, objective: _Objective | None = None
 ) -> list[tuple[NodeCapacity, int]]:
-    """`_take` read from the capacity index: only the children of chosen domains are looked at, so a gang costs
-    O(domains it touches), not O(nodes of the domain)."""
+    """`_take` read from the capacity index: only the children of chosen domains (and, where lower levels must be
+    weighed, their descendants' slot counts) are looked at, not every node of the domain."""
     if level == 0:
         return [(capacity.nodes[key], need)]
-    whole, last, remaining = _order_and_pick(capacity.child_stats(level, key, g), need)
-    chosen: list[tuple[NodeCapacity, int]] = []
-    for child, slots in whole:
-        chosen += _take_indexed(capacity, level - 1, child, slots, g)
-    return chosen + _take_indexed(capacity, level - 1, last, remaining, g)
+    out: list[tuple[NodeCapacity, int]] = []
+    objective = objective or _Objective(_IndexView(capacity, g), need)
+    objective.left = _TAKE_CELLS
+    _plan(objective, level, key, need, out)
+    return out
 
 
 def _take(nodes: list[NodeCapacity], need: int, g: int, level: int) -> list[tuple[NodeCapacity, int]]:
-    """Choose `need` replica slots among `nodes` (all inside one domain of `level`), spanning few children.
+    """Choose `need` replica slots among `nodes` (all inside one domain of `level`): the cheapest placement of
+    `_Objective` (fewest children, then fewest domains of each level below), best fit among equals.
 
-    The scan version, for fabrics whose domains do not form a tree (a switch under two parents)."""
+    The scan version, for fabrics whose domains do not form a tree (a switch under two parents); it makes the
+    same choices as `_take_indexed` on a tree."""
     if level == 0:
         (node,) = nodes
         return [(node, need)]
-    groups: dict[str, list[NodeCapacity]] = {}
-    for node in nodes:
-        groups.setdefault(_key(node, level - 1), []).append(node)
-    stats = {k: (sum(n.slots(g) for n in ns), sum(len(n.free) for n in ns)) for k, ns in groups.items()}
-    whole, last, remaining = _order_and_pick(stats, need)
-    chosen: list[tuple[NodeCapacity, int]] = []
-    for child, slots in whole:
-        chosen += _take(groups[child], slots, g, level - 1)
-    return chosen + _take(groups[last], remaining, g, level - 1)
+    out: list[tuple[NodeCapacity, int]] = []
+    _plan(_Objective(_ScanView(g), need), level, _Group(nodes), need, out)
+    return out
+
+
+def _scan_cost(nodes: list[NodeCapacity], need: int, g: int, level: int) -> int:
+    """What `_fewest_children` ranks a domain by (the cost of its cheapest placement), from its member nodes."""
+    return _domain_cost(_Objective(_ScanView(g), need), level, _Group(nodes))
+
+
+# ---- the objective inside a domain ---------------------------------------------------------------------------
+#
+# A placement inside a domain of level L costs sum over l < L of (domains of level l it uses) * W**l, W = R + 1: no
+# level uses more than R domains, so comparing costs compares (children used, grandchildren used, ..., nodes used)
+# lexicographically, the objective's order. Recursively, holding k replicas in domain D costs
+#     F_D(k) = min over k = sum k_c of  sum over the children c with k_c > 0 of  W**(L-1) + F_c(k_c),   F_node = 0,
+# a knapsack over the children. F_c is a non-decreasing step function; only the top of each step ("breakpoint":
+# the most replicas c holds at that cost) is worth offering, and in a cheapest placement every child but one sits
+# on a breakpoint, so a covering DP over (replicas covered, capped at k) with the breakpoints as options is exact.
+# What keeps it small (and the empty or uniform cases off the DP entirely):
+# - The greedy first: fullest children whole, the remainder into the tightest child that holds it. Its cost is
+#   compared with a lower bound (`_bound`: at each level, the fewest descendants of that level that hold k, parents
+#   ignored; `_lower` for a whole F table); where they meet, the greedy is optimal and no DP runs. They always meet
+#   when the children are atoms (leaves over nodes; or when no node holds two replicas, since every placement then
+#   uses exactly k nodes and nodes are left out of the DP, `lo` = 1), and in empty or uniform subtrees.
+# - Children are described by their shape (the sorted shapes of their own children, slot counts at the bottom),
+#   so F is computed once per distinct shape and memoised for the placement; a class of identical children is
+#   offered at most m times, m the fewest children that hold k.
+# - A cheapest placement uses exactly m children, so only children that can be one of m that hold k take part,
+#   and each only with breakpoints of at least k minus what the m-1 largest others hold.
+# - Budgets, in DP cells as if nothing were memoised (pure functions of the shapes, so the indexed and the scan
+#   take decide alike): no DP with its F tables over _EXACT_CELLS, and no more than _TAKE_CELLS for one take. Past
+#   them (many replicas and many distinct children, e.g. thousands of 1-GPU replicas across a 4,096-node fabric)
+#   the greedy is kept: F is the greedy fill's, the take `_order_and_pick`'s. Both still use the fewest children;
+#   only the lower levels may then be above the optimum. The tests' clusters stay far below the limits.
+# Best fit among placements of equal cost: the domain with the least free GPUs (`_fewest_children`); inside one,
+# where the greedy is optimal, its rule (fullest whole, the remainder into the tightest child that holds it); where
+# the DP runs, the least total free GPUs on the children used (its last digit).
+
+_EXACT_CELLS = 20_000
+_TAKE_CELLS = 3 * _EXACT_CELLS
+_NEVER = float("inf")
+
+
+class _Group:
+    """A domain of the scan view: its member nodes (hashable by identity, for the memos)."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[NodeCapacity]) -> None:
+        self.nodes = nodes
+
+
+class _IndexView:
+    """Domains of a tree read from the capacity index; a domain is its key."""
+
+    def __init__(self, capacity: ClusterCapacity, g: int) -> None:
+        self.capacity, self.g = capacity, g
+        self._kids: dict[tuple[int, str], list[tuple[str, int, int, str]]] = {}
+        self._slots: dict[tuple[int, str], tuple[int, ...]] = {}
+
+    def kids(self, level: int, key: str) -> list[tuple[str, int, int, str]]:
+        """(key, slots, free GPUs, handle) of every child that holds a replica (in no particular order)."""
+        got = self._kids.get((level, key))
+        if got is None:
+            stats = self.capacity.child_stats(level, key, self.g)
+            got = self._kids[(level, key)] = [(k, s, f, k) for k, (s, f) in stats.items()]
+        return got
+
+    def node_slots(self, level: int, key: str) -> tuple[int, ...]:
+        got = self._slots.get((level, key))
+        if got is None:
+            got = self._slots[(level, key)] = self.capacity.node_slots(level, key, self.g)
+        return got
+
+    def most_slots(self, level: int, key: str) -> int:
+        return self.capacity.most_slots(level, key, self.g)
+
+    def node(self, key: str) -> NodeCapacity:
+        return self.capacity.nodes[key]
+
+
+class _ScanView:
+    """Domains as groups of member nodes, split by their key one level down: any fabric, no index."""
+
+    def __init__(self, g: int) -> None:
+        self.g = g
+        self._kids: dict[tuple[int, _Group], list[tuple[str, int, int, _Group]]] = {}
+
+    def kids(self, level: int, group: _Group) -> list[tuple[str, int, int, _Group]]:
+        got = self._kids.get((level, group))
+        if got is None:
+            parts: dict[str, list[NodeCapacity]] = {}
+            for node in group.nodes:
+                if node.slots(self.g):
+                    parts.setdefault(_key(node, level - 1), []).append(node)
+            got = self._kids[(level, group)] = [
+                (k, sum(n.slots(self.g) for n in ns), sum(len(n.free) for n in ns), _Group(ns))
+                for k, ns in parts.items()
+            ]
+        return got
+
+    def node_slots(self, level: int, group: _Group) -> tuple[int, ...]:
+        return tuple(sorted(s for s in (n.slots(self.g) for n in group.nodes) if s))
+
+    def most_slots(self, level: int, group: _Group) -> int:
+        return max((n.slots(self.g) for n in group.nodes), default=0)
+
+    def node(self, group: _Group) -> NodeCapacity:
+        (node,) = group.nodes
+        return node
+
+
+class _Objective:
+    """Memos for one gang size on one view: signatures, F tables and domain costs (pure functions of shape)."""
+
+    def __init__(self, view: _IndexView | _ScanView, need: int) -> None:
+        self.view, self.need, self.w = view, need, need + 1
+        self.left = _TAKE_CELLS  # what one take may still spend on DPs (`_plan`)
+        self.sigs: dict = {}
+        self.fns: dict = {}
+        self.costs: dict = {}
+        self.sizes: dict = {}
+
+    def unit(self, level: int) -> int:
+        return self.w ** level
+
+
+def _lowest(objective: _Objective, level: int, handle) -> int:
+    """The lowest level the DP counts inside a domain: 1 when no node holds two replicas (then every placement
+    uses exactly k nodes), else 0."""
+    return 0 if objective.view.most_slots(level, handle) >= 2 else 1
+
+
+def _sig(objective: _Objective, level: int, handle, slots: int, lo: int):
+    """The shape of a domain as far as the objective sees it: its slots at level `lo`, above it the sorted tuple of
+    its children's shapes (nodes' slot counts for a leaf)."""
+    if level <= lo:
+        return slots
+    memo = (lo, level, handle)
+    got = objective.sigs.get(memo)
+    if got is None:
+        if level == 1:
+            got = objective.view.node_slots(1, handle)
+        else:
+            kids = objective.view.kids(level, handle)
+            got = tuple(sorted(_sig(objective, level - 1, h, s, lo) for _, s, _, h in kids))
+        objective.sigs[memo] = got
+    return got
+
+
+def _size(objective: _Objective, sig) -> int:
+    if isinstance(sig, int):
+        return sig
+    got = objective.sizes.get(sig)
+    if got is None:
+        got = objective.sizes[sig] = sum(_size(objective, c) for c in sig)
+    return got
+
+
+def _fewest(sizes: list[int], need: int) -> int:
+    """How many of these (sorted largest first) hold `need` together."""
+    count = held = 0
+    for s in sizes:
+        count += 1
+        held += s
+        if held >= need:
+            break
+    return count
+
+
+def _steps(table: list[int], unit: int, least: int = 1) -> list[tuple[int, int]]:
+    """The breakpoints of a child's F table from `least` replicas on, as (replicas, cost of using the child)."""
+    last = len(table) - 1
+    return [(b, unit + table[b]) for b in range(max(1, least), last + 1) if b == last or table[b + 1] != table[b]]
+
+
+def _cover(options: list[list[tuple[int, int]]], n: int) -> list[list[float]]:
+    """Covering DP: stage i, state s = the least cost of holding s replicas (or more) with the first i children,
+    each taking at most one of its (replicas, cost) options. Returns every stage (for the backtrack)."""
+    a: list[float] = [0] + [_NEVER] * n
+    stages = [a]
+    for opts in options:
+        b = a[:]
+        for took, w in opts:
+            # Every stage is non-decreasing in s, so the states an option improves are a suffix of each range.
+            took = min(took, n)
+            first = bisect_right(b, w, 1, took + 1)  # from state 0: states 1..took at cost w
+            if first <= took:
+                b[first:took + 1] = [w] * (took + 1 - first)
+            if took < n:  # from states s - took >= 1, at cost a[s - took] + w >= a[1] + w
+                start = bisect_right(b, a[1] + w, took + 1)
+                if start <= n:
+                    b[start:] = [x if x <= (y := z + w) else y for x, z in zip(b[start:], a[start - took:])]
+        a = b
+        stages.append(a)
+    return stages
+
+
+def _fn(objective: _Objective, level: int, sig, lo: int) -> tuple[list[int], int]:
+    """F[k] for k = 0 .. min(R, slots): the least cost of levels lo .. level-1 for k replicas in a domain of this
+    shape (see the comment above `_EXACT_CELLS`), and the work it took (DP cells, as if nothing were memoised:
+    a pure function of the shape, so the budget decisions below do not depend on what was computed before)."""
+    memo = (lo, level, sig)
+    got = objective.fns.get(memo)
+    if got is not None:
+        return got
+    n = min(objective.need, _size(objective, sig))
+    unit = objective.unit(level - 1)
+    table = [0] * (n + 1)
+    work = n
+    if level - 1 <= lo:  # children are atoms (sig: their slots, ascending): the fewest children is a greedy prefix
+        held = count = 0
+        for s in reversed(sig):
+            count += 1
+            upto = min(held + s, n)
+            table[held + 1:upto + 1] = [count * unit] * (upto - held)
+            held = upto
+            if held >= n:
+                break
+        objective.fns[memo] = table, work
+        return table, work
+    kinds: dict = {}
+    for child in sorted(sig, key=lambda c: _size(objective, c), reverse=True):
+        kinds[child] = kinds.get(child, 0) + 1
+    tables = {}
+    # The greedy fill, fullest children first: exact wherever it meets the lower bound (empty or uniform shapes).
+    held, base = 0, 0
+    for child, count in kinds.items():
+        tables[child], cost = _fn(objective, level - 1, child, lo)
+        work += cost
+        sub = tables[child]
+        for _ in range(count):
+            upto = min(held + len(sub) - 1, n)
+            table[held + 1:upto + 1] = [base + unit + sub[k] for k in range(1, upto - held + 1)]
+            base += unit + sub[upto - held]
+            held = upto
+            if held >= n:
+                break
+        if held >= n:
+            break
+    if table == _lower(objective, level, sig, lo, n):
+        objective.fns[memo] = table, work
+        return table, work
+    m = _fewest([_size(objective, c) for c in kinds for _ in range(kinds[c])], n)
+    copies = sum(min(count, m) for count in kinds.values())
+    if (n + 1) * copies <= _EXACT_CELLS:  # else too big whatever the tables say (at least one option a child)
+        options = []
+        for child, count in kinds.items():
+            if child not in tables:
+                tables[child], cost = _fn(objective, level - 1, child, lo)
+                work += cost
+                if work > _EXACT_CELLS:
+                    break
+            options += [_steps(tables[child], unit)] * min(count, m)
+        cells = (n + 1) * sum(map(len, options))
+        if len(tables) == len(kinds) and work + cells <= _EXACT_CELLS:
+            table = [int(x) for x in _cover(options, n)[-1]]
+            work += cells
+    objective.fns[memo] = table, work  # the DP's, or (too big) the greedy fill's: an upper bound of F
+    return table, work
+
+
+def _lower(objective: _Objective, level: int, sig, lo: int, n: int) -> list[int]:
+    """A lower bound of F[k] for every k: at each level, the fewest descendants of that level that hold k."""
+    table = [0] * (n + 1)
+    layer = list(sig)
+    for lv in range(level - 1, lo - 1, -1):
+        unit, held, count = objective.unit(lv), 0, 0
+        for s in sorted((_size(objective, c) for c in layer), reverse=True):
+            count += 1
+            upto = min(held + s, n)
+            table[held + 1:upto + 1] = [x + count * unit for x in table[held + 1:upto + 1]]
+            held = upto
+            if held >= n:
+                break
+        if lv > lo:
+            layer = [c for shape in layer for c in shape]
+    return table
+
+
+def _eligible(kids: list, need: int) -> tuple[int, list]:
+    """m, the fewest of `kids` (as (key, slots, ...)) that hold `need` together, and the kids that can be one of m
+    that do, each with the least it must then take (what the m-1 largest others cannot)."""
+    sizes = sorted((kid[1] for kid in kids), reverse=True)
+    m = _fewest(sizes, need)
+    top = sum(sizes[:m - 1])  # what the m-1 largest hold
+    out = []
+    for kid in kids:
+        s = kid[1]
+        if m > 1 and s >= sizes[m - 2]:
+            least = need - (top - s + sizes[m - 1])  # it may be one of the m-1 largest
+        else:
+            least = need - top
+            if s < least:
+                continue  # no m children that hold the gang include it
+        out.append((kid, max(1, least)))
+    return m, out
+
+
+def _select(objective: _Objective, level: int, kids: list, need: int, lo: int, tie: bool):
+    """The cheapest way to hold `need` replicas on `kids` (children of one domain of `level`, as (key, slots, free,
+    handle, shape)): (cost, [(kid, replicas)]), or None when the DP (with the F tables it needs) would be too big.
+
+    `tie`: best fit among equal costs, the least free GPUs on the children used (a last digit of the cost; the
+    DP tries the tightest children first, so with equal costs the tightest one also takes the remainder)."""
+    unit = objective.unit(level - 1)
+    m, eligible = _eligible(sorted(kids, key=lambda kid: (kid[2], kid[0])) if tie else kids, need)
+    limit = min(_EXACT_CELLS, objective.left) if tie else _EXACT_CELLS
+    if (need + 1) * len(eligible) > limit:
+        return None  # at least one option a child: too big whatever the tables say
+    chosen: list = []
+    seen: dict = {}
+    charged: set = set()
+    work = 0
+    for kid, least in eligible:
+        cls = (kid[4], kid[2]) if tie else kid[4]
+        if seen.get(cls, 0) >= m:
+            continue  # m of the same kind are enough
+        seen[cls] = seen.get(cls, 0) + 1
+        if level - 1 <= lo:
+            opts = [(min(kid[1], need), unit)]
+        else:
+            table, cost = _fn(objective, level - 1, kid[4], lo)
+            if kid[4] not in charged:
+                charged.add(kid[4])
+                work += cost
+                if work > limit:
+                    return None
+            opts = _steps(table, unit, least)
+        chosen.append((kid, opts))
+    scale = sum(kid[2] for kid, _ in chosen) + 1 if tie else 1
+    options = [[(b, w * scale + (kid[2] if tie else 0)) for b, w in opts] for kid, opts in chosen]
+    work += (need + 1) * sum(map(len, options))
+    if work > limit:
+        return None
+    if tie:
+        objective.left -= work
+    stages = _cover(options, need)
+    cost = stages[-1][need]
+    picks = []
+    s = need
+    for i in range(len(options) - 1, -1, -1):
+        if s == 0:
+            break
+        now, before = stages[i + 1], stages[i]
+        if now[s] == before[s]:
+            continue
+        for b, w in options[i]:
+            if before[max(0, s - b)] + w == now[s]:
+                took = min(b, s)
+                picks.append((chosen[i][0], took))
+                s -= took
+                break
+    return int(cost) // scale, picks
+
+
+def _bound(objective: _Objective, level: int, handle, need: int) -> int:
+    """A lower bound of the cheapest placement's cost inside a domain: the fewest children (exact), then at every
+    level below, the fewest descendants of that level of the children that can be among the fewest, whatever their
+    parents (a greedy count each), for `need` replicas. A placement that reaches it is optimal; exact when the
+    children are atoms."""
+    view = objective.view
+    m, eligible = _eligible(view.kids(level, handle), need)
+    total = m * objective.unit(level - 1)
+    if level == 1:
+        return total
+    lo = _lowest(objective, level, handle)
+    frontier = [kid for kid, _ in eligible]
+    for lv in range(level - 2, 0, -1):
+        frontier = [kid for parent in frontier for kid in view.kids(lv + 1, parent[3])]
+        total += _fewest(sorted((kid[1] for kid in frontier), reverse=True), need) * objective.unit(lv)
+    if lo == 1:
+        return total + need  # no node holds two replicas: every placement uses `need` nodes
+    nodes = sorted((s for kid, _ in eligible for s in view.node_slots(level - 1, kid[3])), reverse=True)
+    return total + _fewest(nodes, need)
+
+
+def _greedy_cost(objective: _Objective, level: int, shapes: list, lo: int) -> int:
+    """The cost of children taken as (shape, replicas), lower levels at their best (levels down to `lo`)."""
+    unit, need = objective.unit(level - 1), 0
+    cost = 0
+    for sig, took in shapes:
+        need += took
+        cost += unit + (_fn(objective, level - 1, sig, lo)[0][took] if level - 1 > lo else 0)
+    return cost + (need if lo == 1 else 0)
+
+
+def _domain_cost(objective: _Objective, level: int, handle, bound: int | None = None) -> int:
+    """The cost of the cheapest placement of the gang inside this domain (it holds the gang); `bound`: its
+    `_bound`, if known. Exact unless the DP would be too big (then the greedy fill's cost, an upper bound)."""
+    need = objective.need
+    if level == 1:
+        return _fewest(objective.view.node_slots(1, handle)[::-1], need)
+    lo = _lowest(objective, level, handle)
+    sig = _sig(objective, level, handle, 0, lo)
+    memo = (lo, level, sig)
+    cost = objective.costs.get(memo)
+    if cost is None:
+        # The greedy fill (fullest children first); exact when the children are atoms or it reaches the bound.
+        fill, held = [], 0
+        for child in sorted(sig, key=lambda c: _size(objective, c), reverse=True):
+            took = min(_size(objective, child), need - held)
+            fill.append((child, took))
+            held += took
+            if held >= need:
+                break
+        cost = _greedy_cost(objective, level, fill, lo)
+        if level - 1 > lo and cost != (_bound(objective, level, handle, need) if bound is None else bound):
+            kids = [(None, _size(objective, c), 0, None, c) for c in sig]
+            got = _select(objective, level, kids, need, lo, tie=False)
+            if got is not None:
+                cost = got[0] + (need if lo == 1 else 0)
+        objective.costs[memo] = cost
+    return cost
+
+
+def _plan(objective: _Objective, level: int, handle, need: int, out: list[tuple[NodeCapacity, int]]) -> None:
+    """Append the nodes (and replicas on each) of the cheapest placement of `need` replicas inside a domain."""
+    if level == 0:
+        out.append((objective.view.node(handle), need))
+        return
+    kids = objective.view.kids(level, handle)
+    # Fullest children whole, the remainder into the tightest child that holds it: the fewest children, and all the
+    # objective asks when the children are atoms (or when it reaches the lower bound at every level).
+    whole, last, remaining = _order_and_pick(kids, need)
+    picks = [(kid[3], took) for kid, took in whole]
+    picks.append((last[3], remaining))
+    if level == 1:
+        node = objective.view.node
+        out += [(node(h), took) for h, took in picks]
+        return
+    lo = _lowest(objective, level, handle)
+    if level - 1 > lo:  # lower levels to weigh: keep the greedy only where it meets the lower bound
+        shape = {h: _sig(objective, level - 1, h, s, lo) for _, s, _, h in kids}
+        greedy = _greedy_cost(objective, level, [(shape[h], took) for h, took in picks], lo)
+        if greedy != _bound(objective, level, handle, need):
+            got = _select(objective, level, [(*kid, shape[kid[3]]) for kid in kids], need, lo, tie=True)
+            if got is not None:
+                picks = [(kid[3], took) for kid, took in got[1]]
+    for child, took in picks:
+        _plan(objective, level - 1, child, took, out)
 
 
 def pick_gpus(

@@ -2,6 +2,8 @@
 
 Each profile is a `<name>.txt` file in this package: `# key: value` header comments (profile, gpu_model,
 memory_mib, optional nvlink_domain / nvlink_domain_size) followed by the matrix in `nvidia-smi topo -m` form.
+A profile with a `# base: <profile>` header and no matrix reuses that shipped profile's matrix and headers (its own
+headers win): `gb200-nvl72` is the `gb200-nvl72-tray` tray, simulated as racks of 18 trays in one NVLink domain.
 
     from phalanx.profiles import load_profile, list_profiles
     p = load_profile("dgx-h100")
@@ -44,6 +46,17 @@ class HostProfile:
         """"nvl72" for a GB200 NVL72 tray, else ""."""
         return self.meta.get("nvlink_domain", "")
 
+    @property
+    def nvlink_domain_nodes(self) -> int:
+        """Hosts of this profile in one multi-node NVLink domain (18 for a GB200 NVL72 tray: 72 GPUs / 4), else 1."""
+        if not self.nvlink_domain or not self.gpu_count:
+            return 1
+        try:
+            size = int(self.meta.get("nvlink_domain_size", "0"))
+        except ValueError:
+            return 1
+        return max(1, size // self.gpu_count)
+
 
 def parse_profile(text: str, name: str = "") -> HostProfile:
     """Parse a profile file's text (also works on a bare `nvidia-smi topo -m` dump: model and memory unknown)."""
@@ -60,7 +73,16 @@ def parse_profile(text: str, name: str = "") -> HostProfile:
             meta[m.group(1)] = m.group(2)
         elif not description and "profile" not in s.lower():
             description = s.lstrip("# ").rstrip(".")
-    dump = parse_topo(text)
+    if "base" in meta:
+        if meta["base"] == meta.get("profile", name):
+            raise ValueError(f"profile {meta['base']!r} names itself as its base")
+        base = load_profile(meta["base"])
+        body = "\n".join(line for line in base.text.splitlines() if not line.lstrip().startswith("#"))
+        text = text.rstrip("\n") + "\n" + body.lstrip("\n")
+        meta = {**{k: v for k, v in base.meta.items() if k != "profile"}, **meta}
+        dump = base.dump
+    else:
+        dump = parse_topo(text)
     return HostProfile(
         name=meta.get("profile", name),
         gpu_model=meta.get("gpu_model", "NVIDIA GPU (simulated)"),

@@ -20,10 +20,11 @@ import grpc
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 
-def simple_topology(gpus: int, model: str = "NVIDIA H100 80GB HBM3") -> agent_pb2.HostTopology:
+def simple_topology(gpus: int, model: str = "NVIDIA H100 80GB HBM3", memory_mib: int = 81559
+                    ) -> agent_pb2.HostTopology:
     return agent_pb2.HostTopology(
         profile="lite",
-        gpus=[agent_pb2.GpuInfo(index=i, uuid=f"GPU-lite-{uuid.uuid4().hex[:12]}", name=model, memory_mib=81559,
+        gpus=[agent_pb2.GpuInfo(index=i, uuid=f"GPU-lite-{uuid.uuid4().hex[:12]}", name=model, memory_mib=memory_mib,
                                 numa_node=i // 4, nic=f"NIC{i}") for i in range(gpus)],
     )
 
@@ -34,6 +35,11 @@ class LiteAgent:
     name: str
     gpus: int = 8
     address: str = "127.0.0.1"
+    model: str = "NVIDIA H100 80GB HBM3"
+    memory_mib: int = 81559
+    # NVML fabric info of a multi-node NVLink domain (GB200 NVL72): the agent reports it at registration.
+    fabric_cluster_uuid: str = ""
+    fabric_clique: str = ""
     launched: list[agent_pb2.LaunchReplica] = field(default_factory=list)
     killed: list[agent_pb2.KillJob] = field(default_factory=list)
     running: dict[tuple[str, int, int], asyncio.Task] = field(default_factory=dict)
@@ -48,13 +54,18 @@ class LiteAgent:
         self.stub = agent_pb2_grpc.NodeServiceStub(self.channel)
         self.instance = uuid.uuid4().hex
         resp = await self.stub.RegisterNode(agent_pb2.RegisterNodeRequest(
-            node_name=self.name, topology=simple_topology(self.gpus), address=self.address,
+            node_name=self.name, topology=self.topology(), address=self.address,
             agent_instance=self.instance))
         self.acked = max(self.acked, resp.acked_revision)
         self._ack_due = asyncio.Event()
         self._stream_task = asyncio.create_task(self._stream())
         self._ack_task = asyncio.create_task(self._acker())
         self._beat_task = asyncio.create_task(self._beat(resp.heartbeat_interval_ms / 1000))
+
+    def topology(self) -> agent_pb2.HostTopology:
+        topo = simple_topology(self.gpus, self.model, self.memory_mib)
+        topo.fabric_cluster_uuid, topo.fabric_clique = self.fabric_cluster_uuid, self.fabric_clique
+        return topo
 
     async def stop(self) -> None:
         tasks = [self._stream_task, self._beat_task, self._ack_task, *self.running.values()]

@@ -15,6 +15,11 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 - After a restart the agent adopts ranks whose wrapper process is still alive (same pid and start time) and
   reports the others EXITED (exit code from the wrapper's status file) or LOST.
 - request_stop(): stop taking work, kill running ranks (KILLED), flush reports, return.
+- Partial GPUs: a rank with MIG `slices` starts once its MIG instances exist (found or created through the
+  MigManager, mig_manager.py: NVML on a discovered host, a fake with the real profile rules on a simulated one),
+  with CUDA_VISIBLE_DEVICES = their MIG device UUIDs; an instance this agent created is destroyed when the last rank
+  using it ends (an adopted rank's instances are kept while it runs). A rank with `gpu_milli` gets the MPS client
+  limits for that share (launcher.fractional_env). A MIG failure fails that rank's start (FAILED_TO_START).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from prometheus_client import Gauge
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from . import launcher
+from .mig_manager import MigBackend, MigError, MigManager, backend_for
 from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key
 
 RANKS_RUNNING = Gauge("phalanx_agent_ranks_running", "Rank processes this node agent is running")
@@ -83,6 +89,7 @@ class AgentConfig:
     start_timeout_s: float = 15.0          # for the wrapper to say the command started
     flush_timeout_s: float = 5.0           # at shutdown, for queued reports
     default_heartbeat_ms: int = 1000
+    mig_backend: MigBackend | None = None  # default: NVML for a discovered host, the fake for a simulated one
     extra: dict = field(default_factory=dict)
 
     def resolved_state_dir(self) -> Path:
@@ -122,6 +129,11 @@ class NodeAgent:
         self._tasks: set[asyncio.Task] = set()
         self._reporter: asyncio.Task | None = None
         self._run_task: asyncio.Task | None = None
+        self._releases: set[asyncio.Future] = set()    # MIG instance releases in worker threads
+        self.mig = MigManager(
+            config.mig_backend or backend_for(config.topology, self.node_name, self.state_dir), config.topology
+        )
+        self._gpu_memory = {g.index: g.memory_mib for g in config.topology.gpus}
         self._attempt = 0
         self.registrations = 0                 # successful RegisterNode calls (for tests / introspection)
         self.heartbeat_interval_ms = config.default_heartbeat_ms
@@ -137,6 +149,8 @@ class NodeAgent:
         try:
             self._adopt()
             self._reporter = asyncio.create_task(self._report_loop(), name="reporter")
+            if self.mig.mig_gpus():
+                self._spawn_task(self._log_mig_instances())
             await self._supervise()
             await self._shutdown()
         finally:
@@ -271,7 +285,8 @@ class NodeAgent:
             self.log.warning("unknown_assignment", revision=a.revision)
         self.state.acked_revision = max(self.state.acked_revision, a.revision)
         self.state.save()  # durable before the ack
-        self._start(started, a.launch.command if kind == "launch" else [], a.launch if kind == "launch" else None)
+        await self._start(started, a.launch.command if kind == "launch" else [],
+                          a.launch if kind == "launch" else None)
         if kind == "kill":
             for rec in self._ranks_of(a.kill.job_id, a.kill.attempt):
                 self._spawn_task(self._kill_rank(rec, a.kill.reason or "killed by the scheduler"))
@@ -295,22 +310,42 @@ class NodeAgent:
             rec = RankRecord(
                 job_id=launch.job_id, attempt=launch.attempt, rank=r.rank, local_rank=r.local_rank,
                 gpus=list(r.gpus), replica=launch.replica, status_file=str(status), log_file=str(log_file),
+                slices=[{"gpu": s.gpu, "profile": s.profile, "start": s.start, "size": s.size} for s in r.slices],
+                gpu_milli=r.gpu_milli,
             )
             self.state.ranks[key] = rec
             new.append(rec)
         return new
 
-    def _start(self, records: list[RankRecord], command, launch) -> None:
+    async def _start(self, records: list[RankRecord], command, launch) -> None:
         if not records:
             return
         shared = dict(launch.env)
         envs = {r.rank: {**shared, **r.env} for r in launch.ranks}
         for rec in records:
+            if rec.final:
+                continue
             if not command:
                 self._finish(rec, "failed", exit_code=127, message="empty command")
                 continue
             try:
-                proc = launcher.spawn_rank(rec, list(command), envs.get(rec.rank, {}))
+                env = await self._rank_env(rec, envs.get(rec.rank, {}))
+            except (MigError, ValueError) as exc:
+                self.log.warning("rank_partial_gpu_failed", rank=rec.key, error=str(exc))
+                self._finish(rec, "failed", exit_code=127, message=f"cannot set up its GPU: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - e.g. an NVML binding without a MIG call: fail the rank only
+                self.log.exception("rank_partial_gpu_error", rank=rec.key)
+                self._finish(rec, "failed", exit_code=127, message=f"cannot set up its GPU: {exc!r}")
+                continue
+            if rec.final:  # killed while its MIG instances were being made: give them back
+                self._release_partial(rec)
+                continue
+            if self._stop.is_set():
+                self._finish(rec, "killed", message="node agent shutting down")  # releases its instances
+                continue
+            try:
+                proc = launcher.spawn_rank(rec, list(command), env)
             except OSError as exc:
                 self._finish(rec, "failed", exit_code=127, message=f"cannot start rank wrapper: {exc}")
                 continue
@@ -320,6 +355,73 @@ class NodeAgent:
             self.log.info("rank_spawned", job_id=rec.job_id, attempt=rec.attempt, rank=rec.rank, pid=proc.pid)
             self._monitors[rec.key] = asyncio.create_task(self._monitor(rec, proc), name=f"rank {rec.key}")
         self.state.save()
+
+    async def _rank_env(self, rec: RankRecord, env: dict[str, str]) -> dict[str, str]:
+        """The rank's environment, for a partial GPU once its MIG instances exist. Raises MigError/ValueError."""
+        if rec.slices and rec.gpu_milli:
+            raise ValueError("a rank gets MIG slices or a share of a GPU, not both")
+        if rec.slices:
+            busy = {g: r.key for r in self.state.ranks.values()
+                    if not r.final and not r.slices and r.key != rec.key for g in r.gpus}
+            wanted = [{k: s[k] for k in ("gpu", "profile", "start", "size")} for s in rec.slices]
+            fut = asyncio.get_running_loop().run_in_executor(None, self.mig.acquire, rec.key, wanted, busy)
+            self._releases.add(fut)
+            fut.add_done_callback(self._releases.discard)
+            try:
+                acquired = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                # The agent is going away mid-acquisition: give the instances back once they are there.
+                fut.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() is not None or self._release_slices(rec.key, f.result())
+                )
+                raise
+            rec.slices = acquired
+            self.state.save()
+            self.log.info("rank_mig_instances", rank=rec.key,
+                          instances=[f"GPU{s['gpu']}:{s['profile']}@{s['start']}={s['uuid']}" for s in acquired])
+            return launcher.mig_env(env, [s["uuid"] for s in acquired])
+        if rec.gpu_milli:
+            if len(rec.gpus) != 1:
+                raise ValueError(f"a fractional rank needs exactly one GPU, got {list(rec.gpus)}")
+            gpu = rec.gpus[0]
+            if gpu not in self._gpu_memory:
+                raise ValueError(f"GPU {gpu} does not exist on this host")
+            return launcher.fractional_env(env, gpu, rec.gpu_milli, self._gpu_memory[gpu])
+        return env
+
+    def _release_partial(self, rec: RankRecord) -> None:
+        """Release the MIG instances of a rank that ended."""
+        self._release_slices(rec.key, [dict(s) for s in rec.slices if s.get("uuid")])
+
+    def _release_slices(self, key: str, slices: list[dict]) -> None:
+        """In a worker thread (NVML calls take a while); the instances no other rank uses are destroyed."""
+        if not slices:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.mig.release(key, slices)
+            return
+        fut = loop.run_in_executor(None, self.mig.release, key, slices)
+        self._releases.add(fut)
+
+        def done(f: asyncio.Future) -> None:
+            self._releases.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                self.log.error("mig_release_error", rank=key, error=repr(f.exception()))
+
+        fut.add_done_callback(done)
+
+    async def _log_mig_instances(self) -> None:
+        try:
+            found = await asyncio.to_thread(self.mig.describe)
+        except Exception as exc:  # noqa: BLE001 - only a log line
+            self.log.warning("mig_instances_unreadable", backend=self.mig.backend.kind, error=repr(exc))
+            return
+        self.log.info("mig_instances", backend=self.mig.backend.kind, instances={
+            f"GPU{g}": [f"{i.profile}@{i.start}" + (f"={i.uuid}" if i.uuid else "") for i in items]
+            for g, items in found.items()
+        })
 
     def _prepare_kill(self, kill: agent_pb2.KillJob) -> None:
         self.state.killed_attempts.add(attempt_key(kill.job_id, kill.attempt))
@@ -428,6 +530,7 @@ class NodeAgent:
         self._procs.pop(rec.key, None)
         self.log.info("rank_finished", rank=rec.key, state=state, exit_code=exit_code, message=message)
         self._report(rec, state, exit_code=exit_code, message=message)
+        self._release_partial(rec)
 
     def _report(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "") -> None:
         self.state.pending_reports.append({
@@ -441,6 +544,10 @@ class NodeAgent:
 
     def _adopt(self) -> None:
         """Take over ranks left by a previous agent process: adopt live ones, settle the dead ones."""
+        # First the MIG instances live ranks use, so settling a dead rank never destroys an instance in use.
+        for rec in self.state.ranks.values():
+            if not rec.final and rec.slices and self._wrapper_survived(rec):
+                self.mig.adopt(rec.key, [s for s in rec.slices if s.get("uuid")])
         for rec in list(self.state.ranks.values()):
             if rec.final:
                 continue
@@ -471,6 +578,14 @@ class NodeAgent:
             else:
                 self._finish(rec, "lost", message="rank process gone after an agent restart, no exit status")
         self.state.save()
+
+    @staticmethod
+    def _wrapper_survived(rec: RankRecord) -> bool:
+        """Whether a rank's wrapper from a previous agent process still runs (the test _adopt makes)."""
+        if rec.wrapper_pid:
+            return launcher.pid_alive(rec.wrapper_pid, rec.wrapper_start)
+        pid = int((launcher.read_status(rec.status_file) or {}).get("wrapper_pid", 0))
+        return bool(pid) and launcher.pid_alive(pid, launcher.proc_start_time(pid))
 
     # ---------------------------------------------------------------- reports
 
@@ -537,6 +652,13 @@ class NodeAgent:
         monitors = list(self._monitors.values())
         if monitors:
             await asyncio.wait(monitors, timeout=self.config.kill_grace_s + 2)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # MIG acquisitions and releases in flight
+            await asyncio.sleep(0)  # done-callbacks first: a finished acquisition may queue its release
+            pending = [f for f in self._releases if not f.done()]
+            if not pending:
+                break
+            await asyncio.wait(pending, timeout=max(0.01, deadline - time.monotonic()))
         for t in list(self._tasks):
             t.cancel()
         if self.state.pending_reports:

@@ -43,6 +43,26 @@ def spawn_rank(record: RankRecord, command: list[str], env: dict[str, str]) -> s
         )
 
 
+def mig_env(env: dict[str, str], mig_uuids: list[str]) -> dict[str, str]:
+    """The environment of a rank on MIG instances: CUDA_VISIBLE_DEVICES lists their MIG device UUIDs."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(mig_uuids)}
+
+
+def fractional_env(env: dict[str, str], gpu: int, gpu_milli: int, memory_mib: int) -> dict[str, str]:
+    """The environment of a rank on `gpu_milli` thousandths of GPU `gpu` (of `memory_mib` MiB): CUDA_VISIBLE_DEVICES
+    stays that GPU; the MPS client limits take the share of its threads (percent, rounded up, at least 1) and of
+    its memory (rounded down), the memory limit naming the GPU as the process sees it (device 0)."""
+    if not 1 <= gpu_milli <= 999:
+        raise ValueError(f"gpu_milli must be 1-999, not {gpu_milli}")
+    return {
+        **env,
+        "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES") or str(gpu),
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, -(-gpu_milli // 10))),
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={memory_mib * gpu_milli // 1000}M",
+        "PHALANX_GPU_MILLI": str(gpu_milli),
+    }
+
+
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) of a live pid from /proc, or None."""
     try:
@@ -105,6 +125,8 @@ def exit_code_from_returncode(rc: int) -> int:
 
 __all__ = [
     "exit_code_from_returncode",
+    "fractional_env",
+    "mig_env",
     "pid_alive",
     "proc_start_time",
     "rank_paths",

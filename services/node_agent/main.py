@@ -5,8 +5,8 @@
     phalanx-agent --discover                                     # real GPUs through NVML
 
 Environment fallbacks: PHALANX_SCHEDULER, PHALANX_NODE_NAME, PHALANX_STATE_DIR, PHALANX_AGENT_ADDRESS,
-PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID). Logs go to standard error; --discover writes its
-result on standard output.
+PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLIQUE (its clique). Logs go to
+standard error; --discover writes its result on standard output.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="state directory (env PHALANX_STATE_DIR; default $PHALANX_HOME/agents/<node-name>, PHALANX_HOME defaulting to .phalanx)")
     p.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
     p.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a rank")
+    p.add_argument("--fabric-clique", default=os.environ.get("PHALANX_FABRIC_CLIQUE", ""), metavar="ID",
+                   help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
+                        "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)")
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=None)
@@ -56,10 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_topology(args, node_name: str) -> agent_pb2.HostTopology:
     fabric = os.environ.get("PHALANX_FABRIC_CLUSTER", "")
+    clique = args.fabric_clique
     if args.simulate:
-        return simulated_topology(node_name, profile=args.simulate, fabric_cluster_uuid=fabric)
+        return simulated_topology(node_name, profile=args.simulate, fabric_cluster_uuid=fabric, fabric_clique=clique)
     if args.simulate_from:
-        return simulated_topology(node_name, dump_file=args.simulate_from, fabric_cluster_uuid=fabric)
+        return simulated_topology(node_name, dump_file=args.simulate_from, fabric_cluster_uuid=fabric,
+                                  fabric_clique=clique)
     return discover_topology(node_name)
 
 

@@ -33,7 +33,8 @@ def topology_from_profile(
 ) -> agent_pb2.HostTopology:
     n = profile.gpu_count
     if profile.nvlink_domain and not fabric_cluster_uuid:
-        # One simulated NVL72 domain per profile unless told otherwise; the clique is the tray's domain slot.
+        # One simulated NVL72 fabric cluster per profile unless told otherwise; the clique says which rack (NVLink
+        # domain) of it the tray is in: "0" unless given (`phalanx cluster up` gives each rack of 18 its own).
         fabric_cluster_uuid = str(uuid.uuid5(_NAMESPACE, f"fabric/{profile.name}"))
         fabric_clique = fabric_clique or "0"
     return topology_from_dump(

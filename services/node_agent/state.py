@@ -43,6 +43,10 @@ class RankRecord:
     local_rank: int = 0
     gpus: list[int] = field(default_factory=list)
     replica: int = 0
+    # Partial GPUs. MIG: {gpu, profile, start, size} per instance, plus `uuid` and `created` (by this agent) once
+    # the instance is there. Fractional: the share of its one GPU in thousandths.
+    slices: list[dict] = field(default_factory=list)
+    gpu_milli: int = 0
     state: str = "starting"          # starting | running | exited | failed | killed | lost
     wrapper_pid: int = 0             # process-group leader (the rank wrapper)
     wrapper_start: int = 0           # its /proc start time, to recognise it after an agent restart

@@ -6,7 +6,7 @@ from typing import Any
 
 from phalanx.api.v1 import common_pb2
 
-from .state import JobRecord
+from .state import JobRecord, Partial
 
 JOB_STATES = {
     "PENDING": common_pb2.JOB_STATE_PENDING,
@@ -37,6 +37,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
         name=j["name"], replicas=j["replicas"], gpus_per_replica=j["gpus_per_replica"], priority=j["priority"],
         procs_per_replica=j["procs_per_replica"], command=list(j["command"]), env=dict(j["env"] or {}),
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
+        gpu_model=j.get("gpu_model") or "", mig_profile=j.get("mig_profile") or "", gpu_milli=j.get("gpu_milli") or 0,
     )
 
 
@@ -48,23 +49,33 @@ def _placement(p: dict[str, Any]) -> common_pb2.PlacementInfo | None:
     )
 
 
-def job_from_row(j: Any, allocations) -> common_pb2.Job:
+def allocation(replica: int, node: str, gpus, part: Partial | None) -> common_pb2.Allocation:
+    msg = common_pb2.Allocation(replica=replica, node=node, gpus=list(gpus))
+    if part is not None and part.profile:
+        msg.slices.add(gpu=gpus[0], profile=part.profile, start=part.start, size=part.size)
+    elif part is not None:
+        msg.gpu_milli = part.milli
+    return msg
+
+
+def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None) -> common_pb2.Job:
+    partials = partials or {}
     return common_pb2.Job(
         id=j["id"], spec=_spec(j), state=JOB_STATES[j["state"]],
-        allocations=[common_pb2.Allocation(replica=r, node=n, gpus=list(g)) for r, n, g in allocations],
+        allocations=[allocation(r, n, g, partials.get(r)) for r, n, g in allocations],
         attempt=j["attempt"], message=j["message"], submitted_at=j["submitted_at"], started_at=j["started_at"],
         finished_at=j["finished_at"], placement=_placement(j["placement"] or {}), exit_code=j["exit_code"],
     )
 
 
 def job_from_record(job: JobRecord) -> common_pb2.Job:
-    return job_from_row(job.__dict__, job.allocations)
+    return job_from_row(job.__dict__, job.allocations, job.partials)
 
 
-def node_from_row(n: Any, used: int) -> common_pb2.Node:
+def node_from_row(n: Any, used: int, shared: int = 0) -> common_pb2.Node:
     free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
     return common_pb2.Node(
         name=n["name"], state=NODE_STATES.get(n["state"], common_pb2.NODE_STATE_UNSPECIFIED), gpus=n["gpus"],
         free_gpus=free, profile=n["profile"], gpu_model=n["gpu_model"], fabric_path=list(n["fabric_path"] or ()),
-        message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"],
+        message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"], shared_gpus=shared,
     )

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, select
 
 from db.models import Job
 from phalanx.api.v1 import agent_pb2, common_pb2
+from phalanx.core import mig
 from phalanx.core.model import Placement
 from phalanx.core.placement import schedule_in_order
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -25,7 +26,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from . import ledger
 from .convert import job_from_record
 from .settings import SchedulerSettings
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, RankRecord, SchedulerState, layout_ranks
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
 
 log = structlog.get_logger()
 
@@ -61,6 +62,11 @@ class Cycle:
             items = [(self.state.nodes.get(n.name, n), *rest) for n, *rest in self.outbox]
             self.delivered += ledger.append_assignments(self.conn, items, self.now)
             self.outbox = []
+
+    @property
+    def needs_answers(self) -> bool:
+        """Whether the closing writes need their row counts (a partial GPU was reserved: see ledger._hold)."""
+        return any(job.partials for job in self.new_allocations)
 
     def touched(self, job: JobRecord) -> None:
         self.changed[job.id] = job_from_record(job)
@@ -122,6 +128,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             continue
         try:
             check_fits_ever(cycle.state, sub.spec)
+            check_fits_model(cycle.state, sub.spec)
             check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
         except FailedPrecondition as exc:
             results[i] = exc
@@ -132,6 +139,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             replicas=spec.replicas, gpus_per_replica=spec.gpus_per_replica, procs_per_replica=spec.procs_per_replica,
             command=list(spec.command), env=dict(spec.env), submitted_at=cycle.now, request_id=sub.request_id or None,
             required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
+            gpu_model=spec.gpu_model, mig_profile=spec.mig_profile.lower(), gpu_milli=spec.gpu_milli,
         )
         new.append(job)
         results[i] = job
@@ -183,6 +191,30 @@ def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
             f"the gang needs {r} replicas of {g} GPUs, each on one node, but the {len(nodes)} known nodes can hold "
             f"at most {fit} such replicas even when empty"
         )
+
+
+def check_fits_model(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
+    """Refuse a GPU model or MIG profile that no known node has (drained and lost nodes count)."""
+    nodes = list(state.capacity.nodes.values())
+    if spec.gpu_model:
+        models = sorted({n.gpu_model for n in nodes if n.gpu_model})
+        nodes = [n for n in nodes if spec.gpu_model.lower() in n.gpu_model.lower()]
+        if not nodes:
+            raise FailedPrecondition(
+                f"no known node has GPU model {spec.gpu_model!r}; models here: {', '.join(models) or 'none'}")
+        if not (spec.mig_profile or spec.gpu_milli):
+            fit = sum(n.total // spec.gpus_per_replica for n in nodes)
+            if fit < spec.replicas:
+                raise FailedPrecondition(
+                    f"the {len(nodes)} known node(s) with GPU model {spec.gpu_model!r} hold at most {fit} replicas "
+                    f"of {spec.gpus_per_replica} GPUs even when empty; the gang needs {spec.replicas}")
+    if spec.mig_profile:
+        families = sorted({f for n in nodes if (f := mig.mig_family(n.gpu_model, n.memory_mib))})
+        if not any(mig.resolve(spec.mig_profile, f) for f in families):
+            offered = "; ".join(f"{f}: {', '.join(mig.family_profiles(f))}" for f in families)
+            raise FailedPrecondition(
+                f"no known node's GPUs offer MIG profile {spec.mig_profile!r}"
+                + (f"; profiles here: {offered}" if offered else "; no node here has MIG-capable GPUs"))
 
 
 def check_fits_required_tier(state: SchedulerState, spec: common_pb2.JobSpec, fabric_tiers: tuple[str, ...]) -> None:
@@ -270,7 +302,8 @@ class Register(Command):
 
     def execute(self, cycle: Cycle) -> int:
         gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib) for g in self.topology.gpus]
-        path = cycle.settings.fabric.path(self.name)
+        path = cycle.settings.fabric.node_path(
+            self.name, self.topology.fabric_cluster_uuid, self.topology.fabric_clique)
         node_id, acked, revision = ledger.upsert_node(
             cycle.conn, name=self.name, gpus=gpus, topology=self.topology_json, address=self.address,
             agent_instance=self.agent_instance, profile=self.topology.profile,
@@ -280,13 +313,14 @@ class Register(Command):
         old = state.nodes.get(self.name)
         node = NodeRecord(
             id=node_id, name=self.name, state="READY", gpus=len(gpus), gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
+            gpu_model=gpus[0]["name"] if gpus else "", memory_mib=max((g["memory_mib"] for g in gpus), default=0),
             path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
             agent_instance=self.agent_instance, revision=revision,
             closeness=ledger.node_closeness(self.topology_json),
         )
         state.nodes[self.name] = node
-        if old is None or old.gpus != node.gpus or old.closeness != node.closeness:
-            state.rebuild_capacity()
+        if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path:
+            state.rebuild_capacity()  # a new path: the agent reports another NVLink clique
         else:
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY":
@@ -362,8 +396,8 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
         cycle.resync_after = True
         return False
     ledger.release_allocations(cycle.conn, job, cycle.now)
-    for _, node, gpus in job.allocations:
-        cycle.state.capacity.release(node, gpus)
+    for rep in job.replica_placements():
+        cycle.state.capacity.release_replica(rep)
     if kill:
         for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
             node = cycle.state.nodes.get(node_name)
@@ -408,8 +442,7 @@ def schedule(cycle: Cycle) -> None:
     for placement in placements:
         job = state.jobs[placement.job_id]
         if not reserve(cycle, job, placement):
-            for rep in placement.replicas:
-                state.capacity.release(rep.node, rep.gpus)
+            state.capacity.release_placement(placement)
             cycle.resync_after = True
     if blocked is not None:
         head = state.jobs[blocked.job_id]
@@ -444,6 +477,10 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
                    exit_code=0, placement=placement_info, message=f"reserved: {placement.reason}"):
         return False
     job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
+    job.partials = {
+        r.replica: Partial(profile=r.mig_profile, start=r.mig_start, size=r.mig_size, milli=r.gpu_milli)
+        for r in placement.replicas if r.mig_profile or r.gpu_milli
+    }
     job.ranks = layout_ranks(job)
     cycle.new_allocations.append(job)
     for launch in launches(job, cycle.state.nodes):
@@ -483,11 +520,17 @@ def launches(job: JobRecord, nodes: dict[str, NodeRecord]) -> list[agent_pb2.Lau
         ranks = []
         for r in sorted(by_replica[replica], key=lambda r: r.rank):
             rank_gpus = list(gpus) if job.procs_per_replica == 1 else [gpus[r.local_rank]]
-            ranks.append(agent_pb2.RankLaunch(
+            launch = agent_pb2.RankLaunch(
                 rank=r.rank, local_rank=r.local_rank, gpus=rank_gpus,
                 env={"RANK": str(r.rank), "LOCAL_RANK": str(r.local_rank),
                      "CUDA_VISIBLE_DEVICES": ",".join(map(str, rank_gpus))},
-            ))
+            )
+            part = job.partials.get(replica)
+            if part is not None and part.profile:
+                launch.slices.add(gpu=gpus[0], profile=part.profile, start=part.start, size=part.size)
+            elif part is not None:
+                launch.gpu_milli = part.milli
+            ranks.append(launch)
         env = dict(base, NODE_RANK=str(replica), PHALANX_REPLICA=str(replica), PHALANX_NODE=node)
         out.append(agent_pb2.LaunchReplica(job_id=job.id, attempt=job.attempt, replica=replica,
                                            command=job.command, ranks=ranks, env=env))

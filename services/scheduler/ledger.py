@@ -12,7 +12,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select, text, update
+from sqlalchemy import Connection, and_, case, func, insert, select, text, update
+from sqlalchemy.exc import IntegrityError
 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -21,7 +22,7 @@ from phalanx.core.closeness import GpuCloseness
 
 from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, Rank
 
-from .state import JobRecord, NodeRecord, RankRecord, SchedulerState, layout_ranks
+from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
 
 NOTIFY_CHANNEL = "phalanx_events"
 
@@ -54,10 +55,10 @@ def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | 
 
 
 @contextlib.contextmanager
-def pipelined(conn: Connection):
+def pipelined(conn: Connection, enabled: bool = True):
     """On PostgreSQL, send the statements issued inside without waiting for each reply (psycopg pipeline mode):
     a cycle's closing writes need no results, so they cost one round trip instead of one each."""
-    if conn.dialect.name != "postgresql":
+    if conn.dialect.name != "postgresql" or not enabled:
         yield
         return
     with conn.connection.driver_connection.pipeline():
@@ -69,14 +70,17 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     nodes: dict[str, NodeRecord] = {}
     jobs: dict[str, JobRecord] = {}
     gpu_ids: dict[int, dict[int, int]] = {}
-    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index)):
+    memory: dict[int, int] = {}
+    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib)):
         gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
+        memory[row.node_id] = max(memory.get(row.node_id, 0), row.memory_mib or 0)
     names: dict[int, str] = {}
     for n in conn.execute(select(*Node.__table__.c)).mappings():
         names[n["id"]] = n["name"]
         path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
         nodes[n["name"]] = NodeRecord(
             id=n["id"], name=n["name"], state=n["state"], gpus=n["gpus"], gpu_ids=gpu_ids.get(n["id"], {}),
+            gpu_model=n["gpu_model"] or "", memory_mib=memory.get(n["id"], 0),
             path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
             persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"], revision=n["revision"],
             closeness=node_closeness(n["topology"]),
@@ -86,13 +90,15 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     running = [j.id for j in jobs.values() if j.state == "RUNNING"]
     for chunk in _chunks(running, 500):
         rows = conn.execute(
-            select(Allocation.job_id, Allocation.replica, Allocation.node_id, Allocation.gpu_index)
+            select(Allocation.job_id, Allocation.replica, Allocation.node_id, Allocation.gpu_index,
+                   Allocation.kind, Allocation.unit, Allocation.profile, Allocation.gpu_milli)
             .join(Job, and_(Job.id == Allocation.job_id, Job.attempt == Allocation.attempt))
-            .where(Allocation.job_id.in_(chunk))
-            .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index)
+            .where(Allocation.job_id.in_(chunk), Allocation.kind != "hold")
+            .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index, Allocation.unit)
         )
-        for job_id, allocs in _group_allocations(rows, names).items():
+        for job_id, (allocs, partials) in _group_allocations(rows, names).items():
             jobs[job_id].allocations = allocs
+            jobs[job_id].partials = partials
             jobs[job_id].ranks = layout_ranks(jobs[job_id])
         ranks = conn.execute(
             select(*Rank.__table__.c).join(Job, and_(Job.id == Rank.job_id, Job.attempt == Rank.attempt)).where(Rank.job_id.in_(chunk))
@@ -159,12 +165,24 @@ def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
         yield items[i:i + size]
 
 
-def _group_allocations(rows, names: dict[int, str]) -> dict[str, list[tuple[int, str, tuple[int, ...]]]]:
+def _group_allocations(rows, names: dict[int, str]) -> dict[str, tuple[list, dict[int, Partial]]]:
+    """Allocation rows (job, replica, node id, GPU, kind, unit, profile, milli) -> per job: (replica, node, GPUs)
+    in replica order, and the partial-GPU use of the replicas that have one."""
     grouped: dict[str, dict[int, tuple[str, list[int]]]] = {}
-    for job_id, replica, node_id, gpu_index in rows:
-        grouped.setdefault(job_id, {}).setdefault(replica, (names[node_id], []))[1].append(gpu_index)
+    partials: dict[str, dict[int, Partial]] = {}
+    for job_id, replica, node_id, gpu_index, kind, unit, profile, milli in rows:
+        gpus = grouped.setdefault(job_id, {}).setdefault(replica, (names[node_id], []))[1]
+        if gpu_index not in gpus:
+            gpus.append(gpu_index)
+        if kind == "mig":
+            known = partials.setdefault(job_id, {}).get(replica)
+            start = unit if known is None else min(known.start, unit)
+            size = 1 if known is None else known.size + 1
+            partials[job_id][replica] = Partial(profile=profile, start=start, size=size)
+        elif kind == "share":
+            partials.setdefault(job_id, {})[replica] = Partial(milli=milli)
     return {
-        job_id: [(rep, node, tuple(gpus)) for rep, (node, gpus) in sorted(reps.items())]
+        job_id: ([(rep, node, tuple(gpus)) for rep, (node, gpus) in sorted(reps.items())], partials.get(job_id, {}))
         for job_id, reps in grouped.items()
     }
 
@@ -177,6 +195,7 @@ def job_from_row(j) -> JobRecord:
         message=j["message"], exit_code=j["exit_code"], placement=dict(j["placement"] or {}),
         started_at=j["started_at"], finished_at=j["finished_at"], version=j["version"],
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
+        gpu_model=j["gpu_model"] or "", mig_profile=j["mig_profile"] or "", gpu_milli=j["gpu_milli"] or 0,
     )
 
 
@@ -190,7 +209,8 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 command=j.command, env=j.env, attempt=j.attempt, message=j.message, exit_code=j.exit_code,
                 placement=j.placement, submitted_at=j.submitted_at, started_at=j.started_at,
                 finished_at=j.finished_at, version=j.version, required_tier=j.required_tier,
-                preferred_tier=j.preferred_tier,
+                preferred_tier=j.preferred_tier, gpu_model=j.gpu_model, mig_profile=j.mig_profile,
+                gpu_milli=j.gpu_milli,
             )
             for j in jobs
         ],
@@ -220,25 +240,79 @@ def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
 
 
 def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[str, NodeRecord], now: float) -> None:
-    """Every GPU of every gang reserved in this cycle, in one statement."""
-    insert_rows(
-        conn, Allocation,
-        [
-            dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=nodes[node].id,
-                 gpu_id=nodes[node].gpu_ids[g], gpu_index=g, reserved_at=now, released_at=None)
-            for job in jobs
-            for replica, node, gpus in job.allocations
-            for g in gpus
-        ],
-    )
+    """Every GPU (or part of one) of every gang reserved in this cycle: the rows in one statement, then the holds
+    of split GPUs (see db.models.Allocation)."""
+    rows = []
+    split: list[tuple[JobRecord, int, NodeRecord, int, Partial]] = []
+    for job in jobs:
+        for replica, node, gpus in job.allocations:
+            rec = nodes[node]
+            part = job.partials.get(replica)
+            base = dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=rec.id, reserved_at=now,
+                        released_at=None)
+            if part is None:
+                rows += [dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="gpu", unit=-1, profile="", gpu_milli=0)
+                         for g in gpus]
+                continue
+            (g,) = gpus
+            split.append((job, replica, rec, g, part))
+            if part.profile:
+                rows += [dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="mig", unit=u, profile=part.profile,
+                              gpu_milli=0) for u in range(part.start, part.start + part.size)]
+            else:
+                rows.append(dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="share", unit=None, profile="",
+                                 gpu_milli=part.milli))
+    insert_rows(conn, Allocation, rows)
+    for job, replica, rec, g, part in split:
+        _hold(conn, job, replica, rec, g, part, now)
+
+
+def _hold(conn: Connection, job: JobRecord, replica: int, node: NodeRecord, gpu: int, part: Partial,
+          now: float) -> None:
+    """Open the GPU's hold row if it has none (the unique index refuses it while a whole-GPU job holds the GPU),
+    then add this part's use to it, guarded so a GPU never goes over 1000 thousandths nor mixes MIG and shares."""
+    gpu_id = node.gpu_ids[gpu]
+    mode = "mig" if part.profile else "milli"
+    used = part.size * 125 if part.profile else part.milli
+    params = dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=node.id, gpu_id=gpu_id,
+                  gpu_index=gpu, now=now, mode=mode, used=used)
+    conn.execute(text(
+        "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, kind, unit, "
+        "profile, gpu_milli) SELECT :job_id, :attempt, :replica, :node_id, :gpu_id, :gpu_index, :now, 'hold', -1, "
+        ":mode, 0 WHERE NOT EXISTS (SELECT 1 FROM allocations WHERE gpu_id = :gpu_id AND kind = 'hold' "
+        "AND released_at IS NULL)"), params)
+    result = conn.execute(text(
+        "UPDATE allocations SET gpu_milli = gpu_milli + :used WHERE gpu_id = :gpu_id AND kind = 'hold' "
+        "AND released_at IS NULL AND profile = :mode AND gpu_milli + :used <= 1000"), params)
+    if result.rowcount != 1:
+        raise IntegrityError(
+            "hold", params,
+            RuntimeError(f"GPU {gpu} of {node.name} cannot take {'MIG ' + part.profile if part.profile else str(part.milli) + '/1000'} "
+                         "now: it is used another way or has too little left"))
 
 
 def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
+    """Release the job's rows; a split GPU's hold gives back their use and is released with its last part."""
     conn.execute(
         update(Allocation)
-        .where(Allocation.job_id == job.id, Allocation.attempt == job.attempt, Allocation.released_at.is_(None))
+        .where(Allocation.job_id == job.id, Allocation.attempt == job.attempt, Allocation.released_at.is_(None),
+               Allocation.kind != "hold")
         .values(released_at=now)
     )
+    if not job.partials:
+        return
+    for replica, node_name, gpus in job.allocations:
+        part = job.partials.get(replica)
+        if part is None:
+            continue
+        used = part.size * 125 if part.profile else part.milli
+        conn.execute(text(
+            "UPDATE allocations SET gpu_milli = gpu_milli - :used, "
+            "released_at = CASE WHEN EXISTS (SELECT 1 FROM allocations a WHERE a.gpu_id = allocations.gpu_id "
+            "AND a.kind IN ('mig', 'share') AND a.released_at IS NULL) THEN NULL ELSE :now END "
+            "WHERE kind = 'hold' AND released_at IS NULL AND gpu_id = (SELECT gpu_id FROM allocations b "
+            "WHERE b.job_id = :job_id AND b.attempt = :attempt AND b.replica = :replica LIMIT 1)"),
+            dict(used=used, now=now, job_id=job.id, attempt=job.attempt, replica=replica))
 
 
 def record_rank(conn: Connection, job_id: str, attempt: int, rank: RankRecord, node_id: int, *, state: str,
@@ -354,14 +428,17 @@ def _raise_node_column(conn: Connection, column: str, pg_type: str, values: dict
 # ---- reads (the API's consistent snapshots) --------------------------------------------------------------------
 
 def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states: Sequence[str] = (),
-              limit: int = 0) -> list[tuple[Any, list[tuple[int, str, list[int]]]]]:
-    """Jobs with the allocations of their current (or last) attempt, newest first, from one statement."""
+              limit: int = 0) -> list[tuple[Any, list[tuple[int, str, list[int]]], dict[int, Partial]]]:
+    """Jobs with the allocations of their current (or last) attempt, newest first, from one statement: each as
+    (job row, [(replica, node, GPUs)], {replica: partial-GPU use})."""
     stmt = (
         select(*Job.__table__.c, Allocation.replica.label("a_replica"), Node.name.label("a_node"),
-               Allocation.gpu_index.label("a_gpu"))
-        .outerjoin(Allocation, and_(Allocation.job_id == Job.id, Allocation.attempt == Job.attempt))
+               Allocation.gpu_index.label("a_gpu"), Allocation.kind.label("a_kind"), Allocation.unit.label("a_unit"),
+               Allocation.profile.label("a_profile"), Allocation.gpu_milli.label("a_milli"))
+        .outerjoin(Allocation, and_(Allocation.job_id == Job.id, Allocation.attempt == Job.attempt,
+                                    Allocation.kind != "hold"))
         .outerjoin(Node, Node.id == Allocation.node_id)
-        .order_by(Job.submitted_at.desc(), Job.id.desc(), Allocation.replica, Allocation.gpu_index)
+        .order_by(Job.submitted_at.desc(), Job.id.desc(), Allocation.replica, Allocation.gpu_index, Allocation.unit)
     )
     if job_ids is not None:
         stmt = stmt.where(Job.id.in_(list(job_ids)))
@@ -372,24 +449,38 @@ def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states:
         if states:
             newest = newest.where(Job.state.in_(list(states)))
         stmt = stmt.where(Job.id.in_(newest.scalar_subquery()))
-    out: dict[str, tuple[Any, dict[int, tuple[str, list[int]]]]] = {}
+    out: dict[str, tuple[Any, dict[int, tuple[str, list[int]]], dict[int, Partial]]] = {}
     for row in conn.execute(stmt).mappings():
-        entry = out.setdefault(row["id"], (row, {}))
-        if row["a_replica"] is not None:
-            entry[1].setdefault(row["a_replica"], (row["a_node"], []))[1].append(row["a_gpu"])
-    return [(job, [(rep, node, gpus) for rep, (node, gpus) in sorted(allocs.items())]) for job, allocs in out.values()]
+        entry = out.setdefault(row["id"], (row, {}, {}))
+        replica = row["a_replica"]
+        if replica is None:
+            continue
+        gpus = entry[1].setdefault(replica, (row["a_node"], []))[1]
+        if row["a_gpu"] not in gpus:
+            gpus.append(row["a_gpu"])
+        if row["a_kind"] == "mig":
+            known = entry[2].get(replica)
+            entry[2][replica] = Partial(profile=row["a_profile"], start=row["a_unit"] if known is None else known.start,
+                                        size=1 if known is None else known.size + 1)
+        elif row["a_kind"] == "share":
+            entry[2][replica] = Partial(milli=row["a_milli"])
+    return [(job, [(rep, node, gpus) for rep, (node, gpus) in sorted(allocs.items())], parts)
+            for job, allocs, parts in out.values()]
 
 
-def read_nodes(conn: Connection) -> list[tuple[Any, int]]:
+def read_nodes(conn: Connection) -> list[tuple[Any, int, int]]:
+    """Nodes with (GPUs held whole or split, GPUs split into MIG instances or shares)."""
     used = (
-        select(Allocation.node_id, func.count().label("used"))
-        .where(Allocation.released_at.is_(None))
+        select(Allocation.node_id, func.count().label("used"),
+               func.sum(case((Allocation.kind == "hold", 1), else_=0)).label("shared"))
+        .where(Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold")))
         .group_by(Allocation.node_id)
         .subquery()
     )
     rows = conn.execute(
-        select(*Node.__table__.c, func.coalesce(used.c.used, 0).label("used_gpus"))
+        select(*Node.__table__.c, func.coalesce(used.c.used, 0).label("used_gpus"),
+               func.coalesce(used.c.shared, 0).label("shared_gpus"))
         .outerjoin(used, used.c.node_id == Node.id)
         .order_by(Node.name)
     ).mappings()
-    return [(r, int(r["used_gpus"])) for r in rows]
+    return [(r, int(r["used_gpus"]), int(r["shared_gpus"])) for r in rows]

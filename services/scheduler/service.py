@@ -204,7 +204,9 @@ class SchedulerService:
             self._take_beats_and_acks(cycle)
             cycle.generation = generation
             results = run_cycle(cycle, commands, timers_due=self._timers)
-            with ledger.pipelined(conn):  # closing writes and the commit: one round trip on PostgreSQL
+            # Closing writes and the commit: one round trip on PostgreSQL. Not when a MIG instance or share was
+            # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
+            with ledger.pipelined(conn, enabled=not cycle.needs_answers):
                 finish_cycle(cycle, commands, results)
                 trans.commit()
         self._generation = cycle.generation
@@ -362,10 +364,10 @@ class SchedulerService:
 
     async def read_jobs(self, **filters) -> list[common_pb2.Job]:
         rows = await self.read(ledger.read_jobs, **filters)
-        return [job_from_row(j, allocs) for j, allocs in rows]
+        return [job_from_row(j, allocs, parts) for j, allocs, parts in rows]
 
     async def read_nodes(self) -> list[common_pb2.Node]:
-        return [node_from_row(n, used) for n, used in await self.read(ledger.read_nodes)]
+        return [node_from_row(n, used, shared) for n, used, shared in await self.read(ledger.read_nodes)]
 
     async def assignments_after(self, node: str, after: int) -> list[tuple[int, bytes]]:
         return await self.read(ledger.assignments_after, node, after)

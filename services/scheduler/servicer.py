@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from google.protobuf.json_format import MessageToDict
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.core import mig
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.rpc import stream, unary
 
@@ -76,6 +77,19 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
             problems.append(
                 f"{field_name} {value[:80]!r} is not a tier of this cluster; valid tiers: {', '.join(choices)}"
             )
+    if len(spec.gpu_model) > 128 or "\x00" in spec.gpu_model:
+        problems.append("gpu_model must be at most 128 characters, without NUL")
+    if spec.mig_profile and spec.gpu_milli:
+        problems.append("ask for a MIG profile (mig_profile) or a GPU share (gpu_milli), not both")
+    if spec.mig_profile and not mig.known_profile(spec.mig_profile):
+        problems.append(f"mig_profile {spec.mig_profile[:40]!r} is not a MIG profile; valid profiles: "
+                        f"{', '.join(mig.all_profile_names())}")
+    if spec.gpu_milli and not 1 <= spec.gpu_milli <= 999:
+        problems.append(f"gpu_milli must be 1-999 thousandths of a GPU (use gpus_per_replica for whole GPUs), "
+                        f"got {spec.gpu_milli}")
+    if (spec.mig_profile or spec.gpu_milli) and spec.gpus_per_replica != 1:
+        problems.append(f"a replica on a MIG instance or a GPU share uses one GPU: gpus_per_replica must be 1, "
+                        f"got {spec.gpus_per_replica}")
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 

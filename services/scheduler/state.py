@@ -11,7 +11,7 @@ from typing import Any
 
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
-from phalanx.core.model import GangRequest, NodeCapacity
+from phalanx.core.model import GangRequest, NodeCapacity, ReplicaPlacement
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
 
@@ -24,6 +24,17 @@ class RankRecord:
     node: str
     state: str = "ASSIGNED"
     exit_code: int = 0
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A replica's part of its one GPU: a MIG instance (`profile`, `size` memory slices from `start`) or a share of
+    `milli` thousandths."""
+
+    profile: str = ""
+    start: int = -1
+    size: int = 0
+    milli: int = 0
 
 
 @dataclass
@@ -41,6 +52,9 @@ class JobRecord:
     request_id: str | None = None
     required_tier: str = ""  # "" none; else "node", a fabric tier or "cluster" (checked at submit)
     preferred_tier: str = ""
+    gpu_model: str = ""
+    mig_profile: str = ""
+    gpu_milli: int = 0
     attempt: int = 0
     message: str = ""
     exit_code: int = 0
@@ -52,10 +66,25 @@ class JobRecord:
     allocations: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
     ranks: dict[int, RankRecord] = field(default_factory=dict)
     launch_deadline: float | None = None
+    # replica -> its part of its GPU, for replicas on MIG instances or shares (same attempt as `allocations`)
+    partials: dict[int, Partial] = field(default_factory=dict)
 
     def request(self) -> GangRequest:
         return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at,
-                           required_tier=self.required_tier, preferred_tier=self.preferred_tier)
+                           required_tier=self.required_tier, preferred_tier=self.preferred_tier,
+                           gpu_model=self.gpu_model, mig_profile=self.mig_profile, gpu_milli=self.gpu_milli)
+
+    def replica_placements(self) -> list[ReplicaPlacement]:
+        """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
+        out = []
+        for replica, node, gpus in self.allocations:
+            part = self.partials.get(replica)
+            if part is None:
+                out.append(ReplicaPlacement(replica, node, gpus))
+            else:
+                out.append(ReplicaPlacement(replica, node, gpus, mig_profile=part.profile, mig_start=part.start,
+                                            mig_size=part.size, gpu_milli=part.milli))
+        return out
 
     @property
     def nodes(self) -> list[str]:
@@ -70,6 +99,8 @@ class NodeRecord:
     gpus: int
     gpu_ids: dict[int, int]  # GPU index -> gpus.id
     path: tuple[str, ...] = ()
+    gpu_model: str = ""
+    memory_mib: int = 0
     address: str = ""
     last_heartbeat: float = 0.0
     persisted_heartbeat: float = 0.0
@@ -90,13 +121,17 @@ class SchedulerState:
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(
-            NodeCapacity(n.name, n.gpus, set(range(n.gpus)), n.schedulable, n.path, n.closeness)
+            NodeCapacity(n.name, n.gpus, set(range(n.gpus)), n.schedulable, n.path, n.closeness, n.gpu_model,
+                         n.memory_mib)
             for n in self.nodes.values()
         )
         for job in self.jobs.values():
             if job.state == "RUNNING":
-                for _, node, gpus in job.allocations:
-                    self.capacity.take(node, gpus)
+                for rep in job.replica_placements():
+                    if rep.mig_profile or rep.gpu_milli:
+                        self.capacity.take_partial(rep)
+                    else:
+                        self.capacity.take(rep.node, rep.gpus)
 
     def set_node_schedulable(self, name: str) -> None:
         self.capacity.set_schedulable(name, self.nodes[name].schedulable)

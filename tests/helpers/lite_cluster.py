@@ -1,0 +1,75 @@
+"""An in-process scheduler (services.scheduler.main.serve) with protocol-level LiteAgents and a raw gRPC stub.
+
+End-to-end tests that need real servers but no rank processes build on it: they give the scheduler's settings and
+the agents to start, and get submit/get helpers and plain SQL on the same database.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import grpc
+from sqlalchemy import text
+
+from db.engine import make_engine
+from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.main import serve
+from services.scheduler.settings import SchedulerSettings
+
+from .procs import eventually
+
+
+class LiteCluster:
+    """`async with` starts the scheduler, then `make_agents(scheduler address)`, and stops them in reverse."""
+
+    default_command: tuple[str, ...] = ("run",)  # LiteAgent ranks of an unknown command run until killed
+
+    def __init__(self, settings: SchedulerSettings, make_agents: Callable[[str], list[LiteAgent]]) -> None:
+        self.settings = settings
+        self.db_url = settings.db_url
+        self._make_agents = make_agents
+
+    async def __aenter__(self):
+        self.scheduler = await serve(self.settings)
+        self.agents = self._make_agents(self.scheduler.address)
+        for agent in self.agents:
+            await agent.start()
+        self.channel = grpc.aio.insecure_channel(self.scheduler.address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for agent in self.agents:
+            await agent.stop()
+        await self.channel.close()
+        await self.scheduler.stop()
+
+    async def submit(self, name: str, replicas: int = 1, gpus: int = 1, command=None, **kw) -> common_pb2.Job:
+        spec = common_pb2.JobSpec(name=name, replicas=replicas, gpus_per_replica=gpus,
+                                  command=list(command or self.default_command), **kw)
+        return await self.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, request_id=uuid.uuid4().hex))
+
+    async def job(self, job_id: str) -> common_pb2.Job:
+        return await self.stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))
+
+    async def running(self, job_id: str) -> common_pb2.Job | None:
+        """The job if it is RUNNING now, else None (a check for `eventually`)."""
+        job = await self.job(job_id)
+        return job if job.state == common_pb2.JOB_STATE_RUNNING else None
+
+    async def wait_running(self, job_id: str) -> common_pb2.Job:
+        return await eventually(lambda: self.running(job_id), what=f"job {job_id} RUNNING")
+
+    def sql(self, query: str, **params):
+        return run_sql(self.db_url, query, **params)
+
+
+def run_sql(db_url: str, query: str, **params):
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(query), params).all()
+    finally:
+        engine.dispose()
