@@ -81,11 +81,18 @@ class NaivePlacer:
             return Unplaceable(request.job_id, "does not fit")
         for level in range(self.top + 1):
             if level == 0:
+                # Fewest free GPUs, then (fragmentation) the fullest leaf, then the leaf's name, then the node's.
+                leaf_free: dict[str, int] = {}
+                for n in self.nodes:
+                    leaf_free[n.path[0]] = leaf_free.get(n.path[0], 0) + (len(n.free) if n.schedulable else 0)
                 best = None
                 for n in self.nodes:
                     f = len(n.free) if n.schedulable else 0
-                    if f >= need * g and (best is None or (f, n.name) < best[0]):
-                        best = ((f, n.name), n)
+                    if f < need * g:
+                        continue
+                    key = (f, leaf_free[n.path[0]], n.path[0], n.name)
+                    if best is None or key < best[0]:
+                        best = (key, n)
                 if best is not None:
                     return _build(request, [(best[1], need)], self.names, 0)
                 continue

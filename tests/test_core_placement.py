@@ -209,8 +209,22 @@ def test_the_free_capacity_index_always_matches_a_full_scan(nodes, per_leaf, ops
                 assert cap.domain_stats(level, g) == scan
         for want in (1, 4, 8):
             fits = [n for n in cap.nodes.values() if effective[n.name] >= want]
-            best = min(fits, key=lambda n: (effective[n.name], n.name)) if fits else None
+            best = min(fits, key=lambda n: tightest_key(cap, effective, n)) if fits else None
             assert cap.tightest_node(want) is best
+
+
+def tightest_key(cap: ClusterCapacity, effective: dict[str, int], node: NodeCapacity) -> tuple:
+    """The reference order of `tightest_node`, by scanning: fewest free GPUs, then (fragmentation) the fullest
+    domain of the lowest switch tier that groups several nodes, then that domain's name, then the node's."""
+    depth = cap.levels() - 1
+    tie = next((lv for lv in range(1, depth + 1)
+                if max(sum(1 for n in cap.nodes.values() if n.path[lv - 1] == m.path[lv - 1])
+                       for m in cap.nodes.values()) > 1), 0)
+    if not tie:
+        return (effective[node.name], node.name)
+    domain = node.path[tie - 1]
+    fullness = sum(effective[n.name] for n in cap.nodes.values() if n.path[tie - 1] == domain)
+    return (effective[node.name], fullness, domain, node.name)
 
 
 # ---- GPU choice within a node: rail alignment and contiguous blocks ------------------------------------------
@@ -342,3 +356,19 @@ def test_the_greedy_fallback_is_consistent_too(nodes, per_leaf, per_spine, per_c
     still the fewest children, still valid."""
     with patch.object(placement, "_EXACT_CELLS", 0):
         indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g)
+
+
+def test_equal_nodes_are_decided_by_fragmentation_keeping_emptier_leaves_whole():
+    # x1 (leaf0) and a1 (leaf1) both have exactly 4 free GPUs; by name a1 would win. leaf0 is the fuller leaf
+    # (x2 is busy), so the job goes to x1 and leaf1 keeps a whole free node (a2) beside a1's 4 GPUs.
+    paths = {"x1": ("leaf0", "spine0"), "x2": ("leaf0", "spine0"), "a1": ("leaf1", "spine0"),
+             "a2": ("leaf1", "spine0")}
+    free = {"x1": {4, 5, 6, 7}, "x2": set(), "a1": {4, 5, 6, 7}, "a2": set(range(8))}
+    cap = ClusterCapacity(NodeCapacity(n, 8, set(free[n]), True, paths[n]) for n in paths)
+    p = place_gang(cap, GangRequest("j", 1, 4), ("leaf", "spine"))
+    assert p.replicas[0].node == "x1"
+    # one node per leaf: the spines group the nodes, so the fuller spine decides
+    paths2 = {"s0a": ("l0", "sp0"), "s0b": ("l1", "sp0"), "s1a": ("l2", "sp1"), "s1b": ("l3", "sp1")}
+    free2 = {"s0a": {0, 1}, "s0b": set(range(8)), "s1a": {0, 1}, "s1b": set()}
+    cap2 = ClusterCapacity(NodeCapacity(n, 8, set(free2[n]), True, paths2[n]) for n in paths2)
+    assert place_gang(cap2, GangRequest("k", 1, 2), ("leaf", "spine")).replicas[0].node == "s1a"

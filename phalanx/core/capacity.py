@@ -86,9 +86,40 @@ class ClusterCapacity:
                         self._children[level][key].append(child)
         for bucket in self._by_free:
             bucket.sort()
-        self._built = True
+        # Each node's (histogram, domain key) per level 1..top, so an update needs no key computation.
+        self._cells: dict[str, list[tuple[list[int], str]]] = {
+            node.name: [(self._hist[lv][k], k) for lv in range(1, self.top + 1)
+                        for k in (domain_key(node, lv, self.top),)]
+            for node in nodes
+        }
         self.most_nodes = [1] + [max((len(m) for m in self._members[lv].values()), default=0)
                                  for lv in range(1, self.top + 1)]
+        # Effective free GPUs per domain, and per free count the tie-tier domains holding a node with that count:
+        # the fragmentation tie-break of `tightest_node` reads both.
+        self._dom_free: list[dict[str, int]] = [{} for _ in range(self.top + 1)]
+        for level in range(1, self.top + 1):
+            for key, hist in self._hist[level].items():
+                self._dom_free[level][key] = sum(f * c for f, c in enumerate(hist))
+        # The tie-break's tier: the lowest switch tier whose domains group nodes (an NVLink tier of single-node
+        # domains says nothing), below the cluster root; 0 when there is none.
+        self._tie_level = next((lv for lv in range(1, self.top) if self.most_nodes[lv] > 1), 0)
+        self._tie_key = {node.name: domain_key(node, self._tie_level, self.top) for node in nodes} \
+            if self._tie_level else {}
+        self._leaves_with: list[set[str]] = [set() for _ in range(self.largest + 1)]
+        # Per tie-tier domain, its nodes by effective free count (sorted names), like `_by_free` per domain.
+        self._tie_buckets: dict[str, list[list[str]]] = {}
+        for name, key in self._tie_key.items():
+            buckets = self._tie_buckets.setdefault(key, [[] for _ in range(self.largest + 1)])
+            buckets[self._effective[name]].append(name)
+        for buckets in self._tie_buckets.values():
+            for bucket in buckets:
+                bucket.sort()
+        if self._tie_level:
+            for key, hist in self._hist[self._tie_level].items():
+                for f, count in enumerate(hist):
+                    if count:
+                        self._leaves_with[f].add(key)
+        self._built = True
         self._total = sum(n.total for n in nodes)
         self._ever: dict[int, int] = {}
         # Nodes by free shape, for partial-GPU placement (core.shares): refreshed lazily from `_dirty`.
@@ -121,13 +152,26 @@ class ClusterCapacity:
         if new == old:
             return
         self._effective[node.name] = new
-        for level in range(1, self.top + 1):
-            hist = self._hist[level][domain_key(node, level, self.top)]
+        delta = new - old
+        tie = self._tie_level
+        # Per level: (histogram, free total) of the node's domain, precomputed by _build.
+        for level, (hist, key) in enumerate(self._cells[node.name], 1):
             hist[old] -= 1
             hist[new] += 1
+            self._dom_free[level][key] += delta
+            if level == tie:
+                if not hist[old]:
+                    self._leaves_with[old].discard(key)
+                if hist[new] == 1:
+                    self._leaves_with[new].add(key)
         bucket = self._by_free[old]
         del bucket[bisect_left(bucket, node.name)]
         insort(self._by_free[new], node.name)
+        if tie:
+            buckets = self._tie_buckets[self._tie_key[node.name]]
+            bucket = buckets[old]
+            del bucket[bisect_left(bucket, node.name)]
+            insort(buckets[new], node.name)
 
     # ---- queries ---------------------------------------------------------------------------------------------
 
@@ -161,12 +205,33 @@ class ClusterCapacity:
         return self._members[level].get(key, [])
 
     def tightest_node(self, gpus: int) -> NodeCapacity | None:
-        """The schedulable node with the fewest free GPUs that still has `gpus` free (ties: by name)."""
+        """The schedulable node with the fewest free GPUs that still has `gpus` free.
+
+        Ties (nodes with the same free count) are decided by fragmentation: the node under the fullest domain
+        (least free GPUs) of the lowest switch tier that groups nodes, then the domain's name, then the node's.
+        Work then goes where capacity is already broken up, and emptier leaves (or NVLink domains) stay whole for
+        large gangs. Reads the per-domain index: O(min(nodes with that free count, domains
+        of that tier holding one)), never O(nodes).
+        """
         self._ensure()
         for f in range(max(gpus, 1), self.largest + 1):
-            if self._by_free[f]:
-                return self.nodes[self._by_free[f][0]]
+            bucket = self._by_free[f]
+            if not bucket:
+                continue
+            tie = self._tie_level
+            if len(bucket) == 1 or not tie:
+                return self.nodes[bucket[0]]
+            leaves = self._leaves_with[f]
+            if len(bucket) <= len(leaves):
+                leaves = set(map(self._tie_key.__getitem__, bucket))
+            leaf = self._fullest(list(leaves))
+            return self.nodes[self._tie_buckets[leaf][f][0]]
         return None
+
+    def _fullest(self, domains) -> str:
+        """The tie-tier domain with the least free GPUs, ties by name (one C-level pass)."""
+        free = self._dom_free[self._tie_level]
+        return min(zip(map(free.__getitem__, domains), domains))[1]
 
     def most_free_on_a_node(self) -> int:
         """The largest effective free count of any node (0 when none is schedulable or free)."""
