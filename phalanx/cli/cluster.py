@@ -752,9 +752,18 @@ def _say(text: str = "") -> None:
 
 
 def _describe_placement(job) -> None:
-    _say(f"  {job.name} ({job.id}) is RUNNING: {job.replicas} x {job.gpus_per_replica} GPUs, attempt {job.attempt}")
+    what = (f"MIG {job.mig_profile}" if job.mig_profile else f"{job.gpu_milli}/1000 GPU" if job.gpu_milli
+            else f"{job.gpus_per_replica} GPUs")
+    _say(f"  {job.name} ({job.id}) is RUNNING: {job.replicas} x {what}, attempt {job.attempt}")
     for a in sorted(job.allocations, key=lambda a: a.replica):
-        _say(f"    replica {a.replica} -> {a.node}  GPUs {_gpu_ranges(a.gpus)}")
+        if a.slices:
+            part = ", ".join(f"GPU {s.gpu} MIG {s.profile} (memory slices {s.start}-{s.start + s.size - 1})"
+                             for s in a.slices)
+        elif a.gpu_milli:
+            part = f"{a.gpu_milli}/1000 of GPU {_gpu_ranges(a.gpus)} (MPS)"
+        else:
+            part = f"GPUs {_gpu_ranges(a.gpus)}"
+        _say(f"    replica {a.replica} -> {a.node}  {part}")
     p = job.placement
     if p:
         _say(f"    placement: {p.get('reason', '')} (tier {p.get('tier', '?')}, {p.get('domains', 0)} domain(s))")
@@ -783,7 +792,7 @@ def _prepare_demo_dir(state_dir: Path) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """``phalanx demo``: a local cluster, three jobs through the SDK, a readable account, exit 0 when all succeed."""
+    """``phalanx demo``: a local cluster, five jobs through the SDK, a readable account, exit 0 when all succeed."""
     from phalanx.client import Client, JobState, PhalanxError
 
     from . import main as cli_main
@@ -807,13 +816,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _print_ready(cluster)
             _say()
             with Client(cluster.address) as client:
-                # 1. a 2-node gang and a 4-GPU job, which fit at once
+                # 1. a 2-node gang, a 4-GPU job and partial GPUs (a MIG instance, two quarter-GPU shares): all fit
                 gang = client.submit("gang-2x8", 2, 8, command, env=env)
                 single = client.submit("single-4gpu", 1, 4, command, env=env)
+                mig = client.submit("mig-3g.40gb", 1, 1, command, env=env, mig_profile="3g.40gb")
+                shares = client.submit("shares-2x250m", 2, 1, command, env=env, gpu_milli=250)
                 _say(f"Submitted {gang.name} ({gang.id}): 2 replicas x 8 GPUs, one process per GPU")
                 _say(f"Submitted {single.name} ({single.id}): 1 replica x 4 GPUs")
+                _say(f"Submitted {mig.name} ({mig.id}): 1 MIG instance of profile 3g.40gb")
+                _say(f"Submitted {shares.name} ({shares.id}): 2 replicas x 250/1000 of a GPU (MPS shares)")
                 shown: set[str] = set()
-                for job_id in (gang.id, single.id):
+                for job_id in (gang.id, single.id, mig.id, shares.id):
                     job = client.wait(job_id, ["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"], timeout=60)
                     if job.allocations:
                         _describe_placement(job)
@@ -836,10 +849,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 else:
                     _say(f"  {big.name} is {big.state.value}: {big.message}")
                 _say()
-                _say("Watching until all three jobs finish:")
-                ids = [gang.id, single.id, big.id]
-                last: dict[str, JobState] = {gang.id: JobState.RUNNING, single.id: JobState.RUNNING,
-                                             big.id: big.state}
+                ids = [gang.id, single.id, mig.id, shares.id, big.id]
+                _say(f"Watching until all {len(ids)} jobs finish:")
+                last: dict[str, JobState] = {i: JobState.RUNNING for i in ids[:-1]}
+                last[big.id] = big.state
                 final: dict[str, object] = {}
                 stream = client.watch(ids, timeout=args.job_timeout)
                 try:
@@ -873,7 +886,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _say(f"\n$ phalanx --scheduler {cluster.address} jobs")
             cli_main.main(["--scheduler", cluster.address, "jobs"])
             _say()
-            _say("All three jobs SUCCEEDED." if ok else "Not every job SUCCEEDED; see the logs under "
+            _say(f"All {len(ids)} jobs SUCCEEDED." if ok else "Not every job SUCCEEDED; see the logs under "
                  f"{cluster.logs_dir} and {cluster.state_dir / 'agents'}")
             if args.keep:
                 _say(f"\nThe cluster keeps running (--keep): export PHALANX_SCHEDULER={cluster.address} and try "
@@ -932,10 +945,10 @@ def register(subparsers) -> None:
     up.set_defaults(func=cmd_cluster_up)
 
     demo = subparsers.add_parser(
-        "demo", help="start a local cluster of 8 simulated nodes and run three jobs through it",
+        "demo", help="start a local cluster of 8 simulated nodes and run five jobs through it",
         description="Start a local cluster (SQLite, simulated dgx-h100 nodes), submit a 2 x 8 gang, a 4-GPU job "
                     "and a gang as large as the cluster (which waits, holding nothing), and report what "
-                    "happens. Exits 0 when all three jobs SUCCEEDED. The state directory is wiped first.",
+                    "happens. Exits 0 when all five jobs SUCCEEDED. The state directory is wiped first.",
     )
     _add_common(demo, nodes=8, state_dir=DEFAULT_DEMO_STATE_DIR)
     demo.add_argument("--keep", action="store_true", help="keep the cluster running afterwards, until Ctrl-C")
