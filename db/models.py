@@ -62,6 +62,27 @@ class Node(Base):
     # Assignment revisions are per node; bumping this row serialises them in commit order.
     revision: Mapped[int] = mapped_column(BigInteger, default=0)
     acked_revision: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Health from the agent's heartbeats (services/node_agent/health.py): HEALTHY, DEGRADED or FATAL, and
+    # {"reason": "...", "gpus": {"3": {"state": "FATAL", "reasons": ["XID 79: ..."]}}} (only GPUs not HEALTHY).
+    # Written only when it changes. A FATAL GPU is out of placement; a FATAL node is unschedulable.
+    health: Mapped[str] = mapped_column(String(16), default="HEALTHY", server_default="HEALTHY")
+    health_detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class NodeEvent(Base):
+    """A health event an agent reported (an XID, ECC errors, a lost GPU, ...), kept for operators."""
+
+    __tablename__ = "node_events"
+    __table_args__ = (Index(None, "node_id", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    at: Mapped[float] = mapped_column()
+    gpu: Mapped[int] = mapped_column(Integer, default=-1)  # -1: the node
+    severity: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[str] = mapped_column(String(32))
+    code: Mapped[int] = mapped_column(BigInteger, default=0)
+    reason: Mapped[str] = mapped_column(Text, default="")
 
 
 class Gpu(Base):

@@ -8,16 +8,16 @@ the real placement rules and records the calls made.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pynvml
 import pytest
 
 from phalanx.api.v1 import agent_pb2, common_pb2
+from phalanx.testing.fake_nvml import GI_PROFILES, FakeGpu
+from phalanx.testing.fake_nvml import FakeNvml as SharedFakeNvml
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.mig_manager import (
@@ -453,148 +453,29 @@ async def test_restart_keeps_instances_of_adopted_ranks(fake, agents, tmp_path):
 # ------------------------------------------------------------------------------------------------ NVML backend
 
 
-# H100 80GB GPU instance profile ids, as `nvidia-smi mig -lgip` shows them.
-_GI_IDS = {pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, 1, 1, [0, 1, 2, 3, 4, 5, 6]),
-           pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, 1, 2, [0, 2, 4, 6]),
-           pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE: (14, 2, 2, [0, 2, 4]),
-           pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE: (9, 3, 4, [0, 4]),
-           pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE: (5, 4, 4, [0]),
-           pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, 7, 8, [0])}
-
-
-class FakeNvml:
-    """A stand-in for the pynvml module: one H100 per index, MIG state with NVML's placement rules."""
-
-    NVMLError = pynvml.NVMLError
-    c_nvmlGpuInstance_t = ctypes.c_int
-    c_nvmlComputeInstance_t = ctypes.c_int
-    c_nvmlGpuInstancePlacement_t = pynvml.c_nvmlGpuInstancePlacement_t
+class FakeNvml(SharedFakeNvml):
+    """The shared fake NVML (phalanx.testing.fake_nvml) with `gpus` H100s whose MIG mode is `mig_mode`
+    ([current, pending]); `add` makes an instance by NVML profile id, as an administrator would."""
 
     def __init__(self, gpus: int = 2, mig_mode=(1, 1)) -> None:
-        for name in dir(pynvml):
-            if name.startswith("NVML_"):
-                setattr(self, name, getattr(pynvml, name))
-        self.mode = {i: list(mig_mode) for i in range(gpus)}
-        self.gis: dict[int, dict] = {}  # handle -> {gpu, id, pid, start, size, cis: [handles]}
-        self.calls: list[tuple] = []
-        self._next = 1
-        self.init_error = False
+        super().__init__([
+            FakeGpu(i, f"GPU-fake-{i}", H100[0], H100[1], f"00000000:{0x18 + i:02X}:00.0", mig_capable=True,
+                    mig_mode=list(mig_mode))
+            for i in range(gpus)
+        ])
 
-    def _err(self, code):
-        return pynvml.NVMLError(code)
+    def add(self, gpu: int, pid: int, start: int, size: int, ci: bool = True) -> int:
+        profile = next(k for k, v in GI_PROFILES.items() if v[0] == pid and v[2] == size)
+        return self.add_mig_instance(gpu, profile, start, ci=ci)
 
-    def nvmlInit(self):
-        if self.init_error:
-            raise self._err(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
 
-    def nvmlDeviceGetHandleByIndex(self, i):
-        if i not in self.mode:
-            raise self._err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return ("gpu", i)
-
-    def nvmlDeviceGetMigMode(self, h):
-        return list(self.mode[h[1]])
-
-    def nvmlDeviceGetGpuInstanceProfileInfo(self, h, profile, version=2):
-        pid, compute, size, _ = _GI_IDS[profile]
-        return SimpleNamespace(id=pid, sliceCount=compute, instanceCount=7 // compute if size > 1 else 7,
-                               memorySizeMB=size * 10 * 1024)
-
-    def _by_pid(self, pid):
-        return next(v for v in _GI_IDS.values() if v[0] == pid)
-
-    def nvmlDeviceGetGpuInstances(self, h, pid, array, count_ref):
-        found = [k for k, g in self.gis.items() if g["gpu"] == h[1] and g["pid"] == pid]
-        for i, k in enumerate(found):
-            array[i] = k
-        count_ref._obj.value = len(found)
-
-    def nvmlGpuInstanceGetInfo(self, gi):
-        g = self.gis[gi]
-        return SimpleNamespace(id=g["id"], profileId=g["pid"], placement=SimpleNamespace(start=g["start"],
-                                                                                         size=g["size"]))
-
-    def nvmlDeviceCreateGpuInstanceWithPlacement(self, h, pid, placement_ref):
-        p = placement_ref._obj
-        start, size = int(p.start), int(p.size)
-        self.calls.append(("create_gi", h[1], pid, start, size))
-        _, _, psize, starts = self._by_pid(pid)
-        if size != psize or start not in starts:
-            raise self._err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        mask = ((1 << size) - 1) << start
-        for g in self.gis.values():
-            if g["gpu"] == h[1] and (((1 << g["size"]) - 1) << g["start"]) & mask:
-                raise self._err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-        used = {g["id"] for g in self.gis.values() if g["gpu"] == h[1]}
-        gi_id = next(n for n in range(1, 15) if n not in used)
-        handle = self._next
-        self._next += 1
-        self.gis[handle] = {"gpu": h[1], "id": gi_id, "pid": pid, "start": start, "size": size, "cis": []}
-        return handle
-
-    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, gi, profile, eng):
-        assert eng == pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-        return SimpleNamespace(id=100 + profile, instanceCount=1)
-
-    def nvmlGpuInstanceGetComputeInstances(self, gi, ci_pid, array, count_ref):
-        cis = [c for c, p in self.gis[gi]["cis"] if p == ci_pid]
-        for i, c in enumerate(cis):
-            array[i] = c
-        count_ref._obj.value = len(cis)
-
-    def nvmlGpuInstanceCreateComputeInstance(self, gi, ci_pid):
-        self.calls.append(("create_ci", self.gis[gi]["gpu"], self.gis[gi]["id"], ci_pid))
-        handle = 1000 + self._next
-        self._next += 1
-        self.gis[gi]["cis"].append((handle, ci_pid))
-        return handle
-
-    def nvmlComputeInstanceDestroy(self, ci):
-        for g in self.gis.values():
-            for c in list(g["cis"]):
-                if c[0] == ci:
-                    g["cis"].remove(c)
-                    self.calls.append(("destroy_ci", g["gpu"], g["id"]))
-                    return
-        raise self._err(pynvml.NVML_ERROR_NOT_FOUND)
-
-    def nvmlGpuInstanceDestroy(self, gi):
-        g = self.gis[gi]
-        if g["cis"]:
-            raise self._err(pynvml.NVML_ERROR_IN_USE)
-        self.calls.append(("destroy_gi", g["gpu"], g["id"]))
-        del self.gis[gi]
-
-    def _mig_devices(self, gpu):
-        return sorted((g["id"] for g in self.gis.values() if g["gpu"] == gpu and g["cis"]))
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, h):
-        return 7
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, h, index):
-        devices = self._mig_devices(h[1])
-        if index >= len(devices):
-            raise self._err(pynvml.NVML_ERROR_NOT_FOUND)
-        return ("mig", h[1], devices[index])
-
-    def nvmlDeviceGetGpuInstanceId(self, mig):
-        return mig[2]
-
-    def nvmlDeviceGetUUID(self, mig):
-        return f"MIG-nvml-{mig[1]}-{mig[2]}".encode()
-
-    def add(self, gpu, pid, start, size, ci=True):
-        """An instance made outside the agent (e.g. by an administrator)."""
-        gi = self.nvmlDeviceCreateGpuInstanceWithPlacement(
-            ("gpu", gpu), pid, ctypes.byref(pynvml.c_nvmlGpuInstancePlacement_t(start, size)))
-        if ci:
-            self.nvmlGpuInstanceCreateComputeInstance(gi, 100 + pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE)
-        self.calls.clear()
-        return self.gis[gi]["id"]
+def mig_uuid(nv: FakeNvml, gpu: int, gi_id: int) -> str:
+    """The MIG device UUID the fake NVML gives GPU instance `gi_id` of GPU `gpu`."""
+    return nv.nvmlDeviceGetUUID(("mig", gpu, gi_id))
 
 
 def nvml_backend(nv: FakeNvml) -> NvmlMigBackend:
-    return NvmlMigBackend({i: H100 for i in nv.mode}, nvml=nv)
+    return NvmlMigBackend({g.index: H100 for g in nv.gpus}, nvml=nv)
 
 
 def test_nvml_creates_with_placement_when_missing():
@@ -603,23 +484,23 @@ def test_nvml_creates_with_placement_when_missing():
     u = b.ensure_instance(1, "3g.40gb", 4, 4)
     assert nv.calls == [("create_gi", 1, 9, 4, 4),
                         ("create_ci", 1, 1, 100 + pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)]
-    assert u == "MIG-nvml-1-1"
+    assert u == mig_uuid(nv, 1, 1)
     u_small = b.ensure_instance(1, "1g.10gb", 0, 1)
-    assert nv.calls[-2] == ("create_gi", 1, 19, 0, 1) and u_small == "MIG-nvml-1-2"
+    assert nv.calls[-2] == ("create_gi", 1, 19, 0, 1) and u_small == mig_uuid(nv, 1, 2)
     u_large = b.ensure_instance(1, "1g.20gb", 2, 2)  # 1g with 2 memory slices: the REV2 profile
-    assert nv.calls[-2] == ("create_gi", 1, 15, 2, 2) and u_large == "MIG-nvml-1-3"
+    assert nv.calls[-2] == ("create_gi", 1, 15, 2, 2) and u_large == mig_uuid(nv, 1, 3)
     assert [(i.profile, i.start, i.size, i.uuid) for i in b.list_instances(1)] == [
-        ("1g.10gb", 0, 1, "MIG-nvml-1-2"), ("1g.20gb", 2, 2, "MIG-nvml-1-3"), ("3g.40gb", 4, 4, "MIG-nvml-1-1")]
+        ("1g.10gb", 0, 1, mig_uuid(nv, 1, 2)), ("1g.20gb", 2, 2, mig_uuid(nv, 1, 3)), ("3g.40gb", 4, 4, mig_uuid(nv, 1, 1))]
 
 
 def test_nvml_reuses_an_instance_that_is_there():
     nv = FakeNvml()
     gi_id = nv.add(0, 5, 0, 4)  # a 4g.40gb with its compute instance
     b = nvml_backend(nv)
-    assert b.ensure_instance(0, "4g.40gb", 0, 4) == f"MIG-nvml-0-{gi_id}"
+    assert b.ensure_instance(0, "4g.40gb", 0, 4) == mig_uuid(nv, 0, gi_id)
     assert nv.calls == []
     bare = nv.add(0, 9, 4, 4, ci=False)  # a GPU instance without compute instance: only that is made
-    assert b.ensure_instance(0, "3g.40gb", 4, 4) == f"MIG-nvml-0-{bare}"
+    assert b.ensure_instance(0, "3g.40gb", 4, 4) == mig_uuid(nv, 0, bare)
     assert [c[0] for c in nv.calls] == ["create_ci"]
 
 
@@ -638,7 +519,7 @@ def test_nvml_refuses_when_mig_mode_is_off_or_placement_taken():
     with pytest.raises(MigError, match="cannot create"):
         nvml_backend(FakeNvml()).ensure_instance(0, "3g.40gb", 2, 4)
     broken = FakeNvml()
-    broken.init_error = True
+    broken.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
     with pytest.raises(MigError, match="cannot initialise NVML"):
         nvml_backend(broken).ensure_instance(0, "3g.40gb", 0, 4)
 
@@ -658,12 +539,12 @@ def test_nvml_manager_reconfigures_through_nvml():
     nv = FakeNvml()
     nv.add(0, 0, 0, 8)  # a 7g.80gb nobody of ours uses
     topo = agent_pb2.HostTopology(profile="nvml")
-    for i in nv.mode:
+    for i in range(len(nv.gpus)):
         topo.gpus.append(agent_pb2.GpuInfo(index=i, name=H100[0], memory_mib=H100[1]))
     m = MigManager(nvml_backend(nv), topo)
     got = m.acquire("j/1/0", [sl(0, "3g.40gb", 4, 4)])
     assert [c[0] for c in nv.calls] == ["destroy_ci", "destroy_gi", "create_gi", "create_ci"]
-    assert got[0]["uuid"].startswith("MIG-nvml-0-") and got[0]["created"]
+    assert got[0]["uuid"] in {mig_uuid(nv, 0, gi) for gi in range(1, 8)} and got[0]["created"]
     assert m.release("j/1/0", got) == [(0, 4, 4)] and nv.gis == {}
 
 
@@ -674,9 +555,9 @@ async def test_agent_with_nvml_backend_mig_off_fails_the_start(fake, agents, tmp
                                   "slices": [(0, "1g.10gb", 0, 1)]}])
     await until(lambda: failed(fake, "nomig"), what="FAILED_TO_START")
     assert "MIG mode is not enabled on GPU 0" in failed(fake, "nomig").message
-    nv.mode[0] = [1, 1]
+    nv.gpus[0].mig_mode = [1, 1]
     launch(fake, 2, "mig", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "mig", 0),
                                 "slices": [(0, "1g.10gb", 0, 1)]}])
     await until(lambda: fake.report("mig", 0, S.RANK_STATE_EXITED), what="EXITED")
-    assert env_of(tmp_path, "mig", 0)["CUDA_VISIBLE_DEVICES"] == "MIG-nvml-0-1"
+    assert env_of(tmp_path, "mig", 0)["CUDA_VISIBLE_DEVICES"] == mig_uuid(nv, 0, 1)
     await until(lambda: nv.gis == {}, what="instance destroyed")

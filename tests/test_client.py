@@ -264,7 +264,8 @@ def test_node_from_proto_and_to_dict():
     assert {"name", "gpus", "free_gpus", "state"} <= set(d)
     assert d == {"name": "n1", "gpus": 8, "free_gpus": 0, "state": "LOST", "profile": "", "gpu_model": "",
                  "fabric_path": ["leaf1", "spine0"], "message": "lease expired", "last_heartbeat": 0.0,
-                 "address": "", "shared_gpus": 0}
+                 "address": "", "shared_gpus": 0, "health": "UNSPECIFIED", "health_reason": "",
+                 "unhealthy_gpus": {}}
 
 
 # -- the API against the fake ------------------------------------------------------------------------------------

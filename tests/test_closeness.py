@@ -203,7 +203,7 @@ def test_large_nodes_fall_back_to_the_index_order():
 
 
 def test_replicas_on_one_node_each_get_a_close_slice():
-    c, numa = _closeness("pcie-2numa"), _numa("pcie-2numa")
+    c = _closeness("pcie-2numa")
     cap = ClusterCapacity([NodeCapacity("n0", 8, {1, 2, 3, 4, 5, 6}, True, (), c)])
     result = place_gang(cap, GangRequest("j", 2, 2))
     assert not isinstance(result, Unplaceable)

@@ -95,7 +95,10 @@ def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
 
 
 def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
-    """The ``phalanx nodes`` table: NAME STATE GPUS FREE MODEL PROFILE FABRIC HEARTBEAT MESSAGE."""
+    """The ``phalanx nodes`` table: NAME STATE GPUS FREE HEALTH MODEL PROFILE FABRIC HEARTBEAT MESSAGE.
+
+    MESSAGE says why: the state's message (e.g. why a node is LOST), then the health reason of a node that is not
+    HEALTHY (e.g. ``GPU 3: XID 79: GPU has fallen off the bus``)."""
     now = time.time() if now is None else now
     rows = [
         (
@@ -103,15 +106,17 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
             n.state.value,
             n.gpus,
             n.free_gpus,
+            n.health if n.health not in ("", "UNSPECIFIED") else "-",
             n.gpu_model or "-",
             n.profile or "-",
             "/".join(n.fabric_path) or "-",
             format_age(now - n.last_heartbeat) if n.last_heartbeat else "-",
-            n.message,
+            "; ".join(m for m in (n.message, n.health_reason if n.health not in ("HEALTHY", "") else "") if m),
         )
         for n in nodes
     ]
-    return table(["NAME", "STATE", "GPUS", "FREE", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"], rows)
+    return table(["NAME", "STATE", "GPUS", "FREE", "HEALTH", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"],
+                 rows)
 
 
 def _gang(job: Job) -> str:

@@ -266,6 +266,14 @@ class Node:
     last_heartbeat: float = 0.0
     address: str = ""
     shared_gpus: int = 0  # GPUs split into MIG instances or fractional shares
+    health: str = "HEALTHY"  # HEALTHY, DEGRADED or FATAL (UNSPECIFIED from a scheduler without health)
+    health_reason: str = ""  # e.g. "GPU 3: XID 79: GPU has fallen off the bus"
+    # GPUs that are not HEALTHY: index -> {"state": "FATAL", "reasons": [...]}; FATAL ones take no new work
+    unhealthy_gpus: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def fatal_gpus(self) -> list[int]:
+        return sorted(i for i, g in self.unhealthy_gpus.items() if g.get("state") == "FATAL")
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Node) -> Node:
@@ -282,6 +290,10 @@ class Node:
             last_heartbeat=float(msg.last_heartbeat),
             address=msg.address,
             shared_gpus=int(msg.shared_gpus),
+            health=common_pb2.HealthState.Name(msg.health.state).removeprefix("HEALTH_STATE_"),
+            health_reason=msg.health.reason,
+            unhealthy_gpus={int(g.index): {"state": common_pb2.HealthState.Name(g.state).removeprefix("HEALTH_STATE_"),
+                                           "reasons": list(g.reasons)} for g in msg.health.gpus},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -298,6 +310,9 @@ class Node:
             "last_heartbeat": self.last_heartbeat,
             "address": self.address,
             "shared_gpus": self.shared_gpus,
+            "health": self.health,
+            "health_reason": self.health_reason,
+            "unhealthy_gpus": {str(i): dict(g) for i, g in sorted(self.unhealthy_gpus.items())},
         }
 
 

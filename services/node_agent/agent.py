@@ -14,12 +14,16 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 - The connection is retried with exponential backoff and jitter (capped at backoff_cap_s).
 - After a restart the agent adopts ranks whose wrapper process is still alive (same pid and start time) and
   reports the others EXITED (exit code from the wrapper's status file) or LOST.
-- request_stop(): stop taking work, kill running ranks (KILLED), flush reports, return.
+- request_stop() (SIGTERM/SIGINT in the CLI) drains: stop taking work, tell the scheduler (a heartbeat with
+  `draining`: the node becomes DRAINED, out of placement), kill running ranks (KILLED), flush reports, return.
 - Partial GPUs: a rank with MIG `slices` starts once its MIG instances exist (found or created through the
   MigManager, mig_manager.py: NVML on a discovered host, a fake with the real profile rules on a simulated one),
   with CUDA_VISIBLE_DEVICES = their MIG device UUIDs; an instance this agent created is destroyed when the last rank
   using it ends (an adopted rank's instances are kept while it runs). A rank with `gpu_milli` gets the MPS client
   limits for that share (launcher.fractional_env). A MIG failure fails that rank's start (FAILED_TO_START).
+- Health (health.py): before every heartbeat the HealthMonitor checks its source (NVML on a discovered host; the
+  simulated source, fed by `<state_dir>/health.json` or `health_source.inject()`, on a simulated one); the
+  heartbeat carries the node's health and the events since the last answered heartbeat (kept until one is).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from prometheus_client import Gauge
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from . import launcher
+from .health import HealthMonitor, NodeHealth, NvmlHealthSource, SimulatedHealthSource, event_to_proto, health_to_proto
 from .mig_manager import MigBackend, MigError, MigManager, backend_for
 from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key
 
@@ -90,6 +95,9 @@ class AgentConfig:
     flush_timeout_s: float = 5.0           # at shutdown, for queued reports
     default_heartbeat_ms: int = 1000
     mig_backend: MigBackend | None = None  # default: NVML for a discovered host, the fake for a simulated one
+    health_source: object | None = None    # default: NVML for a discovered host, SimulatedHealthSource otherwise
+    health_enabled: bool = True            # False: heartbeats carry no health (the scheduler keeps what it has)
+    ecc_sbe_threshold: int = 100           # corrected ECC errors above which a GPU is DEGRADED
     extra: dict = field(default_factory=dict)
 
     def resolved_state_dir(self) -> Path:
@@ -137,6 +145,13 @@ class NodeAgent:
         self._attempt = 0
         self.registrations = 0                 # successful RegisterNode calls (for tests / introspection)
         self.heartbeat_interval_ms = config.default_heartbeat_ms
+        # Health: the simulated source exists at once (tests inject into it); NVML's is opened in run().
+        self.health_source = config.health_source
+        if self.health_source is None and config.topology.profile != "nvml":
+            self.health_source = SimulatedHealthSource(self.state_dir / "health.json")
+        self.health_monitor: HealthMonitor | None = None
+        self.health = NodeHealth()
+        self._health_events: list = []          # events not yet carried by an answered heartbeat
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -147,13 +162,17 @@ class NodeAgent:
         self.log.info("agent_starting", scheduler=self.config.scheduler, state_dir=str(self.state_dir),
                       acked_revision=self.state.acked_revision, gpus=len(self.config.topology.gpus))
         try:
+            await self._open_health()
             self._adopt()
             self._reporter = asyncio.create_task(self._report_loop(), name="reporter")
             if self.mig.mig_gpus():
                 self._spawn_task(self._log_mig_instances())
             await self._supervise()
+            await self._announce_drain()
             await self._shutdown()
         finally:
+            if self.health_monitor is not None:
+                await asyncio.to_thread(self.health_monitor.close)
             self._lock.release()
         self.log.info("agent_stopped")
 
@@ -253,13 +272,41 @@ class NodeAgent:
             await asyncio.gather(*tasks, return_exceptions=True)
             await channel.close(grace=None)
 
+    async def _open_health(self) -> None:
+        if not self.config.health_enabled:
+            return
+        if self.health_source is None:
+            self.health_source = await asyncio.to_thread(NvmlHealthSource)
+        self.health_monitor = HealthMonitor(self.health_source, len(self.config.topology.gpus),
+                                            sbe_threshold=self.config.ecc_sbe_threshold)
+
+    async def check_health(self) -> None:
+        """Poll the health source once; new events queue for the next heartbeat."""
+        if self.health_monitor is None:
+            return
+        try:
+            health, events = await asyncio.to_thread(self.health_monitor.check)
+        except Exception as exc:  # noqa: BLE001 - a broken monitor must not stop heartbeats
+            self.log.warning("health_check_failed", error=repr(exc))
+            return
+        if health.signature() != self.health.signature():
+            self.log.warning("health_changed", state=health.state, reason=health.reason, was=self.health.state)
+        for e in events:
+            self.log.info("health_event", gpu=e.gpu, severity=e.severity, kind=e.kind, code=e.code, reason=e.reason)
+        self.health = health
+        self._health_events += events
+
     async def _heartbeat_loop(self, stub) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval_ms / 1000)
-            resp = await stub.Heartbeat(
-                agent_pb2.HeartbeatRequest(node_name=self.node_name, agent_instance=self.instance),
-                timeout=self.config.rpc_timeout_s,
-            )
+            await self.check_health()
+            req = agent_pb2.HeartbeatRequest(node_name=self.node_name, agent_instance=self.instance)
+            sent = list(self._health_events)
+            if self.health_monitor is not None:
+                req.health.CopyFrom(health_to_proto(self.health))
+                req.events.extend(event_to_proto(e) for e in sent)
+            resp = await stub.Heartbeat(req, timeout=self.config.rpc_timeout_s)
+            del self._health_events[:len(sent)]
             if resp.reregister:
                 raise _Reregister()
 
@@ -642,6 +689,22 @@ class NodeAgent:
                     self._spawn_task(self._kill_rank(rec, "attempt superseded (stale)"))
 
     # ---------------------------------------------------------------- shutdown
+
+    async def _announce_drain(self) -> None:
+        """Tell the scheduler this node takes no more work (a heartbeat with `draining`), best effort."""
+        if self.registrations == 0:
+            return
+        channel = grpc.aio.insecure_channel(self.config.scheduler, options=CHANNEL_OPTIONS)
+        try:
+            req = agent_pb2.HeartbeatRequest(node_name=self.node_name, agent_instance=self.instance, draining=True)
+            if self.health_monitor is not None:
+                req.health.CopyFrom(health_to_proto(self.health))
+            await agent_pb2_grpc.NodeServiceStub(channel).Heartbeat(req, timeout=min(2.0, self.config.rpc_timeout_s))
+            self.log.info("drain_announced")
+        except Exception as exc:  # noqa: BLE001 - the lease covers a scheduler we cannot reach
+            self.log.warning("drain_not_announced", error=repr(exc)[:200])
+        finally:
+            await channel.close(grace=None)
 
     async def _shutdown(self) -> None:
         live = [r for r in self.state.ranks.values() if not r.final]

@@ -5,8 +5,12 @@
     phalanx-agent --discover                                     # real GPUs through NVML
 
 Environment fallbacks: PHALANX_SCHEDULER, PHALANX_NODE_NAME, PHALANX_STATE_DIR, PHALANX_AGENT_ADDRESS,
-PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLIQUE (its clique). Logs go to
-standard error; --discover writes its result on standard output.
+PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLIQUE (its clique),
+PHALANX_ECC_SBE_THRESHOLD. Logs go to standard error; --discover writes its result on standard output.
+
+Configuration file: `--config FILE` (or PHALANX_AGENT_CONFIG), YAML with the flags' names as keys (`node-name` or
+`node_name`), e.g. `scheduler: sched:50051`, `kill-grace: 10`, `health: false`. Precedence: flags, then environment
+variables, then the file, then the defaults.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from phalanx.api.v1 import agent_pb2
 from phalanx.profiles import UnknownProfile, list_profiles
@@ -31,30 +36,111 @@ from .simulated import simulated_topology
 from .topology import render_topology, topology_to_json
 
 
-def build_parser() -> argparse.ArgumentParser:
+CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
+    "scheduler": ("scheduler", "PHALANX_SCHEDULER"),
+    "node-name": ("node_name", "PHALANX_NODE_NAME"),
+    "simulate": ("simulate", None),
+    "simulate-from": ("simulate_from", None),
+    "address": ("address", "PHALANX_AGENT_ADDRESS"),
+    "state-dir": ("state_dir", "PHALANX_STATE_DIR"),
+    "metrics-port": ("metrics_port", None),
+    "kill-grace": ("kill_grace", None),
+    "fabric-clique": ("fabric_clique", "PHALANX_FABRIC_CLIQUE"),
+    "log-level": ("log_level", None),
+    "health": ("health", None),
+    "ecc-sbe-threshold": ("ecc_sbe_threshold", "PHALANX_ECC_SBE_THRESHOLD"),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | None) -> dict[str, Any]:
+    """The YAML configuration file as {argparse dest: value}; {} without a file."""
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the configuration file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("_", "-")
+        if name not in CONFIG_KEYS:
+            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(sorted(CONFIG_KEYS))})")
+        out[CONFIG_KEYS[name][0]] = value
+    return out
+
+
+def _default(file: dict[str, Any], key: str, fallback: Any = None) -> Any:
+    """Environment, then the configuration file, then the built-in default."""
+    dest, env = CONFIG_KEYS[key]
+    if env and os.environ.get(env) not in (None, ""):
+        return os.environ[env]
+    return file.get(dest, fallback)
+
+
+def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    file = file or {}
     p = argparse.ArgumentParser(prog="phalanx-agent", description="Phalanx node agent")
-    p.add_argument("--scheduler", default=os.environ.get("PHALANX_SCHEDULER"),
+    p.add_argument("--config", metavar="FILE", default=os.environ.get("PHALANX_AGENT_CONFIG"),
+                   help="YAML configuration file with the flags' names as keys (env PHALANX_AGENT_CONFIG); "
+                        "flags override the environment, which overrides the file")
+    p.add_argument("--scheduler", default=_default(file, "scheduler"),
                    help="scheduler address host:port (env PHALANX_SCHEDULER)")
-    p.add_argument("--node-name", default=os.environ.get("PHALANX_NODE_NAME"),
+    p.add_argument("--node-name", default=_default(file, "node-name"),
                    help="this node's name (env PHALANX_NODE_NAME; default: the host name)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--simulate", metavar="PROFILE",
+    src.add_argument("--simulate", metavar="PROFILE", default=_default(file, "simulate"),
                      help=f"simulate a host from a shipped profile ({', '.join(list_profiles())})")
-    src.add_argument("--simulate-from", metavar="DUMPFILE",
+    src.add_argument("--simulate-from", metavar="DUMPFILE", default=_default(file, "simulate-from"),
                      help="simulate a host from a `nvidia-smi topo -m` dump or profile file")
-    p.add_argument("--address", default=os.environ.get("PHALANX_AGENT_ADDRESS", "127.0.0.1"),
+    p.add_argument("--address", default=_default(file, "address", "127.0.0.1"),
                    help="address ranks use to reach this host (default 127.0.0.1)")
-    p.add_argument("--state-dir", default=os.environ.get("PHALANX_STATE_DIR"),
+    p.add_argument("--state-dir", default=_default(file, "state-dir"),
                    help="state directory (env PHALANX_STATE_DIR; default $PHALANX_HOME/agents/<node-name>, PHALANX_HOME defaulting to .phalanx)")
-    p.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
-    p.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a rank")
-    p.add_argument("--fabric-clique", default=os.environ.get("PHALANX_FABRIC_CLIQUE", ""), metavar="ID",
+    p.add_argument("--metrics-port", type=int, default=_default(file, "metrics-port"),
+                   help="expose Prometheus /metrics on this port")
+    p.add_argument("--kill-grace", type=float, default=_default(file, "kill-grace", 5.0),
+                   help="seconds between SIGTERM and SIGKILL of a rank")
+    p.add_argument("--health", action=argparse.BooleanOptionalAction, default=_default(file, "health", True),
+                   help="monitor GPU health (XID events, ECC, lost GPUs, NVLinks, throttling) and send it with the "
+                        "heartbeats (default on; NVML on a real host, <state-dir>/health.json when simulated)")
+    p.add_argument("--ecc-sbe-threshold", type=int, default=_default(file, "ecc-sbe-threshold", 100), metavar="N",
+                   help="corrected (single-bit) volatile ECC errors above which a GPU is DEGRADED "
+                        "(env PHALANX_ECC_SBE_THRESHOLD; default 100)")
+    p.add_argument("--fabric-clique", default=_default(file, "fabric-clique", ""), metavar="ID",
                    help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
                         "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)")
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
-    p.add_argument("--log-level", default=None)
+    p.add_argument("--log-level", default=_default(file, "log-level"))
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags > environment > configuration file > defaults."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=os.environ.get("PHALANX_AGENT_CONFIG"))
+    known, _ = pre.parse_known_args(argv)
+    try:
+        file = load_config(known.config)
+    except ConfigError as exc:
+        build_parser().error(str(exc))
+    if file.get("simulate") and file.get("simulate_from"):
+        build_parser().error("the configuration file gives both simulate and simulate-from")
+    args = build_parser(file).parse_args(argv)
+    if args.simulate and args.simulate_from:  # one from the file, the other from a flag: the flag wins
+        if "simulate" in file:
+            args.simulate = None
+        else:
+            args.simulate_from = None
+    return args
 
 
 def build_topology(args, node_name: str) -> agent_pb2.HostTopology:
@@ -69,7 +155,7 @@ def build_topology(args, node_name: str) -> agent_pb2.HostTopology:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     log = configure_logging("node-agent", args.log_level)
     node_name = args.node_name or socket.gethostname()
     try:
@@ -100,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=Path(args.state_dir) if args.state_dir else None,
         address=args.address,
         kill_grace_s=args.kill_grace,
+        health_enabled=_truthy(args.health),
+        ecc_sbe_threshold=int(args.ecc_sbe_threshold),
     )
     agent = NodeAgent(config)
 
@@ -116,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("exit", code=0)
     return 0
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Simulated hosts: a HostTopology from a shipped profile (phalanx.profiles) or any `nvidia-smi topo -m` file.
 
 GPU UUIDs are deterministic (derived from node name + GPU index), so a restarted simulated agent reports the
-same GPUs and two simulated nodes never share one.
+same GPUs and two simulated nodes never share one. The compute capability follows the GPU model; MIG mode is left
+unreported (simulated MIG needs no mode switch). tests/test_fake_nvml_discovery.py checks that this topology is
+the one the production NVML/sysfs discovery finds on a fake host built from the same dump.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from phalanx.api.v1 import agent_pb2
 from phalanx.profiles import HostProfile, load_profile, load_profile_file
+from phalanx.testing.fake_nvml import model_traits
 
 from .topology import topology_from_dump
 
@@ -37,7 +40,7 @@ def topology_from_profile(
         # domain) of it the tray is in: "0" unless given (`phalanx cluster up` gives each rack of 18 its own).
         fabric_cluster_uuid = str(uuid.uuid5(_NAMESPACE, f"fabric/{profile.name}"))
         fabric_clique = fabric_clique or "0"
-    return topology_from_dump(
+    topo = topology_from_dump(
         profile.dump,
         gpu_model=profile.gpu_model,
         memory_mib=profile.memory_mib,
@@ -47,6 +50,11 @@ def topology_from_profile(
         fabric_cluster_uuid=fabric_cluster_uuid,
         fabric_clique=fabric_clique,
     )
+    cc, _ = model_traits(profile.gpu_model)
+    if cc != (0, 0):
+        for g in topo.gpus:
+            g.compute_capability = f"{cc[0]}.{cc[1]}"
+    return topo
 
 
 def simulated_topology(

@@ -5,7 +5,58 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from phalanx.api.v1 import agent_pb2
-from phalanx.core.topo_dump import TopoDump, render_topo
+from phalanx.core.topo_dump import TopoDump, link_rank, render_topo
+
+# A GPU's `nic` is a NIC at most this far from it (PIX or PXB: no host bridge on the way).
+_NIC_RANK = link_rank("PXB")
+
+
+def closest_nics(dump: TopoDump) -> dict[str, str]:
+    """GPU -> its closest NIC among the PIX/PXB ones (none when it has none).
+
+    Rails: GPUs with equally close NICs are matched to them one GPU per NIC, in order, where the layout allows
+    (DGX A100: GPU0 and GPU1 are PXB to NIC0 and NIC1 -> GPU0 gets NIC0, GPU1 NIC1); two GPUs may still share
+    a NIC when it is the only close one.
+    """
+    load = {n: 0 for n in dump.nics}
+    order = {n: i for i, n in enumerate(dump.nics)}
+    result: dict[str, str] = {}
+    for gpu in dump.gpus:
+        best_rank, best = _NIC_RANK - 1, []
+        for nic in dump.nics:
+            cell = dump.cell(gpu, nic)
+            if cell is None:
+                continue
+            r = link_rank(cell)
+            if r < _NIC_RANK:
+                continue
+            if r > best_rank:
+                best_rank, best = r, [nic]
+            elif r == best_rank:
+                best.append(nic)
+        if best:
+            pick = min(best, key=lambda n: (load[n], order[n]))
+            load[pick] += 1
+            result[gpu] = pick
+    return result
+
+
+def nearest_gpus(dump: TopoDump, picked: dict[str, str]) -> dict[str, str]:
+    """NIC -> the first GPU that took it as its `nic`, else its closest PIX/PXB GPU; none otherwise."""
+    result: dict[str, str] = {}
+    for gpu, nic in picked.items():
+        result.setdefault(nic, gpu)
+    for nic in dump.nics:
+        if nic in result:
+            continue
+        best_rank, best = _NIC_RANK - 1, None
+        for gpu in dump.gpus:
+            cell = dump.cell(nic, gpu)
+            if cell is not None and link_rank(cell) > best_rank:
+                best_rank, best = link_rank(cell), gpu
+        if best is not None:
+            result[nic] = best
+    return result
 
 
 def topology_from_dump(
@@ -18,13 +69,17 @@ def topology_from_dump(
     profile: str,
     fabric_cluster_uuid: str = "",
     fabric_clique: str = "",
+    nic_numa: dict[str, int] | None = None,
+    nic_pci_bus_ids: dict[str, str] | None = None,
 ) -> agent_pb2.HostTopology:
-    """Build the proto topology: GPUs (nearest NIC, NUMA node), NICs (device, nearest GPU) and the matrix.
+    """Build the proto topology: GPUs (closest NIC, NUMA node), NICs (device, nearest GPU) and the matrix.
 
     The matrix holds, for each device row in the dump, its cell to every other device (the diagonal is left out).
     """
-    nearest_nic = dump.nearest_nics()
-    nearest_gpu = dump.nearest_gpus()
+    nearest_nic = closest_nics(dump)
+    nearest_gpu = nearest_gpus(dump, nearest_nic)
+    nic_numa = nic_numa or {}
+    nic_pci_bus_ids = nic_pci_bus_ids or {}
     topo = agent_pb2.HostTopology(
         profile=profile, fabric_cluster_uuid=fabric_cluster_uuid, fabric_clique=fabric_clique
     )
@@ -43,7 +98,8 @@ def topology_from_dump(
     for nic in dump.nics:
         g = nearest_gpu.get(nic)
         topo.nics.append(
-            agent_pb2.NicInfo(name=nic, device=dump.nic_device(nic), nearest_gpu=int(g[3:]) if g else -1)
+            agent_pb2.NicInfo(name=nic, device=dump.nic_device(nic), nearest_gpu=int(g[3:]) if g else -1,
+                              numa_node=nic_numa.get(nic, -1), pci_bus_id=nic_pci_bus_ids.get(nic, ""))
         )
     for row in dump.devices:
         cells = {}
@@ -101,10 +157,19 @@ def topology_to_json(topo: agent_pb2.HostTopology) -> dict:
                 "pci_bus_id": g.pci_bus_id,
                 "numa_node": g.numa_node,
                 "nic": g.nic,
+                "compute_capability": g.compute_capability,
+                "mig_mode": agent_pb2.GpuInfo.MigMode.Name(g.mig_mode).removeprefix("MIG_MODE_").lower(),
+                "mig_instances": [
+                    {"profile": m.profile, "start": m.start, "size": m.size, "uuid": m.uuid} for m in g.mig_instances
+                ],
             }
             for g in topo.gpus
         ],
-        "nics": [{"name": n.name, "device": n.device, "nearest_gpu": n.nearest_gpu} for n in topo.nics],
+        "nics": [
+            {"name": n.name, "device": n.device, "nearest_gpu": n.nearest_gpu, "numa_node": n.numa_node,
+             "pci_bus_id": n.pci_bus_id}
+            for n in topo.nics
+        ],
         "matrix": {row: dict(sorted(topo.matrix[row].cells.items())) for row in topo.matrix},
         "fabric_cluster_uuid": topo.fabric_cluster_uuid,
         "fabric_clique": topo.fabric_clique,

@@ -72,9 +72,27 @@ def job_from_record(job: JobRecord) -> common_pb2.Job:
     return job_from_row(job.__dict__, job.allocations, job.partials)
 
 
+_HEALTH = {"HEALTHY": 1, "DEGRADED": 2, "FATAL": 3}
+
+
+def node_health(n: Any) -> common_pb2.NodeHealth:
+    detail = n.get("health_detail") or {}
+    return common_pb2.NodeHealth(
+        state=_HEALTH.get(n.get("health") or "HEALTHY", 0), reason=detail.get("reason", ""),
+        gpus=[common_pb2.GpuHealth(index=int(i), state=_HEALTH.get(g.get("state", ""), 0), reasons=g.get("reasons", []))
+              for i, g in sorted((detail.get("gpus") or {}).items(), key=lambda kv: int(kv[0]))],
+    )
+
+
 def node_from_row(n: Any, used: int, shared: int = 0) -> common_pb2.Node:
+    health = node_health(n)
+    fatal = sum(1 for g in health.gpus if g.state == common_pb2.HEALTH_STATE_FATAL)
     free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
-    return common_pb2.Node(
+    if health.state == common_pb2.HEALTH_STATE_FATAL:
+        free = 0
+    elif fatal:  # a FATAL GPU is not free; it may also be one of the used ones (a gang still running on it)
+        free = max(0, min(free, n["gpus"] - fatal))
+    return common_pb2.Node(health=health,
         name=n["name"], state=NODE_STATES.get(n["state"], common_pb2.NODE_STATE_UNSPECIFIED), gpus=n["gpus"],
         free_gpus=free, profile=n["profile"], gpu_model=n["gpu_model"], fabric_path=list(n["fabric_path"] or ()),
         message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"], shared_gpus=shared,

@@ -318,8 +318,11 @@ class Register(Command):
             agent_instance=self.agent_instance, revision=revision,
             closeness=ledger.node_closeness(self.topology_json),
         )
+        if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
+            node.health, node.health_reason, node.gpu_health = old.health, old.health_reason, old.gpu_health
         state.nodes[self.name] = node
-        if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path:
+        if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path \
+                or node.gpu_health:
             state.rebuild_capacity()  # a new path: the agent reports another NVLink clique
         else:
             state.set_node_schedulable(self.name)
@@ -379,6 +382,68 @@ class RankReport(Command):
         return False
 
 
+HEALTH_NAMES = {1: "HEALTHY", 2: "DEGRADED", 3: "FATAL"}
+
+
+@dataclass
+class HealthReport(Command):
+    """A node's health changed, or it reported health events (from a heartbeat; see SchedulerService.heartbeat).
+
+    FATAL GPUs leave the capacity view at once (the next placement in this very cycle cannot use them) and a FATAL
+    node becomes unschedulable; DEGRADED is recorded and shown only. Running gangs are left alone (tearing them
+    down is the fault-tolerance work). Recovery is the same path: a HEALTHY report puts the GPUs back."""
+
+    name: str
+    health: Any  # common_pb2.NodeHealth, or None when the heartbeat carried only events
+    events: list[Any]
+
+    def execute(self, cycle: Cycle) -> bool:
+        node = cycle.state.nodes.get(self.name)
+        if node is None:
+            return False
+        changed = False
+        if self.health is not None and self.health.state in HEALTH_NAMES:
+            health = HEALTH_NAMES[self.health.state]
+            gpus = {g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons)) for g in self.health.gpus
+                    if g.state in (2, 3)}
+            reason = self.health.reason
+            if (health, reason, gpus) != (node.health, node.health_reason, node.gpu_health):
+                ledger.set_node_health(cycle.conn, node.id, health, reason, gpus)
+                log.warning("node_health_changed", node=node.name, health=health, was=node.health, reason=reason,
+                            fatal_gpus=sorted(i for i, (h, _) in gpus.items() if h == "FATAL"))
+                was_fatal = node.fatal_gpus
+                node.health, node.health_reason, node.gpu_health = health, reason, gpus
+                if node.fatal_gpus != was_fatal:
+                    cycle.state.rebuild_capacity()
+                else:
+                    cycle.state.set_node_schedulable(node.name)
+                changed = True
+        events = [dict(at=e.at or cycle.now, gpu=e.gpu, severity=HEALTH_NAMES.get(e.severity, "HEALTHY"),
+                       kind=e.kind[:32], code=e.code, reason=e.reason) for e in self.events]
+        ledger.add_node_events(cycle.conn, node.id, events)
+        return changed
+
+
+@dataclass
+class Drain(Command):
+    """The node's agent is stopping (SIGTERM): DRAINED, out of placement at once. Its ranks are killed and
+    reported by the agent (and requeued here as usual); registering again makes the node READY. If the agent never
+    comes back, the lease still expires and the node becomes LOST."""
+
+    name: str
+    message: str
+
+    def execute(self, cycle: Cycle) -> bool:
+        node = cycle.state.nodes.get(self.name)
+        if node is None or node.state != "READY":
+            return False
+        ledger.set_node_state(cycle.conn, node.id, "DRAINED", self.message)
+        node.state = "DRAINED"
+        cycle.state.set_node_schedulable(node.name)
+        log.info("node_drained", node=node.name, reason=self.message)
+        return True
+
+
 # ---- transitions ------------------------------------------------------------------------------------------------
 
 def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, message: str, exit_code: int = 0,
@@ -398,6 +463,7 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
     ledger.release_allocations(cycle.conn, job, cycle.now)
     for rep in job.replica_placements():
         cycle.state.capacity.release_replica(rep)
+    cycle.state.hold_fatal_gpus(job.nodes)
     if kill:
         for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
             node = cycle.state.nodes.get(node_name)
@@ -416,7 +482,7 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
 def fire_timers(cycle: Cycle) -> None:
     s, now = cycle.settings, cycle.now
     for node in list(cycle.state.nodes.values()):
-        if node.state == "READY" and now - node.last_heartbeat > s.lease_timeout:
+        if node.state in ("READY", "DRAINED") and now - node.last_heartbeat > s.lease_timeout:
             threshold = now - s.lease_timeout
             msg = f"no heartbeat for {now - node.last_heartbeat:.0f}s (lease {s.lease_timeout:.0f}s)"
             if not ledger.set_node_state(cycle.conn, node.id, "LOST", msg, only_if_heartbeat_before=threshold):

@@ -20,7 +20,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from phalanx.core.closeness import GpuCloseness
 
-from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, Rank
+from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, NodeEvent, Rank
 
 from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
 
@@ -84,6 +84,8 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
             persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"], revision=n["revision"],
             closeness=node_closeness(n["topology"]),
+            health=n["health"] or "HEALTHY", health_reason=(n["health_detail"] or {}).get("reason", ""),
+            gpu_health=gpu_health_from_detail(n["health_detail"]),
         )
     for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
         jobs[j["id"]] = job_from_row(j)
@@ -398,6 +400,32 @@ def set_node_state(conn: Connection, node_id: int, state: str, message: str, *, 
     if only_if_heartbeat_before is not None:
         stmt = stmt.where(Node.last_heartbeat < only_if_heartbeat_before, Node.state != state)
     return conn.execute(stmt.values(state=state, message=message)).rowcount == 1
+
+
+def gpu_health_from_detail(detail: dict[str, Any] | None) -> dict[int, tuple[str, tuple[str, ...]]]:
+    gpus = (detail or {}).get("gpus") or {}
+    return {int(i): (g.get("state", "HEALTHY"), tuple(g.get("reasons", ()))) for i, g in gpus.items()}
+
+
+def set_node_health(conn: Connection, node_id: int, health: str, reason: str,
+                    gpus: dict[int, tuple[str, tuple[str, ...]]]) -> None:
+    detail = {"reason": reason, "gpus": {str(i): {"state": h, "reasons": list(r)} for i, (h, r) in sorted(gpus.items())}}
+    conn.execute(update(Node).where(Node.id == node_id).values(health=health, health_detail=detail))
+
+
+def add_node_events(conn: Connection, node_id: int, events: list[dict[str, Any]]) -> None:
+    if events:
+        conn.execute(insert(NodeEvent), [dict(node_id=node_id, **e) for e in events])
+
+
+def read_node_events(conn: Connection, node_name: str | None = None, limit: int = 100) -> list[Any]:
+    """The latest health events, newest first (with the node's name)."""
+    stmt = (select(Node.name, NodeEvent.at, NodeEvent.gpu, NodeEvent.severity, NodeEvent.kind, NodeEvent.code,
+                   NodeEvent.reason).join(Node, Node.id == NodeEvent.node_id)
+            .order_by(NodeEvent.at.desc(), NodeEvent.id.desc()).limit(limit))
+    if node_name is not None:
+        stmt = stmt.where(Node.name == node_name)
+    return list(conn.execute(stmt).mappings())
 
 
 def persist_heartbeats(conn: Connection, beats: dict[int, float]) -> None:

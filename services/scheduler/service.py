@@ -28,7 +28,7 @@ from services.common.errors import ServiceError, Unavailable
 
 from . import ledger
 from .convert import job_from_row, node_from_row
-from .cycle import Command, Cycle, finish_cycle, reload_state, run_cycle
+from .cycle import HEALTH_NAMES, Command, Cycle, Drain, HealthReport, finish_cycle, reload_state, run_cycle
 from .settings import SchedulerSettings
 from .state import SchedulerState
 
@@ -60,6 +60,8 @@ class SchedulerService:
         self._feeds: dict[str, set[asyncio.Queue]] = {}
         self._beats: dict[str, float] = {}
         self._acks: dict[str, int] = {}
+        self._draining: set[str] = set()
+        self._health_queued: dict[str, tuple] = {}  # node -> health signature of a HealthReport not yet applied
         self._next_timer_check = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -239,13 +241,51 @@ class SchedulerService:
                 node.persisted_heartbeat = ts
         cycle.acks = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
 
-    def heartbeat(self, name: str) -> tuple[str, bool]:
-        """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds)."""
+    def heartbeat(self, name: str, health=None, events=(), draining: bool = False) -> tuple[str, bool]:
+        """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds).
+
+        Health costs nothing while it stays the same. A change (or any health event) queues a HealthReport and wakes
+        the loop, so the next cycle, at once and not a heartbeat later, takes FATAL GPUs out of placement."""
         node = self.state.nodes.get(name)
         if node is None:
             return "UNKNOWN", True
         self._beats[name] = time.time()
+        if draining and node.state == "READY" and name not in self._draining and not self._stopping \
+                and self._loop is not None:
+            self._draining.add(name)
+            fut = self._loop.create_future()
+            fut.add_done_callback(lambda f, n=name: self._draining.discard(n))
+            self._inbox.append((Drain(name, "the agent is draining (SIGTERM): it takes no new work"), fut))
+            self._wake.set()
+        if node.state != "LOST" and (events or (health is not None and health.state in HEALTH_NAMES)):
+            self._queue_health(node, health, list(events))
         return node.state, node.state == "LOST"
+
+    def _queue_health(self, node, health, events: list) -> None:
+        if health is not None and health.state in HEALTH_NAMES:
+            sig = (HEALTH_NAMES[health.state], health.reason,
+                   {g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons)) for g in health.gpus
+                    if g.state in (2, 3)})
+        else:
+            health, sig = None, None
+        current = self._health_queued.get(node.name) or (node.health, node.health_reason, node.gpu_health)
+        if not events and (sig is None or sig == current):
+            return
+        if self._stopping or self._loop is None:
+            return
+        if sig is not None:
+            self._health_queued[node.name] = sig
+        fut = self._loop.create_future()
+
+        def done(f: asyncio.Future, name=node.name, sig=sig) -> None:
+            if self._health_queued.get(name) == sig:
+                self._health_queued.pop(name, None)  # applied, or failed: the next heartbeat compares again
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("health_report_failed", node=name, error=str(f.exception())[:200])
+
+        fut.add_done_callback(done)
+        self._inbox.append((HealthReport(node.name, health, events), fut))
+        self._wake.set()
 
     def ack(self, name: str, revision: int) -> bool:
         if name not in self.state.nodes:
@@ -255,7 +295,8 @@ class SchedulerService:
 
     def _timers_due(self, now: float) -> bool:
         s = self.settings
-        if any(n.state == "READY" and now - n.last_heartbeat > s.lease_timeout for n in self.state.nodes.values()):
+        if any(n.state in ("READY", "DRAINED") and now - n.last_heartbeat > s.lease_timeout
+               for n in self.state.nodes.values()):
             return True
         return any(j.launch_deadline is not None and now > j.launch_deadline for j in self.state.jobs.values())
 
@@ -365,6 +406,9 @@ class SchedulerService:
     async def read_jobs(self, **filters) -> list[common_pb2.Job]:
         rows = await self.read(ledger.read_jobs, **filters)
         return [job_from_row(j, allocs, parts) for j, allocs, parts in rows]
+
+    async def read_node_events(self, node: str | None = None, limit: int = 100) -> list[Any]:
+        return await self.read(ledger.read_node_events, node, limit)
 
     async def read_nodes(self) -> list[common_pb2.Node]:
         return [node_from_row(n, used, shared) for n, used, shared in await self.read(ledger.read_nodes)]

@@ -193,7 +193,9 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
     @unary
     async def Heartbeat(self, request, context):
-        state, reregister = self.service.heartbeat(request.node_name)
+        state, reregister = self.service.heartbeat(
+            request.node_name, request.health if request.HasField("health") else None, request.events,
+            draining=request.draining)
         return agent_pb2.HeartbeatResponse(
             state=NODE_STATES.get(state, common_pb2.NODE_STATE_UNSPECIFIED), reregister=reregister
         )

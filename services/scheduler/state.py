@@ -107,10 +107,23 @@ class NodeRecord:
     agent_instance: str = ""
     revision: int = 0  # last assignment revision; exact while this replica holds the cycle lock on a fresh view
     closeness: GpuCloseness | None = None  # from the registered topology's GPU matrix; None when it has none
+    # Health from the agent's heartbeats: HEALTHY, DEGRADED or FATAL, a summary, and the GPUs that are not HEALTHY
+    # (index -> (state, reasons)). FATAL GPUs are kept out of the capacity view; a FATAL node is unschedulable.
+    health: str = "HEALTHY"
+    health_reason: str = ""
+    gpu_health: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+
+    @property
+    def fatal_gpus(self) -> set[int]:
+        return {i for i, (h, _) in self.gpu_health.items() if h == "FATAL" and 0 <= i < self.gpus}
 
     @property
     def schedulable(self) -> bool:
-        return self.state == "READY"
+        return self.state == "READY" and self.health != "FATAL"
+
+    def health_signature(self) -> tuple:
+        return (self.health, tuple(sorted((i, h, tuple(r)) for i, (h, r) in self.gpu_health.items())),
+                self.health_reason)
 
 
 class SchedulerState:
@@ -121,8 +134,8 @@ class SchedulerState:
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(
-            NodeCapacity(n.name, n.gpus, set(range(n.gpus)), n.schedulable, n.path, n.closeness, n.gpu_model,
-                         n.memory_mib)
+            NodeCapacity(n.name, n.gpus, set(range(n.gpus)) - n.fatal_gpus, n.schedulable, n.path, n.closeness,
+                         n.gpu_model, n.memory_mib)
             for n in self.nodes.values()
         )
         for job in self.jobs.values():
@@ -135,6 +148,15 @@ class SchedulerState:
 
     def set_node_schedulable(self, name: str) -> None:
         self.capacity.set_schedulable(name, self.nodes[name].schedulable)
+
+    def hold_fatal_gpus(self, names) -> None:
+        """Keep FATAL GPUs out of the free view after a release gave them back (a job on them ended)."""
+        for name in names:
+            node = self.nodes.get(name)
+            if node is not None and node.gpu_health:
+                fatal = node.fatal_gpus
+                if fatal:
+                    self.capacity.take(name, fatal)
 
     def pending(self) -> list[JobRecord]:
         return [j for j in self.jobs.values() if j.state == "PENDING"]
