@@ -207,9 +207,22 @@ class Checkpoint(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(BigInteger)
-    state: Mapped[str] = mapped_column(String(16))  # COMMITTED (PENDING and ABORTED come with the commit protocol)
+    state: Mapped[str] = mapped_column(String(16))  # PENDING -> COMMITTED (every rank reported) or ABORTED
     created_at: Mapped[float] = mapped_column()
     committed_at: Mapped[float | None] = mapped_column(nullable=True)
+    world_size: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # shards needed to commit
+    deadline_at: Mapped[float | None] = mapped_column(nullable=True)  # a PENDING checkpoint aborts after this
+    message: Mapped[str] = mapped_column(Text, default="", server_default="")  # why it aborted
+
+
+class CheckpointRequest(Base):
+    """A pending ask (user, preemption) that the job's ranks checkpoint soon; cleared by the next commit."""
+
+    __tablename__ = "checkpoint_requests"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    requested_at: Mapped[float] = mapped_column()
 
 
 class CheckpointShard(Base):

@@ -7,28 +7,40 @@ import asyncio
 import os
 import signal
 
+import structlog
+
 from db.engine import DEFAULT_DB_URL, make_engine
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
 
+from . import store
 from .servicer import SERVICE_NAME, CheckpointCoordinatorServicer
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
+DEFAULT_SWEEP_S = 5.0
+log = structlog.get_logger(service="checkpointd")
 
 
 class CheckpointServer:
     """A started coordinator: `.address` is host:port actually bound; `await .stop()` shuts it down."""
 
-    def __init__(self, server: AioServer, engine) -> None:
+    def __init__(self, server: AioServer, engine, sweeper: asyncio.Task | None = None) -> None:
         self._server = server
         self._engine = engine
+        self._sweeper = sweeper
         self.address = server.address
         self.port = server.port
 
     async def stop(self, grace: float = 2.0) -> None:
         try:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                try:
+                    await self._sweeper
+                except asyncio.CancelledError:
+                    pass
             await self._server.stop(grace)
         finally:
             self._engine.dispose()
@@ -37,8 +49,26 @@ class CheckpointServer:
         await self._server.server.wait_for_termination()
 
 
-async def serve(db_url: str, listen: str = DEFAULT_LISTEN) -> CheckpointServer:
-    """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database."""
+async def _sweep(engine, interval: float) -> None:
+    """Abort PENDING checkpoints past their deadline (or of a superseded attempt) every `interval` seconds."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            aborted = await asyncio.to_thread(store.abort_expired, engine)
+        except Exception as exc:  # noqa: BLE001 - a failed sweep is retried at the next tick
+            log.warning("checkpoint_sweep_failed", error=str(exc))
+            continue
+        if aborted:
+            log.info("checkpoints_aborted", count=aborted)
+
+
+async def serve(
+    db_url: str, listen: str = DEFAULT_LISTEN, sweep_interval: float = DEFAULT_SWEEP_S
+) -> CheckpointServer:
+    """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database.
+
+    Every `sweep_interval` seconds (0: never) it aborts the PENDING checkpoints whose deadline passed.
+    """
     engine = make_engine(db_url)
     try:
         servicer = CheckpointCoordinatorServicer(engine)
@@ -51,11 +81,12 @@ async def serve(db_url: str, listen: str = DEFAULT_LISTEN) -> CheckpointServer:
     except BaseException:
         engine.dispose()
         raise
-    return CheckpointServer(server, engine)
+    sweeper = asyncio.create_task(_sweep(engine, sweep_interval)) if sweep_interval > 0 else None
+    return CheckpointServer(server, engine, sweeper)
 
 
-async def _run(db_url: str, listen: str, log) -> None:
-    server = await serve(db_url, listen)
+async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S) -> None:
+    server = await serve(db_url, listen, sweep_interval)
     log.info("checkpointd_started", address=server.address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -75,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("PHALANX_CHECKPOINTD_LISTEN", DEFAULT_LISTEN),
         help="gRPC listen address host:port (env PHALANX_CHECKPOINTD_LISTEN)",
     )
+    parser.add_argument("--sweep-interval", type=float, default=DEFAULT_SWEEP_S,
+                        help="seconds between sweeps that abort checkpoints past their deadline (0: never)")
     parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
     return parser.parse_args(argv)
@@ -85,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("checkpointd")
     serve_metrics(args.metrics_port, args.metrics_host)
     try:
-        asyncio.run(_run(args.db, args.listen, log))
+        asyncio.run(_run(args.db, args.listen, log, args.sweep_interval))
     except OSError as exc:
         log.error("checkpointd_failed", error=str(exc))
         return 1

@@ -8,6 +8,7 @@ import structlog
 from sqlalchemy import Engine
 
 from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from services.common.errors import InvalidArgument
 from services.common.rpc import unary
 
 from . import store
@@ -24,10 +25,21 @@ def to_proto(record: store.CheckpointRecord) -> checkpoint_pb2.Checkpoint:
         attempt=record.attempt,
         step=record.step,
         committed_at=record.committed_at,
+        state=record.state,
+        world_size=record.world_size,
+        deadline_at=record.deadline_at,
+        created_at=record.created_at,
+        message=record.message,
         shards=[
             checkpoint_pb2.Shard(rank=s.rank, uri=s.uri, size_bytes=s.size_bytes, checksum=s.checksum)
             for s in record.shards
         ],
+    )
+
+
+def _request_proto(record: store.RequestRecord) -> checkpoint_pb2.CheckpointRequestState:
+    return checkpoint_pb2.CheckpointRequestState(
+        requested=record.requested, reason=record.reason, requested_at=record.requested_at
     )
 
 
@@ -44,6 +56,42 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         log.info("checkpoint_committed", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
                  attempt=record.attempt, shards=len(record.shards))
         return to_proto(record)
+
+    @unary
+    async def BeginCheckpoint(self, request, context):
+        record = await asyncio.to_thread(
+            store.begin_checkpoint, self.engine, request.job_id, request.attempt, request.step, request.world_size,
+            request.deadline_s,
+        )
+        log.info("checkpoint_begun", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
+                 attempt=record.attempt, world_size=record.world_size, state=record.state)
+        return to_proto(record)
+
+    @unary
+    async def ReportShard(self, request, context):
+        if not request.HasField("shard"):
+            raise InvalidArgument("shard is required")
+        s = request.shard
+        shard = store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum)
+        record = await asyncio.to_thread(
+            store.report_shard, self.engine, request.job_id, request.attempt, request.step, request.world_size,
+            shard, request.deadline_s,
+        )
+        log.info("checkpoint_shard_reported", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
+                 attempt=record.attempt, rank=s.rank, reported=len(record.shards), world_size=record.world_size,
+                 state=record.state)
+        return to_proto(record)
+
+    @unary
+    async def RequestCheckpoint(self, request, context):
+        record = await asyncio.to_thread(store.request_checkpoint, self.engine, request.job_id, request.reason)
+        log.info("checkpoint_requested", job_id=request.job_id, reason=record.reason)
+        return _request_proto(record)
+
+    @unary
+    async def GetCheckpointRequest(self, request, context):
+        record = await asyncio.to_thread(store.get_request, self.engine, request.job_id, request.attempt)
+        return _request_proto(record)
 
     @unary
     async def GetLatestCheckpoint(self, request, context):

@@ -1,7 +1,12 @@
 """Checkpoint ledger operations: pure, synchronous database functions (no gRPC), one transaction each.
 
-The servicer validates nothing itself; everything here raises `services.common.errors` exceptions, so the
-multi-rank commit protocol can later reuse these functions from other RPCs.
+The servicer validates nothing itself; everything here raises `services.common.errors` exceptions.
+
+The commit protocol (docs/design.md, "Checkpoints"): a checkpoint is PENDING from its begin (`begin_checkpoint`,
+or implicitly the first `report_shard`) until all `world_size` ranks reported, when the same transaction marks
+it COMMITTED. `abort_expired` marks ABORTED the PENDING ones past their deadline or of a superseded attempt.
+Every write first locks the job row and reads `jobs.attempt` (fencing): a request of another attempt raises
+FailedPrecondition, and any refusal raises before anything is written, so the transaction rolls back whole.
 """
 
 from __future__ import annotations
@@ -10,12 +15,17 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, delete, insert, select, update
 
-from db.models import Checkpoint, CheckpointShard, Job
-from services.common.errors import InvalidArgument, NotFound
+from db.models import Checkpoint, CheckpointRequest, CheckpointShard, Job
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 COMMITTED = "COMMITTED"
+PENDING = "PENDING"
+ABORTED = "ABORTED"
+DEFAULT_DEADLINE_S = 600.0
+MAX_DEADLINE_S = 7 * 24 * 3600.0
+MAX_WORLD_SIZE = 1 << 20
 MAX_JOB_ID = Job.__table__.c.id.type.length
 MAX_CHECKSUM = CheckpointShard.__table__.c.checksum.type.length
 
@@ -36,6 +46,18 @@ class CheckpointRecord:
     step: int
     committed_at: float
     shards: list[ShardRecord] = field(default_factory=list)
+    state: str = COMMITTED
+    world_size: int = 0
+    deadline_at: float = 0.0
+    created_at: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    requested: bool
+    reason: str = ""
+    requested_at: float = 0.0
 
 
 def new_checkpoint_id() -> str:
@@ -98,7 +120,8 @@ def record_checkpoint(
         _require_job(conn, job_id)
         conn.execute(
             insert(Checkpoint).values(
-                id=ckpt_id, job_id=job_id, attempt=attempt, step=step, state=COMMITTED, created_at=ts, committed_at=ts
+                id=ckpt_id, job_id=job_id, attempt=attempt, step=step, state=COMMITTED, created_at=ts, committed_at=ts,
+                world_size=len(shards), message="",
             )
         )
         conn.execute(
@@ -108,7 +131,8 @@ def record_checkpoint(
                 for s in shards
             ],
         )
-    return CheckpointRecord(ckpt_id, job_id, attempt, step, ts, list(shards))
+        _clear_requests(conn, job_id, ts)
+    return CheckpointRecord(ckpt_id, job_id, attempt, step, ts, list(shards), COMMITTED, len(shards), 0.0, ts)
 
 
 def latest_checkpoint(engine: Engine, job_id: str) -> CheckpointRecord:
@@ -126,5 +150,228 @@ def latest_checkpoint(engine: Engine, job_id: str) -> CheckpointRecord:
         shard_rows = conn.execute(
             select(CheckpointShard).where(CheckpointShard.checkpoint_id == row.id).order_by(CheckpointShard.rank)
         ).all()
+    return _record(row, shard_rows)
+
+
+def _record(row, shard_rows) -> CheckpointRecord:
     shards = [ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum) for s in shard_rows]
-    return CheckpointRecord(row.id, row.job_id, row.attempt, row.step, row.committed_at or 0.0, shards)
+    return CheckpointRecord(
+        row.id, row.job_id, row.attempt, row.step, row.committed_at or 0.0, shards, row.state, row.world_size,
+        row.deadline_at or 0.0, row.created_at, row.message,
+    )
+
+
+def _shard_rows(conn, ckpt_id: str):
+    return conn.execute(
+        select(CheckpointShard).where(CheckpointShard.checkpoint_id == ckpt_id).order_by(CheckpointShard.rank)
+    ).all()
+
+
+def _clear_requests(conn, job_id: str, begun_at: float) -> None:
+    """A commit of a checkpoint begun at or after a request satisfies it."""
+    conn.execute(
+        delete(CheckpointRequest).where(CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at <= begun_at)
+    )
+
+
+def _validate_target(job_id: str, attempt: int, step: int, world_size: int, deadline_s: float) -> None:
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    if attempt < 0:
+        raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
+    if step < 0:
+        raise InvalidArgument(f"step must be >= 0, got {step}")
+    if not 0 < world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
+    if not 0 <= deadline_s <= MAX_DEADLINE_S:  # also refuses NaN
+        raise InvalidArgument(f"deadline_s must be in 0..{MAX_DEADLINE_S:.0f} (0: default), got {deadline_s}")
+
+
+def _validate_shard(shard: ShardRecord, world_size: int) -> None:
+    if not 0 <= shard.rank < world_size:
+        raise InvalidArgument(
+            f"shard rank must be in 0..{world_size - 1} for world_size {world_size}, got {shard.rank}"
+        )
+    if shard.size_bytes < 0:
+        raise InvalidArgument(f"shard {shard.rank}: size_bytes must be >= 0, got {shard.size_bytes}")
+    if not shard.uri.strip():
+        raise InvalidArgument(f"shard {shard.rank}: uri is required")
+    if "\x00" in shard.uri or "\x00" in shard.checksum:
+        raise InvalidArgument(f"shard {shard.rank}: uri and checksum must not contain NUL characters")
+    if not shard.checksum:
+        raise InvalidArgument(f"shard {shard.rank}: checksum is required")
+    if len(shard.checksum) > MAX_CHECKSUM:
+        raise InvalidArgument(f"shard {shard.rank}: checksum longer than {MAX_CHECKSUM} characters")
+
+
+def _fence(conn, job_id: str, attempt: int) -> None:
+    """Lock the job row (PostgreSQL: FOR UPDATE; SQLite: BEGIN IMMEDIATE already holds the write lock) and refuse
+    any attempt but the job's current one."""
+    if not _possible_job_id(job_id):
+        raise NotFound(f"job {job_id!r} not found")
+    current = conn.scalar(select(Job.attempt).where(Job.id == job_id).with_for_update())
+    if current is None:
+        raise NotFound(f"job {job_id!r} not found")
+    if attempt != current:
+        raise FailedPrecondition(
+            f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {current}; "
+            "a checkpoint of another attempt is refused"
+        )
+
+
+def _open(conn, job_id: str, attempt: int, step: int):
+    """The newest checkpoint row for (job, attempt, step), or None."""
+    return conn.execute(
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.attempt == attempt, Checkpoint.step == step)
+        .order_by(Checkpoint.created_at.desc())
+        .limit(1)
+    ).first()
+
+
+def _usable(row, world_size: int, now: float, job_id: str, step: int):
+    """Refuse a report or begin against an aborted, expired or differently-sized checkpoint; return the row."""
+    if row.state == ABORTED:
+        raise FailedPrecondition(f"checkpoint {row.id} of job {job_id!r} step {step} was aborted: {row.message}")
+    if row.state == PENDING and row.deadline_at is not None and row.deadline_at < now:
+        raise FailedPrecondition(
+            f"checkpoint {row.id} of job {job_id!r} step {step} missed its deadline and is aborted"
+        )
+    if row.world_size and row.world_size != world_size:
+        raise FailedPrecondition(
+            f"checkpoint {row.id} of job {job_id!r} step {step} has world_size {row.world_size}, not {world_size}"
+        )
+    return row
+
+
+def _create(conn, job_id: str, attempt: int, step: int, world_size: int, deadline_s: float, now: float):
+    ckpt_id = new_checkpoint_id()
+    deadline_at = now + (deadline_s or DEFAULT_DEADLINE_S)
+    conn.execute(
+        insert(Checkpoint).values(
+            id=ckpt_id, job_id=job_id, attempt=attempt, step=step, state=PENDING, created_at=now, committed_at=None,
+            world_size=world_size, deadline_at=deadline_at, message="",
+        )
+    )
+    return conn.execute(select(Checkpoint).where(Checkpoint.id == ckpt_id)).first()
+
+
+def begin_checkpoint(
+    engine: Engine, job_id: str, attempt: int, step: int, world_size: int, deadline_s: float = 0.0,
+    *, now: float | None = None,
+) -> CheckpointRecord:
+    """Open a PENDING checkpoint for (job, attempt, step); the same begin again returns the one already open."""
+    _validate_target(job_id, attempt, step, world_size, deadline_s)
+    ts = time.time() if now is None else now
+    with engine.begin() as conn:
+        _fence(conn, job_id, attempt)
+        row = _open(conn, job_id, attempt, step)
+        if row is not None:
+            row = _usable(row, world_size, ts, job_id, step)
+        else:
+            row = _create(conn, job_id, attempt, step, world_size, deadline_s, ts)
+        return _record(row, _shard_rows(conn, row.id))
+
+
+def report_shard(
+    engine: Engine, job_id: str, attempt: int, step: int, world_size: int, shard: ShardRecord,
+    deadline_s: float = 0.0, *, now: float | None = None,
+) -> CheckpointRecord:
+    """Record one rank's shard (beginning the checkpoint if none is open) and commit once all ranks reported."""
+    _validate_target(job_id, attempt, step, world_size, deadline_s)
+    _validate_shard(shard, world_size)
+    ts = time.time() if now is None else now
+    with engine.begin() as conn:
+        _fence(conn, job_id, attempt)
+        row = _open(conn, job_id, attempt, step)
+        if row is None:
+            row = _create(conn, job_id, attempt, step, world_size, deadline_s, ts)
+        else:
+            row = _usable(row, world_size, ts, job_id, step)
+        existing = conn.execute(
+            select(CheckpointShard).where(CheckpointShard.checkpoint_id == row.id, CheckpointShard.rank == shard.rank)
+        ).first()
+        if existing is not None:
+            if (existing.uri, existing.checksum, existing.size_bytes) != (shard.uri, shard.checksum, shard.size_bytes):
+                raise AlreadyExists(
+                    f"checkpoint {row.id} of job {job_id!r} step {step} already has a different shard for rank "
+                    f"{shard.rank} ({existing.uri}, {existing.checksum})"
+                )
+            return _record(row, _shard_rows(conn, row.id))  # the same report again: idempotent
+        if row.state == COMMITTED:  # a committed checkpoint has every shard; unreachable unless world_size was 0
+            raise FailedPrecondition(f"checkpoint {row.id} of job {job_id!r} step {step} is already committed")
+        conn.execute(
+            insert(CheckpointShard).values(
+                checkpoint_id=row.id, rank=shard.rank, uri=shard.uri, size_bytes=shard.size_bytes,
+                checksum=shard.checksum,
+            )
+        )
+        shard_rows = _shard_rows(conn, row.id)
+        if len(shard_rows) == row.world_size:
+            conn.execute(
+                update(Checkpoint).where(Checkpoint.id == row.id, Checkpoint.state == PENDING)
+                .values(state=COMMITTED, committed_at=ts)
+            )
+            _clear_requests(conn, job_id, row.created_at)
+            row = conn.execute(select(Checkpoint).where(Checkpoint.id == row.id)).first()
+        return _record(row, shard_rows)
+
+
+def abort_expired(engine: Engine, *, now: float | None = None) -> int:
+    """Mark ABORTED every PENDING checkpoint past its deadline or of a superseded attempt; returns how many."""
+    ts = time.time() if now is None else now
+    # Look first with a read-only transaction: on SQLite a write transaction takes the database's one write lock.
+    with engine.execution_options(readonly=True).begin() as conn:
+        if conn.scalar(select(Checkpoint.id).where(Checkpoint.state == PENDING).limit(1)) is None:
+            return 0
+    with engine.begin() as conn:
+        late = conn.execute(
+            update(Checkpoint)
+            .where(Checkpoint.state == PENDING, Checkpoint.deadline_at < ts)
+            .values(state=ABORTED, message="deadline passed before every rank reported its shard")
+        ).rowcount
+        superseded = conn.execute(
+            update(Checkpoint)
+            .where(
+                Checkpoint.state == PENDING,
+                Checkpoint.attempt != select(Job.attempt).where(Job.id == Checkpoint.job_id).scalar_subquery(),
+            )
+            .values(state=ABORTED, message="the attempt was superseded")
+        ).rowcount
+    return late + superseded
+
+
+def request_checkpoint(engine: Engine, job_id: str, reason: str, *, now: float | None = None) -> RequestRecord:
+    """Ask the job's ranks to checkpoint; an earlier outstanding request is kept (its time and reason)."""
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    if "\x00" in reason or len(reason) > 1000:
+        raise InvalidArgument("reason must be at most 1000 characters, without NUL")
+    ts = time.time() if now is None else now
+    with engine.begin() as conn:
+        _require_job(conn, job_id)
+        row = conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
+        if row is None:
+            conn.execute(insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=ts))
+            return RequestRecord(True, reason, ts)
+        return RequestRecord(True, row.reason, row.requested_at)
+
+
+def get_request(engine: Engine, job_id: str, attempt: int) -> RequestRecord:
+    """The outstanding request for the job's current attempt (a superseded attempt is refused)."""
+    if attempt < 0:
+        raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
+    with engine.execution_options(readonly=True).begin() as conn:
+        if not _possible_job_id(job_id):
+            raise NotFound(f"job {job_id!r} not found")
+        current = conn.scalar(select(Job.attempt).where(Job.id == job_id))
+        if current is None:
+            raise NotFound(f"job {job_id!r} not found")
+        if attempt != current:
+            raise FailedPrecondition(
+                f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {current}"
+            )
+        row = conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
+    if row is None:
+        return RequestRecord(False)
+    return RequestRecord(True, row.reason, row.requested_at)

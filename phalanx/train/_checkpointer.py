@@ -1,0 +1,240 @@
+"""The rank-side checkpoint client: restore, save and should_checkpoint for one rank of a gang."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from phalanx.api.v1 import checkpoint_pb2 as pb
+from phalanx.api.v1 import checkpoint_pb2_grpc
+
+from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointRejectedError
+from .store import CheckpointStore, LocalStore, sha256_checksum
+
+log = logging.getLogger("phalanx.train")
+
+# Set by the scheduler for every rank (services/scheduler/cycle.py launches()).
+ENV_RANK = "RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_JOB_ID = "PHALANX_JOB_ID"
+ENV_ATTEMPT = "PHALANX_ATTEMPT"
+# Defined here; the scheduler/agent will set them (not wired yet).
+ENV_ADDR = "PHALANX_CHECKPOINT_ADDR"          # coordinator host:port
+ENV_DIR = "PHALANX_CHECKPOINT_DIR"            # root of the LocalStore
+# Policy, set by the job's env.
+ENV_EVERY = "PHALANX_CHECKPOINT_EVERY"        # every N steps (0/unset: off)
+ENV_INTERVAL = "PHALANX_CHECKPOINT_INTERVAL_S"  # every S seconds since the last save (0/unset: off)
+ENV_POLL = "PHALANX_CHECKPOINT_POLL_S"        # how often to ask the coordinator for a request (default 10)
+ENV_DEADLINE = "PHALANX_CHECKPOINT_DEADLINE_S"  # deadline of a checkpoint this rank begins (0: coordinator default)
+
+DEFAULT_POLL_S = 10.0
+RETRIES = 3
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    uri: str
+    checksum: str
+    size_bytes: int
+    committed: bool        # True when this report was the last one and the checkpoint committed
+    checkpoint_id: str
+
+
+def _require(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name, "")
+    if not value:
+        raise CheckpointConfigError(f"environment variable {name} is not set (the Phalanx agent sets it)")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, *, default: int | None = None, minimum: int = 0) -> int:
+    raw = env.get(name, "")
+    if raw == "" and default is not None:
+        return default
+    try:
+        value = int(_require(env, name))
+    except ValueError:
+        raise CheckpointConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise CheckpointConfigError(f"environment variable {name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CheckpointConfigError(f"environment variable {name}={raw!r} is not a number") from None
+    if not value >= 0:
+        raise CheckpointConfigError(f"environment variable {name}={raw!r} must be >= 0")
+    return value
+
+
+class Checkpointer:
+    """One rank's view of its gang's checkpoints, configured from the environment (default `os.environ`)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, store: CheckpointStore | None = None,
+                 *, timeout: float = 30.0) -> None:
+        env = os.environ if env is None else env
+        self.job_id = _require(env, ENV_JOB_ID)
+        self.attempt = _int(env, ENV_ATTEMPT)
+        self.world_size = _int(env, ENV_WORLD_SIZE, minimum=1)
+        self.rank = _int(env, ENV_RANK)
+        if self.rank >= self.world_size:
+            raise CheckpointConfigError(f"{ENV_RANK}={self.rank} must be < {ENV_WORLD_SIZE}={self.world_size}")
+        self.addr = _require(env, ENV_ADDR)
+        self.store = store if store is not None else LocalStore(_require(env, ENV_DIR))
+        self.every = _int(env, ENV_EVERY, default=0)
+        self.interval_s = _float(env, ENV_INTERVAL, 0.0)
+        self.poll_s = _float(env, ENV_POLL, DEFAULT_POLL_S)
+        self.deadline_s = _float(env, ENV_DEADLINE, 0.0)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(self.addr)
+        self._stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(self._channel)
+        self._last_save = time.monotonic()
+        self._last_poll: float | None = None
+        self._request: pb.CheckpointRequestState | None = None
+        self._satisfied_request_at = 0.0
+
+    # -- plumbing ------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, request):
+        """Call the coordinator, retrying UNAVAILABLE (every call here is idempotent)."""
+        for attempt in range(RETRIES):
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < RETRIES:
+                    time.sleep(0.2 * 2**attempt)
+                    continue
+                raise CheckpointRejectedError(code.name, exc.details() or "") from None
+        raise AssertionError("unreachable")
+
+    # -- the API -------------------------------------------------------------------------------------------------
+    def restore(self) -> tuple[int, Any] | None:
+        """`(step, state)` of this rank from the job's latest committed checkpoint, or None when there is none.
+
+        Raises CheckpointCorruptError when the shard's bytes do not match the committed checksum: there is no
+        silent fallback to an older checkpoint, because every rank must restore the same step.
+        """
+        try:
+            ckpt = self._call("GetLatestCheckpoint", pb.GetLatestCheckpointRequest(job_id=self.job_id))
+        except CheckpointRejectedError as exc:
+            if exc.code == "NOT_FOUND" and "no committed checkpoint" in exc.message:
+                return None
+            raise
+        if len(ckpt.shards) != self.world_size:
+            raise CheckpointError(
+                f"checkpoint {ckpt.id} (step {ckpt.step}) has {len(ckpt.shards)} shards but this gang has "
+                f"world size {self.world_size}; resharding is not supported"
+            )
+        shard = next((s for s in ckpt.shards if s.rank == self.rank), None)
+        if shard is None:
+            raise CheckpointError(f"checkpoint {ckpt.id} (step {ckpt.step}) has no shard for rank {self.rank}")
+        data = self.store.get(shard.uri)
+        actual = sha256_checksum(data)
+        if actual != shard.checksum or len(data) != shard.size_bytes:
+            raise CheckpointCorruptError(
+                f"shard {shard.uri} of checkpoint {ckpt.id} (step {ckpt.step}, rank {self.rank}) is corrupt: "
+                f"expected {shard.checksum} ({shard.size_bytes} bytes), found {actual} ({len(data)} bytes)"
+            )
+        return ckpt.step, pickle.loads(data)
+
+    def save(self, step: int, state: Any) -> SaveResult:
+        """Pickle `state`, write it as this rank's shard of `step`, and report it to the coordinator.
+
+        The checkpoint commits when the last rank reports; until then it is not a restore point.
+        """
+        if step < 0:
+            raise CheckpointError(f"step must be >= 0, got {step}")
+        data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
+        checksum = sha256_checksum(data)
+        ckpt = self._call("ReportShard", pb.ReportShardRequest(
+            job_id=self.job_id, attempt=self.attempt, step=step, world_size=self.world_size,
+            shard=pb.Shard(rank=self.rank, uri=uri, size_bytes=len(data), checksum=checksum),
+            deadline_s=self.deadline_s,
+        ))
+        self._last_save = time.monotonic()
+        if self._request is not None and self._request.requested:
+            self._satisfied_request_at = self._request.requested_at
+        return SaveResult(step, uri, checksum, len(data), ckpt.state == "COMMITTED", ckpt.id)
+
+    def should_checkpoint(self, step: int) -> bool:
+        """True when the policy (every N steps, or S seconds since the last save) or a request asks for one.
+
+        The every-N policy is the same on every rank. A time interval or a request (user, preemption) can be seen
+        at different steps by different ranks: for one consistent step, have rank 0 decide and broadcast it.
+        A request is polled from the coordinator at most every PHALANX_CHECKPOINT_POLL_S seconds; a failing
+        poll counts as "no request" (it never stops training).
+        """
+        if self.every and step > 0 and step % self.every == 0:
+            return True
+        if self.interval_s and time.monotonic() - self._last_save >= self.interval_s:
+            return True
+        return self._requested()
+
+    def _requested(self) -> bool:
+        now = time.monotonic()
+        if self._last_poll is None or now - self._last_poll >= self.poll_s:
+            self._last_poll = now
+            try:
+                self._request = self._call(
+                    "GetCheckpointRequest", pb.GetCheckpointRequestRequest(job_id=self.job_id, attempt=self.attempt)
+                )
+            except CheckpointError as exc:
+                log.warning("checkpoint request poll failed: %s", exc)
+                self._request = None
+        req = self._request
+        return bool(req is not None and req.requested and req.requested_at != self._satisfied_request_at)
+
+
+_default: Checkpointer | None = None
+
+
+def default() -> Checkpointer:
+    """The process-wide Checkpointer built from os.environ on first use."""
+    global _default
+    if _default is None:
+        _default = Checkpointer()
+    return _default
+
+
+def reset() -> None:
+    """Drop the process-wide Checkpointer (closing its channel); the next call rebuilds it from os.environ."""
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None
+
+
+def restore() -> tuple[int, Any] | None:
+    return default().restore()
+
+
+def save(step: int, state: Any) -> SaveResult:
+    return default().save(step, state)
+
+
+def should_checkpoint(step: int) -> bool:
+    return default().should_checkpoint(step)
