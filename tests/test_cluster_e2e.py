@@ -29,7 +29,25 @@ NODE_FIELDS = {
     "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus",
 }
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR",
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI")
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI",
+            "PHALANX_CHECKPOINT_ADDR", "PHALANX_CHECKPOINT_DIR")
+
+# A rank that saves a shard through phalanx.train, waits for the checkpoint to commit (every rank's shard in), and
+# writes what restore() returns.
+TRAIN_PROGRAM = (
+    "import json, os, time\n"
+    "from phalanx import train\n"
+    "rank = int(os.environ['RANK'])\n"
+    "train.save(7, {'rank': rank, 'weights': [rank] * 3})\n"
+    "deadline = time.time() + 30\n"
+    "got = train.restore()\n"
+    "while got is None and time.time() < deadline:\n"
+    "    time.sleep(0.1)\n"
+    "    got = train.restore()\n"
+    "path = os.path.join(os.environ['OUT_DIR'], 'restored-%d.json' % rank)\n"
+    "with open(path, 'w') as f:\n"
+    "    json.dump(None if got is None else [got[0], got[1]], f)\n"
+)
 
 RANK_PROGRAM = (
     "import json, os\n"
@@ -150,6 +168,20 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
             assert (e["PHALANX_GPU_MILLI"], e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("250", "25"), e
             assert e["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M", e  # a quarter of 81,559 MiB
         assert len({(a.node, a.gpus[0]) for a in share_done.allocations}) == 1  # both quarters on one GPU
+
+        # -- phalanx.train through the local cluster: ranks find the coordinator and the store the scheduler gives --
+        assert envs[0]["PHALANX_CHECKPOINT_ADDR"] == cluster.checkpoint_address
+        assert envs[0]["PHALANX_CHECKPOINT_DIR"] == str(state_dir / "checkpoints")
+        train_dir = tmp_path / "train"
+        train_dir.mkdir()
+        with Client(cluster.address, timeout=10) as client:
+            trained = client.submit("e2e-train", 1, 2, [sys.executable, "-c", TRAIN_PROGRAM],
+                                    env={"OUT_DIR": str(train_dir)})
+            trained = client.wait(trained.id, timeout=60)
+        assert trained.state is JobState.SUCCEEDED, trained
+        for r in range(2):
+            step, state = json.loads((train_dir / f"restored-{r}.json").read_text())
+            assert (step, state) == (7, {"rank": r, "weights": [r] * 3})  # each rank gets its own shard back
 
         # -- SIGKILL one agent: a node failure, not the end of the cluster -------------------------------------
         victim = next(n for n in cluster.node_names if n not in done.nodes)

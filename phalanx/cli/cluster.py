@@ -307,6 +307,8 @@ class LocalCluster:
             "--lease-timeout", f"{self.lease_timeout:g}",
             "--heartbeat-interval", f"{self.heartbeat_interval:g}",
             "--launch-timeout", f"{self.launch_timeout:g}",
+            "--checkpoint-coordinator", self.checkpoint_address,
+            "--checkpoint-dir", str(self.state_dir / "checkpoints"),
         ]
         ckpt = [
             *_program("phalanx-checkpointd", "services.checkpoint_coordinator.main"),

@@ -549,7 +549,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
     }
     job.ranks = layout_ranks(job)
     cycle.new_allocations.append(job)
-    for launch in launches(job, cycle.state.nodes):
+    for launch in launches(job, cycle.state.nodes, cycle.settings):
         node = cycle.state.nodes[launch_node(job, launch.replica)]
         cycle.send(node, job.id, job.attempt, "launch",
                    lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l))
@@ -568,7 +568,8 @@ def master_port(job_id: str, attempt: int) -> int:
     return 20000 + int.from_bytes(digest[:4], "big") % 30000
 
 
-def launches(job: JobRecord, nodes: dict[str, NodeRecord]) -> list[agent_pb2.LaunchReplica]:
+def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSettings | None = None
+             ) -> list[agent_pb2.LaunchReplica]:
     """The torchrun-style environment: shared per replica, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES per rank."""
     master = nodes[job.allocations[0][1]].address or "127.0.0.1"
     per_replica = 1 if job.procs_per_replica == 1 else job.gpus_per_replica
@@ -578,6 +579,11 @@ def launches(job: JobRecord, nodes: dict[str, NodeRecord]) -> list[agent_pb2.Lau
         MASTER_PORT=str(master_port(job.id, job.attempt)), PHALANX_JOB_ID=job.id, PHALANX_ATTEMPT=str(job.attempt),
         PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
     )
+    # The checkpoint coordinator and store for phalanx.train, unless the job names its own.
+    if settings is not None and settings.checkpoint_addr:
+        base.setdefault("PHALANX_CHECKPOINT_ADDR", settings.checkpoint_addr)
+    if settings is not None and settings.checkpoint_dir:
+        base.setdefault("PHALANX_CHECKPOINT_DIR", settings.checkpoint_dir)
     by_replica: dict[int, list[RankRecord]] = {}
     for r in job.ranks.values():
         by_replica.setdefault(r.replica, []).append(r)

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-timeout", type=float, default=60.0,
                    help="seconds for every rank of a gang to start before it is torn down and requeued")
     p.add_argument("--max-attempts", type=int, default=5)
+    p.add_argument("--checkpoint-coordinator", default=os.environ.get("PHALANX_CHECKPOINT_ADDR", ""),
+                   metavar="ADDR", help="host:port of the checkpoint coordinator, given to ranks as "
+                                        "PHALANX_CHECKPOINT_ADDR (default: $PHALANX_CHECKPOINT_ADDR; unset: none)")
+    p.add_argument("--checkpoint-dir", default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""), metavar="DIR",
+                   help="checkpoint store shared by the ranks, given to them as PHALANX_CHECKPOINT_DIR")
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
     return p
 
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         db_url=args.db, listen=args.listen, fabric=fabric, lease_timeout=args.lease_timeout,
         heartbeat_interval=args.heartbeat_interval, launch_timeout=args.launch_timeout,
         max_attempts=args.max_attempts, metrics_port=args.metrics_port,
+        checkpoint_addr=args.checkpoint_coordinator, checkpoint_dir=args.checkpoint_dir,
     )
     serve_metrics(args.metrics_port)
 

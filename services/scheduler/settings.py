@@ -25,3 +25,7 @@ class SchedulerSettings:
     poll_interval: float = 1.0
     metrics_port: int | None = None
     replica_id: str = ""
+    # Where ranks reach the checkpoint coordinator and write their shards (phalanx.train reads them from
+    # PHALANX_CHECKPOINT_ADDR / PHALANX_CHECKPOINT_DIR); "" leaves them unset (a job may set them in its env).
+    checkpoint_addr: str = ""
+    checkpoint_dir: str = ""
