@@ -64,14 +64,18 @@ def new_checkpoint_id() -> str:
     return secrets.token_hex(8)
 
 
-def validate(job_id: str, attempt: int, step: int, shards: list[ShardRecord]) -> None:
-    """Raise InvalidArgument, with the reason, for a checkpoint that cannot be recorded as given."""
+def _validate_job_step(job_id: str, attempt: int, step: int) -> None:
     if not job_id:
         raise InvalidArgument("job_id is required")
     if attempt < 0:
         raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
     if step < 0:
         raise InvalidArgument(f"step must be >= 0, got {step}")
+
+
+def validate(job_id: str, attempt: int, step: int, shards: list[ShardRecord]) -> None:
+    """Raise InvalidArgument, with the reason, for a checkpoint that cannot be recorded as given."""
+    _validate_job_step(job_id, attempt, step)
     if not shards:
         raise InvalidArgument("a checkpoint needs at least one shard")
     seen: set[int] = set()
@@ -175,12 +179,7 @@ def _clear_requests(conn, job_id: str, begun_at: float) -> None:
 
 
 def _validate_target(job_id: str, attempt: int, step: int, world_size: int, deadline_s: float) -> None:
-    if not job_id:
-        raise InvalidArgument("job_id is required")
-    if attempt < 0:
-        raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
-    if step < 0:
-        raise InvalidArgument(f"step must be >= 0, got {step}")
+    _validate_job_step(job_id, attempt, step)
     if not 0 < world_size <= MAX_WORLD_SIZE:
         raise InvalidArgument(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
     if not 0 <= deadline_s <= MAX_DEADLINE_S:  # also refuses NaN
