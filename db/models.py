@@ -127,6 +127,41 @@ class Job(Base):
     gpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Optimistic concurrency: every state change is `UPDATE ... WHERE version = :seen`.
     version: Mapped[int] = mapped_column(Integer, default=0)
+    # Recovery (revision 0006). `failures`: attempts torn down by a failure (the retry limit counts these, not
+    # preemptions). `not_before`: a requeued job waits for its retry backoff until then. A victim of a preemption
+    # stays RUNNING with `preempted_by` (the preemptor) and `preempt_deadline` (stopped then at the latest).
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    not_before: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    preempted_by: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    preempt_deadline: Mapped[float] = mapped_column(default=0.0, server_default="0")
+
+
+class JobAttempt(Base):
+    """One launch of a gang, for goodput accounting (phalanx.core.goodput).
+
+    Written by the scheduler: the row at the reservation, `running_at` when every rank runs, the end when it is
+    torn down. `committed_step` is the job's latest committed checkpoint step at the end and `kept_until` the time
+    that step was reached in this attempt (its checkpoint's created_at), NULL when no checkpoint of this attempt
+    committed: the work after it is rolled back. `gpus` counts GPU equivalents (a MIG instance or a share is a
+    fraction of one).
+    """
+
+    __tablename__ = "job_attempts"
+    __table_args__ = (Index(None, "ended_at"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpus: Mapped[float] = mapped_column()
+    reserved_at: Mapped[float] = mapped_column()
+    running_at: Mapped[float | None] = mapped_column(nullable=True)
+    ended_at: Mapped[float | None] = mapped_column(nullable=True)
+    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT; "" while running
+    outcome: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    reason: Mapped[str] = mapped_column(Text, default="", server_default="")
+    restored_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
+    committed_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
+    kept_until: Mapped[float | None] = mapped_column(nullable=True)
 
 
 class Allocation(Base):

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import func, select
 
 from db.engine import make_engine
-from db.models import Checkpoint, CheckpointRequest, CheckpointShard
+from db.models import Checkpoint, CheckpointRequest, CheckpointShard, Job
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from services.checkpoint_coordinator import serve, store
@@ -178,6 +178,25 @@ async def test_superseded_attempt_is_fenced(stub, db_url):
         done = await stub.ReportShard(_report(r, world=2, attempt=2))
     assert done.state == "COMMITTED" and done.attempt == 2
     assert (await _latest(stub)).id == done.id
+
+
+async def test_torn_down_attempt_is_fenced_before_the_relaunch(stub, db_url):
+    """The scheduler requeued the gang (PENDING, same attempt number until its next launch): its ranks, still
+    alive for a moment, can neither begin nor complete a checkpoint, and their open one is aborted."""
+    set_attempt(db_url, JOB, 1)
+    await stub.ReportShard(_report(0, world=2, attempt=1))
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(Job.__table__.update().where(Job.id == JOB).values(state="PENDING"))
+    before = _rows(db_url)
+    for call in (stub.ReportShard(_report(1, world=2, attempt=1)),
+                 stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, attempt=1, step=12, world_size=2))):
+        code, details = await _code(call)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "has ended (the job is PENDING)" in details
+    assert _rows(db_url)[:2] == before[:2]
+    store.abort_expired(engine)  # (the fixture's sweeper may have done it already)
+    assert _rows(db_url)[2] == [(10, "ABORTED")]
+    engine.dispose()
 
 
 async def test_double_report_idempotent_and_conflict_refused(stub, db_url):

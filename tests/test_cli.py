@@ -3,6 +3,7 @@ else, exit codes, stderr error lines, `--` command handling, reserved flags, and
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -16,6 +17,13 @@ import pytest
 
 from phalanx.api.v1 import common_pb2
 from phalanx.cli.main import GPU_SUBMIT_FLAGS, RESERVED_SUBMIT_FLAGS, TIER_SUBMIT_FLAGS, main
+from phalanx.core.fabric import default_fabric
+from phalanx.core.preemption import PreemptionPolicy
+from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.settings import SchedulerSettings
+
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -374,10 +382,10 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0005"}
-    assert current(url) == "0005"
+    assert json.loads(out) == {"db": url, "revision": "0006"}
+    assert current(url) == "0006"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0005" in out
+    assert code == 0 and "0006" in out
 
 
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
@@ -387,7 +395,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0005"
+    assert current(url) == "0006"
 
 
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):
@@ -411,3 +419,223 @@ def test_console_entry_point_in_a_subprocess(fake):
                           text=True, env=env, cwd=ROOT, timeout=20)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == "error: NOT_FOUND: job nope not found\n"
+
+
+# -- priority classes, checkpoint and goodput (fake scheduler) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,expected", [("high", 100), ("CRITICAL", 200), ("batch", -100), ("-5", -5),
+                                            ("42", 42)])
+def test_submit_priority_takes_an_integer_or_a_class_name(fake, capsys, value, expected):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
+                         "--priority", value, "--json", "--", "true")
+    assert code == 0, err
+    job = json.loads(out)
+    assert job["priority"] == expected and servicer.jobs[job["id"]].spec.priority == expected
+
+
+def test_bad_priority_is_a_usage_error_listing_the_classes(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
+                         "--priority", "urgent", "--json", "--", "true")
+    assert code == 2 and out == "" and "error:" in err and "'urgent'" in err
+    for name in ("best-effort", "batch", "default", "high", "critical"):
+        assert name in err
+    assert servicer.calls == {}
+
+
+@pytest.mark.parametrize("argv", [
+    ["goodput", "--since", "yesterday"],
+    ["goodput", "--since", "-1"],
+    ["goodput", "--limit", "-1"],
+    ["goodput", "--limit", "many"],
+    ["checkpoint"],
+    ["checkpoint", "job-0001", "--reason", ""],
+])
+def test_checkpoint_and_goodput_usage_errors(fake, capsys, argv):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, *argv)
+    assert code == 2 and out == "" and "error:" in err
+    assert servicer.calls == {}
+
+
+def test_checkpoint_against_the_fake(fake, capsys):
+    servicer, address = fake
+    job = servicer.add_job("train", state=common_pb2.JOB_STATE_RUNNING)
+    code, out, err = cli(capsys, address, "checkpoint", job.id, "--reason", "before upgrade")
+    assert code == 0 and err == ""
+    assert out.startswith(f"checkpoint requested: job {job.id} (train, RUNNING") and "'before upgrade'" in out
+    assert servicer.checkpoints == {job.id: "before upgrade"}
+    code, out, err = cli(capsys, address, "checkpoint", job.id)  # the earlier request is kept, and said so
+    assert code == 0 and "'before upgrade'" in out and "earlier request" in out
+    code, out, err = cli(capsys, address, "checkpoint", job.id, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["job_id"] == job.id and doc["reason"] == "before upgrade"
+    assert doc["requested_at"] > 0 and doc["job"]["id"] == job.id and JOB_KEYS <= set(doc["job"])
+
+
+def test_goodput_table_and_json_against_the_fake(fake, capsys):
+    servicer, address = fake
+    a = servicer.add_job("alpha", state=common_pb2.JOB_STATE_SUCCEEDED)
+    b = servicer.add_job("beta", state=common_pb2.JOB_STATE_PREEMPTING)
+    code, out, err = cli(capsys, address, "goodput", "--since", "1970-01-01T00:00:01Z", "--limit", "5")
+    assert code == 0 and err == ""
+    assert servicer.goodput_requests[-1] == (1.0, 5)
+    lines = out.splitlines()
+    assert lines[0].startswith("cluster: goodput 75.0% over 2 jobs (GPU time in GPU-h)")
+    assert lines[1].split() == ["ALLOCATED", "PRODUCTIVE", "ROLLBACK", "RESTART", "WAITING"]
+    assert lines[2].split() == ["2.00", "1.50", "0.25", "0.25", "0.50"]
+    header = next(i for i, line in enumerate(lines) if line.startswith("ID"))
+    assert lines[header].split() == ["ID", "NAME", "STATE", "ATTEMPTS", "ALLOCATED", "PRODUCTIVE", "ROLLBACK",
+                                     "RESTART", "WAITING", "GOODPUT"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
+    assert rows[b.id][1:4] == ["beta", "PREEMPTING", "1"] and rows[b.id][-1] == "75.0%"
+    assert rows[a.id][1:3] == ["alpha", "SUCCEEDED"]
+    code, out, err = cli(capsys, address, "goodput", "--json")
+    doc = json.loads(out)
+    assert code == 0 and servicer.goodput_requests[-1] == (0.0, 0)
+    assert set(doc) == {"cluster", "job_count", "jobs"} and doc["job_count"] == 2
+    assert set(doc["cluster"]) == {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
+    assert [(j["job_id"], j["state"]) for j in doc["jobs"]] == [(b.id, "PREEMPTING"), (a.id, "SUCCEEDED")]
+
+
+def test_checkpoint_errors_against_the_fake(fake, capsys):
+    servicer, address = fake
+    pending = servicer.add_job("p")
+    code, out, err = cli(capsys, address, "checkpoint", pending.id)
+    assert code == 1 and out == "" and err.startswith("error: FAILED_PRECONDITION: ")
+    code, out, err = cli(capsys, address, "checkpoint", "nope", "--json")
+    assert code == 1 and out == "" and err == "error: NOT_FOUND: job nope not found\n"
+
+
+def test_job_detail_shows_recovery_preemption_and_goodput(fake, capsys):
+    servicer, address = fake
+    now = time.time()
+    victim = servicer.add_job("victim", 1, 8, state=common_pb2.JOB_STATE_PREEMPTING, failures=1, preemptions=2,
+                              preempted_by="abcdef012345", preempt_deadline=now + 60,
+                              goodput=common_pb2.Goodput(allocated=7200, productive=3600, rollback=1800,
+                                                         restart=1800, waiting=360, ratio=0.5))
+    retry = servicer.add_job("retry", failures=3, not_before=now + 30)
+    code, out, err = cli(capsys, address, "job", victim.id)
+    assert code == 0 and err == ""
+    assert "PREEMPTING" in out and "abcdef012345" in out
+    assert any(line.startswith("failures:") and line.endswith(" 1") for line in out.splitlines())
+    assert any(line.startswith("preemptions:") and line.endswith(" 2") for line in out.splitlines())
+    assert "goodput: 50.0% (productive / allocated)" in out
+    assert [line.split() for line in out.splitlines() if line.startswith("  allocated")] == [["allocated", "2.00"]]
+    code, out, err = cli(capsys, address, "job", victim.id, "--json")
+    doc = json.loads(out)
+    assert (doc["state"], doc["failures"], doc["preemptions"], doc["preempted_by"]) == (
+        "PREEMPTING", 1, 2, "abcdef012345")
+    assert doc["preempt_deadline"] == pytest.approx(now + 60)
+    assert doc["goodput"] == {"allocated": 7200.0, "productive": 3600.0, "rollback": 1800.0, "restart": 1800.0,
+                              "waiting": 360.0, "ratio": 0.5}
+    code, out, err = cli(capsys, address, "job", retry.id)
+    assert code == 0 and "retry backoff:" in out and "failures:" in out and "preempting" not in out
+    code, out, err = cli(capsys, address, "jobs", "--state", "preempting", "--json")
+    assert code == 0 and [j["id"] for j in json.loads(out)] == [victim.id]
+    code, out, err = cli(capsys, address, "jobs")
+    assert code == 0 and "PREEMPTING" in out
+
+
+# -- checkpoint, goodput and priority classes against the real scheduler ------------------------------------------
+
+
+class _OneNode(LiteCluster):
+    """The real scheduler (in-process, SQLite) and one 8-GPU LiteAgent; preemption with no minimum runtime."""
+
+    def __init__(self, db_url: str) -> None:
+        super().__init__(
+            SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]),
+                              preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=60.0),
+                              preemption_poll_s=0.1, poll_interval=0.2),
+            lambda address: [LiteAgent(address, "node-0")],
+        )
+
+
+async def _real_cli(capsys, address, *argv) -> tuple[int, str, str]:
+    """The CLI in a worker thread: its client is synchronous and the scheduler lives on this event loop."""
+    code = await asyncio.to_thread(main, ["--scheduler", address, "--timeout", "10", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _consistent(g: dict) -> None:
+    assert set(g) == {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
+    assert abs(g["allocated"] - (g["productive"] + g["rollback"] + g["restart"])) <= 1e-6
+    assert all(g[k] >= 0 for k in g)
+
+
+async def test_checkpoint_goodput_and_priority_classes_against_the_real_scheduler(sqlite_url, capsys,
+                                                                                 logs_to_stderr):
+    async with _OneNode(sqlite_url) as c:
+        address = c.scheduler.address
+        code, out, err = await _real_cli(capsys, address, "submit", "--name", "low", "--replicas", "1",
+                                         "--gpus-per-replica", "8", "--priority", "batch", "--json", "--", "run")
+        assert code == 0, err
+        low = json.loads(out)
+        assert low["priority"] == -100
+        await c.wait_running(low["id"])
+        code, out, err = await _real_cli(capsys, address, "submit", "--name", "waits", "--replicas", "1",
+                                         "--gpus-per-replica", "8", "--priority", "-100", "--json", "--", "run")
+        assert code == 0, err
+        waits = json.loads(out)
+
+        # checkpoint: a running job gets a request row; a pending one and an unknown one are refused
+        code, out, err = await _real_cli(capsys, address, "checkpoint", low["id"], "--reason", "test", "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert (doc["job_id"], doc["reason"], doc["job"]["state"]) == (low["id"], "test", "RUNNING")
+        assert doc["requested_at"] > 0
+        assert c.sql("SELECT job_id, reason FROM checkpoint_requests") == [(low["id"], "test")]
+        code, out, err = await _real_cli(capsys, address, "checkpoint", waits["id"])
+        assert code == 1 and out == "" and err.startswith("error: FAILED_PRECONDITION: ") and err.count("\n") == 1
+        code, out, err = await _real_cli(capsys, address, "checkpoint", "0123456789ab")
+        assert code == 1 and out == "" and err.startswith("error: NOT_FOUND: ")
+        assert c.sql("SELECT count(*) FROM checkpoint_requests") == [(1,)]
+
+        # goodput: the cluster and each job add up
+        code, out, err = await _real_cli(capsys, address, "goodput", "--json")
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["job_count"] == 2 and {j["job_id"] for j in report["jobs"]} == {low["id"], waits["id"]}
+        _consistent(report["cluster"])
+        for j in report["jobs"]:
+            _consistent(j["goodput"])
+        running = next(j for j in report["jobs"] if j["job_id"] == low["id"])
+        assert running["state"] == "RUNNING" and running["attempts"] == 1 and running["goodput"]["allocated"] > 0
+        code, out, err = await _real_cli(capsys, address, "goodput", "--since", str(time.time() + 3600), "--json")
+        assert code == 0 and json.loads(out)["job_count"] == 0
+        code, out, err = await _real_cli(capsys, address, "goodput")
+        assert code == 0 and out.startswith("cluster: goodput ") and low["id"] in out
+
+        # job --json: the new fields (goodput from GetJob)
+        code, out, err = await _real_cli(capsys, address, "job", low["id"], "--json")
+        assert code == 0, err
+        job = json.loads(out)
+        assert JOB_KEYS <= set(job)
+        assert (job["failures"], job["preemptions"], job["not_before"], job["preempted_by"],
+                job["preempt_deadline"]) == (0, 0, 0.0, "", 0.0)
+        _consistent(job["goodput"])
+
+        # --priority high preempts the batch job: it is PREEMPTING (asked to checkpoint) while it holds the GPUs
+        code, out, err = await _real_cli(capsys, address, "submit", "--name", "urgent", "--replicas", "1",
+                                         "--gpus-per-replica", "8", "--priority", "high", "--json", "--", "run")
+        assert code == 0, err
+        urgent = json.loads(out)
+        assert urgent["priority"] == 100
+
+        async def preempting():
+            job = await c.job(low["id"])
+            return job if job.state == common_pb2.JOB_STATE_PREEMPTING else None
+
+        await eventually(preempting, what="the batch job PREEMPTING")
+        code, out, err = await _real_cli(capsys, address, "jobs", "--state", "preempting", "--json")
+        assert code == 0 and [j["id"] for j in json.loads(out)] == [low["id"]]
+        code, out, err = await _real_cli(capsys, address, "job", low["id"])
+        assert code == 0 and "PREEMPTING" in out and f"for {urgent['id']}" in out and "goodput:" in out
+        code, out, err = await _real_cli(capsys, address, "job", low["id"], "--json")
+        job = json.loads(out)
+        assert job["state"] == "PREEMPTING" and job["preempted_by"] == urgent["id"]
+        assert job["preempt_deadline"] > time.time()

@@ -19,11 +19,15 @@ from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client import (
     Allocation,
     AsyncClient,
+    CheckpointResult,
     Client,
     DeadlineExceededError,
     FailedPreconditionError,
+    Goodput,
+    GoodputReport,
     InvalidArgumentError,
     Job,
+    JobGoodput,
     JobState,
     Node,
     NodeState,
@@ -35,13 +39,20 @@ from phalanx.client import (
     UnauthenticatedError,
     UnavailableError,
 )
+from phalanx.core.fabric import default_fabric
+from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.settings import SchedulerSettings
+
+from helpers.lite_cluster import LiteCluster
 
 pytestmark = pytest.mark.timeout(30)
 
 JOB_KEYS = {
     "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "attempt",
     "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement", "allocations",
+    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput",
 }
+GOODPUT_KEYS = {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
 
 
 # -- a fake scheduler: a real gRPC server holding jobs in a dict -------------------------------------------------
@@ -64,6 +75,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.force: dict[str, tuple[grpc.StatusCode, str]] = {}
         self.cond = threading.Condition()
         self.seq = 0
+        self.checkpoints: dict[str, str] = {}  # job id -> the outstanding request's reason
+        self.goodput_requests: list[tuple[float, int]] = []
         self.nodes = [
             common_pb2.Node(name="gpu-a", state=common_pb2.NODE_STATE_READY, gpus=8, free_gpus=6, profile="dgx",
                             gpu_model="H100", fabric_path=["leaf0", "spine0"], last_heartbeat=time.time(),
@@ -144,6 +157,30 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.update(job.id, state=common_pb2.JOB_STATE_CANCELLED, message="cancelled by user",
                     finished_at=time.time())
         return job
+
+    def CheckpointJob(self, request, context):
+        self._enter("CheckpointJob", context)
+        job = self._job(request.job_id, context)
+        if job.state not in (common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_PREEMPTING):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.id} is not running")
+        reason = self.checkpoints.setdefault(job.id, request.reason or "user")  # an earlier request is kept
+        return scheduler_pb2.CheckpointJobResponse(job=job, reason=reason, requested_at=1_700_000_000.0)
+
+    def GetGoodput(self, request, context):
+        """Every job: 1 GPU-hour allocated, 3/4 of it productive, an eighth each of rollback and restart."""
+        self._enter("GetGoodput", context)
+        self.goodput_requests.append((request.since, request.limit))
+        per_job = dict(allocated=3600.0, productive=2700.0, rollback=450.0, restart=450.0, waiting=900.0)
+        jobs = sorted((j for j in self.jobs.values() if j.submitted_at >= request.since),
+                      key=lambda j: j.submitted_at, reverse=True)
+        n = len(jobs)
+        return scheduler_pb2.GetGoodputResponse(
+            cluster=common_pb2.Goodput(**{k: v * n for k, v in per_job.items()}, ratio=0.75 if n else 1.0),
+            job_count=n,
+            jobs=[scheduler_pb2.JobGoodput(job_id=j.id, name=j.spec.name, state=j.state, attempts=1,
+                                           goodput=common_pb2.Goodput(**per_job, ratio=0.75))
+                  for j in jobs[:request.limit or 100]],
+        )
 
     def ListNodes(self, request, context):
         self._enter("ListNodes", context)
@@ -241,7 +278,7 @@ def test_job_from_proto_is_typed_and_to_dict_is_the_cli_shape():
 
 
 @pytest.mark.parametrize("number,name", [(1, "PENDING"), (2, "RUNNING"), (3, "SUCCEEDED"), (4, "FAILED"),
-                                         (5, "CANCELLED"), (6, "PREEMPTED")])
+                                         (5, "CANCELLED"), (6, "PREEMPTED"), (7, "PREEMPTING")])
 def test_every_proto_job_state_converts(number, name):
     assert common_pb2.JobState.Name(number) == f"JOB_STATE_{name}"
     job = Job.from_proto(common_pb2.Job(id="x", state=number))
@@ -249,9 +286,38 @@ def test_every_proto_job_state_converts(number, name):
     assert job.terminal == (name in {"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
+def test_recovery_preemption_and_goodput_fields():
+    msg = _full_job_proto()
+    job = Job.from_proto(msg)
+    assert (job.failures, job.preemptions, job.not_before, job.preempted_by, job.preempt_deadline) == (0, 0, 0.0, "",
+                                                                                                       0.0)
+    assert job.goodput is None and job.to_dict()["goodput"] is None  # ListJobs, SubmitJob, watch: not filled
+    msg.state = common_pb2.JOB_STATE_PREEMPTING
+    msg.failures, msg.preemptions, msg.not_before = 2, 1, 123.5
+    msg.preempted_by, msg.preempt_deadline = "abcdef012345", 456.25
+    msg.goodput.CopyFrom(common_pb2.Goodput(allocated=100, productive=70, rollback=20, restart=10, waiting=5,
+                                            ratio=0.7))
+    job = Job.from_proto(msg)
+    assert job.state is JobState.PREEMPTING and not job.terminal
+    assert job.goodput == Goodput(100.0, 70.0, 20.0, 10.0, 5.0, 0.7)
+    d = job.to_dict()
+    assert JOB_KEYS <= set(d)
+    assert (d["state"], d["failures"], d["preemptions"], d["not_before"], d["preempted_by"], d["preempt_deadline"]) \
+        == ("PREEMPTING", 2, 1, 123.5, "abcdef012345", 456.25)
+    assert d["goodput"] == {"allocated": 100.0, "productive": 70.0, "rollback": 20.0, "restart": 10.0,
+                            "waiting": 5.0, "ratio": 0.7}
+    assert json.loads(json.dumps(d)) == d
+    # goodput grows while a job runs: it takes no part in equality (watch drops repeats by equality)
+    msg.goodput.allocated = 200
+    assert Job.from_proto(msg) == job
+    msg.ClearField("goodput")
+    assert Job.from_proto(msg) == job
+
+
 def test_job_state_parse_accepts_any_spelling():
     assert JobState.parse("running") is JobState.RUNNING
     assert JobState.parse("JOB_STATE_FAILED") is JobState.FAILED
+    assert JobState.parse("preempting") is JobState.PREEMPTING
     with pytest.raises(ValueError, match="unknown job state"):
         JobState.parse("DONE")
 
@@ -307,6 +373,41 @@ def test_submit_get_list_cancel_nodes(fake, client):
     assert [(n.name, n.state, n.free_gpus) for n in nodes] == [("gpu-a", NodeState.READY, 6),
                                                                  ("gpu-b", NodeState.DRAINED, 8)]
     assert nodes[0].fabric_path == ["leaf0", "spine0"]
+
+
+def test_checkpoint_and_goodput(fake, client):
+    servicer, _ = fake
+    running = servicer.add_job("train", state=common_pb2.JOB_STATE_RUNNING)
+    pending = servicer.add_job("waits")
+    result = client.checkpoint(running.id)
+    assert isinstance(result, CheckpointResult)
+    assert result.job.id == running.id and result.job.state is JobState.RUNNING
+    assert (result.reason, result.requested_at) == ("user", 1_700_000_000.0)
+    assert client.checkpoint(running.id, reason="again").reason == "user"  # the earlier request is kept
+    assert result.to_dict()["job"] == result.job.to_dict() and result.to_dict()["job_id"] == running.id
+    with pytest.raises(FailedPreconditionError):
+        client.checkpoint(pending.id)
+    with pytest.raises(NotFoundError):
+        client.checkpoint("nope")
+
+    report = client.goodput()
+    assert isinstance(report, GoodputReport) and servicer.goodput_requests == [(0.0, 0)]
+    assert report.job_count == 2 and report.cluster == Goodput(7200.0, 5400.0, 900.0, 900.0, 1800.0, 0.75)
+    assert [j.job_id for j in report.jobs] == [pending.id, running.id]
+    assert report.jobs[1] == JobGoodput(running.id, "train", JobState.RUNNING,
+                                        Goodput(3600.0, 2700.0, 450.0, 450.0, 900.0, 0.75), 1)
+    d = report.to_dict()
+    assert set(d) == {"cluster", "job_count", "jobs"} and set(d["cluster"]) == GOODPUT_KEYS
+    assert d["jobs"][1] == {"job_id": running.id, "name": "train", "state": "RUNNING", "attempts": 1,
+                            "goodput": report.jobs[1].goodput.to_dict()}
+    assert len(client.goodput(since=time.time() + 60).jobs) == 0
+    assert [j.job_id for j in client.goodput(limit=1).jobs] == [pending.id]
+    assert servicer.goodput_requests[-1] == (0.0, 1)
+
+    servicer.fail["CheckpointJob"] = 1  # idempotent (an outstanding request is kept): retried like the rest
+    servicer.fail["GetGoodput"] = 1
+    assert client.checkpoint(running.id).job.id == running.id and client.goodput().job_count == 2
+    assert servicer.calls["CheckpointJob"] == 6 and servicer.calls["GetGoodput"] == 5
 
 
 def test_explicit_request_id_makes_submit_idempotent(fake, client):
@@ -482,6 +583,10 @@ async def test_async_client_parity(fake):
         assert servicer.calls["SubmitJob"] == 4
 
         servicer.update(job.id, state=common_pb2.JOB_STATE_RUNNING)
+        result = await c.checkpoint(job.id, reason="async")
+        assert isinstance(result, CheckpointResult) and result.reason == "async" and result.job.id == job.id
+        report = await c.goodput(limit=1)
+        assert isinstance(report, GoodputReport) and report.job_count == 2 and len(report.jobs) == 1
         states = []
         async for update in c.watch([job.id], timeout=5):
             states.append(update.state)
@@ -514,3 +619,31 @@ async def test_async_client_errors_and_deadline(fake):
     async with AsyncClient(address, timeout=3, retries=0) as c:
         with pytest.raises(UnavailableError, match="cannot reach scheduler at"):
             await c.nodes()
+
+
+# -- checkpoint and goodput against the real scheduler -----------------------------------------------------------
+
+
+async def test_async_checkpoint_and_goodput_against_the_real_scheduler(sqlite_url, logs_to_stderr):
+    settings = SchedulerSettings(db_url=sqlite_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]),
+                                 poll_interval=0.2)
+    async with LiteCluster(settings, lambda address: [LiteAgent(address, "node-0")]) as cluster:
+        async with AsyncClient(cluster.scheduler.address, timeout=10) as c:
+            running = await c.submit("runs", 1, 8, ["run"])
+            pending = await c.submit("waits", 1, 8, ["run"])
+            await cluster.wait_running(running.id)
+            result = await c.checkpoint(running.id, reason="sdk")
+            assert (result.job.id, result.job.state, result.reason) == (running.id, JobState.RUNNING, "sdk")
+            assert cluster.sql("SELECT job_id, reason FROM checkpoint_requests") == [(running.id, "sdk")]
+            with pytest.raises(FailedPreconditionError):
+                await c.checkpoint(pending.id)
+            with pytest.raises(NotFoundError):
+                await c.checkpoint("0123456789ab")
+
+            report = await c.goodput()
+            assert report.job_count == 2 and {j.job_id for j in report.jobs} == {running.id, pending.id}
+            for g in [report.cluster, *(j.goodput for j in report.jobs)]:
+                assert abs(g.allocated - (g.productive + g.rollback + g.restart)) <= 1e-6
+            job = await c.get_job(running.id)
+            assert job.goodput is not None and job.goodput.allocated > 0 and set(job.goodput.to_dict()) == GOODPUT_KEYS
+            assert all(j.goodput is None for j in await c.list_jobs())  # filled by GetJob only

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -270,7 +271,8 @@ async def test_ledger_refuses_a_stale_view_and_the_scheduler_recovers_without_pa
             conn.execute(text(
                 "INSERT INTO jobs (id, name, state, priority, replicas, gpus_per_replica, procs_per_replica, command,"
                 " env, attempt, message, exit_code, placement, submitted_at, started_at, finished_at, version)"
-                " VALUES ('intruder0000', 'intruder', 'RUNNING', 0, 1, 1, 0, '[\"x\"]', '{}', 1, '', 0, '{}', 0, 0, 0, 0)"))
+                " VALUES ('intruder0000', 'intruder', 'RUNNING', 0, 1, 1, 0, '[\"x\"]', '{}', 1, '', 0, '{}', 0, :now, 0, 0)"),
+                dict(now=time.time()))  # started just now: within its launch deadline, it keeps GPU 0
             conn.execute(text(
                 "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at)"
                 " SELECT 'intruder0000', 1, 0, g.node_id, g.id, g.\"index\", 0 FROM gpus g WHERE g.\"index\" = 0"))

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
 import grpc
 import pytest
+from sqlalchemy import select
 
+from db.engine import make_engine
+from db.models import Checkpoint
 from phalanx import train
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
@@ -78,6 +82,40 @@ async def test_relaunch_restores_and_fences_the_old_attempt(server, tmp_path, db
     assert [await asyncio.to_thread(c.restore) for c in new] == [(5, {"new": 0}), (5, {"new": 1})]
     for c in old + new:
         c.close()
+
+
+async def test_a_rank_that_never_reports_aborts_the_checkpoint_and_restore_returns_the_previous(db_url, tmp_path):
+    """Step 10: rank 0 saves, rank 1 never reports (hung or dead). The checkpoint aborts at its deadline, every rank's
+    restore() still returns step 5, and a late report of the aborted step is refused, so it can never commit."""
+    insert_job(db_url, JOB)
+    srv = await serve(db_url, "127.0.0.1:0", sweep_interval=0.1)  # the sweeper aborts expired checkpoints
+    ranks = _ranks(srv, tmp_path, PHALANX_CHECKPOINT_DEADLINE_S="0.5")
+    try:
+        for c in ranks:
+            await asyncio.to_thread(c.save, 5, {"step": 5, "rank": c.rank})
+        partial = await asyncio.to_thread(ranks[0].save, 10, {"step": 10, "rank": 0})
+        assert not partial.committed
+        engine = make_engine(db_url)
+        try:
+            def states():
+                with engine.connect() as conn:
+                    return dict(conn.execute(select(Checkpoint.step, Checkpoint.state)).all())
+            deadline = time.monotonic() + 10
+            while states().get(10) != "ABORTED" and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert states() == {5: "COMMITTED", 10: "ABORTED"}
+        finally:
+            engine.dispose()
+        assert [await asyncio.to_thread(c.restore) for c in ranks] == [(5, {"step": 5, "rank": 0}),
+                                                                        (5, {"step": 5, "rank": 1})]
+        with pytest.raises(train.CheckpointRejectedError) as err:  # rank 1 wakes up too late
+            await asyncio.to_thread(ranks[1].save, 10, {"step": 10, "rank": 1})
+        assert err.value.code == "FAILED_PRECONDITION" and "aborted" in err.value.message
+        assert [(await asyncio.to_thread(c.restore))[0] for c in ranks] == [5, 5]
+    finally:
+        for c in ranks:
+            c.close()
+        await srv.stop(0)
 
 
 async def test_checksum_mismatch_on_restore_raises(server, tmp_path):

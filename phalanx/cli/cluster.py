@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phalanx.core.preemption import LOCAL_POLICY
+
 __all__ = [
     "ClusterError",
     "LocalCluster",
@@ -163,6 +165,9 @@ class LocalCluster:
             with multi-node NVLink domains, e.g. gb200-nvl72: 2 racks of 18 per leaf, with the NVLink tier).
         metrics_port_base: Serve Prometheus metrics: scheduler on N, coordinator on N+1, agent i on N+2+i.
         lease_timeout, heartbeat_interval, launch_timeout: The scheduler's timers (short local defaults).
+        min_runtime, preemption_grace: Preemption's minimum runtime and grace period (local defaults: a few
+            seconds, so preemption shows in a demo; production: 600 s and 120 s).
+        retry_backoff, retry_backoff_max: The backoff before a gang torn down by a failure is retried.
         kill_grace: Seconds an agent waits between SIGTERM and SIGKILL of a rank.
         restart_agents: Restart an agent that died, after ``restart_delay`` seconds.
         ready_timeout: Seconds for the scheduler to answer and every node to be READY.
@@ -188,6 +193,10 @@ class LocalCluster:
         lease_timeout: float = 6.0,
         heartbeat_interval: float = 1.0,
         launch_timeout: float = 30.0,
+        min_runtime: float = LOCAL_POLICY.min_runtime_s,
+        preemption_grace: float = LOCAL_POLICY.grace_period_s,
+        retry_backoff: float = 1.0,
+        retry_backoff_max: float = 10.0,
         kill_grace: float = 3.0,
         restart_agents: bool = False,
         restart_delay: float = 2.0,
@@ -212,6 +221,10 @@ class LocalCluster:
         self.lease_timeout = lease_timeout
         self.heartbeat_interval = heartbeat_interval
         self.launch_timeout = launch_timeout
+        self.min_runtime = min_runtime
+        self.preemption_grace = preemption_grace
+        self.retry_backoff = retry_backoff
+        self.retry_backoff_max = retry_backoff_max
         self.kill_grace = kill_grace
         self.restart_agents = restart_agents
         self.restart_delay = restart_delay
@@ -307,6 +320,8 @@ class LocalCluster:
             "--lease-timeout", f"{self.lease_timeout:g}",
             "--heartbeat-interval", f"{self.heartbeat_interval:g}",
             "--launch-timeout", f"{self.launch_timeout:g}",
+            "--min-runtime", f"{self.min_runtime:g}", "--preemption-grace", f"{self.preemption_grace:g}",
+            "--retry-backoff", f"{self.retry_backoff:g}", "--retry-backoff-max", f"{self.retry_backoff_max:g}",
             "--checkpoint-coordinator", self.checkpoint_address,
             "--checkpoint-dir", str(self.state_dir / "checkpoints"),
         ]
@@ -672,6 +687,8 @@ def _cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> Lo
         restart_agents=getattr(args, "restart_agents", False),
         restart_delay=getattr(args, "restart_delay", 2.0),
         ready_timeout=getattr(args, "ready_timeout", 60.0),
+        min_runtime=getattr(args, "min_runtime", LOCAL_POLICY.min_runtime_s),
+        preemption_grace=getattr(args, "preemption_grace", LOCAL_POLICY.grace_period_s),
         **extra,
     )
 
@@ -940,6 +957,12 @@ def register(subparsers) -> None:
                          "(gb200-nvl72: NVLink domains of 18 nodes from the agents' cliques, 36 nodes per leaf)")
     up.add_argument("--db", default=None, metavar="URL",
                     help="ledger URL (default: sqlite:///STATE_DIR/phalanx.db)")
+    up.add_argument("--min-runtime", type=float, default=LOCAL_POLICY.min_runtime_s, metavar="S",
+                    help=f"seconds a gang runs before it can be preempted (default {LOCAL_POLICY.min_runtime_s:g}; "
+                         "production 600)")
+    up.add_argument("--preemption-grace", type=float, default=LOCAL_POLICY.grace_period_s, metavar="S",
+                    help=f"seconds a preempted gang gets to checkpoint (default {LOCAL_POLICY.grace_period_s:g}; "
+                         "production 120)")
     up.add_argument("--restart-agents", action="store_true", help="restart an agent that dies")
     up.add_argument("--restart-delay", type=float, default=2.0, metavar="S",
                     help="seconds before such a restart (default 2)")

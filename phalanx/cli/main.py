@@ -1,4 +1,5 @@
-"""The ``phalanx`` command line: submit, list, inspect, cancel and watch jobs; list nodes; migrate the database.
+"""The ``phalanx`` command line: submit, list, inspect, cancel, checkpoint and watch jobs; GPU-time accounting
+(goodput); list nodes; migrate the database.
 
 This is a stable contract that scripts depend on:
 
@@ -11,9 +12,11 @@ This is a stable contract that scripts depend on:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from typing import TextIO
 
 from phalanx import __version__
@@ -28,6 +31,7 @@ from phalanx.client import (
     UnavailableError,
     resolve_target,
 )
+from phalanx.core.preemption import PRIORITY_CLASSES, parse_priority
 
 from . import render
 
@@ -112,6 +116,34 @@ def _parse_states(values: Sequence[str] | None) -> list[JobState]:
     return states
 
 
+def _priority(value: str) -> int:
+    """argparse type of ``--priority``: an integer or a class name (a bad one is a usage error, exit code 2)."""
+    try:
+        return parse_priority(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parse_since(value: str | None) -> float:
+    """``--since``: unix seconds, or an ISO 8601 time (UTC unless it says otherwise); None or "" is 0 (all)."""
+    if value is None or not value.strip():
+        return 0.0
+    text = value.strip()
+    try:
+        since = float(text)
+    except ValueError:
+        try:
+            when = datetime.fromisoformat(text)  # 3.11: any ISO 8601 form, "Z" included
+        except ValueError:
+            raise UsageError(f"--since expects unix seconds or an ISO 8601 time, got {value!r}") from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        since = when.timestamp()
+    if not math.isfinite(since) or since < 0:
+        raise UsageError(f"--since must be a time at or after 1970-01-01, got {value!r}")
+    return since
+
+
 def _show_job(job: Job, as_json: bool) -> None:
     _print(render.to_json(job.to_dict()) if as_json else render.job_detail(job))
 
@@ -177,6 +209,28 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.cancel(args.job_id)
     _show_job(job, args.json)
+    return EXIT_OK
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """``phalanx checkpoint ID``: ask a running job to checkpoint now; print the outstanding request."""
+    reason = args.reason if args.reason is not None else "user"
+    if not reason.strip():
+        raise UsageError("--reason must not be empty")
+    with _client(args) as client:
+        result = client.checkpoint(args.job_id, reason=reason)
+    _print(render.to_json(result.to_dict()) if args.json else render.checkpoint_result(result, asked=reason))
+    return EXIT_OK
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    """``phalanx goodput``: GPU-time accounting of the cluster and of the newest jobs."""
+    since = _parse_since(args.since)
+    if args.limit is not None and args.limit < 0:
+        raise UsageError(f"--limit must not be negative, got {args.limit}")
+    with _client(args) as client:
+        report = client.goodput(since=since, limit=args.limit or 0)
+    _print(render.to_json(report.to_dict()) if args.json else render.goodput_report(report))
     return EXIT_OK
 
 
@@ -284,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, required=True, metavar="R")
     p.add_argument("--gpus-per-replica", type=int, default=None, metavar="G",
                    help="whole GPUs per replica (required, except with --mig or --gpu-milli, where it is 1)")
-    p.add_argument("--priority", type=int, default=0, metavar="P", help="higher wins (default 0)")
+    p.add_argument("--priority", type=_priority, default=0, metavar="P",
+                   help="higher wins (default 0): an integer or a class name, "
+                        + ", ".join(f"{name} ({p})" for name, p in PRIORITY_CLASSES.items()))
     p.add_argument("--procs-per-replica", type=int, default=0, metavar="K",
                    help="0: one process per GPU (default); 1: one per replica")
     p.add_argument("--env", action="extend", nargs="+", metavar="K=V", help="environment for the job (repeatable)")
@@ -320,6 +376,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id", metavar="ID")
     json_flag(p)
     p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("checkpoint", help="ask a running job to checkpoint now")
+    p.add_argument("job_id", metavar="ID")
+    p.add_argument("--reason", default=None, metavar="TEXT", help="why, for the record (default: user)")
+    json_flag(p)
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("goodput", help="GPU-time accounting: allocated, productive, rollback, restart, waiting")
+    p.add_argument("--since", default=None, metavar="UNIX_OR_ISO",
+                   help="only jobs submitted at or after this time: unix seconds or ISO 8601 (UTC by default)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="at most N jobs listed, newest first (default: the scheduler's, 100); the totals count all")
+    json_flag(p)
+    p.set_defaults(func=cmd_goodput)
 
     p = sub.add_parser("nodes", help="list nodes")
     json_flag(p)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from phalanx.client import Job, Node
+from phalanx.client import CheckpointResult, Goodput, GoodputReport, Job, Node
 
 __all__ = [
     "table",
@@ -18,6 +18,10 @@ __all__ = [
     "jobs_table",
     "nodes_table",
     "job_detail",
+    "goodput_unit",
+    "format_gpu_time",
+    "goodput_report",
+    "checkpoint_result",
     "watch_line",
     "to_json",
 ]
@@ -156,6 +160,14 @@ def job_detail(job: Job) -> str:
     ]
     if job.gpu_model:
         lines.insert(6, ("gpu model", job.gpu_model))
+    if job.failures or job.preemptions:
+        lines.append(("failures", job.failures))
+        lines.append(("preemptions", job.preemptions))
+    if job.preempted_by:
+        lines.append(("preempting", f"for {job.preempted_by}, stopped by {format_time(job.preempt_deadline)} at "
+                                    "the latest (sooner once its checkpoint is in)"))
+    if job.not_before and job.state.value == "PENDING":
+        lines.append(("retry backoff", f"until {format_time(job.not_before)}"))
     if job.placement:
         p = job.placement
         lines.append(("placement", f"tier={p.get('tier', '')} domains={p.get('domains', 0)} "
@@ -171,7 +183,80 @@ def job_detail(job: Job) -> str:
                 [(a.replica, a.node, _alloc_gpus(a)) for a in job.allocations],
             ).splitlines()
         )
+    if job.goodput is not None:
+        out.extend(_goodput_section(job.goodput))
     return "\n".join(out)
+
+
+# -- goodput -------------------------------------------------------------------------------------------------------
+
+GOODPUT_CATEGORIES = ("allocated", "productive", "rollback", "restart", "waiting")
+
+
+def goodput_unit(values: Iterable[float]) -> str:
+    """``GPU-h`` when any value reaches a GPU-hour, else ``GPU-s``: one unit for a whole view."""
+    return "GPU-h" if any(v >= 3600.0 for v in values) else "GPU-s"
+
+
+def format_gpu_time(seconds: float, unit: str) -> str:
+    """GPU-seconds in ``unit`` (``GPU-h``: two decimals; ``GPU-s``: one)."""
+    return f"{seconds / 3600.0:.2f}" if unit == "GPU-h" else f"{seconds:.1f}"
+
+
+def format_ratio(g: Goodput) -> str:
+    """The goodput ratio as a percentage, ``-`` while nothing was allocated."""
+    return f"{g.ratio * 100:.1f}%" if g.allocated > 0 else "-"
+
+
+def _goodput_section(g: Goodput) -> list[str]:
+    unit = goodput_unit(getattr(g, c) for c in GOODPUT_CATEGORIES)
+    out = [f"goodput: {format_ratio(g)} (productive / allocated)"]
+    out.extend(
+        "  " + line
+        for line in table(["CATEGORY", unit], [(c, format_gpu_time(getattr(g, c), unit)) for c in GOODPUT_CATEGORIES])
+        .splitlines()
+    )
+    return out
+
+
+def goodput_report(report: GoodputReport) -> str:
+    """``phalanx goodput``: the cluster totals, then a table of the listed jobs (newest first)."""
+    values = [getattr(report.cluster, c) for c in GOODPUT_CATEGORIES]
+    values += [getattr(j.goodput, c) for j in report.jobs for c in GOODPUT_CATEGORIES]
+    unit = goodput_unit(values)
+    c = report.cluster
+    jobs = f"{report.job_count} job{'s' if report.job_count != 1 else ''}"
+    out = [f"cluster: goodput {format_ratio(c)} over {jobs} (GPU time in {unit})"]
+    out.extend(
+        "  " + line
+        for line in table([name.upper() for name in GOODPUT_CATEGORIES],
+                          [[format_gpu_time(getattr(c, name), unit) for name in GOODPUT_CATEGORIES]]).splitlines()
+    )
+    if report.jobs:
+        out.append("")
+        out.append(table(
+            ["ID", "NAME", "STATE", "ATTEMPTS", *(name.upper() for name in GOODPUT_CATEGORIES), "GOODPUT"],
+            [
+                (j.job_id, j.name, j.state.value, j.attempts,
+                 *(format_gpu_time(getattr(j.goodput, name), unit) for name in GOODPUT_CATEGORIES),
+                 format_ratio(j.goodput))
+                for j in report.jobs
+            ],
+        ))
+        if len(report.jobs) < report.job_count:
+            out.append(f"({len(report.jobs)} of {report.job_count} jobs listed; --limit N for more)")
+    return "\n".join(out)
+
+
+def checkpoint_result(result: CheckpointResult, asked: str | None = None) -> str:
+    """``phalanx checkpoint``: what was requested, of which job, and when. ``asked``: the reason given, when an
+    earlier request (with another reason) is still outstanding and kept instead."""
+    job = result.job
+    line = (f"checkpoint requested: job {job.id} ({job.name}, {job.state.value}, attempt {job.attempt}), "
+            f"reason {result.reason!r}, at {format_time(result.requested_at)}")
+    if asked is not None and asked != result.reason:
+        line += " (an earlier request, still outstanding)"
+    return line
 
 
 def watch_line(job: Job, now: float | None = None) -> str:

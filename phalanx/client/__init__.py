@@ -9,9 +9,10 @@ Use :class:`Client` (blocking) or :class:`AsyncClient` (asyncio)::
         job = client.wait(job.id, timeout=3600)   # SUCCEEDED, FAILED or CANCELLED
         print(job.state, job.exit_code)
 
-Results are frozen dataclasses (:class:`Job`, :class:`Node`, :class:`Allocation`) whose ``to_dict()`` is the
-JSON shape of the ``phalanx`` CLI. Errors derive from :class:`PhalanxError`; see :mod:`phalanx.client._errors`
-for the tree (``RPCError`` and one subclass per common gRPC status code).
+Results are frozen dataclasses (:class:`Job`, :class:`Node`, :class:`Allocation`, :class:`GoodputReport`,
+:class:`CheckpointResult`) whose ``to_dict()`` is the JSON shape of the ``phalanx`` CLI. Errors derive from
+:class:`PhalanxError`; see :mod:`phalanx.client._errors` for the tree (``RPCError`` and one subclass per common
+gRPC status code).
 """
 
 from ._async_client import AsyncClient
@@ -28,7 +29,19 @@ from ._errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from ._types import TERMINAL_STATES, Allocation, Job, JobState, MigSlice, Node, NodeState
+from ._types import (
+    TERMINAL_STATES,
+    Allocation,
+    CheckpointResult,
+    Goodput,
+    GoodputReport,
+    Job,
+    JobGoodput,
+    JobState,
+    MigSlice,
+    Node,
+    NodeState,
+)
 
 __all__ = [
     "Client",
@@ -37,6 +50,10 @@ __all__ = [
     "Node",
     "Allocation",
     "MigSlice",
+    "Goodput",
+    "JobGoodput",
+    "GoodputReport",
+    "CheckpointResult",
     "JobState",
     "NodeState",
     "TERMINAL_STATES",

@@ -23,7 +23,16 @@ from ._client import (
     watch_ids,
 )
 from ._errors import DeadlineExceededError, from_grpc_error
-from ._types import TERMINAL_STATES, Job, JobState, Node, job_state_to_proto, parse_states
+from ._types import (
+    TERMINAL_STATES,
+    CheckpointResult,
+    GoodputReport,
+    Job,
+    JobState,
+    Node,
+    job_state_to_proto,
+    parse_states,
+)
 
 __all__ = ["AsyncClient"]
 
@@ -191,6 +200,36 @@ class AsyncClient:
             NotFoundError: No such job.
         """
         return Job.from_proto(await self._call("CancelJob", scheduler_pb2.CancelJobRequest(job_id=job_id)))
+
+    async def checkpoint(self, job_id: str, reason: str = "user") -> CheckpointResult:
+        """Ask a running job's ranks to checkpoint now; see :meth:`Client.checkpoint`.
+
+        Args:
+            job_id: The job's id.
+            reason: Why, for the record.
+
+        Returns:
+            The job, and the outstanding request's reason and time.
+
+        Raises:
+            NotFoundError: No such job.
+            FailedPreconditionError: The job is not running.
+        """
+        request = scheduler_pb2.CheckpointJobRequest(job_id=job_id, reason=reason)
+        return CheckpointResult.from_proto(await self._call("CheckpointJob", request))
+
+    async def goodput(self, since: float = 0.0, limit: int = 0) -> GoodputReport:
+        """GPU-time accounting of the cluster and of each job; see :meth:`Client.goodput`.
+
+        Args:
+            since: Only jobs submitted at or after this unix time (0: all).
+            limit: At most this many jobs listed, newest first (0: the scheduler's default).
+
+        Returns:
+            The cluster total, the number of jobs it counts, and the listed jobs.
+        """
+        request = scheduler_pb2.GetGoodputRequest(since=float(since), limit=int(limit))
+        return GoodputReport.from_proto(await self._call("GetGoodput", request))
 
     async def nodes(self) -> list[Node]:
         """List the cluster's nodes.

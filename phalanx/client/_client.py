@@ -16,7 +16,16 @@ import phalanx
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 from ._errors import DeadlineExceededError, from_grpc_error
-from ._types import TERMINAL_STATES, Job, JobState, Node, job_state_to_proto, parse_states
+from ._types import (
+    TERMINAL_STATES,
+    CheckpointResult,
+    GoodputReport,
+    Job,
+    JobState,
+    Node,
+    job_state_to_proto,
+    parse_states,
+)
 
 __all__ = ["Client", "DEFAULT_TARGET", "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "resolve_target"]
 
@@ -271,6 +280,44 @@ class Client:
             FailedPreconditionError: The scheduler refuses to cancel it in its current state.
         """
         return Job.from_proto(self._call(self._stub.CancelJob, scheduler_pb2.CancelJobRequest(job_id=job_id)))
+
+    def checkpoint(self, job_id: str, reason: str = "user") -> CheckpointResult:
+        """Ask a running job's ranks to checkpoint now (``phalanx.train.should_checkpoint`` turns true).
+
+        Asking again while a request is outstanding keeps the earlier one (and its reason).
+
+        Args:
+            job_id: The job's id.
+            reason: Why, for the record (at most 1000 characters).
+
+        Returns:
+            The job, and the outstanding request's reason and time (unix seconds).
+
+        Raises:
+            NotFoundError: No such job.
+            FailedPreconditionError: The job is not running.
+            InvalidArgumentError: A bad reason.
+        """
+        request = scheduler_pb2.CheckpointJobRequest(job_id=job_id, reason=reason)
+        return CheckpointResult.from_proto(self._call(self._stub.CheckpointJob, request))
+
+    def goodput(self, since: float = 0.0, limit: int = 0) -> GoodputReport:
+        """GPU-time accounting of the cluster and of each job: allocated, productive, rollback, restart and waiting
+        GPU-seconds, and the ratio productive / allocated.
+
+        Args:
+            since: Only jobs submitted at or after this unix time (0: all).
+            limit: At most this many jobs listed, newest first (0: the scheduler's default, 100); the cluster total
+                counts every job since ``since``.
+
+        Returns:
+            The cluster total, the number of jobs it counts, and the listed jobs.
+
+        Raises:
+            InvalidArgumentError: A negative ``since`` or ``limit``.
+        """
+        request = scheduler_pb2.GetGoodputRequest(since=float(since), limit=int(limit))
+        return GoodputReport.from_proto(self._call(self._stub.GetGoodput, request))
 
     def nodes(self) -> list[Node]:
         """List the cluster's nodes.

@@ -7,13 +7,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from phalanx.api.v1 import common_pb2
+from phalanx.api.v1 import common_pb2, scheduler_pb2
 
 __all__ = [
     "JobState",
     "NodeState",
     "Allocation",
+    "Goodput",
     "Job",
+    "JobGoodput",
+    "GoodputReport",
+    "CheckpointResult",
     "Node",
     "TERMINAL_STATES",
     "job_state_to_proto",
@@ -30,6 +34,8 @@ class JobState(str, enum.Enum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     PREEMPTED = "PREEMPTED"
+    # Still running and holding its GPUs: asked to checkpoint before it is stopped for a higher-priority gang.
+    PREEMPTING = "PREEMPTING"
 
     def __str__(self) -> str:
         return self.value
@@ -75,7 +81,7 @@ class NodeState(str, enum.Enum):
         return self.value
 
 
-# SUCCEEDED, FAILED and CANCELLED are final. PREEMPTED is not: a preempted job goes back to PENDING.
+# SUCCEEDED, FAILED and CANCELLED are final. PREEMPTED and PREEMPTING are not: a preempted job goes back to PENDING.
 TERMINAL_STATES: frozenset[JobState] = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
@@ -144,6 +150,38 @@ class Allocation:
 
 
 @dataclass(frozen=True, eq=True)
+class Goodput:
+    """Where GPU time went, in GPU-seconds: ``allocated = productive + rollback + restart``; ``waiting`` is the
+    job's GPUs x the time it was queued; ``ratio`` is productive / allocated (1.0 when nothing was allocated)."""
+
+    allocated: float = 0.0
+    productive: float = 0.0
+    rollback: float = 0.0
+    restart: float = 0.0
+    waiting: float = 0.0
+    ratio: float = 0.0
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Goodput) -> Goodput:
+        """Build from a ``phalanx.v1.Goodput`` message."""
+        return cls(
+            allocated=float(msg.allocated), productive=float(msg.productive), rollback=float(msg.rollback),
+            restart=float(msg.restart), waiting=float(msg.waiting), ratio=float(msg.ratio),
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        """The JSON shape: ``{"allocated", "productive", "rollback", "restart", "waiting", "ratio"}`` (floats)."""
+        return {
+            "allocated": self.allocated,
+            "productive": self.productive,
+            "rollback": self.rollback,
+            "restart": self.restart,
+            "waiting": self.waiting,
+            "ratio": self.ratio,
+        }
+
+
+@dataclass(frozen=True, eq=True)
 class Job:
     """A job as the scheduler reports it. Times are unix seconds; 0 means "not yet"."""
 
@@ -171,6 +209,16 @@ class Job:
     gpu_model: str = ""
     mig_profile: str = ""
     gpu_milli: int = 0
+    # Recovery and preemption: attempts torn down by a failure, times preempted, the end of a requeued job's retry
+    # backoff (0: none); while PREEMPTING, the job that needs its GPUs and when it is stopped at the latest.
+    failures: int = 0
+    preemptions: int = 0
+    not_before: float = 0.0
+    preempted_by: str = ""
+    preempt_deadline: float = 0.0
+    # GPU-time accounting, filled by get_job only (None elsewhere). It grows with time while the job runs, so it
+    # takes no part in equality (watch compares jobs to drop repeats).
+    goodput: Goodput | None = field(default=None, compare=False)
 
     @property
     def terminal(self) -> bool:
@@ -221,6 +269,12 @@ class Job:
             gpu_model=spec.gpu_model,
             mig_profile=spec.mig_profile,
             gpu_milli=int(spec.gpu_milli),
+            failures=int(msg.failures),
+            preemptions=int(msg.preemptions),
+            not_before=float(msg.not_before),
+            preempted_by=msg.preempted_by,
+            preempt_deadline=float(msg.preempt_deadline),
+            goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,6 +302,94 @@ class Job:
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "placement": dict(self.placement),
+            "failures": self.failures,
+            "preemptions": self.preemptions,
+            "not_before": self.not_before,
+            "preempted_by": self.preempted_by,
+            "preempt_deadline": self.preempt_deadline,
+            "goodput": None if self.goodput is None else self.goodput.to_dict(),
+        }
+
+
+@dataclass(frozen=True, eq=True)
+class JobGoodput:
+    """One job's line of :meth:`Client.goodput`."""
+
+    job_id: str
+    name: str
+    state: JobState
+    goodput: Goodput
+    attempts: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: scheduler_pb2.JobGoodput) -> JobGoodput:
+        """Build from a ``phalanx.v1.JobGoodput`` message."""
+        return cls(
+            job_id=msg.job_id,
+            name=msg.name,
+            state=_enum_from_proto(JobState, common_pb2.JobState, "JOB_STATE_", msg.state),
+            goodput=Goodput.from_proto(msg.goodput),
+            attempts=int(msg.attempts),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape: ``{"job_id", "name", "state", "attempts", "goodput": {...}}``."""
+        return {
+            "job_id": self.job_id,
+            "name": self.name,
+            "state": self.state.value,
+            "attempts": self.attempts,
+            "goodput": self.goodput.to_dict(),
+        }
+
+
+@dataclass(frozen=True, eq=True)
+class GoodputReport:
+    """The result of :meth:`Client.goodput`: the cluster total over ``job_count`` jobs, and the newest jobs."""
+
+    cluster: Goodput
+    jobs: list[JobGoodput] = field(default_factory=list)
+    job_count: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: scheduler_pb2.GetGoodputResponse) -> GoodputReport:
+        """Build from a ``phalanx.v1.GetGoodputResponse`` message."""
+        return cls(
+            cluster=Goodput.from_proto(msg.cluster),
+            jobs=[JobGoodput.from_proto(j) for j in msg.jobs],
+            job_count=int(msg.job_count),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``phalanx goodput --json``: ``{"cluster", "job_count", "jobs"}``."""
+        return {
+            "cluster": self.cluster.to_dict(),
+            "job_count": self.job_count,
+            "jobs": [j.to_dict() for j in self.jobs],
+        }
+
+
+@dataclass(frozen=True, eq=True)
+class CheckpointResult:
+    """The result of :meth:`Client.checkpoint`: the job, and the outstanding request's reason and time (an
+    earlier request that has not been served yet is kept, with its own reason)."""
+
+    job: Job
+    reason: str
+    requested_at: float
+
+    @classmethod
+    def from_proto(cls, msg: scheduler_pb2.CheckpointJobResponse) -> CheckpointResult:
+        """Build from a ``phalanx.v1.CheckpointJobResponse`` message."""
+        return cls(job=Job.from_proto(msg.job), reason=msg.reason, requested_at=float(msg.requested_at))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``phalanx checkpoint --json``: ``{"job_id", "reason", "requested_at", "job"}``."""
+        return {
+            "job_id": self.job.id,
+            "reason": self.reason,
+            "requested_at": self.requested_at,
+            "job": self.job.to_dict(),
         }
 
 

@@ -76,6 +76,19 @@ class LiteAgent:
                 await task
         await self.channel.close()
 
+    async def partition(self) -> None:
+        """Go silent as a cut network would: no heartbeats, no stream; the "ranks" keep running."""
+        for task in (self._stream_task, self._beat_task, self._ack_task):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await self.channel.close()
+
+    async def heal(self) -> None:
+        """Come back after partition(): register again and resume the stream from the last revision taken, so the
+        kills queued meanwhile (for attempts the scheduler gave up on) arrive and stop the stale ranks."""
+        await self.start()
+
     async def _beat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)

@@ -11,8 +11,16 @@
 
 Configuration comes from the environment: RANK, WORLD_SIZE, PHALANX_JOB_ID, PHALANX_ATTEMPT (set by the
 scheduler), PHALANX_CHECKPOINT_ADDR and PHALANX_CHECKPOINT_DIR (to be set by the scheduler/agent), and the
-policy PHALANX_CHECKPOINT_EVERY / PHALANX_CHECKPOINT_INTERVAL_S / PHALANX_CHECKPOINT_POLL_S. Use
-:class:`Checkpointer` directly to pass another environment or a :class:`CheckpointStore` (an object store).
+policy PHALANX_CHECKPOINT_EVERY / PHALANX_CHECKPOINT_INTERVAL_S / PHALANX_CHECKPOINT_POLL_S /
+PHALANX_CHECKPOINT_POLICY. Use :class:`Checkpointer` directly to pass another environment or a
+:class:`CheckpointStore` (an object store).
+
+When the job sets neither PHALANX_CHECKPOINT_EVERY (steps) nor PHALANX_CHECKPOINT_INTERVAL_S (seconds), its own
+policy, `should_checkpoint` follows the coordinator's suggested interval, learned from the request polls: the
+Young/Daly interval sqrt(2 x MTBF x cost), from the cluster's measured node failure rate (with a prior of a
+6,000 h node MTBF), the nodes the gang spans and the measured cost of its recent checkpoints (docs/design.md,
+"Checkpoint interval policy"). It is measured from the last save, or from the Checkpointer's start.
+PHALANX_CHECKPOINT_POLICY=off (default auto) disables it. A checkpoint request (user, preemption) applies always.
 """
 
 from ._checkpointer import Checkpointer, SaveResult, default, reset, restore, save, should_checkpoint

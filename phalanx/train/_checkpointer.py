@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import time
@@ -31,10 +32,15 @@ ENV_DIR = "PHALANX_CHECKPOINT_DIR"            # root of the LocalStore
 # Policy, set by the job's env.
 ENV_EVERY = "PHALANX_CHECKPOINT_EVERY"        # every N steps (0/unset: off)
 ENV_INTERVAL = "PHALANX_CHECKPOINT_INTERVAL_S"  # every S seconds since the last save (0/unset: off)
+# When neither of those is set: "auto" (default) checkpoints every interval_s the coordinator suggests (the
+# Young/Daly interval, docs/design.md "Checkpoint interval policy"); "off" does not.
+ENV_POLICY = "PHALANX_CHECKPOINT_POLICY"
 ENV_POLL = "PHALANX_CHECKPOINT_POLL_S"        # how often to ask the coordinator for a request (default 10)
 ENV_DEADLINE = "PHALANX_CHECKPOINT_DEADLINE_S"  # deadline of a checkpoint this rank begins (0: coordinator default)
 
 DEFAULT_POLL_S = 10.0
+POLICY_AUTO = "auto"
+POLICY_OFF = "off"
 RETRIES = 3
 
 
@@ -99,6 +105,13 @@ class Checkpointer:
         self.interval_s = _float(env, ENV_INTERVAL, 0.0)
         self.poll_s = _float(env, ENV_POLL, DEFAULT_POLL_S)
         self.deadline_s = _float(env, ENV_DEADLINE, 0.0)
+        self.policy = (env.get(ENV_POLICY, "") or POLICY_AUTO).strip().lower()
+        if self.policy not in (POLICY_AUTO, POLICY_OFF):
+            raise CheckpointConfigError(
+                f"environment variable {ENV_POLICY}={env.get(ENV_POLICY)!r} must be {POLICY_AUTO!r} or {POLICY_OFF!r}"
+            )
+        # The coordinator's suggested interval, learned from the request polls (0: none yet).
+        self.suggested_interval_s = 0.0
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.addr)
         self._stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(self._channel)
@@ -167,6 +180,13 @@ class Checkpointer:
         """
         if step < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
+        # Begin before pickling and writing, so the checkpoint's created_at (the first rank's begin) to its
+        # committed_at (the last rank's report) measures the whole save: the coordinator's interval policy takes
+        # that as the checkpoint's cost. Begin is idempotent: every rank of the gang sends it.
+        self._call("BeginCheckpoint", pb.BeginCheckpointRequest(
+            job_id=self.job_id, attempt=self.attempt, step=step, world_size=self.world_size,
+            deadline_s=self.deadline_s,
+        ))
         data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
         uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
         checksum = sha256_checksum(data)
@@ -181,7 +201,13 @@ class Checkpointer:
         return SaveResult(step, uri, checksum, len(data), ckpt.state == "COMMITTED", ckpt.id)
 
     def should_checkpoint(self, step: int) -> bool:
-        """True when the policy (every N steps, or S seconds since the last save) or a request asks for one.
+        """True when the policy (every N steps, S seconds since the last save, or the coordinator's suggested
+        interval) or a request asks for one.
+
+        The job's own policy (PHALANX_CHECKPOINT_EVERY / PHALANX_CHECKPOINT_INTERVAL_S) overrides the coordinator's
+        suggestion: only when both are 0/unset, and PHALANX_CHECKPOINT_POLICY is not "off", does this rank
+        checkpoint once the suggested interval_s (the Young/Daly interval, learned from the request polls) has
+        passed since its last save (or since this Checkpointer started).
 
         The every-N policy is the same on every rank. A time interval or a request (user, preemption) can be seen
         at different steps by different ranks: for one consistent step, have rank 0 decide and broadcast it.
@@ -192,7 +218,18 @@ class Checkpointer:
             return True
         if self.interval_s and time.monotonic() - self._last_save >= self.interval_s:
             return True
-        return self._requested()
+        requested = self._requested()  # also learns the suggested interval
+        if self.auto_interval_s and time.monotonic() - self._last_save >= self.auto_interval_s:
+            return True
+        return requested
+
+    @property
+    def auto_interval_s(self) -> float:
+        """The interval the automatic policy applies now: the coordinator's suggestion, or 0 (none) when the job
+        sets its own policy, PHALANX_CHECKPOINT_POLICY is "off", or no suggestion has arrived."""
+        if self.every or self.interval_s or self.policy == POLICY_OFF:
+            return 0.0
+        return self.suggested_interval_s
 
     def _requested(self) -> bool:
         now = time.monotonic()
@@ -205,6 +242,11 @@ class Checkpointer:
             except CheckpointError as exc:
                 log.warning("checkpoint request poll failed: %s", exc)
                 self._request = None
+            else:
+                suggested = self._request.interval_s
+                # Keep the last good suggestion when a (older) coordinator sends none or a nonsensical one.
+                if math.isfinite(suggested) and suggested > 0:
+                    self.suggested_interval_s = suggested
         req = self._request
         return bool(req is not None and req.requested and req.requested_at != self._satisfied_request_at)
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 
 import structlog
 
@@ -88,6 +89,7 @@ async def serve(
 async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S) -> None:
     server = await serve(db_url, listen, sweep_interval)
     log.info("checkpointd_started", address=server.address)
+    print(f"checkpoint coordinator at {server.address}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

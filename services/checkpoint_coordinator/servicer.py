@@ -8,6 +8,7 @@ import structlog
 from sqlalchemy import Engine
 
 from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from phalanx.core.checkpoint_policy import CheckpointPolicy
 from services.common.errors import InvalidArgument
 from services.common.rpc import unary
 
@@ -38,8 +39,22 @@ def to_proto(record: store.CheckpointRecord) -> checkpoint_pb2.Checkpoint:
 
 
 def _request_proto(record: store.RequestRecord) -> checkpoint_pb2.CheckpointRequestState:
-    return checkpoint_pb2.CheckpointRequestState(
+    state = checkpoint_pb2.CheckpointRequestState(
         requested=record.requested, reason=record.reason, requested_at=record.requested_at
+    )
+    if record.policy is not None:
+        state.interval_s = record.policy.interval_s
+        state.mtbf_s = record.policy.mtbf_s
+        state.cost_s = record.policy.cost_s
+    return state
+
+
+def policy_proto(job_id: str, p: CheckpointPolicy) -> checkpoint_pb2.CheckpointPolicy:
+    return checkpoint_pb2.CheckpointPolicy(
+        job_id=job_id, interval_s=p.interval_s, mtbf_s=p.mtbf_s, node_mtbf_s=p.node_mtbf_s, cost_s=p.cost_s,
+        nodes=p.nodes, events=p.events, node_hours=p.node_hours, cost_samples=p.cost_samples,
+        cost_source=p.cost_source, mtbf_source=p.mtbf_source, method=p.method, prior_events=p.prior_events,
+        prior_node_hours=p.prior_node_hours,
     )
 
 
@@ -92,6 +107,11 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
     async def GetCheckpointRequest(self, request, context):
         record = await asyncio.to_thread(store.get_request, self.engine, request.job_id, request.attempt)
         return _request_proto(record)
+
+    @unary
+    async def GetCheckpointPolicy(self, request, context):
+        policy = await asyncio.to_thread(store.checkpoint_policy, self.engine, request.job_id)
+        return policy_proto(request.job_id, policy)
 
     @unary
     async def GetLatestCheckpoint(self, request, context):

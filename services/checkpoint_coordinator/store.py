@@ -7,6 +7,10 @@ or implicitly the first `report_shard`) until all `world_size` ranks reported, w
 it COMMITTED. `abort_expired` marks ABORTED the PENDING ones past their deadline or of a superseded attempt.
 Every write first locks the job row and reads `jobs.attempt` (fencing): a request of another attempt raises
 FailedPrecondition, and any refusal raises before anything is written, so the transaction rolls back whole.
+
+`checkpoint_policy` (and `get_request`, for the ranks' polls) measures the cluster's node failures and the
+checkpoint cost and returns the job's Young/Daly interval (phalanx.core.checkpoint_policy; docs/design.md,
+"Checkpoint interval policy").
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine, delete, insert, select, update
+from sqlalchemy import Engine, case, delete, func, insert, select, update
 
-from db.models import Checkpoint, CheckpointRequest, CheckpointShard, Job
+from db.models import Allocation, Checkpoint, CheckpointRequest, CheckpointShard, Job, Node, NodeEvent
+from phalanx.core import checkpoint_policy as cp
+from services.common.faults import fail_point
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 COMMITTED = "COMMITTED"
@@ -53,11 +59,15 @@ class CheckpointRecord:
     message: str = ""
 
 
+FATAL = "FATAL"  # node_events severity of a node loss (heartbeat lease expired) or a fatal GPU error
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     requested: bool
     reason: str = ""
     requested_at: float = 0.0
+    policy: cp.CheckpointPolicy | None = None
 
 
 def new_checkpoint_id() -> str:
@@ -205,16 +215,23 @@ def _validate_shard(shard: ShardRecord, world_size: int) -> None:
 
 def _fence(conn, job_id: str, attempt: int) -> None:
     """Lock the job row (PostgreSQL: FOR UPDATE; SQLite: BEGIN IMMEDIATE already holds the write lock) and refuse
-    any attempt but the job's current one."""
+    any attempt but the job's current one, and the current one once the scheduler tore it down (the job is no
+    longer RUNNING: requeued, or finished). The teardown writes that row in the transaction that closes the
+    attempt, so a commit lands before it (and counts for it) or is refused."""
     if not _possible_job_id(job_id):
         raise NotFound(f"job {job_id!r} not found")
-    current = conn.scalar(select(Job.attempt).where(Job.id == job_id).with_for_update())
-    if current is None:
+    row = conn.execute(select(Job.attempt, Job.state).where(Job.id == job_id).with_for_update()).first()
+    if row is None:
         raise NotFound(f"job {job_id!r} not found")
-    if attempt != current:
+    if attempt != row.attempt:
         raise FailedPrecondition(
-            f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {current}; "
+            f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {row.attempt}; "
             "a checkpoint of another attempt is refused"
+        )
+    if row.state != "RUNNING":
+        raise FailedPrecondition(
+            f"job {job_id!r} attempt {attempt} has ended (the job is {row.state}); its ranks are being stopped "
+            "and a checkpoint of it is refused"
         )
 
 
@@ -312,6 +329,7 @@ def report_shard(
                 .values(state=COMMITTED, committed_at=ts)
             )
             _clear_requests(conn, job_id, row.created_at)
+            fail_point("checkpoint.commit")
             row = conn.execute(select(Checkpoint).where(Checkpoint.id == row.id)).first()
         return _record(row, shard_rows)
 
@@ -337,7 +355,15 @@ def abort_expired(engine: Engine, *, now: float | None = None) -> int:
             )
             .values(state=ABORTED, message="the attempt was superseded")
         ).rowcount
-    return late + superseded
+        ended = conn.execute(
+            update(Checkpoint)
+            .where(
+                Checkpoint.state == PENDING,
+                select(Job.state).where(Job.id == Checkpoint.job_id).scalar_subquery() != "RUNNING",
+            )
+            .values(state=ABORTED, message="the attempt ended before every rank reported its shard")
+        ).rowcount
+    return late + superseded + ended
 
 
 def request_checkpoint(engine: Engine, job_id: str, reason: str, *, now: float | None = None) -> RequestRecord:
@@ -357,7 +383,8 @@ def request_checkpoint(engine: Engine, job_id: str, reason: str, *, now: float |
 
 
 def get_request(engine: Engine, job_id: str, attempt: int) -> RequestRecord:
-    """The outstanding request for the job's current attempt (a superseded attempt is refused)."""
+    """The outstanding request for the job's current attempt (a superseded attempt is refused), with the job's
+    checkpoint interval policy."""
     if attempt < 0:
         raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
     with engine.execution_options(readonly=True).begin() as conn:
@@ -371,6 +398,52 @@ def get_request(engine: Engine, job_id: str, attempt: int) -> RequestRecord:
                 f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {current}"
             )
         row = conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
+        policy = _policy(conn, job_id, current)
     if row is None:
-        return RequestRecord(False)
-    return RequestRecord(True, row.reason, row.requested_at)
+        return RequestRecord(False, policy=policy)
+    return RequestRecord(True, row.reason, row.requested_at, policy)
+
+
+def checkpoint_policy(engine: Engine, job_id: str) -> cp.CheckpointPolicy:
+    """The job's suggested checkpoint interval and the measured figures behind it (docs/design.md, "Checkpoint
+    interval policy")."""
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    with engine.execution_options(readonly=True).begin() as conn:
+        if not _possible_job_id(job_id):
+            raise NotFound(f"job {job_id!r} not found")
+        current = conn.scalar(select(Job.attempt).where(Job.id == job_id))
+        if current is None:
+            raise NotFound(f"job {job_id!r} not found")
+        return _policy(conn, job_id, current)
+
+
+def _durations(conn, job_id: str | None, limit: int) -> list[float]:
+    """committed_at - created_at of the latest `limit` COMMITTED checkpoints (of one job, or of any) that took
+    measurable time: one recorded in a single call (RecordCheckpoint) has created_at == committed_at."""
+    duration = Checkpoint.committed_at - Checkpoint.created_at
+    query = select(duration).where(Checkpoint.state == COMMITTED, Checkpoint.committed_at > Checkpoint.created_at)
+    if job_id is not None:
+        query = query.where(Checkpoint.job_id == job_id)
+    return [float(d) for d in conn.scalars(query.order_by(Checkpoint.committed_at.desc()).limit(limit))]
+
+
+def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
+    """Measure the cluster's failures and the checkpoint cost, then compute the job's interval.
+
+    failures: node_events of severity FATAL (the scheduler writes kind LOST when a heartbeat lease expires; fatal
+    GPU errors arrive as FATAL health events); exposure: the sum over nodes of max(0, last_heartbeat -
+    registered_at); nodes: the distinct nodes of the attempt's unreleased allocations (1 when none)."""
+    events = conn.scalar(select(func.count()).select_from(NodeEvent).where(NodeEvent.severity == FATAL)) or 0
+    alive = Node.last_heartbeat - Node.registered_at
+    seconds = conn.scalar(select(func.sum(case((alive > 0, alive), else_=0.0)))) or 0.0
+    nodes = conn.scalar(
+        select(func.count(func.distinct(Allocation.node_id))).where(
+            Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.released_at.is_(None)
+        )
+    ) or 0
+    return cp.compute_policy(
+        events=int(events), node_hours=float(seconds) / cp.HOUR_S, nodes=max(1, int(nodes)),
+        job_durations=_durations(conn, job_id, cp.JOB_COST_SAMPLES),
+        cluster_durations=_durations(conn, None, cp.CLUSTER_COST_SAMPLES),
+    )

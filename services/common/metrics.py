@@ -15,6 +15,10 @@ RESERVATION_LATENCY = Histogram(
     "Submit-to-reserved time of gangs reserved by this replica",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+GOODPUT = Gauge("phalanx_goodput_gpu_seconds",
+                "GPU-seconds of every job in the ledger by category: allocated, productive, rollback, restart, waiting",
+                ["category"])
+GOODPUT_RATIO = Gauge("phalanx_goodput_ratio", "Productive over allocated GPU time, whole cluster")
 RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
 RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
 

@@ -16,6 +16,7 @@ JOB_STATES = {
     "CANCELLED": common_pb2.JOB_STATE_CANCELLED,
     "PREEMPTED": common_pb2.JOB_STATE_PREEMPTED,
 }
+JOB_STATE_NAMES_ALL = {**{v: k for k, v in JOB_STATES.items()}, common_pb2.JOB_STATE_PREEMPTING: "PREEMPTING"}
 JOB_STATE_NAMES = {v: k for k, v in JOB_STATES.items()}
 NODE_STATES = {
     "READY": common_pb2.NODE_STATE_READY,
@@ -60,11 +61,16 @@ def allocation(replica: int, node: str, gpus, part: Partial | None) -> common_pb
 
 def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None) -> common_pb2.Job:
     partials = partials or {}
+    state = JOB_STATES[j["state"]]
+    if j["state"] == "RUNNING" and j.get("preempted_by"):
+        state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
     return common_pb2.Job(
-        id=j["id"], spec=_spec(j), state=JOB_STATES[j["state"]],
+        id=j["id"], spec=_spec(j), state=state,
         allocations=[allocation(r, n, g, partials.get(r)) for r, n, g in allocations],
         attempt=j["attempt"], message=j["message"], submitted_at=j["submitted_at"], started_at=j["started_at"],
         finished_at=j["finished_at"], placement=_placement(j["placement"] or {}), exit_code=j["exit_code"],
+        failures=j.get("failures") or 0, preemptions=j.get("preemptions") or 0, not_before=j.get("not_before") or 0.0,
+        preempted_by=j.get("preempted_by") or "", preempt_deadline=j.get("preempt_deadline") or 0.0,
     )
 
 
@@ -88,8 +94,8 @@ def node_from_row(n: Any, used: int, shared: int = 0) -> common_pb2.Node:
     health = node_health(n)
     fatal = sum(1 for g in health.gpus if g.state == common_pb2.HEALTH_STATE_FATAL)
     free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
-    if health.state == common_pb2.HEALTH_STATE_FATAL:
-        free = 0
+    if health.state == common_pb2.HEALTH_STATE_FATAL or n.get("health") == "UNKNOWN":
+        free = 0  # UNKNOWN: back after it was lost, not used until it reports healthy
     elif fatal:  # a FATAL GPU is not free; it may also be one of the used ones (a gang still running on it)
         free = max(0, min(free, n["gpus"] - fatal))
     return common_pb2.Node(health=health,

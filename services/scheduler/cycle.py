@@ -9,6 +9,8 @@ the service reloads the view from the ledger. A reservation runs inside a savepo
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,7 @@ from phalanx.api.v1 import agent_pb2, common_pb2
 from phalanx.core import mig
 from phalanx.core.model import Placement
 from phalanx.core.placement import schedule_in_order
+from phalanx.core.preemption import NoPreemption, RunningGang, choose_victims
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from . import ledger
@@ -50,6 +53,7 @@ class Cycle:
     new_allocations: list[JobRecord] = field(default_factory=list)
     outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
     delivered: list[tuple[str, int, Any]] = field(default_factory=list)
+    handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
@@ -70,6 +74,11 @@ class Cycle:
 
     def touched(self, job: JobRecord) -> None:
         self.changed[job.id] = job_from_record(job)
+
+    def wake_at(self, when: float) -> None:
+        """Have the service run a cycle at `when` (a backoff ending, a grace period, a protection running out)."""
+        if when > self.now:
+            self.state.wake_at = min(self.state.wake_at, when)
 
     def reload(self) -> None:
         """Reload the view inside this transaction (it sees this cycle's own writes, not its unwritten jobs)."""
@@ -166,6 +175,7 @@ def write_new_jobs(cycle: Cycle) -> None:
             cycle.touched(job)
     if cycle.new_allocations:
         ledger.insert_allocations(cycle.conn, cycle.new_allocations, cycle.state.nodes, cycle.now)
+        ledger.insert_attempts(cycle.conn, cycle.new_allocations, cycle.now)
 
 
 def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
@@ -278,6 +288,23 @@ class Cancel(Command):
         return job_from_record(job)
 
 
+@dataclass
+class RequestCheckpoint(Command):
+    """A user asks a running job to checkpoint now (`phalanx checkpoint JOB`)."""
+
+    job_id: str
+    reason: str
+
+    def execute(self, cycle: Cycle) -> Any:
+        job = lookup_job(cycle, self.job_id)
+        if job is None or job.state != "RUNNING":
+            state = "PENDING" if job is not None else "finished"
+            raise FailedPrecondition(f"job {self.job_id} is {state}, not running: only a running job can checkpoint")
+        reason, at = ledger.request_checkpoint(cycle.conn, job.id, self.reason, cycle.now)
+        log.info("checkpoint_requested", job=job.id, reason=reason)
+        return job, reason, at
+
+
 def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
     """The active job `job_id`; None when it exists but has finished; NotFound when the ledger has no such job."""
     job = cycle.state.jobs.get(job_id)
@@ -320,6 +347,10 @@ class Register(Command):
         )
         if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
             node.health, node.health_reason, node.gpu_health = old.health, old.health_reason, old.gpu_health
+        if old is not None and old.state == "LOST":
+            # Back after it was lost: not used again until a heartbeat of this agent reports it healthy.
+            node.health, node.health_reason = "UNKNOWN", "back after it was lost; waiting for a health report"
+            ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
         state.nodes[self.name] = node
         if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path \
                 or node.gpu_health:
@@ -367,6 +398,9 @@ class RankReport(Command):
         if self.state == "RUNNING":
             if all(r.state != "ASSIGNED" for r in job.ranks.values()):
                 job.launch_deadline = None
+                if not job.running_at:
+                    job.running_at = cycle.now
+                    ledger.mark_attempt_running(cycle.conn, job, cycle.now)
                 cycle.touched(job)
         elif self.state == "EXITED" and self.exit_code != 0:
             teardown(cycle, job, final_state="FAILED", exit_code=self.exit_code,
@@ -378,7 +412,7 @@ class RankReport(Command):
             teardown(cycle, job, final_state="FAILED", exit_code=127,
                      message=f"{where} failed to start: {self.message or 'unknown error'}")
         elif self.state in ("KILLED", "LOST"):
-            teardown(cycle, job, message=f"{where} was {self.state.lower()} by its agent; requeued")
+            teardown(cycle, job, cause="RANK_LOST", message=f"{where} was {self.state.lower()} by its agent")
         return False
 
 
@@ -396,12 +430,20 @@ class HealthReport(Command):
     name: str
     health: Any  # common_pb2.NodeHealth, or None when the heartbeat carried only events
     events: list[Any]
+    # A heartbeat without health (the agent runs no monitor) from a node back after it was lost: take it as healthy.
+    alive: bool = False
 
     def execute(self, cycle: Cycle) -> bool:
         node = cycle.state.nodes.get(self.name)
         if node is None:
             return False
         changed = False
+        if self.alive and self.health is None and node.health == "UNKNOWN":
+            ledger.set_node_health(cycle.conn, node.id, "HEALTHY", "", {})
+            node.health, node.health_reason, node.gpu_health = "HEALTHY", "", {}
+            cycle.state.rebuild_capacity()
+            log.info("node_healthy_again", node=node.name)
+            changed = True
         if self.health is not None and self.health.state in HEALTH_NAMES:
             health = HEALTH_NAMES[self.health.state]
             gpus = {g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons)) for g in self.health.gpus
@@ -411,17 +453,31 @@ class HealthReport(Command):
                 ledger.set_node_health(cycle.conn, node.id, health, reason, gpus)
                 log.warning("node_health_changed", node=node.name, health=health, was=node.health, reason=reason,
                             fatal_gpus=sorted(i for i, (h, _) in gpus.items() if h == "FATAL"))
-                was_fatal = node.fatal_gpus
+                was_fatal, was_unknown = node.fatal_gpus, node.health == "UNKNOWN"
                 node.health, node.health_reason, node.gpu_health = health, reason, gpus
-                if node.fatal_gpus != was_fatal:
+                if node.fatal_gpus != was_fatal or was_unknown:
                     cycle.state.rebuild_capacity()
                 else:
                     cycle.state.set_node_schedulable(node.name)
                 changed = True
+                tear_down_on_fatal(cycle, node)
         events = [dict(at=e.at or cycle.now, gpu=e.gpu, severity=HEALTH_NAMES.get(e.severity, "HEALTHY"),
                        kind=e.kind[:32], code=e.code, reason=e.reason) for e in self.events]
         ledger.add_node_events(cycle.conn, node.id, events)
         return changed
+
+
+def tear_down_on_fatal(cycle: Cycle, node: NodeRecord) -> None:
+    """Tear down, whole, every gang with a rank on a FATAL GPU of `node` (or anywhere on it, when the node is
+    FATAL); each requeues and restarts elsewhere from its last committed checkpoint."""
+    fatal = node.fatal_gpus
+    for job in cycle.state.running_on(node.name):
+        hit = sorted({g for _, n, gpus in job.allocations if n == node.name for g in gpus}
+                     & (set(range(node.gpus)) if node.health == "FATAL" else fatal))
+        if hit:
+            what = f"node {node.name} is FATAL ({node.health_reason})" if node.health == "FATAL" else \
+                f"GPU(s) {hit} of {node.name} failed ({'; '.join(node.gpu_health[hit[0]][1]) or 'FATAL'})"
+            teardown(cycle, job, cause="GPU_FAILED", message=what)
 
 
 @dataclass
@@ -446,21 +502,39 @@ class Drain(Command):
 
 # ---- transitions ------------------------------------------------------------------------------------------------
 
+FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
 def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, message: str, exit_code: int = 0,
-             kill: bool = True) -> bool:
-    """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it (final_state None)."""
-    if final_state is None and job.attempt >= cycle.settings.max_attempts:
-        final_state, message = "FAILED", f"{message}; gave up after {job.attempt} attempts"
-    changes: dict[str, Any] = dict(message=message)
+             kill: bool = True, cause: str = "") -> bool:
+    """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it.
+
+    `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
+    (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST,
+    LAUNCH_TIMEOUT) counts against `max_attempts` and waits out an exponential backoff first.
+    """
+    s, now = cycle.settings, cycle.now
+    changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
+    if final_state is None and cause == "PREEMPTED":
+        changes.update(state="PENDING", preemptions=job.preemptions + 1, message=f"{message}; requeued")
+    elif final_state is None:
+        failures = job.failures + 1
+        changes.update(failures=failures)
+        if failures >= s.max_attempts:
+            final_state, message = "FAILED", f"{message}; gave up after {failures} failed attempts"
+        else:
+            delay = retry_backoff(s.retry_backoff_s, s.retry_backoff_max_s, failures)
+            changes.update(state="PENDING", not_before=now + delay,
+                           message=f"{message}; requeued (failure {failures} of at most {s.max_attempts}), "
+                                   f"retried after a {delay:g}s backoff")
     if final_state:
-        changes.update(state=final_state, finished_at=cycle.now, exit_code=exit_code)
-    else:
-        changes.update(state="PENDING")
+        changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
     attempt = job.attempt
     if not ledger.update_job(cycle.conn, job, **changes):
         cycle.resync_after = True
         return False
-    ledger.release_allocations(cycle.conn, job, cycle.now)
+    step, _ = ledger.end_attempt(cycle.conn, job, cause or final_state or "", message, now)
+    ledger.release_allocations(cycle.conn, job, now)
     for rep in job.replica_placements():
         cycle.state.capacity.release_replica(rep)
     cycle.state.hold_fatal_gpus(job.nodes)
@@ -469,14 +543,26 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
             node = cycle.state.nodes.get(node_name)
             if node is None:
                 continue
-            kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=message)
+            kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=job.message)
             cycle.send(node, job.id, attempt, "kill",
                        lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k))
     job.launch_deadline = None
+    job.running_at = 0.0
     if final_state:
         cycle.state.jobs.pop(job.id, None)
+    else:
+        cycle.wake_at(job.not_before)
+    log.info("gang_torn_down", job=job.id, attempt=attempt, cause=cause or final_state, state=job.state,
+             committed_step=step, message=job.message)
     cycle.touched(job)
     return True
+
+
+def retry_backoff(base: float, cap: float, failures: int) -> float:
+    """base, 2 x base, 4 x base ... after the 1st, 2nd, 3rd failure, at most `cap`."""
+    if base <= 0:
+        return 0.0
+    return min(cap, base * 2 ** min(failures - 1, 30))
 
 
 def fire_timers(cycle: Cycle) -> None:
@@ -491,30 +577,145 @@ def fire_timers(cycle: Cycle) -> None:
             node.state = "LOST"
             cycle.state.set_node_schedulable(node.name)
             log.warning("node_lost", node=node.name, reason=msg)
+            ledger.add_node_events(cycle.conn, node.id, [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0,
+                                                              reason=msg)])
             for job in cycle.state.running_on(node.name):
-                teardown(cycle, job, message=f"node {node.name} was lost ({msg}); requeued")
+                teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
     for job in list(cycle.state.jobs.values()):
         if job.state == "RUNNING" and job.launch_deadline is not None and now > job.launch_deadline:
             waiting = sorted(r.rank for r in job.ranks.values() if r.state == "ASSIGNED")
-            teardown(cycle, job, message=f"ranks {waiting[:8]} did not start within {s.launch_timeout:.0f}s; requeued")
+            teardown(cycle, job, cause="LAUNCH_TIMEOUT",
+                     message=f"ranks {waiting[:8]} did not start within {s.launch_timeout:.0f}s")
 
 
 def schedule(cycle: Cycle) -> None:
+    """Stop the victims whose time is up, then place pending gangs in order; if the head of the queue does not fit,
+    see whether preempting lower-priority gangs would make it fit. Victims stopped here free their GPUs in this
+    transaction, so the gang they make way for is reserved in the same commit (an atomic handover)."""
     state = cycle.state
-    pending = state.pending()
-    if not pending:
-        return
-    placements, blocked = schedule_in_order(state.capacity, [j.request() for j in pending], state_tiers(cycle))
-    for placement in placements:
-        job = state.jobs[placement.job_id]
-        if not reserve(cycle, job, placement):
-            state.capacity.release_placement(placement)
-            cycle.resync_after = True
-    if blocked is not None:
+    state.wake_at = math.inf
+    stop_victims(cycle)
+    for _ in range(2):  # a second pass only when a preemption with no grace period stopped victims at once
+        pending = []
+        for job in state.pending():
+            if job.not_before > cycle.now:
+                cycle.wake_at(job.not_before)  # retry backoff: it neither runs nor holds the queue until then
+            else:
+                pending.append(job)
+        if not pending:
+            return
+        placements, blocked = schedule_in_order(state.capacity, [j.request() for j in pending], state_tiers(cycle))
+        for placement in placements:
+            job = state.jobs[placement.job_id]
+            if not reserve(cycle, job, placement):
+                state.capacity.release_placement(placement)
+                cycle.resync_after = True
+        if blocked is None:
+            return
         head = state.jobs[blocked.job_id]
-        message = f"waiting, holding no GPUs: {blocked.reason}"
+        message, stopped = preempt_for(cycle, head)
+        message = message or f"waiting, holding no GPUs: {blocked.reason}"
         if head.message != message and set_job(cycle, head, message=message):
             cycle.touched(head)
+        if not stopped:
+            return
+
+
+def stop_victims(cycle: Cycle) -> bool:
+    """Stop every victim whose checkpoint is committed (its request is cleared) or whose grace period is over; a
+    victim whose preemptor no longer waits (cancelled, or placed elsewhere) keeps running. True if any stopped."""
+    victims = [j for j in cycle.state.jobs.values() if j.preempting]
+    if not victims:
+        return False
+    waiting = ledger.outstanding_requests(cycle.conn, [v.id for v in victims])
+    stopped = False
+    for victim in victims:
+        by = cycle.state.jobs.get(victim.preempted_by)
+        if by is None or by.state != "PENDING":
+            if set_job(cycle, victim, preempted_by="", preempt_deadline=0.0,
+                       message=f"running; the preemption for job {victim.preempted_by} was called off (that job "
+                               "no longer waits)"):
+                cycle.touched(victim)
+            continue
+        why = f"preempted by job {by.id} (priority {by.priority} > {victim.priority})"
+        if victim.id not in waiting:
+            stopped |= teardown(cycle, victim, cause="PREEMPTED", message=f"{why}: its checkpoint is committed")
+        elif cycle.now >= victim.preempt_deadline:
+            stopped |= teardown(cycle, victim, cause="PREEMPTED",
+                                message=f"{why}: stopped at the end of its {cycle.settings.preemption.grace_period_s:g}s "
+                                        "grace period without a new committed checkpoint")
+        else:
+            # The coordinator clears the request on commit without telling us: look again soon.
+            cycle.wake_at(min(victim.preempt_deadline, cycle.now + cycle.settings.preemption_poll_s))
+    cycle.handover |= stopped
+    return stopped
+
+
+def preempt_for(cycle: Cycle, head: JobRecord) -> tuple[str | None, bool]:
+    """Start preempting for the blocked head of the queue when that would make it fit. Returns its message (None:
+    the usual "waiting" one) and whether victims were stopped already (a zero grace period)."""
+    state, now, policy = cycle.state, cycle.now, cycle.settings.preemption
+    running = [j for j in state.jobs.values() if j.state == "RUNNING"]
+    mine = [j for j in running if j.preempted_by == head.id]
+    if mine:
+        until = max(j.preempt_deadline for j in mine)
+        return (f"waiting for {len(mine)} preempted gang(s) ({', '.join(j.id for j in mine)}) to checkpoint and "
+                f"stop, by {_clock(until)} at the latest; they hold the GPUs this gang gets"), False
+    lower = [j for j in running if not j.preempting and j.priority < head.priority]
+    if not lower:
+        return None, False
+    # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head that
+    # stays blocked does not pay for the search every cycle.
+    signature = (head.id, head.priority, frozenset((j.id, j.attempt) for j in lower), state.capacity.free_gpus(),
+                 frozenset(n.name for n in state.nodes.values() if n.schedulable))
+    memo = state.no_preemption
+    if memo is not None and memo[0] == signature and now < memo[1]:
+        if memo[1] != math.inf:
+            cycle.wake_at(memo[1])
+        return memo[2], False
+    commits = ledger.latest_commits(cycle.conn, [j.id for j in lower])
+    gangs = []
+    for job in lower:
+        since = job.running_at or job.started_at
+        step = commits.get(job.id)
+        if step is not None and step[1] == job.attempt:
+            since = max(since, step[2])
+        placement = Placement(job.id, tuple(job.replica_placements()), "", 0, 0.0, "")
+        gangs.append(RunningGang(job.id, job.priority, placement, job.started_at,
+                                 job.gpu_equivalents * max(0.0, now - since)))
+    unusable = {n.name: n.fatal_gpus for n in state.nodes.values() if n.fatal_gpus}
+    result = choose_victims(state.capacity, head.request(), gangs, now, policy, state_tiers(cycle), unusable)
+    if isinstance(result, NoPreemption):
+        if result.retry_in is not None:
+            until = now + result.retry_in
+            cycle.wake_at(until)
+            message = (f"waiting, holding no GPUs: it could preempt lower-priority gangs once they pass their "
+                       f"minimum runtime of {policy.min_runtime_s:g}s (at {_clock(until)})")
+        else:
+            until, message = math.inf, None
+        state.no_preemption = (signature, until, message)
+        return message, False
+    state.no_preemption = None
+    deadline = now + policy.grace_period_s
+    reason = f"preemption: job {head.id} (priority {head.priority}) needs these GPUs"
+    for vid in result.victims:
+        victim = state.jobs[vid]
+        if not set_job(cycle, victim, preempted_by=head.id, preempt_deadline=deadline,
+                       message=f"preempting: job {head.id} (priority {head.priority}) needs its GPUs; asked to "
+                               f"checkpoint, stopped once it is committed or by {_clock(deadline)}"):
+            cycle.resync_after = True
+            return None, False
+        ledger.request_checkpoint(cycle.conn, vid, reason, now)
+        cycle.touched(victim)
+        log.info("preemption_started", preemptor=head.id, victim=vid, deadline=deadline)
+    cycle.wake_at(min(deadline, now + cycle.settings.preemption_poll_s))
+    stopped = policy.grace_period_s <= 0 and stop_victims(cycle)
+    return (f"preempting {len(result.victims)} lower-priority gang(s) ({', '.join(result.victims)}): they were asked "
+            f"to checkpoint and stop by {_clock(deadline)}; then {result.placement.reason}"), stopped
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(ts)) + " UTC"
 
 
 def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> bool:
@@ -548,6 +749,10 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
         for r in placement.replicas if r.mig_profile or r.gpu_milli
     }
     job.ranks = layout_ranks(job)
+    job.running_at = 0.0
+    job.restored_step = -1
+    if job.attempt > 1:
+        job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
     cycle.new_allocations.append(job)
     for launch in launches(job, cycle.state.nodes, cycle.settings):
         node = cycle.state.nodes[launch_node(job, launch.replica)]
@@ -642,6 +847,8 @@ def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> N
     for i, value in enumerate(results):
         if isinstance(value, JobRecord):
             results[i] = job_from_record(value)
+        elif isinstance(value, tuple) and value and isinstance(value[0], JobRecord):
+            results[i] = (job_from_record(value[0]), *value[1:])
 
 
 def notice(cycle: Cycle) -> dict[str, Any]:

@@ -20,7 +20,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from phalanx.core.closeness import GpuCloseness
 
-from db.models import Allocation, Assignment, Gpu, Job, LedgerClock, Node, NodeEvent, Rank
+from db.models import (
+    Allocation, Assignment, Checkpoint, CheckpointRequest, Gpu, Job, JobAttempt, LedgerClock, Node, NodeEvent, Rank,
+)
 
 from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
 
@@ -198,6 +200,8 @@ def job_from_row(j) -> JobRecord:
         started_at=j["started_at"], finished_at=j["finished_at"], version=j["version"],
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
         gpu_model=j["gpu_model"] or "", mig_profile=j["mig_profile"] or "", gpu_milli=j["gpu_milli"] or 0,
+        failures=j["failures"] or 0, preemptions=j["preemptions"] or 0, not_before=j["not_before"] or 0.0,
+        preempted_by=j["preempted_by"] or "", preempt_deadline=j["preempt_deadline"] or 0.0,
     )
 
 
@@ -212,7 +216,8 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 placement=j.placement, submitted_at=j.submitted_at, started_at=j.started_at,
                 finished_at=j.finished_at, version=j.version, required_tier=j.required_tier,
                 preferred_tier=j.preferred_tier, gpu_model=j.gpu_model, mig_profile=j.mig_profile,
-                gpu_milli=j.gpu_milli,
+                gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
+                preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline,
             )
             for j in jobs
         ],
@@ -451,6 +456,87 @@ def _raise_node_column(conn: Connection, column: str, pg_type: str, values: dict
             text(f"UPDATE nodes SET {column} = :x WHERE id = :id AND {column} < :x"),
             [{"id": k, "x": v} for k, v in values.items()],
         )
+
+
+# ---- attempts, checkpoints and preemption ---------------------------------------------------------------------
+
+def latest_commits(conn: Connection, job_ids: Sequence[str]) -> dict[str, tuple[int, int, float]]:
+    """Each job's latest committed checkpoint (highest step) as (step, attempt, created_at: when the step was
+    reached), for the jobs that have one."""
+    if not job_ids:
+        return {}
+    out: dict[str, tuple[int, int, float]] = {}
+    for chunk in _chunks(list(job_ids), 500):
+        ranked = (
+            select(Checkpoint.job_id, Checkpoint.step, Checkpoint.attempt, Checkpoint.created_at,
+                   func.row_number().over(partition_by=Checkpoint.job_id,
+                                          order_by=(Checkpoint.step.desc(), Checkpoint.committed_at.desc()))
+                   .label("n"))
+            .where(Checkpoint.job_id.in_(chunk), Checkpoint.state == "COMMITTED")
+            .subquery()
+        )
+        for row in conn.execute(select(ranked).where(ranked.c.n == 1)):
+            out[row.job_id] = (int(row.step), int(row.attempt), float(row.created_at))
+    return out
+
+
+def insert_attempts(conn: Connection, jobs: Sequence[JobRecord], now: float) -> None:
+    """One job_attempts row per reservation of this cycle, with the step it restarts from (a closing write: no
+    reads here, see pipelined)."""
+    if not jobs:
+        return
+    insert_rows(conn, JobAttempt, [
+        dict(job_id=j.id, attempt=j.attempt, gpus=j.gpu_equivalents, reserved_at=now, running_at=None, ended_at=None,
+             outcome="", reason="", restored_step=j.restored_step, committed_step=-1, kept_until=None)
+        for j in jobs
+    ])
+
+
+def mark_attempt_running(conn: Connection, job: JobRecord, now: float) -> None:
+    conn.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt,
+                                          JobAttempt.running_at.is_(None)).values(running_at=now))
+
+
+def end_attempt(conn: Connection, job: JobRecord, outcome: str, reason: str, now: float) -> tuple[int, float | None]:
+    """Close the job's current attempt: its end, and the committed step the next attempt restarts from with when
+    this attempt reached it (None when the latest committed checkpoint is not this attempt's). Returns those two."""
+    step, attempt, created_at = latest_commits(conn, [job.id]).get(job.id, (-1, -1, 0.0))
+    kept_until = created_at if step >= 0 and attempt == job.attempt else None
+    conn.execute(
+        update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt,
+                                 JobAttempt.ended_at.is_(None))
+        .values(ended_at=now, outcome=outcome, reason=reason[:2000], committed_step=step, kept_until=kept_until)
+    )
+    return step, kept_until
+
+
+def request_checkpoint(conn: Connection, job_id: str, reason: str, now: float) -> tuple[str, float]:
+    """Ask the job's ranks to checkpoint (the checkpoint coordinator answers their polls from this table and clears
+    it when a checkpoint begun after it commits). An outstanding request is kept; returns (reason, requested_at)."""
+    row = conn.execute(select(CheckpointRequest.reason, CheckpointRequest.requested_at)
+                       .where(CheckpointRequest.job_id == job_id)).first()
+    if row is not None:
+        return row.reason, row.requested_at
+    conn.execute(insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=now))
+    return reason, now
+
+
+def outstanding_requests(conn: Connection, job_ids: Sequence[str]) -> set[str]:
+    """The jobs among `job_ids` whose checkpoint request is not yet satisfied by a commit."""
+    if not job_ids:
+        return set()
+    return set(conn.scalars(select(CheckpointRequest.job_id).where(CheckpointRequest.job_id.in_(list(job_ids)))))
+
+
+def read_attempts(conn: Connection, job_ids: Sequence[str] | None = None) -> dict[str, list[Any]]:
+    """job_attempts rows by job, in attempt order."""
+    stmt = select(*JobAttempt.__table__.c).order_by(JobAttempt.job_id, JobAttempt.attempt)
+    if job_ids is not None:
+        stmt = stmt.where(JobAttempt.job_id.in_(list(job_ids)))
+    out: dict[str, list[Any]] = {}
+    for row in conn.execute(stmt).mappings():
+        out.setdefault(row["job_id"], []).append(row)
+    return out
 
 
 # ---- reads (the API's consistent snapshots) --------------------------------------------------------------------

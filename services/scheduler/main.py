@@ -11,6 +11,7 @@ import sys
 from db.engine import DEFAULT_DB_URL
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
+from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
 from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
@@ -63,7 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
     p.add_argument("--launch-timeout", type=float, default=60.0,
                    help="seconds for every rank of a gang to start before it is torn down and requeued")
-    p.add_argument("--max-attempts", type=int, default=5)
+    p.add_argument("--max-attempts", type=int, default=5,
+                   help="failed attempts (node lost, GPU failed, rank lost, launch timeout) before a gang is FAILED; "
+                        "preemptions do not count")
+    p.add_argument("--retry-backoff", type=float, default=10.0, metavar="S",
+                   help="seconds a gang waits before its first retry after a failure; doubles per failure")
+    p.add_argument("--retry-backoff-max", type=float, default=300.0, metavar="S", help="cap of the retry backoff")
+    p.add_argument("--min-runtime", type=float, default=PRODUCTION_POLICY.min_runtime_s, metavar="S",
+                   help="seconds after its start during which a gang cannot be preempted")
+    p.add_argument("--preemption-grace", type=float, default=PRODUCTION_POLICY.grace_period_s, metavar="S",
+                   help="seconds a preempted gang gets to commit a checkpoint before it is stopped")
     p.add_argument("--checkpoint-coordinator", default=os.environ.get("PHALANX_CHECKPOINT_ADDR", ""),
                    metavar="ADDR", help="host:port of the checkpoint coordinator, given to ranks as "
                                         "PHALANX_CHECKPOINT_ADDR (default: $PHALANX_CHECKPOINT_ADDR; unset: none)")
@@ -84,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     except FabricError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.max_attempts < 1 or min(args.retry_backoff, args.retry_backoff_max, args.min_runtime,
+                                     args.preemption_grace) < 0:
+        print("error: --max-attempts must be >= 1; --retry-backoff, --retry-backoff-max, --min-runtime and "
+              "--preemption-grace must be >= 0", file=sys.stderr)
+        return 2
     if args.upgrade_db:
         from db.migrate import upgrade
 
@@ -92,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         db_url=args.db, listen=args.listen, fabric=fabric, lease_timeout=args.lease_timeout,
         heartbeat_interval=args.heartbeat_interval, launch_timeout=args.launch_timeout,
         max_attempts=args.max_attempts, metrics_port=args.metrics_port,
+        retry_backoff_s=args.retry_backoff, retry_backoff_max_s=args.retry_backoff_max,
+        preemption=PreemptionPolicy(min_runtime_s=args.min_runtime, grace_period_s=args.preemption_grace),
         checkpoint_addr=args.checkpoint_coordinator, checkpoint_dir=args.checkpoint_dir,
     )
     serve_metrics(args.metrics_port)

@@ -25,8 +25,9 @@ from db.engine import is_sqlite, make_engine
 from phalanx.api.v1 import common_pb2
 from services.common import metrics
 from services.common.errors import ServiceError, Unavailable
+from services.common.faults import fail_point
 
-from . import ledger
+from . import accounting, ledger
 from .convert import job_from_row, node_from_row
 from .cycle import HEALTH_NAMES, Command, Cycle, Drain, HealthReport, finish_cycle, reload_state, run_cycle
 from .settings import SchedulerSettings
@@ -53,6 +54,7 @@ class SchedulerService:
         self._writer_conn = None
         self._acks_persisted = 0.0
         self._next_gauges = 0.0
+        self._next_goodput = 0.0
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -197,8 +199,11 @@ class SchedulerService:
 
     def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
         with conn.begin() as trans:
-            cycle = Cycle(conn, self.state, self.settings, now)
             generation = ledger.begin_cycle(conn)
+            # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
+            # lock must not stamp a reservation earlier than the release it builds on.
+            now = max(now, time.time())
+            cycle = Cycle(conn, self.state, self.settings, now)
             self._last_sync = now
             cycle.foreign_writes = self._generation is not None and generation != self._generation
             if resync or generation != self._generation:
@@ -210,6 +215,8 @@ class SchedulerService:
             # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
             with ledger.pipelined(conn, enabled=not cycle.needs_answers):
                 finish_cycle(cycle, commands, results)
+                if cycle.handover:
+                    fail_point("scheduler.handover")
                 trans.commit()
         self._generation = cycle.generation
         self._initial = False
@@ -259,6 +266,14 @@ class SchedulerService:
             self._wake.set()
         if node.state != "LOST" and (events or (health is not None and health.state in HEALTH_NAMES)):
             self._queue_health(node, health, list(events))
+        elif node.health == "UNKNOWN" and node.state == "READY" and not self._stopping and self._loop is not None \
+                and name not in self._health_queued:
+            # Back after it was lost, and its agent runs no health monitor: this heartbeat is its health report.
+            self._health_queued[name] = ("HEALTHY", "", {})
+            fut = self._loop.create_future()
+            fut.add_done_callback(lambda f, n=name: self._health_queued.pop(n, None))
+            self._inbox.append((HealthReport(name, None, [], alive=True), fut))
+            self._wake.set()
         return node.state, node.state == "LOST"
 
     def _queue_health(self, node, health, events: list) -> None:
@@ -295,6 +310,8 @@ class SchedulerService:
 
     def _timers_due(self, now: float) -> bool:
         s = self.settings
+        if now >= self.state.wake_at:
+            return True
         if any(n.state in ("READY", "DRAINED") and now - n.last_heartbeat > s.lease_timeout
                for n in self.state.nodes.values()):
             return True
@@ -315,6 +332,19 @@ class SchedulerService:
         if now >= self._next_gauges:  # whole-cluster gauges are O(nodes): refresh them twice a second at most
             self._next_gauges = now + 0.5
             asyncio.get_running_loop().call_soon(self._update_gauges)
+        if self.settings.metrics_port and now >= self._next_goodput:  # O(jobs in the ledger): every 10 s at most
+            self._next_goodput = now + 10.0
+            asyncio.ensure_future(self._update_goodput())
+
+    async def _update_goodput(self) -> None:
+        try:
+            total, _, _ = await self.read(accounting.read_goodput, time.time(), limit=0)
+        except Exception as exc:  # noqa: BLE001 - metrics must never hurt the scheduler
+            log.warning("goodput_metrics_failed", error=str(exc)[:200])
+            return
+        for category, value in total.as_dict().items():
+            metrics.GOODPUT.labels(category).set(value)
+        metrics.GOODPUT_RATIO.set(total.ratio)
 
     def _update_gauges(self) -> None:
         metrics.QUEUE_DEPTH.set(len(self.state.pending()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Sequence
 
 from google.protobuf.json_format import MessageToDict
@@ -13,8 +14,9 @@ from phalanx.core import mig
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.rpc import stream, unary
 
-from .convert import JOB_STATE_NAMES, NODE_STATES, RANK_STATE_NAMES
-from .cycle import Cancel, RankReport, Register, Submit
+from . import accounting
+from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES
+from .cycle import Cancel, RankReport, Register, RequestCheckpoint, Submit
 from .service import SchedulerService
 
 MAX_NAME = 253
@@ -94,6 +96,12 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
 
+def _state(job) -> int:
+    if job["state"] == "RUNNING" and job["preempted_by"]:
+        return common_pb2.JOB_STATE_PREEMPTING
+    return JOB_STATES[job["state"]]
+
+
 def check_job_id(job_id: str) -> str:
     """Any malformed id is simply an id no job has: NOT_FOUND, like an unknown well-formed one."""
     if not _JOB_ID.match(job_id or ""):
@@ -122,21 +130,57 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def GetJob(self, request, context):
-        jobs = await self.service.read_jobs(job_ids=[check_job_id(request.job_id)])
+        job_id = check_job_id(request.job_id)
+        jobs = await self.service.read_jobs(job_ids=[job_id])
         if not jobs:
             raise NotFound(f"no job with id {request.job_id!r}")
-        return jobs[0]
+        job = jobs[0]
+        _, listed, _ = await self.service.read(accounting.read_goodput, time.time(), job_ids=[job_id])
+        if listed:
+            job.goodput.CopyFrom(accounting.to_proto(listed[0][1]))
+        return job
 
     @unary
     async def ListJobs(self, request, context):
         states = []
+        preempting = False
         for s in request.states:
+            if s == common_pb2.JOB_STATE_PREEMPTING:
+                preempting = True  # a RUNNING job with a preemptor: filtered below
+                states.append("RUNNING")
+                continue
             if s not in JOB_STATE_NAMES:
                 raise InvalidArgument(f"unknown job state {s}")
             states.append(JOB_STATE_NAMES[s])
         if request.limit < 0:
             raise InvalidArgument(f"limit must not be negative, got {request.limit}")
-        return scheduler_pb2.ListJobsResponse(jobs=await self.service.read_jobs(states=states, limit=request.limit))
+        jobs = await self.service.read_jobs(states=states, limit=request.limit)
+        if preempting:
+            wanted = set(request.states)
+            jobs = [j for j in jobs if j.state in wanted]
+        return scheduler_pb2.ListJobsResponse(jobs=jobs)
+
+    @unary
+    async def CheckpointJob(self, request, context):
+        job_id = check_job_id(request.job_id)
+        reason = request.reason or "user"
+        if len(reason) > 1000 or "\x00" in reason:
+            raise InvalidArgument("reason must be at most 1000 characters, without NUL")
+        job, reason, at = await self.service.execute(RequestCheckpoint(job_id, reason))
+        return scheduler_pb2.CheckpointJobResponse(job=job, reason=reason, requested_at=at)
+
+    @unary
+    async def GetGoodput(self, request, context):
+        if request.limit < 0:
+            raise InvalidArgument(f"limit must not be negative, got {request.limit}")
+        if not request.since >= 0:
+            raise InvalidArgument(f"since must be a unix time >= 0, got {request.since}")
+        total, listed, count = await self.service.read(
+            accounting.read_goodput, time.time(), since=request.since, limit=request.limit or 100)
+        return scheduler_pb2.GetGoodputResponse(
+            cluster=accounting.to_proto(total), job_count=count,
+            jobs=[scheduler_pb2.JobGoodput(job_id=j["id"], name=j["name"], state=_state(j), attempts=n,
+                                           goodput=accounting.to_proto(g)) for j, g, n in listed])
 
     @unary
     async def CancelJob(self, request, context):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phalanx.core.fabric import Fabric
+from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,16 @@ class SchedulerSettings:
     lease_timeout: float = 15.0
     # A gang whose ranks are not all running this long after its reservation is torn down whole and requeued.
     launch_timeout: float = 60.0
+    # A gang torn down by a failure (node lost, GPU failed, rank lost, launch timeout) is requeued up to this many
+    # failed attempts in all, each after a backoff of retry_backoff_s doubling per failure up to retry_backoff_max_s.
+    # Preemptions do not count.
     max_attempts: int = 5
+    retry_backoff_s: float = 10.0
+    retry_backoff_max_s: float = 300.0
+    # Preemption (phalanx.core.preemption): minimum runtime before a gang can be preempted, and the grace period a
+    # victim gets to checkpoint. While victims checkpoint, the ledger is checked this often for their commit.
+    preemption: PreemptionPolicy = PRODUCTION_POLICY
+    preemption_poll_s: float = 0.5
     # Heartbeats live in memory; the ledger sees them at most this often (other replicas read leases from it).
     heartbeat_persist_interval: float = 5.0
     # Without LISTEN/NOTIFY (SQLite), look at the ledger for other processes' changes this often.

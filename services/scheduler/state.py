@@ -68,6 +68,21 @@ class JobRecord:
     launch_deadline: float | None = None
     # replica -> its part of its GPU, for replicas on MIG instances or shares (same attempt as `allocations`)
     partials: dict[int, Partial] = field(default_factory=dict)
+    failures: int = 0  # attempts torn down by a failure; the retry limit counts these
+    preemptions: int = 0
+    not_before: float = 0.0  # a requeued job is not placed before this (retry backoff)
+    preempted_by: str = ""  # a victim being preempted: the preemptor's id (the job stays RUNNING meanwhile)
+    preempt_deadline: float = 0.0  # ... and when it is stopped at the latest
+    running_at: float = 0.0  # when every rank of the current attempt ran (0: not yet)
+    restored_step: int = -1  # the committed step the current attempt restarts from (-1: none)
+
+    @property
+    def preempting(self) -> bool:
+        return self.state == "RUNNING" and bool(self.preempted_by)
+
+    @property
+    def gpu_equivalents(self) -> float:
+        return gpu_equivalents(self.replicas, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
 
     def request(self) -> GangRequest:
         return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at,
@@ -91,6 +106,16 @@ class JobRecord:
         return list(dict.fromkeys(node for _, node, _ in self.allocations))
 
 
+def gpu_equivalents(replicas: int, gpus_per_replica: int, mig_profile: str = "", gpu_milli: int = 0) -> float:
+    """GPUs a gang holds when running, a MIG instance or a share counted as its fraction of a GPU."""
+    if gpu_milli:
+        return replicas * gpu_milli / 1000
+    if mig_profile:  # its compute slices out of 7 ("3g.40gb": 3/7)
+        compute = mig_profile.split("g.", 1)[0]
+        return replicas * (int(compute) / 7 if compute.isdigit() else 1.0)
+    return float(replicas * gpus_per_replica)
+
+
 @dataclass
 class NodeRecord:
     id: int
@@ -107,7 +132,7 @@ class NodeRecord:
     agent_instance: str = ""
     revision: int = 0  # last assignment revision; exact while this replica holds the cycle lock on a fresh view
     closeness: GpuCloseness | None = None  # from the registered topology's GPU matrix; None when it has none
-    # Health from the agent's heartbeats: HEALTHY, DEGRADED or FATAL, a summary, and the GPUs that are not HEALTHY
+    # Health from the agent's heartbeats: HEALTHY, DEGRADED, FATAL (or UNKNOWN, back from LOST), a summary, and the GPUs that are not HEALTHY
     # (index -> (state, reasons)). FATAL GPUs are kept out of the capacity view; a FATAL node is unschedulable.
     health: str = "HEALTHY"
     health_reason: str = ""
@@ -119,7 +144,8 @@ class NodeRecord:
 
     @property
     def schedulable(self) -> bool:
-        return self.state == "READY" and self.health != "FATAL"
+        # UNKNOWN: back after it was lost, not yet reported healthy (its first heartbeat settles it).
+        return self.state == "READY" and self.health not in ("FATAL", "UNKNOWN")
 
     def health_signature(self) -> tuple:
         return (self.health, tuple(sorted((i, h, tuple(r)) for i, (h, r) in self.gpu_health.items())),
@@ -131,6 +157,8 @@ class SchedulerState:
         self.jobs: dict[str, JobRecord] = {}  # PENDING and RUNNING jobs only
         self.nodes: dict[str, NodeRecord] = {}
         self.capacity = ClusterCapacity()
+        self.wake_at = float("inf")  # the next time a cycle must run although nothing happened (cycle.wake_at)
+        self.no_preemption: tuple | None = None  # (signature, valid until, message) of the last "no victims" answer
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(

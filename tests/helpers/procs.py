@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class ServiceProcess:
     """A service started as `python -m MODULE ARGS`, whose stderr announces `<what> at HOST:PORT`."""
 
-    def __init__(self, module: str, args: list[str], log_path: Path, announce: str = "scheduler at") -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PHALANX_LOG_LEVEL="INFO")
+    def __init__(self, module: str, args: list[str], log_path: Path, announce: str = "scheduler at",
+                 env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PHALANX_LOG_LEVEL="INFO", **(env or {}))
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self.log, stderr=self.log,

@@ -1,0 +1,145 @@
+"""Failure recovery through the scheduler service: a lost node or a fatal GPU tears the gang down whole; it
+requeues with a backoff and a retry limit (preemptions do not count), and a node that comes back is not used
+until it reports healthy, while the stale ranks it still runs are killed."""
+
+from __future__ import annotations
+
+import grpc
+
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
+from phalanx.core.fabric import default_fabric
+from phalanx.core.preemption import PreemptionPolicy
+from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.settings import SchedulerSettings
+
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
+
+PENDING, RUNNING, FAILED = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_FAILED
+
+
+def cluster(db_url: str, nodes: int = 3, **settings) -> LiteCluster:
+    names = [f"node-{i}" for i in range(nodes)]
+    defaults = dict(lease_timeout=1.0, heartbeat_interval=0.2, retry_backoff_s=0.5, retry_backoff_max_s=5.0)
+    config = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names),
+                               **{**defaults, **settings})
+    return LiteCluster(config, lambda addr: [LiteAgent(addr, n) for n in names])
+
+
+async def attempt(c: LiteCluster, job_id: str, n: int, state: int = RUNNING) -> common_pb2.Job:
+    async def check():
+        job = await c.job(job_id)
+        return job if job.attempt == n and job.state == state else None
+
+    return await eventually(check, timeout=15, what=f"job {job_id} attempt {n} {common_pb2.JobState.Name(state)}")
+
+
+def agent(c: LiteCluster, name: str) -> LiteAgent:
+    return next(a for a in c.agents if a.name == name)
+
+
+async def nodes(c: LiteCluster) -> dict[str, common_pb2.Node]:
+    return {n.name: n for n in (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes}
+
+
+async def test_lost_node_requeues_after_a_backoff_and_its_stale_ranks_die_when_it_returns(db_url):
+    async with cluster(db_url) as c:
+        job = await c.submit("train", 2, 8)
+        first = await c.wait_running(job.id)
+        lost = first.allocations[0].node
+        await agent(c, lost).partition()
+
+        requeued = await attempt(c, job.id, 1, PENDING)
+        assert requeued.failures == 1 and requeued.not_before > 0 and "was lost" in requeued.message
+        assert "backoff" in requeued.message
+        second = await attempt(c, job.id, 2)
+        assert second.started_at >= requeued.not_before - 0.01  # waited out its backoff
+        assert lost not in {a.node for a in second.allocations}
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=job.id) == [("NODE_LOST",)]
+        events = c.sql("SELECT kind, severity FROM node_events e JOIN nodes n ON n.id = e.node_id WHERE n.name = :n",
+                       n=lost)
+        assert ("LOST", "FATAL") in [tuple(r) for r in events]
+
+        # The node comes back. Its ranks of attempt 1 are still "running" there: the queued kill stops them.
+        back = agent(c, lost)
+        assert (job.id, 1, 0) in back.running or (job.id, 1, 8) in back.running
+        await back.heal()
+        await eventually(lambda: _killed(back, job.id, 1), what="stale ranks killed")
+        # Registered again, but not used until a heartbeat says it is healthy; then READY and free.
+        healthy = await eventually(lambda: _healthy(c, lost), what="node healthy again")
+        assert healthy.state == common_pb2.NODE_STATE_READY and healthy.free_gpus == 8
+        assert (await c.job(job.id)).attempt == 2  # the job was not disturbed
+
+
+async def test_returning_node_is_not_used_before_its_first_health_report(db_url):
+    async with cluster(db_url, nodes=1, heartbeat_interval=3.0, lease_timeout=4.0) as c:
+        only = c.agents[0]
+        await only.partition()
+        await eventually(lambda: _state(c, only.name, common_pb2.NODE_STATE_LOST), timeout=15, what="LOST")
+        await only.heal()
+        node = (await nodes(c))[only.name]
+        assert node.state == common_pb2.NODE_STATE_READY and node.free_gpus == 0  # UNKNOWN health
+        job = await c.submit("early", 1, 8)
+        assert (await c.job(job.id)).state == PENDING
+        await c.wait_running(job.id)  # after the first heartbeat (3 s)
+
+
+async def test_failures_stop_at_the_retry_limit_but_preemptions_do_not_count(db_url):
+    async with cluster(db_url, nodes=2, max_attempts=2, retry_backoff_s=0.1,
+                       preemption=PreemptionPolicy(min_runtime_s=0, grace_period_s=0), preemption_poll_s=0.1) as c:
+        low = await c.submit("low", 1, 8, priority=0)
+        await c.wait_running(low.id)
+        for i in range(3):  # preempted three times: never FAILED for it
+            high = await c.submit(f"high-{i}", 2, 8, priority=10)
+            await c.wait_running(high.id)
+            await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=high.id))
+            await attempt(c, low.id, i + 2)
+        job = await c.job(low.id)
+        assert job.preemptions == 3 and job.failures == 0
+
+        # Two node losses: the second reaches the limit.
+        for n in (1, 2):
+            running = await c.job(low.id)
+            node = running.allocations[0].node
+            await agent(c, node).partition()
+            if n == 1:
+                await attempt(c, low.id, running.attempt + 1)
+                await agent(c, node).heal()
+        failed = await attempt(c, low.id, running.attempt, FAILED)
+        assert failed.failures == 2 and "gave up after 2 failed attempts" in failed.message
+
+
+async def test_fatal_gpu_tears_down_only_the_gangs_on_it_and_they_restart_elsewhere(db_url):
+    async with cluster(db_url, nodes=3, lease_timeout=30.0) as c:
+        big = await c.submit("big", 2, 8)
+        small = await c.submit("small", 1, 4)
+        big_run, small_run = await c.wait_running(big.id), await c.wait_running(small.id)
+        node = big_run.allocations[0].node
+        gpu = big_run.allocations[0].gpus[3]
+        assert node not in {a.node for a in small_run.allocations}
+        async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
+            stub = agent_pb2_grpc.NodeServiceStub(ch)
+            health = common_pb2.NodeHealth(
+                state=common_pb2.HEALTH_STATE_DEGRADED, reason=f"GPU {gpu}: XID 79",
+                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])])
+            await stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=node, health=health))
+        requeued = await attempt(c, big.id, 1, PENDING)
+        assert requeued.failures == 1 and f"GPU(s) [{gpu}] of {node} failed" in requeued.message
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j", j=big.id) == [("GPU_FAILED",)]
+        assert (await c.job(small.id)).attempt == 1 and (await c.job(small.id)).state == RUNNING
+        shown = (await nodes(c))[node]
+        assert shown.free_gpus == 7  # the failed GPU stays out
+
+
+async def _killed(a: LiteAgent, job_id: str, attempt: int) -> bool:
+    return any(k.job_id == job_id and k.attempt == attempt for k in a.killed) and \
+        not any(key[:2] == (job_id, attempt) and not t.done() for key, t in a.running.items())
+
+
+async def _healthy(c: LiteCluster, name: str):
+    node = (await nodes(c))[name]
+    return node if node.health.state == common_pb2.HEALTH_STATE_HEALTHY and node.free_gpus == 8 else None
+
+
+async def _state(c: LiteCluster, name: str, state: int):
+    return (await nodes(c))[name].state == state
