@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phalanx.core.preemption import LOCAL_POLICY
+from phalanx.core.preemption import LOCAL_POLICY, parse_priority
 
 __all__ = [
     "ClusterError",
@@ -811,7 +811,8 @@ def _prepare_demo_dir(state_dir: Path) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """``phalanx demo``: a local cluster, five jobs through the SDK, a readable account, exit 0 when all succeed."""
+    """``phalanx demo``: a local cluster, seven jobs through the SDK (placement, gang waiting, MIG and shares,
+    then a preemption with checkpoint-restart), a readable account, exit 0 when all succeed."""
     from phalanx.client import Client, JobState, PhalanxError
 
     from . import main as cli_main
@@ -897,6 +898,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 finally:
                     stream.close()
                 ok = all(getattr(final.get(i), "state", None) is JobState.SUCCEEDED for i in ids)
+                # 3. preemption and checkpoint-restart: a batch training gang makes way for a critical one
+                _say()
+                preempt_ok, more = _demo_preemption(client, cluster, args.nodes, stopper)
+                ok, ids = ok and preempt_ok, ids + more
             sample = cluster.agent_state_dir(cluster.node_names[0]) / "logs"
             logs = sorted(sample.glob("*.log"))
             if logs:
@@ -921,6 +926,66 @@ def cmd_demo(args: argparse.Namespace) -> int:
         finally:
             cluster.stop()
     return 0 if ok else 1
+
+
+def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tuple[bool, list[str]]:
+    """A batch-priority 2-node gang trains (phalanx.examples.count_steps, checkpointing through phalanx.train); a
+    critical gang as large as the cluster arrives, waits out the trainer's minimum runtime, preempts it (it
+    checkpoints, then stops) and runs; the trainer resumes from its checkpoint and ends with the exact count."""
+    from phalanx.client import JobState
+
+    steps, every = 60, 20
+    out = cluster.state_dir / "train"
+    train_cmd = [sys.executable, "-m", "phalanx.examples.count_steps", "--steps", str(steps), "--every", str(every),
+                 "--step-time", "0.1", "--out", str(out)]
+    trainer = client.submit("train-batch", 2, 8, train_cmd, priority=parse_priority("batch"), procs_per_replica=1,
+                            env={"PHALANX_CHECKPOINT_POLL_S": "0.2"})
+    _say(f"Submitted {trainer.name} ({trainer.id}): 2 x 8 GPUs at priority batch (-100), a training loop of {steps} "
+         f"steps that checkpoints every {every} through phalanx.train")
+    client.wait(trainer.id, ["RUNNING"], timeout=60)
+    time.sleep(1.0)
+    urgent = client.submit(f"urgent-{nodes}x8", nodes, 8, [sys.executable, "-c", "import time; time.sleep(2)"],
+                           priority=parse_priority("critical"))
+    _say(f"Submitted {urgent.name} ({urgent.id}): every GPU of the cluster at priority critical (200)")
+    seen: dict[str, tuple] = {}
+    final: dict[str, object] = {}
+    stream = client.watch([trainer.id, urgent.id], timeout=120)
+    try:
+        for job in stream:
+            stopper.check()
+            key = (job.state, job.attempt, job.message if job.state is JobState.PENDING else "")
+            if seen.get(job.id) == key:
+                continue
+            seen[job.id] = key
+            stamp = time.strftime("%H:%M:%S")
+            if job.terminal:
+                _say(f"{stamp} {job.name} {job.state.value} (attempt {job.attempt}): {job.message}")
+                final[job.id] = job
+                if len(final) == 2:
+                    break
+            elif job.state is JobState.PREEMPTING:
+                _say(f"{stamp} {job.name} PREEMPTING: {job.message}")
+            else:
+                attempt = f" (attempt {job.attempt})" if job.attempt else ""
+                _say(f"{stamp} {job.name} {job.state.value}{attempt}: {job.message}")
+    finally:
+        stream.close()
+    done = final.get(trainer.id)
+    results = sorted((out / trainer.id).glob("rank-*.json"))
+    counts = [json.loads(p.read_text())["count"] for p in results]
+    restored = [json.loads(p.read_text())["restored_step"] for p in results]
+    good = (getattr(done, "state", None) is JobState.SUCCEEDED
+            and getattr(final.get(urgent.id), "state", None) is JobState.SUCCEEDED
+            and len(counts) == 2 and counts == [steps, steps])
+    if results:
+        _say(f"  {trainer.name}: both ranks counted {counts} of {steps} steps; the last attempt resumed from step "
+             f"{restored[0]} (its preemption checkpoint), so no committed step was lost or done twice")
+    job = client.get_job(trainer.id)
+    if job.goodput is not None:
+        g = job.goodput
+        _say(f"  goodput of {trainer.name}: {g.productive:.0f} productive of {g.allocated:.0f} allocated GPU-seconds "
+             f"({g.ratio:.0%}); rollback {g.rollback:.0f}, restart {g.restart:.0f}, waiting {g.waiting:.0f}")
+    return good, [trainer.id, urgent.id]
 
 
 # -- registration ----------------------------------------------------------------------------------------------
@@ -970,10 +1035,11 @@ def register(subparsers) -> None:
     up.set_defaults(func=cmd_cluster_up)
 
     demo = subparsers.add_parser(
-        "demo", help="start a local cluster of 8 simulated nodes and run five jobs through it",
+        "demo", help="start a local cluster of 8 simulated nodes and run seven jobs through it",
         description="Start a local cluster (SQLite, simulated dgx-h100 nodes), submit a 2 x 8 gang, a 4-GPU job "
                     "and a gang as large as the cluster (which waits, holding nothing), and report what "
-                    "happens. Exits 0 when all five jobs SUCCEEDED. The state directory is wiped first.",
+                    "happens; then a batch training gang is preempted by a critical one and resumes from its "
+                    "checkpoint. Exits 0 when all seven jobs SUCCEEDED. The state directory is wiped first.",
     )
     _add_common(demo, nodes=8, state_dir=DEFAULT_DEMO_STATE_DIR)
     demo.add_argument("--keep", action="store_true", help="keep the cluster running afterwards, until Ctrl-C")

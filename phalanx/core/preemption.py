@@ -14,8 +14,9 @@ The rules (also in docs/design.md, "Preemption rules"):
   evicted whole, including its GPUs elsewhere: gangs are all or nothing.)
 - The caller's capacity is never changed: the search runs on a copy.
 
-Cost: one copy of the capacity view, O(log candidates) placements to find the prefix, and at most one placement per
-prefix victim that shares a node with the current placement while pruning (a victim on no node of it is spared
+Cost: one copy of the capacity view, O(log k) placements and O(k) releases to find the prefix of k victims (a
+galloping search: prefixes of 1, 2, 4 ... then a binary search), and at most one placement per prefix victim that
+shares a node with the current placement while pruning (a victim on no node of it is spared
 without placing again: the current placement does not need its GPUs).
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
 from .model import GangRequest, Placement
-from .placement import place_gang
+from .placement import Unplaceable, place_gang
 
 # Named priority classes. Integers in between are allowed too (`--priority 50`).
 PRIORITY_CLASSES: dict[str, int] = {
@@ -152,14 +153,16 @@ class _Work:
 
 
 def _shortest_prefix(
-    work: _Work, gangs: list[RunningGang], pending: GangRequest, fabric_tiers: Sequence[str], fits: Placement
+    work: _Work, gangs: list[RunningGang], pending: GangRequest, fabric_tiers: Sequence[str], fits: Placement,
+    lo: int = 0, hi: int | None = None,
 ) -> tuple[int, Placement]:
-    """With every gang of `gangs` released in `work` (and the gang fitting then, at `fits`), but not fitting with
-    none of them released: the least k such that releasing gangs[:k] makes it fit, and a placement then. Leaves
-    exactly gangs[:k] released. Feasibility only grows with the prefix, so a binary search: O(log n) placements and
-    O(n) releases and restores in all."""
-    lo, hi, witness = 0, len(gangs), fits  # prefix lo does not fit, prefix hi does
-    released = len(gangs)
+    """With gangs[:hi] released in `work` (default: all of them) and the gang fitting then, at `fits`, but not with
+    gangs[:lo] released: the least k such that releasing gangs[:k] makes it fit, and a placement then. Leaves
+    exactly gangs[:k] released. Feasibility only grows with the prefix, so a binary search: O(log(hi - lo))
+    placements and O(hi - lo) releases and restores in all."""
+    hi = len(gangs) if hi is None else hi
+    witness = fits  # prefix lo does not fit, prefix hi does
+    released = hi
 
     def move(to: int) -> None:
         nonlocal released
@@ -180,6 +183,25 @@ def _shortest_prefix(
             lo = mid
     move(hi)
     return hi, witness
+
+
+def _gallop(work: _Work, gangs: list[RunningGang], pending: GangRequest, fabric_tiers: Sequence[str]
+            ) -> tuple[int, int, Placement | Unplaceable]:
+    """Release gangs in order, in prefixes of 1, 2, 4, 8 ... until the gang fits (or all are released). Returns
+    (lo, hi, result): gangs[:hi] are released, prefix lo did not fit, and result is the placement with gangs[:hi]
+    released, or why it does not fit with all of them. The work is proportional to the prefix needed, not to the
+    number of candidates: a large cluster's few cheap victims cost a few releases, not hundreds."""
+    lo, size = 0, 1
+    released = 0
+    while True:
+        target = min(size, len(gangs))
+        while released < target:
+            work.release(gangs[released])
+            released += 1
+        got = place_gang(work.cap, pending, fabric_tiers)
+        if isinstance(got, Placement) or target == len(gangs):
+            return lo, target, got
+        lo, size = target, size * 2
 
 
 def _nodes(gang: RunningGang) -> frozenset[str]:
@@ -225,14 +247,12 @@ def choose_victims(
     candidates = sorted((g for g in lower if left(g) <= 0), key=_cost)
     protected = sorted((g for g in lower if left(g) > 0), key=left)
     work = _Work(capacity, unusable or {})
-    for gang in candidates:
-        work.release(gang)
-    whole = place_gang(work.cap, pending, fabric_tiers)
+    lo, hi, whole = _gallop(work, candidates, pending, fabric_tiers)
     if not isinstance(whole, Placement):
         return _refusal(pending, fits, whole, candidates, protected, work, left, fabric_tiers)
 
     # The shortest prefix of `candidates` that makes the gang fit: the greedy "add victims in order until it fits".
-    hi, witness = _shortest_prefix(work, candidates, pending, fabric_tiers, whole)
+    hi, witness = _shortest_prefix(work, candidates, pending, fabric_tiers, whole, lo, hi)
 
     # Prune, costliest first: spare every victim without which the gang still fits. `witness` is always a valid
     # placement with the current victims released; a victim on none of its nodes is spared without placing again.
