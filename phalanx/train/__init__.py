@@ -9,6 +9,9 @@
         if train.should_checkpoint(step):
             train.save(step, state)            # pickled to PHALANX_CHECKPOINT_DIR, reported to the coordinator
 
+A torch state_dict (a Mapping holding torch.Tensors) is saved with torch.distributed.checkpoint instead, when torch
+is installed (phalanx.train.torch_dcp); restore it in place into a template: `train.restore(into=state_dict)`.
+
 Configuration comes from the environment: RANK, WORLD_SIZE, PHALANX_JOB_ID, PHALANX_ATTEMPT (set by the
 scheduler), PHALANX_CHECKPOINT_ADDR and PHALANX_CHECKPOINT_DIR (to be set by the scheduler/agent), and the
 policy PHALANX_CHECKPOINT_EVERY / PHALANX_CHECKPOINT_INTERVAL_S / PHALANX_CHECKPOINT_POLL_S /

@@ -16,6 +16,7 @@ import grpc
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 
+from . import torch_dcp
 from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointRejectedError
 from .store import CheckpointStore, LocalStore, sha256_checksum
 
@@ -144,8 +145,13 @@ class Checkpointer:
         raise AssertionError("unreachable")
 
     # -- the API -------------------------------------------------------------------------------------------------
-    def restore(self) -> tuple[int, Any] | None:
+    def restore(self, into: Any = None) -> tuple[int, Any] | None:
         """`(step, state)` of this rank from the job's latest committed checkpoint, or None when there is none.
+
+        A pickle shard returns the unpickled state (`into` is ignored). A torch.distributed.checkpoint shard (a
+        torch state_dict that `save` wrote with DCP, see phalanx.train.torch_dcp) is loaded in place into `into`,
+        a template state_dict (e.g. `{"model": model.state_dict(), ...}`), and returns `(step, into)`; without
+        a template it raises CheckpointError. Either way, use the returned state.
 
         Raises CheckpointCorruptError when the shard's bytes do not match the committed checksum: there is no
         silent fallback to an older checkpoint, because every rank must restore the same step.
@@ -164,6 +170,12 @@ class Checkpointer:
         shard = next((s for s in ckpt.shards if s.rank == self.rank), None)
         if shard is None:
             raise CheckpointError(f"checkpoint {ckpt.id} (step {ckpt.step}) has no shard for rank {self.rank}")
+        if torch_dcp.is_dcp_uri(shard.uri):
+            what = f"checkpoint {ckpt.id} (step {ckpt.step}, rank {self.rank})"
+            return ckpt.step, torch_dcp.load(shard.uri, shard.checksum, shard.size_bytes, into, what)
+        if into is not None:
+            log.warning("restore(into=...): step %d of rank %d is a pickle shard; the template is not loaded, "
+                        "use the returned state", ckpt.step, self.rank)
         data = self.store.get(shard.uri)
         actual = sha256_checksum(data)
         if actual != shard.checksum or len(data) != shard.size_bytes:
@@ -174,7 +186,11 @@ class Checkpointer:
         return ckpt.step, pickle.loads(data)
 
     def save(self, step: int, state: Any) -> SaveResult:
-        """Pickle `state`, write it as this rank's shard of `step`, and report it to the coordinator.
+        """Write `state` as this rank's shard of `step`, and report it to the coordinator.
+
+        A torch state_dict (a Mapping holding torch.Tensors) goes through torch.distributed.checkpoint into a
+        directory shard when torch is importable and the store is a directory store (LocalStore); anything else,
+        and any state with another store (an object store), is pickled (phalanx.train.torch_dcp).
 
         The checkpoint commits when the last rank reports; until then it is not a restore point.
         """
@@ -187,18 +203,21 @@ class Checkpointer:
             job_id=self.job_id, attempt=self.attempt, step=step, world_size=self.world_size,
             deadline_s=self.deadline_s,
         ))
-        data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-        uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
-        checksum = sha256_checksum(data)
+        if torch_dcp.supports(self.store, state):
+            uri, size, checksum = torch_dcp.save(self.store, self.job_id, self.attempt, step, self.rank, state)
+        else:
+            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
+            checksum, size = sha256_checksum(data), len(data)
         ckpt = self._call("ReportShard", pb.ReportShardRequest(
             job_id=self.job_id, attempt=self.attempt, step=step, world_size=self.world_size,
-            shard=pb.Shard(rank=self.rank, uri=uri, size_bytes=len(data), checksum=checksum),
+            shard=pb.Shard(rank=self.rank, uri=uri, size_bytes=size, checksum=checksum),
             deadline_s=self.deadline_s,
         ))
         self._last_save = time.monotonic()
         if self._request is not None and self._request.requested:
             self._satisfied_request_at = self._request.requested_at
-        return SaveResult(step, uri, checksum, len(data), ckpt.state == "COMMITTED", ckpt.id)
+        return SaveResult(step, uri, checksum, size, ckpt.state == "COMMITTED", ckpt.id)
 
     def should_checkpoint(self, step: int) -> bool:
         """True when the policy (every N steps, S seconds since the last save, or the coordinator's suggested
@@ -270,8 +289,8 @@ def reset() -> None:
         _default = None
 
 
-def restore() -> tuple[int, Any] | None:
-    return default().restore()
+def restore(into: Any = None) -> tuple[int, Any] | None:
+    return default().restore(into)
 
 
 def save(step: int, state: Any) -> SaveResult:

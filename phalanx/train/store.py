@@ -39,7 +39,8 @@ class CheckpointStore(Protocol):
 
 
 class LocalStore:
-    """Shards as files `<root>/<job>/<step>/attempt-<a>/rank-<r>.pkl` on a local or shared (NFS, Lustre) directory.
+    """Shards as files `<root>/<job>/<step>/attempt-<a>/rank-<r>.pkl` on a local or shared (NFS, Lustre) directory
+    (or directories `rank-<r>.dcp/` for torch state_dicts, written by phalanx.train.torch_dcp).
 
     Each write goes to a temporary file in the same directory, is fsynced, then renamed into place, so a reader
     never sees half a shard. URIs are `file://` URIs of absolute paths.
@@ -48,12 +49,18 @@ class LocalStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve()
 
-    def path(self, job_id: str, attempt: int, step: int, rank: int) -> Path:
+    def path(self, job_id: str, attempt: int, step: int, rank: int, suffix: str = ".pkl") -> Path:
         if not _SAFE.match(job_id):
             raise CheckpointError(f"job id {job_id!r} cannot name a checkpoint directory")
         if min(attempt, step, rank) < 0:
             raise CheckpointError(f"attempt, step and rank must be >= 0, got {attempt}, {step}, {rank}")
-        return self.root / job_id / str(step) / f"attempt-{attempt}" / f"rank-{rank}.pkl"
+        return self.root / job_id / str(step) / f"attempt-{attempt}" / f"rank-{rank}{suffix}"
+
+    def shard_dir(self, job_id: str, attempt: int, step: int, rank: int) -> Path:
+        """Where a directory shard (a torch.distributed.checkpoint of this rank) lives:
+        `<root>/<job>/<step>/attempt-<a>/rank-<r>.dcp/`. Having this method makes a store a directory store
+        (phalanx.train.torch_dcp); the caller writes the directory and reports its `file://` URI."""
+        return self.path(job_id, attempt, step, rank, suffix=".dcp")
 
     def put(self, job_id: str, attempt: int, step: int, rank: int, data: bytes) -> str:
         target = self.path(job_id, attempt, step, rank)

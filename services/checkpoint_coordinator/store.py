@@ -434,9 +434,7 @@ def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
     failures: node_events of severity FATAL (the scheduler writes kind LOST when a heartbeat lease expires; fatal
     GPU errors arrive as FATAL health events); exposure: the sum over nodes of max(0, last_heartbeat -
     registered_at); nodes: the distinct nodes of the attempt's unreleased allocations (1 when none)."""
-    events = conn.scalar(select(func.count()).select_from(NodeEvent).where(NodeEvent.severity == FATAL)) or 0
-    alive = Node.last_heartbeat - Node.registered_at
-    seconds = conn.scalar(select(func.sum(case((alive > 0, alive), else_=0.0)))) or 0.0
+    events, seconds, cluster_durations = _cluster_figures(conn)
     nodes = conn.scalar(
         select(func.count(func.distinct(Allocation.node_id))).where(
             Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.released_at.is_(None)
@@ -445,5 +443,26 @@ def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
     return cp.compute_policy(
         events=int(events), node_hours=float(seconds) / cp.HOUR_S, nodes=max(1, int(nodes)),
         job_durations=_durations(conn, job_id, cp.JOB_COST_SAMPLES),
-        cluster_durations=_durations(conn, None, cp.CLUSTER_COST_SAMPLES),
+        cluster_durations=cluster_durations,
     )
+
+
+# Every rank polls the policy (GetCheckpointRequest): the cluster-wide figures, which scan node_events and nodes,
+# are shared by all of them and kept this long per database.
+CLUSTER_FIGURES_TTL_S = 30.0
+_cluster_cache: dict[str, tuple[float, tuple[int, float, list[float]]]] = {}
+
+
+def _cluster_figures(conn) -> tuple[int, float, list[float]]:
+    """(FATAL node events, node-seconds alive, durations of the cluster's recent commits), cached briefly."""
+    key = conn.engine.url.render_as_string(hide_password=True)
+    now = time.monotonic()
+    hit = _cluster_cache.get(key)
+    if hit is not None and now < hit[0]:
+        return hit[1]
+    events = conn.scalar(select(func.count()).select_from(NodeEvent).where(NodeEvent.severity == FATAL)) or 0
+    alive = Node.last_heartbeat - Node.registered_at
+    seconds = conn.scalar(select(func.sum(case((alive > 0, alive), else_=0.0)))) or 0.0
+    figures = (int(events), float(seconds), _durations(conn, None, cp.CLUSTER_COST_SAMPLES))
+    _cluster_cache[key] = (now + CLUSTER_FIGURES_TTL_S, figures)
+    return figures

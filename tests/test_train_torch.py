@@ -1,0 +1,177 @@
+"""phalanx.train's torch.distributed.checkpoint adapter against a real coordinator (skips without torch).
+
+scripts/test installs torch==2.13.0 (CPU) into the venv when it is installable; elsewhere these tests skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from phalanx import train  # noqa: E402
+from phalanx.train import torch_dcp  # noqa: E402
+from services.checkpoint_coordinator import serve  # noqa: E402
+
+from helpers.jobs import insert_job  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available")
+
+JOB = "job-train-torch"
+
+
+@pytest.fixture
+async def server(db_url):
+    insert_job(db_url, JOB)
+    srv = await serve(db_url, "127.0.0.1:0", sweep_interval=0)
+    yield srv
+    await srv.stop(0)
+
+
+def _env(server, tmp_path: Path, rank: int, world: int = 2) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "1",
+            "PHALANX_CHECKPOINT_ADDR": server.address, "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+
+
+def _ranks(server, tmp_path, world: int = 2) -> list[train.Checkpointer]:
+    return [train.Checkpointer(_env(server, tmp_path, r, world)) for r in range(world)]
+
+
+def _model(seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+def _state(model: torch.nn.Linear, steps: int) -> dict:
+    return {"model": model.state_dict(), "optim": {"step_count": steps, "lr": [0.1, torch.tensor(0.5)]}}
+
+
+def _template() -> dict:
+    return _state(torch.nn.Linear(4, 3), 0)
+
+
+async def _save_step5(server, tmp_path):
+    ranks = _ranks(server, tmp_path)
+    models = [_model(100 + c.rank) for c in ranks]
+    results = [await asyncio.to_thread(c.save, 5, _state(m, 5 + c.rank)) for c, m in zip(ranks, models)]
+    return ranks, models, results
+
+
+async def test_two_ranks_save_dcp_and_restore_into_templates(server, tmp_path):
+    ranks, models, results = await _save_step5(server, tmp_path)
+    assert [r.committed for r in results] == [False, True]
+    for c, res in zip(ranks, results):
+        shard = tmp_path / "ckpt" / JOB / "5" / "attempt-1" / f"rank-{c.rank}.dcp"
+        assert shard.is_dir() and (shard / ".metadata").is_file()
+        assert res.uri == shard.resolve().as_uri()
+        assert (res.checksum, res.size_bytes) == torch_dcp.dir_checksum(shard)
+        assert res.size_bytes == sum(p.stat().st_size for p in shard.rglob("*") if p.is_file())
+    assert not list((tmp_path / "ckpt" / JOB / "5" / "attempt-1").glob(".*"))  # no temporary leftovers
+
+    for c, model in zip(ranks, models):
+        fresh = torch.nn.Linear(4, 3)
+        template = _state(fresh, 0)
+        step, state = await asyncio.to_thread(c.restore, template)
+        assert step == 5 and state is template
+        assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)  # in place
+        assert state["optim"]["step_count"] == 5 + c.rank
+        assert state["optim"]["lr"][0] == 0.1 and torch.equal(state["optim"]["lr"][1], torch.tensor(0.5))
+    for c in ranks:
+        c.close()
+
+
+async def test_corrupt_dcp_file_raises(server, tmp_path):
+    ranks, _, results = await _save_step5(server, tmp_path)
+    shard = Path(results[1].uri.removeprefix("file://"))
+    data_file = next(p for p in shard.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    assert (await asyncio.to_thread(ranks[0].restore, _template()))[0] == 5
+    with pytest.raises(train.CheckpointCorruptError, match="corrupt"):
+        await asyncio.to_thread(ranks[1].restore, _template())
+    (shard / "extra").write_bytes(b"")  # an added file is a mismatch too
+    data_file.unlink()
+    with pytest.raises(train.CheckpointCorruptError):
+        await asyncio.to_thread(ranks[1].restore, _template())
+    for c in ranks:
+        c.close()
+
+
+async def test_restore_without_template_says_so(server, tmp_path):
+    ranks, _, _ = await _save_step5(server, tmp_path)
+    with pytest.raises(train.CheckpointError, match="template state_dict") as err:
+        await asyncio.to_thread(ranks[0].restore)
+    assert not isinstance(err.value, train.CheckpointCorruptError)
+    with pytest.raises(train.CheckpointError, match="into the template failed: RuntimeError: Missing key"):
+        await asyncio.to_thread(ranks[0].restore, {"other": torch.zeros(2)})
+    for c in ranks:
+        c.close()
+
+
+async def test_non_tensor_state_still_pickles(server, tmp_path):
+    ranks = _ranks(server, tmp_path)
+    states = [{"rank": c.rank, "weights": [1.0, 2.0]} for c in ranks]
+    for c, s in zip(ranks, states):
+        res = await asyncio.to_thread(c.save, 3, s)
+        assert res.uri.endswith(f"rank-{c.rank}.pkl")
+    assert [await asyncio.to_thread(c.restore) for c in ranks] == [(3, states[0]), (3, states[1])]
+    # a template is ignored for a pickle shard
+    assert await asyncio.to_thread(ranks[0].restore, _template()) == (3, states[0])
+    for c in ranks:
+        c.close()
+
+
+class _ObjectStore:
+    """A store without shard_dir (an object store): tensors are pickled into it."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+
+    def put(self, job_id, attempt, step, rank, data):
+        uri = f"mem://{job_id}/{step}/attempt-{attempt}/rank-{rank}"
+        self.blobs[uri] = data
+        return uri
+
+    def get(self, uri):
+        return self.blobs[uri]
+
+
+async def test_object_store_pickles_tensor_state(server, tmp_path):
+    store = _ObjectStore()
+    with train.Checkpointer(_env(server, tmp_path, 0, world=1), store=store) as c:
+        model = _model(7)
+        res = await asyncio.to_thread(c.save, 2, _state(model, 2))
+        assert res.committed and res.uri.startswith("mem://")
+        assert isinstance(pickle.loads(store.blobs[res.uri])["model"]["weight"], torch.Tensor)
+        step, state = await asyncio.to_thread(c.restore)
+        assert step == 2 and torch.equal(state["model"]["weight"], model.weight)
+
+
+def test_is_state_dict():
+    assert torch_dcp.is_state_dict({"a": {"b": [1, (2, torch.zeros(1))]}})
+    assert not torch_dcp.is_state_dict({"a": {"b": [1, 2]}, "c": "x"})
+    assert not torch_dcp.is_state_dict([torch.zeros(1)])  # not a Mapping
+    loop: dict = {}
+    loop["self"] = loop
+    assert not torch_dcp.is_state_dict(loop)
+    assert torch_dcp.is_dcp_uri("file:///x/rank-0.dcp") and not torch_dcp.is_dcp_uri("file:///x/rank-0.pkl")
+    assert not torch_dcp.is_dcp_uri("s3://bucket/rank-0.dcp")
+
+
+async def test_module_level_restore_takes_a_template(server, tmp_path, monkeypatch):
+    for key, value in _env(server, tmp_path, 0, world=1).items():
+        monkeypatch.setenv(key, value)
+    train.reset()
+    try:
+        model = _model(3)
+        assert (await asyncio.to_thread(train.save, 4, _state(model, 4))).committed
+        template = _template()
+        step, state = await asyncio.to_thread(train.restore, template)
+        assert step == 4 and torch.equal(state["model"]["weight"], model.weight)
+    finally:
+        train.reset()
