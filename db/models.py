@@ -135,6 +135,20 @@ class Job(Base):
     not_before: Mapped[float] = mapped_column(default=0.0, server_default="0")
     preempted_by: Mapped[str] = mapped_column(String(32), default="", server_default="")
     preempt_deadline: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    # A rank exiting non-zero requeues the gang this many times (counted as failures); 0: it fails the job.
+    max_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class ServiceEndpoint(Base):
+    """Where a service can be reached, written by the service at start: the scheduler finds the checkpoint
+    coordinator here when no flag names it (`detail`: e.g. the checkpoint directory it serves)."""
+
+    __tablename__ = "service_endpoints"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    address: Mapped[str] = mapped_column(String(255))
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    updated_at: Mapped[float] = mapped_column()
 
 
 class JobAttempt(Base):
@@ -156,7 +170,7 @@ class JobAttempt(Base):
     reserved_at: Mapped[float] = mapped_column()
     running_at: Mapped[float | None] = mapped_column(nullable=True)
     ended_at: Mapped[float | None] = mapped_column(nullable=True)
-    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT; "" while running
+    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, RANK_FAILED, LAUNCH_TIMEOUT; "" while running
     outcome: Mapped[str] = mapped_column(String(16), default="", server_default="")
     reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     restored_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")

@@ -19,7 +19,7 @@ from sqlalchemy import func, insert, select
 from db.engine import make_engine
 from db.models import Checkpoint, CheckpointShard, Job
 from phalanx.api.v1 import checkpoint_pb2 as pb
-from phalanx.api.v1 import checkpoint_pb2_grpc
+from phalanx.api.v1 import checkpoint_pb2_grpc, scheduler_pb2
 from services.checkpoint_coordinator import serve
 
 JOB = "job-ckpt-1"
@@ -187,3 +187,32 @@ def test_process_stops_cleanly_on_signal(sqlite_url, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_the_coordinator_advertises_itself_and_a_scheduler_without_flags_finds_it(db_url):
+    """`phalanx-scheduler --db URL --listen ADDR` alone: ranks still get the coordinator and its directory, from
+    the ledger; a scheduler flag wins over it."""
+    from phalanx.core.fabric import default_fabric
+    from phalanx.testing.lite_agent import LiteAgent
+    from services.scheduler.settings import SchedulerSettings
+
+    from helpers.lite_cluster import LiteCluster
+    from helpers.procs import eventually
+
+    coordinator = await serve(db_url, "127.0.0.1:0", checkpoint_dir="/shared/ckpt")
+    try:
+        for flags, want in (({}, (coordinator.address, "/shared/ckpt")),
+                            ({"checkpoint_addr": "elsewhere:1", "checkpoint_dir": "/other"}, ("elsewhere:1", "/other"))):
+            settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["n0"]), **flags)
+            async with LiteCluster(settings, lambda addr: [LiteAgent(addr, "n0")]) as c:
+                job = await c.submit("train", 1, 8)
+                await c.wait_running(job.id)
+                launch = await eventually(lambda: _launch_of(c.agents[0], job.id), what="launch")
+                assert (launch.env["PHALANX_CHECKPOINT_ADDR"], launch.env["PHALANX_CHECKPOINT_DIR"]) == want
+                await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id))
+    finally:
+        await coordinator.stop()
+
+
+async def _launch_of(agent, job_id):
+    return next((launch for launch in agent.launched if launch.job_id == job_id), None)

@@ -132,6 +132,18 @@ def test_submit_gpu_flags_reach_the_scheduler_and_the_json(fake, capsys):
     assert (spec.gpu_milli, spec.mig_profile, spec.gpus_per_replica) == (250, "", 1)
 
 
+def test_submit_max_restarts_reaches_the_scheduler_and_the_json(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "2", "--gpus-per-replica", "8",
+                         "--max-restarts", "3", "--json", "--", "true")
+    assert code == 0, err
+    job = json.loads(out)
+    assert servicer.jobs[job["id"]].spec.max_restarts == 3 and job["max_restarts"] == 3
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "8",
+                         "--max-restarts", "x", "--", "true")
+    assert code == 2 and out == ""
+
+
 def test_gpus_per_replica_is_required_for_whole_gpus(fake, capsys):
     servicer, address = fake
     code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--json", "--", "true")

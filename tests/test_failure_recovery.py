@@ -143,3 +143,27 @@ async def _healthy(c: LiteCluster, name: str):
 
 async def _state(c: LiteCluster, name: str, state: int):
     return (await nodes(c))[name].state == state
+
+
+async def test_rank_failure_restarts_the_gang_up_to_max_restarts_then_fails(db_url):
+    async with cluster(db_url, nodes=2, retry_backoff_s=0.1) as c:
+        job = await c.submit("flaky", 2, 8, ("exit", "3"), max_restarts=2)
+        failed = await attempt(c, job.id, 3, FAILED)
+        assert failed.failures == 2 and failed.exit_code == 3 and "after 2 restart(s)" in failed.message
+        rows = c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j ORDER BY attempt", j=job.id)
+        assert [r[0] for r in rows] == ["RANK_FAILED", "RANK_FAILED", "FAILED"]
+        no_restarts = await c.submit("strict", 1, 8, ("exit", "4"))
+        strict = await attempt(c, no_restarts.id, 1, FAILED)
+        assert strict.failures == 0 and "exited with code 4" in strict.message
+
+
+async def test_max_restarts_out_of_range_is_refused(db_url):
+    async with cluster(db_url, nodes=1) as c:
+        for bad in (-1, 1001):
+            try:
+                await c.submit("bad", 1, 8, max_restarts=bad)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_restarts" in exc.details()
+            else:
+                raise AssertionError(f"max_restarts={bad} was accepted")
+        assert c.sql("SELECT count(*) FROM jobs") == [(0,)]

@@ -328,6 +328,7 @@ class LocalCluster:
         ckpt = [
             *_program("phalanx-checkpointd", "services.checkpoint_coordinator.main"),
             "--db", self.db_url, "--listen", self.checkpoint_address,
+            "--checkpoint-dir", str(self.state_dir / "checkpoints"),
         ]
         if self.metrics_port_base is not None:
             sched += ["--metrics-port", str(self.metrics_port_base)]

@@ -179,6 +179,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             gpu_model=args.gpu_model or "",
             mig_profile=args.mig or "",
             gpu_milli=args.gpu_milli or 0,
+            max_restarts=args.max_restarts,
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each replica is N thousandths of one GPU (1-999), shared through MPS")
     p.add_argument("--gpu-model", default=None, metavar="MODEL",
                    help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="a rank exiting non-zero requeues the gang, to resume from its last committed checkpoint, "
+                        "up to N times instead of failing the job (default 0)")
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
     json_flag(p)

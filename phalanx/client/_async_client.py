@@ -127,6 +127,7 @@ class AsyncClient:
         gpu_model: str = "",
         mig_profile: str = "",
         gpu_milli: int = 0,
+        max_restarts: int = 0,
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -144,6 +145,7 @@ class AsyncClient:
             gpu_model: Only nodes whose GPU model contains this text, case-insensitively.
             mig_profile: Each replica is one MIG instance of this profile; gpus_per_replica must be 1.
             gpu_milli: Each replica is this share of one GPU, in thousandths (1-999).
+            max_restarts: A rank exiting non-zero requeues the gang up to this many times; 0: none.
 
         Returns:
             The job as accepted by the scheduler.
@@ -152,7 +154,7 @@ class AsyncClient:
             name, replicas, gpus_per_replica, command,
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
-            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli,
+            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

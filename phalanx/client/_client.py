@@ -86,6 +86,7 @@ def build_submit_request(
     gpu_model: str = "",
     mig_profile: str = "",
     gpu_milli: int = 0,
+    max_restarts: int = 0,
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -102,6 +103,7 @@ def build_submit_request(
         gpu_model=str(gpu_model or ""),
         mig_profile=str(mig_profile or ""),
         gpu_milli=int(gpu_milli or 0),
+        max_restarts=int(max_restarts or 0),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -200,6 +202,7 @@ class Client:
         gpu_model: str = "",
         mig_profile: str = "",
         gpu_milli: int = 0,
+        max_restarts: int = 0,
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -219,6 +222,8 @@ class Client:
             mig_profile: Each replica is one MIG instance of this profile ("1g.10gb", "3g.40gb"...);
                 gpus_per_replica must be 1.
             gpu_milli: Each replica is this share of one GPU, in thousandths (1-999); gpus_per_replica must be 1.
+            max_restarts: A rank exiting non-zero requeues the gang (to resume from its last committed
+                checkpoint) up to this many times instead of failing the job; 0: no restarts.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -233,7 +238,7 @@ class Client:
             name, replicas, gpus_per_replica, command,
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
-            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli,
+            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -209,6 +209,7 @@ class Job:
     gpu_model: str = ""
     mig_profile: str = ""
     gpu_milli: int = 0
+    max_restarts: int = 0  # a rank exiting non-zero requeues the gang this many times (0: it fails the job)
     # Recovery and preemption: attempts torn down by a failure, times preempted, the end of a requeued job's retry
     # backoff (0: none); while PREEMPTING, the job that needs its GPUs and when it is stopped at the latest.
     failures: int = 0
@@ -269,6 +270,7 @@ class Job:
             gpu_model=spec.gpu_model,
             mig_profile=spec.mig_profile,
             gpu_milli=int(spec.gpu_milli),
+            max_restarts=int(spec.max_restarts),
             failures=int(msg.failures),
             preemptions=int(msg.preemptions),
             not_before=float(msg.not_before),
@@ -292,6 +294,7 @@ class Job:
             "gpu_model": self.gpu_model,
             "mig_profile": self.mig_profile,
             "gpu_milli": self.gpu_milli,
+            "max_restarts": self.max_restarts,
             "command": list(self.command),
             "env": dict(self.env),
             "allocations": [a.to_dict() for a in self.allocations],

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 
 import structlog
@@ -64,11 +65,15 @@ async def _sweep(engine, interval: float) -> None:
 
 
 async def serve(
-    db_url: str, listen: str = DEFAULT_LISTEN, sweep_interval: float = DEFAULT_SWEEP_S
+    db_url: str, listen: str = DEFAULT_LISTEN, sweep_interval: float = DEFAULT_SWEEP_S, *,
+    advertise: str | None = None, checkpoint_dir: str = "",
 ) -> CheckpointServer:
     """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database.
 
-    Every `sweep_interval` seconds (0: never) it aborts the PENDING checkpoints whose deadline passed.
+    Every `sweep_interval` seconds (0: never) it aborts the PENDING checkpoints whose deadline passed. It records
+    its address (`advertise`, default: the bound address, a wildcard host replaced by this host's name) and the
+    checkpoint directory ranks should use in the ledger's service_endpoints, where a scheduler started without
+    --checkpoint-coordinator finds them.
     """
     engine = make_engine(db_url)
     try:
@@ -79,6 +84,8 @@ async def serve(
             [SERVICE_NAME],
         )
         await server.start()
+        address = advertise or _reachable(server.address)
+        await asyncio.to_thread(store.advertise, engine, address, checkpoint_dir)
     except BaseException:
         engine.dispose()
         raise
@@ -86,8 +93,16 @@ async def serve(
     return CheckpointServer(server, engine, sweeper)
 
 
-async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S) -> None:
-    server = await serve(db_url, listen, sweep_interval)
+def _reachable(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S, advertise: str | None = None,
+               checkpoint_dir: str = "") -> None:
+    server = await serve(db_url, listen, sweep_interval, advertise=advertise, checkpoint_dir=checkpoint_dir)
     log.info("checkpointd_started", address=server.address)
     print(f"checkpoint coordinator at {server.address}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
@@ -110,6 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sweep-interval", type=float, default=DEFAULT_SWEEP_S,
                         help="seconds between sweeps that abort checkpoints past their deadline (0: never)")
+    parser.add_argument("--advertise", default=os.environ.get("PHALANX_CHECKPOINTD_ADVERTISE") or None,
+                        metavar="HOST:PORT",
+                        help="the address ranks reach this coordinator at, recorded in the ledger for schedulers "
+                             "started without --checkpoint-coordinator (default: the bound address)")
+    parser.add_argument("--checkpoint-dir", default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""), metavar="DIR",
+                        help="the checkpoint directory ranks should write to, recorded beside the address "
+                             "(env PHALANX_CHECKPOINT_DIR)")
     parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
     return parser.parse_args(argv)
@@ -120,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("checkpointd")
     serve_metrics(args.metrics_port, args.metrics_host)
     try:
-        asyncio.run(_run(args.db, args.listen, log, args.sweep_interval))
+        asyncio.run(_run(args.db, args.listen, log, args.sweep_interval, args.advertise, args.checkpoint_dir))
     except OSError as exc:
         log.error("checkpointd_failed", error=str(exc))
         return 1

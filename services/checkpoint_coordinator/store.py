@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine, case, delete, func, insert, select, update
 
-from db.models import Allocation, Checkpoint, CheckpointRequest, CheckpointShard, Job, Node, NodeEvent
+from db.models import ServiceEndpoint, Allocation, Checkpoint, CheckpointRequest, CheckpointShard, Job, Node, NodeEvent
 from phalanx.core import checkpoint_policy as cp
 from services.common.faults import fail_point
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
@@ -466,3 +466,21 @@ def _cluster_figures(conn) -> tuple[int, float, list[float]]:
     figures = (int(events), float(seconds), _durations(conn, None, cp.CLUSTER_COST_SAMPLES))
     _cluster_cache[key] = (now + CLUSTER_FIGURES_TTL_S, figures)
     return figures
+
+
+COORDINATOR_ENDPOINT = "checkpoint-coordinator"
+
+
+def advertise(engine: Engine, address: str, checkpoint_dir: str = "", *, name: str = COORDINATOR_ENDPOINT,
+              now: float | None = None) -> None:
+    """Record where this coordinator is reached (and the checkpoint directory it serves), for a scheduler started
+    without --checkpoint-coordinator. The last one to start wins."""
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    values = dict(address=address, detail={"checkpoint_dir": checkpoint_dir}, updated_at=time.time() if now is None
+                  else now)
+    with engine.begin() as conn:
+        dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        conn.execute(dialect_insert(ServiceEndpoint).values(name=name, **values)
+                     .on_conflict_do_update(index_elements=["name"], set_=values))

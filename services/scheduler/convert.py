@@ -39,6 +39,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
         procs_per_replica=j["procs_per_replica"], command=list(j["command"]), env=dict(j["env"] or {}),
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
         gpu_model=j.get("gpu_model") or "", mig_profile=j.get("mig_profile") or "", gpu_milli=j.get("gpu_milli") or 0,
+        max_restarts=j.get("max_restarts") or 0,
     )
 
 

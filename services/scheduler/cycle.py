@@ -149,6 +149,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             command=list(spec.command), env=dict(spec.env), submitted_at=cycle.now, request_id=sub.request_id or None,
             required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
             gpu_model=spec.gpu_model, mig_profile=spec.mig_profile.lower(), gpu_milli=spec.gpu_milli,
+            max_restarts=spec.max_restarts,
         )
         new.append(job)
         results[i] = job
@@ -402,9 +403,14 @@ class RankReport(Command):
                     job.running_at = cycle.now
                     ledger.mark_attempt_running(cycle.conn, job, cycle.now)
                 cycle.touched(job)
+        elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
+            teardown(cycle, job, cause="RANK_FAILED",
+                     message=f"{where} exited with code {self.exit_code} (restart {job.failures + 1} of "
+                             f"{job.max_restarts})")
         elif self.state == "EXITED" and self.exit_code != 0:
             teardown(cycle, job, final_state="FAILED", exit_code=self.exit_code,
-                     message=f"{where} exited with code {self.exit_code}")
+                     message=f"{where} exited with code {self.exit_code}"
+                             + (f" after {job.max_restarts} restart(s)" if job.max_restarts else ""))
         elif self.state == "EXITED":
             if all(r.state == "EXITED" and r.exit_code == 0 for r in job.ranks.values()):
                 teardown(cycle, job, final_state="SUCCEEDED", message="all ranks exited with code 0", kill=False)
@@ -510,8 +516,9 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
     """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it.
 
     `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
-    (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST,
-    LAUNCH_TIMEOUT) counts against `max_attempts` and waits out an exponential backoff first.
+    (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT,
+    and RANK_FAILED within the job's max_restarts) counts against `max_attempts` and waits out an exponential
+    backoff first.
     """
     s, now = cycle.settings, cycle.now
     changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
@@ -754,7 +761,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
     if job.attempt > 1:
         job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
     cycle.new_allocations.append(job)
-    for launch in launches(job, cycle.state.nodes, cycle.settings):
+    for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
         node = cycle.state.nodes[launch_node(job, launch.replica)]
         cycle.send(node, job.id, job.attempt, "launch",
                    lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l))
@@ -762,6 +769,23 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
     cycle.reserved.append((job, cycle.now - job.submitted_at))
     cycle.touched(job)
     return True
+
+
+ENDPOINT_TTL_S = 10.0
+
+
+def checkpoint_endpoint(cycle: Cycle) -> tuple[str, str]:
+    """The checkpoint coordinator's address and directory for ranks: the scheduler's flags, else what the
+    coordinator recorded in the ledger at its start (looked up at most every ENDPOINT_TTL_S)."""
+    s, state = cycle.settings, cycle.state
+    if s.checkpoint_addr:
+        return s.checkpoint_addr, s.checkpoint_dir
+    if state.endpoint_expires <= cycle.now:
+        found = ledger.service_endpoint(cycle.conn, "checkpoint-coordinator")
+        state.endpoint = (found[0], str(found[1].get("checkpoint_dir", ""))) if found else ("", "")
+        state.endpoint_expires = cycle.now + ENDPOINT_TTL_S
+    addr, directory = state.endpoint
+    return addr, s.checkpoint_dir or directory
 
 
 def launch_node(job: JobRecord, replica: int) -> str:
@@ -773,8 +797,8 @@ def master_port(job_id: str, attempt: int) -> int:
     return 20000 + int.from_bytes(digest[:4], "big") % 30000
 
 
-def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSettings | None = None
-             ) -> list[agent_pb2.LaunchReplica]:
+def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSettings | None = None,
+             checkpoint: tuple[str, str] | None = None) -> list[agent_pb2.LaunchReplica]:
     """The torchrun-style environment: shared per replica, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES per rank."""
     master = nodes[job.allocations[0][1]].address or "127.0.0.1"
     per_replica = 1 if job.procs_per_replica == 1 else job.gpus_per_replica
@@ -785,10 +809,11 @@ def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSe
         PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
     )
     # The checkpoint coordinator and store for phalanx.train, unless the job names its own.
-    if settings is not None and settings.checkpoint_addr:
-        base.setdefault("PHALANX_CHECKPOINT_ADDR", settings.checkpoint_addr)
-    if settings is not None and settings.checkpoint_dir:
-        base.setdefault("PHALANX_CHECKPOINT_DIR", settings.checkpoint_dir)
+    addr, directory = checkpoint or ((settings.checkpoint_addr, settings.checkpoint_dir) if settings else ("", ""))
+    if addr:
+        base.setdefault("PHALANX_CHECKPOINT_ADDR", addr)
+    if directory:
+        base.setdefault("PHALANX_CHECKPOINT_DIR", directory)
     by_replica: dict[int, list[RankRecord]] = {}
     for r in job.ranks.values():
         by_replica.setdefault(r.replica, []).append(r)

@@ -22,6 +22,7 @@ from phalanx.core.closeness import GpuCloseness
 
 from db.models import (
     Allocation, Assignment, Checkpoint, CheckpointRequest, Gpu, Job, JobAttempt, LedgerClock, Node, NodeEvent, Rank,
+    ServiceEndpoint,
 )
 
 from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
@@ -202,6 +203,7 @@ def job_from_row(j) -> JobRecord:
         gpu_model=j["gpu_model"] or "", mig_profile=j["mig_profile"] or "", gpu_milli=j["gpu_milli"] or 0,
         failures=j["failures"] or 0, preemptions=j["preemptions"] or 0, not_before=j["not_before"] or 0.0,
         preempted_by=j["preempted_by"] or "", preempt_deadline=j["preempt_deadline"] or 0.0,
+        max_restarts=j["max_restarts"] or 0,
     )
 
 
@@ -217,7 +219,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 finished_at=j.finished_at, version=j.version, required_tier=j.required_tier,
                 preferred_tier=j.preferred_tier, gpu_model=j.gpu_model, mig_profile=j.mig_profile,
                 gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
-                preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline,
+                preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline, max_restarts=j.max_restarts,
             )
             for j in jobs
         ],
@@ -519,6 +521,11 @@ def request_checkpoint(conn: Connection, job_id: str, reason: str, now: float) -
         return row.reason, row.requested_at
     conn.execute(insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=now))
     return reason, now
+
+
+def service_endpoint(conn: Connection, name: str) -> tuple[str, dict[str, Any]] | None:
+    row = conn.execute(select(ServiceEndpoint.address, ServiceEndpoint.detail).where(ServiceEndpoint.name == name)).first()
+    return None if row is None else (row.address, dict(row.detail or {}))
 
 
 def outstanding_requests(conn: Connection, job_ids: Sequence[str]) -> set[str]:

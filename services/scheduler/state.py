@@ -69,6 +69,7 @@ class JobRecord:
     # replica -> its part of its GPU, for replicas on MIG instances or shares (same attempt as `allocations`)
     partials: dict[int, Partial] = field(default_factory=dict)
     failures: int = 0  # attempts torn down by a failure; the retry limit counts these
+    max_restarts: int = 0  # a rank exiting non-zero requeues the gang while failures < max_restarts
     preemptions: int = 0
     not_before: float = 0.0  # a requeued job is not placed before this (retry backoff)
     preempted_by: str = ""  # a victim being preempted: the preemptor's id (the job stays RUNNING meanwhile)
@@ -158,6 +159,8 @@ class SchedulerState:
         self.nodes: dict[str, NodeRecord] = {}
         self.capacity = ClusterCapacity()
         self.wake_at = float("inf")  # the next time a cycle must run although nothing happened (cycle.wake_at)
+        self.endpoint: tuple[str, str] = ("", "")  # the checkpoint coordinator found in the ledger (address, dir)
+        self.endpoint_expires = 0.0
         self.no_preemption: tuple | None = None  # (signature, valid until, message) of the last "no victims" answer
 
     def rebuild_capacity(self) -> None:
