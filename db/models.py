@@ -99,7 +99,8 @@ class Gpu(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index(None, "state", "priority", "submitted_at"), Index(None, "submitted_at"))
+    __table_args__ = (Index(None, "state", "priority", "submitted_at"), Index(None, "submitted_at"),
+                      Index(None, "tenant", "submitted_at"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
@@ -137,6 +138,10 @@ class Job(Base):
     preempt_deadline: Mapped[float] = mapped_column(default=0.0, server_default="0")
     # A rank exiting non-zero requeues the gang this many times (counted as failures); 0: it fails the job.
     max_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Tenancy and time limits (revision 0007): the submitting tenant ("" with authentication off), and the
+    # declared runtime in seconds (0: none), enforced, and what backfill plans with.
+    tenant: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    time_limit: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 class ServiceEndpoint(Base):
@@ -170,7 +175,7 @@ class JobAttempt(Base):
     reserved_at: Mapped[float] = mapped_column()
     running_at: Mapped[float | None] = mapped_column(nullable=True)
     ended_at: Mapped[float | None] = mapped_column(nullable=True)
-    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, RANK_FAILED, LAUNCH_TIMEOUT; "" while running
+    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, RANK_FAILED, LAUNCH_TIMEOUT, TIMEOUT; "" while running
     outcome: Mapped[str] = mapped_column(String(16), default="", server_default="")
     reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     restored_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")

@@ -113,7 +113,7 @@ def test_reserved_flag_names_are_exactly_the_contract():
     # refused.
     assert set(TIER_SUBMIT_FLAGS) == {"--required-tier", "--preferred-tier"}
     assert set(GPU_SUBMIT_FLAGS) == {"--mig", "--gpu-milli", "--gpu-model"}
-    assert set(RESERVED_SUBMIT_FLAGS) == {"--time-limit", "--queue"}
+    assert set(RESERVED_SUBMIT_FLAGS) == {"--queue"}
 
 
 def test_submit_gpu_flags_reach_the_scheduler_and_the_json(fake, capsys):
@@ -130,6 +130,28 @@ def test_submit_gpu_flags_reach_the_scheduler_and_the_json(fake, capsys):
     assert code == 0, err
     spec = servicer.jobs[json.loads(out)["id"]].spec
     assert (spec.gpu_milli, spec.mig_profile, spec.gpus_per_replica) == (250, "", 1)
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400),
+                                           ("1:30", 90), ("1:30:00", 5400), ("2-00:00:00", 172800), ("0.5h", 1800)])
+def test_time_limit_durations(text, seconds):
+    from phalanx.cli.main import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+def test_time_limit_reaches_the_scheduler_and_bad_ones_are_usage_errors(fake, capsys):
+    servicer, address = fake
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "8",
+                         "--time-limit", "1:30:00", "--json", "--", "true")
+    assert code == 0, err
+    job = json.loads(out)
+    assert servicer.jobs[job["id"]].spec.time_limit_s == 5400 and job["time_limit"] == 5400
+    for bad in ("soon", "0", "-5m", "1:2:3:4", "x-1:00"):
+        code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "8",
+                             "--time-limit", bad, "--", "true")
+        assert code == 2 and out == "", (bad, err)
+        assert bad == "-5m" or "is not a duration" in err or "more than 0" in err, (bad, err)
 
 
 def test_submit_max_restarts_reaches_the_scheduler_and_the_json(fake, capsys):
@@ -394,10 +416,10 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0006"}
-    assert current(url) == "0006"
+    assert json.loads(out) == {"db": url, "revision": "0007"}
+    assert current(url) == "0007"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0006" in out
+    assert code == 0 and "0007" in out
 
 
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
@@ -407,7 +429,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0006"
+    assert current(url) == "0007"
 
 
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):

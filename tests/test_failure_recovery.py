@@ -167,3 +167,21 @@ async def test_max_restarts_out_of_range_is_refused(db_url):
             else:
                 raise AssertionError(f"max_restarts={bad} was accepted")
         assert c.sql("SELECT count(*) FROM jobs") == [(0,)]
+
+
+async def test_a_gang_is_stopped_at_its_time_limit(db_url):
+    async with cluster(db_url, nodes=1) as c:
+        job = await c.submit("bounded", 1, 8, time_limit_s=0.8)
+        running = await c.wait_running(job.id)
+        assert running.spec.time_limit_s == 0.8
+        done = await attempt(c, job.id, 1, FAILED)
+        assert "time limit of 0.8s" in done.message and done.finished_at - done.started_at >= 0.8
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j", j=job.id) == [("TIMEOUT",)]
+        bad = [-1.0, float("nan"), 1e12]
+        for value in bad:
+            try:
+                await c.submit("bad", 1, 8, time_limit_s=value)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "time_limit_s" in exc.details()
+            else:
+                raise AssertionError(f"time_limit_s={value} was accepted")

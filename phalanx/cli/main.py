@@ -53,7 +53,6 @@ GPU_SUBMIT_FLAGS = (
 
 # Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
 RESERVED_SUBMIT_FLAGS = (
-    "--time-limit",
     "--queue",
 )
 
@@ -76,6 +75,36 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from "90", "90s", "30m", "2h", "1d", "1:30" (M:SS), "1:30:00" (H:MM:SS) or "2-00:00:00" (Slurm's
+    D-HH:MM:SS). ValueError with the accepted forms otherwise."""
+    value = text.strip().lower()
+    forms = 'seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS'
+    try:
+        if value and value[-1] in "smhd" and value[:-1].replace(".", "", 1).isdigit():
+            seconds = float(value[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[value[-1]]
+        elif ":" in value or "-" in value:
+            days, _, clock = value.rpartition("-")
+            parts = [float(p) for p in clock.split(":")]
+            if len(parts) > 3 or any(p < 0 for p in parts) or (days and not days.isdigit()):
+                raise ValueError
+            seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts))) + (int(days) * 86400 if days else 0)
+        else:
+            seconds = float(value)
+    except (ValueError, KeyError):
+        raise ValueError(f"{text!r} is not a duration: give {forms}") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{text!r}: a time limit must be more than 0 seconds")
+    return seconds
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _out() -> TextIO:
@@ -180,6 +209,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             mig_profile=args.mig or "",
             gpu_milli=args.gpu_milli or 0,
             max_restarts=args.max_restarts,
+            time_limit=args.time_limit or 0.0,
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -356,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each replica is N thousandths of one GPU (1-999), shared through MPS")
     p.add_argument("--gpu-model", default=None, metavar="MODEL",
                    help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100")
+    p.add_argument("--time-limit", type=_duration, default=None, metavar="DURATION",
+                   help="declared runtime per attempt: seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS; the gang is "
+                        "stopped at its limit, and a limit lets it backfill ahead of a waiting larger gang")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="a rank exiting non-zero requeues the gang, to resume from its last committed checkpoint, "
                         "up to N times instead of failing the job (default 0)")

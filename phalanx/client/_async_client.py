@@ -128,6 +128,7 @@ class AsyncClient:
         mig_profile: str = "",
         gpu_milli: int = 0,
         max_restarts: int = 0,
+        time_limit: float = 0.0,
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -146,6 +147,7 @@ class AsyncClient:
             mig_profile: Each replica is one MIG instance of this profile; gpus_per_replica must be 1.
             gpu_milli: Each replica is this share of one GPU, in thousandths (1-999).
             max_restarts: A rank exiting non-zero requeues the gang up to this many times; 0: none.
+            time_limit: Declared seconds of runtime per attempt (0: none).
 
         Returns:
             The job as accepted by the scheduler.
@@ -155,6 +157,7 @@ class AsyncClient:
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
             gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
+            time_limit=time_limit,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

@@ -87,6 +87,7 @@ def build_submit_request(
     mig_profile: str = "",
     gpu_milli: int = 0,
     max_restarts: int = 0,
+    time_limit: float = 0.0,
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -104,6 +105,7 @@ def build_submit_request(
         mig_profile=str(mig_profile or ""),
         gpu_milli=int(gpu_milli or 0),
         max_restarts=int(max_restarts or 0),
+        time_limit_s=float(time_limit or 0.0),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -203,6 +205,7 @@ class Client:
         mig_profile: str = "",
         gpu_milli: int = 0,
         max_restarts: int = 0,
+        time_limit: float = 0.0,
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -224,6 +227,8 @@ class Client:
             gpu_milli: Each replica is this share of one GPU, in thousandths (1-999); gpus_per_replica must be 1.
             max_restarts: A rank exiting non-zero requeues the gang (to resume from its last committed
                 checkpoint) up to this many times instead of failing the job; 0: no restarts.
+            time_limit: Declared seconds of runtime per attempt (0: none): the gang is stopped at its limit, and
+                a limit lets it backfill ahead of a waiting larger gang.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -239,6 +244,7 @@ class Client:
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
             gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
+            time_limit=time_limit,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -210,6 +210,8 @@ class Job:
     mig_profile: str = ""
     gpu_milli: int = 0
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang this many times (0: it fails the job)
+    time_limit: float = 0.0  # declared seconds per attempt (0: none)
+    tenant: str = ""  # who submitted it ("" when authentication is off)
     # Recovery and preemption: attempts torn down by a failure, times preempted, the end of a requeued job's retry
     # backoff (0: none); while PREEMPTING, the job that needs its GPUs and when it is stopped at the latest.
     failures: int = 0
@@ -271,6 +273,8 @@ class Job:
             mig_profile=spec.mig_profile,
             gpu_milli=int(spec.gpu_milli),
             max_restarts=int(spec.max_restarts),
+            time_limit=float(spec.time_limit_s),
+            tenant=msg.tenant,
             failures=int(msg.failures),
             preemptions=int(msg.preemptions),
             not_before=float(msg.not_before),
@@ -295,6 +299,8 @@ class Job:
             "mig_profile": self.mig_profile,
             "gpu_milli": self.gpu_milli,
             "max_restarts": self.max_restarts,
+            "time_limit": self.time_limit,
+            "tenant": self.tenant,
             "command": list(self.command),
             "env": dict(self.env),
             "allocations": [a.to_dict() for a in self.allocations],

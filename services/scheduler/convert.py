@@ -39,7 +39,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
         procs_per_replica=j["procs_per_replica"], command=list(j["command"]), env=dict(j["env"] or {}),
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
         gpu_model=j.get("gpu_model") or "", mig_profile=j.get("mig_profile") or "", gpu_milli=j.get("gpu_milli") or 0,
-        max_restarts=j.get("max_restarts") or 0,
+        max_restarts=j.get("max_restarts") or 0, time_limit_s=j.get("time_limit") or 0.0,
     )
 
 
@@ -72,6 +72,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         finished_at=j["finished_at"], placement=_placement(j["placement"] or {}), exit_code=j["exit_code"],
         failures=j.get("failures") or 0, preemptions=j.get("preemptions") or 0, not_before=j.get("not_before") or 0.0,
         preempted_by=j.get("preempted_by") or "", preempt_deadline=j.get("preempt_deadline") or 0.0,
+        tenant=j.get("tenant") or "",
     )
 
 

@@ -117,6 +117,7 @@ class Command:
 class Submit(Command):
     spec: common_pb2.JobSpec
     request_id: str
+    tenant: str = ""  # the caller's tenant (authentication on), stamped on the job
 
 
 def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
@@ -149,7 +150,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             command=list(spec.command), env=dict(spec.env), submitted_at=cycle.now, request_id=sub.request_id or None,
             required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
             gpu_model=spec.gpu_model, mig_profile=spec.mig_profile.lower(), gpu_milli=spec.gpu_milli,
-            max_restarts=spec.max_restarts,
+            max_restarts=spec.max_restarts, tenant=sub.tenant, time_limit=spec.time_limit_s,
         )
         new.append(job)
         results[i] = job
@@ -589,6 +590,10 @@ def fire_timers(cycle: Cycle) -> None:
             for job in cycle.state.running_on(node.name):
                 teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
     for job in list(cycle.state.jobs.values()):
+        if job.state == "RUNNING" and job.time_limit and now >= job.started_at + job.time_limit:
+            teardown(cycle, job, final_state="FAILED", cause="TIMEOUT",
+                     message=f"stopped at its time limit of {job.time_limit:g}s")
+            continue
         if job.state == "RUNNING" and job.launch_deadline is not None and now > job.launch_deadline:
             waiting = sorted(r.rank for r in job.ranks.values() if r.state == "ASSIGNED")
             teardown(cycle, job, cause="LAUNCH_TIMEOUT",
@@ -601,6 +606,9 @@ def schedule(cycle: Cycle) -> None:
     transaction, so the gang they make way for is reserved in the same commit (an atomic handover)."""
     state = cycle.state
     state.wake_at = math.inf
+    for job in state.jobs.values():
+        if job.state == "RUNNING" and job.time_limit:
+            cycle.wake_at(job.started_at + job.time_limit)
     stop_victims(cycle)
     for _ in range(2):  # a second pass only when a preemption with no grace period stopped victims at once
         pending = []

@@ -203,7 +203,7 @@ def job_from_row(j) -> JobRecord:
         gpu_model=j["gpu_model"] or "", mig_profile=j["mig_profile"] or "", gpu_milli=j["gpu_milli"] or 0,
         failures=j["failures"] or 0, preemptions=j["preemptions"] or 0, not_before=j["not_before"] or 0.0,
         preempted_by=j["preempted_by"] or "", preempt_deadline=j["preempt_deadline"] or 0.0,
-        max_restarts=j["max_restarts"] or 0,
+        max_restarts=j["max_restarts"] or 0, tenant=j["tenant"] or "", time_limit=j["time_limit"] or 0.0,
     )
 
 
@@ -220,6 +220,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 preferred_tier=j.preferred_tier, gpu_model=j.gpu_model, mig_profile=j.mig_profile,
                 gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
                 preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline, max_restarts=j.max_restarts,
+                tenant=j.tenant, time_limit=j.time_limit,
             )
             for j in jobs
         ],

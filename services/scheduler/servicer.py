@@ -25,6 +25,7 @@ MAX_COMMAND_BYTES = 256 * 1024
 MAX_REPLICAS = 100_000
 MAX_GPUS_PER_REPLICA = 1024
 MAX_RESTARTS = 1000
+MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
@@ -93,6 +94,8 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
     if (spec.mig_profile or spec.gpu_milli) and spec.gpus_per_replica != 1:
         problems.append(f"a replica on a MIG instance or a GPU share uses one GPU: gpus_per_replica must be 1, "
                         f"got {spec.gpus_per_replica}")
+    if not 0 <= spec.time_limit_s <= MAX_TIME_LIMIT_S:  # also refuses NaN
+        problems.append(f"time_limit_s must be 0 (none) to {MAX_TIME_LIMIT_S:.0f} seconds, got {spec.time_limit_s}")
     if not 0 <= spec.max_restarts <= MAX_RESTARTS:
         problems.append(f"max_restarts must be 0-{MAX_RESTARTS}, got {spec.max_restarts}")
     if problems:

@@ -70,6 +70,8 @@ class JobRecord:
     partials: dict[int, Partial] = field(default_factory=dict)
     failures: int = 0  # attempts torn down by a failure; the retry limit counts these
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang while failures < max_restarts
+    tenant: str = ""  # who submitted it ("" with authentication off)
+    time_limit: float = 0.0  # declared seconds per attempt (0: none)
     preemptions: int = 0
     not_before: float = 0.0  # a requeued job is not placed before this (retry backoff)
     preempted_by: str = ""  # a victim being preempted: the preemptor's id (the job stays RUNNING meanwhile)
