@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Double,
     ForeignKey,
     Index,
@@ -25,6 +26,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -65,6 +67,9 @@ class Node(Base):
     # Health from the agent's heartbeats (services/node_agent/health.py): HEALTHY, DEGRADED or FATAL, and
     # {"reason": "...", "gpus": {"3": {"state": "FATAL", "reasons": ["XID 79: ..."]}}} (only GPUs not HEALTHY).
     # Written only when it changes. A FATAL GPU is out of placement; a FATAL node is unschedulable.
+    # An admin drained it (`phalanx node drain`, revision 0007): it stays DRAINED, also when its agent registers
+    # again, until `phalanx node undrain`.
+    cordoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     health: Mapped[str] = mapped_column(String(16), default="HEALTHY", server_default="HEALTHY")
     health_detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
