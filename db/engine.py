@@ -24,12 +24,16 @@ def is_sqlite(engine_or_url: Engine | str) -> bool:
     return url.get_backend_name() == "sqlite"
 
 
-def make_engine(url: str, *, pool_size: int = 8) -> Engine:
+def make_engine(url: str, *, pool_size: int = 8, idle_in_transaction_timeout_s: float | None = None) -> Engine:
     """Create an engine. SQLite gets WAL, a busy timeout and `BEGIN IMMEDIATE` for writes.
 
     SQLite is shared by several local processes (scheduler, coordinator, CLI): WAL lets readers run beside the
     writer, and taking the write lock at BEGIN avoids the deadlock of two readers upgrading at once.
     Read-only work passes `execution_options(readonly=True)` to start a deferred transaction instead.
+
+    `idle_in_transaction_timeout_s` (PostgreSQL): the server ends a session that sits inside a transaction this
+    long without sending anything, which frees its locks. The scheduler sets it so that a replica stopped
+    (SIGSTOP, a VM pause) while holding the clock row cannot block the others past its leadership lease.
     """
     url = normalize_url(url)
     if make_url(url).get_backend_name() == "sqlite":
@@ -52,4 +56,8 @@ def make_engine(url: str, *, pool_size: int = 8) -> Engine:
             conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("readonly") else "BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    connect_args = {}
+    if idle_in_transaction_timeout_s:
+        connect_args["options"] = f"-c idle_in_transaction_session_timeout={max(1, int(idle_in_transaction_timeout_s * 1000))}"
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                         connect_args=connect_args)

@@ -147,6 +147,25 @@ class Job(Base):
     # declared runtime in seconds (0: none), enforced, and what backfill plans with.
     tenant: Mapped[str] = mapped_column(String(64), default="", server_default="")
     time_limit: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    # The queue it was submitted to (revision 0008): its quota, cohort and fair share apply.
+    queue: Mapped[str] = mapped_column(String(64), default="default", server_default="default")
+    flavor: Mapped[str] = mapped_column(String(64), default="", server_default="")  # admitted under this quota flavor
+
+
+class Queue(Base):
+    """A queue's quotas (revision 0008; phalanx.core.quota): `quotas` maps a GPU flavor (a GPU model such as
+    "H100", or "*" for any) to {"gpus": nominal, "borrow_limit": max borrowed (absent: no limit), "mig_slices":
+    nominal MIG compute slices}; queues of one `cohort` lend each other their unused nominal quota; `weight` is its
+    fair share; `tenants` who may submit to it (empty: anyone)."""
+
+    __tablename__ = "queues"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    cohort: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
+    quotas: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    tenants: Mapped[list[Any]] = mapped_column(default=list)
+    updated_at: Mapped[float] = mapped_column()
 
 
 class ServiceEndpoint(Base):
@@ -305,6 +324,10 @@ class LedgerClock(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Leadership (revision 0009): the replica that schedules, until when its lease runs, and the fencing epoch.
+    leader: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    leader_epoch: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    leader_until: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 ACTIVE_JOB_STATES = ("PENDING", "RUNNING")

@@ -80,7 +80,7 @@ def _truncate_pg(url: str) -> None:
     tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables if t.name != "ledger_clock")
     with engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-        conn.execute(text("UPDATE ledger_clock SET generation = 0"))
+        conn.execute(text("UPDATE ledger_clock SET generation = 0, leader = '', leader_epoch = 0, leader_until = 0"))
     engine.dispose()
 
 

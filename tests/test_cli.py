@@ -113,7 +113,7 @@ def test_reserved_flag_names_are_exactly_the_contract():
     # refused.
     assert set(TIER_SUBMIT_FLAGS) == {"--required-tier", "--preferred-tier"}
     assert set(GPU_SUBMIT_FLAGS) == {"--mig", "--gpu-milli", "--gpu-model"}
-    assert set(RESERVED_SUBMIT_FLAGS) == {"--queue"}
+    assert set(RESERVED_SUBMIT_FLAGS) == set()
 
 
 def test_submit_gpu_flags_reach_the_scheduler_and_the_json(fake, capsys):
@@ -416,10 +416,10 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0007"}
-    assert current(url) == "0007"
+    assert json.loads(out) == {"db": url, "revision": "0009"}
+    assert current(url) == "0009"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0007" in out
+    assert code == 0 and "0009" in out
 
 
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
@@ -429,7 +429,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0007"
+    assert current(url) == "0009"
 
 
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):
@@ -673,3 +673,41 @@ async def test_checkpoint_goodput_and_priority_classes_against_the_real_schedule
         job = json.loads(out)
         assert job["state"] == "PREEMPTING" and job["preempted_by"] == urgent["id"]
         assert job["preempt_deadline"] > time.time()
+
+
+async def test_queue_and_quota_verbs_against_the_real_scheduler(sqlite_url, capsys, logs_to_stderr):
+    async with _OneNode(sqlite_url) as c:
+        address = c.scheduler.address
+        code, out, err = await _real_cli(capsys, address, "quota", "set", "team-a", "--quota", "H100=8,borrow=0",
+                                         "--quota", "*=0,mig=7", "--weight", "2", "--json")
+        assert code == 0, err
+        queue = json.loads(out)
+        assert queue["name"] == "team-a" and queue["weight"] == 2 and [q["flavor"] for q in queue["quotas"]] == [
+            "H100", "*"] and queue["quotas"][0]["borrow_limit"] == 0 and queue["quotas"][1]["mig_slices"] == 7
+        code, out, err = await _real_cli(capsys, address, "submit", "--name", "a", "--replicas", "1",
+                                         "--gpus-per-replica", "8", "--queue", "team-a", "--json", "--", "run")
+        assert code == 0, err
+        first = json.loads(out)
+        await c.wait_running(first["id"])
+        code, out, err = await _real_cli(capsys, address, "submit", "--name", "b", "--replicas", "1",
+                                         "--gpus-per-replica", "4", "--queue", "team-a", "--json", "--", "run")
+        second = json.loads(out)
+        code, out, err = await _real_cli(capsys, address, "queue", "team-a", "--json")
+        assert code == 0, err
+        (shown,) = json.loads(out)
+        assert shown["running"] == 1 and shown["usage"] == [{"flavor": "H100", "gpus": 8.0, "mig_slices": 0,
+                                                             "borrowing": False}]
+        assert [(p["job_id"], p["position"]) for p in shown["pending"]] == [(second["id"], 1)]
+        assert "over queue 'team-a'" in shown["pending"][0]["message"]
+        code, out, err = await _real_cli(capsys, address, "queue")
+        assert code == 0 and "queue team-a" in out and "H100" in out and "#1" in out
+        code, out, err = await _real_cli(capsys, address, "job", first["id"], "--json")
+        assert json.loads(out)["queue"] == "team-a" and json.loads(out)["flavor"] == "H100"
+        for bad in (["--quota", "H100"], ["--quota", "H100=x"], ["--quota", "H100=1,foo=2"]):
+            code, out, err = await _real_cli(capsys, address, "quota", "set", "q2", *bad)
+            assert code == 2 and out == "", err
+        code, out, err = await _real_cli(capsys, address, "quota", "delete", "team-a")
+        assert code == 1 and "FAILED_PRECONDITION" in err
+        code, out, err = await _real_cli(capsys, address, "submit", "--name", "x", "--replicas", "1",
+                                         "--gpus-per-replica", "1", "--queue", "nope", "--", "run")
+        assert code == 1 and "no queue 'nope'" in err

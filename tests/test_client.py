@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(30)
 JOB_KEYS = {
     "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "attempt",
     "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement", "allocations",
-    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant",
+    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
 }
 GOODPUT_KEYS = {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
 

@@ -23,7 +23,7 @@ JOB_FIELDS = {
     "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "env",
     "allocations", "attempt", "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement",
     "required_tier", "preferred_tier", "gpu_model", "mig_profile", "gpu_milli",
-    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant",
+    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",

@@ -62,7 +62,7 @@ def snapshot(cap: ClusterCapacity):
 
 def released(cap: ClusterCapacity, running, victims) -> ClusterCapacity:
     """A copy of `cap` with the given victims' GPUs released."""
-    copy = preemption._copy(cap)
+    copy = cap.copy()
     by_id = {g.job_id: g for g in running}
     for v in victims:
         copy.release_placement(by_id[v].placement)

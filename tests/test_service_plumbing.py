@@ -94,3 +94,31 @@ def test_pip_install_of_a_clean_checkout_ships_everything(tmp_path):
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in ("phalanx =", "phalanx-scheduler =", "phalanx-agent =", "phalanx-checkpointd ="):
         assert script in text
+
+
+async def test_a_unary_handler_is_cut_at_the_servers_deadline(monkeypatch):
+    """The server's own deadline: a handler that hangs gets DEADLINE_EXCEEDED with a message, whatever the client
+    asked for."""
+    import asyncio as _asyncio
+
+    import grpc as _grpc
+
+    from services.common import rpc
+
+    monkeypatch.setattr(rpc, "SERVER_DEADLINE_S", 0.2)
+
+    class Slow:
+        @rpc.unary
+        async def Hang(self, request, context):
+            await _asyncio.sleep(5)
+
+    class Context:
+        async def abort(self, code, details):
+            raise _grpc.aio.AbortError(code, details)
+
+    try:
+        await Slow().Hang(None, Context())
+    except _grpc.aio.AbortError as exc:
+        assert exc.args[0] == _grpc.StatusCode.DEADLINE_EXCEEDED and "0.2s limit" in exc.args[1]
+    else:
+        raise AssertionError("the hanging handler was not cut")

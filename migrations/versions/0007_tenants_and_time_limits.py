@@ -22,8 +22,8 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('tenant', sa.String(length=64), server_default='', nullable=False))
         batch_op.add_column(sa.Column('time_limit', sa.Double(), server_default='0', nullable=False))
         batch_op.create_index(batch_op.f('ix_jobs_tenant_submitted_at'), ['tenant', 'submitted_at'], unique=False)
-    with op.batch_alter_table('nodes', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('cordoned', sa.Boolean(), server_default=sa.false(), nullable=False))
+    # A plain ADD COLUMN (a batch would rebuild the table on SQLite, which its foreign keys refuse with data in it).
+    op.add_column('nodes', sa.Column('cordoned', sa.Boolean(), server_default=sa.false(), nullable=False))
 
 
 def downgrade() -> None:

@@ -1,5 +1,5 @@
 """The ``phalanx`` command line: submit, list, inspect, cancel, checkpoint and watch jobs; GPU-time accounting
-(goodput); list nodes; migrate the database.
+(goodput); list, drain and undrain nodes; make tokens; migrate the database.
 
 This is a stable contract that scripts depend on:
 
@@ -52,9 +52,7 @@ GPU_SUBMIT_FLAGS = (
 )
 
 # Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
-RESERVED_SUBMIT_FLAGS = (
-    "--queue",
-)
+RESERVED_SUBMIT_FLAGS: tuple[str, ...] = ()
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -120,7 +118,11 @@ def _print(text: str) -> None:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.scheduler, timeout=args.timeout)
+    try:
+        return Client(args.scheduler, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
+                      tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"TLS settings: {exc}") from None
 
 
 def _parse_env(pairs: Sequence[str] | None) -> dict[str, str]:
@@ -210,6 +212,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             gpu_milli=args.gpu_milli or 0,
             max_restarts=args.max_restarts,
             time_limit=args.time_limit or 0.0,
+            queue=args.queue or "",
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -313,6 +316,91 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_node_drain(args: argparse.Namespace) -> int:
+    """``phalanx node drain NAME``: (admin) take a node out of placement until undrained."""
+    with _client(args) as client:
+        node = client.drain_node(args.node_name, reason=args.reason or "")
+    _print(render.to_json(node.to_dict()) if args.json else render.nodes_table([node]))
+    return EXIT_OK
+
+
+def cmd_node_undrain(args: argparse.Namespace) -> int:
+    """``phalanx node undrain NAME``: (admin) put a drained node back (READY if its agent is alive)."""
+    with _client(args) as client:
+        node = client.undrain_node(args.node_name)
+    _print(render.to_json(node.to_dict()) if args.json else render.nodes_table([node]))
+    return EXIT_OK
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    """``phalanx queue [QUEUE]``: quotas, use, share and pending jobs (in serving order) of every queue."""
+    with _client(args) as client:
+        queues = client.queues(args.name)
+    _print(render.to_json([q.to_dict() for q in queues]) if args.json else render.queues_table(queues))
+    return EXIT_OK
+
+
+def parse_quota(text: str) -> tuple[str, dict[str, float]]:
+    """``FLAVOR=GPUS[,borrow=N][,mig=N]`` -> (flavor, {"gpus", "borrow_limit", "mig_slices"})."""
+    flavor, sep, rest = text.partition("=")
+    parts = rest.split(",") if sep else []
+    if not flavor.strip() or not parts:
+        raise UsageError(f"--quota {text!r}: give FLAVOR=GPUS[,borrow=N][,mig=N], e.g. H100=64,borrow=16")
+    out: dict[str, float] = {}
+    try:
+        out["gpus"] = float(parts[0])
+        for part in parts[1:]:
+            key, _, value = part.partition("=")
+            name = {"borrow": "borrow_limit", "mig": "mig_slices"}.get(key.strip())
+            if name is None or not value:
+                raise ValueError
+            out[name] = float(value)
+    except ValueError:
+        raise UsageError(f"--quota {text!r}: give FLAVOR=GPUS[,borrow=N][,mig=N] with numbers") from None
+    return flavor.strip(), out
+
+
+def cmd_quota_set(args: argparse.Namespace) -> int:
+    """``phalanx quota set QUEUE --quota H100=64,borrow=16 ...``: (admin) create or replace a queue."""
+    quotas: dict[str, dict[str, float]] = {}
+    specs = list(args.quota) + ([f"*={args.gpus}"] if args.gpus is not None else [])
+    for text in specs:
+        flavor, quota = parse_quota(text)
+        if flavor in quotas:
+            raise UsageError(f"--quota: flavor {flavor!r} is given twice")
+        quotas[flavor] = quota
+    with _client(args) as client:
+        queue = client.set_queue(args.queue, quotas, cohort=args.cohort, weight=args.weight, tenants=args.tenant)
+    _print(render.to_json(queue.to_dict()) if args.json else render.queues_table([queue]))
+    return EXIT_OK
+
+
+def cmd_quota_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete_queue(args.queue)
+    _print(render.to_json({"deleted": args.queue}) if args.json else f"queue {args.queue} deleted")
+    return EXIT_OK
+
+
+def cmd_token_new(args: argparse.Namespace) -> int:
+    """``phalanx token new --tenant T [--role R]``: a new token and its tokens-file entry (only the entry, with
+    the token's SHA-256, goes in the scheduler's file; the token itself is shown once)."""
+    from services.common.auth import new_token, token_entry
+
+    token = new_token()
+    try:
+        entry = token_entry(token, args.tenant, args.role)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        _print(render.to_json({"token": token, "entry": entry}))
+    else:
+        _print(f"token: {token}\n"
+               f"# add this entry to the tokens file (--tokens FILE); give the token to its user as PHALANX_TOKEN\n"
+               f"- {{token_sha256: {entry['token_sha256']}, tenant: {entry['tenant']}, role: {entry['role']}}}")
+    return EXIT_OK
+
+
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     """``phalanx db upgrade``: apply the migrations to ``--db`` and print the revision reached."""
     from sqlalchemy.engine import make_url
@@ -356,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
         help=f"deadline of each call, retries included (default: {DEFAULT_TIMEOUT:g})",
     )
+    parser.add_argument("--token", default=None, metavar="TOKEN",
+                        help="bearer token sent with every call (default: $PHALANX_TOKEN)")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="reach the scheduler over TLS, trusting this CA (default: $PHALANX_TLS_CA)")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="client certificate for mutual TLS (default: $PHALANX_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM",
+                        help="its private key (default: $PHALANX_TLS_KEY)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on standard error")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -386,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each replica is N thousandths of one GPU (1-999), shared through MPS")
     p.add_argument("--gpu-model", default=None, metavar="MODEL",
                    help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100")
+    p.add_argument("--queue", default=None, metavar="QUEUE",
+                   help="the queue to submit to (its quota, cohort and fair share apply; default: default)")
     p.add_argument("--time-limit", type=_duration, default=None, metavar="DURATION",
                    help="declared runtime per attempt: seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS; the gang is "
                         "stopped at its limit, and a limit lets it backfill ahead of a waiting larger gang")
@@ -436,6 +534,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_ids", nargs="+", metavar="ID")
     p.add_argument("--json", action="store_true", help="one JSON job object per line")
     p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("node", help="node administration (admin): drain, undrain")
+    node_sub = p.add_subparsers(dest="node_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    node_sub.required = True
+    dr = node_sub.add_parser("drain", help="take a node out of placement (stays drained across agent restarts)")
+    dr.add_argument("node_name", metavar="NAME")
+    dr.add_argument("--reason", default=None, metavar="TEXT", help="why, shown as the node's message")
+    json_flag(dr)
+    dr.set_defaults(func=cmd_node_drain)
+    un = node_sub.add_parser("undrain", help="put a drained node back (READY if its agent is alive)")
+    un.add_argument("node_name", metavar="NAME")
+    json_flag(un)
+    un.set_defaults(func=cmd_node_undrain)
+
+    p = sub.add_parser("queue", help="queues: quotas, usage, fair share, pending jobs in serving order")
+    p.add_argument("name", nargs="?", default="", metavar="QUEUE")
+    json_flag(p)
+    p.set_defaults(func=cmd_queue)
+
+    p = sub.add_parser("quota", help="queue quotas (admin): set, delete")
+    q_sub = p.add_subparsers(dest="quota_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    q_sub.required = True
+    qs = q_sub.add_parser("set", help="create or replace a queue's quotas, cohort, weight and tenants")
+    qs.add_argument("queue", metavar="QUEUE")
+    qs.add_argument("--quota", action="append", default=[], metavar="FLAVOR=GPUS[,borrow=N][,mig=N]",
+                    help="nominal GPUs of a flavor (a GPU model such as H100, or '*' for any), optionally a "
+                         "borrowing limit and MIG compute slices; repeat for several flavors, in preference order")
+    qs.add_argument("--gpus", type=float, default=None, metavar="N", help="shorthand for --quota '*=N'")
+    qs.add_argument("--cohort", default="", metavar="C", help="queues of one cohort lend each other idle quota")
+    qs.add_argument("--weight", type=float, default=1.0, metavar="W", help="fair-share weight (default 1)")
+    qs.add_argument("--tenant", action="append", default=[], metavar="T",
+                    help="a tenant allowed to submit to it (repeat; default: anyone)")
+    json_flag(qs)
+    qs.set_defaults(func=cmd_quota_set)
+    qd = q_sub.add_parser("delete", help="remove a queue (refused while it has pending or running jobs)")
+    qd.add_argument("queue", metavar="QUEUE")
+    json_flag(qd)
+    qd.set_defaults(func=cmd_quota_delete)
+
+    p = sub.add_parser("token", help="authentication tokens")
+    tok_sub = p.add_subparsers(dest="token_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    tok_sub.required = True
+    tn = tok_sub.add_parser("new", help="print a new token and its tokens-file entry")
+    tn.add_argument("--tenant", required=True, metavar="T", help="the tenant the token acts for")
+    tn.add_argument("--role", default="user", choices=["user", "admin", "node", "service"],
+                    help="user (its tenant's jobs), admin (every job, node drain), node (agents), service "
+                         "(cluster processes and ranks: the checkpoint coordinator); default user")
+    json_flag(tn)
+    tn.set_defaults(func=cmd_token_new)
 
     p = sub.add_parser("db", help="database administration")
     db_sub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", parser_class=_Parser)

@@ -269,3 +269,31 @@ def watch_line(job: Job, now: float | None = None) -> str:
     if job.message:
         parts.append(job.message)
     return " ".join(parts)
+
+
+def queues_table(queues: Sequence[Any]) -> str:
+    """`phalanx queue`: one block per queue: quotas and use per flavor, share, and pending jobs by position."""
+    out = []
+    for q in queues:
+        head = f"queue {q.name}" + (f" (cohort {q.cohort})" if q.cohort else "") + f", weight {q.weight:g}, " \
+            f"share {q.share:.1%}, {q.running} running, {len(q.pending)} pending"
+        if q.tenants:
+            head += f"; tenants: {', '.join(q.tenants)}"
+        out.append(head)
+        used = {u["flavor"]: u for u in q.usage}
+        rows = []
+        for quota in q.quotas:
+            u = used.pop(quota["flavor"], {"gpus": 0.0, "mig_slices": 0, "borrowing": False})
+            limit = "-" if quota["borrow_limit"] is None else f"{quota['borrow_limit']:g}"
+            rows.append([quota["flavor"], f"{u['gpus']:g}/{quota['gpus']:g}", limit,
+                         f"{u['mig_slices']}/{quota['mig_slices']}", "yes" if u["borrowing"] else ""])
+        for flavor, u in used.items():
+            rows.append([flavor or "(any)", f"{u['gpus']:g}", "-", str(u["mig_slices"]), ""])
+        if rows:
+            out.append("  " + table(["FLAVOR", "GPUS USED/QUOTA", "BORROW LIMIT", "MIG SLICES", "BORROWING"],
+                                    rows).replace("\n", "\n  "))
+        elif not q.quotas:
+            out.append("  no quota: unlimited")
+        for p in q.pending:
+            out.append(f"  #{p['position']:<4} {p['job_id']}  {p['name']}  priority {p['priority']}: {p['message']}")
+    return "\n".join(out)

@@ -41,6 +41,7 @@ from ._types import (
     MigSlice,
     Node,
     NodeState,
+    QueueInfo,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "AsyncClient",
     "Job",
     "Node",
+    "QueueInfo",
     "Allocation",
     "MigSlice",
     "Goodput",

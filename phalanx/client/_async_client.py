@@ -18,10 +18,12 @@ from ._client import (
     DEFAULT_TIMEOUT,
     backoff_delay,
     build_submit_request,
+    queue_request,
     resolve_target,
     wait_timeout_error,
     watch_ids,
 )
+from ._channel import open_aio_channel, resolve_tls, resolve_token
 from ._errors import DeadlineExceededError, from_grpc_error
 from ._types import (
     TERMINAL_STATES,
@@ -30,6 +32,7 @@ from ._types import (
     Job,
     JobState,
     Node,
+    QueueInfo,
     job_state_to_proto,
     parse_states,
 )
@@ -52,12 +55,18 @@ class AsyncClient:
         target: Scheduler ``host:port``; defaults to ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
         timeout: Deadline in seconds of each call, retries included.
         retries: How many times a call failing with UNAVAILABLE is retried (0: never).
+        token, tls_ca, tls_cert, tls_key: As for :class:`Client` (defaults from ``$PHALANX_TOKEN`` and
+            ``$PHALANX_TLS_*``).
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES):
+    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         self.target = resolve_target(target)
         self.timeout = float(timeout)
         self.retries = max(0, int(retries))
+        self._token = resolve_token(token)
+        self._tls = resolve_tls(tls_ca, tls_cert, tls_key)
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
 
@@ -67,7 +76,7 @@ class AsyncClient:
     def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         """The generated stub over this client's channel (opened on first access)."""
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._channel = open_aio_channel(self.target, CHANNEL_OPTIONS, token=self._token, tls=self._tls)
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 
@@ -129,6 +138,7 @@ class AsyncClient:
         gpu_milli: int = 0,
         max_restarts: int = 0,
         time_limit: float = 0.0,
+        queue: str = "",
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -148,6 +158,7 @@ class AsyncClient:
             gpu_milli: Each replica is this share of one GPU, in thousandths (1-999).
             max_restarts: A rank exiting non-zero requeues the gang up to this many times; 0: none.
             time_limit: Declared seconds of runtime per attempt (0: none).
+            queue: The queue to submit to ("": default).
 
         Returns:
             The job as accepted by the scheduler.
@@ -157,7 +168,7 @@ class AsyncClient:
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
             gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
-            time_limit=time_limit,
+            time_limit=time_limit, queue=queue,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 
@@ -243,6 +254,29 @@ class AsyncClient:
             Every node the scheduler knows.
         """
         return [Node.from_proto(n) for n in (await self._call("ListNodes", scheduler_pb2.ListNodesRequest())).nodes]
+
+    async def drain_node(self, name: str, reason: str = "") -> Node:
+        """Drain a node (admin); see :meth:`Client.drain_node`."""
+        return Node.from_proto(await self._call("DrainNode", scheduler_pb2.DrainNodeRequest(node_name=name,
+                                                                                             reason=reason)))
+
+    async def queues(self, name: str = "") -> list[QueueInfo]:
+        """Every queue (or the one named); see :meth:`Client.queues`."""
+        response = await self._call("ListQueues", scheduler_pb2.ListQueuesRequest(name=name))
+        return [QueueInfo.from_proto(q) for q in response.queues]
+
+    async def set_queue(self, name: str, quotas: Mapping[str, Mapping[str, Any]] | None = None, *, cohort: str = "",
+                        weight: float = 1.0, tenants: Iterable[str] = ()) -> QueueInfo:
+        """Create or replace a queue (admin); see :meth:`Client.set_queue`."""
+        return QueueInfo.from_proto(await self._call("SetQueue", queue_request(name, quotas, cohort, weight, tenants)))
+
+    async def delete_queue(self, name: str) -> None:
+        """Remove a queue (admin); see :meth:`Client.delete_queue`."""
+        await self._call("DeleteQueue", scheduler_pb2.DeleteQueueRequest(name=name))
+
+    async def undrain_node(self, name: str) -> Node:
+        """Undo :meth:`drain_node` (admin); see :meth:`Client.undrain_node`."""
+        return Node.from_proto(await self._call("UndrainNode", scheduler_pb2.UndrainNodeRequest(node_name=name)))
 
     async def watch(
         self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None

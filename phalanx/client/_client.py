@@ -15,6 +15,7 @@ import grpc
 import phalanx
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
+from ._channel import open_channel, resolve_tls, resolve_token
 from ._errors import DeadlineExceededError, from_grpc_error
 from ._types import (
     TERMINAL_STATES,
@@ -23,6 +24,7 @@ from ._types import (
     Job,
     JobState,
     Node,
+    QueueInfo,
     job_state_to_proto,
     parse_states,
 )
@@ -88,6 +90,7 @@ def build_submit_request(
     gpu_milli: int = 0,
     max_restarts: int = 0,
     time_limit: float = 0.0,
+    queue: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -106,8 +109,19 @@ def build_submit_request(
         gpu_milli=int(gpu_milli or 0),
         max_restarts=int(max_restarts or 0),
         time_limit_s=float(time_limit or 0.0),
+        queue=str(queue or ""),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
+
+
+def queue_request(name: str, quotas: Mapping[str, Mapping[str, Any]] | None, cohort: str, weight: float,
+                  tenants: Iterable[str]) -> scheduler_pb2.SetQueueRequest:
+    spec = scheduler_pb2.QueueSpec(name=name, cohort=cohort, weight=float(weight), tenants=list(tenants))
+    for flavor, q in (quotas or {}).items():
+        limit = q.get("borrow_limit")
+        spec.quotas.add(flavor=flavor, gpus=float(q.get("gpus", 0)), mig_slices=int(q.get("mig_slices", 0)),
+                        has_borrow_limit=limit is not None, borrow_limit=float(limit or 0))
+    return scheduler_pb2.SetQueueRequest(spec=spec)
 
 
 def watch_ids(job_ids: Iterable[str] | str | None) -> list[str]:
@@ -141,13 +155,20 @@ class Client:
         target: Scheduler ``host:port``; defaults to ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
         timeout: Deadline in seconds of each call, retries included.
         retries: How many times a call failing with UNAVAILABLE is retried (0: never).
+        token: Bearer token sent with every call; defaults to ``$PHALANX_TOKEN`` (none when unset).
+        tls_ca, tls_cert, tls_key: PEM files for TLS (the CA to trust; this client's certificate and key, for
+            mutual TLS); default ``$PHALANX_TLS_CA``, ``$PHALANX_TLS_CERT``, ``$PHALANX_TLS_KEY``. Without a CA
+            the channel is plaintext.
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES):
+    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         self.target = resolve_target(target)
         self.timeout = float(timeout)
         self.retries = max(0, int(retries))
-        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(self.target, CHANNEL_OPTIONS, token=resolve_token(token),
+                                     tls=resolve_tls(tls_ca, tls_cert, tls_key))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -206,6 +227,7 @@ class Client:
         gpu_milli: int = 0,
         max_restarts: int = 0,
         time_limit: float = 0.0,
+        queue: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -229,6 +251,7 @@ class Client:
                 checkpoint) up to this many times instead of failing the job; 0: no restarts.
             time_limit: Declared seconds of runtime per attempt (0: none): the gang is stopped at its limit, and
                 a limit lets it backfill ahead of a waiting larger gang.
+            queue: The queue to submit to ("": default); its quota, cohort and fair share apply.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -244,7 +267,7 @@ class Client:
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
             gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
-            time_limit=time_limit,
+            time_limit=time_limit, queue=queue,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 
@@ -337,6 +360,51 @@ class Client:
             Every node the scheduler knows, READY, DRAINED or LOST.
         """
         return [Node.from_proto(n) for n in self._call(self._stub.ListNodes, scheduler_pb2.ListNodesRequest()).nodes]
+
+    def drain_node(self, name: str, reason: str = "") -> Node:
+        """Drain a node (admin): it takes no new work, and stays DRAINED when its agent registers again, until
+        :meth:`undrain_node`. Running gangs are left alone.
+
+        Raises:
+            NotFoundError: No such node.
+            PermissionDeniedError: The caller is not an admin (authentication on).
+        """
+        request = scheduler_pb2.DrainNodeRequest(node_name=name, reason=reason)
+        return Node.from_proto(self._call(self._stub.DrainNode, request))
+
+    def queues(self, name: str = "") -> list[QueueInfo]:
+        """Every queue (or the one named): quotas, usage, fair share and pending jobs with their positions.
+
+        Raises:
+            NotFoundError: `name` names no queue.
+        """
+        response = self._call(self._stub.ListQueues, scheduler_pb2.ListQueuesRequest(name=name))
+        return [QueueInfo.from_proto(q) for q in response.queues]
+
+    def set_queue(self, name: str, quotas: Mapping[str, Mapping[str, Any]] | None = None, *, cohort: str = "",
+                  weight: float = 1.0, tenants: Iterable[str] = ()) -> QueueInfo:
+        """Create or replace a queue (admin). `quotas`: flavor ("H100", or "*" for any GPU model) -> {"gpus": N,
+        "borrow_limit": N (absent: none), "mig_slices": N}, in preference order; none: unlimited.
+
+        Raises:
+            InvalidArgumentError: A bad name, weight or quota.
+            PermissionDeniedError: The caller is not an admin (authentication on).
+        """
+        return QueueInfo.from_proto(self._call(self._stub.SetQueue, queue_request(name, quotas, cohort, weight,
+                                                                                   tenants)))
+
+    def delete_queue(self, name: str) -> None:
+        """Remove a queue (admin); FailedPreconditionError while it has pending or running jobs."""
+        self._call(self._stub.DeleteQueue, scheduler_pb2.DeleteQueueRequest(name=name))
+
+    def undrain_node(self, name: str) -> Node:
+        """Undo :meth:`drain_node` (admin): the node is READY again if its agent is alive.
+
+        Raises:
+            NotFoundError: No such node.
+            PermissionDeniedError: The caller is not an admin (authentication on).
+        """
+        return Node.from_proto(self._call(self._stub.UndrainNode, scheduler_pb2.UndrainNodeRequest(node_name=name)))
 
     def watch(self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None) -> Iterator[Job]:
         """Stream the current state of each job, then every change.

@@ -212,6 +212,8 @@ class Job:
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang this many times (0: it fails the job)
     time_limit: float = 0.0  # declared seconds per attempt (0: none)
     tenant: str = ""  # who submitted it ("" when authentication is off)
+    queue: str = "default"
+    flavor: str = ""  # the quota flavor its attempt was admitted under ("" without quotas)
     # Recovery and preemption: attempts torn down by a failure, times preempted, the end of a requeued job's retry
     # backoff (0: none); while PREEMPTING, the job that needs its GPUs and when it is stopped at the latest.
     failures: int = 0
@@ -275,6 +277,8 @@ class Job:
             max_restarts=int(spec.max_restarts),
             time_limit=float(spec.time_limit_s),
             tenant=msg.tenant,
+            queue=spec.queue or "default",
+            flavor=msg.flavor,
             failures=int(msg.failures),
             preemptions=int(msg.preemptions),
             not_before=float(msg.not_before),
@@ -301,6 +305,8 @@ class Job:
             "max_restarts": self.max_restarts,
             "time_limit": self.time_limit,
             "tenant": self.tenant,
+            "queue": self.queue,
+            "flavor": self.flavor,
             "command": list(self.command),
             "env": dict(self.env),
             "allocations": [a.to_dict() for a in self.allocations],
@@ -474,3 +480,39 @@ def parse_states(states: Iterable[str | JobState] | str | JobState | None) -> li
     if isinstance(states, (str, JobState)):
         states = [states]
     return [JobState.parse(s) for s in states]
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A queue (``phalanx queue``): its quotas per GPU flavor, cohort, weight and tenants; what it uses now, its
+    weighted dominant share, and its pending jobs in the order the scheduler would serve them."""
+
+    name: str
+    cohort: str = ""
+    weight: float = 1.0
+    quotas: tuple[dict[str, Any], ...] = ()  # {"flavor", "gpus", "borrow_limit" (None: none), "mig_slices"}
+    tenants: tuple[str, ...] = ()
+    usage: tuple[dict[str, Any], ...] = ()  # {"flavor", "gpus", "mig_slices", "borrowing"}
+    share: float = 0.0
+    running: int = 0
+    pending: tuple[dict[str, Any], ...] = ()  # {"job_id", "name", "position", "priority", "message"}
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> QueueInfo:
+        spec = msg.spec
+        return cls(
+            name=spec.name, cohort=spec.cohort, weight=float(spec.weight or 1.0),
+            quotas=tuple({"flavor": q.flavor, "gpus": q.gpus, "mig_slices": int(q.mig_slices),
+                          "borrow_limit": q.borrow_limit if q.has_borrow_limit else None} for q in spec.quotas),
+            tenants=tuple(spec.tenants),
+            usage=tuple({"flavor": u.flavor, "gpus": u.gpus, "mig_slices": int(u.mig_slices),
+                         "borrowing": bool(u.borrowing)} for u in msg.usage),
+            share=float(msg.share), running=int(msg.running),
+            pending=tuple({"job_id": p.job_id, "name": p.name, "position": int(p.position),
+                           "priority": int(p.priority), "message": p.message} for p in msg.pending),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "cohort": self.cohort, "weight": self.weight, "quotas": list(self.quotas),
+                "tenants": list(self.tenants), "usage": list(self.usage), "share": self.share,
+                "running": self.running, "pending": list(self.pending)}

@@ -9,6 +9,8 @@ same free count.
 
 from __future__ import annotations
 
+import dataclasses
+
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 
@@ -41,6 +43,12 @@ class ClusterCapacity:
         self.nodes[node.name] = node
         self._built = False
         self._subs.clear()
+
+    def copy(self) -> ClusterCapacity:
+        """A view over copies of the nodes: changing it leaves this one (and its nodes) alone."""
+        return ClusterCapacity(
+            dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli)) for n in self.nodes.values()
+        )
 
     def restricted(self, gpu_model: str) -> ClusterCapacity:
         """The same nodes, only those whose GPU model contains `gpu_model` (case-insensitive), with their own

@@ -28,6 +28,9 @@ class GangRequest:
     # `gpu_milli` thousandths of one GPU. See core.shares.
     mig_profile: str = ""
     gpu_milli: int = 0
+    # Declared seconds of runtime (0: none): backfill lets the gang start ahead of a blocked head only if it ends
+    # before the head's reserved start, or stays off the head's region.
+    time_limit: float = 0.0
 
     @property
     def gpus(self) -> int:

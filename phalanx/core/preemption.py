@@ -22,7 +22,6 @@ without placing again: the current placement does not need its GPUs).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -121,20 +120,12 @@ def _cost(gang: RunningGang) -> tuple:
     return (gang.priority, gang.work_since_checkpoint, gang.job_id)
 
 
-def _copy(capacity: ClusterCapacity) -> ClusterCapacity:
-    """A capacity view over copies of the nodes: changing it leaves `capacity` (and its nodes) alone."""
-    return ClusterCapacity(
-        dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli))
-        for n in capacity.nodes.values()
-    )
-
-
 class _Work:
     """The copy, with some running gangs released. Releases and restores mirror each other without the checks of
     `reserve` (the gangs' placements come from the caller's view, where they are held)."""
 
     def __init__(self, capacity: ClusterCapacity, unusable: Mapping[str, Collection[int]]) -> None:
-        self.cap = _copy(capacity)
+        self.cap = capacity.copy()
         self.unusable = unusable
 
     def release(self, gang: RunningGang) -> None:

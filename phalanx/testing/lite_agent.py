@@ -48,9 +48,12 @@ class LiteAgent:
     # Acks only tell the scheduler where to resume a stream after a reconnect (this agent resumes from its own
     # record), so a burst of assignments is acknowledged once, after this delay.
     ack_delay: float = 0.2
+    token: str = ""  # its credential (role `node`) when the scheduler runs with authentication
 
     async def start(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.target)
+        from phalanx.client._channel import open_aio_channel
+
+        self.channel = open_aio_channel(self.target, token=self.token)
         self.stub = agent_pb2_grpc.NodeServiceStub(self.channel)
         self.instance = uuid.uuid4().hex
         resp = await self.stub.RegisterNode(agent_pb2.RegisterNodeRequest(

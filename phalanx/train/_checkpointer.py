@@ -114,7 +114,16 @@ class Checkpointer:
         # The coordinator's suggested interval, learned from the request polls (0: none yet).
         self.suggested_interval_s = 0.0
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.addr)
+        # With authentication on, the cluster gives ranks a `service` token (PHALANX_TOKEN) and, with TLS, the
+        # PHALANX_TLS_CA/CERT/KEY files.
+        from phalanx.client._channel import open_channel
+
+        tls = None
+        if env.get("PHALANX_TLS_CA"):
+            from phalanx.client._channel import TLSConfig
+
+            tls = TLSConfig(env["PHALANX_TLS_CA"], env.get("PHALANX_TLS_CERT", ""), env.get("PHALANX_TLS_KEY", ""))
+        self._channel = open_channel(self.addr, token=(env.get("PHALANX_TOKEN") or "").strip(), tls=tls)
         self._stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(self._channel)
         self._last_save = time.monotonic()
         self._last_poll: float | None = None

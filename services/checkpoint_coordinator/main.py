@@ -13,6 +13,14 @@ import structlog
 
 from db.engine import DEFAULT_DB_URL, make_engine
 from phalanx.api.v1 import checkpoint_pb2_grpc
+from services.common.auth import (
+    AuthInterceptor,
+    ServerTLS,
+    TokenFileError,
+    TokenStore,
+    add_security_flags,
+    security_from_args,
+)
 from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
@@ -66,14 +74,16 @@ async def _sweep(engine, interval: float) -> None:
 
 async def serve(
     db_url: str, listen: str = DEFAULT_LISTEN, sweep_interval: float = DEFAULT_SWEEP_S, *,
-    advertise: str | None = None, checkpoint_dir: str = "",
+    advertise: str | None = None, checkpoint_dir: str = "", tokens: TokenStore | None = None,
+    tls: ServerTLS | None = None,
 ) -> CheckpointServer:
     """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database.
 
     Every `sweep_interval` seconds (0: never) it aborts the PENDING checkpoints whose deadline passed. It records
     its address (`advertise`, default: the bound address, a wildcard host replaced by this host's name) and the
     checkpoint directory ranks should use in the ledger's service_endpoints, where a scheduler started without
-    --checkpoint-coordinator finds them.
+    --checkpoint-coordinator finds them. `tokens`: authentication on (roles `service` and `admin` may call it);
+    `tls`: serve TLS (mutual when it names a CA).
     """
     engine = make_engine(db_url)
     try:
@@ -82,6 +92,8 @@ async def serve(
             listen,
             [lambda s: checkpoint_pb2_grpc.add_CheckpointCoordinatorServicer_to_server(servicer, s)],
             [SERVICE_NAME],
+            interceptors=[AuthInterceptor(tokens)] if tokens is not None else [],
+            tls=tls,
         )
         await server.start()
         address = advertise or _reachable(server.address)
@@ -101,8 +113,9 @@ def _reachable(address: str) -> str:
 
 
 async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S, advertise: str | None = None,
-               checkpoint_dir: str = "") -> None:
-    server = await serve(db_url, listen, sweep_interval, advertise=advertise, checkpoint_dir=checkpoint_dir)
+               checkpoint_dir: str = "", tokens: TokenStore | None = None, tls: ServerTLS | None = None) -> None:
+    server = await serve(db_url, listen, sweep_interval, advertise=advertise, checkpoint_dir=checkpoint_dir,
+                         tokens=tokens, tls=tls)
     log.info("checkpointd_started", address=server.address)
     print(f"checkpoint coordinator at {server.address}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
@@ -134,15 +147,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(env PHALANX_CHECKPOINT_DIR)")
     parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
+    add_security_flags(parser, env_prefix="PHALANX_CHECKPOINTD")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = configure_logging("checkpointd")
+    try:
+        tokens, tls = security_from_args(args)
+    except (TokenFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     serve_metrics(args.metrics_port, args.metrics_host)
     try:
-        asyncio.run(_run(args.db, args.listen, log, args.sweep_interval, args.advertise, args.checkpoint_dir))
+        asyncio.run(_run(args.db, args.listen, log, args.sweep_interval, args.advertise, args.checkpoint_dir,
+                         tokens, tls))
     except OSError as exc:
         log.error("checkpointd_failed", error=str(exc))
         return 1

@@ -117,7 +117,7 @@ def _possible_job_id(job_id: str) -> bool:
 
 def _require_job(conn, job_id: str) -> None:
     if not _possible_job_id(job_id) or conn.scalar(select(Job.id).where(Job.id == job_id)) is None:
-        raise NotFound(f"job {job_id!r} not found")
+        raise NotFound(f"job {job_id[:80]!r} not found")
 
 
 def record_checkpoint(
@@ -126,7 +126,7 @@ def record_checkpoint(
     """Validate, then write the checkpoint row and every shard row as COMMITTED in one transaction."""
     validate(job_id, attempt, step, shards)
     if not _possible_job_id(job_id):
-        raise NotFound(f"job {job_id!r} not found")
+        raise NotFound(f"job {job_id[:80]!r} not found")
     ts = time.time() if now is None else now
     shards = sorted(shards, key=lambda s: s.rank)
     ckpt_id = new_checkpoint_id()
@@ -160,7 +160,7 @@ def latest_checkpoint(engine: Engine, job_id: str) -> CheckpointRecord:
             .limit(1)
         ).first()
         if row is None:
-            raise NotFound(f"job {job_id!r} has no committed checkpoint")
+            raise NotFound(f"job {job_id[:80]!r} has no committed checkpoint")
         shard_rows = conn.execute(
             select(CheckpointShard).where(CheckpointShard.checkpoint_id == row.id).order_by(CheckpointShard.rank)
         ).all()
@@ -219,18 +219,18 @@ def _fence(conn, job_id: str, attempt: int) -> None:
     longer RUNNING: requeued, or finished). The teardown writes that row in the transaction that closes the
     attempt, so a commit lands before it (and counts for it) or is refused."""
     if not _possible_job_id(job_id):
-        raise NotFound(f"job {job_id!r} not found")
+        raise NotFound(f"job {job_id[:80]!r} not found")
     row = conn.execute(select(Job.attempt, Job.state).where(Job.id == job_id).with_for_update()).first()
     if row is None:
-        raise NotFound(f"job {job_id!r} not found")
+        raise NotFound(f"job {job_id[:80]!r} not found")
     if attempt != row.attempt:
         raise FailedPrecondition(
-            f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {row.attempt}; "
+            f"job {job_id[:80]!r} attempt {attempt} is superseded: the current attempt is {row.attempt}; "
             "a checkpoint of another attempt is refused"
         )
     if row.state != "RUNNING":
         raise FailedPrecondition(
-            f"job {job_id!r} attempt {attempt} has ended (the job is {row.state}); its ranks are being stopped "
+            f"job {job_id[:80]!r} attempt {attempt} has ended (the job is {row.state}); its ranks are being stopped "
             "and a checkpoint of it is refused"
         )
 
@@ -248,14 +248,14 @@ def _open(conn, job_id: str, attempt: int, step: int):
 def _usable(row, world_size: int, now: float, job_id: str, step: int):
     """Refuse a report or begin against an aborted, expired or differently-sized checkpoint; return the row."""
     if row.state == ABORTED:
-        raise FailedPrecondition(f"checkpoint {row.id} of job {job_id!r} step {step} was aborted: {row.message}")
+        raise FailedPrecondition(f"checkpoint {row.id} of job {job_id[:80]!r} step {step} was aborted: {row.message}")
     if row.state == PENDING and row.deadline_at is not None and row.deadline_at < now:
         raise FailedPrecondition(
-            f"checkpoint {row.id} of job {job_id!r} step {step} missed its deadline and is aborted"
+            f"checkpoint {row.id} of job {job_id[:80]!r} step {step} missed its deadline and is aborted"
         )
     if row.world_size and row.world_size != world_size:
         raise FailedPrecondition(
-            f"checkpoint {row.id} of job {job_id!r} step {step} has world_size {row.world_size}, not {world_size}"
+            f"checkpoint {row.id} of job {job_id[:80]!r} step {step} has world_size {row.world_size}, not {world_size}"
         )
     return row
 
@@ -310,12 +310,12 @@ def report_shard(
         if existing is not None:
             if (existing.uri, existing.checksum, existing.size_bytes) != (shard.uri, shard.checksum, shard.size_bytes):
                 raise AlreadyExists(
-                    f"checkpoint {row.id} of job {job_id!r} step {step} already has a different shard for rank "
+                    f"checkpoint {row.id} of job {job_id[:80]!r} step {step} already has a different shard for rank "
                     f"{shard.rank} ({existing.uri}, {existing.checksum})"
                 )
             return _record(row, _shard_rows(conn, row.id))  # the same report again: idempotent
         if row.state == COMMITTED:  # a committed checkpoint has every shard; unreachable unless world_size was 0
-            raise FailedPrecondition(f"checkpoint {row.id} of job {job_id!r} step {step} is already committed")
+            raise FailedPrecondition(f"checkpoint {row.id} of job {job_id[:80]!r} step {step} is already committed")
         conn.execute(
             insert(CheckpointShard).values(
                 checkpoint_id=row.id, rank=shard.rank, uri=shard.uri, size_bytes=shard.size_bytes,
@@ -389,13 +389,13 @@ def get_request(engine: Engine, job_id: str, attempt: int) -> RequestRecord:
         raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
     with engine.execution_options(readonly=True).begin() as conn:
         if not _possible_job_id(job_id):
-            raise NotFound(f"job {job_id!r} not found")
+            raise NotFound(f"job {job_id[:80]!r} not found")
         current = conn.scalar(select(Job.attempt).where(Job.id == job_id))
         if current is None:
-            raise NotFound(f"job {job_id!r} not found")
+            raise NotFound(f"job {job_id[:80]!r} not found")
         if attempt != current:
             raise FailedPrecondition(
-                f"job {job_id!r} attempt {attempt} is superseded: the current attempt is {current}"
+                f"job {job_id[:80]!r} attempt {attempt} is superseded: the current attempt is {current}"
             )
         row = conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
         policy = _policy(conn, job_id, current)
@@ -411,10 +411,10 @@ def checkpoint_policy(engine: Engine, job_id: str) -> cp.CheckpointPolicy:
         raise InvalidArgument("job_id is required")
     with engine.execution_options(readonly=True).begin() as conn:
         if not _possible_job_id(job_id):
-            raise NotFound(f"job {job_id!r} not found")
+            raise NotFound(f"job {job_id[:80]!r} not found")
         current = conn.scalar(select(Job.attempt).where(Job.id == job_id))
         if current is None:
-            raise NotFound(f"job {job_id!r} not found")
+            raise NotFound(f"job {job_id[:80]!r} not found")
         return _policy(conn, job_id, current)
 
 

@@ -39,3 +39,11 @@ class Unavailable(ServiceError):
 
 class Aborted(ServiceError):
     code = grpc.StatusCode.ABORTED
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED

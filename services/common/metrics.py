@@ -22,6 +22,15 @@ GOODPUT_RATIO = Gauge("phalanx_goodput_ratio", "Productive over allocated GPU ti
 RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
 RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
 
+SCHEDULER_LEADER = Gauge("phalanx_scheduler_leader", "1 while this scheduler replica holds the leadership lease")
+SCHEDULER_LEADER_EPOCH = Gauge("phalanx_scheduler_leader_epoch",
+                               "Fencing epoch of the leadership lease as this replica last saw it")
+LEADERSHIP_CHANGES = Counter("phalanx_scheduler_leadership_changes_total",
+                             "Leadership acquired or lost by this replica", ["event"])
+FENCED = Counter("phalanx_scheduler_fenced_total",
+                 "Scheduling passes and lease renewals of this replica refused by the epoch check "
+                 "(it believed it led, the ledger said another epoch)")
+
 
 def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:
     """Expose /metrics on port when one is given; metrics stay off otherwise, so ports never collide."""

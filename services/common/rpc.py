@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,10 +21,16 @@ def _method_name(fn: Callable[..., Any]) -> str:
     return fn.__qualname__.replace(".", "/")
 
 
+MAX_DETAILS = 2048
+SERVER_DEADLINE_S = 60.0
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, ServiceError):
         metrics.RPC_ERRORS.labels(method=method, code=exc.code.name).inc()
-        await context.abort(exc.code, exc.message)
+        # Details travel in a header (at most 16 KiB): a message quoting a huge input must not break the reply.
+        message = exc.message if len(exc.message) <= MAX_DETAILS else exc.message[:MAX_DETAILS - 3] + "..."
+        await context.abort(exc.code, message)
     log.error("rpc_internal_error", method=method, exc_info=exc)
     metrics.RPC_ERRORS.labels(method=method, code="INTERNAL").inc()
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
@@ -37,7 +44,12 @@ def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         metrics.RPCS.labels(method=method).inc()
         start = time.perf_counter()
         try:
-            return await fn(self, request, context)
+            # The server's own deadline: no unary call holds a handler longer than this, whatever the client set.
+            return await asyncio.wait_for(fn(self, request, context), SERVER_DEADLINE_S)
+        except TimeoutError:
+            metrics.RPC_ERRORS.labels(method=method, code="DEADLINE_EXCEEDED").inc()
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{method} took longer than the server's {SERVER_DEADLINE_S:g}s limit; try again")
         except (ServiceError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never re-raised raw
             if isinstance(exc, grpc.aio.AbortError) or _is_abort(exc):
                 raise

@@ -22,6 +22,42 @@ SERVER_OPTIONS = [
 ]
 
 
+class DecodeInterceptor(grpc.aio.ServerInterceptor):
+    """A request that does not parse (bad wire format, invalid UTF-8 in a string) is INVALID_ARGUMENT with a
+    plain message, not grpc's UNKNOWN "Unexpected DecodeError" and a traceback in the log: the handler gets raw
+    bytes and parses them itself."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        async def parse(raw, context):
+            try:
+                return decode(raw)
+            except Exception as exc:  # noqa: BLE001 - DecodeError and friends, whatever the protobuf backend
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"malformed {method} request: {str(exc)[:200]}")
+
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary(raw, context):
+                return await behavior(await parse(raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
+        behavior = handler.unary_stream
+
+        async def streaming(raw, context):
+            request = await parse(raw, context)
+            async for item in behavior(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(streaming, response_serializer=handler.response_serializer)
+
+
 class AioServer:
     """A grpc.aio server with health and reflection, bound to `address` (port 0 picks a free port)."""
 
@@ -31,8 +67,10 @@ class AioServer:
         register: Sequence[Callable[[grpc.aio.Server], None]],
         service_names: Iterable[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        tls=None,
     ) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        """`tls`: a services.common.auth.ServerTLS (a secure port, mutual when it names a CA); None: plaintext."""
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeInterceptor(), *interceptors])
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -42,7 +80,10 @@ class AioServer:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        self.port = self.server.add_insecure_port(address)
+        if tls is not None:
+            self.port = self.server.add_secure_port(address, tls.credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind gRPC server to {address}")
         host = address.rsplit(":", 1)[0]

@@ -98,6 +98,8 @@ class AgentConfig:
     health_source: object | None = None    # default: NVML for a discovered host, SimulatedHealthSource otherwise
     health_enabled: bool = True            # False: heartbeats carry no health (the scheduler keeps what it has)
     ecc_sbe_threshold: int = 100           # corrected ECC errors above which a GPU is DEGRADED
+    token: str = ""                        # the agent's own credential (role `node`), sent on every call
+    tls: object | None = None              # phalanx.client._channel.TLSConfig: TLS to the scheduler
     extra: dict = field(default_factory=dict)
 
     def resolved_state_dir(self) -> Path:
@@ -119,9 +121,19 @@ def backoff_delay(attempt: int, initial: float, cap: float) -> float:
 
 
 class NodeAgent:
+    def _open_channel(self) -> grpc.aio.Channel:
+        from phalanx.client._channel import open_aio_channel
+
+        return open_aio_channel(self.scheduler, CHANNEL_OPTIONS, token=self.config.token,
+                                tls=self.config.tls)  # type: ignore[arg-type]
+
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.node_name = config.node_name
+        # `--scheduler host1:port,host2:port`: the replicas, tried in turn (any replica takes an agent; see
+        # docs/design.md, "Leadership"). A failed session moves on to the next address.
+        self.schedulers = [t.strip() for t in config.scheduler.split(",") if t.strip()] or [config.scheduler]
+        self._scheduler_index = 0
         self.instance = uuid.uuid4().hex
         self.state_dir = config.resolved_state_dir().resolve()
         self.state = AgentState.load(self.state_dir / "state.json", node_name=self.node_name)
@@ -199,6 +211,18 @@ class NodeAgent:
 
     # ---------------------------------------------------------------- connection
 
+    @property
+    def scheduler(self) -> str:
+        """The scheduler address this agent uses now (one of `--scheduler`'s comma-separated list)."""
+        return self.schedulers[self._scheduler_index]
+
+    def _next_scheduler(self) -> bool:
+        """Move on to the next scheduler address; True when that starts a new round through the list."""
+        self._scheduler_index = (self._scheduler_index + 1) % len(self.schedulers)
+        if len(self.schedulers) > 1:
+            self.log.info("scheduler_failover", next=self.scheduler)
+        return self._scheduler_index == 0
+
     async def _supervise(self) -> None:
         self._attempt = 0
         while not self._stop.is_set():
@@ -219,15 +243,18 @@ class NodeAgent:
                 self.log.exception("agent_session_error", attempt=self._attempt)
             if self._stop.is_set():
                 break
-            delay = backoff_delay(self._attempt, self.config.backoff_initial_s, self.config.backoff_cap_s)
-            self._attempt += 1
+            if self._next_scheduler() or len(self.schedulers) == 1:
+                delay = backoff_delay(self._attempt, self.config.backoff_initial_s, self.config.backoff_cap_s)
+                self._attempt += 1
+            else:  # another replica not yet tried in this round: at once (after the shortest backoff)
+                delay = backoff_delay(0, self.config.backoff_initial_s, self.config.backoff_cap_s)
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
             except TimeoutError:
                 pass
 
     async def _session(self) -> None:
-        channel = grpc.aio.insecure_channel(self.config.scheduler, options=CHANNEL_OPTIONS)
+        channel = self._open_channel()
         stub = agent_pb2_grpc.NodeServiceStub(channel)
         tasks: list[asyncio.Task] = []
         try:
@@ -243,7 +270,7 @@ class NodeAgent:
             self.registrations += 1
             self._attempt = 0
             self.heartbeat_interval_ms = resp.heartbeat_interval_ms or self.config.default_heartbeat_ms
-            self.log.info("registered", heartbeat_ms=self.heartbeat_interval_ms,
+            self.log.info("registered", scheduler=self.scheduler, heartbeat_ms=self.heartbeat_interval_ms,
                           scheduler_acked=resp.acked_revision, local_acked=self.state.acked_revision)
             if resp.acked_revision < self.state.acked_revision:
                 await stub.AckAssignments(
@@ -694,7 +721,7 @@ class NodeAgent:
         """Tell the scheduler this node takes no more work (a heartbeat with `draining`), best effort."""
         if self.registrations == 0:
             return
-        channel = grpc.aio.insecure_channel(self.config.scheduler, options=CHANNEL_OPTIONS)
+        channel = self._open_channel()
         try:
             req = agent_pb2.HeartbeatRequest(node_name=self.node_name, agent_instance=self.instance, draining=True)
             if self.health_monitor is not None:
@@ -725,7 +752,7 @@ class NodeAgent:
         for t in list(self._tasks):
             t.cancel()
         if self.state.pending_reports:
-            channel = grpc.aio.insecure_channel(self.config.scheduler, options=CHANNEL_OPTIONS)
+            channel = self._open_channel()
             self._stub = agent_pb2_grpc.NodeServiceStub(channel)
             self._connected.set()
             self._reports_changed.set()

@@ -6,7 +6,8 @@
 
 Environment fallbacks: PHALANX_SCHEDULER, PHALANX_NODE_NAME, PHALANX_STATE_DIR, PHALANX_AGENT_ADDRESS,
 PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLIQUE (its clique),
-PHALANX_ECC_SBE_THRESHOLD. Logs go to standard error; --discover writes its result on standard output.
+PHALANX_ECC_SBE_THRESHOLD, PHALANX_AGENT_TOKEN (the agent's credential, role `node`; removed from the environment
+its ranks inherit), PHALANX_TLS_CA / PHALANX_TLS_CERT / PHALANX_TLS_KEY (TLS to the scheduler). Logs go to standard error; --discover writes its result on standard output.
 
 Configuration file: `--config FILE` (or PHALANX_AGENT_CONFIG), YAML with the flags' names as keys (`node-name` or
 `node_name`), e.g. `scheduler: sched:50051`, `kill-grace: 10`, `health: false`. Precedence: flags, then environment
@@ -49,6 +50,10 @@ CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "log-level": ("log_level", None),
     "health": ("health", None),
     "ecc-sbe-threshold": ("ecc_sbe_threshold", "PHALANX_ECC_SBE_THRESHOLD"),
+    "token": ("token", "PHALANX_AGENT_TOKEN"),
+    "tls-ca": ("tls_ca", "PHALANX_TLS_CA"),
+    "tls-cert": ("tls_cert", "PHALANX_TLS_CERT"),
+    "tls-key": ("tls_key", "PHALANX_TLS_KEY"),
 }
 
 
@@ -92,7 +97,8 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                    help="YAML configuration file with the flags' names as keys (env PHALANX_AGENT_CONFIG); "
                         "flags override the environment, which overrides the file")
     p.add_argument("--scheduler", default=_default(file, "scheduler"),
-                   help="scheduler address host:port (env PHALANX_SCHEDULER)")
+                   help="scheduler address host:port, or several replicas' comma-separated (host1:port,host2:port: "
+                        "tried in turn when one is unreachable) (env PHALANX_SCHEDULER)")
     p.add_argument("--node-name", default=_default(file, "node-name"),
                    help="this node's name (env PHALANX_NODE_NAME; default: the host name)")
     src = p.add_mutually_exclusive_group()
@@ -117,6 +123,15 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--fabric-clique", default=_default(file, "fabric-clique", ""), metavar="ID",
                    help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
                         "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)")
+    p.add_argument("--token", default=_default(file, "token"), metavar="TOKEN",
+                   help="this agent's credential, a token of role `node` in the scheduler's tokens file "
+                        "(env PHALANX_AGENT_TOKEN; needed when the scheduler runs with --tokens)")
+    p.add_argument("--tls-ca", default=_default(file, "tls-ca"), metavar="PEM",
+                   help="reach the scheduler over TLS, trusting this CA (env PHALANX_TLS_CA)")
+    p.add_argument("--tls-cert", default=_default(file, "tls-cert"), metavar="PEM",
+                   help="the agent's client certificate, for mutual TLS (env PHALANX_TLS_CERT)")
+    p.add_argument("--tls-key", default=_default(file, "tls-key"), metavar="PEM",
+                   help="its private key (env PHALANX_TLS_KEY)")
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=_default(file, "log-level"))
@@ -178,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     from .agent import AgentConfig, NodeAgent
     from .state import StateDirLocked
 
+    from phalanx.client._channel import resolve_tls
+
+    # The node credential is the agent's alone: ranks inherit the agent's environment, so it leaves it.
+    os.environ.pop("PHALANX_AGENT_TOKEN", None)
+    try:
+        tls = resolve_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        print(f"phalanx-agent: {exc}", file=sys.stderr)
+        return 2
     serve_metrics(args.metrics_port)
     config = AgentConfig(
         scheduler=args.scheduler,
@@ -188,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         kill_grace_s=args.kill_grace,
         health_enabled=_truthy(args.health),
         ecc_sbe_threshold=int(args.ecc_sbe_threshold),
+        token=str(args.token or "").strip(),
+        tls=tls,
     )
     agent = NodeAgent(config)
 

@@ -29,13 +29,17 @@ def job_goodput(job: Any, attempts: Sequence[Any], now: float) -> Goodput:
 
 
 def read_goodput(conn: Connection, now: float, *, job_ids: Sequence[str] | None = None, since: float = 0.0,
-                 limit: int = 100) -> tuple[Goodput, list[tuple[Any, Goodput, int]], int]:
+                 limit: int = 100, tenant: str | None = None) -> tuple[Goodput, list[tuple[Any, Goodput, int]], int]:
     """(the total over every job submitted since `since`, the newest `limit` of them with theirs and their attempt
-    counts, how many jobs the total counts)."""
+    counts, how many jobs the total counts). `tenant`: only that tenant's jobs (the total too)."""
     stmt = select(*Job.__table__.c).where(Job.submitted_at >= since).order_by(Job.submitted_at.desc(), Job.id.desc())
     if job_ids is not None:
         stmt = stmt.where(Job.id.in_(list(job_ids)))
+    if tenant is not None:
+        stmt = stmt.where(Job.tenant == tenant)
     jobs = list(conn.execute(stmt).mappings())
+    if tenant is not None and job_ids is None:
+        job_ids = [j["id"] for j in jobs]
     attempts = ledger.read_attempts(conn, None if job_ids is None else list(job_ids))
     total, listed = Goodput(), []
     for i, job in enumerate(jobs):

@@ -40,6 +40,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
         gpu_model=j.get("gpu_model") or "", mig_profile=j.get("mig_profile") or "", gpu_milli=j.get("gpu_milli") or 0,
         max_restarts=j.get("max_restarts") or 0, time_limit_s=j.get("time_limit") or 0.0,
+        queue=j.get("queue") or "default",
     )
 
 
@@ -72,7 +73,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         finished_at=j["finished_at"], placement=_placement(j["placement"] or {}), exit_code=j["exit_code"],
         failures=j.get("failures") or 0, preemptions=j.get("preemptions") or 0, not_before=j.get("not_before") or 0.0,
         preempted_by=j.get("preempted_by") or "", preempt_deadline=j.get("preempt_deadline") or 0.0,
-        tenant=j.get("tenant") or "",
+        tenant=j.get("tenant") or "", flavor=j.get("flavor") or "",
     )
 
 

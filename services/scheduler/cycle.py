@@ -22,9 +22,10 @@ from db.models import Job
 from phalanx.api.v1 import agent_pb2, common_pb2
 from phalanx.core import mig
 from phalanx.core.model import Placement
-from phalanx.core.placement import schedule_in_order
+from phalanx.core.backfill import Reservation, RunningEnd, schedule_with_backfill
+from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, usage_of
 from phalanx.core.preemption import NoPreemption, RunningGang, choose_victims
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 from . import ledger
 from .convert import job_from_record
@@ -54,6 +55,7 @@ class Cycle:
     outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
     delivered: list[tuple[str, int, Any]] = field(default_factory=list)
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
+    epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
@@ -140,7 +142,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             check_fits_ever(cycle.state, sub.spec)
             check_fits_model(cycle.state, sub.spec)
             check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
-        except FailedPrecondition as exc:
+            check_queue(cycle.state, sub.spec, sub.tenant)
+        except (FailedPrecondition, PermissionDenied) as exc:
             results[i] = exc
             continue
         spec = sub.spec
@@ -151,6 +154,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
             gpu_model=spec.gpu_model, mig_profile=spec.mig_profile.lower(), gpu_milli=spec.gpu_milli,
             max_restarts=spec.max_restarts, tenant=sub.tenant, time_limit=spec.time_limit_s,
+            queue=spec.queue or DEFAULT_QUEUE,
         )
         new.append(job)
         results[i] = job
@@ -178,6 +182,19 @@ def write_new_jobs(cycle: Cycle) -> None:
     if cycle.new_allocations:
         ledger.insert_allocations(cycle.conn, cycle.new_allocations, cycle.state.nodes, cycle.now)
         ledger.insert_attempts(cycle.conn, cycle.new_allocations, cycle.now)
+
+
+def check_queue(state: SchedulerState, spec: common_pb2.JobSpec, tenant: str) -> None:
+    """The queue must exist (except "default", which always does) and take this tenant."""
+    name = spec.queue or DEFAULT_QUEUE
+    queue = state.queues.get(name)
+    if queue is None:
+        if name != DEFAULT_QUEUE:
+            known = ", ".join(sorted({DEFAULT_QUEUE, *state.queues}))
+            raise FailedPrecondition(f"no queue {name[:64]!r}; queues: {known}")
+        return
+    if queue.tenants and tenant and tenant not in queue.tenants:
+        raise PermissionDenied(f"tenant {tenant!r} may not submit to queue {name!r}")
 
 
 def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
@@ -273,11 +290,14 @@ def check_fits_required_tier(state: SchedulerState, spec: common_pb2.JobSpec, fa
 @dataclass
 class Cancel(Command):
     job_id: str
+    tenant: str | None = None  # a user's tenant: another tenant's job is NOT_FOUND (None: any job)
 
     def execute(self, cycle: Cycle) -> Any:
         job = lookup_job(cycle, self.job_id)
         if job is None:
-            return ("read", self.job_id)  # already finished: cancelling again is a no-op
+            return ("read", self.job_id)  # already finished: cancelling again is a no-op (the servicer scopes it)
+        if self.tenant is not None and job.tenant != self.tenant:
+            raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
             if not ledger.update_job(cycle.conn, job, state="CANCELLED", finished_at=cycle.now,
                                      message="cancelled before it started"):
@@ -340,8 +360,13 @@ class Register(Command):
         )
         state = cycle.state
         old = state.nodes.get(self.name)
+        # An admin drained it (`phalanx node drain`): it stays DRAINED, out of placement, until undrained.
+        cordoned = ledger.node_cordoned(cycle.conn, node_id)
+        if cordoned:
+            ledger.set_node_state(cycle.conn, node_id, "DRAINED", CORDON_MESSAGE)
         node = NodeRecord(
-            id=node_id, name=self.name, state="READY", gpus=len(gpus), gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
+            id=node_id, name=self.name, state="DRAINED" if cordoned else "READY", gpus=len(gpus),
+            gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
             gpu_model=gpus[0]["name"] if gpus else "", memory_mib=max((g["memory_mib"] for g in gpus), default=0),
             path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
             agent_instance=self.agent_instance, revision=revision,
@@ -359,7 +384,7 @@ class Register(Command):
             state.rebuild_capacity()  # a new path: the agent reports another NVLink clique
         else:
             state.set_node_schedulable(self.name)
-        if old is not None and old.state != "READY":
+        if old is not None and old.state != "READY" and not cordoned:
             log.info("node_ready_again", node=self.name, was=old.state)
         return acked
 
@@ -507,6 +532,71 @@ class Drain(Command):
         return True
 
 
+CORDON_MESSAGE = "drained by an admin (phalanx node undrain puts it back)"
+
+
+@dataclass
+class CordonNode(Command):
+    """An admin drains a node (`phalanx node drain`): DRAINED and cordoned, so registering again keeps it DRAINED;
+    running gangs are left alone. `cordon=False` undoes it (`phalanx node undrain`): READY again when its agent is
+    alive (heartbeats within the lease), else it stays as it is until the agent registers. NotFound: no such node."""
+
+    name: str
+    cordon: bool
+    reason: str = ""
+
+    def execute(self, cycle: Cycle) -> str:
+        node = cycle.state.nodes.get(self.name)
+        if node is None:
+            raise NotFound(f"no node named {self.name[:80]!r}")
+        ledger.set_node_cordoned(cycle.conn, node.id, self.cordon)
+        if self.cordon:
+            if node.state in ("READY", "DRAINED"):
+                message = f"drained by an admin: {self.reason}" if self.reason else CORDON_MESSAGE
+                ledger.set_node_state(cycle.conn, node.id, "DRAINED", message)
+                node.state = "DRAINED"
+                cycle.state.set_node_schedulable(node.name)
+            log.info("node_cordoned", node=node.name, reason=self.reason, state=node.state)
+        elif node.state == "DRAINED" and cycle.now - node.last_heartbeat <= cycle.settings.lease_timeout:
+            ledger.set_node_state(cycle.conn, node.id, "READY", "")
+            node.state = "READY"
+            cycle.state.set_node_schedulable(node.name)
+            log.info("node_uncordoned", node=node.name)
+        cycle.woken_nodes.add(node.name)  # other replicas reload (the generation moves) and see the change
+        return node.state
+
+
+@dataclass
+class SetQueue(Command):
+    """An admin creates or replaces a queue (`phalanx quota set`); it applies from this very cycle's pass."""
+
+    spec: QueueSpec
+
+    def execute(self, cycle: Cycle) -> str:
+        ledger.upsert_queue(cycle.conn, self.spec, cycle.now)
+        cycle.state.queues[self.spec.name] = self.spec
+        cycle.state.no_preemption = None
+        log.info("queue_set", queue=self.spec.name, cohort=self.spec.cohort, weight=self.spec.weight,
+                 quotas={f: (q.gpus, q.borrow_limit, q.mig_slices) for f, q in self.spec.quotas.items()})
+        return self.spec.name
+
+
+@dataclass
+class DeleteQueue(Command):
+    name: str
+
+    def execute(self, cycle: Cycle) -> str:
+        if self.name not in cycle.state.queues:
+            raise NotFound(f"no queue {self.name[:64]!r}")
+        users = [j.id for j in cycle.state.jobs.values() if j.queue == self.name]
+        if users:
+            raise FailedPrecondition(f"queue {self.name!r} still has {len(users)} pending or running job(s) "
+                                     f"({', '.join(users[:5])}); cancel them or let them finish first")
+        ledger.delete_queue(cycle.conn, self.name)
+        del cycle.state.queues[self.name]
+        return self.name
+
+
 # ---- transitions ------------------------------------------------------------------------------------------------
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -619,21 +709,68 @@ def schedule(cycle: Cycle) -> None:
                 pending.append(job)
         if not pending:
             return
-        placements, blocked = schedule_in_order(state.capacity, [j.request() for j in pending], state_tiers(cycle))
-        for placement in placements:
+        # EASY backfill behind a blocked head, except while a preemption is under way (its plan counts on the
+        # GPUs that are free now).
+        backfill = cycle.settings.backfill and not any(j.preempting for j in state.jobs.values())
+        book = quota_book(state)
+        result = schedule_with_backfill(
+            state.capacity, [j.request() for j in pending], state_tiers(cycle), now=cycle.now,
+            running=lambda: running_ends(state), unusable=_unusable(state), backfill=backfill,
+            memo=state.reservation_memo, book=book, queues={j.id: j.queue for j in pending} if book else None)
+        for job_id, why in result.quota_blocked.items():
+            job = state.jobs[job_id]
+            message = f"waiting for quota, holding no GPUs: {why}"
+            if job.message != message and set_job(cycle, job, message=message):
+                cycle.touched(job)
+        for placement in result.placements:
             job = state.jobs[placement.job_id]
+            job.flavor = result.flavors.get(job.id, "")
             if not reserve(cycle, job, placement):
                 state.capacity.release_placement(placement)
                 cycle.resync_after = True
+            elif placement.job_id in result.backfilled and result.reservation is not None:
+                log.info("backfilled", job=job.id, ahead_of=result.reservation.job_id)
+        blocked = result.blocked
         if blocked is None:
             return
         head = state.jobs[blocked.job_id]
-        message, stopped = preempt_for(cycle, head)
-        message = message or f"waiting, holding no GPUs: {blocked.reason}"
+        message, stopped = preempt_for(cycle, head, book)
+        message = message or f"waiting, holding no GPUs: {blocked.reason}" + _reserved(result.reservation)
         if head.message != message and set_job(cycle, head, message=message):
             cycle.touched(head)
         if not stopped:
             return
+
+
+def quota_book(state: SchedulerState) -> QuotaBook | None:
+    """This pass's quota state: what each queue's running jobs use, per flavor; None when no queue is configured
+    (one unlimited queue: plain priority order)."""
+    if not state.queues:
+        return None
+    running = [(j.queue, j.flavor, j.request()) for j in state.jobs.values() if j.state == "RUNNING"]
+    slices = sum(7 for n in state.nodes.values() for _ in range(n.gpus) if n.memory_mib >= 40_000)
+    return QuotaBook(state.queues, usage_of(running),
+                     {"gpus": float(sum(n.gpus for n in state.nodes.values())), "mig_slices": float(slices)})
+
+
+def running_ends(state: SchedulerState) -> list[RunningEnd]:
+    """The running gangs with what they hold and when their time limits end them (inf: no limit), for backfill."""
+    return [RunningEnd(j.id, Placement(j.id, tuple(j.replica_placements()), "", 0, 0.0, ""),
+                       j.started_at + j.time_limit if j.time_limit else math.inf)
+            for j in state.jobs.values() if j.state == "RUNNING"]
+
+
+def _unusable(state: SchedulerState) -> dict[str, set[int]]:
+    return {n.name: n.fatal_gpus for n in state.nodes.values() if n.fatal_gpus}
+
+
+def _reserved(reservation: Reservation | None) -> str:
+    if reservation is None:
+        return ""
+    when = ("once a gang without a time limit ends" if math.isinf(reservation.start)
+            else f"by {_clock(reservation.start)} at the latest")
+    return (f"; it starts {when} on {len(reservation.placement.nodes)} node(s): {len(reservation.nodes)} node(s) "
+            "are kept from gangs that would outlive that (EASY backfill)")
 
 
 def stop_victims(cycle: Cycle) -> bool:
@@ -652,7 +789,9 @@ def stop_victims(cycle: Cycle) -> bool:
                                "no longer waits)"):
                 cycle.touched(victim)
             continue
-        why = f"preempted by job {by.id} (priority {by.priority} > {victim.priority})"
+        why = (f"preempted by job {by.id} (priority {by.priority} > {victim.priority})" if by.priority > victim.priority
+               else f"preempted by job {by.id}: its queue {by.queue!r} reclaims the quota queue {victim.queue!r} "
+                    "borrowed")
         if victim.id not in waiting:
             stopped |= teardown(cycle, victim, cause="PREEMPTED", message=f"{why}: its checkpoint is committed")
         elif cycle.now >= victim.preempt_deadline:
@@ -666,7 +805,7 @@ def stop_victims(cycle: Cycle) -> bool:
     return stopped
 
 
-def preempt_for(cycle: Cycle, head: JobRecord) -> tuple[str | None, bool]:
+def preempt_for(cycle: Cycle, head: JobRecord, book: QuotaBook | None = None) -> tuple[str | None, bool]:
     """Start preempting for the blocked head of the queue when that would make it fit. Returns its message (None:
     the usual "waiting" one) and whether victims were stopped already (a zero grace period)."""
     state, now, policy = cycle.state, cycle.now, cycle.settings.preemption
@@ -676,7 +815,18 @@ def preempt_for(cycle: Cycle, head: JobRecord) -> tuple[str | None, bool]:
         until = max(j.preempt_deadline for j in mine)
         return (f"waiting for {len(mine)} preempted gang(s) ({', '.join(j.id for j in mine)}) to checkpoint and "
                 f"stop, by {_clock(until)} at the latest; they hold the GPUs this gang gets"), False
-    lower = [j for j in running if not j.preempting and j.priority < head.priority]
+    # Reclaim (quotas): a head within its queue's nominal quota may also evict, whatever their priority, gangs of
+    # other queues of its cohort that run on borrowed quota; they count as just below its priority.
+    reclaim: set[str] = set()
+    if book is not None:
+        spec = book.spec(head.queue)
+        admitted = book.admit(head.queue, head.request())
+        flavors = [a.flavor for a in admitted if not a.borrowing] if isinstance(admitted, list) else []
+        if spec.cohort and flavors:
+            reclaim = {j.id for j in running if not j.preempting and j.queue != head.queue
+                       and book.spec(j.queue).cohort == spec.cohort and book.borrowing(j.queue, j.flavor)}
+    effective = {j.id: (min(j.priority, head.priority - 1) if j.id in reclaim else j.priority) for j in running}
+    lower = [j for j in running if not j.preempting and effective[j.id] < head.priority]
     if not lower:
         return None, False
     # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head that
@@ -696,9 +846,9 @@ def preempt_for(cycle: Cycle, head: JobRecord) -> tuple[str | None, bool]:
         if step is not None and step[1] == job.attempt:
             since = max(since, step[2])
         placement = Placement(job.id, tuple(job.replica_placements()), "", 0, 0.0, "")
-        gangs.append(RunningGang(job.id, job.priority, placement, job.started_at,
+        gangs.append(RunningGang(job.id, effective[job.id], placement, job.started_at,
                                  job.gpu_equivalents * max(0.0, now - since)))
-    unusable = {n.name: n.fatal_gpus for n in state.nodes.values() if n.fatal_gpus}
+    unusable = _unusable(state)
     result = choose_victims(state.capacity, head.request(), gangs, now, policy, state_tiers(cycle), unusable)
     if isinstance(result, NoPreemption):
         if result.retry_in is not None:
@@ -754,9 +904,10 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
     commits, and the service reloads its view.
     """
     placement_info = dict(tier=placement.tier, domains=placement.domains, score=placement.score,
-                          reason=placement.reason)
+                          reason=placement.reason, scheduler=cycle.settings.replica_id, epoch=cycle.epoch)
     if not set_job(cycle, job, state="RUNNING", attempt=job.attempt + 1, started_at=cycle.now, finished_at=0.0,
-                   exit_code=0, placement=placement_info, message=f"reserved: {placement.reason}"):
+                   exit_code=0, placement=placement_info, message=f"reserved: {placement.reason}",
+                   flavor=job.flavor):
         return False
     job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
     job.partials = {
@@ -847,8 +998,11 @@ def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSe
     return out
 
 
-def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True) -> list[Any]:
-    """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each."""
+def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True, schedules: bool = True
+              ) -> list[Any]:
+    """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each.
+
+    `schedules` False (a replica that does not lead): the commands only; timers and placement are the leader's."""
     results: list[Any] = [None] * len(commands)
     submits = [(i, c) for i, c in enumerate(commands) if isinstance(c, Submit)]
     if submits:
@@ -863,6 +1017,8 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True)
             results[i] = command.execute(cycle)
         except ServiceError as exc:
             results[i] = exc
+    if not schedules:
+        return results
     if timers_due:
         fire_timers(cycle)
     schedule(cycle)

@@ -9,20 +9,22 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, and_, case, func, insert, select, text, update
+from sqlalchemy import Connection, and_, case, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from phalanx.core.closeness import GpuCloseness
+from phalanx.core.quota import FlavorQuota, QueueSpec
 
 from db.models import (
     Allocation, Assignment, Checkpoint, CheckpointRequest, Gpu, Job, JobAttempt, LedgerClock, Node, NodeEvent, Rank,
-    ServiceEndpoint,
+    Queue, ServiceEndpoint,
 )
 
 from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
@@ -30,17 +32,65 @@ from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, l
 NOTIFY_CHANNEL = "phalanx_events"
 
 
-def begin_cycle(conn: Connection) -> int:
-    """Serialise scheduling transactions across replicas and return the ledger generation.
+class Clock(NamedTuple):
+    """The clock row as a cycle finds it under its lock: the generation and who leads (see `take_lease`)."""
+
+    generation: int
+    leader: str
+    epoch: int
+    until: float
+    now: float  # the database's clock (PostgreSQL), so replicas on different hosts compare leases alike
+
+
+def begin_cycle(conn: Connection) -> Clock:
+    """Serialise scheduling transactions across replicas; return the ledger generation and the leadership lease.
 
     On PostgreSQL the row lock on the clock row (held to commit) makes cycles of different replicas take turns,
     so their other row locks can never deadlock and each cycle decides on a view no older than the last commit;
     SQLite's BEGIN IMMEDIATE already does this. The generation tells whether anyone else wrote since this
-    replica's last cycle.
+    replica's last cycle. The lease columns change only under this same lock, so what a cycle reads here holds
+    until it commits.
     """
+    if conn.dialect.name == "postgresql":
+        row = conn.exec_driver_sql(
+            "SELECT generation, leader, leader_epoch, leader_until, extract(epoch FROM clock_timestamp())::float8 "
+            "FROM ledger_clock WHERE id = 1 FOR UPDATE").one()
+        return Clock(int(row[0]), row[1] or "", int(row[2] or 0), float(row[3] or 0.0), float(row[4]))
+    row = conn.execute(select(LedgerClock.generation, LedgerClock.leader, LedgerClock.leader_epoch,
+                              LedgerClock.leader_until).where(LedgerClock.id == 1)).one()
+    return Clock(int(row[0]), row[1] or "", int(row[2] or 0), float(row[3] or 0.0), time.time())
+
+
+def take_lease(conn: Connection, clock: Clock, replica: str, lease_s: float, *, epoch: int | None) -> Clock | None:
+    """Acquire or renew the leadership lease; the caller holds the clock row (begin_cycle).
+
+    `epoch`: the epoch this replica holds (renewal), None to acquire (the row must be free or expired; the epoch
+    goes up by one). Fenced: the statement's WHERE clause checks the epoch the caller read, and a renewal the
+    leader and epoch it holds, so a deposed leader's renewal changes nothing. Returns the new row, None when
+    refused."""
+    until = clock.now + lease_s
+    if epoch is None:
+        new_epoch = clock.epoch + 1
+        stmt = (update(LedgerClock)
+                .where(LedgerClock.id == 1, LedgerClock.leader_epoch == clock.epoch,
+                       or_(LedgerClock.leader == "", LedgerClock.leader == replica,
+                           LedgerClock.leader_until < clock.now))
+                .values(leader=replica, leader_epoch=new_epoch, leader_until=until))
+    else:
+        new_epoch = epoch
+        stmt = (update(LedgerClock)
+                .where(LedgerClock.id == 1, LedgerClock.leader == replica, LedgerClock.leader_epoch == epoch)
+                .values(leader_until=until))
+    if conn.execute(stmt).rowcount != 1:
+        return None
+    return clock._replace(leader=replica, epoch=new_epoch, until=until)
+
+
+def release_lease(conn: Connection, replica: str, epoch: int) -> bool:
+    """Give the lease up (a graceful stop), so another replica leads at once instead of after the lease."""
     return conn.execute(
-        select(LedgerClock.generation).where(LedgerClock.id == 1).with_for_update()
-    ).scalar_one()
+        update(LedgerClock).where(LedgerClock.id == 1, LedgerClock.leader == replica, LedgerClock.leader_epoch == epoch)
+        .values(leader="", leader_until=0.0)).rowcount == 1
 
 
 def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | None = None) -> int:
@@ -113,7 +163,34 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             if known is not None:
                 known.state, known.exit_code = r["state"], r["exit_code"]
     state.nodes, state.jobs = nodes, jobs
+    state.queues = load_queues(conn)
     state.rebuild_capacity()
+
+
+def queue_spec(row: Any) -> QueueSpec:
+    quotas = {}
+    for flavor, q in (row["quotas"] or {}).items():
+        quotas[flavor] = FlavorQuota(gpus=float(q.get("gpus", 0)), mig_slices=int(q.get("mig_slices", 0)),
+                                     borrow_limit=None if q.get("borrow_limit") is None else float(q["borrow_limit"]))
+    return QueueSpec(row["name"], quotas, cohort=row["cohort"] or "", weight=float(row["weight"] or 1.0),
+                     tenants=frozenset(row["tenants"] or ()))
+
+
+def load_queues(conn: Connection) -> dict[str, QueueSpec]:
+    return {r["name"]: queue_spec(r) for r in conn.execute(select(*Queue.__table__.c)).mappings()}
+
+
+def upsert_queue(conn: Connection, spec: QueueSpec, now: float) -> None:
+    values = dict(cohort=spec.cohort, weight=spec.weight, tenants=sorted(spec.tenants), updated_at=now,
+                  quotas={f: {"gpus": q.gpus, "mig_slices": q.mig_slices, "borrow_limit": q.borrow_limit}
+                          for f, q in spec.quotas.items()})
+    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    conn.execute(dialect_insert(Queue).values(name=spec.name, **values)
+                 .on_conflict_do_update(index_elements=["name"], set_=values))
+
+
+def delete_queue(conn: Connection, name: str) -> None:
+    conn.execute(Queue.__table__.delete().where(Queue.name == name))
 
 
 def node_closeness(topology: Any) -> GpuCloseness | None:
@@ -204,6 +281,7 @@ def job_from_row(j) -> JobRecord:
         failures=j["failures"] or 0, preemptions=j["preemptions"] or 0, not_before=j["not_before"] or 0.0,
         preempted_by=j["preempted_by"] or "", preempt_deadline=j["preempt_deadline"] or 0.0,
         max_restarts=j["max_restarts"] or 0, tenant=j["tenant"] or "", time_limit=j["time_limit"] or 0.0,
+        queue=j["queue"] or "default", flavor=j["flavor"] or "",
     )
 
 
@@ -220,7 +298,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 preferred_tier=j.preferred_tier, gpu_model=j.gpu_model, mig_profile=j.mig_profile,
                 gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
                 preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline, max_restarts=j.max_restarts,
-                tenant=j.tenant, time_limit=j.time_limit,
+                tenant=j.tenant, time_limit=j.time_limit, queue=j.queue, flavor=j.flavor,
             )
             for j in jobs
         ],
@@ -410,6 +488,15 @@ def set_node_state(conn: Connection, node_id: int, state: str, message: str, *, 
     return conn.execute(stmt.values(state=state, message=message)).rowcount == 1
 
 
+def node_cordoned(conn: Connection, node_id: int) -> bool:
+    """Whether an admin drained the node (`phalanx node drain`): it stays DRAINED when its agent registers."""
+    return bool(conn.execute(select(Node.cordoned).where(Node.id == node_id)).scalar())
+
+
+def set_node_cordoned(conn: Connection, node_id: int, cordoned: bool) -> None:
+    conn.execute(update(Node).where(Node.id == node_id).values(cordoned=cordoned))
+
+
 def gpu_health_from_detail(detail: dict[str, Any] | None) -> dict[int, tuple[str, tuple[str, ...]]]:
     gpus = (detail or {}).get("gpus") or {}
     return {int(i): (g.get("state", "HEALTHY"), tuple(g.get("reasons", ()))) for i, g in gpus.items()}
@@ -550,9 +637,10 @@ def read_attempts(conn: Connection, job_ids: Sequence[str] | None = None) -> dic
 # ---- reads (the API's consistent snapshots) --------------------------------------------------------------------
 
 def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states: Sequence[str] = (),
-              limit: int = 0) -> list[tuple[Any, list[tuple[int, str, list[int]]], dict[int, Partial]]]:
+              limit: int = 0, tenant: str | None = None
+              ) -> list[tuple[Any, list[tuple[int, str, list[int]]], dict[int, Partial]]]:
     """Jobs with the allocations of their current (or last) attempt, newest first, from one statement: each as
-    (job row, [(replica, node, GPUs)], {replica: partial-GPU use})."""
+    (job row, [(replica, node, GPUs)], {replica: partial-GPU use}). `tenant`: only that tenant's jobs."""
     stmt = (
         select(*Job.__table__.c, Allocation.replica.label("a_replica"), Node.name.label("a_node"),
                Allocation.gpu_index.label("a_gpu"), Allocation.kind.label("a_kind"), Allocation.unit.label("a_unit"),
@@ -566,10 +654,14 @@ def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states:
         stmt = stmt.where(Job.id.in_(list(job_ids)))
     if states:
         stmt = stmt.where(Job.state.in_(list(states)))
+    if tenant is not None:
+        stmt = stmt.where(Job.tenant == tenant)
     if limit:
         newest = select(Job.id).order_by(Job.submitted_at.desc(), Job.id.desc()).limit(limit)
         if states:
             newest = newest.where(Job.state.in_(list(states)))
+        if tenant is not None:
+            newest = newest.where(Job.tenant == tenant)
         stmt = stmt.where(Job.id.in_(newest.scalar_subquery()))
     out: dict[str, tuple[Any, dict[int, tuple[str, list[int]]], dict[int, Partial]]] = {}
     for row in conn.execute(stmt).mappings():

@@ -12,6 +12,16 @@ from db.engine import DEFAULT_DB_URL
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
+from services.common.auth import (
+    DEFAULT_MAX_PENDING,
+    AuthInterceptor,
+    ServerTLS,
+    TenantLimits,
+    TokenFileError,
+    TokenStore,
+    add_security_flags,
+    security_from_args,
+)
 from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
@@ -33,20 +43,26 @@ class RunningScheduler:
         await self.service.stop()
 
 
-async def serve(settings: SchedulerSettings) -> RunningScheduler:
-    """Start a scheduler replica in this event loop. The database must be migrated (`phalanx db upgrade`)."""
+async def serve(settings: SchedulerSettings, *, tokens: TokenStore | None = None, limits: TenantLimits | None = None,
+                tls: ServerTLS | None = None) -> RunningScheduler:
+    """Start a scheduler replica in this event loop. The database must be migrated (`phalanx db upgrade`).
+
+    `tokens`: authentication on (services.common.auth); `limits`: per-tenant submission limits; `tls`: serve TLS.
+    """
     service = SchedulerService(settings)
     await service.start()
     server = AioServer(
         settings.listen,
         [
-            lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), s),
+            lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service, limits), s),
             lambda s: agent_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(service), s),
         ],
         [
             scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
             agent_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
         ],
+        interceptors=[AuthInterceptor(tokens)] if tokens is not None else [],
+        tls=tls,
     )
     await server.start()
     return RunningScheduler(service, server)
@@ -64,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
     p.add_argument("--launch-timeout", type=float, default=60.0,
                    help="seconds for every rank of a gang to start before it is torn down and requeued")
+    p.add_argument("--no-backfill", dest="backfill", action="store_false",
+                   help="strict queue order: nothing starts ahead of a blocked head (default: EASY backfill on "
+                        "declared time limits)")
     p.add_argument("--max-attempts", type=int, default=5,
                    help="failed attempts (node lost, GPU failed, rank lost, launch timeout) before a gang is FAILED; "
                         "preemptions do not count")
@@ -79,8 +98,38 @@ def build_parser() -> argparse.ArgumentParser:
                                         "PHALANX_CHECKPOINT_ADDR (default: $PHALANX_CHECKPOINT_ADDR; unset: none)")
     p.add_argument("--checkpoint-dir", default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""), metavar="DIR",
                    help="checkpoint store shared by the ranks, given to them as PHALANX_CHECKPOINT_DIR")
+    p.add_argument("--leader-lease", type=float, default=5.0, metavar="S",
+                   help="leadership lease: one replica schedules while it renews this lease (every third of it); "
+                        "another takes over once it runs out")
+    p.add_argument("--replica-id", default=os.environ.get("PHALANX_REPLICA_ID", ""), metavar="ID",
+                   help="this replica's name in the ledger's leadership row and logs (default: random; env "
+                        "PHALANX_REPLICA_ID). Every replica needs its own")
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
+    add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
+    p.add_argument("--rate-limit", type=float, default=None, metavar="N",
+                   help="per-tenant submissions per second (RESOURCE_EXHAUSTED beyond; default: off, or 100 with "
+                        "--tenant-limits); a tokens-file entry's rate_limit overrides it for its tenant")
+    p.add_argument("--rate-burst", type=float, default=None, metavar="N",
+                   help="submissions a tenant may send at once before the rate limit applies (default: 2 x rate)")
+    p.add_argument("--max-pending", type=int, default=None, metavar="N",
+                   help=f"per-tenant cap on PENDING jobs (default: off, or {DEFAULT_MAX_PENDING} with "
+                        "--tenant-limits); a tokens-file entry's max_pending overrides it for its tenant")
+    p.add_argument("--tenant-limits", action="store_true",
+                   help=f"turn on the per-tenant limits with generous defaults (100 submissions/s, bursts of 200, "
+                        f"{DEFAULT_MAX_PENDING} pending jobs)")
     return p
+
+
+def limits_from_args(args: argparse.Namespace) -> TenantLimits:
+    rate, pending = args.rate_limit, args.max_pending
+    if args.tenant_limits:
+        rate = 100.0 if rate is None else rate
+        pending = DEFAULT_MAX_PENDING if pending is None else pending
+    if (rate is not None and not rate > 0) or (pending is not None and pending < 1) or \
+            (args.rate_burst is not None and args.rate_burst < 1):
+        raise ValueError("--rate-limit must be > 0, --rate-burst and --max-pending at least 1")
+    burst = args.rate_burst if args.rate_burst is not None else (2 * rate if rate else None)
+    return TenantLimits(rate=rate, burst=burst, max_pending=pending)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     except FabricError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not 0.1 <= args.leader_lease <= 3600 or len(args.replica_id) > 64:
+        print("error: --leader-lease must be within 0.1-3600 s and --replica-id at most 64 characters",
+              file=sys.stderr)
+        return 2
     if args.max_attempts < 1 or min(args.retry_backoff, args.retry_backoff_max, args.min_runtime,
                                      args.preemption_grace) < 0:
         print("error: --max-attempts must be >= 1; --retry-backoff, --retry-backoff-max, --min-runtime and "
               "--preemption-grace must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        tokens, tls = security_from_args(args)
+        limits = limits_from_args(args)
+    except (TokenFileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.upgrade_db:
         from db.migrate import upgrade
@@ -108,14 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_interval=args.heartbeat_interval, launch_timeout=args.launch_timeout,
         max_attempts=args.max_attempts, metrics_port=args.metrics_port,
         retry_backoff_s=args.retry_backoff, retry_backoff_max_s=args.retry_backoff_max,
+        backfill=args.backfill,
         preemption=PreemptionPolicy(min_runtime_s=args.min_runtime, grace_period_s=args.preemption_grace),
         checkpoint_addr=args.checkpoint_coordinator, checkpoint_dir=args.checkpoint_dir,
+        leader_lease_s=args.leader_lease, replica_id=args.replica_id,
     )
     serve_metrics(args.metrics_port)
 
     async def run() -> None:
-        running = await serve(settings)
-        log.info("scheduler_listening", address=running.address, db=settings.db_url.split("@")[-1])
+        running = await serve(settings, tokens=tokens, limits=limits, tls=tls)
+        log.info("scheduler_listening", address=running.address, db=settings.db_url.split("@")[-1],
+                 authentication=tokens is not None, tls=tls is not None,
+                 replica=running.service.settings.replica_id, leader=running.service.leading)
         print(f"scheduler at {running.address}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -41,7 +41,10 @@ class SchedulerService:
         if not settings.replica_id:
             settings = type(settings)(**{**settings.__dict__, "replica_id": uuid.uuid4().hex[:8]})
         self.settings = settings
-        self.engine: Engine = make_engine(settings.db_url, pool_size=12)
+        # A session idle inside a transaction this long is ended by PostgreSQL: a stopped leader cannot hold the
+        # clock row (and so the others' takeover) much past its lease.
+        self.engine: Engine = make_engine(settings.db_url, pool_size=12,
+                                          idle_in_transaction_timeout_s=max(2.0, 2 * settings.leader_lease_s))
         self.state = SchedulerState()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
@@ -66,6 +69,18 @@ class SchedulerService:
         self._health_queued: dict[str, tuple] = {}  # node -> health signature of a HealthReport not yet applied
         self._next_timer_check = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Leadership (docs/design.md, "Leadership"): the epoch of the lease this replica holds, None when it does
+        # not lead; when the lease runs out (the database's clock); when to look at the lease next.
+        self._epoch: int | None = None
+        self._lease_until = 0.0
+        self._next_lease_tick = 0.0
+        self.leader_seen: tuple[str, int] = ("", 0)  # (leader, epoch) as the last cycle found them
+        metrics.SCHEDULER_LEADER.set(0)
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica holds the leadership lease (as of its last cycle): it alone schedules."""
+        return self._epoch is not None
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -94,6 +109,7 @@ class SchedulerService:
         for feeds in self._feeds.values():
             for feed in feeds:
                 feed.put_nowait(None)
+        self._writer.submit(self._release_leadership)
         self._writer.submit(self._close_writer_connection)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=False)
@@ -151,7 +167,12 @@ class SchedulerService:
         self._timers = now >= self._next_timer_check
         if self._timers:
             self._next_timer_check = now + 0.2
-        if not commands and not self._resync and not periodic and not (self._timers and self._timers_due(now)):
+        # Renew the lease (leader) or look whether it ran out (the others) every third of the lease.
+        lease_tick = now >= self._next_lease_tick
+        if lease_tick:
+            self._next_lease_tick = now + self.settings.leader_lease_s / 3
+        timers = self._timers and self.leading and self._timers_due(now)
+        if not commands and not self._resync and not periodic and not timers and not lease_tick:
             return [], None
         try:
             return self._transaction(commands, now, resync=self._resync)
@@ -199,18 +220,23 @@ class SchedulerService:
 
     def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
         with conn.begin() as trans:
-            generation = ledger.begin_cycle(conn)
+            clock = ledger.begin_cycle(conn)
+            generation = clock.generation
+            epoch, until, acquired = self._leadership(conn, clock)
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
             # lock must not stamp a reservation earlier than the release it builds on.
             now = max(now, time.time())
             cycle = Cycle(conn, self.state, self.settings, now)
             self._last_sync = now
             cycle.foreign_writes = self._generation is not None and generation != self._generation
-            if resync or generation != self._generation:
-                reload_state(conn, self.state, self.settings, now, initial=self._initial)
+            if resync or generation != self._generation or acquired:
+                # A new leader gives every node a full lease and every launch its timeout from now, as a restart
+                # does: heartbeats that reached the old leader last may not be in the ledger yet.
+                reload_state(conn, self.state, self.settings, now, initial=self._initial or acquired)
             self._take_beats_and_acks(cycle)
             cycle.generation = generation
-            results = run_cycle(cycle, commands, timers_due=self._timers)
+            cycle.epoch = epoch or 0
+            results = run_cycle(cycle, commands, timers_due=self._timers, schedules=epoch is not None)
             # Closing writes and the commit: one round trip on PostgreSQL. Not when a MIG instance or share was
             # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
             with ledger.pipelined(conn, enabled=not cycle.needs_answers):
@@ -221,7 +247,62 @@ class SchedulerService:
         self._generation = cycle.generation
         self._initial = False
         self._resync = cycle.resync_after
+        if acquired:
+            log.warning("leadership_acquired", replica=self.settings.replica_id, epoch=epoch,
+                        previous=clock.leader or None, previous_epoch=clock.epoch,
+                        lease_expired_s=round(max(0.0, clock.now - clock.until), 3) if clock.leader else None)
+            metrics.LEADERSHIP_CHANGES.labels("acquired").inc()
+            self.leader_seen = (self.settings.replica_id, epoch)
+        self._epoch, self._lease_until = epoch, until
+        metrics.SCHEDULER_LEADER.set(1 if epoch is not None else 0)
+        metrics.SCHEDULER_LEADER_EPOCH.set(self.leader_seen[1])
         return results, cycle
+
+    def _leadership(self, conn, clock: ledger.Clock) -> tuple[int | None, float, bool]:
+        """Decide, under the clock row lock, whether this cycle leads: (epoch or None, lease end, just acquired).
+
+        The lease columns change only under this lock, so the answer holds until this transaction commits. A
+        replica that believed it led and finds another leader or epoch steps down here, before writing anything
+        of a scheduling pass: the deposed leader's fencing."""
+        me, lease = self.settings.replica_id, self.settings.leader_lease_s
+        mine = self._epoch
+        self.leader_seen = (clock.leader, clock.epoch) if clock.until >= clock.now else ("", clock.epoch)
+        if mine is not None:
+            if clock.leader == me and clock.epoch == mine:
+                if clock.until - clock.now >= lease * 2 / 3:
+                    return mine, clock.until, False
+                renewed = ledger.take_lease(conn, clock, me, lease, epoch=mine)
+                if renewed is not None:
+                    return mine, renewed.until, False
+            # Deposed: another replica took the lease (ours ran out while we were stopped or cut off).
+            self._epoch = None
+            metrics.SCHEDULER_LEADER.set(0)
+            metrics.FENCED.inc()
+            metrics.LEADERSHIP_CHANGES.labels("lost").inc()
+            log.warning("leadership_lost", replica=me, epoch=mine, leader=clock.leader or None,
+                        leader_epoch=clock.epoch,
+                        note="the epoch check refused this replica's scheduling; it continues as a follower")
+            return None, 0.0, False
+        if not clock.leader or clock.until < clock.now or clock.leader == me:
+            taken = ledger.take_lease(conn, clock, me, lease, epoch=None)
+            if taken is not None:
+                return taken.epoch, taken.until, True
+        return None, 0.0, False
+
+    def _release_leadership(self) -> None:
+        """On a graceful stop, give the lease up so that another replica leads at once (writer thread)."""
+        if self._epoch is None:
+            return
+        try:
+            conn = self._writer_connection()
+            with conn.begin():
+                ledger.begin_cycle(conn)
+                ledger.release_lease(conn, self.settings.replica_id, self._epoch)
+            log.info("leadership_released", replica=self.settings.replica_id, epoch=self._epoch)
+        except Exception as exc:  # noqa: BLE001 - the lease runs out by itself
+            log.warning("leadership_release_failed", error=str(exc)[:200])
+        self._epoch = None
+        metrics.SCHEDULER_LEADER.set(0)
 
     def _close_writer_connection(self) -> None:
         if self._writer_conn is not None:

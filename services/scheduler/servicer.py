@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import time
 from collections.abc import Sequence
@@ -11,12 +12,13 @@ from google.protobuf.json_format import MessageToDict
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core import mig
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.auth import TenantLimits, current_identity, tenant_scope
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.rpc import stream, unary
 
-from . import accounting
+from . import accounting, queues
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES
-from .cycle import Cancel, RankReport, Register, RequestCheckpoint, Submit
+from .cycle import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
 from .service import SchedulerService
 
 MAX_NAME = 253
@@ -26,8 +28,20 @@ MAX_REPLICAS = 100_000
 MAX_GPUS_PER_REPLICA = 1024
 MAX_RESTARTS = 1000
 MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_JOB_ID = re.compile(r"^[0-9a-f]{12}$")
+# \Z, not $: "$" also matches before a trailing newline.
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_JOB_ID = re.compile(r"[0-9a-f]{12}\Z")
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+
+
+def _clean(value: str, limit: int) -> str:
+    return value.replace("\x00", "")[:limit]
+
+
+def check_text(what: str, value: str, limit: int) -> None:
+    """A string the ledger stores: at most `limit` characters (its column), no NUL (PostgreSQL refuses it)."""
+    if len(value) > limit or "\x00" in value:
+        raise InvalidArgument(f"{what} must be at most {limit} characters, without NUL (got {len(value)})")
 
 
 def tier_choices(fabric_tiers: Sequence[str] = ()) -> list[str]:
@@ -94,6 +108,8 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
     if (spec.mig_profile or spec.gpu_milli) and spec.gpus_per_replica != 1:
         problems.append(f"a replica on a MIG instance or a GPU share uses one GPU: gpus_per_replica must be 1, "
                         f"got {spec.gpus_per_replica}")
+    if len(spec.queue) > 64 or any(not (c.isalnum() or c in "._-") for c in spec.queue):
+        problems.append(f"queue {spec.queue[:80]!r} must be at most 64 letters, digits, '.', '_' or '-'")
     if not 0 <= spec.time_limit_s <= MAX_TIME_LIMIT_S:  # also refuses NaN
         problems.append(f"time_limit_s must be 0 (none) to {MAX_TIME_LIMIT_S:.0f} seconds, got {spec.time_limit_s}")
     if not 0 <= spec.max_restarts <= MAX_RESTARTS:
@@ -115,29 +131,81 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
+def scoped_request_id(tenant: str, request_id: str) -> str:
+    """A tenant's idempotency keys live apart from every other tenant's: one tenant repeating another's key gets
+    a job of its own, never the other's."""
+    if not tenant or not request_id:
+        return request_id
+    return "t:" + hashlib.sha256(f"{tenant}\x00{request_id}".encode()).hexdigest()
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, service: SchedulerService) -> None:
+    """The job API. With authentication on (services.common.auth), a `user` sees, watches, cancels and checkpoints
+    only its own tenant's jobs (another tenant's job answers NOT_FOUND, like one that does not exist); an `admin`
+    sees every job. Per-tenant limits (`limits`) are checked here, before anything is queued to the cycle."""
+
+    def __init__(self, service: SchedulerService, limits: TenantLimits | None = None) -> None:
         self.service = service
+        self.limits = limits or TenantLimits()
+        self._inflight: dict[str, int] = {}  # tenant -> submissions queued to the cycle, not yet answered
 
     async def _job(self, result) -> common_pb2.Job:
         if isinstance(result, tuple):  # ("read", id): finished or created elsewhere; the ledger has it
-            jobs = await self.service.read_jobs(job_ids=[result[1]])
+            jobs = await self.service.read_jobs(job_ids=[result[1]], tenant=tenant_scope())
             if not jobs:
                 raise NotFound(f"no job with id {result[1]!r}")
             return jobs[0]
         return result
 
+    async def _own(self, job_id: str) -> common_pb2.Job | None:
+        """NotFound unless the caller may see `job_id` (checked only for a user; None: not read)."""
+        scope = tenant_scope()
+        if scope is None:
+            return None
+        jobs = await self.service.read_jobs(job_ids=[job_id], tenant=scope)
+        if not jobs:
+            raise NotFound(f"no job with id {job_id!r}")
+        return jobs[0]
+
+    def _check_limits(self, tenant: str) -> None:
+        ident = current_identity()
+        if not self.limits.enabled(ident):
+            return
+        cap = self.limits.pending_cap(ident)
+        if cap is not None:
+            pending = sum(1 for j in self.service.state.jobs.values() if j.state == "PENDING" and j.tenant == tenant)
+            pending += self._inflight.get(tenant, 0)
+            if pending >= cap:
+                raise ResourceExhausted(f"tenant {tenant!r} has {pending} pending jobs, the most it may have is "
+                                        f"{cap}; wait for some to start or cancel some")
+        wait = self.limits.take(ident)
+        if wait > 0:
+            raise ResourceExhausted(f"tenant {tenant!r} is submitting faster than its rate limit; retry in "
+                                    f"{wait:.2f}s")
+
     @unary
     async def SubmitJob(self, request, context):
         validate_spec(request.spec, self.service.settings.fabric.tiers)
-        if len(request.request_id) > 128:
-            raise InvalidArgument("request_id must be at most 128 characters")
-        return await self._job(await self.service.execute(Submit(request.spec, request.request_id)))
+        check_text("request_id", request.request_id, 128)
+        ident = current_identity()
+        tenant = ident.tenant if ident is not None else ""
+        self._check_limits(tenant)
+        self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
+        try:
+            result = await self.service.execute(Submit(request.spec, scoped_request_id(tenant, request.request_id),
+                                                       tenant=tenant))
+        finally:
+            left = self._inflight[tenant] - 1
+            if left:
+                self._inflight[tenant] = left
+            else:
+                del self._inflight[tenant]
+        return await self._job(result)
 
     @unary
     async def GetJob(self, request, context):
         job_id = check_job_id(request.job_id)
-        jobs = await self.service.read_jobs(job_ids=[job_id])
+        jobs = await self.service.read_jobs(job_ids=[job_id], tenant=tenant_scope())
         if not jobs:
             raise NotFound(f"no job with id {request.job_id!r}")
         job = jobs[0]
@@ -160,7 +228,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             states.append(JOB_STATE_NAMES[s])
         if request.limit < 0:
             raise InvalidArgument(f"limit must not be negative, got {request.limit}")
-        jobs = await self.service.read_jobs(states=states, limit=request.limit)
+        jobs = await self.service.read_jobs(states=states, limit=request.limit, tenant=tenant_scope())
         if preempting:
             wanted = set(request.states)
             jobs = [j for j in jobs if j.state in wanted]
@@ -172,6 +240,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reason = request.reason or "user"
         if len(reason) > 1000 or "\x00" in reason:
             raise InvalidArgument("reason must be at most 1000 characters, without NUL")
+        await self._own(job_id)
         job, reason, at = await self.service.execute(RequestCheckpoint(job_id, reason))
         return scheduler_pb2.CheckpointJobResponse(job=job, reason=reason, requested_at=at)
 
@@ -182,7 +251,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.since >= 0:
             raise InvalidArgument(f"since must be a unix time >= 0, got {request.since}")
         total, listed, count = await self.service.read(
-            accounting.read_goodput, time.time(), since=request.since, limit=request.limit or 100)
+            accounting.read_goodput, time.time(), since=request.since, limit=request.limit or 100,
+            tenant=tenant_scope())
         return scheduler_pb2.GetGoodputResponse(
             cluster=accounting.to_proto(total), job_count=count,
             jobs=[scheduler_pb2.JobGoodput(job_id=j["id"], name=j["name"], state=_state(j), attempts=n,
@@ -190,7 +260,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def CancelJob(self, request, context):
-        return await self._job(await self.service.execute(Cancel(check_job_id(request.job_id))))
+        return await self._job(await self.service.execute(Cancel(check_job_id(request.job_id), tenant_scope())))
 
     @stream
     async def WatchJobs(self, request, context):
@@ -198,9 +268,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if ids is not None:
             for job_id in ids:
                 check_job_id(job_id)
+        scope = tenant_scope()
         entry = self.service.subscribe(ids)
         try:
-            current = await self.service.read_jobs(job_ids=sorted(ids)) if ids is not None else []
+            current = await self.service.read_jobs(job_ids=sorted(ids), tenant=scope) if ids is not None else []
             if ids is not None and len(current) != len(ids):
                 missing = sorted(ids - {j.id for j in current})
                 raise NotFound(f"no job with id {missing[0]!r}")
@@ -209,6 +280,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             queue = entry[1]
             while True:
                 job = await queue.get()
+                if scope is not None and job.tenant != scope:
+                    continue  # watching every job: a user sees only its tenant's
                 yield scheduler_pb2.JobEvent(job=job)
         finally:
             self.service.unsubscribe(entry)
@@ -216,6 +289,48 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @unary
     async def ListNodes(self, request, context):
         return scheduler_pb2.ListNodesResponse(nodes=await self.service.read_nodes())
+
+    async def _cordon(self, name: str, cordon: bool, reason: str = "") -> common_pb2.Node:
+        if not name or len(name) > MAX_NAME:
+            raise NotFound(f"no node named {name[:80]!r}")
+        if len(reason) > 1000 or "\x00" in reason:
+            raise InvalidArgument("reason must be at most 1000 characters, without NUL")
+        await self.service.execute(CordonNode(name, cordon, reason))
+        for node in await self.service.read_nodes():
+            if node.name == name:
+                return node
+        raise NotFound(f"no node named {name[:80]!r}")
+
+    @unary
+    async def DrainNode(self, request, context):
+        return await self._cordon(request.node_name, True, request.reason)
+
+    @unary
+    async def UndrainNode(self, request, context):
+        return await self._cordon(request.node_name, False)
+
+    @unary
+    async def ListQueues(self, request, context):
+        if len(request.name) > queues.MAX_QUEUE_NAME:
+            raise NotFound(f"no queue {request.name[:64]!r}")
+        found = await self.service.read(queues.read_queues, request.name, tenant_scope())
+        if request.name and not found:
+            raise NotFound(f"no queue {request.name!r}")
+        return scheduler_pb2.ListQueuesResponse(queues=found)
+
+    @unary
+    async def SetQueue(self, request, context):
+        spec = queues.spec_from_proto(request.spec)
+        await self.service.execute(SetQueue(spec))
+        (status,) = await self.service.read(queues.read_queues, spec.name)
+        return status
+
+    @unary
+    async def DeleteQueue(self, request, context):
+        if not request.name or len(request.name) > queues.MAX_QUEUE_NAME:
+            raise NotFound(f"no queue {request.name[:64]!r}")
+        await self.service.execute(DeleteQueue(request.name))
+        return scheduler_pb2.DeleteQueueResponse()
 
 
 class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
@@ -225,9 +340,15 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
     @unary
     async def RegisterNode(self, request, context):
         name = request.node_name
-        if not name or len(name) > MAX_NAME or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name):
+        if not name or len(name) > MAX_NAME or not _NODE_NAME.match(name):
             raise InvalidArgument(f"node name {name[:80]!r} must be 1-253 letters, digits, '.', '_' or '-'")
+        check_text("address", request.address, 255)
+        check_text("agent_instance", request.agent_instance, 64)
+        check_text("topology.profile", request.topology.profile, 128)
         gpus = request.topology.gpus
+        for g in gpus:
+            check_text(f"GPU {g.index} uuid", g.uuid, 64)
+            check_text(f"GPU {g.index} name", g.name, 128)
         indices = [g.index for g in gpus]
         if sorted(indices) != list(range(len(indices))):
             raise InvalidArgument(f"GPU indices must be 0..{len(indices) - 1}, got {sorted(indices)}")
@@ -243,6 +364,13 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
     @unary
     async def Heartbeat(self, request, context):
+        # Health text is stored; a heartbeat must never fail on it (the agent would reconnect in a loop): clean it.
+        for e in request.events:
+            e.kind, e.reason = _clean(e.kind, 32), _clean(e.reason, 2000)
+        if request.HasField("health"):
+            request.health.reason = _clean(request.health.reason, 2000)
+            for g in request.health.gpus:
+                g.reasons[:] = [_clean(r, 2000) for r in g.reasons]
         state, reregister = self.service.heartbeat(
             request.node_name, request.health if request.HasField("health") else None, request.events,
             draining=request.draining)
@@ -297,6 +425,8 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument(f"rank state {request.state} cannot be reported")
         if request.rank < 0 or request.attempt < 1:
             raise InvalidArgument("rank must be >= 0 and attempt >= 1")
+        check_job_id(request.job_id)
+        check_text("message", request.message[:2000], 2000)
         stale = await self.service.execute(RankReport(
             request.node_name, request.job_id, request.attempt, request.rank, state, request.exit_code,
             request.message[:2000], request.pid,

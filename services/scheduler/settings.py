@@ -29,11 +29,18 @@ class SchedulerSettings:
     # victim gets to checkpoint. While victims checkpoint, the ledger is checked this often for their commit.
     preemption: PreemptionPolicy = PRODUCTION_POLICY
     preemption_poll_s: float = 0.5
+    # EASY backfill behind a blocked head of the queue (phalanx.core.backfill); False: strict order.
+    backfill: bool = True
     # Heartbeats live in memory; the ledger sees them at most this often (other replicas read leases from it).
     heartbeat_persist_interval: float = 5.0
     # Without LISTEN/NOTIFY (SQLite), look at the ledger for other processes' changes this often.
     poll_interval: float = 1.0
     metrics_port: int | None = None
+    # Several replicas: one leader schedules and fires timers, holding a lease on the clock row with a fencing
+    # epoch (docs/design.md, "Leadership"); the others run commands only. It is renewed every third of the lease
+    # and another replica takes over once it runs out. A session idle inside a transaction for
+    # max(2, 2 x lease) seconds is ended by PostgreSQL, freeing the clock row a stopped leader held.
+    leader_lease_s: float = 5.0
     replica_id: str = ""
     # Where ranks reach the checkpoint coordinator and write their shards (phalanx.train reads them from
     # PHALANX_CHECKPOINT_ADDR / PHALANX_CHECKPOINT_DIR); "" leaves them unset (a job may set them in its env).

@@ -12,6 +12,7 @@ from typing import Any
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import GangRequest, NodeCapacity, ReplicaPlacement
+from phalanx.core.quota import QueueSpec
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
 
@@ -72,6 +73,8 @@ class JobRecord:
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang while failures < max_restarts
     tenant: str = ""  # who submitted it ("" with authentication off)
     time_limit: float = 0.0  # declared seconds per attempt (0: none)
+    queue: str = "default"
+    flavor: str = ""  # the quota flavor the current attempt was admitted under
     preemptions: int = 0
     not_before: float = 0.0  # a requeued job is not placed before this (retry backoff)
     preempted_by: str = ""  # a victim being preempted: the preemptor's id (the job stays RUNNING meanwhile)
@@ -90,7 +93,8 @@ class JobRecord:
     def request(self) -> GangRequest:
         return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at,
                            required_tier=self.required_tier, preferred_tier=self.preferred_tier,
-                           gpu_model=self.gpu_model, mig_profile=self.mig_profile, gpu_milli=self.gpu_milli)
+                           gpu_model=self.gpu_model, mig_profile=self.mig_profile, gpu_milli=self.gpu_milli,
+                           time_limit=self.time_limit)
 
     def replica_placements(self) -> list[ReplicaPlacement]:
         """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
@@ -163,7 +167,9 @@ class SchedulerState:
         self.wake_at = float("inf")  # the next time a cycle must run although nothing happened (cycle.wake_at)
         self.endpoint: tuple[str, str] = ("", "")  # the checkpoint coordinator found in the ledger (address, dir)
         self.endpoint_expires = 0.0
-        self.no_preemption: tuple | None = None  # (signature, valid until, message) of the last "no victims" answer
+        self.no_preemption: tuple | None = None
+        self.reservation_memo: dict = {}
+        self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)  # the blocked head's last reservation and what it was planned on  # (signature, valid until, message) of the last "no victims" answer
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(

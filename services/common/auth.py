@@ -1,0 +1,392 @@
+"""Authentication, authorization and per-tenant limits for the gRPC services.
+
+Off unless configured: a service started without `--tokens FILE` accepts every call, as before.
+
+The tokens file is a YAML list of entries, each naming a token by its SHA-256 (the token itself is never stored)::
+
+    - {token_sha256: 9f86d0..., tenant: alice, role: user}
+    - {token_sha256: 60303a..., tenant: ops, role: admin}
+    - {token_sha256: 2c26b4..., tenant: node-01, role: node}
+    - {token_sha256: fcde2b..., tenant: ranks, role: service, rate_limit: 50, max_pending: 5000}
+
+Roles: `user` (the job API, its own tenant's jobs only), `admin` (every job, and cluster operations such as
+draining nodes), `node` (node agents: the NodeService only) and `service` (the cluster's own processes and the
+ranks it launches: the checkpoint coordinator). `rate_limit` and `max_pending` on an entry override the service's
+`--rate-limit` / `--max-pending` for that entry's tenant.
+
+Callers send `authorization: Bearer <token>` metadata. No token or an unknown one: UNAUTHENTICATED; a role the
+method does not admit: PERMISSION_DENIED. The file is reloaded when it changes (its mtime, size or inode, checked
+at most once a second), so tokens rotate without a restart; a removed token stops working at the next check. A file
+that no longer parses is logged and the previous tokens stay in force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import hashlib
+import math
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+log = structlog.get_logger()
+
+ROLES = ("user", "admin", "node", "service")
+TOKEN_PREFIX = "phx_"
+METADATA_KEY = "authorization"
+
+
+@dataclass(frozen=True)
+class Identity:
+    tenant: str
+    role: str
+    rate_limit: float | None = None    # submissions per second for this tenant (None: the service's default)
+    max_pending: int | None = None     # PENDING jobs this tenant may have (None: the service's default)
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
+
+
+_IDENTITY: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("phalanx_identity", default=None)
+
+
+def current_identity() -> Identity | None:
+    """The authenticated caller of the RPC being handled; None when authentication is off."""
+    return _IDENTITY.get()
+
+
+def tenant_scope() -> str | None:
+    """The tenant whose jobs the caller may see: None for everything (authentication off, or an admin)."""
+    ident = _IDENTITY.get()
+    if ident is None or ident.admin:
+        return None
+    return ident.tenant
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def token_entry(token: str, tenant: str, role: str = "user") -> dict[str, str]:
+    """The tokens-file entry of `token`."""
+    check_entry_fields(tenant, role)
+    return {"token_sha256": hash_token(token), "tenant": tenant, "role": role}
+
+
+def check_entry_fields(tenant: str, role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if not tenant or len(tenant) > 64 or any(c.isspace() or c in "\x00" for c in tenant):
+        raise ValueError(f"tenant {tenant[:80]!r} must be 1-64 characters without spaces")
+
+
+class TokenFileError(ValueError):
+    pass
+
+
+def parse_tokens(text: str, source: str = "tokens file") -> dict[str, Identity]:
+    """{sha256 hex: Identity} from the YAML text of a tokens file. Raises TokenFileError."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TokenFileError(f"{source}: not YAML: {exc}") from exc
+    if data is None:
+        data = []
+    if isinstance(data, dict) and "tokens" in data:
+        data = data["tokens"] or []
+    if not isinstance(data, list):
+        raise TokenFileError(f"{source}: expected a list of {{token_sha256, tenant, role}} entries")
+    out: dict[str, Identity] = {}
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            raise TokenFileError(f"{source}: entry {i} is not a mapping")
+        digest = str(entry.get("token_sha256", "")).strip().lower()
+        tenant = str(entry.get("tenant", "")).strip()
+        role = str(entry.get("role", "user")).strip()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise TokenFileError(f"{source}: entry {i}: token_sha256 must be 64 hex digits")
+        try:
+            check_entry_fields(tenant, role)
+            rate = entry.get("rate_limit")
+            pending = entry.get("max_pending")
+            rate = None if rate is None else float(rate)
+            pending = None if pending is None else int(pending)
+        except (TypeError, ValueError) as exc:
+            raise TokenFileError(f"{source}: entry {i}: {exc}") from exc
+        if (rate is not None and not (rate > 0 and math.isfinite(rate))) or (pending is not None and pending < 1):
+            raise TokenFileError(f"{source}: entry {i}: rate_limit must be > 0 and max_pending >= 1")
+        out[digest] = Identity(tenant, role, rate, pending)
+    return out
+
+
+class TokenStore:
+    """The tokens of one or more files, each reloaded when it changes (checked at most every `check_interval`
+    seconds). Several files: e.g. the operator's, and the credentials `phalanx cluster up` makes for its own
+    processes."""
+
+    def __init__(self, path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+                 check_interval: float = 1.0) -> None:
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        self.paths = [Path(p) for p in paths]
+        self.path = self.paths[0]
+        self.check_interval = check_interval
+        self._lock = threading.Lock()
+        self._signatures: dict[Path, tuple] = {}
+        self._files: dict[Path, dict[str, Identity]] = {}
+        for p in self.paths:  # a file that does not load at start is an error for the caller
+            self._files[p] = self._load(p)
+        self._tokens = self._merged()
+        self._next_check = time.monotonic() + check_interval
+
+    @staticmethod
+    def _stat(path: Path) -> tuple:
+        st = path.stat()
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load(self, path: Path) -> dict[str, Identity]:
+        try:
+            signature = self._stat(path)
+            text = path.read_text()
+        except OSError as exc:
+            raise TokenFileError(f"cannot read the tokens file {path}: {exc}") from exc
+        tokens = parse_tokens(text, str(path))
+        self._signatures[path] = signature
+        return tokens
+
+    def _merged(self) -> dict[str, Identity]:
+        out: dict[str, Identity] = {}
+        for tokens in self._files.values():
+            out.update(tokens)
+        return out
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        with self._lock:
+            if now < self._next_check:
+                return
+            self._next_check = now + self.check_interval
+            changed = False
+            for path in self.paths:
+                try:
+                    if self._stat(path) == self._signatures.get(path):
+                        continue
+                    self._files[path] = self._load(path)
+                    changed = True
+                    log.info("tokens_reloaded", path=str(path), tokens=len(self._files[path]))
+                except (OSError, TokenFileError) as exc:
+                    log.warning("tokens_reload_failed", path=str(path), error=str(exc)[:300])
+            if changed:
+                self._tokens = self._merged()
+
+    def lookup(self, token: str) -> Identity | None:
+        self._maybe_reload()
+        if not token:
+            return None
+        return self._tokens.get(hash_token(token))
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+
+# ---- authorization policy -------------------------------------------------------------------------------------
+
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+SCHEDULER = "/phalanx.v1.Scheduler/"
+NODE_SERVICE = "/phalanx.v1.NodeService/"
+CHECKPOINT = "/phalanx.v1.CheckpointCoordinator/"
+ADMIN_METHODS = frozenset({SCHEDULER + "DrainNode", SCHEDULER + "UndrainNode", SCHEDULER + "SetQueue",
+                           SCHEDULER + "DeleteQueue"})
+
+
+def allowed_roles(method: str) -> frozenset[str]:
+    """Which roles may call `method` (a full gRPC method name); empty: nobody."""
+    if method in ADMIN_METHODS:
+        return frozenset({"admin"})
+    if method.startswith(SCHEDULER):
+        return frozenset({"user", "admin"})
+    if method.startswith(NODE_SERVICE):
+        return frozenset({"node"})
+    if method.startswith(CHECKPOINT):
+        return frozenset({"service", "admin"})
+    return frozenset()
+
+
+def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    for key, value in metadata or ():
+        if key.lower() == METADATA_KEY:
+            value = value.decode() if isinstance(value, bytes) else str(value)
+            scheme, _, token = value.strip().partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def unary(request, context):
+        await context.abort(code, message)
+
+    async def streaming(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - an async generator
+
+    return _same_kind(handler, unary, streaming)
+
+
+def _same_kind(handler, unary_fn, stream_fn) -> grpc.RpcMethodHandler:
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream_fn, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary_fn, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream_fn, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary_fn, **kw)
+
+
+def _behavior(handler):
+    return handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+
+
+def _with_identity(handler: grpc.RpcMethodHandler, ident: Identity) -> grpc.RpcMethodHandler:
+    """The handler, run with `ident` as the current identity (each RPC runs in its own task and context)."""
+    behavior = _behavior(handler)
+
+    async def unary(request, context):
+        _IDENTITY.set(ident)
+        return await behavior(request, context)
+
+    async def streaming(request, context):
+        _IDENTITY.set(ident)
+        async for item in behavior(request, context):
+            yield item
+
+    return _same_kind(handler, unary, streaming)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call but health and reflection; sets the caller's identity for the servicer."""
+
+    def __init__(self, store: TokenStore) -> None:
+        self.store = store
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(OPEN_PREFIXES):
+            return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if not token:
+            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED,
+                           "no credential: send 'authorization: Bearer <token>' (the CLI reads $PHALANX_TOKEN)")
+        ident = self.store.lookup(token)
+        if ident is None:
+            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked token")
+        if ident.role not in allowed_roles(method):
+            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
+                           f"role {ident.role!r} (tenant {ident.tenant!r}) may not call {method.rsplit('/', 1)[-1]}")
+        return _with_identity(handler, ident)
+
+
+# ---- per-tenant limits ------------------------------------------------------------------------------------------
+
+DEFAULT_MAX_PENDING = 10_000
+
+
+class TenantLimits:
+    """A submission rate limit (token bucket: `rate` per second, bursts of `burst`) and a cap on PENDING jobs,
+    per tenant. Either is off when None; an identity's own limits (from the tokens file) win."""
+
+    def __init__(self, rate: float | None = None, burst: float | None = None, max_pending: int | None = None) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.max_pending = max_pending
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, last refill)
+
+    def enabled(self, ident: Identity | None) -> bool:
+        return bool(self.rate or self.max_pending or (ident and (ident.rate_limit or ident.max_pending)))
+
+    def pending_cap(self, ident: Identity | None) -> int | None:
+        if ident is not None and ident.max_pending is not None:
+            return ident.max_pending
+        return self.max_pending
+
+    def take(self, ident: Identity | None, now: float | None = None) -> float:
+        """Take one submission from the caller's bucket: 0 when allowed, else seconds until one is free."""
+        rate = ident.rate_limit if ident is not None and ident.rate_limit is not None else self.rate
+        if not rate:
+            return 0.0
+        tenant = ident.tenant if ident is not None else ""
+        burst = max(1.0, self.burst if self.burst is not None else rate)
+        now = time.monotonic() if now is None else now
+        tokens, last = self._buckets.get(tenant, (burst, now))
+        tokens = min(burst, tokens + (now - last) * rate)
+        if tokens < 1.0:
+            self._buckets[tenant] = (tokens, now)
+            return (1.0 - tokens) / rate
+        self._buckets[tenant] = (tokens - 1.0, now)
+        return 0.0
+
+
+# ---- TLS --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    cert: str   # PEM files
+    key: str
+    ca: str = ""  # given: clients must present a certificate signed by this CA (mutual TLS)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        cert, key = Path(self.cert).read_bytes(), Path(self.key).read_bytes()
+        ca = Path(self.ca).read_bytes() if self.ca else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def server_tls(cert: str | None, key: str | None, ca: str | None) -> ServerTLS | None:
+    """ServerTLS from the --tls-cert/--tls-key/--tls-ca flags; None when no certificate is given."""
+    if not cert and not key:
+        if ca:
+            raise ValueError("--tls-ca needs --tls-cert and --tls-key")
+        return None
+    if not (cert and key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    for path in (cert, key, ca):
+        if path and not Path(path).is_file():
+            raise ValueError(f"TLS file {path} does not exist")
+    return ServerTLS(cert, key, ca or "")
+
+
+def add_security_flags(p: argparse.ArgumentParser, env_prefix: str) -> None:
+    """--tokens and --tls-cert/--tls-key/--tls-ca, shared by the scheduler and the checkpoint coordinator."""
+    env = os.environ.get(f"{env_prefix}_TOKENS")
+    p.add_argument("--tokens", action="append", default=[env] if env else None, metavar="FILE",
+                   help=f"authentication on: a YAML list of {{token_sha256, tenant, role}} entries (`phalanx token "
+                        f"new` makes them), reloaded when it changes; repeatable (env {env_prefix}_TOKENS; "
+                        f"default: off)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="mutual TLS: clients must present a certificate signed by this CA")
+
+
+def security_from_args(args: argparse.Namespace) -> tuple[TokenStore | None, ServerTLS | None]:
+    """The token store and TLS settings of the flags; ValueError (TokenFileError) when they are unusable."""
+    tokens = TokenStore(args.tokens) if args.tokens else None
+    return tokens, server_tls(args.tls_cert, args.tls_key, args.tls_ca)
