@@ -599,8 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
         cluster = None  # type: ignore[assignment]
     if cluster is not None:
         cluster.register(sub)
-    from . import place
+    from . import place, sim
     place.register(sub)
+    sim.register(sub)
     return parser
 
 

@@ -200,6 +200,7 @@ def schedule_with_backfill(
     memo: dict | None = None,
     book: QuotaBook | None = None,
     queues: Mapping[str, str] | None = None,
+    depth: int | None = None,
 ) -> BackfillResult:
     """Serve `pending` in queue order, each gang all at once; the first that does not fit is the head and gets a
     reservation; later gangs backfill where they do not delay it. Reserves each placement in `capacity` as it
@@ -209,7 +210,10 @@ def schedule_with_backfill(
 
     Quotas (`book`, with `queues`: job -> queue name): the order is fair (`quota.fair_order`); a gang its queue's
     quota refuses is passed over (it neither runs nor becomes the head: other queues go on); an admitted gang is
-    placed under the first of its admissible flavors that has room, and charged to it."""
+    placed under the first of its admissible flavors that has room, and charged to it.
+
+    `depth`: look at no more than this many gangs behind the head (Slurm's bf_max_job_test): a long queue then
+    costs a bounded pass; the rest wait for the next one."""
     placements: list[Placement] = []
     ends: dict[str, float] = {}
     head: Unplaceable | None = None
@@ -257,6 +261,10 @@ def schedule_with_backfill(
                         memo.update(key=key, reservation=reservation)
                 continue
         else:
+            if depth is not None:
+                depth -= 1
+                if depth < 0:
+                    break
             hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
             hidden = []
             if hide:

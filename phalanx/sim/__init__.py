@@ -1,0 +1,1 @@
+"""Phalanx cluster simulator: a discrete-event model of the scheduler, the fabric and the jobs."""
