@@ -12,6 +12,7 @@ from pathlib import Path
 
 def cmd_sim_run(args: argparse.Namespace) -> int:
     from phalanx.sim.engine import POLICIES, ClusterSpec, simulate
+    from phalanx.sim.network import NetworkSpec
     from phalanx.sim.report import write_report
     from phalanx.sim.traces import DataNotFound, find_data, load_trace
 
@@ -53,8 +54,9 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"[sim] {policy}: {done}/{total} jobs done\n")
             sys.stderr.flush()
 
+        network = None if args.no_network else NetworkSpec(oversubscription=cluster.oversub)
         result = simulate(jobs, cluster, policy, failures_per_gpu_day=args.failures, checkpoint=args.checkpoint,
-                          seed=args.seed, progress=progress)
+                          seed=args.seed, progress=progress, network=network)
         m = result.metrics
         sys.stderr.write(f"[sim] {policy}: {m['completed']}/{m['jobs']} completed, utilisation "
                          f"{m['utilization_allocated']:.1%}, mean JCT {m['jct_mean_h']:.2f} h, "
@@ -76,7 +78,8 @@ def register(subparsers) -> None:
     run.add_argument("--trace", required=True, metavar="SPEC",
                      help="philly, philly:team=ID, alibaba:default, pollux:workload-1, ...")
     run.add_argument("--cluster", default="512x8,leaf=32,spine=16", metavar="SPEC",
-                     help="NODESxGPUS[,leaf=N][,spine=N] (default 512x8,leaf=32,spine=16)")
+                     help="NODESxGPUS[,leaf=N][,spine=N][,oversub=R] (default 512x8,leaf=32,spine=16; oversub: "
+                          "leaf-to-spine oversubscription of the network model, 1 = non-blocking)")
     run.add_argument("--policy", default="gang-fifo,gang-backfill,topo", metavar="NAME[,NAME...]",
                      help=f"policies to compare: {', '.join(POLICIES)}")
     run.add_argument("--failures", type=float, default=0.0, metavar="RATE",
@@ -86,6 +89,8 @@ def register(subparsers) -> None:
     run.add_argument("--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then "
                                                                   "../shared/data)")
     run.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N jobs of the trace")
+    run.add_argument("--no-network", action="store_true",
+                     help="run times as in the trace (no AllReduce model: placement does not change speed)")
     run.add_argument("--arrival-scale", type=float, default=1.0, metavar="S",
                      help="multiply submit times by S (0.1: arrivals ten times as dense, to load a large cluster)")
     run.add_argument("--seed", type=int, default=0)

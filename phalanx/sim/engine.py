@@ -38,6 +38,11 @@ from phalanx.core.goodput import AttemptTimes, Goodput, account_job
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
 
+from .network import NetJob, NetworkSpec, NetworkState, allreduce_time
+
+# Gradient bytes AllReduced per step when the trace does not say: a 1B-parameter model in bf16.
+DEFAULT_MESSAGE_BYTES = 2e9
+
 POLICIES = ("pod", "gang-fifo", "gang-backfill", "topo", "topo-mig")
 
 
@@ -56,30 +61,36 @@ class ClusterSpec:
     gpus: int = 8
     per_leaf: int = 32
     leaves_per_spine: int = 16
+    oversub: float = 1.0  # leaf -> spine oversubscription for the network model (1: non-blocking)
 
     @classmethod
     def parse(cls, text: str) -> ClusterSpec:
-        """"NODESxGPUS[,leaf=N][,spine=N]", e.g. "512x8,leaf=32,spine=16"."""
+        """"NODESxGPUS[,leaf=N][,spine=N][,oversub=R]", e.g. "512x8,leaf=32,spine=16,oversub=2"."""
         head, *opts = [p.strip() for p in text.split(",")]
         try:
             nodes, _, gpus = head.lower().partition("x")
             spec = {"nodes": int(nodes), "gpus": int(gpus or 8)}
             for opt in opts:
                 key, _, value = opt.partition("=")
-                spec[{"leaf": "per_leaf", "spine": "leaves_per_spine"}[key]] = int(value)
+                name = {"leaf": "per_leaf", "spine": "leaves_per_spine", "oversub": "oversub"}[key]
+                spec[name] = float(value) if name == "oversub" else int(value)
         except (ValueError, KeyError):
-            raise ValueError(f"cluster {text!r}: give NODESxGPUS[,leaf=N][,spine=N], e.g. 512x8,leaf=32") from None
+            raise ValueError(f"cluster {text!r}: give NODESxGPUS[,leaf=N][,spine=N][,oversub=R], e.g. "
+                             "512x8,leaf=32") from None
         out = cls(**spec)
-        if min(out.nodes, out.gpus, out.per_leaf, out.leaves_per_spine) < 1:
+        if min(out.nodes, out.gpus, out.per_leaf, out.leaves_per_spine, out.oversub) < 1:
             raise ValueError(f"cluster {text!r}: every number must be >= 1")
         return out
 
-    def build(self, topology: bool = True) -> tuple[ClusterCapacity, tuple[str, ...], dict[str, tuple[str, ...]]]:
+    def fabric(self):
         names = [f"n{i:05d}" for i in range(self.nodes)]
-        fabric = default_fabric(names, nodes_per_leaf=self.per_leaf, leaves_per_spine=self.leaves_per_spine)
-        paths = {n: fabric.path(n) for n in names}
+        return default_fabric(names, nodes_per_leaf=self.per_leaf, leaves_per_spine=self.leaves_per_spine)
+
+    def build(self, topology: bool = True) -> tuple[ClusterCapacity, tuple[str, ...], dict[str, tuple[str, ...]]]:
+        fabric = self.fabric()
+        paths = {n: fabric.path(n) for n in fabric.paths}
         cap = ClusterCapacity(NodeCapacity(n, self.gpus, set(range(self.gpus)), True, paths[n] if topology else ())
-                              for n in names)
+                              for n in paths)
         return cap, (fabric.tiers if topology else ()), paths
 
 
@@ -95,6 +106,11 @@ class _State:
     placement: Placement | None = None
     started: float = 0.0
     end_seq: int = 0
+    work_left: float = 0.0  # seconds of this attempt's work left at full speed (checkpoint writes included)
+    attempt_work: float = 0.0  # full-speed seconds done in this attempt
+    rate: float = 1.0  # speed now: full-speed step time / step time on its placement with today's contention
+    last: float = 0.0
+    ideal_step: float = 0.0
 
 
 @dataclass
@@ -108,6 +124,7 @@ class SimResult:
 def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures_per_gpu_day: float = 0.0,
              checkpoint: str = "young-daly", checkpoint_cost_s: float = 60.0, repair_s: float = 3600.0,
              seed: int = 0, speed: Callable[[Job, Placement], float] | None = None, depth: int = 200,
+             network: NetworkSpec | None = None, comm_fraction: float = 0.2,
              progress: Callable[[int, int], None] | None = None) -> SimResult:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
@@ -150,6 +167,8 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
     within_leaf = multi_node = 0
     leaves_crossed = 0
     interval_of: dict[str, float] = {}
+    net = NetworkState(cluster.fabric(), network) if network is not None else None
+    cross_spine_bytes = 0.0
 
     def held(st: _State) -> float:
         r = st.request
@@ -158,9 +177,8 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
             return r.replicas * g
         return len(st.partial) * g
 
-    def run_time(st: _State, placement: Placement) -> float:
-        slow = speed(st.job, placement) if speed else 1.0
-        work = st.remaining_s * slow
+    def work_of(st: _State, placement: Placement) -> float:
+        work = st.remaining_s
         if checkpoint == "young-daly" and node_rate > 0:
             nodes = max(1, len(set(placement.nodes)))
             interval = young_daly_interval(checkpoint_cost_s, 1 / (node_rate * nodes))
@@ -168,17 +186,58 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
             work += math.floor(work / interval) * checkpoint_cost_s
         return work
 
+    def net_job(st: _State, placement: Placement) -> NetJob | None:
+        """The job's AllReduce per step (gradient bytes) and compute per step, set so that on the best placement
+        of its shape (one node: NVLink; else whole rails per node) communication is `comm_fraction` of a step."""
+        r = st.request
+        ranks = r.replicas * r.gpus_per_replica
+        if net is None or ranks < 2 or r.gpu_milli:
+            return None
+        message = float(getattr(st.job, "param_bytes", 0) or DEFAULT_MESSAGE_BYTES)
+        best = network.nvlink_bw if r.replicas == 1 else min(network.nvlink_bw,
+                                                               r.gpus_per_replica * network.ib_rail_bw)
+        ideal_comm = allreduce_time(message, ranks, best)
+        compute = ideal_comm * (1 - comm_fraction) / comm_fraction
+        st.ideal_step = compute + ideal_comm
+        return NetJob(placement, message, compute)
+
+    def settle(changed) -> None:
+        """Jobs whose bandwidth changed: account the work done at the old speed, go on at the new one."""
+        for job_id in changed:
+            st = running.get(job_id)
+            if st is None:
+                continue
+            advance(st)
+            st.rate = min(1.0, st.ideal_step / net.step_time(job_id)) if st.ideal_step else 1.0
+            st.end_seq = push(now + st.work_left / st.rate, "finish", job_id)
+
+    def advance(st: _State) -> None:
+        nonlocal cross_spine_bytes
+        done_work = (now - st.last) * st.rate
+        st.work_left -= done_work
+        st.attempt_work += done_work
+        if net is not None and st.ideal_step and st.job.job_id in net:
+            cross_spine_bytes += net.cross_spine_bytes(st.job.job_id) * done_work / st.ideal_step
+        st.last = now
+
     def start(st: _State, placement: Placement) -> None:
         nonlocal allocated, within_leaf, multi_node, leaves_crossed
         st.placement = placement
-        st.started = now
+        st.started = st.last = now
         if st.first_start is None:
             st.first_start = now
         st.attempts.append(AttemptTimes(len(st.attempts) + 1, held(st), now, now))
         allocated += held(st)
-        st.end_seq = push(now + run_time(st, placement), "finish", st.job.job_id)
+        st.work_left, st.attempt_work, st.ideal_step = work_of(st, placement), 0.0, 0.0
+        slow = speed(st.job, placement) if speed else 1.0
+        st.rate = 1.0 / slow if slow > 0 else 1.0
         running[st.job.job_id] = st
         pending.pop(st.job.job_id, None)
+        job = net_job(st, placement)
+        if job is not None:
+            settle(net.add(job))
+        else:
+            st.end_seq = push(now + st.work_left / st.rate, "finish", st.job.job_id)
         nodes = set(placement.nodes)
         if len(nodes) > 1:
             multi_node += 1
@@ -188,10 +247,10 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
 
     def stop(st: _State, *, finished: bool) -> None:
         nonlocal allocated, done
+        advance(st)
         allocated -= held(st)
         cap.release_placement(st.placement)
         a = st.attempts[-1]
-        elapsed = now - st.started
         if finished:
             st.attempts[-1] = AttemptTimes(a.attempt, a.gpus, a.reserved_at, a.running_at, now, "SUCCEEDED")
             st.finish = now
@@ -200,14 +259,17 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
             kept = 0.0
             interval = interval_of.get(st.job.job_id)
             if checkpoint == "young-daly" and interval:
-                kept = math.floor(elapsed / (interval + checkpoint_cost_s)) * interval
-            slow = (speed(st.job, st.placement) if speed else 1.0) or 1.0
-            st.remaining_s = max(0.0, st.remaining_s - kept / slow)
+                kept = math.floor(st.attempt_work / (interval + checkpoint_cost_s)) * interval
+            st.remaining_s = max(0.0, st.remaining_s - kept)
+            wall = now - a.running_at
+            kept_wall = wall * kept / st.attempt_work if st.attempt_work > 0 else 0.0
             st.attempts[-1] = AttemptTimes(a.attempt, a.gpus, a.reserved_at, a.running_at, now, "NODE_LOST",
-                                           kept_until=a.running_at + kept if kept else None)
+                                           kept_until=a.running_at + kept_wall if kept else None)
             pending[st.job.job_id] = st
         st.placement = None
         running.pop(st.job.job_id, None)
+        if net is not None and st.job.job_id in net:
+            settle(net.remove(st.job.job_id))
 
     def schedule() -> None:
         nonlocal passes, deadlocked
@@ -249,6 +311,11 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
             start(pending[placement.job_id], placement)
 
     while events:
+        # A finish event superseded by a speed change (or a teardown) is dropped before the clock moves to it.
+        top = events[0]
+        if top[2] == "finish" and (top[3] not in running or running[top[3]].end_seq != top[1]):
+            heapq.heappop(events)
+            continue
         t = events[0][0]
         waiting = bool(pending)
         free = total - allocated - sum(held(s) for s in pending.values() if s.partial)
@@ -313,6 +380,7 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
         "leaf_crossings_per_multi_node_gang": leaves_crossed / multi_node if multi_node else 0.0,
         "idle_gpu_hours_while_jobs_wait": area_idle_waiting / 3600,
         "hoarded_gpu_hours": area_hoard / 3600,
+        "cross_spine_tb": cross_spine_bytes / 1e12,
         "scheduling_passes": passes,
         "events_per_s": (len(states) * 2 + passes) / max(time.perf_counter() - started_wall, 1e-9),
         "wall_s": time.perf_counter() - started_wall,

@@ -375,6 +375,9 @@ class NetworkState:
 
     # ---- queries ---------------------------------------------------------------------------------------------
 
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 

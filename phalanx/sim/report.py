@@ -22,6 +22,7 @@ ROWS = [
     ("queue_delay_p99_h", "queueing delay p99 (h)", "{:.2f}"),
     ("within_one_leaf", "multi-node gangs within one leaf", "{:.1%}"),
     ("leaf_crossings_per_multi_node_gang", "leaf crossings per multi-node gang", "{:.2f}"),
+    ("cross_spine_tb", "AllReduce traffic across leaf uplinks (TB)", "{:.1f}"),
     ("idle_gpu_hours_while_jobs_wait", "idle GPU-hours while jobs wait (fragmentation)", "{:.0f}"),
     ("hoarded_gpu_hours", "GPU-hours hoarded by partly placed gangs", "{:.0f}"),
     ("makespan_h", "makespan (h)", "{:.1f}"),

@@ -42,7 +42,9 @@ ENV_DEADLINE = "PHALANX_CHECKPOINT_DEADLINE_S"  # deadline of a checkpoint this 
 DEFAULT_POLL_S = 10.0
 POLICY_AUTO = "auto"
 POLICY_OFF = "off"
-RETRIES = 3
+# UNAVAILABLE is retried for about 5 s (0.2, 0.4, 0.8, 1.6, 2 s): a coordinator restart, or a connection still
+# in gRPC's reconnect backoff after one, must not fail a rank's save.
+RETRIES = 6
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class Checkpointer:
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < RETRIES:
-                    time.sleep(0.2 * 2**attempt)
+                    time.sleep(min(0.2 * 2**attempt, 2.0))
                     continue
                 raise CheckpointRejectedError(code.name, exc.details() or "") from None
         raise AssertionError("unreachable")
