@@ -111,3 +111,28 @@ def test_a_gang_slows_while_another_shares_its_uplink_and_speeds_up_when_it_leav
     assert alone == pytest.approx(2000.0)
     assert sorted(both_jct) == pytest.approx([480.0, 2180.0])
     assert both["makespan_h"] * 3600 == pytest.approx(2180.0)
+
+
+@dataclass(frozen=True)
+class T:
+    job_id: str
+    submit_s: float
+    replicas: int
+    gpus_per_replica: int
+    duration_s: float
+    tenant: str
+    gpu_milli: int = 0
+
+
+def test_quotas_and_fair_share_keep_a_flooding_tenant_from_starving_the_others():
+    from phalanx.sim.engine import equal_quotas
+
+    jobs = [T(f"f{i}", 0, 1, 8, 100, "flood") for i in range(40)] + [T(f"l{i}", 1, 1, 8, 100, "late")
+                                                                     for i in range(4)]
+    cluster = ClusterSpec.parse("4x8,leaf=4")
+    fifo = simulate(jobs, cluster, "topo").metrics["tenants"]
+    fair = simulate(jobs, cluster, "topo", quotas=equal_quotas(jobs, 32)).metrics["tenants"]
+    assert fifo["late"]["queue_delay_mean_h"] * 3600 >= 900  # behind all 40 of the flood
+    assert fair["late"]["queue_delay_mean_h"] * 3600 <= 150  # its share comes first once GPUs free up
+    assert fair["late"]["quota_share"] == fair["flood"]["quota_share"] == 0.5
+    assert fair["flood"]["completed"] == 40 and fair["late"]["completed"] == 4

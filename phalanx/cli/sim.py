@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def cmd_sim_run(args: argparse.Namespace) -> int:
-    from phalanx.sim.engine import POLICIES, ClusterSpec, simulate
+    from phalanx.sim.engine import POLICIES, ClusterSpec, equal_quotas, simulate
     from phalanx.sim.network import NetworkSpec
     from phalanx.sim.report import write_report
     from phalanx.sim.traces import DataNotFound, find_data, load_trace
@@ -55,8 +55,9 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
             sys.stderr.flush()
 
         network = None if args.no_network else NetworkSpec(oversubscription=cluster.oversub)
+        quotas = equal_quotas(jobs, cluster.nodes * cluster.gpus) if args.quotas == "equal" else None
         result = simulate(jobs, cluster, policy, failures_per_gpu_day=args.failures, checkpoint=args.checkpoint,
-                          seed=args.seed, progress=progress, network=network)
+                          seed=args.seed, progress=progress, network=network, quotas=quotas)
         m = result.metrics
         sys.stderr.write(f"[sim] {policy}: {m['completed']}/{m['jobs']} completed, utilisation "
                          f"{m['utilization_allocated']:.1%}, mean JCT {m['jct_mean_h']:.2f} h, "
@@ -89,6 +90,9 @@ def register(subparsers) -> None:
     run.add_argument("--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then "
                                                                   "../shared/data)")
     run.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N jobs of the trace")
+    run.add_argument("--quotas", choices=["none", "equal"], default="none",
+                     help="equal: each tenant of the trace (a Philly team) gets a queue with an equal share of the "
+                          "cluster as its quota, in one cohort (borrowing idle quota), and fair share across them")
     run.add_argument("--no-network", action="store_true",
                      help="run times as in the trace (no AllReduce model: placement does not change speed)")
     run.add_argument("--arrival-scale", type=float, default=1.0, metavar="S",

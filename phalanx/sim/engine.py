@@ -26,7 +26,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from phalanx.core.fabric import default_fabric
 from phalanx.core.goodput import AttemptTimes, Goodput, account_job
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
+from phalanx.core.quota import DEFAULT_QUEUE, FlavorQuota, QueueSpec, QuotaBook, usage_of
 
 from .network import NetJob, NetworkSpec, NetworkState, allreduce_time
 
@@ -111,6 +112,7 @@ class _State:
     rate: float = 1.0  # speed now: full-speed step time / step time on its placement with today's contention
     last: float = 0.0
     ideal_step: float = 0.0
+    flavor: str = ""  # the quota flavor it runs under (quotas on)
 
 
 @dataclass
@@ -125,6 +127,7 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
              checkpoint: str = "young-daly", checkpoint_cost_s: float = 60.0, repair_s: float = 3600.0,
              seed: int = 0, speed: Callable[[Job, Placement], float] | None = None, depth: int = 200,
              network: NetworkSpec | None = None, comm_fraction: float = 0.2,
+             quotas: Mapping[str, QueueSpec] | None = None,
              progress: Callable[[int, int], None] | None = None) -> SimResult:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
@@ -169,6 +172,9 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
     interval_of: dict[str, float] = {}
     net = NetworkState(cluster.fabric(), network) if network is not None else None
     cross_spine_bytes = 0.0
+
+    def tenant_of(st: _State) -> str:
+        return getattr(st.job, "tenant", "") or DEFAULT_QUEUE
 
     def held(st: _State) -> float:
         r = st.request
@@ -302,13 +308,20 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
             if not progress_made and not running and any(s.partial for s in pending.values()) and not deadlocked:
                 deadlocked = now  # partly placed gangs hold what the others need: nothing can ever start
             return
+        book = None
+        if quotas:
+            book = QuotaBook(quotas, usage_of((tenant_of(s), s.flavor, s.request) for s in running.values()),
+                             {"gpus": float(total)})
         result = schedule_with_backfill(
             cap, [s.request for s in pending.values()], tiers, now=now,
             running=lambda: [RunningEnd(s.job.job_id, s.placement, s.started + s.request.time_limit)
                              for s in running.values()],
-            backfill=policy != "gang-fifo", depth=depth)
+            backfill=policy != "gang-fifo", depth=depth, book=book,
+            queues={s.job.job_id: tenant_of(s) for s in pending.values()} if book else None)
         for placement in result.placements:
-            start(pending[placement.job_id], placement)
+            st = pending[placement.job_id]
+            st.flavor = result.flavors.get(placement.job_id, "")
+            start(st, placement)
 
     while events:
         # A finish event superseded by a speed change (or a teardown) is dropped before the clock moves to it.
@@ -385,4 +398,32 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
         "events_per_s": (len(states) * 2 + passes) / max(time.perf_counter() - started_wall, 1e-9),
         "wall_s": time.perf_counter() - started_wall,
     }
+    # Per tenant: what each got, against its quota's share of the cluster (quotas on) or an equal share.
+    tenants: dict[str, dict[str, Any]] = {}
+    for s in states.values():
+        t = tenants.setdefault(tenant_of(s), {"jobs": 0, "completed": 0, "gpu_hours": 0.0, "jct": [], "wait": []})
+        t["jobs"] += 1
+        gpus = s.request.replicas * (s.request.gpu_milli / 1000 if s.request.gpu_milli else s.request.gpus_per_replica)
+        t["gpu_hours"] += gpus * s.job.duration_s / 3600
+        if s.finish is not None:
+            t["completed"] += 1
+            t["jct"].append((s.finish - s.job.submit_s) / 3600)
+        if s.first_start is not None:
+            t["wait"].append((s.first_start - s.job.submit_s) / 3600)
+    nominal = {n: sum(q.gpus for q in spec.quotas.values()) for n, spec in (quotas or {}).items()}
+    all_nominal = sum(nominal.values()) or 0.0
+    for name, t in tenants.items():
+        jct_t, wait_t = t.pop("jct"), t.pop("wait")
+        t["jct_mean_h"] = statistics.fmean(jct_t) if jct_t else float("nan")
+        t["queue_delay_mean_h"] = statistics.fmean(wait_t) if wait_t else float("nan")
+        t["quota_share"] = nominal.get(name, 0.0) / all_nominal if all_nominal else 1 / len(tenants)
+    metrics["tenants"] = tenants
     return SimResult(policy, metrics, timeline, jct)
+
+
+def equal_quotas(jobs: Sequence[Job], total_gpus: int, cohort: str = "all") -> dict[str, QueueSpec]:
+    """One queue per tenant with an equal share of the cluster as its nominal quota, all in one cohort (idle quota is
+    lent, and reclaimed when its owner needs it)."""
+    tenants = sorted({getattr(j, "tenant", "") or DEFAULT_QUEUE for j in jobs})
+    share = total_gpus / max(1, len(tenants))
+    return {t: QueueSpec(t, {"*": FlavorQuota(gpus=share)}, cohort=cohort) for t in tenants}

@@ -43,6 +43,20 @@ def write_report(results: Sequence[SimResult], out: Path, title: str) -> dict:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     goodput = [r.metrics["goodput"]["ratio"] for r in results]
     lines.append("| goodput (productive / allocated) | " + " | ".join(f"{g:.1%}" for g in goodput) + " |")
+    tenants = sorted({t for r in results for t in r.metrics.get("tenants", {})})
+    if len(tenants) > 1:
+        lines += ["", "## Per tenant", "", "| tenant | quota share | " + " | ".join(
+            f"{r.policy}: GPU-h / mean JCT (h) / mean wait (h)" for r in results) + " |",
+            "|---|---|" + "---|" * len(results)]
+        for name in tenants:
+            share = next((r.metrics["tenants"][name]["quota_share"] for r in results
+                          if name in r.metrics.get("tenants", {})), 0.0)
+            cells = []
+            for r in results:
+                t = r.metrics.get("tenants", {}).get(name)
+                cells.append("-" if t is None else
+                             f"{t['gpu_hours']:.0f} / {t['jct_mean_h']:.2f} / {t['queue_delay_mean_h']:.2f}")
+            lines.append(f"| {name} | {share:.1%} | " + " | ".join(cells) + " |")
     dead = [r for r in results if r.metrics.get("deadlocked")]
     for r in dead:
         lines.append("")
