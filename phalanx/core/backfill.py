@@ -69,6 +69,12 @@ class BackfillResult:
     quota_blocked: Mapping[str, str] = dataclasses.field(default_factory=dict)  # job -> why its quota refuses it
 
 
+def _shape(r: GangRequest) -> tuple:
+    """What placement depends on, besides the capacity: requests of one shape fit or not alike."""
+    return (r.replicas, r.gpus_per_replica, r.gpu_model, r.mig_profile, r.gpu_milli, r.required_tier,
+            r.preferred_tier)
+
+
 def _release(cap: ClusterCapacity, gang: RunningEnd, unusable: Mapping[str, Collection[int]]) -> None:
     cap.release_placement(gang.placement)
     for node in gang.placement.nodes:
@@ -98,6 +104,7 @@ def region_of(capacity: ClusterCapacity, placement: Placement) -> frozenset[str]
 def plan_reservation(
     capacity: ClusterCapacity, head: GangRequest, running: Sequence[RunningEnd], now: float,
     fabric_tiers: Sequence[str] = (), unusable: Mapping[str, Collection[int]] | None = None,
+    ideal_cache: dict | None = None,
 ) -> Reservation | None:
     """When and where `head` can start at the earliest, as the running gangs end at their limits; None when it
     would not fit even with every running gang gone (then there is nothing to protect: lost or unhealthy capacity
@@ -110,16 +117,27 @@ def plan_reservation(
     """
     unusable = unusable or {}
     gangs = sorted(running, key=lambda g: (g.ends_at, g.job_id))
-    empty = capacity.copy()
-    for gang in gangs:
-        _release(empty, gang, unusable)
-    ideal = place_gang(empty, head, fabric_tiers)
-    if not isinstance(ideal, Placement):
+    rank = _tier_rank(capacity, fabric_tiers)
+    # The head on an empty cluster (only down nodes and unusable GPUs out): it depends on the shape and on which
+    # nodes are out, not on what runs, so it is worked out once per shape while they stay the same.
+    down = frozenset(n.name for n in capacity.nodes.values() if not n.schedulable)
+    key = (_shape(head), down, frozenset((n, frozenset(g)) for n, g in unusable.items()))
+    best = ideal_cache.get(key) if ideal_cache is not None else None
+    if best is None:
+        empty = ClusterCapacity(
+            dataclasses.replace(n, free=set(range(n.total)) - set(unusable.get(n.name, ())), mig={}, milli={})
+            for n in capacity.nodes.values())
+        ideal = place_gang(empty, head, fabric_tiers)
+        best = (rank(ideal.tier), ideal.domains) if isinstance(ideal, Placement) else False
+        if ideal_cache is not None:
+            if len(ideal_cache) > 1000:
+                ideal_cache.clear()
+            ideal_cache[key] = best
+    if best is False:
         return None
-    rank = _tier_rank(empty, fabric_tiers)
 
     def compact(p: Placement) -> bool:
-        return (rank(p.tier), p.domains) <= (rank(ideal.tier), ideal.domains)
+        return (rank(p.tier), p.domains) <= best
 
     found = _earliest(capacity, head, gangs, fabric_tiers, unusable, compact)
     if found is None or (math.isinf(found[0]) and gangs and not math.isinf(gangs[0].ends_at)):
@@ -221,6 +239,7 @@ def schedule_with_backfill(
     backfilled: list[str] = []
     flavors: dict[str, str] = {}
     refused: dict[str, str] = {}
+    failed: set[tuple] = set()  # (region hidden, shape) that did not fit behind the head in this pass
     if book is None:
         order: Iterable[tuple[str, GangRequest]] = (("", r) for r in queue_order(pending))
     else:
@@ -256,16 +275,22 @@ def schedule_with_backfill(
                 if memo is not None and memo.get("key") == key:
                     reservation = memo["reservation"]
                 else:
-                    reservation = plan_reservation(capacity, variant, planned, now, fabric_tiers, unusable)
+                    reservation = plan_reservation(capacity, variant, planned, now, fabric_tiers, unusable,
+                                                   memo.setdefault("ideal", {}) if memo is not None else None)
                     if memo is not None:
                         memo.update(key=key, reservation=reservation)
                 continue
         else:
+            hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
+            # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later in
+            # it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
+            variants = [(f, v) for f, v in variants if (hide, _shape(v)) not in failed]
+            if not variants:
+                continue
             if depth is not None:
                 depth -= 1
                 if depth < 0:
                     break
-            hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
             hidden = []
             if hide:
                 hidden = [n for n in reservation.nodes if n in capacity.nodes and capacity.nodes[n].schedulable]
@@ -277,6 +302,7 @@ def schedule_with_backfill(
                     if isinstance(result, Placement):
                         placed = (flavor, variant, result)
                         break
+                    failed.add((hide, _shape(variant)))
             finally:
                 for n in hidden:
                     capacity.set_schedulable(n, True)

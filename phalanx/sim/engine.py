@@ -171,6 +171,7 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
     leaves_crossed = 0
     interval_of: dict[str, float] = {}
     net = NetworkState(cluster.fabric(), network) if network is not None else None
+    memo: dict = {}  # the scheduler's memo of the head's reservation, kept across passes as the cycle keeps it
     cross_spine_bytes = 0.0
 
     def tenant_of(st: _State) -> str:
@@ -316,7 +317,7 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
             cap, [s.request for s in pending.values()], tiers, now=now,
             running=lambda: [RunningEnd(s.job.job_id, s.placement, s.started + s.request.time_limit)
                              for s in running.values()],
-            backfill=policy != "gang-fifo", depth=depth, book=book,
+            backfill=policy != "gang-fifo", depth=depth, book=book, memo=memo,
             queues={s.job.job_id: tenant_of(s) for s in pending.values()} if book else None)
         for placement in result.placements:
             st = pending[placement.job_id]
