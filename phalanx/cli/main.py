@@ -98,11 +98,19 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _arg_type(parse):
+    """An argparse `type` from a parser that raises ValueError: a bad value is a usage error (exit code 2)."""
+    def convert(value: str):
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+_duration = _arg_type(parse_duration)
 
 
 def _out() -> TextIO:
@@ -147,13 +155,7 @@ def _parse_states(values: Sequence[str] | None) -> list[JobState]:
     return states
 
 
-def _priority(value: str) -> int:
-    """argparse type of ``--priority``: an integer or a class name (a bad one is a usage error, exit code 2)."""
-    try:
-        return parse_priority(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
+_priority = _arg_type(parse_priority)  # ``--priority``: an integer or a class name
 
 def _parse_since(value: str | None) -> float:
     """``--since``: unix seconds, or an ISO 8601 time (UTC unless it says otherwise); None or "" is 0 (all)."""

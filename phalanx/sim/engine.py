@@ -37,7 +37,7 @@ from phalanx.core.fabric import default_fabric
 from phalanx.core.goodput import AttemptTimes, Goodput, account_job
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
-from phalanx.core.quota import DEFAULT_QUEUE, FlavorQuota, QueueSpec, QuotaBook, usage_of
+from phalanx.core.quota import DEFAULT_QUEUE, FlavorQuota, QueueSpec, QuotaBook, demand, usage_of
 
 from .network import NetJob, NetworkSpec, NetworkState, allreduce_time
 
@@ -178,11 +178,9 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
         return getattr(st.job, "tenant", "") or DEFAULT_QUEUE
 
     def held(st: _State) -> float:
-        r = st.request
-        g = r.gpu_milli / 1000 if r.gpu_milli else r.gpus_per_replica
         if st.placement is not None:
-            return r.replicas * g
-        return len(st.partial) * g
+            return demand(st.request)[0]
+        return len(st.partial) * demand(st.request)[0] / st.request.replicas
 
     def work_of(st: _State, placement: Placement) -> float:
         work = st.remaining_s
@@ -370,10 +368,9 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
     waits = sorted(s.first_start - s.job.submit_s for s in states.values() if s.first_start is not None)
     goodput = Goodput()
     for s in states.values():
-        gpus = s.request.replicas * (s.request.gpu_milli / 1000 if s.request.gpu_milli else s.request.gpus_per_replica)
+        gpus = demand(s.request)[0]
         goodput += account_job(s.job.submit_s, gpus, s.attempts, makespan, finished_at=s.finish)
-    delivered = sum(s.request.replicas * (s.request.gpu_milli / 1000 if s.request.gpu_milli
-                                          else s.request.gpus_per_replica) * s.job.duration_s for s in finished)
+    delivered = sum(demand(s.request)[0] * s.job.duration_s for s in finished)
 
     def q(values: list[float], p: float) -> float:
         return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))] if values else float("nan")
@@ -404,8 +401,7 @@ def simulate(jobs: Sequence[Job], cluster: ClusterSpec, policy: str, *, failures
     for s in states.values():
         t = tenants.setdefault(tenant_of(s), {"jobs": 0, "completed": 0, "gpu_hours": 0.0, "jct": [], "wait": []})
         t["jobs"] += 1
-        gpus = s.request.replicas * (s.request.gpu_milli / 1000 if s.request.gpu_milli else s.request.gpus_per_replica)
-        t["gpu_hours"] += gpus * s.job.duration_s / 3600
+        t["gpu_hours"] += demand(s.request)[0] * s.job.duration_s / 3600
         if s.finish is not None:
             t["completed"] += 1
             t["jct"].append((s.finish - s.job.submit_s) / 3600)
