@@ -116,6 +116,17 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture
+def trace_data() -> Path:
+    """The trace data folder as `phalanx sim` finds it (--data, $PHALANX_DATA, ../shared/data); skips without it."""
+    from phalanx.sim.traces import DataNotFound, find_data
+
+    try:
+        return find_data()
+    except DataNotFound as exc:
+        pytest.skip(f"trace data folder not found: {exc}")
+
+
 class _CurrentStderr:
     """Whatever sys.stderr is when written to (capture swaps it)."""
 

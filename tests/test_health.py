@@ -410,7 +410,12 @@ async def test_sigterm_drain_reports_and_the_node_takes_no_work(db_url, tmp_path
         assert node.free_gpus == 0
         requeued = await c.wait_job(job.id, PENDING)
         assert requeued.attempt == 1
-        assert ("KILLED",) in run_sql(db_url, "SELECT state FROM ranks WHERE job_id = :j", j=job.id)
+
+
+        async def killed():  # the agent's report of its killed ranks may land just after the requeue
+            return ("KILLED",) in run_sql(db_url, "SELECT state FROM ranks WHERE job_id = :j", j=job.id)
+
+        await eventually(killed, what="the killed ranks reported")
         # A new agent process for the node: READY again, and the requeued gang runs.
         c.agent = NodeAgent(AgentConfig(
             scheduler=c.scheduler.address, node_name="node-a", topology=simulated_topology("node-a", "dgx-h100"),

@@ -3,6 +3,8 @@ do not block other queues, and `ListQueues` with positions."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -92,3 +94,25 @@ async def test_queue_validation_and_unknown_queues(db_url):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.stub.ListQueues(scheduler_pb2.ListQueuesRequest(name="q"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_reclaimed_gang_that_would_borrow_does_not_preempt_the_reclaimer(db_url):
+    # Kueue's borrowWithinCohort "Never": a high-priority gang that could only run on borrowed quota may preempt
+    # within its own queue, not the gang that reclaimed that quota (else the two would evict each other forever).
+    async with cluster(db_url) as c:
+        await c.stub.SetQueue(queue("research", 8, cohort="lab"))
+        await c.stub.SetQueue(queue("prod", 8, cohort="lab"))
+        await c.stub.SetQueue(queue("spare", 8, cohort="lab"))  # idle quota (no GPUs behind it) to borrow from
+        first = await c.submit("r1", 1, 8, queue="research", priority=100)
+        second = await c.submit("r2", 1, 8, queue="research", priority=100)  # borrows prod's idle quota
+        await c.wait_running(first.id)
+        await c.wait_running(second.id)
+        owner = await c.submit("p1", 1, 8, queue="prod")  # priority 0, within nominal: reclaims anyway
+        await c.wait_running(owner.id)
+        await asyncio.sleep(1.5)  # no minimum runtime, no grace: a thrash would show within a few cycles
+        assert (await c.job(owner.id)).state == RUNNING and (await c.job(owner.id)).preemptions == 0
+        jobs = [await c.job(j.id) for j in (first, second)]
+        assert sorted(j.state for j in jobs) == sorted([RUNNING, PENDING])
+        assert sum(j.preemptions for j in jobs) == 1
+        reclaimed = next(j for j in jobs if j.state == PENDING)
+        assert "waiting" in reclaimed.message and reclaimed.preemptions == 1

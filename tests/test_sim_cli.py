@@ -7,15 +7,12 @@ import json
 import pytest
 
 from phalanx.cli.main import main
-from phalanx.sim.traces import DataNotFound, find_data, philly_teams
+from phalanx.sim.traces import philly_teams
 
 
 @pytest.fixture
-def data():
-    try:
-        return find_data()
-    except DataNotFound as exc:
-        pytest.skip(f"trace data folder not found: {exc}")
+def data(trace_data):
+    return trace_data
 
 
 def test_sim_run_writes_the_report_and_one_json_line(data, tmp_path, capsys):
@@ -57,3 +54,28 @@ def test_sim_run_without_data_says_where_it_looked(tmp_path, capsys, monkeypatch
     code = main(["sim", "run", "--trace", "philly", "--out", str(tmp_path / "o")])
     _, stderr = capsys.readouterr()
     assert code == 1 and "PHALANX_DATA" in stderr
+
+
+def test_sim_run_preemption_policies_on_the_multi_tenant_mix_with_quotas(data, tmp_path, capsys):
+    out = tmp_path / "mix"
+    code = main(["sim", "run", "--trace", "mix:teams=3,jobs=60,hours=24,pretrain=3,finetune=150,seed=2",
+                 "--limit", "200", "--cluster", "32x8,leaf=8", "--policy", "topo-preempt,topo-mig",
+                 "--quotas", "equal", "--data", str(data), "--out", str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    doc = json.loads(stdout.strip().splitlines()[-1])
+    assert set(doc["policies"]) == {"topo-preempt", "topo-mig"}
+    saved = json.loads((out / "result.json").read_text())
+    for policy, m in saved.items():
+        assert m["jobs"] == 200 and m["completed"] == 200
+        assert m["preemptions"] >= m["reclaims"] >= 0 and m["preempt_lost_gpu_hours"] >= 0
+        assert 0 < m["fairness_jain"] <= 1
+        assert len(m["tenants"]) == 3
+        for t in m["tenants"].values():
+            assert t["quota_share"] == pytest.approx(1 / 3)
+            assert {"gpu_hours_received", "gpu_hours_entitled", "received_share", "fair_ratio", "preempted"} <= set(t)
+        assert set(m["priorities"]) <= {"100", "0", "-100"} and "-100" in m["priorities"]
+    # Fractional fine-tuning jobs share GPUs under topo-mig only.
+    assert saved["topo-mig"]["peak_running_jobs"] >= saved["topo-preempt"]["peak_running_jobs"]
+    report = (out / "report.md").read_text()
+    assert "## Per tenant" in report and "fairness vs quotas" in report and "preemptions" in report

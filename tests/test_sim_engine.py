@@ -136,3 +136,153 @@ def test_quotas_and_fair_share_keep_a_flooding_tenant_from_starving_the_others()
     assert fair["late"]["queue_delay_mean_h"] * 3600 <= 150  # its share comes first once GPUs free up
     assert fair["late"]["quota_share"] == fair["flood"]["quota_share"] == 0.5
     assert fair["flood"]["completed"] == 40 and fair["late"]["completed"] == 4
+
+
+@dataclass(frozen=True)
+class P:
+    job_id: str
+    submit_s: float
+    replicas: int
+    gpus_per_replica: int
+    duration_s: float
+    priority: int = 0
+    tenant: str = ""
+    gpu_milli: int = 0
+
+
+def test_preemption_checkpoints_the_victim_hands_over_and_the_victim_resumes_with_its_work():
+    # One node. "lo" (priority -1, 3,000 s of work) runs from 0; "hi" (priority 10, 1,000 s) arrives at 1,000. It is
+    # asked to checkpoint at 1,000, keeps its GPUs for the 60 s checkpoint, and hands over at 1,060: "hi" runs to
+    # 2,060, then "lo" resumes with the 2,000 s it had left and ends at 4,060.
+    jobs = [P("lo", 0, 1, 8, 3000, priority=-1), P("hi", 1000, 1, 8, 1000, priority=10)]
+    cluster = ClusterSpec.parse("1x8")
+    result = simulate(jobs, cluster, "topo-preempt", checkpoint_cost_s=60)
+    m = result.metrics
+    assert result.jct == pytest.approx([1060.0, 4060.0])  # hi: 1,060 after submission; lo: ends at 4,060
+    assert m["preemptions"] == 1 and m["reclaims"] == 0
+    assert m["preempt_lost_gpu_hours"] == pytest.approx(8 * 60 / 3600)
+    g = m["goodput"]
+    assert g["productive"] == pytest.approx(8 * (3000 + 1000))  # all the work, once
+    assert g["rollback"] == pytest.approx(8 * 60)  # the checkpoint grace
+    assert g["allocated"] == pytest.approx(g["productive"] + g["rollback"])
+    assert m["priorities"]["-1"]["preempted"] == 1 and m["priorities"]["10"]["preempted"] == 0
+    # Without preemption (topo), "hi" waits for "lo" to end.
+    plain = simulate(jobs, cluster, "topo", checkpoint_cost_s=60)
+    assert plain.jct == pytest.approx([3000.0, 3000.0]) and plain.metrics["preemptions"] == 0
+    # topo-mig (f) is (e) plus fractional GPUs: it preempts alike.
+    assert simulate(jobs, cluster, "topo-mig", checkpoint_cost_s=60).jct == pytest.approx([1060.0, 4060.0])
+
+
+def test_preemption_respects_min_runtime_equal_priorities_and_loses_the_work_without_checkpoints():
+    cluster = ClusterSpec.parse("1x8")
+    # "hi" arrives at 300, "lo" is protected until 600: asked then, handover at 660; "lo" ends at 660 + 1,000 +
+    # 2,400.
+    early = [P("lo", 0, 1, 8, 3000, priority=-1), P("hi", 300, 1, 8, 1000, priority=10)]
+    r = simulate(early, cluster, "topo-preempt", checkpoint_cost_s=60, min_runtime_s=600)
+    assert sorted(r.jct) == pytest.approx([1360.0, 4060.0])
+    # Equal priorities never preempt each other.
+    same = [P("lo", 0, 1, 8, 3000), P("hi", 1000, 1, 8, 1000)]
+    assert simulate(same, cluster, "topo-preempt").metrics["preemptions"] == 0
+    # Without checkpoints the victim is stopped at once and starts again from scratch: hi runs 1,000-2,000, lo
+    # 2,000-5,000; its first 1,000 s on 8 GPUs are lost.
+    late = [P("lo", 0, 1, 8, 3000, priority=-1), P("hi", 1000, 1, 8, 1000, priority=10)]
+    r = simulate(late, cluster, "topo-preempt", checkpoint="none")
+    assert r.jct == pytest.approx([1000.0, 5000.0])
+    assert r.metrics["preempt_lost_gpu_hours"] == pytest.approx(8 * 1000 / 3600)
+    assert r.metrics["goodput"]["rollback"] == pytest.approx(8 * 1000)
+
+
+def test_quota_reclaim_evicts_a_gang_running_on_borrowed_quota():
+    from phalanx.sim.engine import equal_quotas
+
+    # Two tenants with 8 GPUs of nominal quota each on two nodes. "borrow" runs two 8-GPU gangs (one on quota it
+    # borrowed from "owner"); at 1,000 "owner" submits a gang within its nominal quota, of the same priority: it
+    # reclaims one node (checkpoint, handover at 1,060, done at 1,560), and the victim resumes then, ending at
+    # 1,560 + 4,000.
+    jobs = [P("b0", 0, 1, 8, 5000, tenant="borrow"), P("b1", 0, 1, 8, 5000, tenant="borrow"),
+            P("o", 1000, 1, 8, 500, tenant="owner")]
+    cluster = ClusterSpec.parse("2x8")
+    quotas = equal_quotas(jobs, 16)
+    r = simulate(jobs, cluster, "topo-preempt", quotas=quotas, checkpoint_cost_s=60)
+    assert sorted(r.jct) == pytest.approx([560.0, 5000.0, 5560.0])
+    assert r.metrics["preemptions"] == r.metrics["reclaims"] == 1
+    assert r.metrics["tenants"]["borrow"]["preempted"] == 1
+    # Without preemption the owner waits for the borrower's gangs to end; its share of what it was entitled to
+    # falls, and so does the fairness index.
+    plain = simulate(jobs, cluster, "topo", quotas=quotas)
+    assert sorted(plain.jct) == pytest.approx([4500.0, 5000.0, 5000.0])
+    assert plain.metrics["tenants"]["owner"]["fair_ratio"] < r.metrics["tenants"]["owner"]["fair_ratio"]
+    assert plain.metrics["fairness_jain"] < r.metrics["fairness_jain"] <= 1.0
+    # Without quotas there is nothing to reclaim, and equal priorities do not preempt.
+    assert simulate(jobs, cluster, "topo-preempt").metrics["preemptions"] == 0
+
+
+def test_topo_mig_runs_more_fractional_jobs_at_once_than_topo():
+    jobs = [P(f"f{i}", 0, 1, 1, 100, gpu_milli=250) for i in range(32)] + [P("big", 0, 1, 8, 50, priority=5)]
+    cluster = ClusterSpec.parse("2x8")
+    whole = simulate(jobs, cluster, "topo-preempt").metrics
+    shared = simulate(jobs, cluster, "topo-mig").metrics
+    assert whole["peak_running_jobs"] == 16  # a whole GPU each: 16 at once at most (once the big gang is done)
+    assert shared["peak_running_jobs"] == 33  # the big gang and all 32 small ones, four to a GPU
+    assert shared["makespan_h"] < whole["makespan_h"]
+
+
+def test_entitlement_and_jain_index():
+    from phalanx.sim.engine import _entitlement, _jain
+
+    # Equal weights over 12 GPUs: one tenant wants only 2, the other two split the rest.
+    assert _entitlement({"a": 2, "b": 10, "c": 10}, {"a": 1, "b": 1, "c": 1}, 12) == pytest.approx(
+        {"a": 2, "b": 5, "c": 5})
+    assert _entitlement({"a": 0, "b": 10}, {"a": 0.5, "b": 0.5}, 8) == pytest.approx({"a": 0, "b": 8})
+    assert _entitlement({"a": 10, "b": 10}, {"a": 0.75, "b": 0.25}, 8) == pytest.approx({"a": 6, "b": 2})
+    assert _jain([1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert _jain([1.0, 0.0]) == pytest.approx(0.5)
+
+
+def test_the_multi_tenant_mix_trace():
+    from collections import Counter
+
+    from phalanx.sim.engine import equal_quotas
+    from phalanx.sim.traces import DataNotFound, find_data, load_mix, load_trace
+
+    try:
+        data = find_data()
+    except DataNotFound as exc:
+        pytest.skip(f"trace data folder not found: {exc}")
+    spec = "mix:teams=3,jobs=40,hours=24,pretrain=2,finetune=100,seed=1"
+    jobs = load_trace(spec, data)
+    assert jobs == load_mix(data, teams=3, jobs_per_team=40, hours=24, pretrain=2, finetune=100, seed=1)
+    assert jobs != load_trace(spec.replace("seed=1", "seed=2"), data)
+    kinds = Counter((j.source, j.priority) for j in jobs)
+    assert kinds == Counter({("philly", 0): 120, ("mix:pretrain", 100): 2, ("mix:finetune", -100): 100})
+    assert len({j.tenant for j in jobs}) == 3 and [j.submit_s for j in jobs] == sorted(j.submit_s for j in jobs)
+    assert all(j.submit_s <= 24 * 3600 for j in jobs)
+    assert all(j.total_gpus in (64, 128, 256) for j in jobs if j.source == "mix:pretrain")
+    small = [j for j in jobs if j.source == "mix:finetune"]
+    assert all(j.total_gpus <= 8 for j in small) and any(0 < j.gpu_milli < 1000 for j in small)
+    with pytest.raises(ValueError, match="Accepted forms"):
+        load_trace("mix:teams=99", data)
+    # Replayed with equal quotas: per-tenant results with fairness against the quotas.
+    m = simulate(jobs, ClusterSpec.parse("32x8,leaf=8"), "topo-mig", quotas=equal_quotas(jobs, 256)).metrics
+    assert m["completed"] == len(jobs) and 0 < m["fairness_jain"] <= 1
+    assert set(m["tenants"]) == {j.tenant for j in jobs}
+    for t in m["tenants"].values():
+        assert t["quota_share"] == pytest.approx(1 / 3) and t["gpu_hours_entitled"] > 0 and t["fair_ratio"] > 0
+    assert sum(t["received_share"] for t in m["tenants"].values()) == pytest.approx(1.0)
+
+
+def test_a_head_on_borrowed_quota_preempts_only_its_own_queue_unless_borrowers_may_preempt():
+    from phalanx.sim.engine import equal_quotas
+
+    # Three queues of 8 GPUs on three nodes. C runs two 8-GPU gangs (one on quota borrowed from the idle A and B);
+    # at 1,000 A submits a 16-GPU gang of high priority: admitted only by borrowing. As the cycle does (default,
+    # Kueue's borrowWithinCohort: Never) it may preempt only in its own queue, so it waits for C's gangs (5,000).
+    # With borrower_preempts it preempts one of C's gangs (handover at 1,060, done at 3,060; the victim resumes
+    # and ends at 7,060).
+    jobs = [P("c0", 0, 1, 8, 5000, tenant="C"), P("c1", 0, 1, 8, 5000, tenant="C"), P("b", 0, 1, 1, 1, tenant="B"),
+            P("a0", 1000, 2, 8, 2000, priority=10, tenant="A")]
+    cluster, quotas = ClusterSpec.parse("3x8"), equal_quotas(jobs, 24)
+    loose = simulate(jobs, cluster, "topo-preempt", quotas=quotas, checkpoint_cost_s=60, borrower_preempts=True)
+    assert loose.jct == pytest.approx([1.0, 2060.0, 5000.0, 7060.0]) and loose.metrics["preemptions"] == 1
+    kueue = simulate(jobs, cluster, "topo-preempt", quotas=quotas, checkpoint_cost_s=60)
+    assert kueue.jct == pytest.approx([1.0, 5000.0, 5000.0, 6000.0]) and kueue.metrics["preemptions"] == 0

@@ -28,7 +28,9 @@ nodes hidden for the ones that may not enter it.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +47,86 @@ class RunningEnd:
     job_id: str
     placement: Placement
     ends_at: float = math.inf
+
+
+def _end_key(gang: RunningEnd) -> tuple[float, str]:
+    return gang.ends_at, gang.job_id
+
+
+class RunningSet:
+    """The running gangs in end order (`ends_at`, then job id), kept as they start and stop: for a caller that runs
+    pass after pass over thousands of running gangs (the simulator). `schedule_with_backfill`'s `running` may return
+    one; then a pass with a blocked head neither lists nor sorts the running gangs, and its memo compares `version`
+    (bumped by every change) instead of every gang. The plans are the same as with a plain list of the same gangs."""
+
+    __slots__ = ("_keys", "_gangs", "_at", "version")
+
+    def __init__(self, gangs: Iterable[RunningEnd] = ()) -> None:
+        self._keys: list[tuple[float, str]] = []
+        self._gangs: list[RunningEnd] = []
+        self._at: dict[str, tuple[float, str]] = {}
+        self.version = 0
+        for gang in gangs:
+            self.add(gang)
+
+    def add(self, gang: RunningEnd) -> None:
+        self.discard(gang.job_id)
+        key = _end_key(gang)
+        i = bisect_left(self._keys, key)
+        self._keys.insert(i, key)
+        self._gangs.insert(i, gang)
+        self._at[gang.job_id] = key
+        self.version += 1
+
+    def discard(self, job_id: str) -> None:
+        key = self._at.pop(job_id, None)
+        if key is None:
+            return
+        i = bisect_left(self._keys, key)
+        del self._keys[i]
+        del self._gangs[i]
+        self.version += 1
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._at
+
+    def __len__(self) -> int:
+        return len(self._gangs)
+
+    def __iter__(self):
+        return iter(self._gangs)
+
+    def __getitem__(self, i):
+        return self._gangs[i]
+
+
+class _InEndOrder:
+    """Running gangs already in end order (a RunningSet) merged with a few more (sorted here), read lazily: the
+    reservation's gallop looks only at a prefix."""
+
+    __slots__ = ("_done", "_rest", "_len")
+
+    def __init__(self, live: RunningSet, extra: Sequence[RunningEnd] = ()) -> None:
+        self._len = len(live) + len(extra)
+        if extra:
+            self._done: list[RunningEnd] = []
+            self._rest = heapq.merge(live, sorted(extra, key=_end_key), key=_end_key)
+        else:
+            self._done, self._rest = live._gangs, None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __getitem__(self, i: int) -> RunningEnd:
+        if i < 0:
+            i += self._len
+        done = self._done
+        while self._rest is not None and len(done) <= i:
+            done.append(next(self._rest))
+        return done[i]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +159,8 @@ def _shape(r: GangRequest) -> tuple:
 
 def _release(cap: ClusterCapacity, gang: RunningEnd, unusable: Mapping[str, Collection[int]]) -> None:
     cap.release_placement(gang.placement)
+    if not unusable:
+        return
     for node in gang.placement.nodes:
         held = unusable.get(node)
         if held:
@@ -116,11 +200,13 @@ def plan_reservation(
     without a time limit are in the way) does it take the earliest placement of any shape.
     """
     unusable = unusable or {}
-    gangs = sorted(running, key=lambda g: (g.ends_at, g.job_id))
+    if isinstance(running, RunningSet):
+        running = _InEndOrder(running)
+    gangs = running if isinstance(running, _InEndOrder) else sorted(running, key=_end_key)
     rank = _tier_rank(capacity, fabric_tiers)
     # The head on an empty cluster (only down nodes and unusable GPUs out): it depends on the shape and on which
     # nodes are out, not on what runs, so it is worked out once per shape while they stay the same.
-    down = frozenset(n.name for n in capacity.nodes.values() if not n.schedulable)
+    down = capacity.unschedulable()
     key = (_shape(head), down, frozenset((n, frozenset(g)) for n, g in unusable.items()))
     best = ideal_cache.get(key) if ideal_cache is not None else None
     if best is None:
@@ -161,15 +247,97 @@ def _tier_rank(capacity: ClusterCapacity, fabric_tiers: Sequence[str]):
     return lambda tier: order.get(tier, len(order))
 
 
-def _earliest(capacity: ClusterCapacity, head: GangRequest, gangs: list[RunningEnd], fabric_tiers: Sequence[str],
+def _earliest(capacity: ClusterCapacity, head: GangRequest, gangs: Sequence[RunningEnd], fabric_tiers: Sequence[str],
               unusable: Mapping[str, Collection[int]], good) -> tuple[float, Placement] | None:
     """The earliest end (in `gangs`, sorted by end) after which `head` has a placement that is `good`, and that
     placement; None when not even with all of them gone. `good` must hold for every placement at least as free as
     one where it holds (releasing GPUs never makes the best placement worse), so a gallop and a binary search find
-    it with O(log k) placements."""
-    cap = capacity.copy()
+    it with O(log k) placements.
+
+    The search releases and restores gangs on `capacity` itself and puts back every node it touched exactly as it
+    was (free GPUs, partial use, index) before it returns: O(what it releases), not a copy of the cluster. A head
+    asking for part of a GPU searches on a copy (the partial-GPU index would be rebuilt in another order)."""
+    if head.partial:
+        return _search(capacity.copy(), head, gangs, fabric_tiers, unusable, good)
+    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int]]] = {}
+    stale: set[str] = set()
+    try:
+        return _search(capacity, head, gangs, fabric_tiers, unusable, good, saved, stale)
+    finally:  # every node touched, back as it was, and the index with it
+        for name, (free, mig, milli) in saved.items():
+            node = capacity.nodes[name]
+            changed = name in stale  # changed since the index last followed it
+            if node.free != free:
+                node.free -= node.free - free
+                node.free |= free
+                changed = True
+            if node.mig != mig or list(node.mig) != list(mig):
+                node.mig.clear()
+                node.mig.update(mig)
+                changed = True
+            if node.milli != milli or list(node.milli) != list(milli):
+                node.milli.clear()
+                node.milli.update(milli)
+                changed = True
+            if changed:
+                capacity._touch(node)
+
+
+def _search(cap: ClusterCapacity, head: GangRequest, gangs: Sequence[RunningEnd], fabric_tiers: Sequence[str],
+            unusable: Mapping[str, Collection[int]], good, saved: dict | None = None,
+            stale: set[str] | None = None) -> tuple[float, Placement] | None:
+    """`_earliest` on `cap`, changing it; `saved` (when given) gets each node's state before its first change.
+
+    With `saved`, whole GPUs are released and taken back on the nodes' free sets at once (as `_release` and
+    `_restore` do) and the index follows once per node before each placement, not once per replica: the index is a
+    function of the free sets, so it reads the same. `stale` gets the nodes changed since the index last followed."""
+    if stale is None:
+        stale = set()
+    if saved is not None:
+        nodes = cap.nodes
+
+        def release(gang: RunningEnd) -> None:
+            for rep in gang.placement.replicas:
+                name = rep.node
+                n = nodes.get(name)
+                if n is None:
+                    continue
+                if name not in saved:
+                    saved[name] = (set(n.free), dict(n.mig), dict(n.milli))
+                if rep.mig_profile or rep.gpu_milli:
+                    cap.release_partial(rep)
+                elif n.mig or n.milli:
+                    n.free |= {g for g in rep.gpus if 0 <= g < n.total and g not in n.mig and g not in n.milli}
+                    stale.add(name)
+                else:
+                    n.free |= {g for g in rep.gpus if 0 <= g < n.total}
+                    stale.add(name)
+            if unusable:
+                for name in gang.placement.nodes:
+                    held = unusable.get(name)
+                    if held and name in nodes:
+                        nodes[name].free -= set(held)
+                        stale.add(name)
+
+        def restore(gang: RunningEnd) -> None:
+            for rep in gang.placement.replicas:
+                if rep.mig_profile or rep.gpu_milli:
+                    cap.take_partial(rep)
+                elif rep.node in nodes:
+                    nodes[rep.node].free -= set(rep.gpus)
+                    stale.add(rep.node)
+    else:
+        def release(gang: RunningEnd) -> None:
+            _release(cap, gang, unusable)
+
+        def restore(gang: RunningEnd) -> None:
+            _restore(cap, gang)
 
     def fits() -> Placement | None:
+        if stale:
+            for name in stale:
+                cap._touch(nodes[name])
+            stale.clear()
         got = place_gang(cap, head, fabric_tiers)
         return got if isinstance(got, Placement) and good(got) else None
 
@@ -180,7 +348,7 @@ def _earliest(capacity: ClusterCapacity, head: GangRequest, gangs: list[RunningE
     while True:  # gallop: release in end-time order, in prefixes of 1, 2, 4 ... until it fits
         target = min(size, len(gangs))
         while released < target:
-            _release(cap, gangs[released], unusable)
+            release(gangs[released])
             released += 1
         witness = fits()
         if witness is not None:
@@ -194,9 +362,9 @@ def _earliest(capacity: ClusterCapacity, head: GangRequest, gangs: list[RunningE
         mid = (lo + hi) // 2
         while released > mid:
             released -= 1
-            _restore(cap, gangs[released])
+            restore(gangs[released])
         while released < mid:
-            _release(cap, gangs[released], unusable)
+            release(gangs[released])
             released += 1
         got = fits()
         if got is not None:
@@ -245,76 +413,99 @@ def schedule_with_backfill(
     else:
         # Lazy: fair_order asks the book for the queues' shares before each pick, after the charges so far.
         order = fair_order((((queues or {}).get(r.job_id, DEFAULT_QUEUE), r) for r in pending), book)
-    for queue, request in order:
-        if book is not None:
-            admitted = book.admit(queue, request)
-            if isinstance(admitted, Refusal):
-                refused[request.job_id] = admitted.reason
-                continue
-            variants = [(a.flavor, a.request) for a in admitted]
-        else:
-            variants = [("", request)]
-        limit_end = now + request.time_limit if request.time_limit > 0 else math.inf
-        placed = None
-        if head is None:
-            first_failure = None
-            for flavor, variant in variants:
-                result = place_gang(capacity, variant, fabric_tiers)
-                if isinstance(result, Placement):
-                    placed = (flavor, variant, result)
-                    break
-                first_failure = first_failure or (variant, result)
-            if placed is None:
-                variant, head = first_failure
-                if not backfill:
-                    break
-                # The gangs placed in this pass count as running, with their own limits.
-                planned = [*running(), *(RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements)]
-                key = (variant, frozenset((g.job_id, g.ends_at) for g in planned), capacity.free_gpus(),
-                       frozenset(n.name for n in capacity.nodes.values() if not n.schedulable))
-                if memo is not None and memo.get("key") == key:
-                    reservation = memo["reservation"]
+    hidden: list[str] = []  # the head's region, while hidden from the gangs that may not enter it
+    hidden_region = False
+    try:
+        for queue, request in order:
+            if book is not None:
+                admitted = book.admit(queue, request)
+                if isinstance(admitted, Refusal):
+                    refused[request.job_id] = admitted.reason
+                    continue
+                variants = [(a.flavor, a.request) for a in admitted]
+            else:
+                variants = [("", request)]
+            limit_end = now + request.time_limit if request.time_limit > 0 else math.inf
+            placed = None
+            if head is None:
+                first_failure = None
+                for flavor, variant in variants:
+                    result = place_gang(capacity, variant, fabric_tiers)
+                    if isinstance(result, Placement):
+                        placed = (flavor, variant, result)
+                        break
+                    first_failure = first_failure or (variant, result)
+                if placed is None:
+                    variant, head = first_failure
+                    if not backfill:
+                        break
+                    # The gangs placed in this pass count as running, with their own limits.
+                    live = running()
+                    extra = [RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements]
+                    if isinstance(live, RunningSet):
+                        planned = _InEndOrder(live, extra)
+                        running_key = (live, live.version, frozenset((g.job_id, g.ends_at) for g in extra))
+                    else:
+                        planned = [*live, *extra]
+                        running_key = frozenset((g.job_id, g.ends_at) for g in planned)
+                    key = (variant, running_key, capacity.free_gpus(), capacity.unschedulable())
+                    if memo is not None and memo.get("key") == key:
+                        reservation = memo["reservation"]
+                    else:
+                        reservation = plan_reservation(
+                            capacity, variant, planned, now, fabric_tiers, unusable,
+                            memo.setdefault("ideal", {}) if memo is not None else None)
+                        if memo is not None:
+                            memo.update(key=key, reservation=reservation)
+                    continue
+            else:
+                hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
+                # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later
+                # in it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
+                if book is None:
+                    if (hide, _shape(request)) in failed:
+                        continue
                 else:
-                    reservation = plan_reservation(capacity, variant, planned, now, fabric_tiers, unusable,
-                                                   memo.setdefault("ideal", {}) if memo is not None else None)
-                    if memo is not None:
-                        memo.update(key=key, reservation=reservation)
-                continue
-        else:
-            hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
-            # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later in
-            # it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
-            variants = [(f, v) for f, v in variants if (hide, _shape(v)) not in failed]
-            if not variants:
-                continue
-            if depth is not None:
-                depth -= 1
-                if depth < 0:
-                    break
-            hidden = []
-            if hide:
-                hidden = [n for n in reservation.nodes if n in capacity.nodes and capacity.nodes[n].schedulable]
-                for n in hidden:
-                    capacity.set_schedulable(n, False)
-            try:
+                    variants = [(f, v) for f, v in variants if (hide, _shape(v)) not in failed]
+                    if not variants:
+                        continue
+                if depth is not None:
+                    depth -= 1
+                    if depth < 0:
+                        break
+                # The region is hidden while the gangs tried may not enter it; it stays hidden from one such gang
+                # to the next (each placement sees what it would see were the region hidden and shown around it).
+                if hide and not hidden_region:
+                    # A node with nothing free (no whole GPU, no MIG slice or share) is invisible to placement,
+                    # hidden or not, and capacity only shrinks during a pass: only the others need hiding.
+                    nodes = capacity.nodes
+                    hidden = [n for n in reservation.nodes if n in nodes and nodes[n].schedulable
+                              and (nodes[n].free or nodes[n].mig or nodes[n].milli)]
+                    for n in hidden:
+                        capacity.set_schedulable(n, False)
+                    hidden_region = True
+                elif not hide and hidden_region:
+                    for n in hidden:
+                        capacity.set_schedulable(n, True)
+                    hidden, hidden_region = [], False
                 for flavor, variant in variants:
                     result = place_gang(capacity, variant, fabric_tiers)
                     if isinstance(result, Placement):
                         placed = (flavor, variant, result)
                         break
                     failed.add((hide, _shape(variant)))
-            finally:
-                for n in hidden:
-                    capacity.set_schedulable(n, True)
-            if placed is None:
-                continue
-            backfilled.append(request.job_id)
-        flavor, variant, result = placed
-        capacity.reserve(result)
-        placements.append(result)
-        ends[result.job_id] = limit_end
-        if book is not None:
-            book.charge(queue, flavor, variant)
-            flavors[result.job_id] = flavor
+                if placed is None:
+                    continue
+                backfilled.append(request.job_id)
+            flavor, variant, result = placed
+            capacity.reserve(result)
+            placements.append(result)
+            ends[result.job_id] = limit_end
+            if book is not None:
+                book.charge(queue, flavor, variant)
+                flavors[result.job_id] = flavor
+    finally:
+        for n in hidden:
+            capacity.set_schedulable(n, True)
     return BackfillResult(placements, head, reservation, tuple(backfilled), flavors, refused)
 

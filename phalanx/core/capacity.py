@@ -69,6 +69,8 @@ class ClusterCapacity:
         # Nodes by effective free count, each bucket a sorted list of names (the tightest node is bucket[0]).
         self._by_free: list[list[str]] = [[] for _ in range(self.largest + 1)]
         self._effective: dict[str, int] = {}
+        self._pos: dict[str, int] = {node.name: i for i, node in enumerate(nodes)}  # order of the members lists
+        self._stats: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}  # domain_stats, until a count changes
         # Child domains (keys of level - 1) of every domain of level >= 2, and whether the domains form a tree
         # (every child domain under exactly one parent); placement walks down the index only on a tree.
         self._children: list[dict[str, list[str]]] = [{} for _ in range(self.top + 1)]
@@ -134,6 +136,9 @@ class ClusterCapacity:
         self._shapes: dict[tuple, list[str]] = {}
         self._shape_of: dict[str, tuple | None] = {}
         self._dirty: set[str] = set(self.nodes)
+        # Nodes not schedulable (drained, down, or hidden for a while), kept with every change.
+        self._down: set[str] = {node.name for node in nodes if not node.schedulable}
+        self._down_frozen: frozenset[str] | None = None
 
     def _ensure(self) -> None:
         if not self._built:
@@ -154,32 +159,46 @@ class ClusterCapacity:
         """Move a node to the histogram buckets of its current effective free count."""
         if not self._built:
             return
-        self._dirty.add(node.name)
-        new = min(len(node.free), self.largest) if node.schedulable else 0
-        old = self._effective[node.name]
+        name = node.name
+        self._dirty.add(name)
+        schedulable = node.schedulable
+        down = self._down
+        if schedulable:
+            if name in down:
+                down.discard(name)
+                self._down_frozen = None
+        elif name not in down:
+            down.add(name)
+            self._down_frozen = None
+        new = min(len(node.free), self.largest) if schedulable else 0
+        effective = self._effective
+        old = effective[name]
         if new == old:
             return
-        self._effective[node.name] = new
+        effective[name] = new
+        if self._stats:
+            self._stats.clear()
         delta = new - old
         tie = self._tie_level
+        dom_free = self._dom_free
         # Per level: (histogram, free total) of the node's domain, precomputed by _build.
-        for level, (hist, key) in enumerate(self._cells[node.name], 1):
+        for level, (hist, key) in enumerate(self._cells[name], 1):
             hist[old] -= 1
             hist[new] += 1
-            self._dom_free[level][key] += delta
+            dom_free[level][key] += delta
             if level == tie:
                 if not hist[old]:
                     self._leaves_with[old].discard(key)
                 if hist[new] == 1:
                     self._leaves_with[new].add(key)
         bucket = self._by_free[old]
-        del bucket[bisect_left(bucket, node.name)]
-        insort(self._by_free[new], node.name)
+        del bucket[bisect_left(bucket, name)]
+        insort(self._by_free[new], name)
         if tie:
-            buckets = self._tie_buckets[self._tie_key[node.name]]
+            buckets = self._tie_buckets[self._tie_key[name]]
             bucket = buckets[old]
-            del bucket[bisect_left(bucket, node.name)]
-            insort(buckets[new], node.name)
+            del bucket[bisect_left(bucket, name)]
+            insort(buckets[new], name)
 
     # ---- queries ---------------------------------------------------------------------------------------------
 
@@ -197,6 +216,9 @@ class ClusterCapacity:
         """For every domain of `level` (>= 1): (replicas of this size it holds now, free GPUs)."""
         self._ensure()
         g = gpus_per_replica
+        got = self._stats.get((level, g))
+        if got is not None:
+            return dict(got)
         out = {}
         for key, hist in self._hist[level].items():
             slots = free = 0
@@ -206,7 +228,8 @@ class ClusterCapacity:
                     free += f * count
                     slots += (f // g) * count
             out[key] = (slots, free)
-        return out
+        self._stats[(level, g)] = out
+        return dict(out)
 
     def members(self, level: int, key: str) -> list[NodeCapacity]:
         self._ensure()
@@ -266,7 +289,23 @@ class ClusterCapacity:
         out: dict[str, tuple[int, int]] = {}
         if level == 1:
             eff = self._effective
-            for node in self._members[1].get(key, ()):
+            members = self._members[1].get(key, ())
+            buckets = None
+            if level == self.top:
+                buckets = self._by_free
+            elif level == self._tie_level:
+                buckets = self._tie_buckets.get(key)
+            if buckets is not None and g <= self.largest:
+                # The nodes with room, from the free-count buckets, in the members' order: when they are few, far
+                # cheaper than a scan of a large domain (a cluster without a fabric has one of every node).
+                names = [name for f in range(max(g, 1), self.largest + 1) for name in buckets[f]]
+                if len(names) * 4 < len(members):
+                    pos = self._pos
+                    for name in sorted(names, key=pos.__getitem__):
+                        f = eff[name]
+                        out[name] = (f // g, f)
+                    return out
+            for node in members:
                 f = eff[node.name]
                 if f >= g:
                     out[node.name] = (f // g, f)
@@ -328,6 +367,13 @@ class ClusterCapacity:
             if hist[f]:
                 return f // gpus_per_replica
         return 0
+
+    def unschedulable(self) -> frozenset[str]:
+        """The names of the nodes that are not schedulable now (from the index: O(1) while none changes)."""
+        self._ensure()
+        if self._down_frozen is None:
+            self._down_frozen = frozenset(self._down)
+        return self._down_frozen
 
     def free_gpus(self) -> int:
         self._ensure()

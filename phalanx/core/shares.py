@@ -11,6 +11,10 @@ Nodes of the same free shape (`capacity.shape_key`: model, GPUs, whole free GPUs
 score the same, so each shape is scored once and the request goes to the first node of the best shape: a request
 costs O(shapes x GPU states x start slices), never a scan of every node.
 
+Fractional shares are scored with the packing core's fragmentation measure (`phalanx/core/packing.py`,
+`share_fragmentation`), the one `phalanx sim fgd` checks against the FGD paper's published results; CPUs are not
+counted yet (agents do not report them), so a share never strands a GPU for want of CPU here.
+
 The workload mix defaults to equal weight on whole-GPU tasks of 1, 2, 4 and 8 GPUs, the six MIG shapes and shares
 of 1/4 and 1/2 GPU; a caller that knows its workload (the simulator, from the trace) passes its own.
 """
@@ -24,6 +28,7 @@ from functools import lru_cache
 from . import mig
 from .capacity import ClusterCapacity
 from .model import GangRequest, Placement, ReplicaPlacement
+from .packing import Fragmentation, PackTask, TypicalMix
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +139,37 @@ def place_partial(
     return Placement(request.job_id, tuple(taken), tier, spanned, round(total_delta, 6), reason)
 
 
+_NO_CPU_LIMIT = 1 << 62  # agents do not report CPUs yet: every task's CPU fits
+
+
+@lru_cache(maxsize=16)
+def share_fragmentation(mix: tuple[tuple[Task, float], ...] = DEFAULT_MIX) -> Fragmentation:
+    """The packing core's fragmentation measure (`phalanx.core.packing`, FGD's definition, the one `phalanx sim fgd`
+    evaluates) over the mix's whole-GPU and share tasks: fractional shares are scored with it. MIG tasks are left
+    out: no share GPU can serve them, so they would add the same amount to every option."""
+    tasks = [(PackTask(0, 0, t.gpus, 1000) if t.gpus else PackTask(0, 0, 1, t.milli), w)
+             for t, w in mix if t.gpus or t.milli]
+    return Fragmentation(TypicalMix(tasks))
+
+
+def _share_gpus(free: int, millis: Sequence[int]) -> list[int]:
+    return [1000] * free + [1000 - u for u in millis]
+
+
 def _best_option(cap: ClusterCapacity, request: GangRequest, mix) -> _Option | None:
     best: _Option | None = None
+    shares = share_fragmentation(mix) if request.gpu_milli else None
     for shape, names in cap.shape_buckets().items():
         model, memory, total, free, migs, millis = shape
-        before = fragmentation(shape, mix)
+        if shares is not None:
+            before = shares.of(model, _NO_CPU_LIMIT, _share_gpus(free, millis)) / 1000
+        else:
+            before = fragmentation(shape, mix)
         for gpu_state, start, after in _moves(shape, request):
-            delta = fragmentation(after, mix) - before
+            if shares is not None:
+                delta = shares.of(model, _NO_CPU_LIMIT, _share_gpus(after[3], after[5])) / 1000 - before
+            else:
+                delta = fragmentation(after, mix) - before
             cap_after = _free_capacity(after[3], after[4], after[5])
             option = _Option(round(delta, 9), cap_after, names[0], gpu_state, start)
             if best is None or (option.delta, option.after_capacity, option.node, option.start) < (

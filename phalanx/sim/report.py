@@ -25,6 +25,11 @@ ROWS = [
     ("cross_spine_tb", "AllReduce traffic across leaf uplinks (TB)", "{:.1f}"),
     ("idle_gpu_hours_while_jobs_wait", "idle GPU-hours while jobs wait (fragmentation)", "{:.0f}"),
     ("hoarded_gpu_hours", "GPU-hours hoarded by partly placed gangs", "{:.0f}"),
+    ("preemptions", "preemptions (gangs checkpointed and requeued)", "{:.0f}"),
+    ("reclaims", "of them, quota reclaims", "{:.0f}"),
+    ("preempt_lost_gpu_hours", "GPU-hours lost to preemption (checkpoint grace + rollback)", "{:.1f}"),
+    ("peak_running_jobs", "most jobs running at once", "{:.0f}"),
+    ("fairness_jain", "fairness vs quotas (Jain's index of received / entitled GPU-hours)", "{:.3f}"),
     ("makespan_h", "makespan (h)", "{:.1f}"),
 ]
 
@@ -45,9 +50,14 @@ def write_report(results: Sequence[SimResult], out: Path, title: str) -> dict:
     lines.append("| goodput (productive / allocated) | " + " | ".join(f"{g:.1%}" for g in goodput) + " |")
     tenants = sorted({t for r in results for t in r.metrics.get("tenants", {})})
     if len(tenants) > 1:
-        lines += ["", "## Per tenant", "", "| tenant | quota share | " + " | ".join(
-            f"{r.policy}: GPU-h / mean JCT (h) / mean wait (h)" for r in results) + " |",
-            "|---|---|" + "---|" * len(results)]
+        lines += ["", "## Per tenant", "",
+                  "GPU-h: the work its jobs asked for; received: its share of the GPU-hours held by all tenants; "
+                  "fair: GPU-hours received / entitled, where its entitlement at each moment is its quota's "
+                  "weighted max-min share of the cluster over what the tenants wanted then (1: got its due).", "",
+                  "| tenant | quota share | " + " | ".join(
+                      f"{r.policy}: GPU-h / received / fair / mean JCT (h) / mean wait (h) / preempted"
+                      for r in results) + " |",
+                  "|---|---|" + "---|" * len(results)]
         for name in tenants:
             share = next((r.metrics["tenants"][name]["quota_share"] for r in results
                           if name in r.metrics.get("tenants", {})), 0.0)
@@ -55,8 +65,22 @@ def write_report(results: Sequence[SimResult], out: Path, title: str) -> dict:
             for r in results:
                 t = r.metrics.get("tenants", {}).get(name)
                 cells.append("-" if t is None else
-                             f"{t['gpu_hours']:.0f} / {t['jct_mean_h']:.2f} / {t['queue_delay_mean_h']:.2f}")
+                             f"{t['gpu_hours']:.0f} / {t.get('received_share', float('nan')):.1%} / "
+                             f"{t.get('fair_ratio', float('nan')):.2f} / {t['jct_mean_h']:.2f} / "
+                             f"{t['queue_delay_mean_h']:.2f} / {t.get('preempted', 0)}")
             lines.append(f"| {name} | {share:.1%} | " + " | ".join(cells) + " |")
+    classes = sorted({c for r in results for c in r.metrics.get("priorities", {})}, key=int, reverse=True)
+    if len(classes) > 1:
+        lines += ["", "## Per priority", "", "| priority | " + " | ".join(
+            f"{r.policy}: jobs / mean JCT (h) / mean wait (h) / preempted" for r in results) + " |",
+            "|---|" + "---|" * len(results)]
+        for c in classes:
+            cells = []
+            for r in results:
+                m = r.metrics.get("priorities", {}).get(c)
+                cells.append("-" if m is None else f"{m['jobs']} / {m['jct_mean_h']:.2f} / "
+                                                   f"{m['queue_delay_mean_h']:.2f} / {m['preempted']}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
     dead = [r for r in results if r.metrics.get("deadlocked")]
     for r in dead:
         lines.append("")

@@ -64,6 +64,28 @@ Sources and mapping rules
     reference GPU-hours (0.5, 3.16, 31.6, 316) x 3600 / GPUs, ``duration_estimated`` True.
 ``csv`` -- a CSV in the common format (the :class:`TraceJob` field names as header; ``gpu_models`` is
   "|"-separated).  Written by :func:`write_csv`.
+``mix`` -- a multi-tenant mix (:func:`load_mix`): several teams sharing one cluster, each with its own real
+  Philly jobs plus, spread across the teams, large pre-training gangs at high priority and many small
+  fine-tuning jobs at low priority.
+  ``mix:teams=N|A+B+...,jobs=J,hours=H,pretrain=K,finetune=M,seed=S`` (defaults 4, 300, 168, 8, 2000, 0).
+  Deterministic for a seed.  What is real and what is synthesized:
+  * tenants: the N Philly VCs with the most jobs (ties by name), or the ones named; tenant = team.
+  * team jobs (real, but for their arrival scale): each team's first J jobs (the ``philly`` loader: shapes,
+    calibrated durations), ``priority`` 0.  Their submit times are scaled by one factor so that the last of
+    them arrives at the end of the window of ``hours`` (order and relative gaps kept; the raw traces are
+    sparse: their first 168 h hold a few dozen jobs).
+  * pre-training gangs (synthesized, ``source`` "mix:pretrain"): K jobs, tenant round-robin over the teams
+    in order, ``priority`` 100 ("high"); size drawn uniformly from 64, 128, 256 GPUs (8-GPU replicas, so
+    8, 16, 32 replicas); duration the real Philly runtime distribution's quantile at a uniform draw in
+    [0.95, 0.995] (the long tail: about 14 h to a few days), at most 72 h; submitted uniformly in the first
+    80% of the window; ``model`` "pretrain", ``duration_estimated`` True.
+  * fine-tuning jobs (real shapes and run times, synthesized owners and arrivals, ``source``
+    "mix:finetune"): M jobs drawn with replacement from the Alibaba v2023 ``default`` list's GPU pods that
+    ran between 60 s and 12 h (1, 2, 4 or 8 whole GPUs, or a fraction of one GPU with the pod's real
+    ``gpu_milli``: about 45% of them), keeping their shape and duration; tenant drawn uniformly from the
+    teams, ``priority`` -100 ("batch"), submitted uniformly in the window; ``model`` "finetune".
+  Needs the ``gavel-philly-derived``, ``philly`` (runtimes; a log-normal fallback otherwise) and
+  ``alibaba-gpu-v2023-fgd`` folders.
 
 :func:`load_trace` takes a spec string (see :data:`SPEC_FORMS`) and returns the jobs sorted by submit time.
 Every loader validates each row and skips malformed ones; the returned :class:`Trace` (a list) carries
@@ -101,6 +123,7 @@ __all__ = [
     "load_alibaba_nodes",
     "load_pollux",
     "load_csv",
+    "load_mix",
     "write_csv",
     "load_trace",
     "gang_shape",
@@ -122,6 +145,7 @@ SPEC_FORMS = (
     "alibaba  or  alibaba:<task list>  (default, cpu050, gpushare40, gpuspec10, multigpu20, ...)",
     "pollux  or  pollux:workload-<1..8>[,variant=simulator|testbed|realistic]",
     "csv:<path>  or  a path ending in .csv (the common TraceJob format)",
+    "mix  or  mix:teams=<N|vc+vc...>,jobs=J,hours=H,pretrain=K,finetune=M,seed=S  (a multi-tenant mix)",
 )
 
 
@@ -152,6 +176,7 @@ class TraceJob:
     status: str = ""
     duration_estimated: bool = False
     source: str = ""
+    priority: int = 0  # higher wins (phalanx.core.preemption); the real traces carry none: 0
 
     @property
     def total_gpus(self) -> int:
@@ -573,7 +598,7 @@ def load_pollux(data=None, workload: str = "workload-1", variant: str = "simulat
 
 _FIELDS = [f.name for f in dataclasses.fields(TraceJob)]
 _INT_FIELDS = {"replicas", "gpus_per_replica", "gpu_milli", "cpu_milli", "memory_mib", "batch_size",
-               "total_steps", "param_bytes"}
+               "total_steps", "param_bytes", "priority"}
 _FLOAT_FIELDS = {"submit_s", "duration_s"}
 _REQUIRED = ("job_id", "submit_s", "replicas", "gpus_per_replica", "duration_s")
 
@@ -650,6 +675,69 @@ def load_csv(path: str | os.PathLike) -> Trace:
     return skip.done(jobs, f"csv:{p.name}")
 
 
+# --------------------------------------------------------------------------------------------- mix
+
+MIX_PRETRAIN_PRIORITY = 100  # "high"
+MIX_FINETUNE_PRIORITY = -100  # "batch"
+MIX_PRETRAIN_GPUS = (64, 128, 256)
+
+
+def load_mix(data=None, teams: int | Iterable[str] = 4, jobs_per_team: int = 300, hours: float = 168.0,
+             pretrain: int = 8, finetune: int = 2000, seed: int = 0) -> Trace:
+    """A multi-tenant mix: Philly teams' own jobs, plus high-priority pre-training gangs and low-priority
+    fine-tuning jobs spread across the teams (see the module docstring, ``mix``, for what is real)."""
+    import random
+
+    if hours <= 0:
+        raise ValueError("hours must be > 0")
+    root = _root(data)
+    philly = load_philly(root)
+    counts = Counter(j.tenant for j in philly)
+    if isinstance(teams, int):
+        if not 1 <= teams <= len(counts):
+            raise ValueError(f"teams must be 1..{len(counts)}")
+        chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:teams]]
+    else:
+        chosen = list(teams)
+        bad = [t for t in chosen if t not in counts]
+        if bad or not chosen:
+            raise ValueError(f"unknown Philly team(s) {bad}; known: {', '.join(sorted(counts))}")
+    window = hours * 3600.0
+    taken: Counter[str] = Counter()
+    jobs = []
+    for j in philly:  # by submit time
+        if j.tenant in chosen and taken[j.tenant] < jobs_per_team:
+            taken[j.tenant] += 1
+            jobs.append(j)
+    span = max((j.submit_s for j in jobs), default=0.0)
+    if span > 0:
+        jobs = [dataclasses.replace(j, submit_s=j.submit_s * window / span) for j in jobs]
+    rng = random.Random(seed)
+    runtimes = _philly_runtimes(root)
+    for i in range(pretrain):
+        gpus = rng.choice(MIX_PRETRAIN_GPUS)
+        r, g = gang_shape(gpus)
+        duration = min(72 * 3600.0, _quantile(runtimes, rng.uniform(0.95, 0.995)))
+        team = chosen[i % len(chosen)]
+        jobs.append(TraceJob(
+            job_id=f"pt{i}-{team}", tenant=team, submit_s=rng.uniform(0.0, 0.8 * window), replicas=r,
+            gpus_per_replica=g, gpu_milli=0, duration_s=duration, model="pretrain", duration_estimated=True,
+            source="mix:pretrain", priority=MIX_PRETRAIN_PRIORITY))
+    pool = [j for j in load_alibaba_v2023(root) if j.gpus_per_replica > 0 and 60.0 <= j.duration_s <= 12 * 3600.0]
+    if finetune and not pool:
+        raise ValueError("the Alibaba default list has no GPU pods to draw fine-tuning jobs from")
+    for i in range(finetune):
+        src = rng.choice(pool)
+        team = rng.choice(chosen)
+        jobs.append(TraceJob(
+            job_id=f"ft{i}-{team}", tenant=team, submit_s=rng.uniform(0.0, window), replicas=src.replicas,
+            gpus_per_replica=src.gpus_per_replica, gpu_milli=src.gpu_milli, duration_s=src.duration_s,
+            model="finetune", duration_estimated=src.duration_estimated, source="mix:finetune",
+            priority=MIX_FINETUNE_PRIORITY))
+    jobs.sort(key=lambda j: (j.submit_s, j.job_id))
+    return Trace(jobs, name="mix", skipped_reasons=philly.skipped_reasons)
+
+
 # --------------------------------------------------------------------------------------------- specs
 
 
@@ -721,6 +809,24 @@ def load_trace(spec: str, data=None) -> Trace:
         wl = pos[0] if pos else kv.get("workload", "workload-1")
         try:
             return load_pollux(data, workload=wl, variant=kv.get("variant", "simulator"))
+        except ValueError as e:
+            raise _bad_spec(spec, str(e)) from None
+    if source == "mix":
+        unknown = set(kv) - {"teams", "team", "jobs", "hours", "pretrain", "finetune", "seed"}
+        if unknown or pos:
+            raise _bad_spec(spec, "mix takes teams=, jobs=, hours=, pretrain=, finetune=, seed=")
+        named = kv.get("teams", kv.get("team", "4"))
+        chosen: int | list[str] = int(named) if named.isdigit() else [t for t in re.split(r"[+|;]", named) if t]
+        try:
+            hours = float(kv.get("hours", "168"))
+        except ValueError:
+            raise _bad_spec(spec, "hours must be a number") from None
+        counts = {k: _int(k) for k in ("jobs", "pretrain", "finetune", "seed")}
+        try:
+            return load_mix(data, teams=chosen, jobs_per_team=300 if counts["jobs"] is None else counts["jobs"],
+                            hours=hours, pretrain=8 if counts["pretrain"] is None else
+                            counts["pretrain"], finetune=2000 if counts["finetune"] is None else counts["finetune"],
+                            seed=counts["seed"] or 0)
         except ValueError as e:
             raise _bad_spec(spec, str(e)) from None
     raise _bad_spec(spec, f"unknown source {source!r}")

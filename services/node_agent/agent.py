@@ -755,6 +755,13 @@ class NodeAgent:
             channel = self._open_channel()
             self._stub = agent_pb2_grpc.NodeServiceStub(channel)
             self._connected.set()
+            # A fresh reporter on the new channel: the old one may sit in a call on the old channel (until its RPC
+            # timeout) or in a retry backoff, either as long as the whole flush. A report it had in flight stays
+            # pending until answered, so at worst it is sent twice (the scheduler takes a repeat as a no-op).
+            if self._reporter is not None:
+                self._reporter.cancel()
+                await asyncio.gather(self._reporter, return_exceptions=True)
+            self._reporter = asyncio.create_task(self._report_loop(), name="reporter")
             self._reports_changed.set()
             deadline = time.monotonic() + self.config.flush_timeout_s
             while self.state.pending_reports and time.monotonic() < deadline:

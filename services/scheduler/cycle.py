@@ -55,6 +55,7 @@ class Cycle:
     outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
     delivered: list[tuple[str, int, Any]] = field(default_factory=list)
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
+    handover_to: set[str] = field(default_factory=set)  # the gangs those victims made way for: placed first
     epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
@@ -712,24 +713,23 @@ def schedule(cycle: Cycle) -> None:
         # EASY backfill behind a blocked head, except while a preemption is under way (its plan counts on the
         # GPUs that are free now).
         backfill = cycle.settings.backfill and not any(j.preempting for j in state.jobs.values())
+        # A handover goes to the gang the stopped victims made way for, before anyone else (a victim that outranks
+        # it, requeued by a quota reclaim, would otherwise take its GPUs straight back).
+        first = [j for j in pending if j.id in cycle.handover_to]
+        cycle.handover_to.clear()
+        if first:
+            book = quota_book(state)
+            _reserve_placed(cycle, schedule_with_backfill(
+                state.capacity, [j.request() for j in first], state_tiers(cycle), now=cycle.now,
+                running=lambda: running_ends(state), unusable=_unusable(state), backfill=False, book=book,
+                queues={j.id: j.queue for j in first} if book else None))
+            pending = [j for j in pending if j.state == "PENDING"]
         book = quota_book(state)
         result = schedule_with_backfill(
             state.capacity, [j.request() for j in pending], state_tiers(cycle), now=cycle.now,
             running=lambda: running_ends(state), unusable=_unusable(state), backfill=backfill,
             memo=state.reservation_memo, book=book, queues={j.id: j.queue for j in pending} if book else None)
-        for job_id, why in result.quota_blocked.items():
-            job = state.jobs[job_id]
-            message = f"waiting for quota, holding no GPUs: {why}"
-            if job.message != message and set_job(cycle, job, message=message):
-                cycle.touched(job)
-        for placement in result.placements:
-            job = state.jobs[placement.job_id]
-            job.flavor = result.flavors.get(job.id, "")
-            if not reserve(cycle, job, placement):
-                state.capacity.release_placement(placement)
-                cycle.resync_after = True
-            elif placement.job_id in result.backfilled and result.reservation is not None:
-                log.info("backfilled", job=job.id, ahead_of=result.reservation.job_id)
+        _reserve_placed(cycle, result)
         blocked = result.blocked
         if blocked is None:
             return
@@ -740,6 +740,24 @@ def schedule(cycle: Cycle) -> None:
             cycle.touched(head)
         if not stopped:
             return
+
+
+def _reserve_placed(cycle: Cycle, result) -> None:
+    """Reserve what a scheduling pass placed, and tell the quota-blocked why they wait."""
+    state = cycle.state
+    for job_id, why in result.quota_blocked.items():
+        job = state.jobs[job_id]
+        message = f"waiting for quota, holding no GPUs: {why}"
+        if job.message != message and set_job(cycle, job, message=message):
+            cycle.touched(job)
+    for placement in result.placements:
+        job = state.jobs[placement.job_id]
+        job.flavor = result.flavors.get(job.id, "")
+        if not reserve(cycle, job, placement):
+            state.capacity.release_placement(placement)
+            cycle.resync_after = True
+        elif placement.job_id in result.backfilled and result.reservation is not None:
+            log.info("backfilled", job=job.id, ahead_of=result.reservation.job_id)
 
 
 def quota_book(state: SchedulerState) -> QuotaBook | None:
@@ -793,14 +811,18 @@ def stop_victims(cycle: Cycle) -> bool:
                else f"preempted by job {by.id}: its queue {by.queue!r} reclaims the quota queue {victim.queue!r} "
                     "borrowed")
         if victim.id not in waiting:
-            stopped |= teardown(cycle, victim, cause="PREEMPTED", message=f"{why}: its checkpoint is committed")
+            done = teardown(cycle, victim, cause="PREEMPTED", message=f"{why}: its checkpoint is committed")
         elif cycle.now >= victim.preempt_deadline:
-            stopped |= teardown(cycle, victim, cause="PREEMPTED",
-                                message=f"{why}: stopped at the end of its {cycle.settings.preemption.grace_period_s:g}s "
-                                        "grace period without a new committed checkpoint")
+            done = teardown(cycle, victim, cause="PREEMPTED",
+                            message=f"{why}: stopped at the end of its {cycle.settings.preemption.grace_period_s:g}s "
+                                    "grace period without a new committed checkpoint")
         else:
+            done = False
             # The coordinator clears the request on commit without telling us: look again soon.
             cycle.wake_at(min(victim.preempt_deadline, cycle.now + cycle.settings.preemption_poll_s))
+        if done:
+            stopped = True
+            cycle.handover_to.add(by.id)
     cycle.handover |= stopped
     return stopped
 
@@ -817,16 +839,21 @@ def preempt_for(cycle: Cycle, head: JobRecord, book: QuotaBook | None = None) ->
                 f"stop, by {_clock(until)} at the latest; they hold the GPUs this gang gets"), False
     # Reclaim (quotas): a head within its queue's nominal quota may also evict, whatever their priority, gangs of
     # other queues of its cohort that run on borrowed quota; they count as just below its priority.
+    # A head that could run only on borrowed quota preempts within its own queue (Kueue's borrowWithinCohort
+    # "Never"): else a reclaimed high-priority gang would evict its reclaimer, be reclaimed again, and so on.
     reclaim: set[str] = set()
+    borrowing_head = False
     if book is not None:
         spec = book.spec(head.queue)
         admitted = book.admit(head.queue, head.request())
         flavors = [a.flavor for a in admitted if not a.borrowing] if isinstance(admitted, list) else []
+        borrowing_head = isinstance(admitted, list) and bool(admitted) and not flavors
         if spec.cohort and flavors:
             reclaim = {j.id for j in running if not j.preempting and j.queue != head.queue
                        and book.spec(j.queue).cohort == spec.cohort and book.borrowing(j.queue, j.flavor)}
     effective = {j.id: (min(j.priority, head.priority - 1) if j.id in reclaim else j.priority) for j in running}
-    lower = [j for j in running if not j.preempting and effective[j.id] < head.priority]
+    lower = [j for j in running if not j.preempting and effective[j.id] < head.priority
+             and not (borrowing_head and j.queue != head.queue)]
     if not lower:
         return None, False
     # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head that
