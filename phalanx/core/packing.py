@@ -31,7 +31,8 @@ with less left than t's share -- summed with weights p_t. Typical tasks are the 
 Equal scores go to the first node in the packer's node order (`random_ties`: to a random one of them). The FGD
 simulator's scheduler behaves as the former: its nodes carry a random-permutation name prefix per run and equal
 scores keep going to the same nodes, and only that reproduces its published results (FGD on the default list:
-95.39% allocated at 130% load with first-in-order ties, 90.4% with uniformly random ties, 95.39% published).
+95.39% allocated at 130% load with first-in-order ties, 90.4% on seed 42 with uniformly random ties, 95.39%
+published).
 
 Scores are cached per task shape and node: placing a task changes one node, so a later task re-scores only the nodes
 that changed since its shape was last scored (``Packer._scores``). Fragmentation is memoised per node state, with CPU
