@@ -130,3 +130,13 @@ def test_the_scheduler_scores_shares_with_this_fragmentation_measure():
     assert expected < 0  # filling the GPU up removes its 400 that whole-GPU tasks could not use
     decision = place_partial(cap, GangRequest("s2", 1, 1, gpu_milli=400))
     assert decision.score == pytest.approx(expected, abs=1e-6)  # the reason's delta is this measure's change
+
+
+def test_the_fragmentation_memo_stays_bounded(monkeypatch):
+    import phalanx.core.packing as packing
+
+    monkeypatch.setattr(packing, "_MEMO_LIMIT", 4)
+    f = Fragmentation(TypicalMix([(PackTask(1000, 0, 1, 500), 1.0)]))
+    values = [f.of("G2", 96_000, [1000, used]) for used in range(0, 1000, 100)]
+    assert len(f._memo) <= 4
+    assert values == [Fragmentation(f.mix).of("G2", 96_000, [1000, used]) for used in range(0, 1000, 100)]

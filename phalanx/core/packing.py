@@ -54,6 +54,7 @@ MILLI = 1000
 MAX_SPEC_CPU = 128_000  # the FGD simulator's normalisers for BestFit (its largest node)
 MAX_SPEC_GPU = 8_000
 POLICIES = ("bestfit", "fgd", "phalanx")
+_MEMO_LIMIT = 1 << 18  # fragmentation values memoised per Fragmentation (node states seen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,8 @@ class Fragmentation:
         key = (model, bisect.bisect_right(self.mix.thresholds, cpu), tuple(sorted(gpus)))
         value = self._memo.get(key)
         if value is None:
+            if len(self._memo) >= _MEMO_LIMIT:  # a long-lived scheduler sees ever new states: keep the memo bounded
+                self._memo.clear()
             value = self._memo[key] = self._compute(model, cpu, key[2])
         return value
 

@@ -226,21 +226,16 @@ def _has_traces(p: Path) -> bool:
 def find_data(explicit: str | os.PathLike | None = None, *, cwd: str | os.PathLike | None = None) -> Path:
     """Find the trace data folder: ``explicit`` (--data), then $PHALANX_DATA, then ../shared/data from cwd."""
     expected = ", ".join(d + "/" for d in TRACE_DIRS)
-    if explicit is not None and str(explicit) != "":
-        p = Path(explicit).expanduser()
-        if _has_traces(p):
-            return p.resolve()
-        raise DataNotFound(
-            f"--data {p}: {'no such folder' if not p.is_dir() else 'holds none of ' + expected}. "
-            f"Point --data at the folder that holds {expected}")
     env = os.environ.get(ENV_VAR, "")
-    if env:
-        p = Path(env).expanduser()
+    for given, label, fix in ((explicit, "--data ", "Point --data at"),
+                              (env, f"{ENV_VAR}=", f"Set {ENV_VAR} (or pass --data) to")):
+        if given is None or str(given) == "":
+            continue
+        p = Path(given).expanduser()
         if _has_traces(p):
             return p.resolve()
-        raise DataNotFound(
-            f"{ENV_VAR}={p}: {'no such folder' if not p.is_dir() else 'holds none of ' + expected}. "
-            f"Set {ENV_VAR} (or pass --data) to the folder that holds {expected}")
+        raise DataNotFound(f"{label}{p}: {'no such folder' if not p.is_dir() else 'holds none of ' + expected}. "
+                           f"{fix} the folder that holds {expected}")
     base = Path(cwd) if cwd is not None else Path.cwd()
     p = base / ".." / "shared" / "data"
     if _has_traces(p):
