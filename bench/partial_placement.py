@@ -2,7 +2,8 @@
 
 A steady stream of small requests arrives: MIG instances of every H100 80GB profile and GPU shares of 100-500
 thousandths, with a whole-GPU job (1, 2, 4 or 8 GPUs on one node) now and then. Placed requests depart at random,
-so the cluster stays around 60-85% full of partial GPUs.
+so the cluster stays around 60-85% full of partial GPUs. Every fourth node has its 8 GPUs in MIG mode: MIG instances
+go only there, whole-GPU jobs and shares only on the other nodes (the scheduler's rule, `NodeCapacity.mig_gpus`).
 
 Three placers see the same arrivals and departures:
 - `phalanx`: the core (`place_gang` -> core.shares), which scores one node per free shape (FGD-style fragmentation);
@@ -38,9 +39,12 @@ from phalanx.core.capacity import ClusterCapacity, shape_key  # noqa: E402
 from phalanx.core.fabric import default_fabric  # noqa: E402
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement  # noqa: E402
 from phalanx.core.placement import place_gang  # noqa: E402
-from phalanx.core.shares import _free_capacity, _moves, fragmentation  # noqa: E402
+from phalanx.core.shares import (  # noqa: E402
+    _NO_CPU_LIMIT, _free_capacity, _moves, _share_gpus, fragmentation, share_fragmentation,
+)
 
 NODES, GPUS = 4096, 8
+MIG_EVERY = 4  # every fourth node has all its GPUs in MIG mode
 MODEL, MEMORY = "NVIDIA H100 80GB HBM3", 81559
 PROFILES = list(mig.family_profiles("H100-80GB").values())
 
@@ -57,8 +61,10 @@ def pct(values: list[float], p: float) -> float:
 def cluster(nodes: int) -> ClusterCapacity:
     names = [f"n{i:04d}" for i in range(nodes)]
     fabric = default_fabric(names, nodes_per_leaf=32, leaves_per_spine=16)
-    return ClusterCapacity(NodeCapacity(n, GPUS, set(range(GPUS)), True, fabric.path(n), None, MODEL, MEMORY)
-                           for n in names)
+    return ClusterCapacity(NodeCapacity(n, GPUS, set(range(GPUS)), True, fabric.path(n), None, MODEL, MEMORY,
+                                        mig_gpus=frozenset(range(GPUS)) if i % MIG_EVERY == MIG_EVERY - 1
+                                        else frozenset())
+                           for i, n in enumerate(names))
 
 
 def stream(decisions: int, seed: int):
@@ -116,13 +122,20 @@ def place_naive(cap: ClusterCapacity, req: GangRequest):
     if not req.partial:
         return place_gang(cap, req)
     best = None
+    shares = share_fragmentation() if req.gpu_milli else None  # the core scores shares with the packing measure
+
+    def score(shape) -> float:
+        if shares is None:
+            return fragmentation(shape)
+        return shares.of(shape[0], _NO_CPU_LIMIT, _share_gpus(shape[3], shape[5])) / 1000
+
     for node in cap.nodes.values():
         shape = shape_key(node)
         if shape is None:
             continue
-        before = fragmentation(shape)
+        before = score(shape)
         for state, start, after in _moves(shape, req):
-            key = (round(fragmentation(after) - before, 9), _free_capacity(after[3], after[4], after[5]), node.name,
+            key = (round(score(after) - before, 9), _free_capacity(after[3], after[4], after[5]), node.name,
                    start)
             if best is None or key < best[0]:
                 best = (key, node, state)
@@ -133,7 +146,7 @@ def place_naive(cap: ClusterCapacity, req: GangRequest):
         gpu = max(node.free)
     else:
         table = node.mig if state[0] == "mig" else node.milli
-        gpu = min(g for g, m in table.items() if m == state[1])
+        gpu = min(g for g, m in table.items() if m == state[1] and (state[0] != "mig" or g in node.mig_gpus))
     return _replica(req, node, gpu, start)
 
 
@@ -147,7 +160,7 @@ def place_first_fit(cap: ClusterCapacity, req: GangRequest):
     for node in cap.nodes.values():
         for gpu in range(node.total):
             if req.mig_profile:
-                if gpu in node.milli or not (gpu in node.free or gpu in node.mig):
+                if gpu not in node.mig_gpus:
                     continue
                 profile = mig.resolve(req.mig_profile, "H100-80GB")
                 starts = mig.free_starts(node.mig.get(gpu, 0), profile)
@@ -174,7 +187,7 @@ def place_spread(cap: ClusterCapacity, req: GangRequest):
             continue
         for gpu in sorted(range(node.total), key=lambda g: (g not in node.free, g)):
             if req.mig_profile:
-                if gpu in node.milli or not (gpu in node.free or gpu in node.mig):
+                if gpu not in node.mig_gpus:
                     continue
                 starts = mig.free_starts(node.mig.get(gpu, 0), mig.resolve(req.mig_profile, "H100-80GB"))
                 if starts:
@@ -237,8 +250,8 @@ def run(placer, arrivals, nodes: int, label: str, check_against=None):
             partial_failed += 1
         if i and i % 2000 == 0:
             say(f"  {label}: {i} requests")
-    split = sum(len(n.mig) + len(n.milli) for n in cap.nodes.values())
-    whole_nodes = sum(1 for n in cap.nodes.values() if len(n.free) == n.total)
+    split = sum(sum(1 for m in n.mig.values() if m) + len(n.milli) for n in cap.nodes.values())
+    whole_nodes = sum(1 for n in cap.nodes.values() if len(n.free) == n.total)  # (nodes in MIG mode never are)
     return dict(times=times, choices=choices, whole_tried=whole_tried, whole_failed=whole_failed,
                 partial_failed=partial_failed, split_gpus=split, whole_free_nodes=whole_nodes,
                 allocated_at_first_refusal=round(first_refusal or allocated / (nodes * GPUS), 4),

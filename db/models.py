@@ -72,6 +72,9 @@ class Node(Base):
     cordoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     health: Mapped[str] = mapped_column(String(16), default="HEALTHY", server_default="HEALTHY")
     health_detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Times a rank could not be set up on this host (a retryable FAILED_TO_START: a MIG instance or the MPS daemon;
+    # revision 0010). The job it struck avoids the node while it fits elsewhere (jobs.struck_nodes).
+    strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class NodeEvent(Base):
@@ -100,6 +103,12 @@ class Gpu(Base):
     uuid: Mapped[str] = mapped_column(String(64), default="")
     name: Mapped[str] = mapped_column(String(128), default="")
     memory_mib: Mapped[int] = mapped_column(BigInteger, default=0)
+    # MIG mode as the agent registered it (revision 0010): ENABLED (takes only MIG instances), DISABLED or
+    # UNSUPPORTED (take whole-GPU jobs and shares, never MIG); and the MIG instances present then, as
+    # [{"profile", "start", "size", "uuid", "managed", "gpu_instance_id", "compute_instance_id"}]. Instances with
+    # managed false were made by someone else: their slices are out of placement.
+    mig_mode: Mapped[str] = mapped_column(String(16), default="UNSUPPORTED", server_default="UNSUPPORTED")
+    mig_instances: Mapped[list[Any]] = mapped_column(default=list)
 
 
 class Job(Base):
@@ -150,6 +159,9 @@ class Job(Base):
     # The queue it was submitted to (revision 0008): its quota, cohort and fair share apply.
     queue: Mapped[str] = mapped_column(String(64), default="default", server_default="default")
     flavor: Mapped[str] = mapped_column(String(64), default="", server_default="")  # admitted under this quota flavor
+    # Nodes that struck it (revision 0010): their host could not set up one of its ranks (a retryable
+    # FAILED_TO_START); its placements avoid them while it fits elsewhere.
+    struck_nodes: Mapped[list[Any]] = mapped_column(default=list)
 
 
 class Queue(Base):
@@ -199,7 +211,8 @@ class JobAttempt(Base):
     reserved_at: Mapped[float] = mapped_column()
     running_at: Mapped[float | None] = mapped_column(nullable=True)
     ended_at: Mapped[float | None] = mapped_column(nullable=True)
-    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, RANK_FAILED, LAUNCH_TIMEOUT, TIMEOUT; "" while running
+    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, RANK_FAILED, SETUP_FAILED,
+    # LAUNCH_TIMEOUT, TIMEOUT; "" while running
     outcome: Mapped[str] = mapped_column(String(16), default="", server_default="")
     reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     restored_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")

@@ -1,8 +1,8 @@
-"""The node agent on partial GPUs: MIG instances (fake and NVML backends, the manager) and fractional shares.
+"""The node agent on partial GPUs: MIG instances (the NVML backend, the manager) and fractional shares.
 
-Agent tests run real rank processes (as tests/test_node_agent.py does) against its fake NodeService and check the
-environment each rank got. The NVML backend runs against a small stand-in for `pynvml` that keeps MIG state with
-the real placement rules and records the calls made.
+Everything MIG runs through the real nvidia-ml-py bindings over the simulated NVML library (phalanx.simhost.nvml),
+which keeps MIG state with NVIDIA's placement rules and records the mutations made. Agent tests run real rank
+processes (as tests/test_node_agent.py does) against its fake NodeService and check the environment each rank got.
 """
 
 from __future__ import annotations
@@ -12,23 +12,15 @@ import json
 import sys
 from pathlib import Path
 
-import pynvml
 import pytest
 
 from phalanx.api.v1 import agent_pb2, common_pb2
-from phalanx.testing.fake_nvml import GI_PROFILES, FakeGpu
-from phalanx.testing.fake_nvml import FakeNvml as SharedFakeNvml
+from phalanx.profiles import load_profile
+from phalanx.simhost.nvml import SimulatedHost, bind
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.mig_manager import (
-    FakeMigBackend,
-    MigError,
-    MigManager,
-    NvmlMigBackend,
-    backend_for,
-    fake_mig_uuid,
-)
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.mig_manager import MigError, MigManager, NvmlMigBackend
+from services.node_agent.simulated import simulated_node, simulated_topology
 from services.node_agent.state import AgentState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,119 +31,144 @@ H100 = ("NVIDIA H100 80GB HBM3", 81559)
 H100_MEMORY = 81559
 
 
-def h100_backend(node="node-a", gpus=8, **kw) -> FakeMigBackend:
-    return FakeMigBackend(node, {i: H100 for i in range(gpus)}, **kw)
+def h100_host(mig=True, state_file=None, model=H100, gpus=8) -> SimulatedHost:
+    dump = load_profile("dgx-h100").dump
+    host = SimulatedHost.from_dump(dump, gpu_model=model[0], memory_mib=model[1], mig_enabled=mig,
+                                   state_file=state_file)
+    del host.gpus[gpus:]
+    return host
 
 
-# ------------------------------------------------------------------------------------------------ fake backend
+def nvml_backend(host: SimulatedHost) -> NvmlMigBackend:
+    """The production backend over the real pynvml over `host`; `backend.host` is the host."""
+    b = NvmlMigBackend({g.index: (g.name, g.memory_mib) for g in host.gpus}, nvml=bind(host))
+    b.host = host
+    return b
+
+
+def h100_backend(**kw) -> NvmlMigBackend:
+    return nvml_backend(h100_host(**kw))
+
+
+def mutations(host: SimulatedHost) -> list[str]:
+    return [c[0] for c in host.calls]
+
+
+def used_mask(b: NvmlMigBackend, gpu: int) -> int:
+    mask = 0
+    for i in b.list_instances(gpu):
+        mask |= i.mask
+    return mask
+
+
+# ------------------------------------------------------------------------------------------------ NVML backend
 
 
 @pytest.mark.parametrize("profile,size,good,bad", [
     ("1g.10gb", 1, [0, 1, 2, 3, 4, 5, 6], [7]),
+    ("1g.10gb+me", 1, [0, 3, 6], [7]),
     ("1g.20gb", 2, [0, 2, 4, 6], [1, 3, 5]),
     ("2g.20gb", 2, [0, 2, 4], [1, 6]),
     ("3g.40gb", 4, [0, 4], [1, 2, 3]),
     ("4g.40gb", 4, [0], [2, 4]),
     ("7g.80gb", 8, [0], [1, 4]),
 ])
-def test_fake_valid_and_invalid_starts(profile, size, good, bad):
+def test_valid_and_invalid_starts(profile, size, good, bad):
     for start in good:
         b = h100_backend()
-        assert b.ensure_instance(0, profile, start, size).startswith("MIG-")
+        made = b.create_instance(0, profile, start)
+        assert made.uuid.startswith("MIG-") and made.gi_id >= 1 and made.ci_id == 0
         assert [(i.profile, i.start, i.size) for i in b.list_instances(0)] == [(profile, start, size)]
     for start in bad:
         b = h100_backend()
         with pytest.raises(MigError, match="Invalid Argument"):
-            b.ensure_instance(0, profile, start, size)
+            b.create_instance(0, profile, start)
         assert b.list_instances(0) == []
 
 
-def test_fake_overlap_refused_and_valid_geometries():
+def test_overlap_refused_and_valid_geometries():
     b = h100_backend()
-    b.ensure_instance(0, "3g.40gb", 0, 4)
-    for profile, start, size in [("2g.20gb", 2, 2), ("7g.80gb", 0, 8), ("4g.40gb", 0, 4), ("1g.10gb", 3, 1)]:
-        with pytest.raises(MigError, match="overlaps .*Insufficient Resources"):
-            b.ensure_instance(0, profile, start, size)
+    b.create_instance(0, "3g.40gb", 0)
+    for profile, start in [("2g.20gb", 2), ("7g.80gb", 0), ("4g.40gb", 0), ("1g.10gb", 3)]:
+        with pytest.raises(MigError, match="cannot create MIG instance .*Insufficient resources"):
+            b.create_instance(0, profile, start)
     # 4g + 3g
-    b2 = h100_backend()
-    u4 = b2.ensure_instance(1, "4g.40gb", 0, 4)
-    u3 = b2.ensure_instance(1, "3g.40gb", 4, 4)
-    assert u4 != u3 and b2.used_mask(1) == 0xFF
+    u4 = b.create_instance(1, "4g.40gb", 0).uuid
+    u3 = b.create_instance(1, "3g.40gb", 4).uuid
+    assert u4 != u3 and used_mask(b, 1) == 0xFF
     # seven 1g small instances fill slices 0-6; slice 7 holds none
-    b3 = h100_backend()
-    uuids = {b3.ensure_instance(2, "1g.10gb", s, 1) for s in range(7)}
-    assert len(uuids) == 7 and b3.used_mask(2) == 0x7F
+    uuids = {b.create_instance(2, "1g.10gb", s).uuid for s in range(7)}
+    assert len(uuids) == 7 and used_mask(b, 2) == 0x7F
     with pytest.raises(MigError):
-        b3.ensure_instance(2, "1g.10gb", 7, 1)
+        b.create_instance(2, "1g.10gb", 7)
     # 2g + 2g + 2g + 1g (large)
-    b4 = h100_backend()
     for s in (0, 2, 4):
-        b4.ensure_instance(3, "2g.20gb", s, 2)
-    b4.ensure_instance(3, "1g.20gb", 6, 2)
-    assert b4.used_mask(3) == 0xFF
+        b.create_instance(3, "2g.20gb", s)
+    b.create_instance(3, "1g.20gb", 6)
+    assert used_mask(b, 3) == 0xFF
+    # one media-extension instance per GPU
+    b.create_instance(4, "1g.10gb+me", 0)
+    with pytest.raises(MigError, match="Insufficient resources"):
+        b.create_instance(4, "1g.10gb+me", 1)
+    b.create_instance(4, "1g.10gb", 1)
 
 
-def test_fake_destroy_then_reuse_and_idempotent_ensure():
+def test_create_records_ids_and_destroy_is_exact():
     b = h100_backend()
-    first = b.ensure_instance(0, "3g.40gb", 4, 4)
-    assert b.ensure_instance(0, "3g.40gb", 4, 4) == first  # found, not created again
-    assert [c[0] for c in b.calls] == ["create"]
-    with pytest.raises(MigError, match="overlaps"):
-        b.ensure_instance(0, "1g.20gb", 6, 2)
-    b.release_instance(0, 4, 4)
-    assert b.list_instances(0) == []
-    with pytest.raises(MigError, match="Not Found"):
-        b.release_instance(0, 4, 4)
-    b.ensure_instance(0, "2g.20gb", 4, 2)
-    b.ensure_instance(0, "1g.20gb", 6, 2)
-    assert b.ensure_instance(0, "3g.40gb", 0, 4) == fake_mig_uuid("node-a", 0, 0, "3g.40gb")
-    assert b.used_mask(0) == 0xFF
+    first = b.create_instance(0, "3g.40gb", 4)
+    assert mutations(b.host) == ["create_gi", "create_ci"]
+    assert b.host.calls[0] == ("create_gi", 0, "3g.40gb", 4, 4)
+    with pytest.raises(MigError, match="no MIG instance 99"):
+        b.destroy_instance(0, 4, 4, 99)  # another instance id at that placement: not touched
+    assert len(b.list_instances(0)) == 1
+    b.destroy_instance(0, 4, 4, first.gi_id)
+    assert mutations(b.host)[-2:] == ["destroy_ci", "destroy_gi"] and b.list_instances(0) == []
+    with pytest.raises(MigError, match="no MIG instance"):
+        b.destroy_instance(0, 4, 4, first.gi_id)
 
 
-def test_fake_uuids_are_deterministic_per_node_gpu_start_profile():
-    a, a2, other = h100_backend("n1"), h100_backend("n1"), h100_backend("n2")
-    u = a.ensure_instance(1, "1g.10gb", 3, 1)
-    assert u == a2.ensure_instance(1, "1g.10gb", 3, 1) == fake_mig_uuid("n1", 1, 3, "1g.10gb")
-    assert u != other.ensure_instance(1, "1g.10gb", 3, 1)
-    assert u != a.ensure_instance(1, "1g.10gb", 4, 1) and u != a.ensure_instance(2, "1g.10gb", 3, 1)
-
-
-def test_fake_refuses_what_nvml_would():
-    b = h100_backend(mig_disabled={5})
+def test_nvml_refuses_what_the_hardware_refuses():
+    b = h100_backend(mig=[True] * 5 + [False] * 3)
     with pytest.raises(MigError, match="no MIG profile '1g.5gb'"):
-        b.ensure_instance(0, "1g.5gb", 0, 1)  # an A100 40GB profile
-    with pytest.raises(MigError, match="takes 4 memory slices"):
-        b.ensure_instance(0, "3g.40gb", 0, 2)
-    with pytest.raises(MigError, match="does not exist"):
-        b.ensure_instance(9, "3g.40gb", 0, 4)
-    with pytest.raises(MigError, match="MIG mode is not enabled on GPU 5"):
-        b.ensure_instance(5, "3g.40gb", 0, 4)
-    l40s = FakeMigBackend("n", {0: ("NVIDIA L40S", 46068)})
-    with pytest.raises(MigError, match="does not support MIG"):
-        l40s.ensure_instance(0, "1g.10gb", 0, 1)
+        b.create_instance(0, "1g.5gb", 0)  # an A100 40GB profile
+    with pytest.raises(MigError, match="MIG mode is not enabled on GPU 5.*nvidia-smi -i 5 -mig 1"):
+        b.create_instance(5, "3g.40gb", 0)
+    assert b.host.calls == []
+    l40s = nvml_backend(h100_host(model=("NVIDIA L40S", 46068)))
+    with pytest.raises(MigError, match="no MIG profile|does not support MIG"):
+        l40s.create_instance(0, "1g.10gb", 0)
     # other families: their own names and memory
-    a100 = FakeMigBackend("n", {0: ("NVIDIA A100-SXM4-40GB", 40960)})
-    a100.ensure_instance(0, "1g.5gb", 0, 1)
-    h200 = FakeMigBackend("n", {0: ("NVIDIA H200", 143771)})
-    h200.ensure_instance(0, "3g.71gb", 4, 4)
+    nvml_backend(h100_host(model=("NVIDIA A100-SXM4-40GB", 40960))).create_instance(0, "1g.5gb", 0)
+    nvml_backend(h100_host(model=("NVIDIA H200", 143771))).create_instance(0, "3g.71gb", 4)
+    broken = h100_host()
+    broken.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
+    with pytest.raises(MigError, match="cannot initialise NVML"):
+        nvml_backend(broken).create_instance(0, "3g.40gb", 0)
 
 
-def test_fake_state_survives_a_new_backend(tmp_path):
-    f = tmp_path / "mig.json"
+def test_pending_mode_says_reset():
+    host = h100_host(mig=False)
+    host.gpus[0].mig_mode = [0, 1]
+    with pytest.raises(MigError, match="pending: reset the GPU"):
+        nvml_backend(host).create_instance(0, "3g.40gb", 0)
+
+
+def test_failed_compute_instance_leaves_no_gpu_instance():
+    b = h100_backend()
+    b.host.fail["nvmlGpuInstanceCreateComputeInstance"] = 23  # NVML_ERROR_INSUFFICIENT_RESOURCES
+    with pytest.raises(MigError, match="cannot create the compute instance"):
+        b.create_instance(0, "3g.40gb", 0)
+    assert mutations(b.host) == ["create_gi", "destroy_gi"] and b.list_instances(0) == []
+
+
+def test_state_survives_a_new_host(tmp_path):
+    f = tmp_path / "gpus.json"
     b = h100_backend(state_file=f)
-    u = b.ensure_instance(4, "4g.40gb", 0, 4)
+    u = b.create_instance(4, "4g.40gb", 0).uuid
     again = h100_backend(state_file=f)
     assert [(i.profile, i.uuid) for i in again.list_instances(4)] == [("4g.40gb", u)]
-    with pytest.raises(MigError, match="overlaps"):
-        again.ensure_instance(4, "7g.80gb", 0, 8)
-
-
-def test_backend_follows_discovery():
-    sim = simulated_topology("n1", "dgx-h100")
-    assert isinstance(backend_for(sim, "n1"), FakeMigBackend)
-    real = agent_pb2.HostTopology(profile="nvml")
-    real.gpus.append(agent_pb2.GpuInfo(index=0, name=H100[0], memory_mib=H100[1]))
-    assert isinstance(backend_for(real, "n1"), NvmlMigBackend)
+    with pytest.raises(MigError, match="Insufficient resources"):
+        again.create_instance(4, "7g.80gb", 0)
 
 
 # ------------------------------------------------------------------------------------------------ manager
@@ -165,42 +182,46 @@ def sl(gpu, profile, start, size):
     return {"gpu": gpu, "profile": profile, "start": start, "size": size}
 
 
-def test_manager_acquire_release_only_what_it_created():
+def test_manager_never_uses_or_destroys_what_it_did_not_create():
     m = manager()
-    b = m.backend
-    admin = b.ensure_instance(0, "3g.40gb", 4, 4)  # there before the agent: kept
-    got = m.acquire("j/1/0", [sl(0, "3g.40gb", 4, 4)])
-    assert got[0]["uuid"] == admin and got[0]["created"] is False
+    host = m.backend.host
+    host.add_mig_instance(0, "3g.40gb", 4)  # there before the agent: an administrator's
+    with pytest.raises(MigError, match="did not create .*occupied by someone else"):
+        m.acquire("j/1/0", [sl(0, "3g.40gb", 4, 4)])
+    with pytest.raises(MigError, match="overlaps .*did not create"):
+        m.acquire("j/1/0", [sl(0, "7g.80gb", 0, 8)])
     mine = m.acquire("j/1/1", [sl(0, "4g.40gb", 0, 4)])[0]
-    assert mine["created"] is True
-    assert m.release("j/1/0", got) == []
+    assert mine["created"] is True and mine["gi_id"] >= 1 and mine["ci_id"] == 0
+    assert [(r["gpu"], r["start"], r["gi_id"]) for r in m.created] == [(0, 0, mine["gi_id"])]
     assert m.release("j/1/1", [mine]) == [(0, 0, 4)]
-    assert [(i.profile, i.start) for i in b.list_instances(0)] == [("3g.40gb", 4)]
+    assert [(i.profile, i.start) for i in m.backend.list_instances(0)] == [("3g.40gb", 4)]
+    assert m.created == [] and "destroy_gi" in mutations(host)
+    assert m.clean_up() == [] and len(m.backend.list_instances(0)) == 1  # still not ours
 
 
 def test_manager_shared_instance_released_by_last_user():
     m = manager()
     a = m.acquire("a/1/0", [sl(1, "2g.20gb", 2, 2)])
     b = m.acquire("b/1/0", [sl(1, "2g.20gb", 2, 2)])
-    assert a[0]["uuid"] == b[0]["uuid"] and b[0]["created"] is True
+    assert a[0]["uuid"] == b[0]["uuid"] and mutations(m.backend.host).count("create_gi") == 1
     assert m.release("a/1/0", a) == [] and len(m.backend.list_instances(1)) == 1
     assert m.release("b/1/0", b) == [(1, 2, 2)] and m.backend.list_instances(1) == []
 
 
-def test_manager_reconfigures_unused_instances_but_not_used_ones():
+def test_manager_reconfigures_its_own_unused_instances_but_not_used_ones():
     m = manager()
-    b = m.backend
-    b.ensure_instance(2, "7g.80gb", 0, 8)  # left over, nobody uses it
+    old = m.acquire("old/1/0", [sl(2, "7g.80gb", 0, 8)])
+    m._users.clear()  # its rank ended while the release failed: a leftover of ours
     got = m.acquire("j/1/0", [sl(2, "3g.40gb", 0, 4)])
-    assert [(i.profile, i.start) for i in b.list_instances(2)] == [("3g.40gb", 0)]
-    assert ("destroy", 2, "7g.80gb", 0, 8) in b.calls
+    assert [(i.profile, i.start) for i in m.backend.list_instances(2)] == [("3g.40gb", 0)]
+    assert old[0]["gi_id"] not in {r["gi_id"] for r in m.created if r["gpu"] == 2} or len(m.created) == 1
     with pytest.raises(MigError, match="in use by rank j/1/0"):
         m.acquire("k/1/0", [sl(2, "4g.40gb", 0, 4)])
-    assert b.list_instances(2)[0].uuid == got[0]["uuid"]
+    assert m.backend.list_instances(2)[0].uuid == got[0]["uuid"]
     # a GPU a whole-GPU rank uses keeps its geometry
     with pytest.raises(MigError, match="GPU 3 is in use by rank w/1/0"):
         m.acquire("k/1/0", [sl(3, "1g.10gb", 0, 1)], busy_gpus={3: "w/1/0"})
-    assert b.list_instances(3) == []
+    assert m.backend.list_instances(3) == []
 
 
 def test_manager_failed_acquire_keeps_nothing():
@@ -208,25 +229,28 @@ def test_manager_failed_acquire_keeps_nothing():
     m.acquire("x/1/0", [sl(4, "1g.10gb", 1, 1)])
     with pytest.raises(MigError):
         m.acquire("y/1/0", [sl(5, "3g.40gb", 0, 4), sl(4, "2g.20gb", 0, 2)])  # second overlaps x's instance
-    assert m.backend.list_instances(5) == []
+    assert m.backend.list_instances(5) == []  # the first, made for this call, rolled back
     with pytest.raises(MigError, match="cannot start at memory slice 2"):
         m.acquire("y/1/0", [sl(5, "3g.40gb", 2, 4)])
     with pytest.raises(MigError, match="no MIG profile"):
         m.acquire("y/1/0", [sl(5, "3g.20gb", 0, 4)])
+    assert [r["gpu"] for r in m.created] == [4]
 
 
-def test_manager_adopt_keeps_instances_of_live_ranks():
+def test_manager_adopt_and_clean_up_after_a_restart():
     b = h100_backend()
     m1 = manager(b)
     live = m1.acquire("live/1/0", [sl(6, "1g.10gb", 0, 1)])
-    dead = m1.acquire("dead/1/0", [sl(6, "1g.10gb", 1, 1)])
-    m2 = manager(b)  # a restarted agent: adopts the live rank, settles the dead one
+    m1.acquire("dead/1/0", [sl(6, "1g.10gb", 1, 1)])
+    b.host.add_mig_instance(6, "1g.10gb", 2)  # someone else's
+    m2 = MigManager(b, simulated_topology("node-a", "dgx-h100"), created=m1.created)  # a restarted agent
     m2.adopt("live/1/0", live)
-    assert m2.release("dead/1/0", dead) == [(6, 1, 1)]
+    assert m2.clean_up() == [(6, 1, 1)]  # the dead rank's instance: ours, unused
+    assert sorted(i.start for i in b.list_instances(6)) == [0, 2]
     with pytest.raises(MigError, match="in use by rank live/1/0"):
         m2.acquire("new/1/0", [sl(6, "1g.20gb", 0, 2)])
-    assert [i.start for i in b.list_instances(6)] == [0]
     assert m2.release("live/1/0", live) == [(6, 0, 1)]
+    assert [i.start for i in b.list_instances(6)] == [2]
 
 
 # ------------------------------------------------------------------------------------------------ env helpers
@@ -260,12 +284,17 @@ async def fake():
 async def agents(tmp_path):
     started: list[tuple[NodeAgent, asyncio.Task]] = []
 
-    def start(port, *, backend=None, state_dir=None, profile="dgx-h100", node="node-a") -> NodeAgent:
+    def start(port, *, backend=None, state_dir=None, profile="dgx-h100", node="node-a", mig="all",
+              mig_manage=False) -> NodeAgent:
+        state_dir = state_dir or tmp_path / "state"
+        sim = simulated_node(node, profile, mig_gpus=mig, state_dir=state_dir)
         agent = NodeAgent(AgentConfig(
-            scheduler=f"127.0.0.1:{port}", node_name=node, topology=simulated_topology(node, profile),
-            state_dir=state_dir or tmp_path / "state", kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3,
+            scheduler=f"127.0.0.1:{port}", node_name=node, topology=sim.topology, nvml=sim.nvml,
+            state_dir=state_dir, kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3,
             poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0, mig_backend=backend,
+            mig_manage=mig_manage,
         ))
+        agent.sim = sim
         started.append((agent, asyncio.create_task(agent.run())))
         return agent
 
@@ -298,33 +327,39 @@ def failed(fake, job, rank=0):
     return fake.report(job, rank, S.RANK_STATE_FAILED_TO_START)
 
 
+def mig_uuids(agent: NodeAgent, gpu: int) -> dict[int, str]:
+    """start slice -> MIG device UUID of the instances on `gpu` of the agent's simulated host."""
+    return {i.start: i.uuid for i in agent.mig.backend.list_instances(gpu)}
+
+
 async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agents, tmp_path):
-    backend = h100_backend()
-    agents(fake.port, backend=backend)
+    a = agents(fake.port)
     launch(fake, 1, "mig", 1, [
-        {"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "mig", 0, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=0.5),
+        {"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "mig", 0, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=1.0),
          "slices": [(2, "3g.40gb", 4, 4)]},
-        {"rank": 1, "gpus": [2], "env": rank_env(tmp_path, "mig", 1, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=0.5),
+        {"rank": 1, "gpus": [2], "env": rank_env(tmp_path, "mig", 1, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=1.0),
          "slices": [(2, "1g.10gb", 0, 1)]},
-        {"rank": 2, "gpus": [5, 6], "env": rank_env(tmp_path, "mig", 2, 3, CUDA_VISIBLE_DEVICES="5,6", SLEEP=0.5),
+        {"rank": 2, "gpus": [5, 6], "env": rank_env(tmp_path, "mig", 2, 3, CUDA_VISIBLE_DEVICES="5,6", SLEEP=1.0),
          "slices": [(5, "7g.80gb", 0, 8), (6, "2g.20gb", 2, 2)]},
     ])
     await until(lambda: all(fake.report("mig", r, S.RANK_STATE_RUNNING) for r in range(3)), what="RUNNING")
-    assert {(i.profile, i.start) for i in backend.list_instances(2)} == {("3g.40gb", 4), ("1g.10gb", 0)}
+    on2, on5, on6 = mig_uuids(a, 2), mig_uuids(a, 5), mig_uuids(a, 6)
+    assert set(on2) == {4, 0}
     await until(lambda: all(fake.report("mig", r, S.RANK_STATE_EXITED) for r in range(3)), what="EXITED")
-    assert env_of(tmp_path, "mig", 0)["CUDA_VISIBLE_DEVICES"] == fake_mig_uuid("node-a", 2, 4, "3g.40gb")
-    assert env_of(tmp_path, "mig", 1)["CUDA_VISIBLE_DEVICES"] == fake_mig_uuid("node-a", 2, 0, "1g.10gb")
-    assert env_of(tmp_path, "mig", 2)["CUDA_VISIBLE_DEVICES"] == ",".join(
-        [fake_mig_uuid("node-a", 5, 0, "7g.80gb"), fake_mig_uuid("node-a", 6, 2, "2g.20gb")])
+    assert env_of(tmp_path, "mig", 0)["CUDA_VISIBLE_DEVICES"] == on2[4]
+    assert env_of(tmp_path, "mig", 1)["CUDA_VISIBLE_DEVICES"] == on2[0]
+    assert env_of(tmp_path, "mig", 2)["CUDA_VISIBLE_DEVICES"] == ",".join([on5[0], on6[2]])
     assert env_of(tmp_path, "mig", 0)["RANK"] == "0" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env_of(
         tmp_path, "mig", 0)
-    await until(lambda: not any(backend.list_instances(g) for g in range(8)), what="instances destroyed")
-    rec = AgentState.load(tmp_path / "state" / "state.json").ranks["mig/1/0"]
-    assert rec.slices[0]["uuid"] == fake_mig_uuid("node-a", 2, 4, "3g.40gb") and rec.slices[0]["created"]
+    await until(lambda: not any(a.mig.backend.list_instances(g) for g in range(8)), what="instances destroyed")
+    state = AgentState.load(tmp_path / "state" / "state.json")
+    rec = state.ranks["mig/1/0"]
+    assert rec.slices[0]["uuid"] == on2[4] and rec.slices[0]["created"] and rec.slices[0]["gi_id"] >= 1
+    assert state.mig_created == []
 
 
 async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_path):
-    agents(fake.port)
+    agents(fake.port, mig="none")
     launch(fake, 1, "frac", 1, [
         {"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "frac", 0, 2, CUDA_VISIBLE_DEVICES="3"), "gpu_milli": 250},
         {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "frac", 1, 2, CUDA_VISIBLE_DEVICES="3"), "gpu_milli": 5},
@@ -334,7 +369,7 @@ async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_pat
     await until(lambda: all(fake.report("frac", r, S.RANK_STATE_EXITED) for r in range(2))
                 and fake.report("whole", 0, S.RANK_STATE_EXITED), what="EXITED")
     e0, e1 = env_of(tmp_path, "frac", 0), env_of(tmp_path, "frac", 1)
-    assert e0["CUDA_VISIBLE_DEVICES"] == "3" and e0["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert e0["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert e0["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M" and e0["PHALANX_GPU_MILLI"] == "250"
     assert e1["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1" and e1["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=407M"
     w = env_of(tmp_path, "whole", 0)
@@ -342,9 +377,8 @@ async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_pat
     assert not {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI"} & set(w)
 
 
-async def test_mig_failures_fail_the_start_not_the_agent(fake, agents, tmp_path):
-    backend = h100_backend(mig_disabled={1})
-    agents(fake.port, backend=backend)
+async def test_mig_failures_fail_the_start_retryably_not_the_agent(fake, agents, tmp_path):
+    agents(fake.port, mig="0,2,3")
     launch(fake, 1, "badstart", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "badstart", 0),
                                      "slices": [(0, "3g.40gb", 2, 4)]}])
     launch(fake, 2, "off", 1, [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "off", 0),
@@ -355,13 +389,33 @@ async def test_mig_failures_fail_the_start_not_the_agent(fake, agents, tmp_path)
                 what="FAILED_TO_START")
     assert "cannot start at memory slice 2" in failed(fake, "badstart").message
     assert "MIG mode is not enabled on GPU 1" in failed(fake, "off").message
-    assert "not both" in failed(fake, "both").message
+    assert failed(fake, "badstart").retryable and failed(fake, "off").retryable
+    assert "not both" in failed(fake, "both").message and not failed(fake, "both").retryable
     for job in ("badstart", "off", "both"):
         assert fake.states(job, 0) == [S.RANK_STATE_FAILED_TO_START] and starts(tmp_path, job, 0) == 0
     # the agent goes on
     launch(fake, 4, "ok", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "ok", 0),
                                "slices": [(0, "4g.40gb", 0, 4)]}])
     await until(lambda: fake.report("ok", 0, S.RANK_STATE_EXITED), what="later MIG rank EXITED")
+
+
+async def test_failed_create_rolls_back_the_attempts_instances(fake, agents, tmp_path):
+    """Rank 1's instance cannot be made: rank 0's, made for the same attempt, is destroyed at once; rank 2 is not
+    started; every report is FAILED_TO_START and retryable."""
+    a = agents(fake.port)
+    host = a.sim.host
+    host.add_mig_instance(3, "1g.10gb", 4)  # an administrator's, in the way of rank 1 (3g at 4)
+    launch(fake, 1, "gang", 1, [
+        {"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "gang", 0, 3, SLEEP=60), "slices": [(3, "3g.40gb", 0, 4)]},
+        {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "gang", 1, 3), "slices": [(3, "3g.40gb", 4, 4)]},
+        {"rank": 2, "gpus": [4], "env": rank_env(tmp_path, "gang", 2, 3), "slices": [(4, "7g.80gb", 0, 8)]},
+    ])
+    await until(lambda: failed(fake, "gang", 1) and failed(fake, "gang", 2), what="FAILED_TO_START")
+    assert "did not create" in failed(fake, "gang", 1).message and failed(fake, "gang", 1).retryable
+    assert "not started" in failed(fake, "gang", 2).message and failed(fake, "gang", 2).retryable
+    await until(lambda: [i.start for i in a.mig.backend.list_instances(3)] == [4], what="rank 0's instance gone")
+    assert a.mig.backend.list_instances(4) == [] and starts(tmp_path, "gang", 2) == 0
+    assert a.mig.created == []
 
 
 async def test_no_mig_on_non_mig_gpus(fake, agents, tmp_path):
@@ -373,8 +427,8 @@ async def test_no_mig_on_non_mig_gpus(fake, agents, tmp_path):
 
 
 async def test_geometry_kept_while_ranks_use_the_gpu(fake, agents, tmp_path):
-    backend = h100_backend()
-    agents(fake.port, backend=backend)
+    a = agents(fake.port)
+    backend = a.mig.backend
     launch(fake, 1, "whole", 1, [{"rank": 0, "gpus": [5], "env": rank_env(tmp_path, "whole", 0, SLEEP=60)}])
     launch(fake, 2, "m4", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m4", 0, SLEEP=60),
                                "slices": [(0, "4g.40gb", 0, 4)]}])
@@ -402,8 +456,7 @@ async def test_geometry_kept_while_ranks_use_the_gpu(fake, agents, tmp_path):
 
 
 async def test_redelivered_mig_launch_starts_once(fake, agents, tmp_path):
-    backend = h100_backend()
-    agents(fake.port, backend=backend)
+    a = agents(fake.port)
     ranks = [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "dup", 0, SLEEP=60), "slices": [(1, "2g.20gb", 0, 2)]}]
     launch(fake, 1, "dup", 1, ranks)
     await until(lambda: fake.report("dup", 0, S.RANK_STATE_RUNNING), what="RUNNING")
@@ -415,16 +468,15 @@ async def test_redelivered_mig_launch_starts_once(fake, agents, tmp_path):
     await until(lambda: 2 in fake.acks, what="ack of the re-delivered launch")
     await asyncio.sleep(0.3)
     assert starts(tmp_path, "dup", 0) == 1 and fake.states("dup", 0) == [S.RANK_STATE_RUNNING]
-    assert [c[0] for c in backend.calls] == ["create"]
+    assert mutations(a.sim.host) == ["create_gi", "create_ci"]
     fake.kill(3, "dup", 1)
     await until(lambda: fake.report("dup", 0, S.RANK_STATE_KILLED), what="KILLED")
-    await until(lambda: backend.list_instances(1) == [], what="instance destroyed")
+    await until(lambda: a.mig.backend.list_instances(1) == [], what="instance destroyed")
 
 
-async def test_restart_keeps_instances_of_adopted_ranks(fake, agents, tmp_path):
+async def test_restart_keeps_instances_of_adopted_ranks_and_leaves_others(fake, agents, tmp_path):
     state_dir = tmp_path / "state"
-    a = agents(fake.port, state_dir=state_dir)  # default backend: the fake, kept in the state dir
-    assert isinstance(a.mig.backend, FakeMigBackend)
+    a = agents(fake.port, state_dir=state_dir)  # the simulated GPUs' MIG state lives in the state dir
     launch(fake, 1, "live", 1, [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "live", 0, SLEEP=60),
                                  "slices": [(3, "3g.40gb", 0, 4)]}])
     launch(fake, 2, "short", 1, [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "short", 0, SLEEP=0.3),
@@ -432,132 +484,108 @@ async def test_restart_keeps_instances_of_adopted_ranks(fake, agents, tmp_path):
     await until(lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
                 what="RUNNING")
     await until(lambda: 2 in fake.acks, what="acks")
+    live_uuid = mig_uuids(a, 3)[0]
     await a.abort()  # crash: ranks keep running, instances stay
     live_pid = fake.report("live", 0, S.RANK_STATE_RUNNING).pid
+    a.sim.host.add_mig_instance(7, "1g.10gb", 0)  # an administrator's, made while no agent ran
     await asyncio.sleep(0.6)  # "short" exits while no agent runs
     b = agents(fake.port, state_dir=state_dir)
     await until(lambda: fake.report("short", 0, S.RANK_STATE_EXITED), what="short EXITED")
     await until(lambda: [i.start for i in b.mig.backend.list_instances(3)] == [0], what="short's instance destroyed")
     await asyncio.sleep(0.2)
     assert launcher.pid_alive(live_pid) and starts(tmp_path, "live", 0) == 1
-    assert b.mig.backend.list_instances(3)[0].uuid == fake_mig_uuid("node-a", 3, 0, "3g.40gb")
+    assert b.mig.backend.list_instances(3)[0].uuid == live_uuid
     assert b.mig.users(3, 0, 4) == {"live/1/0"}
+    assert [i.start for i in b.mig.backend.list_instances(7)] == [0]  # someone else's: left alone
+    # registration shows it as occupied by someone else, and ours as managed
+    topo = b._current_topology()
+    assert [(m.start, m.managed) for m in topo.gpus[7].mig_instances] == [(0, False)]
+    assert [(m.start, m.managed) for m in topo.gpus[3].mig_instances] == [(0, True)]
     launch(fake, 3, "clash", 1, [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "clash", 0),
                                   "slices": [(3, "7g.80gb", 0, 8)]}])
     await until(lambda: failed(fake, "clash"), what="clash FAILED_TO_START")
     fake.kill(4, "live", 1)
     await until(lambda: fake.report("live", 0, S.RANK_STATE_KILLED), what="adopted rank KILLED")
     await until(lambda: b.mig.backend.list_instances(3) == [], what="adopted rank's instance destroyed at its end")
+    assert len(b.mig.backend.list_instances(7)) == 1
 
 
-# ------------------------------------------------------------------------------------------------ NVML backend
+async def test_agent_given_only_a_simulated_topology_runs_mig_through_nvml(fake, tmp_path):
+    """An AgentConfig with a simulated topology and no bindings: the agent makes a simulated host from it."""
+    topo = simulated_topology("node-b", "dgx-h100", mig_gpus="1")
+    agent = NodeAgent(AgentConfig(scheduler=f"127.0.0.1:{fake.port}", node_name="node-b", topology=topo,
+                                  state_dir=tmp_path / "b", kill_grace_s=0.5, backoff_initial_s=0.05,
+                                  poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0))
+    assert agent.mig.backend.kind == "nvml-simulated"
+    task = asyncio.create_task(agent.run())
+    try:
+        launch(fake, 1, "m", 1, [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "m", 0),
+                                  "slices": [(1, "1g.10gb", 0, 1)]}])
+        await until(lambda: fake.report("m", 0, S.RANK_STATE_EXITED), what="EXITED")
+        assert env_of(tmp_path, "m", 0)["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 10)
 
 
-class FakeNvml(SharedFakeNvml):
-    """The shared fake NVML (phalanx.testing.fake_nvml) with `gpus` H100s whose MIG mode is `mig_mode`
-    ([current, pending]); `add` makes an instance by NVML profile id, as an administrator would."""
+# ------------------------------------------------------------------------------------------------ --mig-manage
 
-    def __init__(self, gpus: int = 2, mig_mode=(1, 1)) -> None:
-        super().__init__([
-            FakeGpu(i, f"GPU-fake-{i}", H100[0], H100[1], f"00000000:{0x18 + i:02X}:00.0", mig_capable=True,
-                    mig_mode=list(mig_mode))
-            for i in range(gpus)
-        ])
-
-    def add(self, gpu: int, pid: int, start: int, size: int, ci: bool = True) -> int:
-        profile = next(k for k, v in GI_PROFILES.items() if v[0] == pid and v[2] == size)
-        return self.add_mig_instance(gpu, profile, start, ci=ci)
+E, D = agent_pb2.GpuInfo.MIG_MODE_ENABLED, agent_pb2.GpuInfo.MIG_MODE_DISABLED
 
 
-def mig_uuid(nv: FakeNvml, gpu: int, gi_id: int) -> str:
-    """The MIG device UUID the fake NVML gives GPU instance `gi_id` of GPU `gpu`."""
-    return nv.nvmlDeviceGetUUID(("mig", gpu, gi_id))
+def mode_of(fake: FakeNodeService, gpu: int):
+    hb = fake.last_heartbeat
+    return next((m for m in hb.mig_modes if m.gpu == gpu), None) if hb is not None else None
 
 
-def nvml_backend(nv: FakeNvml) -> NvmlMigBackend:
-    return NvmlMigBackend({g.index: H100 for g in nv.gpus}, nvml=nv)
+def switch(fake: FakeNodeService, revision: int, gpu: int, enable: bool) -> None:
+    fake.push(agent_pb2.Assignment(revision=revision, set_mig_mode=agent_pb2.SetMigMode(
+        gpu=gpu, enable=enable, reason="test")))
 
 
-def test_nvml_creates_with_placement_when_missing():
-    nv = FakeNvml()
-    b = nvml_backend(nv)
-    u = b.ensure_instance(1, "3g.40gb", 4, 4)
-    assert nv.calls == [("create_gi", 1, 9, 4, 4),
-                        ("create_ci", 1, 1, 100 + pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)]
-    assert u == mig_uuid(nv, 1, 1)
-    u_small = b.ensure_instance(1, "1g.10gb", 0, 1)
-    assert nv.calls[-2] == ("create_gi", 1, 19, 0, 1) and u_small == mig_uuid(nv, 1, 2)
-    u_large = b.ensure_instance(1, "1g.20gb", 2, 2)  # 1g with 2 memory slices: the REV2 profile
-    assert nv.calls[-2] == ("create_gi", 1, 15, 2, 2) and u_large == mig_uuid(nv, 1, 3)
-    assert [(i.profile, i.start, i.size, i.uuid) for i in b.list_instances(1)] == [
-        ("1g.10gb", 0, 1, mig_uuid(nv, 1, 2)), ("1g.20gb", 2, 2, mig_uuid(nv, 1, 3)), ("3g.40gb", 4, 4, mig_uuid(nv, 1, 1))]
+async def test_mig_manage_switches_idle_gpus_and_reports_through_heartbeats(fake, agents, tmp_path):
+    a = agents(fake.port, mig="none", mig_manage=True)
+    await until(lambda: fake.registrations and fake.registrations[-1].mig_manage, what="registered")
+    await until(lambda: mode_of(fake, 2) is not None, what="a heartbeat with MIG modes")
+    assert (mode_of(fake, 2).current, mode_of(fake, 2).pending, mode_of(fake, 2).switching) == (D, D, False)
+    # a whole-GPU rank on GPU 1: its mode cannot change
+    launch(fake, 1, "whole", 1, [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "whole", 0, SLEEP=60)}])
+    await until(lambda: fake.report("whole", 0, S.RANK_STATE_RUNNING), what="RUNNING")
+    switch(fake, 2, 2, True)
+    switch(fake, 3, 1, True)
+    await until(lambda: mode_of(fake, 2).current == E and mode_of(fake, 1).error, what="switch reported")
+    assert "in use by rank whole/1/0" in mode_of(fake, 1).error and mode_of(fake, 1).current == D
+    assert ("set_mig_mode", 2, 1) in a.sim.host.calls and ("set_mig_mode", 1, 1) not in a.sim.host.calls
+    # the GPU now serves MIG ranks
+    launch(fake, 4, "m", 1, [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "m", 0),
+                              "slices": [(2, "1g.10gb", 0, 1)]}])
+    await until(lambda: fake.report("m", 0, S.RANK_STATE_EXITED), what="MIG rank EXITED")
+    await until(lambda: a.mig.backend.list_instances(2) == [], what="its instance destroyed")
+    # back off again; a re-registration carries the mode NVML has now
+    switch(fake, 5, 2, False)
+    await until(lambda: mode_of(fake, 2).current == D, what="switched back")
+    assert a._current_topology().gpus[2].mig_mode == D
 
 
-def test_nvml_reuses_an_instance_that_is_there():
-    nv = FakeNvml()
-    gi_id = nv.add(0, 5, 0, 4)  # a 4g.40gb with its compute instance
-    b = nvml_backend(nv)
-    assert b.ensure_instance(0, "4g.40gb", 0, 4) == mig_uuid(nv, 0, gi_id)
-    assert nv.calls == []
-    bare = nv.add(0, 9, 4, 4, ci=False)  # a GPU instance without compute instance: only that is made
-    assert b.ensure_instance(0, "3g.40gb", 4, 4) == mig_uuid(nv, 0, bare)
-    assert [c[0] for c in nv.calls] == ["create_ci"]
+async def test_mig_manage_leaves_foreign_instances_and_waits_for_a_reset(fake, agents, tmp_path):
+    a = agents(fake.port, mig="0", mig_manage=True)
+    a.sim.host.add_mig_instance(0, "3g.40gb", 0)  # an administrator's
+    switch(fake, 1, 0, False)
+    await until(lambda: mode_of(fake, 0) is not None and mode_of(fake, 0).error, what="refusal reported")
+    assert "did not create" in mode_of(fake, 0).error and mode_of(fake, 0).current == E
+    a.sim.host.mig_reset_required = True  # a pass-through VM: NVML cannot reset the GPU itself
+    switch(fake, 2, 3, True)
+    await until(lambda: mode_of(fake, 3).pending == E, what="pending reported")
+    assert (mode_of(fake, 3).current, mode_of(fake, 3).switching, mode_of(fake, 3).error) == (D, True, "")
+    a.sim.host.reset_gpu(3)  # the operator's `nvidia-smi -r -i 3`
+    await until(lambda: mode_of(fake, 3).current == E and not mode_of(fake, 3).switching, what="done after reset")
 
 
-def test_nvml_refuses_when_mig_mode_is_off_or_placement_taken():
-    nv = FakeNvml(mig_mode=(0, 0))
-    with pytest.raises(MigError, match="MIG mode is not enabled on GPU 0.*nvidia-smi -i 0 -mig 1"):
-        nvml_backend(nv).ensure_instance(0, "3g.40gb", 0, 4)
-    assert nv.calls == []
-    pending = FakeNvml(mig_mode=(0, 1))
-    with pytest.raises(MigError, match="pending: reset the GPU"):
-        nvml_backend(pending).ensure_instance(0, "3g.40gb", 0, 4)
-    nv = FakeNvml()
-    nv.add(0, 0, 0, 8)  # 7g.80gb
-    with pytest.raises(MigError, match="cannot create MIG instance 3g.40gb at slices 0-3 of GPU 0"):
-        nvml_backend(nv).ensure_instance(0, "3g.40gb", 0, 4)
-    with pytest.raises(MigError, match="cannot create"):
-        nvml_backend(FakeNvml()).ensure_instance(0, "3g.40gb", 2, 4)
-    broken = FakeNvml()
-    broken.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
-    with pytest.raises(MigError, match="cannot initialise NVML"):
-        nvml_backend(broken).ensure_instance(0, "3g.40gb", 0, 4)
-
-
-def test_nvml_release_destroys_compute_then_gpu_instance():
-    nv = FakeNvml()
-    b = nvml_backend(nv)
-    b.ensure_instance(0, "2g.20gb", 2, 2)
-    nv.calls.clear()
-    b.release_instance(0, 2, 2)
-    assert nv.calls == [("destroy_ci", 0, 1), ("destroy_gi", 0, 1)] and nv.gis == {}
-    with pytest.raises(MigError, match="no MIG instance"):
-        b.release_instance(0, 2, 2)
-
-
-def test_nvml_manager_reconfigures_through_nvml():
-    nv = FakeNvml()
-    nv.add(0, 0, 0, 8)  # a 7g.80gb nobody of ours uses
-    topo = agent_pb2.HostTopology(profile="nvml")
-    for i in range(len(nv.gpus)):
-        topo.gpus.append(agent_pb2.GpuInfo(index=i, name=H100[0], memory_mib=H100[1]))
-    m = MigManager(nvml_backend(nv), topo)
-    got = m.acquire("j/1/0", [sl(0, "3g.40gb", 4, 4)])
-    assert [c[0] for c in nv.calls] == ["destroy_ci", "destroy_gi", "create_gi", "create_ci"]
-    assert got[0]["uuid"] in {mig_uuid(nv, 0, gi) for gi in range(1, 8)} and got[0]["created"]
-    assert m.release("j/1/0", got) == [(0, 4, 4)] and nv.gis == {}
-
-
-async def test_agent_with_nvml_backend_mig_off_fails_the_start(fake, agents, tmp_path):
-    nv = FakeNvml(gpus=8, mig_mode=(0, 0))
-    agents(fake.port, backend=nvml_backend(nv))
-    launch(fake, 1, "nomig", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "nomig", 0),
-                                  "slices": [(0, "1g.10gb", 0, 1)]}])
-    await until(lambda: failed(fake, "nomig"), what="FAILED_TO_START")
-    assert "MIG mode is not enabled on GPU 0" in failed(fake, "nomig").message
-    nv.gpus[0].mig_mode = [1, 1]
-    launch(fake, 2, "mig", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "mig", 0),
-                                "slices": [(0, "1g.10gb", 0, 1)]}])
-    await until(lambda: fake.report("mig", 0, S.RANK_STATE_EXITED), what="EXITED")
-    assert env_of(tmp_path, "mig", 0)["CUDA_VISIBLE_DEVICES"] == mig_uuid(nv, 0, 1)
-    await until(lambda: nv.gis == {}, what="instance destroyed")
+async def test_without_mig_manage_a_switch_is_refused(fake, agents, tmp_path):
+    a = agents(fake.port, mig="none")
+    switch(fake, 1, 2, True)
+    await until(lambda: 1 in fake.acks, what="ack")
+    await asyncio.sleep(0.3)
+    assert a._mig_switch_errors == {2: "this agent was not started with --mig-manage"}
+    assert ("set_mig_mode", 2, 1) not in a.sim.host.calls
+    assert not fake.last_heartbeat.mig_modes   # only --mig-manage agents send them

@@ -24,10 +24,11 @@ JOB_FIELDS = {
     "allocations", "attempt", "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement",
     "required_tier", "preferred_tier", "gpu_model", "mig_profile", "gpu_milli",
     "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
+    "struck_nodes",
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",
-    "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus",
+    "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus", "gpu_details", "strikes",
 }
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR",
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI",
@@ -116,6 +117,8 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
             nodes = client.nodes()
             assert sorted(n.name for n in nodes) == ["node-01", "node-02", "node-03"]
             assert all(n.state.value == "READY" and n.gpus == 8 for n in nodes)
+            # by default the last GPU of the last node is in MIG mode (the cluster's MIG jobs go there)
+            assert {n.name: n.mig_gpus for n in nodes} == {"node-01": [], "node-02": [], "node-03": [7]}
 
             # -- a 2 x 8 gang of real processes ------------------------------------------------------------------
             job = client.submit("e2e-gang", 2, 8, [sys.executable, "-c", RANK_PROGRAM], env={"OUT_DIR": str(out_dir)})

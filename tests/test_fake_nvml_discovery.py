@@ -1,5 +1,6 @@
-"""Production discovery (services.node_agent.discovery) run against the fake NVML and a fake sysfs built from real
-`nvidia-smi topo -m` dumps (../shared/data/topologies) and the shipped profiles: the matrix must round-trip.
+"""Production discovery (services.node_agent.discovery) run through the real nvidia-ml-py bindings over the simulated
+NVML library (phalanx.simhost.nvml) and a simulated sysfs, built from real `nvidia-smi topo -m` dumps
+(../shared/data/topologies) and the shipped profiles: the matrix must round-trip.
 
 What round-trips: every GPU-GPU, GPU-NIC and NIC-NIC cell present in the dump. Cells a dump does not hold (the
 partial HGX B200 dump has rows GPU0-4 only and no NIC rows) are not compared; discovery still reports them, derived
@@ -13,7 +14,6 @@ import functools
 import json
 from pathlib import Path
 
-import pynvml
 import pytest
 import structlog
 
@@ -21,8 +21,8 @@ from conftest import SHARED_DATA
 from phalanx.api.v1 import agent_pb2
 from phalanx.core.topo_dump import TopoDump, is_nvlink, parse_topo
 from phalanx.profiles import list_profiles, load_profile, load_profile_file
-from phalanx.testing.fake_nvml import FakeNvml
-from phalanx.testing.fake_sysfs import build_fake_sysfs, natural_key
+from phalanx.simhost.nvml import SimulatedHost, bind
+from phalanx.simhost.sysfs import build_fake_sysfs, natural_key
 from services.node_agent import main as agent_main
 from services.node_agent.discovery import (
     DiscoveryError,
@@ -45,9 +45,14 @@ def _needs_dumps():
         pytest.skip(f"real topology dumps not found at {TOPOLOGIES} (set PHALANX_DATA to the shared data folder)")
 
 
+def fake_nvml(dump: TopoDump, **fake):
+    """The real pynvml (a private instance) over a simulated host built from `dump`; `nv.simulated_host` is it."""
+    return bind(SimulatedHost.from_dump(dump, **fake))
+
+
 def discover(tmp_path: Path, dump: TopoDump, **fake):
-    nv = FakeNvml.from_dump(dump, **fake)
-    sysfs = build_fake_sysfs(tmp_path, dump, nv.pci_bus_ids)
+    nv = fake_nvml(dump, **fake)
+    sysfs = build_fake_sysfs(tmp_path, dump, nv.simulated_host.pci_bus_ids)
     topo = discover_topology(nvml=nv, sysfs_root=tmp_path, use_nvidia_smi=False)
     # Discovery names NICs NIC<k> in natural order of their InfiniBand device names (as nvidia-smi does).
     order = sorted(sysfs.ib.values(), key=natural_key)
@@ -175,15 +180,15 @@ def _with_cells(dump: TopoDump, gpu: str, cells: dict[str, str]) -> TopoDump:
 
 def test_nvswitch_links_go_to_switches(tmp_path):
     dump = load_profile("dgx-h100").dump
-    nv = FakeNvml.from_dump(dump)
+    nv = fake_nvml(dump)
     nv.nvmlInit()
     h = nv.nvmlDeviceGetHandleByIndex(0)
     remotes = {nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId for link in range(18)}
-    assert remotes.isdisjoint(nv.pci_bus_ids)  # NVSwitches, not GPUs
+    assert remotes.isdisjoint(nv.simulated_host.pci_bus_ids)  # NVSwitches, not GPUs
     assert {nv.nvmlDeviceGetNvLinkRemoteDeviceType(h, link) for link in range(18)} == {
-        pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH}
-    assert nv.nvmlDeviceGetNvLinkState(h, 17) == pynvml.NVML_FEATURE_ENABLED
-    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nv.NVML_NVLINK_DEVICE_TYPE_SWITCH}
+    assert nv.nvmlDeviceGetNvLinkState(h, 17) == nv.NVML_FEATURE_ENABLED
+    with pytest.raises(nv.NVMLError_InvalidArgument):
         nv.nvmlDeviceGetNvLinkState(h, 18)  # an H100 has 18 links
 
 
@@ -195,10 +200,10 @@ def test_nvlink_down_gpu_has_no_nv_cells(tmp_path):
     cells = topo.matrix["GPU2"].cells
     assert not any(is_nvlink(cells[f"GPU{j}"]) for j in range(8) if j != 2)
     assert topo.matrix["GPU0"].cells["GPU1"] == "NV18"
-    nv = FakeNvml.from_dump(down)
+    nv = fake_nvml(down)
     nv.nvmlInit()
     h = nv.nvmlDeviceGetHandleByIndex(2)
-    assert {nv.nvmlDeviceGetNvLinkState(h, link) for link in range(18)} == {pynvml.NVML_FEATURE_DISABLED}
+    assert {nv.nvmlDeviceGetNvLinkState(h, link) for link in range(18)} == {nv.NVML_FEATURE_DISABLED}
 
 
 HYBRID_CUBE_MESH = """\
@@ -218,24 +223,24 @@ def test_hybrid_cube_mesh_links_go_to_peer_gpus(tmp_path):
     """DGX-1 (V100): direct NVLinks, NV1/NV2 per pair, no NVSwitch."""
     dump = parse_topo(HYBRID_CUBE_MESH)
     check_round_trip(tmp_path, dump, gpu_model="Tesla V100-SXM2-16GB", memory_mib=16160)
-    nv = FakeNvml.from_dump(dump, gpu_model="Tesla V100-SXM2-16GB")
+    nv = fake_nvml(dump, gpu_model="Tesla V100-SXM2-16GB")
     nv.nvmlInit()
     h = nv.nvmlDeviceGetHandleByIndex(0)
     remotes = [nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId for link in range(6)]
-    buses = nv.pci_bus_ids
+    buses = nv.simulated_host.pci_bus_ids
     assert sorted(remotes) == sorted([buses[1], buses[2], buses[3], buses[3], buses[4], buses[4]])
 
 
 def test_pcie_only_gpus_have_no_nvlink():
     _needs_dumps()
     dump = parse_topo((TOPOLOGIES / "pcie_8x_rtx4090_2nic_go-gpuallocator17.txt").read_text())
-    nv = FakeNvml.from_dump(dump, gpu_model="NVIDIA GeForce RTX 4090", memory_mib=24564)
+    nv = fake_nvml(dump, gpu_model="NVIDIA GeForce RTX 4090", memory_mib=24564)
     nv.nvmlInit()
     h = nv.nvmlDeviceGetHandleByIndex(0)
-    with pytest.raises(pynvml.NVMLError_NotSupported):
+    with pytest.raises(nv.NVMLError_NotSupported):
         nv.nvmlDeviceGetNvLinkState(h, 0)
-    assert nv.nvmlDeviceGetTopologyCommonAncestor(h, nv.nvmlDeviceGetHandleByIndex(1)) == pynvml.NVML_TOPOLOGY_SYSTEM
-    with pytest.raises(pynvml.NVMLError_NotSupported):
+    assert nv.nvmlDeviceGetTopologyCommonAncestor(h, nv.nvmlDeviceGetHandleByIndex(1)) == nv.NVML_TOPOLOGY_SYSTEM
+    with pytest.raises(nv.NVMLError_NotSupported):
         nv.nvmlDeviceGetMigMode(h)
 
 
@@ -262,41 +267,41 @@ def test_no_fabric_without_fabric_info(tmp_path):
 
 def test_mig_instances_discovered_and_one_fake_serves_the_mig_backend(tmp_path):
     dump = load_profile("dgx-h100").dump
-    nv = FakeNvml.from_dump(dump, mig_enabled=[True, False] + [False] * 6)
+    nv = fake_nvml(dump, mig_enabled=[True, False] + [False] * 6)
     backend = NvmlMigBackend({0: ("NVIDIA H100 80GB HBM3", 81559)}, nvml=nv)
-    uuid = backend.ensure_instance(0, "3g.40gb", 4, 4)
-    nv.nvmlInit()
-    nv.add_mig_instance(0, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE, 0, ci=False)  # made by an administrator
-    nv.nvmlShutdown()
-    build_fake_sysfs(tmp_path, dump, nv.pci_bus_ids)
+    made = backend.create_instance(0, "3g.40gb", 4)
+    uuid = made.uuid
+    nv.simulated_host.add_mig_instance(0, "1g.10gb", 0, ci=False)  # made by an administrator
+    build_fake_sysfs(tmp_path, dump, nv.simulated_host.pci_bus_ids)
     topo = discover_topology(nvml=nv, sysfs_root=tmp_path, use_nvidia_smi=False)
     g0, g1 = topo.gpus[0], topo.gpus[1]
     assert g0.mig_mode == agent_pb2.GpuInfo.MIG_MODE_ENABLED and g1.mig_mode == agent_pb2.GpuInfo.MIG_MODE_DISABLED
     assert [(m.profile, m.start, m.size, m.uuid) for m in g0.mig_instances] == [
         ("1g.10gb", 0, 1, ""), ("3g.40gb", 4, 4, uuid)]
+    assert [(m.gpu_instance_id, m.compute_instance_id) for m in g0.mig_instances] == [(2, -1), (made.gi_id, 0)]
     assert uuid.startswith("MIG-") and not g1.mig_instances
 
 
 def test_nvml_errors_have_the_real_style(tmp_path):
-    nv = FakeNvml.from_dump(load_profile("dgx-h100").dump)
-    nv.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    nv = fake_nvml(load_profile("dgx-h100").dump)
+    nv.simulated_host.init_error = nv.NVML_ERROR_DRIVER_NOT_LOADED
     with pytest.raises(DiscoveryError, match="Driver Not Loaded.*--simulate"):
         discover_topology(nvml=nv, sysfs_root=tmp_path)
-    nv.init_error = None
-    with pytest.raises(pynvml.NVMLError_Uninitialized):
+    nv.simulated_host.init_error = None
+    with pytest.raises(nv.NVMLError_Uninitialized):
         nv.nvmlDeviceGetCount()
     nv.nvmlInit()
-    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+    with pytest.raises(nv.NVMLError_InvalidArgument):
         nv.nvmlDeviceGetHandleByIndex(8)
     buf = (nv.c_nvmlGpuInstance_t * 1)()
     count = ctypes.c_uint(0)
-    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # MIG disabled
-        nv.nvmlDeviceGetGpuInstances(("gpu", 0), 9, buf, ctypes.byref(count))
+    with pytest.raises(nv.NVMLError_InvalidArgument):  # MIG disabled
+        nv.nvmlDeviceGetGpuInstances(nv.nvmlDeviceGetHandleByIndex(0), 9, buf, ctypes.byref(count))
 
 
 def test_no_sysfs_nics_and_no_nvidia_smi(tmp_path):
     dump = load_profile("dgx-h100").dump
-    nv = FakeNvml.from_dump(dump)
+    nv = fake_nvml(dump)
     topo = discover_topology(nvml=nv, sysfs_root=tmp_path, use_nvidia_smi=False)  # an empty tree
     assert not topo.nics and [g.numa_node for g in topo.gpus] == [-1] * 8 and {g.nic for g in topo.gpus} == {""}
     assert topo.matrix["GPU0"].cells["GPU7"] == "NV18"
@@ -323,8 +328,8 @@ def test_pci_relation_words():
 def test_discover_json_through_main(tmp_path, monkeypatch, capsys):
     """`phalanx-agent --discover --json` on a (fake) NVML host: the JSON shape the issue asks for."""
     dump = load_profile("dgx-a100").dump
-    nv = FakeNvml.from_dump(dump, gpu_model="NVIDIA A100-SXM4-80GB", memory_mib=81920)
-    build_fake_sysfs(tmp_path, dump, nv.pci_bus_ids)
+    nv = fake_nvml(dump, gpu_model="NVIDIA A100-SXM4-80GB", memory_mib=81920)
+    build_fake_sysfs(tmp_path, dump, nv.simulated_host.pci_bus_ids)
     monkeypatch.setattr(agent_main, "discover_topology",
                         functools.partial(discover_topology, nvml=nv, sysfs_root=tmp_path, use_nvidia_smi=False))
     # main() would point structlog at the captured stderr, which is closed after this test.

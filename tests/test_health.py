@@ -103,80 +103,27 @@ def test_simulated_source_file(tmp_path):
     assert src.poll() == []
 
 
-# ---- the NVML source against a fake pynvml ----------------------------------------------------------------------
-
-class FakeNVMLError(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(f"NVML error {value}")
-        self.value = value
+# ---- the NVML source through the real pynvml over the simulated NVML library ----------------------------------
 
 
-class FakePynvml:
-    """The pynvml names NvmlHealthSource uses, over N fake GPUs."""
+def simulated_nvml(profile: str = "dgx-h100"):
+    from phalanx.profiles import load_profile
+    from phalanx.simhost.nvml import SimulatedHost, bind
 
-    NVMLError = FakeNVMLError
-    NVML_ERROR_TIMEOUT = 10
-    NVML_ERROR_GPU_IS_LOST = 15
-    NVML_ERROR_NOT_SUPPORTED = 3
-    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
-    NVML_VOLATILE_ECC = 0
-    nvmlEventTypeXidCriticalError = 0x8
-
-    class EventData:
-        def __init__(self, device, xid):
-            self.device, self.eventData, self.eventType = device, xid, 0x8
-
-    def __init__(self, gpus: int = 4, nvlinks: int = 4) -> None:
-        self.handles = [object() for _ in range(gpus)]
-        self.events: list = []
-        self.registered: list = []
-        self.ecc = {(i, t): 0 for i in range(gpus) for t in (0, 1)}
-        self.reasons = [0] * gpus
-        self.links = [[1] * nvlinks + [0] for _ in range(gpus)]  # the last link was never up
-        self.lost: set[int] = set()
-        self.freed = False
-
-    def _i(self, h):
-        i = self.handles.index(h)
-        if i in self.lost:
-            raise FakeNVMLError(self.NVML_ERROR_GPU_IS_LOST)
-        return i
-
-    def nvmlInit(self): pass
-    def nvmlDeviceGetCount(self): return len(self.handles)
-    def nvmlDeviceGetHandleByIndex(self, i): return self.handles[i]
-    def nvmlEventSetCreate(self): return "set"
-    def nvmlEventSetFree(self, s): self.freed = True
-    def nvmlDeviceRegisterEvents(self, h, types, s): self.registered.append((self.handles.index(h), types))
-
-    def nvmlEventSetWait(self, s, timeout_ms):
-        if self.events:
-            return self.events.pop(0)
-        time.sleep(min(timeout_ms, 20) / 1000)
-        raise FakeNVMLError(self.NVML_ERROR_TIMEOUT)
-
-    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
-        return self.ecc[(self._i(h), kind)]
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
-        return self.reasons[self._i(h)]
-
-    def nvmlDeviceGetNvLinkState(self, h, link):
-        i = self._i(h)
-        if link >= len(self.links[i]):
-            raise FakeNVMLError(self.NVML_ERROR_NOT_SUPPORTED)
-        return self.links[i][link]
+    prof = load_profile(profile)
+    host = SimulatedHost.from_dump(prof.dump, gpu_model=prof.gpu_model, memory_mib=prof.memory_mib)
+    return host, bind(host)
 
 
 def test_nvml_source_xid_ecc_throttle_lost_nvlink():
-    nv = FakePynvml(gpus=4)
+    host, nv = simulated_nvml()
+    g3 = host.gpus[3]
+    g3.links[17] = (0, *g3.links[17][1:])                        # a link that was never up: not watched
     src = NvmlHealthSource(nv, event_timeout_ms=20)
-    mon = HealthMonitor(src, 4)
+    mon = HealthMonitor(src, 8)
     try:
-        assert nv.registered == [(i, 0x8) for i in range(4)]
         assert mon.check()[0].state == HEALTHY
-        nv.events.append(FakePynvml.EventData(nv.handles[2], 79))  # XID event via nvmlEventSetWait
+        host.inject_xid(2, 79)                                   # an XID event, through nvmlEventSetWait
         health = None
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -185,36 +132,35 @@ def test_nvml_source_xid_ecc_throttle_lost_nvlink():
                 break
             time.sleep(0.02)
         assert health.fatal_gpus() == {2} and "XID 79" in health.gpus[2].reasons[0]
-        nv.ecc[(0, 1)] = 2                                           # double-bit ECC -> fatal
-        nv.reasons[1] = 0x40                                         # HW thermal slowdown -> degraded
-        nv.links[3][1] = 0                                           # an NVLink that was up goes down -> degraded
-        nv.links[3][4] = 1                                           # one that was never up: not watched
+        host.gpus[0].ecc[(1, 0)] = 2                             # double-bit (uncorrected, volatile) ECC -> fatal
+        host.gpus[1].clocks_event_reasons = 0x40                 # HW thermal slowdown -> degraded
+        g3.links[1] = (0, *g3.links[1][1:])                      # an NVLink that was up goes down -> degraded
+        g3.links[17] = (1, *g3.links[17][1:])                    # one that was never up: not watched
         health, events = mon.check()
         assert health.fatal_gpus() == {0, 2}
         assert health.gpus[1].state == DEGRADED and "HW thermal slowdown" in health.gpus[1].reasons[0]
         assert health.gpus[3].state == DEGRADED and health.gpus[3].reasons == ["NVLink 1 is down"]
         assert {(e.gpu, e.kind) for e in events} == {(0, "ecc_dbe"), (1, "throttle"), (3, "nvlink_down")}
-        nv.lost.add(1)                                               # NVML_ERROR_GPU_IS_LOST -> fatal
+        host.gpus[1].lost = True                                 # NVML_ERROR_GPU_IS_LOST -> fatal
         health, _ = mon.check()
         assert health.fatal_gpus() == {0, 1, 2} and "GPU is lost" in health.gpus[1].reasons[0]
-        assert health.state == DEGRADED                              # GPU 3 still works
-        nv.lost.clear()
-        nv.ecc[(0, 1)] = 0
-        health, events = mon.check()                                 # polled conditions clear; the XID stays
+        assert health.state == DEGRADED                          # GPU 3 still works
+        host.gpus[1].lost = False
+        host.gpus[0].ecc[(1, 0)] = 0
+        health, events = mon.check()                             # polled conditions clear; the XID stays
         assert health.fatal_gpus() == {2} and any(e.kind == "recovered" and e.gpu == 0 for e in events)
     finally:
         mon.close()
-    assert nv.freed
+    assert host.errors == []
+    assert not getattr(host, "_sets", {})                        # the event set was freed
 
 
 def test_nvml_source_that_cannot_start_makes_the_node_fatal():
-    class Broken(FakePynvml):
-        def nvmlInit(self):
-            raise FakeNVMLError(9)  # driver not loaded
-
-    src = NvmlHealthSource(Broken())
+    host, nv = simulated_nvml()
+    host.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
+    src = NvmlHealthSource(nv)
     health = classify(src.poll(), 8)
-    assert health.state == FATAL and "NVML failed" in health.reason
+    assert health.state == FATAL and "NVML failed" in health.reason and "Driver Not Loaded" in health.reason
 
 
 # ---- end to end: scheduler + NodeAgent -------------------------------------------------------------------------

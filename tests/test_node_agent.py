@@ -44,6 +44,7 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
         self.heartbeat_ms = heartbeat_ms
         self.registrations: list[agent_pb2.RegisterNodeRequest] = []
         self.heartbeats = 0
+        self.last_heartbeat: agent_pb2.HeartbeatRequest | None = None
         self.acks: list[int] = []
         self.reports: list[agent_pb2.ReportRankStatusRequest] = []
         self.stream_requests: list[int] = []
@@ -85,6 +86,7 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
 
     async def Heartbeat(self, request, context):
         self.heartbeats += 1
+        self.last_heartbeat = request
         rereg, self.reregister_next = self.reregister_next, False
         return agent_pb2.HeartbeatResponse(state=S.NODE_STATE_READY, reregister=rereg)
 

@@ -247,7 +247,7 @@ def test_agent_flag_sets_the_fabric_clique():
     from services.node_agent.main import build_parser, build_topology
 
     args = build_parser().parse_args(["--simulate", "gb200-nvl72", "--fabric-clique", "2", "--discover"])
-    topo = build_topology(args, "tray-40")
+    topo, _ = build_topology(args, "tray-40")
     assert topo.fabric_clique == "2" and topo.fabric_cluster_uuid
 
 

@@ -37,8 +37,10 @@ A100_40 = ("NVIDIA A100-SXM4-40GB", 40960)
 L40S = ("NVIDIA L40S", 46068)
 
 
-def node(name: str, model=H100, gpus: int = 8, free: set[int] | None = None, path=("leaf0", "spine0")):
-    return NodeCapacity(name, gpus, set(range(gpus)) if free is None else free, True, path, None, *model)
+def node(name: str, model=H100, gpus: int = 8, free: set[int] | None = None, path=("leaf0", "spine0"), mig=()):
+    """`mig`: the GPUs in MIG mode (only MIG instances go there; the others take whole-GPU jobs and shares)."""
+    return NodeCapacity(name, gpus, set(range(gpus)) if free is None else free, True, path, None, *model,
+                        mig_gpus=frozenset(mig))
 
 
 def place(cap: ClusterCapacity, job: str, *, mig_profile: str = "", milli: int = 0, replicas: int = 1, model=""):
@@ -98,19 +100,20 @@ def test_geometries_nvidia_allows():
 
 
 def test_mig_instances_pack_onto_one_gpu_by_the_rules():
-    cap = ClusterCapacity([node("a")])
+    cap = ClusterCapacity([node("a", mig={6, 7})])
     got = [place(cap, f"j{i}", mig_profile="1g.10gb") for i in range(8)]
     assert all(isinstance(p, Placement) for p in got)
     first_gpu = {p.replicas[0].gpus for p in got[:7]}
     assert len(first_gpu) == 1  # seven 1g.10gb fill one GPU before another is split
     assert sorted(p.replicas[0].mig_start for p in got[:7]) == list(range(7))
     assert got[7].replicas[0].gpus != got[0].replicas[0].gpus
+    assert {got[0].replicas[0].gpus[0], got[7].replicas[0].gpus[0]} == {6, 7}  # only the GPUs in MIG mode
     assert cap.nodes["a"].mig[got[0].replicas[0].gpus[0]] == 0x7F
-    assert len(cap.nodes["a"].free) == 6
+    assert cap.nodes["a"].free == set(range(6))
 
 
 def test_a_3g_goes_next_to_a_4g_not_onto_a_fresh_gpu():
-    cap = ClusterCapacity([node("a")])
+    cap = ClusterCapacity([node("a", mig={6, 7})])
     four = place(cap, "four", mig_profile="4g.40gb")
     three = place(cap, "three", mig_profile="3g.40gb")
     assert three.replicas[0].gpus == four.replicas[0].gpus
@@ -119,7 +122,7 @@ def test_a_3g_goes_next_to_a_4g_not_onto_a_fresh_gpu():
 
 
 def test_a_lone_3g_takes_the_upper_half_so_a_4g_still_fits():
-    cap = ClusterCapacity([node("a")])
+    cap = ClusterCapacity([node("a", mig={7})])
     three = place(cap, "three", mig_profile="3g.40gb")
     assert three.replicas[0].mig_start == 4
     four = place(cap, "four", mig_profile="4g.40gb")
@@ -127,26 +130,36 @@ def test_a_lone_3g_takes_the_upper_half_so_a_4g_still_fits():
 
 
 def test_partial_requests_prefer_a_node_already_split_over_an_empty_one():
-    busy = node("busy", free={6, 7})
-    cap = ClusterCapacity([node("empty"), busy])
+    busy = node("busy", free={5, 6}, mig={7})
+    cap = ClusterCapacity([node("empty", mig={7}), busy])
     p = place(cap, "m", mig_profile="2g.20gb")
-    assert p.replicas[0].node == "busy"
+    assert p.replicas[0].node == "busy" and p.replicas[0].gpus == (7,)
     s = place(cap, "s", milli=300)
-    assert s.replicas[0].node == "busy"
-    assert len(cap.nodes["empty"].free) == 8  # kept whole for an 8-GPU gang
+    assert s.replicas[0].node == "busy" and s.replicas[0].gpus != (7,)
+    assert cap.nodes["empty"].free == set(range(7)) and cap.nodes["empty"].mig == {7: 0}  # kept whole
     assert "fragmentation" in p.reason
 
 
 def test_whole_gpu_gangs_never_take_a_split_gpu_and_get_it_back_when_freed():
     cap = ClusterCapacity([node("a", gpus=2)])
-    m = place(cap, "m", mig_profile="1g.10gb")
+    m = place(cap, "m", milli=500)
     split = m.replicas[0].gpus[0]
     assert isinstance(place_gang(cap, GangRequest("whole", 1, 2)), Unplaceable)
     one = place_gang(cap, GangRequest("one", 1, 1))
     assert one.replicas[0].gpus != (split,)
     cap.release_placement(m)
-    assert cap.nodes["a"].free == {0, 1} and not cap.nodes["a"].mig
+    assert cap.nodes["a"].free == {0, 1} and not cap.nodes["a"].milli
     assert isinstance(place_gang(cap, GangRequest("whole", 1, 2)), Placement)
+
+
+def test_a_gpu_in_mig_mode_stays_out_of_whole_gpu_placement_when_its_instances_end():
+    cap = ClusterCapacity([node("a", gpus=2, mig={1})])
+    m = place(cap, "m", mig_profile="1g.10gb")
+    assert m.replicas[0].gpus == (1,)
+    cap.release_placement(m)
+    assert cap.nodes["a"].free == {0} and cap.nodes["a"].mig == {1: 0}  # empty, still in MIG mode
+    assert isinstance(place_gang(cap, GangRequest("whole", 1, 2)), Unplaceable)
+    assert place_gang(cap, GangRequest("one", 1, 1)).replicas[0].gpus == (0,)
 
 
 def test_shares_fill_a_gpu_to_1000_and_never_mix_with_mig():
@@ -163,7 +176,7 @@ def test_shares_fill_a_gpu_to_1000_and_never_mix_with_mig():
 
 
 def test_reserve_refuses_overlaps_and_changes_nothing():
-    cap = ClusterCapacity([node("a", gpus=1)])
+    cap = ClusterCapacity([node("a", gpus=1, mig={0})])
     p = place(cap, "a", mig_profile="3g.40gb")
     before = dict(cap.nodes["a"].mig)
     with pytest.raises(CapacityError):
@@ -188,16 +201,16 @@ def test_gpu_model_filters_whole_and_partial_requests():
 
 
 def test_a_partial_gang_is_all_or_nothing():
-    cap = ClusterCapacity([node("a", gpus=1)])
+    cap = ClusterCapacity([node("a", gpus=1, mig={0})])
     p = place(cap, "two", mig_profile="4g.40gb", replicas=2)
     assert isinstance(p, Unplaceable) and "1 of 2 replicas fit" in p.reason
-    assert cap.nodes["a"].free == {0} and not cap.nodes["a"].mig  # the first replica was not kept
+    assert cap.nodes["a"].mig == {0: 0}  # the first replica was not kept
     ok = place(cap, "pair", mig_profile="3g.40gb", replicas=2)
     assert sorted(r.mig_start for r in ok.replicas) == [0, 4]
 
 
 def test_nodes_of_one_shape_are_scored_once():
-    cap = ClusterCapacity([node(f"n{i:03d}") for i in range(300)])
+    cap = ClusterCapacity([node(f"n{i:03d}", mig={7}) for i in range(300)])
     assert len(cap.shape_buckets()) == 1
     place(cap, "m", mig_profile="1g.10gb")
     buckets = cap.shape_buckets()
@@ -220,7 +233,7 @@ ops = st.lists(st.one_of(
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops)
 def test_random_mixes_never_double_book_and_keep_the_index_true(ops):
-    cap = ClusterCapacity([node("a", gpus=4), node("b", gpus=4), node("c", L40S, gpus=2)])
+    cap = ClusterCapacity([node("a", gpus=4, mig={3}), node("b", gpus=4, mig={2, 3}), node("c", L40S, gpus=2)])
     held: list[Placement] = []
     for i, (kind, arg) in enumerate(ops):
         if kind == "release":
@@ -249,9 +262,10 @@ def test_random_mixes_never_double_book_and_keep_the_index_true(ops):
                         assert not whole & set(r.gpus)
                         whole |= set(r.gpus)
             assert not (whole & set(masks)) and not (whole & set(millis)) and not (set(masks) & set(millis))
+            assert set(masks) <= n.mig_gpus and not (whole | set(millis)) & n.mig_gpus  # MIG mode separates them
             assert all(v <= 1000 for v in millis.values())
-            assert n.mig == masks and n.milli == millis
-            assert n.free == set(range(n.total)) - whole - set(masks) - set(millis)
+            assert n.mig == {g: masks.get(g, 0) for g in n.mig_gpus} and n.milli == millis
+            assert n.free == set(range(n.total)) - whole - set(masks) - set(millis) - n.mig_gpus
         fresh = {}
         for n in cap.nodes.values():
             key = shape_key(n)
@@ -264,13 +278,15 @@ def test_random_mixes_never_double_book_and_keep_the_index_true(ops):
 
 
 class Cluster(LiteCluster):
-    """A scheduler and one LiteAgent of `gpus` GPUs per model in `models` (node-0, node-1, ...)."""
+    """A scheduler and one LiteAgent of `gpus` GPUs per model in `models` (node-0, node-1, ...); on MIG-capable
+    models the GPUs `mig_gpus` are in MIG mode."""
 
-    def __init__(self, db_url: str, models=(H100,), gpus: int = 2) -> None:
+    def __init__(self, db_url: str, models=(H100,), gpus: int = 2, mig_gpus=(1,)) -> None:
         names = [f"node-{i}" for i in range(len(models))]
         super().__init__(
             SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names, nodes_per_leaf=4)),
-            lambda address: [LiteAgent(address, n, gpus=gpus, model=m[0], memory_mib=m[1])
+            lambda address: [LiteAgent(address, n, gpus=gpus, model=m[0], memory_mib=m[1],
+                                       mig_gpus=tuple(mig_gpus) if mig.mig_family(*m) else ())
                              for n, m in zip(names, models, strict=True)],
         )
 
@@ -303,16 +319,22 @@ async def test_mig_job_end_to_end_with_slices_in_the_ledger_and_the_launch(db_ur
         assert (await c.job(whole.id)).state == common_pb2.JOB_STATE_PENDING
         (n,) = (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
         assert (n.free_gpus, n.shared_gpus) == (1, 1)
-        # Both MIG jobs end: the hold goes with the last one and the whole gang starts.
+        # Both MIG jobs end: the hold goes with the last one. The GPU stays in MIG mode: the 2-GPU gang still
+        # waits, and says why; a 1-GPU job takes the other GPU.
         await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=j.id))
         assert c.sql("SELECT count(*) FROM allocations WHERE kind = 'hold' AND released_at IS NULL") == [(1,)]
         await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=four.id))
-        await c.wait_running(whole.id)
-        assert c.sql("SELECT kind, count(*) FROM allocations WHERE released_at IS NULL GROUP BY kind") == [("gpu", 2)]
+        assert c.sql("SELECT count(*) FROM allocations WHERE released_at IS NULL") == [(0,)]
+        (n,) = (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
+        assert (n.free_gpus, n.shared_gpus) == (1, 0)
+        one = await c.wait_running((await c.submit("one", gpus=1)).id)
+        assert list(one.allocations[0].gpus) == [0]
+        waiting = await c.job(whole.id)
+        assert waiting.state == common_pb2.JOB_STATE_PENDING and "1 GPU(s) in MIG mode" in waiting.message
 
 
 async def test_shares_end_to_end_pack_one_gpu_and_release_it(db_url):
-    async with Cluster(db_url) as c:
+    async with Cluster(db_url, mig_gpus=()) as c:
         jobs = [await c.submit(f"s{i}", gpu_milli=250) for i in range(4)]
         running = [await c.wait_running(j.id) for j in jobs]
         gpus = {(r.allocations[0].node, r.allocations[0].gpus[0]) for r in running}
@@ -423,7 +445,7 @@ async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_
         conn.execute(text("INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
                           "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 2.0)"))
     upgrade(url)
-    assert current(url) == "0009"
+    assert current(url) == "0010"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT kind, unit, profile, gpu_milli FROM allocations")).all() == [
             ("gpu", -1, "", 0)]
@@ -432,7 +454,7 @@ async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_
         conn.execute(text("INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
                           "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 3.0)"))
     engine.dispose()
-    # The scheduler sees GPU 0 held: a MIG instance goes to GPU 1.
-    async with Cluster(url) as c:
-        j = await c.wait_running((await c.submit("mig", mig_profile="1g.10gb")).id)
+    # The scheduler sees GPU 0 held: a share goes to GPU 1.
+    async with Cluster(url, mig_gpus=()) as c:
+        j = await c.wait_running((await c.submit("share", gpu_milli=250)).id)
         assert j.allocations[0].gpus == [1]

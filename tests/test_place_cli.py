@@ -55,8 +55,9 @@ def tree(tmp_path) -> Path:
     return path
 
 
-def place(capsys, fabric, requests, profile="dgx-h100", as_json=True):
+def place(capsys, fabric, requests, profile="dgx-h100", as_json=True, mig_gpus=None):
     argv = ["place", "--fabric", str(fabric), "--profile", str(profile), "--requests", str(requests)]
+    argv += ["--mig-gpus", mig_gpus] if mig_gpus else []
     code = main(argv + (["--json"] if as_json else []))
     cap = capsys.readouterr()
     assert code == 0, cap.err
@@ -222,15 +223,15 @@ def test_mig_and_gpu_milli_requests_are_placed_and_released(capsys, tmp_path, tr
         {"name": "s1", "replicas": 2, "gpu_milli": 500},
         {"release": "m1"},
         {"name": "m3", "replicas": 1, "mig": "3g.40gb"},
-    ))
+    ), mig_gpus="7")
     m1, m2, s1, _, m3, summary = lines
-    assert m1["placed"] and m1["allocations"][0]["slices"] == [
-        {"gpu": m1["allocations"][0]["gpus"][0], "profile": "3g.40gb", "start": 4, "size": 4}]
+    assert m1["placed"] and m1["allocations"][0]["slices"] == [{"gpu": 7, "profile": "3g.40gb", "start": 4, "size": 4}]
     # the 4g goes next to the 3g on the same GPU (slices 0-3), not onto a fresh GPU
     assert m2["allocations"][0]["gpus"] == m1["allocations"][0]["gpus"]
     assert m2["allocations"][0]["slices"][0]["start"] == 0
     assert [a["gpu_milli"] for a in s1["allocations"]] == [500, 500]
     assert len({(a["node"], a["gpus"][0]) for a in s1["allocations"]}) == 1  # two halves share one GPU
+    assert s1["allocations"][0]["gpus"] != [7]  # not the GPU in MIG mode
     assert "slices" not in s1["allocations"][0] and "gpu_milli" not in m1["allocations"][0]
     assert m3["allocations"][0]["slices"][0]["start"] == 4  # the released instance's place is reused
     assert summary["summary"]["placed"] == 4
@@ -248,6 +249,18 @@ def test_bad_partial_requests_are_refused_per_line(capsys, tmp_path, tree, extra
     assert lines[1]["placed"] is True
 
 
+def test_mig_requests_go_only_to_the_gpus_in_mig_mode(capsys, tmp_path, tree):
+    requests = write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}, req("w", 1, 8))
+    m, w, _ = place(capsys, tree, requests)  # no --mig-gpus: no GPU is in MIG mode
+    assert m["placed"] is False and "no GPU is in MIG mode" in m["reason"] and w["placed"] is True
+    m, w, _ = place(capsys, tree, requests, mig_gpus="6,7")
+    assert m["placed"] and m["allocations"][0]["gpus"][0] in (6, 7)
+    assert w["placed"] is False and "GPU(s) in MIG mode take only MIG instances" in w["reason"]  # 6 whole per node
+    code = main(["place", "--fabric", str(tree), "--profile", "dgx-h100", "--requests", str(requests),
+                 "--mig-gpus", "8"])
+    assert code == 2 and "is not a GPU index 0-7" in capsys.readouterr().err
+
+
 def test_mig_on_a_profile_without_mig_says_why(capsys, tmp_path, tree):
     lines = place(capsys, tree, write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}),
                   profile="pcie-2numa")
@@ -255,7 +268,7 @@ def test_mig_on_a_profile_without_mig_says_why(capsys, tmp_path, tree):
 
 
 def test_human_output_shows_mig_instances(capsys, tmp_path, tree):
-    code = main(["place", "--fabric", str(tree), "--profile", "dgx-h100", "--requests",
+    code = main(["place", "--fabric", str(tree), "--profile", "dgx-h100", "--mig-gpus", "7", "--requests",
                  str(write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}))])
     out = capsys.readouterr().out
     assert code == 0 and "m  PLACED  1 x MIG 1g.10gb" in out and ":1g.10gb@6]" in out  # the end of the GPU: slices 0-5 stay whole for 2g-4g

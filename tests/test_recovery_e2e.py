@@ -139,6 +139,7 @@ def cluster_factory(tmp_path, monkeypatch):
     messages: list[str] = []
 
     def make(nodes: int, **kw) -> LocalCluster:
+        kw.setdefault("mig_gpus", 0)  # the gangs here need whole 8-GPU nodes, the last one too
         cluster = LocalCluster(nodes=nodes, state_dir=tmp_path / "cluster", port=0, log=messages.append,
                                ready_timeout=60, restart_agents=False, **kw)
         started.append(cluster)

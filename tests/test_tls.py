@@ -45,7 +45,7 @@ def test_cluster_up_with_tokens_and_tls_runs_jobs_end_to_end(tmp_path):
                       f"- {{token_sha256: {hash_token('bob-secret')}, tenant: bob, role: user}}\n")
     messages: list[str] = []
     cluster = LocalCluster(nodes=2, state_dir=tmp_path / "cluster", port=0, log=messages.append, ready_timeout=60,
-                           tokens=tokens, tls=True)
+                           tokens=tokens, tls=True, mig_gpus=0)  # its 2 x 8 gang needs every GPU out of MIG mode
     cluster.start()
     try:
         pki = cluster.pki

@@ -171,6 +171,9 @@ class LocalCluster:
         retry_backoff, retry_backoff_max: The backoff before a gang torn down by a failure is retried.
         kill_grace: Seconds an agent waits between SIGTERM and SIGKILL of a rank.
         restart_agents: Restart an agent that died, after ``restart_delay`` seconds.
+        mig_gpus: How many GPUs of the LAST node start in MIG mode: its last N (passed to that agent as
+            ``--simulate-mig i,j``); they take only MIG instances, every other GPU only whole-GPU jobs and shares.
+            None (default): 1 when the profile's GPUs have MIG (so a MIG job runs out of the box), else 0.
         ready_timeout: Seconds for the scheduler to answer and every node to be READY.
         stop_timeout: Seconds each group of children gets between SIGTERM and SIGKILL at stop().
         log: Where progress lines go (default: ``[cluster] ...`` on stderr).
@@ -214,9 +217,13 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         tokens: str | Path | None = None,
         tls: bool = False,
+        mig_gpus: int | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
+        if mig_gpus is not None and mig_gpus < 0:
+            raise ValueError("mig_gpus must be 0 or more")
+        self.mig_gpus = mig_gpus
         self.node_count = nodes
         self.node_names = node_names(nodes)
         self.profile = profile
@@ -390,6 +397,7 @@ class LocalCluster:
         self.scheduler = ManagedProcess("scheduler", "scheduler", sched, self.logs_dir / "scheduler.log")
         self.checkpointd = ManagedProcess("checkpointd", "checkpointd", ckpt, self.logs_dir / "checkpointd.log")
         per_domain = self._nvlink_domain_nodes()
+        mig_gpus = self.mig_gpu_indexes()
         for i, node in enumerate(self.node_names):
             argv = [
                 *_program("phalanx-agent", "services.node_agent.main"),
@@ -397,6 +405,8 @@ class LocalCluster:
                 "--state-dir", str(self.agent_state_dir(node)), "--address", self.host,
                 "--kill-grace", f"{self.kill_grace:g}",
             ]
+            if mig_gpus and node == self.node_names[-1]:
+                argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
             if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique
                 argv += ["--fabric-clique", str(i // per_domain)]
             if self.metrics_port_base is not None:
@@ -413,7 +423,9 @@ class LocalCluster:
         self._wait_for_port(self.checkpointd, self.checkpoint_port)
         self.log(f"checkpoint coordinator at {self.checkpoint_address}")
         self._wait_for_nodes()
-        self.log(f"{self.node_count} nodes READY ({self.profile})")
+        self.log(f"{self.node_count} nodes READY ({self.profile})"
+                 + (f"; GPU(s) {','.join(map(str, mig_gpus))} of {self.node_names[-1]} in MIG mode (MIG jobs only)"
+                    if mig_gpus else ""))
         self._write_info()
         if self.monitor:
             self._monitor_thread = threading.Thread(target=self._monitor, name="phalanx-cluster-monitor", daemon=True)
@@ -559,6 +571,29 @@ class LocalCluster:
         if rc != 0:
             raise ClusterError(f"`phalanx db upgrade` failed (exit {rc}):\n{_tail(log_path)}")
 
+    def mig_gpu_indexes(self) -> list[int]:
+        """The GPUs of the last node that start in MIG mode (its last `mig_gpus`, see the class); [] for none.
+
+        Raises:
+            ValueError: More GPUs than a node has, or MIG GPUs asked of a profile whose GPUs have no MIG.
+        """
+        from phalanx.core import mig
+        from phalanx.profiles import UnknownProfile, load_profile
+
+        try:
+            prof = load_profile(self.profile)
+        except (UnknownProfile, ValueError):
+            if self.mig_gpus:
+                raise ValueError(f"--mig-gpus needs a known profile, not {self.profile!r}") from None
+            return []  # the agents will say what is wrong with the profile
+        capable = mig.mig_family(prof.gpu_model, prof.memory_mib) is not None
+        count = (1 if capable else 0) if self.mig_gpus is None else self.mig_gpus
+        if count > prof.gpu_count:
+            raise ValueError(f"--mig-gpus {count}: a {self.profile} node has {prof.gpu_count} GPUs")
+        if count and not capable:
+            raise ValueError(f"--mig-gpus {count}: the GPUs of profile {self.profile} ({prof.gpu_model}) have no MIG")
+        return list(range(prof.gpu_count - count, prof.gpu_count))
+
     def _nvlink_domain_nodes(self) -> int:
         """Nodes per multi-node NVLink domain of the profile (18 for gb200-nvl72), 1 for other profiles."""
         from phalanx.profiles import UnknownProfile, load_profile
@@ -660,6 +695,7 @@ class LocalCluster:
             "pids": {p.name: p.pid for p in self.children()},
             "nodes": self.node_names,
             "profile": self.profile,
+            "mig_gpus": {self.node_names[-1]: self.mig_gpu_indexes()} if self.mig_gpu_indexes() else {},
             "authentication": self.tokens is not None,
             "tls": {"ca": str(self.pki.ca), "cert": str(self.pki.client_cert), "key": str(self.pki.client_key)}
             if self.pki is not None else None,
@@ -756,6 +792,7 @@ def _cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> Lo
         preemption_grace=getattr(args, "preemption_grace", LOCAL_POLICY.grace_period_s),
         tokens=getattr(args, "tokens", None),
         tls=getattr(args, "tls", False),
+        mig_gpus=getattr(args, "mig_gpus", None),
         **extra,
     )
 
@@ -885,8 +922,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import main as cli_main
     from .main import UsageError
 
-    if args.nodes < 2:
-        raise UsageError("the demo needs at least 2 nodes")
+    if args.mig_gpus is not None and args.mig_gpus < 1:
+        raise UsageError("the demo runs a MIG job: --mig-gpus must be at least 1")
+    if args.nodes < 3:
+        raise UsageError("the demo needs at least 3 nodes (2 for its gangs, and one with a GPU in MIG mode)")
     state_dir = Path(args.state_dir)
     _prepare_demo_dir(state_dir)
     cluster = _cluster_from_args(args, state_dir)
@@ -901,6 +940,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if not _start_or_report(cluster, stopper):
                 return 1
             _print_ready(cluster)
+            mig_gpus = cluster.mig_gpu_indexes()
+            last = cluster.node_names[-1]
+            # The last node has GPUs in MIG mode (they take only MIG instances): a gang of 8-GPU replicas "as
+            # large as the cluster" is one replica per other node.
+            total = args.nodes - 1
+            _say(f"GPU(s) {','.join(map(str, mig_gpus))} of {last} are in MIG mode: only MIG instances go there, "
+                 "and MIG instances only go there")
             _say()
             with Client(cluster.address) as client:
                 # 1. a 2-node gang, a 4-GPU job and partial GPUs (a MIG instance, two quarter-GPU shares): all fit
@@ -920,9 +966,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         shown.add(job_id)
                     stopper.check()
                 # 2. a gang as large as the whole cluster: it must wait, holding nothing
-                total = args.nodes
                 big = client.submit(f"big-{total}x8", total, 8, command, env=env)
-                _say(f"Submitted {big.name} ({big.id}): {total} replicas x 8 GPUs = every GPU of the cluster")
+                _say(f"Submitted {big.name} ({big.id}): {total} replicas x 8 GPUs = every 8-GPU node of the "
+                     f"cluster ({last} has GPUs in MIG mode)")
                 deadline = time.monotonic() + 10
                 while True:
                     big = client.get_job(big.id)
@@ -967,7 +1013,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 ok = all(getattr(final.get(i), "state", None) is JobState.SUCCEEDED for i in ids)
                 # 3. preemption and checkpoint-restart: a batch training gang makes way for a critical one
                 _say()
-                preempt_ok, more = _demo_preemption(client, cluster, args.nodes, stopper)
+                preempt_ok, more = _demo_preemption(client, cluster, total, stopper)
                 ok, ids = ok and preempt_ok, ids + more
             sample = cluster.agent_state_dir(cluster.node_names[0]) / "logs"
             logs = sorted(sample.glob("*.log"))
@@ -997,8 +1043,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tuple[bool, list[str]]:
     """A batch-priority 2-node gang trains (phalanx.examples.count_steps, checkpointing through phalanx.train); a
-    critical gang as large as the cluster arrives, waits out the trainer's minimum runtime, preempts it (it
-    checkpoints, then stops) and runs; the trainer resumes from its checkpoint and ends with the exact count."""
+    critical gang as large as the cluster (`nodes` x 8 GPUs: every node whose GPUs are all out of MIG mode)
+    arrives, waits out the trainer's minimum runtime, preempts it (it checkpoints, then stops) and runs; the trainer
+    resumes from its checkpoint and ends with the exact count."""
     from phalanx.client import JobState
 
     steps, every = 60, 20
@@ -1013,7 +1060,7 @@ def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tupl
     time.sleep(1.0)
     urgent = client.submit(f"urgent-{nodes}x8", nodes, 8, [sys.executable, "-c", "import time; time.sleep(2)"],
                            priority=parse_priority("critical"))
-    _say(f"Submitted {urgent.name} ({urgent.id}): every GPU of the cluster at priority critical (200)")
+    _say(f"Submitted {urgent.name} ({urgent.id}): every 8-GPU node of the cluster at priority critical (200)")
     seen: dict[str, tuple] = {}
     final: dict[str, object] = {}
     stream = client.watch([trainer.id, urgent.id], timeout=120)
@@ -1069,6 +1116,9 @@ def _add_common(p: argparse.ArgumentParser, *, nodes: int, state_dir: Path) -> N
                    help="serve Prometheus metrics: scheduler N, coordinator N+1, agent i N+2+i (default: off)")
     p.add_argument("--ready-timeout", type=float, default=60.0, metavar="S",
                    help="seconds for every node to be READY (default 60)")
+    p.add_argument("--mig-gpus", type=int, default=None, metavar="N",
+                   help="the last N GPUs of the LAST node start in MIG mode (only MIG jobs go there, and MIG jobs "
+                        "only there); default 1 when the profile's GPUs have MIG, else 0")
 
 
 def register(subparsers) -> None:

@@ -15,7 +15,9 @@ now, else it is refused and nothing is reserved. ``preferred_tier`` is accepted 
 places at the lowest tier it can). ``mig`` (a MIG profile such as ``"3g.40gb"``, on a MIG-capable profile's GPUs)
 or ``gpu_milli`` (1-999 thousandths of a GPU) make each replica a partial GPU (``gpus_per_replica`` is then 1 and may
 be left out), placed by the FGD-style fragmentation score. A malformed line is refused per line (its reason names
-the line number); the run goes on.
+the line number); the run goes on. ``--mig-gpus`` (``all`` or a comma list of indexes, e.g. ``7``) puts those GPUs
+of every node in MIG mode: MIG requests go only there, whole-GPU and ``gpu_milli`` requests never there (without
+it no GPU is in MIG mode, so no MIG request is placed).
 
 Output, one line per request (and per release), then a summary line. With ``--json`` every such line is one JSON
 object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}, plus "slices": [{"gpu", "profile",
@@ -204,15 +206,16 @@ def placement_cost(placement: Placement, fabric: Fabric) -> dict[str, Any]:
 
 
 def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: GpuCloseness | None = None,
-              gpu_model: str = "", memory_mib: int = 0):
+              gpu_model: str = "", memory_mib: int = 0, mig_gpus: frozenset[int] = frozenset()):
     """Decide every line in order. Yields `_Outcome` per request line, `("release", name, freed)` per release.
 
     `closeness`: the host profile's GPU closeness (from its topo matrix), given to every node: a gang on one node
     gets the GPUs that share the closest links (see placement.pick_gpus). `gpu_model` / `memory_mib`: the
-    profile's GPUs, which decide the MIG profiles they offer."""
+    profile's GPUs, which decide the MIG profiles they offer. `mig_gpus`: the GPUs of every node in MIG mode (only
+    MIG instances go there, and only there)."""
     capacity = ClusterCapacity(
         NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name), closeness,
-                     gpu_model, memory_mib)
+                     gpu_model, memory_mib, mig_gpus=mig_gpus)
         for name in sorted(fabric.paths)
     )
     tier_order = ["node", *fabric.tiers, "cluster"]
@@ -336,6 +339,9 @@ def cmd_place(args: argparse.Namespace) -> int:
             # form domains of nodes_per_domain consecutive nodes under each leaf, as their agents' cliques would.
             fabric = group_nvlink_domains(fabric, profile.nvlink_domain_nodes, prefix=profile.nvlink_domain or "nvl")
         lines = _read_lines(args.requests)
+        mig_gpus = parse_gpu_list(args.mig_gpus, gpus) if args.mig_gpus else frozenset()
+        if mig_gpus and mig.mig_family(profile.gpu_model, profile.memory_mib) is None:
+            raise _CommandError(f"--mig-gpus: the GPUs of profile {args.profile} ({profile.gpu_model}) have no MIG")
     except _CommandError as exc:
         sys.stderr.write(f"error: {exc}\n")
         sys.stderr.flush()
@@ -344,7 +350,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     out: list[str] = []
     requests = placed = allocated = 0
     for item in run_place(fabric, gpus, lines, GpuCloseness.from_dump(profile.dump), profile.gpu_model,
-                          profile.memory_mib):
+                          profile.memory_mib, mig_gpus):
         if isinstance(item, tuple):
             if args.json:
                 out.append(render.to_json({"release": item[1]}, lines=True))
@@ -392,5 +398,23 @@ def register(subparsers) -> None:
                    help="host profile of every node: a shipped profile name or an `nvidia-smi topo -m` dump file")
     p.add_argument("--requests", required=True, metavar="FILE.jsonl",
                    help='one JSON request per line; {"release": NAME} frees an earlier placement')
+    p.add_argument("--mig-gpus", default="", metavar="GPUS",
+                   help="GPUs of every node in MIG mode: `all` or a comma list of indexes (e.g. `7` or `6,7`); only "
+                        "MIG requests go there, and MIG requests only go there (default: none)")
     p.add_argument("--json", action="store_true", help="one JSON object per line, then a summary object")
     p.set_defaults(func=cmd_place)
+
+
+def parse_gpu_list(text: str, gpus: int) -> frozenset[int]:
+    """`all` or a comma list of GPU indexes below `gpus` (what --mig-gpus and `phalanx-agent --simulate-mig`
+    take)."""
+    if text.strip().lower() == "all":
+        return frozenset(range(gpus))
+    out = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) >= gpus:
+            raise _CommandError(f"--mig-gpus: {part!r} is not a GPU index 0-{gpus - 1} (give `all` or a comma "
+                                "list such as 6,7)")
+        out.add(int(part))
+    return frozenset(out)

@@ -102,7 +102,8 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
     """The ``phalanx nodes`` table: NAME STATE GPUS FREE HEALTH MODEL PROFILE FABRIC HEARTBEAT MESSAGE.
 
     MESSAGE says why: the state's message (e.g. why a node is LOST), then the health reason of a node that is not
-    HEALTHY (e.g. ``GPU 3: XID 79: GPU has fallen off the bus``)."""
+    HEALTHY (e.g. ``GPU 3: XID 79: GPU has fallen off the bus``), the GPUs in MIG mode (``MIG mode: GPU 7``) and the
+    node's strikes (ranks its host could not set up)."""
     now = time.time() if now is None else now
     rows = [
         (
@@ -115,7 +116,9 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
             n.profile or "-",
             "/".join(n.fabric_path) or "-",
             format_age(now - n.last_heartbeat) if n.last_heartbeat else "-",
-            "; ".join(m for m in (n.message, n.health_reason if n.health not in ("HEALTHY", "") else "") if m),
+            "; ".join(m for m in (n.message, n.health_reason if n.health not in ("HEALTHY", "") else "",
+                                  f"MIG mode: GPU {','.join(map(str, n.mig_gpus))}" if n.mig_gpus else "",
+                                  f"{n.strikes} strike(s)" if n.strikes else "") if m),
         )
         for n in nodes
     ]
@@ -168,6 +171,8 @@ def job_detail(job: Job) -> str:
                                     "the latest (sooner once its checkpoint is in)"))
     if job.not_before and job.state.value == "PENDING":
         lines.append(("retry backoff", f"until {format_time(job.not_before)}"))
+    if job.struck_nodes:
+        lines.append(("struck nodes", f"{', '.join(job.struck_nodes)} (avoided while it fits elsewhere)"))
     if job.placement:
         p = job.placement
         lines.append(("placement", f"tier={p.get('tier', '')} domains={p.get('domains', 0)} "

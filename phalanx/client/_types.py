@@ -221,6 +221,9 @@ class Job:
     not_before: float = 0.0
     preempted_by: str = ""
     preempt_deadline: float = 0.0
+    # Nodes whose host could not set up one of its ranks (a retryable launch failure): it avoids them while it fits
+    # elsewhere.
+    struck_nodes: tuple[str, ...] = ()
     # GPU-time accounting, filled by get_job only (None elsewhere). It grows with time while the job runs, so it
     # takes no part in equality (watch compares jobs to drop repeats).
     goodput: Goodput | None = field(default=None, compare=False)
@@ -284,6 +287,7 @@ class Job:
             not_before=float(msg.not_before),
             preempted_by=msg.preempted_by,
             preempt_deadline=float(msg.preempt_deadline),
+            struck_nodes=tuple(msg.struck_nodes),
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
         )
 
@@ -322,6 +326,7 @@ class Job:
             "not_before": self.not_before,
             "preempted_by": self.preempted_by,
             "preempt_deadline": self.preempt_deadline,
+            "struck_nodes": list(self.struck_nodes),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),
         }
 
@@ -427,6 +432,16 @@ class Node:
     health_reason: str = ""  # e.g. "GPU 3: XID 79: GPU has fallen off the bus"
     # GPUs that are not HEALTHY: index -> {"state": "FATAL", "reasons": [...]}; FATAL ones take no new work
     unhealthy_gpus: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Each GPU as registered: {"index", "uuid", "name", "memory_mib", "mig_mode" ("enabled": only MIG instances;
+    # "disabled" or "unsupported": whole GPUs and shares, never MIG), "mig_instances": [{"profile", "start", "size",
+    # "uuid", "managed", "gpu_instance_id", "compute_instance_id"}]}; managed false: made by someone else (occupied)
+    gpu_details: list[dict[str, Any]] = field(default_factory=list)
+    strikes: int = 0  # times a rank could not be set up on this host (retryable launch failures)
+
+    @property
+    def mig_gpus(self) -> list[int]:
+        """The GPUs in MIG mode (they take only MIG instances)."""
+        return [g["index"] for g in self.gpu_details if g.get("mig_mode") == "enabled"]
 
     @property
     def fatal_gpus(self) -> list[int]:
@@ -451,6 +466,8 @@ class Node:
             health_reason=msg.health.reason,
             unhealthy_gpus={int(g.index): {"state": common_pb2.HealthState.Name(g.state).removeprefix("HEALTH_STATE_"),
                                            "reasons": list(g.reasons)} for g in msg.health.gpus},
+            gpu_details=[_node_gpu(g) for g in msg.gpu_details],
+            strikes=int(msg.strikes),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -470,7 +487,18 @@ class Node:
             "health": self.health,
             "health_reason": self.health_reason,
             "unhealthy_gpus": {str(i): dict(g) for i, g in sorted(self.unhealthy_gpus.items())},
+            "gpu_details": [{**g, "mig_instances": [dict(i) for i in g.get("mig_instances", ())]}
+                            for g in self.gpu_details],
+            "strikes": self.strikes,
         }
+
+
+def _node_gpu(g: common_pb2.NodeGpu) -> dict[str, Any]:
+    return {"index": int(g.index), "uuid": g.uuid, "name": g.name, "memory_mib": int(g.memory_mib),
+            "mig_mode": g.mig_mode or "unsupported",
+            "mig_instances": [{"profile": i.profile, "start": int(i.start), "size": int(i.size), "uuid": i.uuid,
+                               "managed": bool(i.managed), "gpu_instance_id": int(i.gpu_instance_id),
+                               "compute_instance_id": int(i.compute_instance_id)} for i in g.mig_instances]}
 
 
 def parse_states(states: Iterable[str | JobState] | str | JobState | None) -> list[JobState]:

@@ -14,7 +14,8 @@ import dataclasses
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 
-from .model import NodeCapacity, Placement, ReplicaPlacement
+from .mig import MEDIA_BIT, family_slices, full_mask, mig_family
+from .model import FULL_MIG_MASK, NodeCapacity, Placement, ReplicaPlacement
 
 
 class CapacityError(RuntimeError):
@@ -47,7 +48,8 @@ class ClusterCapacity:
     def copy(self) -> ClusterCapacity:
         """A view over copies of the nodes: changing it leaves this one (and its nodes) alone."""
         return ClusterCapacity(
-            dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli)) for n in self.nodes.values()
+            dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli), foreign=dict(n.foreign))
+            for n in self.nodes.values()
         )
 
     def restricted(self, gpu_model: str) -> ClusterCapacity:
@@ -131,6 +133,7 @@ class ClusterCapacity:
                         self._leaves_with[f].add(key)
         self._built = True
         self._total = sum(n.total for n in nodes)
+        self.mig_mode_gpus = sum(len(n.mig_gpus) for n in nodes)  # GPUs in MIG mode (they take only MIG instances)
         self._ever: dict[int, int] = {}
         # Nodes by free shape, for partial-GPU placement (core.shares): refreshed lazily from `_dirty`.
         self._shapes: dict[tuple, list[str]] = {}
@@ -384,7 +387,8 @@ class ClusterCapacity:
         return self._total
 
     def max_replicas_ever(self, gpus_per_replica: int) -> int:
-        """Replicas of this size the whole cluster could hold if empty (drained and lost nodes included)."""
+        """Replicas of this size the whole cluster could hold if empty (drained and lost nodes included, and GPUs
+        in MIG mode: a mode is configuration, which the next registration may change)."""
         if gpus_per_replica <= 0:
             return 0
         self._ensure()
@@ -439,8 +443,12 @@ class ClusterCapacity:
             if not 0 <= gpu < node.total:
                 raise CapacityError(f"{rep.node} has no GPU {gpu}")
             if rep.mig_profile:
+                if gpu not in node.mig_gpus:
+                    raise CapacityError(f"GPU {gpu} of {rep.node} is not in MIG mode: it takes no MIG instance")
                 used = mig.get(key, node.mig.get(gpu, 0 if gpu in node.free else None))
-                if used is None or used & rep.mig_mask or rep.mig_mask >> 8:
+                # Overlapping slices, or a second `+me` instance (MEDIA_BIT), or slices past the family's last one.
+                slices = family_slices(mig_family(node.gpu_model, node.memory_mib))[1]
+                if used is None or used & rep.mig_mask or (rep.mig_mask & ~MEDIA_BIT) >> slices:
                     raise CapacityError(f"MIG slices {rep.mig_start}-{rep.mig_start + rep.mig_size - 1} of GPU {gpu} "
                                         f"of {rep.node} are not free")
                 mig[key] = used | rep.mig_mask
@@ -473,6 +481,11 @@ class ClusterCapacity:
         if rep.mig_profile:
             left = n.mig.get(gpu, 0) & ~rep.mig_mask
             table = n.mig
+            base = n.base_mig(gpu)
+            if base is not None:  # a GPU in MIG mode stays in `mig` (its foreign slices stay used)
+                n.mig[gpu] = left | base
+                self._touch(n)
+                return
         else:
             left = max(0, n.milli.get(gpu, 0) - rep.gpu_milli)
             table = n.milli
@@ -488,7 +501,11 @@ class ClusterCapacity:
         n = self.nodes.get(node)
         if n is None:
             return
-        n.free -= set(gpus)
+        gpus = set(gpus)
+        n.free -= gpus
+        if n.mig_gpus and gpus & n.mig_gpus:  # a GPU in MIG mode held whole (FATAL, or a whole-GPU job of old)
+            for gpu in gpus & n.mig_gpus:
+                n.mig[gpu] = FULL_MIG_MASK
         self._changed(n)
         if self._subs:
             self._touch_subs(n)
@@ -497,6 +514,10 @@ class ClusterCapacity:
         n = self.nodes.get(node)
         if n is None:
             return
+        if n.mig_gpus or n.foreign:
+            gpus = set(gpus)
+            for gpu in gpus & n.mig_gpus:
+                n.mig[gpu] = n.foreign.get(gpu, 0)
         if n.mig or n.milli:
             n.free |= {g for g in gpus if 0 <= g < n.total and g not in n.mig and g not in n.milli}
         else:
@@ -515,10 +536,14 @@ class ClusterCapacity:
 
 def shape_key(node: NodeCapacity) -> tuple | None:
     """What a partial-GPU request sees of a node: model, memory, GPUs, whole free GPUs, and the partial use of the
-    others (sorted, since which GPU index holds what does not change the score). None when it offers nothing."""
+    others (sorted, since which GPU index holds what does not change the score). None when it offers nothing.
+    Only GPUs in MIG mode count as MIG capacity: a GPU outside it that carries instances (a foreign one, or one
+    placed before its mode was known) offers nothing."""
     if not node.schedulable:
         return None
-    mig = tuple(sorted(m for m in node.mig.values() if m != 0xFF))
+    mig_gpus = node.mig_gpus
+    full = full_mask(mig_family(node.gpu_model, node.memory_mib))  # all of the family's slices used: nothing left
+    mig = tuple(sorted(m for g, m in node.mig.items() if m & full != full and g in mig_gpus))
     milli = tuple(sorted(m for m in node.milli.values() if m < 1000))
     if not node.free and not mig and not milli:
         return None

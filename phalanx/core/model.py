@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .mig import MEDIA_BIT, is_media
+
 if TYPE_CHECKING:
     from .closeness import GpuCloseness
+
+FULL_MIG_MASK = 0xFF  # every memory slice of a GPU (mig.FULL_MASK): the GPU is held whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,9 @@ class GangRequest:
     # Declared seconds of runtime (0: none): backfill lets the gang start ahead of a blocked head only if it ends
     # before the head's reserved start, or stays off the head's region.
     time_limit: float = 0.0
+    # Nodes that struck this gang (their host could not set up one of its ranks): placement avoids them while the
+    # gang fits elsewhere, and uses them only when nothing else holds it.
+    avoid: frozenset[str] = frozenset()
 
     @property
     def gpus(self) -> int:
@@ -56,7 +63,11 @@ class ReplicaPlacement:
 
     @property
     def mig_mask(self) -> int:
-        return ((1 << self.mig_size) - 1) << self.mig_start if self.mig_profile else 0
+        """What the instance takes of its GPU's MIG state mask: its memory slices, plus mig.MEDIA_BIT for a `+me`
+        profile (one set of media engines per GPU)."""
+        if not self.mig_profile:
+            return 0
+        return ((1 << self.mig_size) - 1) << self.mig_start | (MEDIA_BIT if is_media(self.mig_profile) else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,11 @@ class NodeCapacity:
     Partial GPUs: `mig` maps a GPU to the mask of its memory slices used by MIG instances, `milli` a GPU to the
     thousandths of it that fractional shares use. Such a GPU is not in `free` (no whole-GPU job may take it) until
     its last instance or share is released.
+
+    MIG mode: `mig_gpus` are the GPUs in MIG mode (the agent's GpuInfo.mig_mode ENABLED). They serve only MIG
+    instances: never in `free`, always in `mig` (mask 0 when empty). The other GPUs serve whole-GPU jobs and shares,
+    never MIG. `foreign`: per GPU, the memory slices of MIG instances Phalanx did not make (managed=false); they stay
+    used in `mig` for good. A foreign instance on a GPU not in MIG mode holds the whole GPU.
     """
 
     name: str
@@ -101,6 +117,31 @@ class NodeCapacity:
     memory_mib: int = 0
     mig: dict[int, int] = field(default_factory=dict)
     milli: dict[int, int] = field(default_factory=dict)
+    mig_gpus: frozenset[int] = frozenset()
+    foreign: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Idempotent, so copies (dataclasses.replace) keep what they were given: a MIG-mode GPU is never free and
+        # always carries at least its foreign slices; a GPU outside MIG mode with a foreign instance is held whole.
+        if self.mig_gpus or self.foreign:
+            if not isinstance(self.mig_gpus, frozenset):
+                self.mig_gpus = frozenset(self.mig_gpus)
+            for gpu in self.mig_gpus:
+                self.free.discard(gpu)
+                self.mig[gpu] = self.mig.get(gpu, 0) | self.foreign.get(gpu, 0)
+            for gpu in self.foreign:
+                if gpu not in self.mig_gpus:
+                    self.free.discard(gpu)
+                    self.mig[gpu] = FULL_MIG_MASK
+
+    def base_mig(self, gpu: int) -> int | None:
+        """The mask a GPU returns to when Phalanx's own instances on it are gone: its foreign slices on a GPU in MIG
+        mode, the whole GPU when a foreign instance sits on one outside MIG mode; None: it goes back to `free`."""
+        if gpu in self.mig_gpus:
+            return self.foreign.get(gpu, 0)
+        if gpu in self.foreign:
+            return FULL_MIG_MASK
+        return None
 
     def slots(self, gpus_per_replica: int) -> int:
         return len(self.free) // gpus_per_replica if self.schedulable and gpus_per_replica > 0 else 0

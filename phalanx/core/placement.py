@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .capacity import ClusterCapacity
 from .closeness import GpuCloseness, closest_sets
@@ -79,7 +79,34 @@ def place_gang(
     effort and needs no search of its own: the lowest tier that fits is always taken, so the gang lands under one
     domain of the preferred tier whenever one fits, and otherwise at the lowest tier above it that fits (the
     reason then says the preference was not met).
+
+    `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
+    else is it placed as if they were not struck.
     """
+    if request.avoid:
+        hidden = [n for n in request.avoid if n in capacity.nodes and capacity.nodes[n].schedulable]
+        if hidden:
+            for name in hidden:
+                capacity.set_schedulable(name, False)
+            try:
+                got = _place_gang(capacity, request, fabric_tiers)
+            finally:
+                for name in hidden:
+                    capacity.set_schedulable(name, True)
+            if isinstance(got, Placement):
+                return got
+        got = _place_gang(capacity, request, fabric_tiers)
+        if isinstance(got, Placement) and set(got.nodes) & request.avoid:
+            struck = sorted(set(got.nodes) & request.avoid)
+            got = replace(got, reason=f"{got.reason}; on node(s) {', '.join(struck)} that struck it before: it fits "
+                                      "nowhere else now")
+        return got
+    return _place_gang(capacity, request, fabric_tiers)
+
+
+def _place_gang(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str] = ()
+) -> Placement | Unplaceable:
     if request.partial:
         result = place_partial(capacity, request, tier_names(capacity, fabric_tiers))
         return result if isinstance(result, Placement) else Unplaceable(result.job_id, result.reason)
@@ -102,9 +129,11 @@ def place_gang(
             )
     total_slots, free_now = capacity.domain_stats(top, g).get("", (0, 0))
     if total_slots < need:
+        in_mig = capacity.mig_mode_gpus
         return Unplaceable(
             request.job_id,
-            f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now ({free_now} GPUs free)",
+            f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now ({free_now} GPUs free"
+            + (f"; {in_mig} GPU(s) in MIG mode take only MIG instances" if in_mig else "") + ")",
         )
     most_nodes, largest = capacity.shape()
     for level in range(limit + 1):

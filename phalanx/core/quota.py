@@ -14,7 +14,8 @@ jobs of other queues of its cohort that are running on borrowed quota, whatever 
 
 Fair share: among jobs of equal priority, the queue with the lowest weighted dominant share goes first (Dominant
 Resource Fairness over the cluster's GPU flavors and MIG slices: a queue's share is the largest fraction of any one
-resource it uses, divided by its weight). The order is recomputed after every admission, so queues interleave.
+resource it uses, divided by its weight). The cluster's MIG slices are those of its GPUs in MIG mode only, and its
+whole GPUs those outside MIG mode (`cluster_totals`): a GPU serves one kind or the other. The order is recomputed after every admission, so queues interleave.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from . import mig
 from .model import GangRequest
 
 ANY = "*"
@@ -70,6 +72,25 @@ def demand(request: GangRequest) -> tuple[float, int]:
     if request.gpu_milli:
         return request.replicas * request.gpu_milli / 1000, 0
     return float(request.replicas * request.gpus_per_replica), 0
+
+
+def mig_compute_slices(gpu_model: str, memory_mib: int = 0) -> int:
+    """MIG compute slices one GPU of this model offers in MIG mode (its largest profile's: 7 on A100/H100/H200/
+    B200/GB200); 0 when it has no MIG."""
+    return max((p.compute for p in mig.family_profiles(mig.mig_family(gpu_model, memory_mib) or "").values()),
+               default=0)
+
+
+def cluster_totals(gpus: Iterable[tuple[str, int, bool]]) -> dict[str, float]:
+    """The DRF denominators (QuotaBook's `capacity`) from every GPU as (model, memory MiB, in MIG mode): whole GPUs
+    count only outside MIG mode, MIG compute slices only on GPUs in MIG mode (a GPU serves one kind or the other)."""
+    whole = slices = 0
+    for model, memory, in_mig_mode in gpus:
+        if in_mig_mode:
+            slices += mig_compute_slices(model, memory)
+        else:
+            whole += 1
+    return {"gpus": float(whole), "mig_slices": float(slices)}
 
 
 def flavor_matches(flavor: str, gpu_model: str) -> bool:

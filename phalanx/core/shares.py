@@ -3,9 +3,14 @@
 The score follows FGD (Weng et al., "Beware of Fragmentation", USENIX ATC'23). A node's fragmentation with respect
 to a task is the free capacity on it that the task could not use; its expected fragmentation F is that, averaged
 over a workload mix. A request goes where it raises F the least: on a node already split into instances of the same
-size rather than on a whole free GPU, on a GPU already in MIG mode rather than one that whole-GPU jobs could still
-take, and never onto an empty 8-GPU node while a partly used one fits. Capacity is counted in GPUs: a MIG memory
-slice is 1/8 of one, a share of m thousandths is m/1000.
+size rather than on a whole free GPU, and never onto an empty 8-GPU node while a partly used one fits. Capacity is
+counted in GPUs: a MIG memory slice is 1/8 of one (1/4 on A30: `mig.family_slices`), a share of m thousandths is
+m/1000. A `+me` MIG profile fits once per GPU (its mask carries `mig.MEDIA_BIT`).
+
+MIG mode separates the two kinds (`NodeCapacity.mig_gpus`): a MIG instance goes only on a GPU in MIG mode (the
+agent reported MIG_MODE_ENABLED), a share or a whole-GPU job only on a GPU that is not (DISABLED or UNSUPPORTED).
+The fragmentation measure follows: a whole free GPU serves no MIG task, and a GPU in MIG mode no whole-GPU or share
+task. MIG instances Phalanx did not make (`NodeCapacity.foreign`) keep their slices used.
 
 Nodes of the same free shape (`capacity.shape_key`: model, GPUs, whole free GPUs, the MIG masks and shares in use)
 score the same, so each shape is scored once and the request goes to the first node of the best shape: a request
@@ -43,7 +48,7 @@ class Task:
 
 DEFAULT_MIX: tuple[tuple[Task, float], ...] = (
     *((Task(gpus=k), 1.0) for k in (1, 2, 4, 8)),
-    *((Task(mig_shape=s), 1.0) for s in range(6)),
+    *((Task(mig_shape=s), 1.0) for s in range(len(mig.SHAPES))),
     (Task(milli=250), 1.0),
     (Task(milli=500), 1.0),
 )
@@ -55,9 +60,14 @@ class PartialUnplaceable:
     reason: str
 
 
-def _free_capacity(free: int, migs: Sequence[int], millis: Sequence[int]) -> float:
-    return free + sum(mig.MEMORY_SLICES - mig.used_slices(m) for m in migs) / mig.MEMORY_SLICES + sum(
-        1000 - m for m in millis) / 1000
+def _free_capacity(free: int, migs: Sequence[int], millis: Sequence[int], slices: int = mig.MEMORY_SLICES) -> float:
+    """Free GPUs, counting a MIG memory slice as 1/`slices` of one (the family's memory slices: 8, or 4 on A30)."""
+    full = (1 << slices) - 1
+    return free + sum(slices - mig.used_slices(m & full) for m in migs) / slices + sum(1000 - m for m in millis) / 1000
+
+
+def _memory_slices(model: str, memory: int) -> int:
+    return mig.family_slices(mig.mig_family(model, memory))[1]
 
 
 @lru_cache(maxsize=65536)
@@ -65,8 +75,8 @@ def fragmentation(shape: tuple, mix: tuple[tuple[Task, float], ...] = DEFAULT_MI
     """Expected fragmentation (in GPUs) of a node of this free shape under the workload mix."""
     model, memory, total, free, migs, millis = shape
     family = mig.mig_family(model, memory)
-    profiles = list(mig.family_profiles(family).values()) if family else []
-    capacity = _free_capacity(free, migs, millis)
+    slices = mig.family_slices(family)[1]
+    capacity = _free_capacity(free, migs, millis, slices)
     partial = capacity - free
     weighted = weight = 0.0
     for task, w in mix:
@@ -75,12 +85,12 @@ def fragmentation(shape: tuple, mix: tuple[tuple[Task, float], ...] = DEFAULT_MI
                 continue
             frag = capacity if free < task.gpus else partial
         elif task.mig_shape >= 0:
-            if not profiles:
+            p = mig.shape_profile(family, task.mig_shape)  # None: not MIG, or no such shape (A30 has no 3g)
+            if p is None:
                 frag = capacity
-            else:
-                p = profiles[task.mig_shape]
-                usable = (free * mig.max_instances(0, p) + sum(mig.max_instances(m, p) for m in migs)) * p.size
-                frag = capacity - usable / mig.MEMORY_SLICES
+            else:  # only GPUs in MIG mode serve it (a whole free GPU is not in MIG mode)
+                usable = sum(mig.max_instances(m, p) for m in migs) * p.size
+                frag = capacity - usable / slices
         else:
             per_free = (1000 // task.milli) * task.milli
             usable = free * per_free + sum(((1000 - m) // task.milli) * task.milli for m in millis)
@@ -170,7 +180,7 @@ def _best_option(cap: ClusterCapacity, request: GangRequest, mix) -> _Option | N
                 delta = shares.of(model, _NO_CPU_LIMIT, _share_gpus(after[3], after[5])) / 1000 - before
             else:
                 delta = fragmentation(after, mix) - before
-            cap_after = _free_capacity(after[3], after[4], after[5])
+            cap_after = _free_capacity(after[3], after[4], after[5], _memory_slices(model, memory))
             option = _Option(round(delta, 9), cap_after, names[0], gpu_state, start)
             if best is None or (option.delta, option.after_capacity, option.node, option.start) < (
                     best.delta, best.after_capacity, best.node, best.start):
@@ -185,18 +195,13 @@ def _moves(shape: tuple, request: GangRequest):
         profile = mig.resolve(request.mig_profile, mig.mig_family(model, memory))
         if profile is None:
             return
-        states = [("mig", m) for m in dict.fromkeys(migs)]
-        if free:
-            states.append(("free",))
-        for state in states:
-            used = state[1] if state[0] == "mig" else 0
+        # Only GPUs in MIG mode (each in `migs`, mask 0 when empty); a whole free GPU is not in MIG mode.
+        for used in dict.fromkeys(migs):
             for start in mig.free_starts(used, profile):
                 new = used | profile.mask(start)
                 rest = list(migs)
-                if state[0] == "mig":
-                    rest.remove(used)
-                yield state, start, (model, memory, total, free - (state[0] == "free"),
-                                     tuple(sorted([*rest, new])), millis)
+                rest.remove(used)
+                yield ("mig", used), start, (model, memory, total, free, tuple(sorted([*rest, new])), millis)
     else:
         m = request.gpu_milli
         states = [("milli", u) for u in dict.fromkeys(millis) if u + m <= 1000]
@@ -218,7 +223,7 @@ def _replica(cap: ClusterCapacity, request: GangRequest, replica: int, option: _
         # The highest free index: whole-GPU gangs take the lowest ones first (rail alignment, aligned blocks).
         gpu = max(node.free)
     elif kind == "mig":
-        gpu = min(g for g, m in node.mig.items() if m == option.gpu_state[1])
+        gpu = min(g for g, m in node.mig.items() if m == option.gpu_state[1] and g in node.mig_gpus)
     else:
         gpu = min(g for g, m in node.milli.items() if m == option.gpu_state[1])
     if request.mig_profile:
@@ -257,9 +262,20 @@ def _why_not(cap: ClusterCapacity, request: GangRequest, placed: int) -> str:
             known = sorted(f for f in families if f)
             if not known:
                 return f"no node here has MIG-capable GPUs, so MIG profile {request.mig_profile} cannot be placed"
-            names = ", ".join(f"{f}: {', '.join(mig.family_profiles(f))}" for f in known)
+            names = ", ".join(f"{f}: {', '.join(mig.family_table(f))}" for f in known)
             return f"no GPU here offers MIG profile {request.mig_profile} ({names})"
-        return (f"{prefix}{request.mig_profile}: no free placement for it on any "
-                f"{'/'.join(offering)} GPU now ({placed} of {request.replicas} replicas fit)")
+        in_mode = [n for n in nodes if n.mig_gpus and mig.resolve(request.mig_profile,
+                                                                  mig.mig_family(n.gpu_model, n.memory_mib))]
+        if not in_mode:
+            capable = sum(n.total for n in nodes if mig.mig_family(n.gpu_model, n.memory_mib) in offering)
+            return (f"{prefix}{request.mig_profile}: no GPU is in MIG mode (a MIG instance goes only on a GPU whose "
+                    f"agent reports MIG mode enabled; the {capable} {'/'.join(offering)} GPU(s) here are not in MIG "
+                    f"mode and serve whole-GPU jobs and shares)")
+        gpus = sum(len(n.mig_gpus) for n in in_mode)
+        return (f"{prefix}{request.mig_profile}: no free placement for it on any of the {gpus} "
+                f"{'/'.join(offering)} GPU(s) in MIG mode now ({placed} of {request.replicas} replicas fit)")
+    hint = ""
+    if any(n.mig_gpus for n in nodes):
+        hint = f"; the {sum(len(n.mig_gpus) for n in nodes)} GPU(s) in MIG mode take only MIG instances"
     return (f"{prefix}{request.gpu_milli}/1000 GPU: no GPU has that share free now "
-            f"({placed} of {request.replicas} replicas fit)")
+            f"({placed} of {request.replicas} replicas fit{hint})")

@@ -6,6 +6,11 @@ read from the job's command:
 - `exit C`    : ranks report RUNNING, then EXITED with code C;
 - `hang`      : ranks never start (the launch deadline must catch it);
 - anything else: ranks run until killed.
+
+`mig_gpus` are the GPUs it registers in MIG mode (MIG_MODE_ENABLED; the others DISABLED on a MIG-capable model),
+`mig_instances` the MIG instances it reports per GPU. `setup_failure` (a message) makes every rank it is given report
+FAILED_TO_START with `retryable` set, as a real agent does when it cannot create a MIG instance or start MPS;
+`start_failure` the same without `retryable` (the job's own fault, e.g. a missing binary).
 """
 
 from __future__ import annotations
@@ -13,20 +18,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from phalanx.core import mig
 
 
-def simple_topology(gpus: int, model: str = "NVIDIA H100 80GB HBM3", memory_mib: int = 81559
+def simple_topology(gpus: int, model: str = "NVIDIA H100 80GB HBM3", memory_mib: int = 81559,
+                    mig_gpus: Iterable[int] = (),
+                    mig_instances: Mapping[int, Iterable[agent_pb2.GpuInfo.MigInstance]] | None = None,
                     ) -> agent_pb2.HostTopology:
-    return agent_pb2.HostTopology(
+    """`mig_gpus`: GPUs in MIG mode (MIG_MODE_ENABLED); the others report DISABLED when the model has MIG, else
+    UNSUPPORTED. `mig_instances`: per GPU, the MIG instances present."""
+    enabled = set(mig_gpus)
+    capable = mig.mig_family(model, memory_mib) is not None
+    topo = agent_pb2.HostTopology(
         profile="lite",
         gpus=[agent_pb2.GpuInfo(index=i, uuid=f"GPU-lite-{uuid.uuid4().hex[:12]}", name=model, memory_mib=memory_mib,
-                                numa_node=i // 4, nic=f"NIC{i}") for i in range(gpus)],
+                                numa_node=i // 4, nic=f"NIC{i}",
+                                mig_mode=(agent_pb2.GpuInfo.MIG_MODE_ENABLED if i in enabled else
+                                          agent_pb2.GpuInfo.MIG_MODE_DISABLED if capable else
+                                          agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED)) for i in range(gpus)],
     )
+    for i, instances in (mig_instances or {}).items():
+        topo.gpus[i].mig_instances.extend(instances)
+    return topo
 
 
 @dataclass
@@ -49,6 +68,10 @@ class LiteAgent:
     # record), so a burst of assignments is acknowledged once, after this delay.
     ack_delay: float = 0.2
     token: str = ""  # its credential (role `node`) when the scheduler runs with authentication
+    mig_gpus: tuple[int, ...] = ()  # GPUs registered in MIG mode
+    mig_instances: dict[int, list[agent_pb2.GpuInfo.MigInstance]] = field(default_factory=dict)
+    setup_failure: str = ""  # non-empty: every rank reports FAILED_TO_START, retryable, with this message
+    start_failure: str = ""  # non-empty: every rank reports FAILED_TO_START, not retryable
 
     async def start(self) -> None:
         from phalanx.client._channel import open_aio_channel
@@ -66,7 +89,7 @@ class LiteAgent:
         self._beat_task = asyncio.create_task(self._beat(resp.heartbeat_interval_ms / 1000))
 
     def topology(self) -> agent_pb2.HostTopology:
-        topo = simple_topology(self.gpus, self.model, self.memory_mib)
+        topo = simple_topology(self.gpus, self.model, self.memory_mib, self.mig_gpus, self.mig_instances)
         topo.fabric_cluster_uuid, topo.fabric_clique = self.fabric_cluster_uuid, self.fabric_clique
         return topo
 
@@ -144,6 +167,10 @@ class LiteAgent:
 
     async def _rank(self, launch: agent_pb2.LaunchReplica, rank: agent_pb2.RankLaunch) -> None:
         cmd = list(launch.command)
+        if self.setup_failure or self.start_failure:
+            await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_FAILED_TO_START, 0,
+                               message=self.setup_failure or self.start_failure, retryable=bool(self.setup_failure))
+            return
         if cmd[:1] == ["hang"]:
             return
         await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_RUNNING, 0)
@@ -153,11 +180,13 @@ class LiteAgent:
         elif cmd[:1] == ["exit"]:
             await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, int(cmd[1]))
 
-    async def _report(self, job_id: str, attempt: int, rank: int, state: int, code: int) -> bool:
+    async def _report(self, job_id: str, attempt: int, rank: int, state: int, code: int, *, message: str = "",
+                      retryable: bool = False) -> bool:
         for _ in range(50):
             try:
                 resp = await self.stub.ReportRankStatus(agent_pb2.ReportRankStatusRequest(
-                    node_name=self.name, job_id=job_id, attempt=attempt, rank=rank, state=state, exit_code=code))
+                    node_name=self.name, job_id=job_id, attempt=attempt, rank=rank, state=state, exit_code=code,
+                    message=message, retryable=retryable))
                 return resp.stale
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:

@@ -19,8 +19,17 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 - Partial GPUs: a rank with MIG `slices` starts once its MIG instances exist (found or created through the
   MigManager, mig_manager.py: NVML on a discovered host, a fake with the real profile rules on a simulated one),
   with CUDA_VISIBLE_DEVICES = their MIG device UUIDs; an instance this agent created is destroyed when the last rank
-  using it ends (an adopted rank's instances are kept while it runs). A rank with `gpu_milli` gets the MPS client
-  limits for that share (launcher.fractional_env). A MIG failure fails that rank's start (FAILED_TO_START).
+  using it ends (an adopted rank's instances are kept while it runs). A MIG failure fails that rank's start
+  (FAILED_TO_START).
+- Fractional shares (`gpu_milli`, mps.py): one MPS control daemon per GPU that has shares (`nvidia-cuda-mps-control
+  -d` with CUDA_VISIBLE_DEVICES = the GPU's UUID and pipe/log directories `<state_dir>/mps/gpu<N>/{pipe,log}`;
+  `--mps-control PATH`, a stand-in from phalanx.simhost on a simulated host), started before the GPU's first share
+  starts and told to `quit` when its last share ends. The rank gets its daemon's CUDA_MPS_PIPE_DIRECTORY and
+  CUDA_MPS_LOG_DIRECTORY, CUDA_VISIBLE_DEVICES = the GPU's UUID and the per-client limits of its share
+  (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M; launcher.fractional_env). Other
+  ranks never get a CUDA_MPS_* variable (neither the agent's own nor the launch's). A daemon that cannot be started
+  fails the rank's start (FAILED_TO_START, `retryable`: the host's fault). A restarted agent adopts the daemons of
+  the share ranks it adopts and stops those no live share uses.
 - Health (health.py): before every heartbeat the HealthMonitor checks its source (NVML on a discovered host; the
   simulated source, fed by `<state_dir>/health.json` or `health_source.inject()`, on a simulated one); the
   heartbeat carries the node's health and the events since the last answered heartbeat (kept until one is).
@@ -34,6 +43,7 @@ import signal
 import subprocess
 import time
 import uuid
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +55,13 @@ from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from . import launcher
 from .health import HealthMonitor, NodeHealth, NvmlHealthSource, SimulatedHealthSource, event_to_proto, health_to_proto
+from phalanx.simhost.nvml import bind
+
 from .mig_manager import MigBackend, MigError, MigManager, backend_for
+from .mps import CONTROL as MPS_CONTROL
+from .mps import MpsError, MpsManager, strip_mps, write_fake_control
+from .simulated import STATE_FILE as SIMULATED_STATE_FILE
+from .simulated import host_for_topology
 from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key
 
 RANKS_RUNNING = Gauge("phalanx_agent_ranks_running", "Rank processes this node agent is running")
@@ -94,7 +110,13 @@ class AgentConfig:
     start_timeout_s: float = 15.0          # for the wrapper to say the command started
     flush_timeout_s: float = 5.0           # at shutdown, for queued reports
     default_heartbeat_ms: int = 1000
-    mig_backend: MigBackend | None = None  # default: NVML for a discovered host, the fake for a simulated one
+    mig_backend: MigBackend | None = None  # default: NVML through `nvml`
+    # The NVML bindings: None for the real pynvml (a discovered host); on a simulated host a private pynvml bound to
+    # its simulated library (phalanx.simhost.nvml), made from the topology when not given.
+    nvml: Any = None
+    mig_manage: bool = False               # the scheduler may ask to switch idle GPUs' MIG mode (SetMigMode)
+    mps_control: str | None = None         # MPS control program; default nvidia-cuda-mps-control on PATH for a
+                                           # discovered host, the fake (phalanx.simhost.mps_control) when simulated
     health_source: object | None = None    # default: NVML for a discovered host, SimulatedHealthSource otherwise
     health_enabled: bool = True            # False: heartbeats carry no health (the scheduler keeps what it has)
     ecc_sbe_threshold: int = 100           # corrected ECC errors above which a GPU is DEGRADED
@@ -150,10 +172,20 @@ class NodeAgent:
         self._reporter: asyncio.Task | None = None
         self._run_task: asyncio.Task | None = None
         self._releases: set[asyncio.Future] = set()    # MIG instance releases in worker threads
-        self.mig = MigManager(
-            config.mig_backend or backend_for(config.topology, self.node_name, self.state_dir), config.topology
-        )
+        self.nvml = config.nvml
+        if self.nvml is None and config.topology.profile != "nvml" and config.mig_backend is None:
+            self.nvml = bind(host_for_topology(config.topology, self.state_dir / SIMULATED_STATE_FILE))
+        self.mig = MigManager(config.mig_backend or backend_for(config.topology, self.nvml), config.topology,
+                              created=self.state.mig_created,
+                              on_change=lambda records: setattr(self.state, "mig_created", records))
         self._gpu_memory = {g.index: g.memory_mib for g in config.topology.gpus}
+        self._mig_switching: set[int] = set()           # GPUs whose MIG mode switch is under way
+        self._mig_switch_errors: dict[int, str] = {}    # GPU -> why its last switch failed
+        # Fractional shares: one MPS control daemon per GPU that has shares (mps.py).
+        mps_control = config.mps_control or (
+            MPS_CONTROL if config.topology.profile == "nvml" else write_fake_control(self.state_dir / "mps"))
+        self.mps = MpsManager(self.state_dir / "mps", mps_control, {g.index: g.uuid for g in config.topology.gpus},
+                              log=self.log)
         self._attempt = 0
         self.registrations = 0                 # successful RegisterNode calls (for tests / introspection)
         self.heartbeat_interval_ms = config.default_heartbeat_ms
@@ -176,6 +208,8 @@ class NodeAgent:
         try:
             await self._open_health()
             self._adopt()
+            if self.mig.mig_gpus():
+                await asyncio.to_thread(self._clean_up_mig)
             self._reporter = asyncio.create_task(self._report_loop(), name="reporter")
             if self.mig.mig_gpus():
                 self._spawn_task(self._log_mig_instances())
@@ -258,12 +292,14 @@ class NodeAgent:
         stub = agent_pb2_grpc.NodeServiceStub(channel)
         tasks: list[asyncio.Task] = []
         try:
+            topology = await asyncio.to_thread(self._current_topology)
             resp = await stub.RegisterNode(
                 agent_pb2.RegisterNodeRequest(
                     node_name=self.node_name,
-                    topology=self.config.topology,
+                    topology=topology,
                     address=self.config.address,
                     agent_instance=self.instance,
+                    mig_manage=self.config.mig_manage,
                 ),
                 timeout=self.config.rpc_timeout_s,
             )
@@ -299,6 +335,79 @@ class NodeAgent:
             await asyncio.gather(*tasks, return_exceptions=True)
             await channel.close(grace=None)
 
+    # ---------------------------------------------------------------- MIG mode (--mig-manage)
+
+    _MODES = {0: agent_pb2.GpuInfo.MIG_MODE_DISABLED, 1: agent_pb2.GpuInfo.MIG_MODE_ENABLED}
+
+    def _mig_mode_status(self) -> list[agent_pb2.MigModeStatus]:
+        """In a worker thread: every MIG-capable GPU's mode as NVML has it now, and the last switch's outcome."""
+        out = []
+        for gpu in self.mig.mig_gpus():
+            status = agent_pb2.MigModeStatus(gpu=gpu, error=self._mig_switch_errors.get(gpu, ""),
+                                             switching=gpu in self._mig_switching)
+            try:
+                current, pending = self.mig.backend.mode(gpu)
+            except MigError as exc:
+                status.error = status.error or str(exc)
+                out.append(status)
+                continue
+            status.current, status.pending = self._MODES.get(current, 0), self._MODES.get(pending, 0)
+            if current != pending:
+                status.switching = True      # waits for a GPU reset
+            self._note_mode(gpu, current)
+            out.append(status)
+        return out
+
+    def _note_mode(self, gpu: int, current: int) -> None:
+        """Keep the registered topology's mode of `gpu` what NVML says (a re-registration sends it)."""
+        for g in self.config.topology.gpus:
+            if g.index == gpu and current in self._MODES:
+                g.mig_mode = self._MODES[current]
+
+    async def _switch_mig_mode(self, req: agent_pb2.SetMigMode) -> None:
+        """Switch a GPU's MIG mode when the scheduler asks (only under --mig-manage): reported in the next
+        heartbeats as switching, then as the new current mode, or with the error."""
+        gpu, enable = req.gpu, req.enable
+        if not self.config.mig_manage:
+            self._mig_switch_errors[gpu] = "this agent was not started with --mig-manage"
+            self.log.warning("mig_mode_switch_refused", gpu=gpu, reason=self._mig_switch_errors[gpu])
+            return
+        busy = {g: r.key for r in self.state.ranks.values() if not r.final for g in r.gpus}
+        self._mig_switching.add(gpu)
+        self._mig_switch_errors.pop(gpu, None)
+        self.log.info("mig_mode_switch", gpu=gpu, enable=enable, reason=req.reason)
+        try:
+            current, _ = await asyncio.to_thread(self.mig.switch_mode, gpu, enable, busy)
+            self._note_mode(gpu, current)
+        except MigError as exc:
+            self._mig_switch_errors[gpu] = str(exc)
+            self.log.warning("mig_mode_switch_failed", gpu=gpu, enable=enable, error=str(exc))
+        finally:
+            self._mig_switching.discard(gpu)
+
+    def _clean_up_mig(self) -> None:
+        """At start: destroy the MIG instances this agent made that no adopted rank uses (never anyone else's)."""
+        destroyed = self.mig.clean_up()
+        if destroyed:
+            self.log.info("mig_leftovers_destroyed", instances=[f"GPU{g}:{s}+{n}" for g, s, n in destroyed])
+
+    def _current_topology(self) -> agent_pb2.HostTopology:
+        """The topology to register: the discovered one, with each MIG-mode GPU's instances as they are now, each
+        marked `managed` when this agent made it for a rank (anything else is occupied by someone else)."""
+        topo = agent_pb2.HostTopology()
+        topo.CopyFrom(self.config.topology)
+        if not self.mig.mig_gpus():
+            return topo
+        found = self.mig.describe()
+        for g in topo.gpus:
+            if g.mig_mode != agent_pb2.GpuInfo.MIG_MODE_ENABLED or g.index not in found:
+                continue
+            del g.mig_instances[:]
+            for inst, managed in found[g.index]:
+                g.mig_instances.add(profile=inst.profile, start=inst.start, size=inst.size, uuid=inst.uuid,
+                                    managed=managed, gpu_instance_id=inst.gi_id, compute_instance_id=inst.ci_id)
+        return topo
+
     async def _open_health(self) -> None:
         if not self.config.health_enabled:
             return
@@ -328,6 +437,8 @@ class NodeAgent:
             await asyncio.sleep(self.heartbeat_interval_ms / 1000)
             await self.check_health()
             req = agent_pb2.HeartbeatRequest(node_name=self.node_name, agent_instance=self.instance)
+            if self.config.mig_manage and self.mig.mig_gpus():
+                req.mig_modes.extend(await asyncio.to_thread(self._mig_mode_status))
             sent = list(self._health_events)
             if self.health_monitor is not None:
                 req.health.CopyFrom(health_to_proto(self.health))
@@ -355,6 +466,8 @@ class NodeAgent:
             started = self._prepare_launch(a.launch)
         elif kind == "kill":
             self._prepare_kill(a.kill)
+        elif kind == "set_mig_mode":
+            self._spawn_task(self._switch_mig_mode(a.set_mig_mode))
         else:
             self.log.warning("unknown_assignment", revision=a.revision)
         self.state.acked_revision = max(self.state.acked_revision, a.revision)
@@ -404,7 +517,18 @@ class NodeAgent:
                 continue
             try:
                 env = await self._rank_env(rec, envs.get(rec.rank, {}))
-            except (MigError, ValueError) as exc:
+            except MpsError as exc:  # the host's fault: the scheduler requeues the gang elsewhere or later
+                self.log.warning("rank_mps_failed", rank=rec.key, error=str(exc))
+                self._finish(rec, "failed", exit_code=127, message=f"cannot start its GPU's MPS daemon: {exc}",
+                             retryable=True)
+                continue
+            except MigError as exc:  # the host's fault: requeued with backoff, this node struck
+                self.log.warning("rank_mig_failed", rank=rec.key, error=str(exc))
+                self._finish(rec, "failed", exit_code=127, message=f"cannot set up its MIG instance: {exc}",
+                             retryable=True)
+                self._roll_back_attempt(rec, records, f"rank {rec.rank}'s MIG instance could not be set up")
+                continue
+            except ValueError as exc:
                 self.log.warning("rank_partial_gpu_failed", rank=rec.key, error=str(exc))
                 self._finish(rec, "failed", exit_code=127, message=f"cannot set up its GPU: {exc}")
                 continue
@@ -431,7 +555,9 @@ class NodeAgent:
         self.state.save()
 
     async def _rank_env(self, rec: RankRecord, env: dict[str, str]) -> dict[str, str]:
-        """The rank's environment, for a partial GPU once its MIG instances exist. Raises MigError/ValueError."""
+        """The rank's environment, for a partial GPU once its MIG instances exist or its GPU's MPS daemon runs.
+        Raises MigError/MpsError/ValueError. Only a share gets CUDA_MPS_* variables, the agent's own."""
+        env = strip_mps(env)
         if rec.slices and rec.gpu_milli:
             raise ValueError("a rank gets MIG slices or a share of a GPU, not both")
         if rec.slices:
@@ -460,12 +586,54 @@ class NodeAgent:
             gpu = rec.gpus[0]
             if gpu not in self._gpu_memory:
                 raise ValueError(f"GPU {gpu} does not exist on this host")
-            return launcher.fractional_env(env, gpu, rec.gpu_milli, self._gpu_memory[gpu])
+            share = launcher.fractional_env(env, gpu, rec.gpu_milli, self._gpu_memory[gpu])
+            fut = asyncio.get_running_loop().run_in_executor(None, self.mps.acquire, rec.key, gpu)
+            self._releases.add(fut)
+            fut.add_done_callback(self._releases.discard)
+            try:
+                client = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                fut.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() is not None or self._release_mps(rec.key))
+                raise
+            return {**share, **client}
         return env
 
+    def _roll_back_attempt(self, failed: RankRecord, records: list[RankRecord], why: str) -> None:
+        """A rank of this attempt could not be set up: its other ranks here give their MIG instances back at once
+        (those not started yet are not started; those started are killed), so the attempt holds nothing."""
+        for rec in records:
+            if rec is failed or rec.final or (rec.job_id, rec.attempt) != (failed.job_id, failed.attempt):
+                continue
+            if rec.key in self._procs:
+                self._spawn_task(self._kill_rank(rec, f"rolled back: {why}"))
+            else:
+                self._finish(rec, "failed", exit_code=127, message=f"not started: {why}", retryable=True)
+
     def _release_partial(self, rec: RankRecord) -> None:
-        """Release the MIG instances of a rank that ended."""
+        """Release the MIG instances of a rank that ended, or its share of its GPU's MPS daemon."""
         self._release_slices(rec.key, [dict(s) for s in rec.slices if s.get("uuid")])
+        if rec.gpu_milli:
+            self._release_mps(rec.key)
+
+    def _release_mps(self, key: str) -> None:
+        """In a worker thread: the GPU's MPS daemon is told to quit when this was its last share."""
+        if not self.mps.holds(key):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.mps.release(key)
+            return
+        fut = loop.run_in_executor(None, self.mps.release, key)
+        self._releases.add(fut)
+
+        def done(f: asyncio.Future) -> None:
+            self._releases.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                self.log.error("mps_release_error", rank=key, error=repr(f.exception()))
+
+        fut.add_done_callback(done)
 
     def _release_slices(self, key: str, slices: list[dict]) -> None:
         """In a worker thread (NVML calls take a while); the instances no other rank uses are destroyed."""
@@ -483,6 +651,8 @@ class NodeAgent:
             self._releases.discard(f)
             if not f.cancelled() and f.exception() is not None:
                 self.log.error("mig_release_error", rank=key, error=repr(f.exception()))
+            elif not f.cancelled() and f.result():
+                self.state.save()  # the record of the instances this agent made (mig_created) shrank
 
         fut.add_done_callback(done)
 
@@ -493,7 +663,8 @@ class NodeAgent:
             self.log.warning("mig_instances_unreadable", backend=self.mig.backend.kind, error=repr(exc))
             return
         self.log.info("mig_instances", backend=self.mig.backend.kind, instances={
-            f"GPU{g}": [f"{i.profile}@{i.start}" + (f"={i.uuid}" if i.uuid else "") for i in items]
+            f"GPU{g}": [f"{i.profile}@{i.start}" + (f"={i.uuid}" if i.uuid else "") + ("" if ours else " (not ours)")
+                        for i, ours in items]
             for g, items in found.items()
         })
 
@@ -596,20 +767,23 @@ class NodeAgent:
                 await asyncio.sleep(self.config.poll_interval_s)
             self._finish(rec, "killed", message=reason)
 
-    def _finish(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "") -> None:
+    def _finish(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "",
+                retryable: bool = False) -> None:
         if rec.final:
             return
-        rec.state, rec.exit_code, rec.message = state, exit_code, message
+        rec.state, rec.exit_code, rec.message, rec.retryable = state, exit_code, message, retryable
         self._monitors.pop(rec.key, None)
         self._procs.pop(rec.key, None)
         self.log.info("rank_finished", rank=rec.key, state=state, exit_code=exit_code, message=message)
-        self._report(rec, state, exit_code=exit_code, message=message)
+        self._report(rec, state, exit_code=exit_code, message=message, retryable=retryable)
         self._release_partial(rec)
 
-    def _report(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "") -> None:
+    def _report(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "",
+                retryable: bool = False) -> None:
         self.state.pending_reports.append({
             "job_id": rec.job_id, "attempt": rec.attempt, "rank": rec.rank, "state": state,
             "exit_code": exit_code, "message": message, "pid": rec.child_pid or rec.wrapper_pid,
+            "retryable": retryable,
         })
         self.state.save()
         REPORTS_PENDING.set(len(self.state.pending_reports))
@@ -622,6 +796,8 @@ class NodeAgent:
         for rec in self.state.ranks.values():
             if not rec.final and rec.slices and self._wrapper_survived(rec):
                 self.mig.adopt(rec.key, [s for s in rec.slices if s.get("uuid")])
+            if not rec.final and rec.gpu_milli and len(rec.gpus) == 1 and self._wrapper_survived(rec):
+                self.mps.adopt(rec.key, rec.gpus[0])  # its GPU's MPS daemon: kept, not started again
         for rec in list(self.state.ranks.values()):
             if rec.final:
                 continue
@@ -652,6 +828,16 @@ class NodeAgent:
             else:
                 self._finish(rec, "lost", message="rank process gone after an agent restart, no exit status")
         self.state.save()
+        # MPS daemons the previous agent left on GPUs that no live share uses any more: stopped (a worker thread).
+        fut = asyncio.get_running_loop().run_in_executor(None, self.mps.stop_unused)
+        self._releases.add(fut)
+
+        def stopped(f: asyncio.Future) -> None:
+            self._releases.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                self.log.error("mps_cleanup_error", error=repr(f.exception()))
+
+        fut.add_done_callback(stopped)
 
     @staticmethod
     def _wrapper_survived(rec: RankRecord) -> bool:
@@ -678,7 +864,7 @@ class NodeAgent:
             req = agent_pb2.ReportRankStatusRequest(
                 node_name=self.node_name, job_id=item["job_id"], attempt=item["attempt"], rank=item["rank"],
                 state=_STATE_ENUM[item["state"]], exit_code=item["exit_code"], message=item["message"],
-                pid=item["pid"],
+                pid=item["pid"], retryable=bool(item.get("retryable", False)),
             )
             try:
                 resp = await stub.ReportRankStatus(req, timeout=self.config.rpc_timeout_s)

@@ -11,27 +11,39 @@ RoCE devices), named NIC0, NIC1, ... in natural order of their device names (as 
 NIC's relation to a GPU or another NIC follows from their PCI paths under `<root>/sys/devices` (see `pci_relation`).
 Only when sysfs shows no NIC at all and `nvidia-smi` is on PATH does its `topo -m` table supply the NIC rows.
 
-Both sources are parameters (`nvml`: the pynvml module or a stand-in such as phalanx.testing.fake_nvml.FakeNvml;
-`sysfs_root`: "/" or a fake tree from phalanx.testing.fake_sysfs), so the code that runs on real hosts is the code
-the tests run.
+Both sources are parameters (`nvml`: the pynvml module, or on a simulated host a private instance of it bound to
+phalanx.simhost.nvml's simulated C library; `sysfs_root`: "/" or a tree from phalanx.simhost.sysfs), so the code
+that runs on real hosts is the code the tests run, through the real bindings.
+
+Only the core enumeration is fatal: nvmlInit, the device count, the handles, the UUIDs and the PCI info. Anything
+else is an optional probe (name, memory, compute capability, NVLink state and remote ends, PCIe ancestry, the GPU
+fabric, MIG mode and instances): older drivers, some GPUs and vGPUs answer NVMLError_NotSupported or
+NVMLError_FunctionNotFound, or fail in their own ways. Such a failure leaves that fact unknown and logs one warning
+per probe (naming the probe, the error and the GPUs); the host still registers.
+
+NVLink fabric domains (GB200 NVL72): a GPU belongs to its fabric's (cluster UUID, clique) only when NVML says its
+fabric registration is COMPLETED with status success; any other GPU is outside every domain, with the reason
+(`GpuInfo.fabric_reason`). The host is in a domain when all its GPUs are in the same one.
 
 Importing this module never needs a GPU; discovery on a host without a driver or GPU raises DiscoveryError with
-a message that says so.
+a message that says what to check.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import ctypes
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
 from phalanx.api.v1 import agent_pb2
 from phalanx.core.topo_dump import TopoDump, TopoParseError, parse_topo
+from phalanx.nvml_h import FABRIC_INFO_V2, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t
 
 from .topology import topology_from_dump
 
@@ -168,8 +180,57 @@ def _load_pynvml():
     try:
         import pynvml
     except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise DiscoveryError("nvidia-ml-py (pynvml) is not installed") from exc
+        raise DiscoveryError("nvidia-ml-py (pynvml) is not installed: pip install nvidia-ml-py") from exc
     return pynvml
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+
+@dataclass
+class Probes:
+    """Optional NVML queries: a failure leaves the fact unknown and is logged once per probe, after discovery."""
+
+    nv: object
+    failures: dict[str, dict] = field(default_factory=dict)   # probe -> {"error": str, "gpus": [..]}
+
+    def call(self, probe: str, gpu: int | None, fn_name: str, *args, default=None):
+        fn = getattr(self.nv, fn_name, None)
+        if fn is None:
+            self.failed(probe, gpu, f"nvidia-ml-py has no {fn_name} (an older binding)")
+            return default
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - NVMLError or a binding fault: the fact stays unknown
+            self.failed(probe, gpu, _describe(self.nv, exc))
+            return default
+
+    def failed(self, probe: str, gpu: int | None, error: str) -> None:
+        entry = self.failures.setdefault(probe, {"error": error, "gpus": []})
+        if gpu is not None and gpu not in entry["gpus"]:
+            entry["gpus"].append(gpu)
+
+    def log(self) -> None:
+        for probe, entry in self.failures.items():
+            log.warning("nvml_probe_failed", probe=probe, error=entry["error"], gpus=entry["gpus"],
+                        effect="left unknown; the node registers without it")
+
+
+def _describe(nv, exc: BaseException) -> str:
+    if isinstance(exc, getattr(nv, "NVMLError", ())):
+        return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exc} (a fault in the NVML binding call)"
+
+
+def _core(nv, what: str, fn_name: str, *args):
+    """A call discovery cannot do without: any failure is a DiscoveryError that says what to check."""
+    try:
+        return getattr(nv, fn_name)(*args)
+    except Exception as exc:  # noqa: BLE001 - every failure here ends discovery, with the reason
+        raise DiscoveryError(
+            f"{what} failed ({_describe(nv, exc)}); check that the NVIDIA driver is loaded (nvidia-smi works), "
+            "that this user may open /dev/nvidia*, and that libnvidia-ml.so.1 matches the driver"
+        ) from exc
 
 
 def discover_topology(
@@ -184,37 +245,33 @@ def discover_topology(
     nv = nvml if nvml is not None else _load_pynvml()
     try:
         nv.nvmlInit()
-    except nv.NVMLError as exc:
+    except Exception as exc:  # noqa: BLE001 - NVMLError (no driver, no library) or a binding fault
         raise DiscoveryError(
-            f"cannot initialise NVML ({exc}): no NVIDIA driver or GPU on this host? "
-            "Use --simulate PROFILE or --simulate-from DUMPFILE to run a simulated host."
+            f"cannot initialise NVML ({_describe(nv, exc)}): is the NVIDIA driver installed and loaded, and is "
+            "libnvidia-ml.so.1 on the library path? Use --simulate PROFILE or --simulate-from DUMPFILE to run a "
+            "simulated host."
         ) from exc
+    probes = Probes(nv)
     try:
-        return _discover(nv, use_nvidia_smi, Path(sysfs_root))
-    except nv.NVMLError as exc:
-        raise DiscoveryError(f"NVML query failed: {exc}") from exc
+        return _discover(nv, use_nvidia_smi, Path(sysfs_root), probes)
     finally:
+        probes.log()
         try:
             nv.nvmlShutdown()
-        except nv.NVMLError:
+        except Exception:  # noqa: BLE001 - nothing left to do about it
             pass
 
 
-def _optional(nv, fn_name: str, *args):
-    """An NVML call that older drivers or some GPUs lack: None on NVMLError or when pynvml has no such function."""
-    fn = getattr(nv, fn_name, None)
-    if fn is None:
-        return None
-    try:
-        return fn(*args)
-    except nv.NVMLError:
-        return None
-
-
-def _mig(nv, handle, index: int, name: str, memory_mib: int):
+def _mig(nv, probes: Probes, handle, index: int, name: str, memory_mib: int):
     """(GpuInfo.MigMode, [GpuInfo.MigInstance]) of one GPU."""
-    mode = _optional(nv, "nvmlDeviceGetMigMode", handle)
-    if mode is None:
+    if not hasattr(nv, "nvmlDeviceGetMigMode"):
+        probes.failed("mig_mode", index, "nvidia-ml-py has no nvmlDeviceGetMigMode")
+        return agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED, []
+    try:
+        mode = nv.nvmlDeviceGetMigMode(handle)
+    except Exception as exc:  # noqa: BLE001 - NotSupported is the normal answer of a GPU without MIG
+        if getattr(exc, "value", None) != getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
+            probes.failed("mig_mode", index, _describe(nv, exc))
         return agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED, []
     current = mode[0] if isinstance(mode, (list, tuple)) else mode
     if current != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
@@ -222,53 +279,71 @@ def _mig(nv, handle, index: int, name: str, memory_mib: int):
     from .mig_manager import MigError, NvmlMigBackend
 
     try:
-        backend = NvmlMigBackend({index: (name, memory_mib)}, nvml=nv)
-        backend._ready = True  # NVML is initialised (and shut down) by discover_topology
+        backend = NvmlMigBackend({index: (name, memory_mib)}, nvml=nv, initialised=True)
         found = backend.list_instances(index)
     except MigError as exc:
-        log.warning("mig_instances_unavailable", gpu=index, error=str(exc))
+        probes.failed("mig_instances", index, str(exc))
         found = []
     instances = [
-        agent_pb2.GpuInfo.MigInstance(profile=m.profile, start=m.start, size=m.size, uuid=m.uuid) for m in found
+        agent_pb2.GpuInfo.MigInstance(profile=m.profile, start=m.start, size=m.size, uuid=m.uuid,
+                                      gpu_instance_id=m.gi_id, compute_instance_id=m.ci_id)
+        for m in found
     ]
     return agent_pb2.GpuInfo.MIG_MODE_ENABLED, instances
 
 
-def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path = Path("/")) -> agent_pb2.HostTopology:
-    count = nv.nvmlDeviceGetCount()
+def _nvlinks(nv, probes: Probes, handles: list, index_of_bus: dict[str, int]):
+    """Links to each peer GPU (direct[i][j]) and links into NVSwitches (switch_links[i])."""
+    count = len(handles)
+    direct = [[0] * count for _ in range(count)]
+    switch_links = [0] * count
+    switch_type = getattr(nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
+    not_supported = getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3)
+    invalid = getattr(nv, "NVML_ERROR_INVALID_ARGUMENT", 2)
+    max_links = int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))
+    for i, h in enumerate(handles):
+        for link in range(max_links):
+            try:
+                if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
+                    continue
+            except Exception as exc:  # noqa: BLE001 - see below
+                code = getattr(exc, "value", None)
+                if code == invalid:
+                    break       # past this GPU's last link
+                if code != not_supported:
+                    probes.failed("nvlink_state", i, _describe(nv, exc))
+                break           # no NVLink on this GPU (NotSupported), or the probe failed
+            remote = probes.call("nvlink_remote_pci_info", i, "nvmlDeviceGetNvLinkRemotePciInfo", h, link)
+            if remote is None:
+                continue
+            kind = probes.call("nvlink_remote_device_type", i, "nvmlDeviceGetNvLinkRemoteDeviceType", h, link)
+            j = index_of_bus.get(normalize_bus_id(remote.busId))
+            if j is not None and j != i and kind != switch_type:
+                direct[i][j] += 1
+            else:
+                switch_links[i] += 1
+    return direct, switch_links
+
+
+def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path, probes: Probes) -> agent_pb2.HostTopology:
+    count = int(_core(nv, "nvmlDeviceGetCount", "nvmlDeviceGetCount"))
     if count == 0:
-        raise DiscoveryError("NVML reports no GPUs on this host")
-    handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-    uuids = [_str(nv.nvmlDeviceGetUUID(h)) for h in handles]
-    names = [_str(nv.nvmlDeviceGetName(h)) for h in handles]
-    memory = [int(nv.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024) for h in handles]
-    buses = [normalize_bus_id(nv.nvmlDeviceGetPciInfo(h).busId) for h in handles]
+        raise DiscoveryError("NVML reports no GPUs on this host (nvidia-smi -L lists them; check the driver)")
+    handles = [_core(nv, f"nvmlDeviceGetHandleByIndex({i})", "nvmlDeviceGetHandleByIndex", i) for i in range(count)]
+    uuids = [_str(_core(nv, f"nvmlDeviceGetUUID(GPU {i})", "nvmlDeviceGetUUID", h)) for i, h in enumerate(handles)]
+    buses = [normalize_bus_id(_core(nv, f"nvmlDeviceGetPciInfo(GPU {i})", "nvmlDeviceGetPciInfo", h).busId)
+             for i, h in enumerate(handles)]
+    names = [_str(probes.call("name", i, "nvmlDeviceGetName", h, default="")) for i, h in enumerate(handles)]
+    memory = []
+    for i, h in enumerate(handles):
+        info = probes.call("memory", i, "nvmlDeviceGetMemoryInfo", h)
+        memory.append(int(info.total) // (1024 * 1024) if info is not None else 0)
     # The CPU-side NUMA node of each GPU is its PCI device's numa_node in sysfs (nvmlDeviceGetNumaNodeId is the
     # GPU's own memory node on Grace systems, the dump's "GPU NUMA ID", not its affinity).
     gpu_pci = [gpu_pci_device(sysfs_root, b) for b in buses]
     numa = [d.numa for d in gpu_pci]
     index_of_bus = {b: i for i, b in enumerate(buses)}
-
-    # NVLink: links to each peer GPU, and links into NVSwitches.
-    direct = [[0] * count for _ in range(count)]
-    switch_links = [0] * count
-    switch_type = getattr(nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
-    for i, h in enumerate(handles):
-        for link in range(nv.NVML_NVLINK_MAX_LINKS):
-            try:
-                if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
-                    continue
-                remote = normalize_bus_id(nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
-            except nv.NVMLError as exc:
-                if getattr(exc, "value", None) == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
-                    break  # no NVLink on this GPU
-                continue  # link absent
-            kind = _optional(nv, "nvmlDeviceGetNvLinkRemoteDeviceType", h, link)
-            j = index_of_bus.get(remote)
-            if j is not None and j != i and kind != switch_type:
-                direct[i][j] += 1
-            else:
-                switch_links[i] += 1
+    direct, switch_links = _nvlinks(nv, probes, handles, index_of_bus)
 
     def gpu_cell(i: int, j: int) -> str:
         links = max(direct[i][j], direct[j][i])
@@ -276,7 +351,10 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path = Path("/")) -> agent_p
             return f"NV{links}"
         if switch_links[i] and switch_links[j]:
             return f"NV{min(switch_links[i], switch_links[j])}"
-        level = nv.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
+        level = probes.call("topology_common_ancestor", i, "nvmlDeviceGetTopologyCommonAncestor",
+                            handles[i], handles[j])
+        if level is None:
+            return pci_relation(gpu_pci[i], gpu_pci[j])   # sysfs knows the PCIe path too
         return _ANCESTOR_WORDS.get(int(level), "SYS")
 
     gpus = [f"GPU{i}" for i in range(count)]
@@ -319,7 +397,8 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path = Path("/")) -> agent_p
         extra_columns=["CPU Affinity", "NUMA Affinity", "GPU NUMA ID"],
         nic_devices=nic_devices,
     )
-    cluster, clique = _fabric(nv, handles[0])
+    fabrics = [gpu_fabric(nv, probes, i, h) for i, h in enumerate(handles)]
+    cluster, clique, host_reason = host_fabric(fabrics)
     topo = topology_from_dump(
         dump,
         gpu_model=names[0],
@@ -332,25 +411,77 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path = Path("/")) -> agent_p
         nic_numa={n: pci[n].numa for n in nics if n in pci},
         nic_pci_bus_ids={n: pci[n].bdf for n in nics if n in pci},
     )
+    topo.fabric_reason = host_reason
     for i, (g, h) in enumerate(zip(topo.gpus, handles, strict=True)):
         g.name, g.memory_mib, g.numa_node = names[i], memory[i], numa[i]
-        cc = _optional(nv, "nvmlDeviceGetCudaComputeCapability", h)
+        cc = probes.call("compute_capability", i, "nvmlDeviceGetCudaComputeCapability", h)
         if cc:
             g.compute_capability = f"{int(cc[0])}.{int(cc[1])}"
-        mode, instances = _mig(nv, h, i, names[i], memory[i])
+        mode, instances = _mig(nv, probes, h, i, names[i], memory[i])
         g.mig_mode = mode
         g.mig_instances.extend(instances)
+        g.fabric_cluster_uuid, g.fabric_clique, g.fabric_reason = fabrics[i]
     return topo
 
 
-def _fabric(nv, handle) -> tuple[str, str]:
-    """The multi-node NVLink fabric (GB200 NVL72) cluster UUID and clique, or ("", "") when none."""
-    try:
-        info = nv.nvmlDeviceGetGpuFabricInfo(handle)
-    except (nv.NVMLError, AttributeError):
-        return "", ""
-    raw = bytes(getattr(info, "clusterUuid", b"") or b"")
+# ------------------------------------------------------------------------------------------------ fabric
+# The fabric structures are passed in nvml.h's layout (phalanx.nvml_h), not the binding's: nvidia-ml-py 12.x
+# declared clusterUuid as char[80] instead of unsigned char[16] in both (13.580 fixed the versioned one, 13.615 the
+# first), so its own structures read the library's answer at the wrong offsets. The binding hands the pointer to
+# the C function unchanged.
+
+_FABRIC_STATES = {0: "NOT_SUPPORTED", 1: "NOT_STARTED", 2: "IN_PROGRESS", 3: "COMPLETED"}
+
+
+def gpu_fabric(nv, probes: Probes, index: int, handle) -> tuple[str, str, str]:
+    """(cluster UUID, clique, reason) of one GPU: the domain only when its fabric state is COMPLETED with status
+    success; else ("", "", why). ("", "", "") for a GPU that has no fabric at all (NotSupported)."""
+    not_supported = getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3)
+    info = None
+    for fn_name in ("nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetGpuFabricInfo"):
+        fn = getattr(nv, fn_name, None)
+        if fn is None:
+            continue
+        candidate = nvmlGpuFabricInfo_v2_t(version=FABRIC_INFO_V2) if fn_name.endswith("V") else nvmlGpuFabricInfo_t()
+        try:
+            fn(handle, ctypes.byref(candidate))
+        except Exception as exc:  # noqa: BLE001 - NotSupported: no fabric; FunctionNotFound: an older driver
+            code = getattr(exc, "value", None)
+            if code == not_supported:
+                return "", "", ""
+            if code == getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13):
+                continue        # the driver lacks the V call: try the first version
+            probes.failed("gpu_fabric_info", index, _describe(nv, exc))
+            return "", "", f"fabric info unavailable: {_describe(nv, exc)}"
+        info = candidate
+        break
+    if info is None:
+        probes.failed("gpu_fabric_info", index, "neither nvmlDeviceGetGpuFabricInfoV nor nvmlDeviceGetGpuFabricInfo")
+        return "", "", "fabric info unavailable: the driver has no fabric call"
+    state = _FABRIC_STATES.get(int(info.state), str(int(info.state)))
+    if int(info.state) == 0:
+        return "", "", ""
+    if state != "COMPLETED":
+        return "", "", f"fabric registration is {state}, not COMPLETED"
+    if int(info.status) != 0:
+        err = nv.NVMLError(int(info.status)) if hasattr(nv, "NVMLError") else int(info.status)
+        return "", "", f"fabric registration COMPLETED with error status {int(info.status)} ({err})"
+    raw = bytes(info.clusterUuid)
     if not raw.strip(b"\x00"):
-        return "", ""
-    hexed = raw[:16].hex()
-    return f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:32]}", str(getattr(info, "cliqueId", ""))
+        return "", "", "fabric registration COMPLETED with an empty cluster UUID"
+    hexed = raw.hex()
+    cluster = f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:32]}"
+    return cluster, str(int(info.cliqueId)), ""
+
+
+def host_fabric(fabrics: list[tuple[str, str, str]]) -> tuple[str, str, str]:
+    """The host's (cluster, clique, reason): the domain all its GPUs are in, else none with the reason."""
+    domains = {(c, q) for c, q, _ in fabrics}
+    reasons = [f"GPU {i}: {r}" for i, (_, _, r) in enumerate(fabrics) if r]
+    if reasons:
+        return "", "", "; ".join(reasons)
+    if len(domains) == 1:
+        (cluster, clique), = domains
+        return cluster, clique, ""
+    return "", "", "the GPUs of this host are in different fabric domains: " + ", ".join(
+        sorted(f"{c}/{q}" if c else "none" for c, q in domains))

@@ -24,6 +24,8 @@ removed. The scheduler follows the next heartbeat either way.
 
 from __future__ import annotations
 
+import ctypes
+
 import json
 import threading
 import time
@@ -220,6 +222,13 @@ def _nvml_code(exc: BaseException) -> int | None:
     return getattr(exc, "value", None)
 
 
+def _address(handle: Any) -> int | None:
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+
+
 class NvmlHealthSource:
     """Faults from NVML (pynvml): XID events from a thread blocked in nvmlEventSetWait (short timeout, so it stops
     promptly), and, on every poll, volatile ECC counts, clocks event reasons and the state of the NVLinks that were
@@ -274,8 +283,11 @@ class NvmlHealthSource:
             self._event_set = None
 
     def _index_of(self, handle: Any) -> int:
+        # pynvml's handles are ctypes pointers: the event's is a new object for the same device, so compare the
+        # addresses (== on two ctypes pointers compares the Python objects).
+        address = _address(handle)
         for i, h in enumerate(self._handles):
-            if h is handle or h == handle:
+            if h is handle or (address is not None and _address(h) == address):
                 return i
         return -1
 

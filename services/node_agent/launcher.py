@@ -1,7 +1,8 @@
 """Starting, finding and signalling rank processes.
 
 Each rank runs as `python rank_wrapper.py --status-file F -- command...` in its own session (process group =
-the wrapper's pid), with env = os.environ + the rank env and stdout/stderr appended to a per-rank log file.
+the wrapper's pid), with env = os.environ (less any CUDA_MPS_*) + the rank env and stdout/stderr appended to a
+per-rank log file.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def spawn_rank(record: RankRecord, command: list[str], env: dict[str, str]) -> s
     status.parent.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     status.unlink(missing_ok=True)
-    full_env = {**os.environ, **env}
+    # CUDA_MPS_* never comes from the agent's own environment: a share's come from the agent (mps.py), and a rank on
+    # whole GPUs or MIG must not be pointed at some MPS daemon or limited by the agent's settings.
+    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}, **env}
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-I", WRAPPER, "--status-file", str(status), "--", *command],
@@ -51,7 +54,8 @@ def mig_env(env: dict[str, str], mig_uuids: list[str]) -> dict[str, str]:
 def fractional_env(env: dict[str, str], gpu: int, gpu_milli: int, memory_mib: int) -> dict[str, str]:
     """The environment of a rank on `gpu_milli` thousandths of GPU `gpu` (of `memory_mib` MiB): CUDA_VISIBLE_DEVICES
     stays that GPU; the MPS client limits take the share of its threads (percent, rounded up, at least 1) and of
-    its memory (rounded down), the memory limit naming the GPU as the process sees it (device 0)."""
+    its memory (rounded down), the memory limit naming the GPU as the process sees it (device 0). The agent adds
+    its GPU's MPS daemon (mps.MpsManager.client_env: pipe and log directories, CUDA_VISIBLE_DEVICES = the UUID)."""
     if not 1 <= gpu_milli <= 999:
         raise ValueError(f"gpu_milli must be 1-999, not {gpu_milli}")
     return {

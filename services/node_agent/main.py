@@ -7,7 +7,9 @@
 Environment fallbacks: PHALANX_SCHEDULER, PHALANX_NODE_NAME, PHALANX_STATE_DIR, PHALANX_AGENT_ADDRESS,
 PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLIQUE (its clique),
 PHALANX_ECC_SBE_THRESHOLD, PHALANX_AGENT_TOKEN (the agent's credential, role `node`; removed from the environment
-its ranks inherit), PHALANX_TLS_CA / PHALANX_TLS_CERT / PHALANX_TLS_KEY (TLS to the scheduler). Logs go to standard error; --discover writes its result on standard output.
+its ranks inherit), PHALANX_TLS_CA / PHALANX_TLS_CERT / PHALANX_TLS_KEY (TLS to the scheduler),
+PHALANX_MPS_CONTROL (the MPS control program for fractional GPU shares). Logs go to standard error; --discover
+writes its result on standard output.
 
 Configuration file: `--config FILE` (or PHALANX_AGENT_CONFIG), YAML with the flags' names as keys (`node-name` or
 `node_name`), e.g. `scheduler: sched:50051`, `kill-grace: 10`, `health: false`. Precedence: flags, then environment
@@ -33,7 +35,7 @@ from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 
 from .discovery import DiscoveryError, discover_topology
-from .simulated import simulated_topology
+from .simulated import simulated_node
 from .topology import render_topology, topology_to_json
 
 
@@ -54,6 +56,9 @@ CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "tls-ca": ("tls_ca", "PHALANX_TLS_CA"),
     "tls-cert": ("tls_cert", "PHALANX_TLS_CERT"),
     "tls-key": ("tls_key", "PHALANX_TLS_KEY"),
+    "mps-control": ("mps_control", "PHALANX_MPS_CONTROL"),
+    "simulate-mig": ("simulate_mig", "PHALANX_SIMULATE_MIG"),
+    "mig-manage": ("mig_manage", "PHALANX_MIG_MANAGE"),
 }
 
 
@@ -132,6 +137,19 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
                    help="the agent's client certificate, for mutual TLS (env PHALANX_TLS_CERT)")
     p.add_argument("--tls-key", default=_default(file, "tls-key"), metavar="PEM",
                    help="its private key (env PHALANX_TLS_KEY)")
+    p.add_argument("--mps-control", default=_default(file, "mps-control"), metavar="PATH",
+                   help="the MPS control program that runs one MPS control daemon per GPU with fractional shares "
+                        "(--gpu-milli) (env PHALANX_MPS_CONTROL; default: nvidia-cuda-mps-control on PATH, or on a "
+                        "simulated host a stand-in shipped with Phalanx)")
+    p.add_argument("--simulate-mig", default=_default(file, "simulate-mig", ""), metavar="GPUS",
+                   help="simulated hosts: the MIG-capable GPUs that are in MIG mode at start: 'all', 'none' or "
+                        "indexes like 6,7 (env PHALANX_SIMULATE_MIG; default none). A real host reports what NVML "
+                        "says")
+    p.add_argument("--mig-manage", action=argparse.BooleanOptionalAction,
+                   default=_truthy(_default(file, "mig-manage", False)),
+                   help="let the scheduler switch an idle GPU's MIG mode when its queue needs it (NVML "
+                        "nvmlDeviceSetMigMode, as root; a GPU reset where NVML cannot apply it at once) "
+                        "(env PHALANX_MIG_MANAGE; default off: MIG mode is the administrator's)")
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=_default(file, "log-level"))
@@ -158,15 +176,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_topology(args, node_name: str) -> agent_pb2.HostTopology:
+def build_topology(args, node_name: str, state_dir: Path | None = None) -> tuple[agent_pb2.HostTopology, Any]:
+    """(topology, NVML bindings): the real pynvml module on a GPU host (None: the default), a private instance of
+    it bound to a simulated NVML library on a simulated one (its MIG state kept in `state_dir`)."""
     fabric = os.environ.get("PHALANX_FABRIC_CLUSTER", "")
     clique = args.fabric_clique
-    if args.simulate:
-        return simulated_topology(node_name, profile=args.simulate, fabric_cluster_uuid=fabric, fabric_clique=clique)
-    if args.simulate_from:
-        return simulated_topology(node_name, dump_file=args.simulate_from, fabric_cluster_uuid=fabric,
-                                  fabric_clique=clique)
-    return discover_topology(node_name)
+    if args.simulate or args.simulate_from:
+        node = simulated_node(node_name, profile=args.simulate or None, dump_file=args.simulate_from or None,
+                              fabric_cluster_uuid=fabric, fabric_clique=clique, mig_gpus=args.simulate_mig,
+                              state_dir=state_dir)
+        return node.topology, node.nvml
+    if args.simulate_mig not in (None, "", "none"):
+        raise ValueError("--simulate-mig is for simulated hosts (--simulate or --simulate-from); a real GPU's MIG "
+                         "mode is set with nvidia-smi -mig, or by the scheduler under --mig-manage")
+    return discover_topology(node_name), None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("node-agent", args.log_level)
     node_name = args.node_name or socket.gethostname()
     try:
-        topology = build_topology(args, node_name)
+        state_dir = None
+        if not args.discover:
+            from .state import default_state_dir
+
+            state_dir = Path(args.state_dir) if args.state_dir else default_state_dir(node_name)
+        topology, nvml = build_topology(args, node_name, state_dir)
     except DiscoveryError as exc:
         print(f"phalanx-agent: GPU discovery failed: {exc}", file=sys.stderr)
         return 2
@@ -214,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         ecc_sbe_threshold=int(args.ecc_sbe_threshold),
         token=str(args.token or "").strip(),
         tls=tls,
+        mps_control=(str(args.mps_control).strip() or None) if args.mps_control else None,
+        nvml=nvml,
+        mig_manage=bool(args.mig_manage),
     )
     agent = NodeAgent(config)
 

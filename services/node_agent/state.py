@@ -53,6 +53,7 @@ class RankRecord:
     child_pid: int = 0               # the rank command itself
     exit_code: int = 0
     message: str = ""
+    retryable: bool = False          # failed: the host kept it from starting (e.g. its MPS daemon), not the job
     kill_requested: bool = False
     status_file: str = ""
     log_file: str = ""
@@ -74,6 +75,9 @@ class AgentState:
     ranks: dict[str, RankRecord] = field(default_factory=dict)
     killed_attempts: set[str] = field(default_factory=set)
     pending_reports: list[dict] = field(default_factory=list)
+    # The MIG instances this agent created ({gpu, profile, start, size, gi_id, ci_id, uuid}): the only ones it
+    # ever destroys (mig_manager.MigManager keeps it).
+    mig_created: list[dict] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path, node_name: str = "") -> AgentState:
@@ -88,6 +92,7 @@ class AgentState:
             ranks={k: RankRecord(**v) for k, v in data.get("ranks", {}).items()},
             killed_attempts=set(data.get("killed_attempts", [])),
             pending_reports=list(data.get("pending_reports", [])),
+            mig_created=list(data.get("mig_created", [])),
         )
 
     def to_dict(self) -> dict:
@@ -98,6 +103,7 @@ class AgentState:
             "ranks": {k: asdict(v) for k, v in self.ranks.items()},
             "killed_attempts": sorted(self.killed_attempts),
             "pending_reports": self.pending_reports,
+            "mig_created": self.mig_created,
         }
 
     def save(self) -> None:

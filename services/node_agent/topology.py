@@ -138,9 +138,15 @@ def topology_to_dump(topo: agent_pb2.HostTopology) -> TopoDump:
 
 def render_topology(topo: agent_pb2.HostTopology) -> str:
     """A `nvidia-smi topo -m`-style table, preceded by one line per GPU (index, model, memory, UUID, bus id)."""
+    mode_names = {agent_pb2.GpuInfo.MIG_MODE_ENABLED: " (MIG on)", agent_pb2.GpuInfo.MIG_MODE_DISABLED: " (MIG off)"}
     lines = [
-        f"GPU {g.index}: {g.name} ({g.memory_mib} MiB) (UUID: {g.uuid}) (PCI: {g.pci_bus_id})" for g in topo.gpus
+        f"GPU {g.index}: {g.name} ({g.memory_mib} MiB) (UUID: {g.uuid}) (PCI: {g.pci_bus_id})"
+        + mode_names.get(g.mig_mode, "") for g in topo.gpus
     ]
+    if topo.fabric_cluster_uuid:
+        lines.append(f"NVLink fabric: cluster {topo.fabric_cluster_uuid}, clique {topo.fabric_clique}")
+    elif topo.fabric_reason:
+        lines.append(f"NVLink fabric: none ({topo.fabric_reason})")
     head = "\n".join(lines) + ("\n\n" if lines else "")
     return head + render_topo(topology_to_dump(topo))
 
@@ -160,8 +166,13 @@ def topology_to_json(topo: agent_pb2.HostTopology) -> dict:
                 "compute_capability": g.compute_capability,
                 "mig_mode": agent_pb2.GpuInfo.MigMode.Name(g.mig_mode).removeprefix("MIG_MODE_").lower(),
                 "mig_instances": [
-                    {"profile": m.profile, "start": m.start, "size": m.size, "uuid": m.uuid} for m in g.mig_instances
+                    {"profile": m.profile, "start": m.start, "size": m.size, "uuid": m.uuid, "managed": m.managed,
+                     "gpu_instance_id": m.gpu_instance_id, "compute_instance_id": m.compute_instance_id}
+                    for m in g.mig_instances
                 ],
+                "fabric_cluster_uuid": g.fabric_cluster_uuid,
+                "fabric_clique": g.fabric_clique,
+                "fabric_reason": g.fabric_reason,
             }
             for g in topo.gpus
         ],
@@ -173,4 +184,5 @@ def topology_to_json(topo: agent_pb2.HostTopology) -> dict:
         "matrix": {row: dict(sorted(topo.matrix[row].cells.items())) for row in topo.matrix},
         "fabric_cluster_uuid": topo.fabric_cluster_uuid,
         "fabric_clique": topo.fabric_clique,
+        "fabric_reason": topo.fabric_reason,
     }

@@ -74,6 +74,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         failures=j.get("failures") or 0, preemptions=j.get("preemptions") or 0, not_before=j.get("not_before") or 0.0,
         preempted_by=j.get("preempted_by") or "", preempt_deadline=j.get("preempt_deadline") or 0.0,
         tenant=j.get("tenant") or "", flavor=j.get("flavor") or "",
+        struck_nodes=[str(n) for n in (j.get("struck_nodes") or ()) if isinstance(n, str)],
     )
 
 
@@ -93,9 +94,41 @@ def node_health(n: Any) -> common_pb2.NodeHealth:
     )
 
 
-def node_from_row(n: Any, used: int, shared: int = 0) -> common_pb2.Node:
+MIG_MODE_NAMES = {"ENABLED": "enabled", "DISABLED": "disabled", "UNSUPPORTED": "unsupported"}
+
+
+def node_gpu(g: dict[str, Any]) -> common_pb2.NodeGpu:
+    msg = common_pb2.NodeGpu(index=g["index"], uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"],
+                             mig_mode=MIG_MODE_NAMES.get(g["mig_mode"], "unsupported"))
+    for i in g["mig_instances"]:
+        if not isinstance(i, dict):
+            continue
+        msg.mig_instances.add(profile=str(i.get("profile", "")), start=_int32(i.get("start")),
+                              size=_int32(i.get("size")), uuid=str(i.get("uuid", "")), managed=bool(i.get("managed")),
+                              gpu_instance_id=_int32(i.get("gpu_instance_id"), -1),
+                              compute_instance_id=_int32(i.get("compute_instance_id"), -1))
+    return msg
+
+
+def _int32(value: Any, default: int = 0) -> int:
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        return default
+    return v if -2**31 <= v < 2**31 else default
+
+
+def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]] | None = None) -> common_pb2.Node:
+    """`gpus`: the node's GPU rows (ledger.read_node_gpus). With them, a GPU in MIG mode or carrying a MIG instance
+    Phalanx did not make is not free (it takes no whole-GPU job), and one carrying such an instance is shared."""
     health = node_health(n)
     fatal = sum(1 for g in health.gpus if g.state == common_pb2.HEALTH_STATE_FATAL)
+    if gpus:
+        foreign = {g["index"] for g in gpus
+                   if any(isinstance(i, dict) and not i.get("managed") for i in g["mig_instances"])}
+        taken = {g["index"] for g in gpus if g["held"] or g["split"] or g["mig_mode"] == "ENABLED"} | foreign
+        used = max(used, len(taken))
+        shared = len({g["index"] for g in gpus if g["split"]} | foreign)
     free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
     if health.state == common_pb2.HEALTH_STATE_FATAL or n.get("health") == "UNKNOWN":
         free = 0  # UNKNOWN: back after it was lost, not used until it reports healthy
@@ -105,4 +138,5 @@ def node_from_row(n: Any, used: int, shared: int = 0) -> common_pb2.Node:
         name=n["name"], state=NODE_STATES.get(n["state"], common_pb2.NODE_STATE_UNSPECIFIED), gpus=n["gpus"],
         free_gpus=free, profile=n["profile"], gpu_model=n["gpu_model"], fabric_path=list(n["fabric_path"] or ()),
         message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"], shared_gpus=shared,
+        gpu_details=[node_gpu(g) for g in gpus or ()], strikes=n.get("strikes") or 0,
     )

@@ -23,7 +23,7 @@ from phalanx.api.v1 import agent_pb2, common_pb2
 from phalanx.core import mig
 from phalanx.core.model import Placement
 from phalanx.core.backfill import Reservation, RunningEnd, schedule_with_backfill
-from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, usage_of
+from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, cluster_totals, usage_of
 from phalanx.core.preemption import NoPreemption, RunningGang, choose_victims
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
@@ -351,7 +351,9 @@ class Register(Command):
     agent_instance: str
 
     def execute(self, cycle: Cycle) -> int:
-        gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib) for g in self.topology.gpus]
+        gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib,
+                     mig_mode=MIG_MODES.get(g.mig_mode, "UNSUPPORTED"), mig_instances=mig_instances(g))
+                for g in self.topology.gpus]
         path = cycle.settings.fabric.node_path(
             self.name, self.topology.fabric_cluster_uuid, self.topology.fabric_clique)
         node_id, acked, revision = ledger.upsert_node(
@@ -372,6 +374,8 @@ class Register(Command):
             path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
             agent_instance=self.agent_instance, revision=revision,
             closeness=ledger.node_closeness(self.topology_json),
+            mig_gpus=frozenset(g["index"] for g in gpus if g["mig_mode"] == "ENABLED"),
+            foreign={g["index"]: m for g in gpus if (m := ledger.foreign_mask(g["mig_instances"]))},
         )
         if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
             node.health, node.health_reason, node.gpu_health = old.health, old.health_reason, old.gpu_health
@@ -381,13 +385,31 @@ class Register(Command):
             ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
         state.nodes[self.name] = node
         if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path \
-                or node.gpu_health:
-            state.rebuild_capacity()  # a new path: the agent reports another NVLink clique
+                or node.gpu_health or old.mig_gpus != node.mig_gpus or old.foreign != node.foreign:
+            state.rebuild_capacity()  # a new path (another NVLink clique), or a GPU's MIG mode or instances changed
+            if old is not None and old.mig_gpus != node.mig_gpus:
+                log.info("node_mig_mode_changed", node=self.name, mig_gpus=sorted(node.mig_gpus),
+                         was=sorted(old.mig_gpus))
         else:
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY" and not cordoned:
             log.info("node_ready_again", node=self.name, was=old.state)
         return acked
+
+
+MIG_MODES = {0: "UNSUPPORTED", 1: "DISABLED", 2: "ENABLED"}  # phalanx.v1.GpuInfo.MigMode; unknown: UNSUPPORTED
+MAX_MIG_INSTANCES = 64  # per GPU, as stored (a GPU has at most 7 instances, plus a compute-less one or two)
+
+
+def mig_instances(gpu: Any) -> list[dict[str, Any]]:
+    """A registered GPU's MIG instances (phalanx.v1.GpuInfo.MigInstance) as the ledger stores them."""
+    def clean(text: str, limit: int) -> str:
+        return text.replace("\x00", "")[:limit]
+
+    return [dict(profile=clean(i.profile, 32), start=i.start, size=i.size, uuid=clean(i.uuid, 64),
+                 managed=bool(i.managed), gpu_instance_id=i.gpu_instance_id,
+                 compute_instance_id=i.compute_instance_id)
+            for i in list(gpu.mig_instances)[:MAX_MIG_INSTANCES]]
 
 
 @dataclass
@@ -400,6 +422,9 @@ class RankReport(Command):
     exit_code: int
     message: str
     pid: int
+    # With FAILED_TO_START: the host could not set the rank up (a MIG instance, the MPS daemon), not the job's
+    # fault: the gang is requeued with the failure backoff and the node struck instead of the job failing.
+    retryable: bool = False
 
     def execute(self, cycle: Cycle) -> bool:
         """Apply a rank's status. Returns True when the report is stale and the agent must kill the rank."""
@@ -441,12 +466,33 @@ class RankReport(Command):
         elif self.state == "EXITED":
             if all(r.state == "EXITED" and r.exit_code == 0 for r in job.ranks.values()):
                 teardown(cycle, job, final_state="SUCCEEDED", message="all ranks exited with code 0", kill=False)
+        elif self.state == "FAILED_TO_START" and self.retryable:
+            strike(cycle, job, node, f"rank {self.rank}", self.message)
         elif self.state == "FAILED_TO_START":
             teardown(cycle, job, final_state="FAILED", exit_code=127,
                      message=f"{where} failed to start: {self.message or 'unknown error'}")
         elif self.state in ("KILLED", "LOST"):
             teardown(cycle, job, cause="RANK_LOST", message=f"{where} was {self.state.lower()} by its agent")
         return False
+
+
+def strike(cycle: Cycle, job: JobRecord, node: NodeRecord, where: str, message: str) -> None:
+    """A rank's host could not set it up (a retryable FAILED_TO_START): strike the node (counted on the node, and
+    kept on the job, whose next placements avoid it while it fits elsewhere), and tear the gang down to requeue it
+    with the failure backoff (SETUP_FAILED counts against max_attempts like any failure)."""
+    struck = sorted({*job.struck_nodes, node.name})
+    if not set_job(cycle, job, struck_nodes=struck):
+        cycle.resync_after = True
+        return
+    strikes = ledger.strike_node(cycle.conn, node.id)
+    what = message or "unknown error"
+    ledger.add_node_events(cycle.conn, node.id, [dict(
+        at=cycle.now, gpu=-1, severity="DEGRADED", kind="setup_failed", code=strikes,
+        reason=f"job {job.id} attempt {job.attempt}: {where} could not be set up: {what}"[:2000])])
+    log.warning("node_struck", node=node.name, job=job.id, attempt=job.attempt, strikes=strikes, reason=what)
+    teardown(cycle, job, cause="SETUP_FAILED",
+             message=f"{where} could not be set up on node {node.name} (a host-side failure, not the job's): {what}; "
+                     f"node {node.name} struck (strike {strikes} there), the gang avoids it while it fits elsewhere")
 
 
 HEALTH_NAMES = {1: "HEALTHY", 2: "DEGRADED", 3: "FATAL"}
@@ -609,8 +655,8 @@ def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, me
 
     `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
     (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT,
-    and RANK_FAILED within the job's max_restarts) counts against `max_attempts` and waits out an exponential
-    backoff first.
+    SETUP_FAILED, and RANK_FAILED within the job's max_restarts) counts against `max_attempts` and waits out an
+    exponential backoff first.
     """
     s, now = cycle.settings, cycle.now
     changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
@@ -766,9 +812,9 @@ def quota_book(state: SchedulerState) -> QuotaBook | None:
     if not state.queues:
         return None
     running = [(j.queue, j.flavor, j.request()) for j in state.jobs.values() if j.state == "RUNNING"]
-    slices = sum(7 for n in state.nodes.values() for _ in range(n.gpus) if n.memory_mib >= 40_000)
     return QuotaBook(state.queues, usage_of(running),
-                     {"gpus": float(sum(n.gpus for n in state.nodes.values())), "mig_slices": float(slices)})
+                     cluster_totals((n.gpu_model, n.memory_mib, g in n.mig_gpus)
+                                    for n in state.nodes.values() for g in range(n.gpus)))
 
 
 def running_ends(state: SchedulerState) -> list[RunningEnd]:

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from phalanx.core import mig
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.quota import FlavorQuota, QueueSpec
 
@@ -124,9 +125,16 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     jobs: dict[str, JobRecord] = {}
     gpu_ids: dict[int, dict[int, int]] = {}
     memory: dict[int, int] = {}
-    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib)):
+    mig_gpus: dict[int, set[int]] = {}
+    foreign: dict[int, dict[int, int]] = {}
+    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances)):
         gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
         memory[row.node_id] = max(memory.get(row.node_id, 0), row.memory_mib or 0)
+        if row.mig_mode == "ENABLED":
+            mig_gpus.setdefault(row.node_id, set()).add(row.index)
+        mask = foreign_mask(_json_list(row.mig_instances))
+        if mask:
+            foreign.setdefault(row.node_id, {})[row.index] = mask
     names: dict[int, str] = {}
     for n in conn.execute(select(*Node.__table__.c)).mappings():
         names[n["id"]] = n["name"]
@@ -139,6 +147,7 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             closeness=node_closeness(n["topology"]),
             health=n["health"] or "HEALTHY", health_reason=(n["health_detail"] or {}).get("reason", ""),
             gpu_health=gpu_health_from_detail(n["health_detail"]),
+            mig_gpus=frozenset(mig_gpus.get(n["id"], ())), foreign=foreign.get(n["id"], {}),
         )
     for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
         jobs[j["id"]] = job_from_row(j)
@@ -282,6 +291,7 @@ def job_from_row(j) -> JobRecord:
         preempted_by=j["preempted_by"] or "", preempt_deadline=j["preempt_deadline"] or 0.0,
         max_restarts=j["max_restarts"] or 0, tenant=j["tenant"] or "", time_limit=j["time_limit"] or 0.0,
         queue=j["queue"] or "default", flavor=j["flavor"] or "",
+        struck_nodes=[str(n) for n in _json_list(j.get("struck_nodes"))],
     )
 
 
@@ -299,6 +309,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
                 preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline, max_restarts=j.max_restarts,
                 tenant=j.tenant, time_limit=j.time_limit, queue=j.queue, flavor=j.flavor,
+                struck_nodes=list(j.struck_nodes),
             )
             for j in jobs
         ],
@@ -468,13 +479,49 @@ def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topo
         conn.execute(update(Node).where(Node.id == node_id).values(**values))
     known = {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
     for g in gpus:
+        mig = dict(mig_mode=g.get("mig_mode", "UNSUPPORTED"), mig_instances=list(g.get("mig_instances", ())))
         if g["index"] in known:
             conn.execute(update(Gpu).where(Gpu.id == known[g["index"]]).values(
-                uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"]))
+                uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"], **mig))
         else:
             conn.execute(insert(Gpu).values(node_id=node_id, index=g["index"], uuid=g["uuid"], name=g["name"],
-                                            memory_mib=g["memory_mib"]))
+                                            memory_mib=g["memory_mib"], **mig))
     return node_id, acked, revision
+
+
+def foreign_mask(instances: Iterable[Any]) -> int:
+    """The memory slices held by MIG instances Phalanx did not make (managed false), as a GPU's slice mask. An
+    instance whose geometry cannot be read holds the whole GPU."""
+    mask = 0
+    for inst in instances:
+        if not isinstance(inst, dict) or inst.get("managed"):
+            continue
+        try:
+            start, size = int(inst.get("start", -1)), int(inst.get("size", 0))
+        except (TypeError, ValueError):
+            start = size = -1
+        if 0 <= start < mig.MEMORY_SLICES and 1 <= size <= mig.MEMORY_SLICES - start:
+            mask |= ((1 << size) - 1) << start
+        else:
+            mask |= mig.FULL_MASK
+        if mig.is_media(str(inst.get("profile", ""))):
+            mask |= mig.MEDIA_BIT  # a +me instance holds the GPU's media engines (one set per GPU)
+    return mask
+
+
+def _json_list(value: Any) -> list[Any]:
+    if isinstance(value, str):  # a JSON column read back as text by some drivers
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return []
+    return list(value) if isinstance(value, list) else []
+
+
+def strike_node(conn: Connection, node_id: int) -> int:
+    """Count one more strike against the node (a rank its host could not set up); returns the new count."""
+    conn.execute(update(Node).where(Node.id == node_id).values(strikes=Node.strikes + 1))
+    return int(conn.scalar(select(Node.strikes).where(Node.id == node_id)) or 0)
 
 
 def gpu_ids(conn: Connection, node_id: int) -> dict[int, int]:
@@ -698,3 +745,21 @@ def read_nodes(conn: Connection) -> list[tuple[Any, int, int]]:
         .order_by(Node.name)
     ).mappings()
     return [(r, int(r["used_gpus"]), int(r["shared_gpus"])) for r in rows]
+
+
+def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
+    """Every node's GPUs in index order (by node id): index, uuid, name, memory, MIG mode and instances, and whether
+    an active allocation holds the GPU whole (`held`) or split (`split`: a hold row of MIG instances or shares)."""
+    held: dict[tuple[int, int], str] = {}
+    for row in conn.execute(select(Allocation.node_id, Allocation.gpu_index, Allocation.kind)
+                            .where(Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold")))):
+        held[(row.node_id, row.gpu_index)] = row.kind
+    out: dict[int, list[dict[str, Any]]] = {}
+    for row in conn.execute(select(Gpu.node_id, Gpu.index, Gpu.uuid, Gpu.name, Gpu.memory_mib, Gpu.mig_mode,
+                                   Gpu.mig_instances).order_by(Gpu.node_id, Gpu.index)):
+        kind = held.get((row.node_id, row.index))
+        out.setdefault(row.node_id, []).append(dict(
+            index=row.index, uuid=row.uuid or "", name=row.name or "", memory_mib=row.memory_mib or 0,
+            mig_mode=row.mig_mode or "UNSUPPORTED", mig_instances=_json_list(row.mig_instances),
+            held=kind == "gpu", split=kind == "hold"))
+    return out

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, select
 
-from db.models import Job, Node
+from db.models import Gpu, Job, Node
 from phalanx.api.v1 import scheduler_pb2
 from phalanx.core.model import GangRequest
-from phalanx.core.quota import DEFAULT_QUEUE, FlavorQuota, QueueSpec, QuotaBook, fair_order, usage_of
+from phalanx.core.quota import (
+    DEFAULT_QUEUE, FlavorQuota, QueueSpec, QuotaBook, cluster_totals, fair_order, usage_of,
+)
 from services.common.errors import InvalidArgument
 
 from . import ledger
@@ -31,9 +33,11 @@ def read_queues(conn: Connection, name: str = "", tenant: str | None = None) -> 
                                     Job.flavor, Job.message, Job.tenant)
                              .where(Job.state.in_(("PENDING", "RUNNING")))).mappings())
     running = [j for j in jobs if j["state"] == "RUNNING"]
-    gpus = conn.scalar(select(func.coalesce(func.sum(Node.gpus), 0))) or 0
+    # The DRF denominators: whole GPUs outside MIG mode, MIG compute slices of the GPUs in MIG mode.
+    gpus = conn.execute(select(Gpu.name, Gpu.memory_mib, Gpu.mig_mode).join(Node, Node.id == Gpu.node_id)
+                        .where(Gpu.index < Node.gpus))
     book = QuotaBook(specs, usage_of((j["queue"], j["flavor"], _request(j)) for j in running),
-                     {"gpus": float(gpus), "mig_slices": float(gpus * 7)})
+                     cluster_totals((g.name or "", g.memory_mib or 0, g.mig_mode == "ENABLED") for g in gpus))
     pending = [j for j in jobs if j["state"] == "PENDING"]
     order = list(fair_order(((j["queue"], _request(j)) for j in pending), book))
     position = {r.job_id: i for i, (_, r) in enumerate(order, 1)}

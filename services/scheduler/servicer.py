@@ -429,6 +429,6 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         check_text("message", request.message[:2000], 2000)
         stale = await self.service.execute(RankReport(
             request.node_name, request.job_id, request.attempt, request.rank, state, request.exit_code,
-            request.message[:2000], request.pid,
+            request.message[:2000], request.pid, retryable=request.retryable,
         ))
         return agent_pb2.ReportRankStatusResponse(stale=stale)

@@ -11,7 +11,7 @@ from typing import Any
 
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
-from phalanx.core.model import GangRequest, NodeCapacity, ReplicaPlacement
+from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
 from phalanx.core.quota import QueueSpec
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
@@ -81,6 +81,8 @@ class JobRecord:
     preempt_deadline: float = 0.0  # ... and when it is stopped at the latest
     running_at: float = 0.0  # when every rank of the current attempt ran (0: not yet)
     restored_step: int = -1  # the committed step the current attempt restarts from (-1: none)
+    # Nodes whose host could not set up one of its ranks (a retryable FAILED_TO_START): avoided while it fits elsewhere
+    struck_nodes: list[str] = field(default_factory=list)
 
     @property
     def preempting(self) -> bool:
@@ -94,7 +96,7 @@ class JobRecord:
         return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at,
                            required_tier=self.required_tier, preferred_tier=self.preferred_tier,
                            gpu_model=self.gpu_model, mig_profile=self.mig_profile, gpu_milli=self.gpu_milli,
-                           time_limit=self.time_limit)
+                           time_limit=self.time_limit, avoid=frozenset(self.struck_nodes))
 
     def replica_placements(self) -> list[ReplicaPlacement]:
         """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
@@ -144,6 +146,10 @@ class NodeRecord:
     health: str = "HEALTHY"
     health_reason: str = ""
     gpu_health: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    # MIG mode as the agent registered it: the GPUs in MIG mode (they take only MIG instances; the others only
+    # whole-GPU jobs and shares), and per GPU the memory slices of MIG instances Phalanx did not make.
+    mig_gpus: frozenset[int] = frozenset()
+    foreign: dict[int, int] = field(default_factory=dict)
 
     @property
     def fatal_gpus(self) -> set[int]:
@@ -174,7 +180,8 @@ class SchedulerState:
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(
             NodeCapacity(n.name, n.gpus, set(range(n.gpus)) - n.fatal_gpus, n.schedulable, n.path, n.closeness,
-                         n.gpu_model, n.memory_mib)
+                         n.gpu_model, n.memory_mib, mig={g: FULL_MIG_MASK for g in n.fatal_gpus & n.mig_gpus},
+                         mig_gpus=n.mig_gpus, foreign=dict(n.foreign))
             for n in self.nodes.values()
         )
         for job in self.jobs.values():
