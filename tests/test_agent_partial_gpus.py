@@ -352,10 +352,10 @@ async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agen
     assert env_of(tmp_path, "mig", 0)["RANK"] == "0" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env_of(
         tmp_path, "mig", 0)
     await until(lambda: not any(a.mig.backend.list_instances(g) for g in range(8)), what="instances destroyed")
-    state = AgentState.load(tmp_path / "state" / "state.json")
-    rec = state.ranks["mig/1/0"]
+    # the record of the instances the agent made is saved empty once the last release is done
+    await until(lambda: AgentState.load(tmp_path / "state" / "state.json").mig_created == [], what="record saved")
+    rec = AgentState.load(tmp_path / "state" / "state.json").ranks["mig/1/0"]
     assert rec.slices[0]["uuid"] == on2[4] and rec.slices[0]["created"] and rec.slices[0]["gi_id"] >= 1
-    assert state.mig_created == []
 
 
 async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_path):

@@ -316,3 +316,23 @@ def test_a30_capacity_counts_quarters_and_fragmentation_is_finite():
 def test_quota_counts_me_instances_by_their_compute_slices():
     assert demand(GangRequest("j", 3, 1, mig_profile="1g.10gb+me")) == (0.0, 3)
     assert demand(GangRequest("j", 2, 1, mig_profile="2g.12gb+me")) == (0.0, 4)
+
+
+def test_gpu_equivalents_count_a_gpus_own_compute_slices():
+    from services.scheduler.state import gpu_equivalents
+
+    assert gpu_equivalents(1, 1, "2g.12gb") == 2 / 4           # A30: 4 compute slices
+    assert gpu_equivalents(1, 1, "3g.40gb") == 3 / 7
+    assert gpu_equivalents(2, 1, "1g.10gb+me") == 2 / 7
+
+
+@pytest.mark.parametrize("text,count,want", [("all", 4, {0, 1, 2, 3}), ("none", 8, set()), ("", 8, set()),
+                                             ("6, 7", 8, {6, 7}), ("0", 1, {0})])
+def test_parse_gpu_indexes(text, count, want):
+    assert mig.parse_gpu_indexes(text, count) == frozenset(want)
+
+
+@pytest.mark.parametrize("text", ["8", "x", "1,,2", "-1"])
+def test_parse_gpu_indexes_refuses(text):
+    with pytest.raises(ValueError, match="is not a GPU index 0-7"):
+        mig.parse_gpu_indexes(text, 8)

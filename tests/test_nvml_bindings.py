@@ -226,12 +226,25 @@ AGENT_SOURCES = sorted((ROOT / "services" / "node_agent").glob("*.py"))
 
 
 def nvml_calls(path: Path):
-    """(function, positional count, keyword names, line) of each `<x>.nvmlXxx(...)` call in a source file."""
+    """(function, positional count, keyword names, line) of each NVML call in a source file: `<x>.nvmlXxx(...)`,
+    the MIG backend's `self._call(WHAT, nv.nvmlXxx, *args)`, and the calls discovery makes by name,
+    `probes.call(PROBE, GPU, "nvmlXxx", *args)` and `_core(nv, WHAT, "nvmlXxx", *args)`."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("nvml"):
-            if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
-                continue
+        if not isinstance(node, ast.Call):
+            continue
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            continue
+        if isinstance(node.func, ast.Attribute) and node.func.attr.startswith("nvml"):
             yield node.func.attr, len(node.args), [k.arg for k in node.keywords], node.lineno
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "_call" and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Attribute) and node.args[1].attr.startswith("nvml"):
+            yield node.args[1].attr, len(node.args) - 2, [], node.lineno   # MigBackend._call(what, nv.nvmlX, ...)
+        by_name = (isinstance(node.func, ast.Attribute) and node.func.attr == "call") or (
+            isinstance(node.func, ast.Name) and node.func.id == "_core")
+        if by_name and len(node.args) >= 3 and isinstance(node.args[2], ast.Constant) \
+                and str(node.args[2].value).startswith("nvml"):
+            yield node.args[2].value, len(node.args) - 3, [k.arg for k in node.keywords if k.arg != "default"], \
+                node.lineno
 
 
 def test_every_nvml_call_in_the_agent_has_the_bindings_signature():
@@ -252,7 +265,8 @@ def test_every_nvml_call_in_the_agent_has_the_bindings_signature():
                 bad.append(f"{where}: {exc} (signature {inspect.signature(fn)})")
     assert not bad, "\n".join(bad)
     assert {"nvmlDeviceGetNvLinkState", "nvmlDeviceCreateGpuInstanceWithPlacement", "nvmlEventSetWait",
-            "nvmlDeviceGetMigMode"} <= seen
+            "nvmlDeviceGetMigMode", "nvmlDeviceGetUUID", "nvmlDeviceGetNvLinkRemotePciInfo",
+            "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceSetMigMode"} <= seen
 
 
 def test_the_static_check_catches_the_old_fabric_call(tmp_path):

@@ -406,15 +406,8 @@ def register(subparsers) -> None:
 
 
 def parse_gpu_list(text: str, gpus: int) -> frozenset[int]:
-    """`all` or a comma list of GPU indexes below `gpus` (what --mig-gpus and `phalanx-agent --simulate-mig`
-    take)."""
-    if text.strip().lower() == "all":
-        return frozenset(range(gpus))
-    out = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) >= gpus:
-            raise _CommandError(f"--mig-gpus: {part!r} is not a GPU index 0-{gpus - 1} (give `all` or a comma "
-                                "list such as 6,7)")
-        out.add(int(part))
-    return frozenset(out)
+    """`all` or a comma list of GPU indexes below `gpus` (as `phalanx-agent --simulate-mig` takes them)."""
+    try:
+        return mig.parse_gpu_indexes(text, gpus)
+    except ValueError as exc:
+        raise _CommandError(f"--mig-gpus: {exc}") from exc

@@ -298,6 +298,24 @@ def mig_family(gpu_model: str, memory_mib: int = 0) -> str | None:
     return None
 
 
+def parse_gpu_indexes(text: str, count: int) -> frozenset[int]:
+    """GPU indexes as flags give them (`phalanx place --mig-gpus`, `phalanx-agent --simulate-mig`): "all", "none"
+    or "" (none), or a comma list of indexes below `count` ("6,7"). ValueError names the bad part."""
+    spec = text.strip().lower()
+    if spec in ("", "none"):
+        return frozenset()
+    if spec == "all":
+        return frozenset(range(count))
+    out = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) >= count:
+            raise ValueError(f"{part!r} is not a GPU index 0-{count - 1} (give `all`, `none` or a comma list such "
+                             "as 6,7)")
+        out.add(int(part))
+    return frozenset(out)
+
+
 def resolve(profile: str, family: str | None) -> MigProfile | None:
     """The profile `profile` (e.g. "3g.40gb", "1g.10gb+me") on a GPU of `family`, or None when that family has no
     such profile."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.api.v1 import agent_pb2
+from phalanx.core.mig import parse_gpu_indexes
 from phalanx.core.topo_dump import TopoDump
 from phalanx.profiles import HostProfile, load_profile, load_profile_file
 from phalanx.simhost.nvml import SimulatedHost, bind, load_bindings
@@ -49,19 +50,10 @@ def parse_mig_gpus(spec: str | Iterable[int] | None, count: int) -> set[int]:
         return set()
     if not isinstance(spec, str):
         return {int(i) for i in spec}
-    text = spec.strip().lower()
-    if text in ("", "none"):
-        return set()
-    if text == "all":
-        return set(range(count))
-    out = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) >= count:
-            raise ValueError(f"--simulate-mig: {part!r} is not a GPU index of this host (0-{count - 1}), 'all' or "
-                             "'none'")
-        out.add(int(part))
-    return out
+    try:
+        return set(parse_gpu_indexes(spec, count))
+    except ValueError as exc:
+        raise ValueError(f"--simulate-mig: {exc}") from exc
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx.core import mig
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
@@ -115,13 +116,19 @@ class JobRecord:
         return list(dict.fromkeys(node for _, node, _ in self.allocations))
 
 
+def mig_compute_slices(profile: str) -> int:
+    """Compute slices of the GPUs that have MIG profile `profile` (4 for A30's, else 7)."""
+    families = [f for f in mig.FAMILIES if profile.lower() in mig.family_table(f)]
+    return mig.family_slices(families[0])[0] if families else mig.COMPUTE_SLICES
+
+
 def gpu_equivalents(replicas: int, gpus_per_replica: int, mig_profile: str = "", gpu_milli: int = 0) -> float:
     """GPUs a gang holds when running, a MIG instance or a share counted as its fraction of a GPU."""
     if gpu_milli:
         return replicas * gpu_milli / 1000
-    if mig_profile:  # its compute slices out of 7 ("3g.40gb": 3/7)
+    if mig_profile:  # its compute slices out of its GPU's ("3g.40gb": 3/7; A30's "2g.12gb": 2/4)
         compute = mig_profile.split("g.", 1)[0]
-        return replicas * (int(compute) / 7 if compute.isdigit() else 1.0)
+        return replicas * (int(compute) / mig_compute_slices(mig_profile) if compute.isdigit() else 1.0)
     return float(replicas * gpus_per_replica)
 
 
