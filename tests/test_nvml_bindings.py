@@ -27,6 +27,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from phalanx.api.v1 import agent_pb2
+from phalanx import nvml_h
 from phalanx.profiles import load_profile
 from phalanx.simhost import nvml as sim
 from phalanx.simhost.nvml import SimulatedHost, bind, c_functions
@@ -207,17 +208,17 @@ def layout(struct, header: str, binding: bool = False) -> list[tuple[str, int, i
 
 @pytest.mark.parametrize("header", sorted(BINDING_STRUCTS))
 def test_structures_match_the_installed_binding(header):
-    ours = sim.NVML_H_STRUCTS[header]
+    ours = nvml_h.NVML_H_STRUCTS[header]
     theirs = getattr(pynvml, BINDING_STRUCTS[header])
     assert ctypes.sizeof(ours) == ctypes.sizeof(theirs)
     assert layout(ours, header) == layout(theirs, header, binding=True)
 
 
 def test_struct_versions_are_nvml_struct_version():
-    assert sim.GI_PROFILE_INFO_V2 == pynvml.nvmlGpuInstanceProfileInfo_v2
-    assert sim.CI_PROFILE_INFO_V2 == pynvml.nvmlComputeInstanceProfileInfo_v2
-    assert sim.MEMORY_V2 == pynvml.nvmlMemory_v2
-    assert sim.FABRIC_INFO_V2 == pynvml.nvmlGpuFabricInfo_v2
+    assert nvml_h.GI_PROFILE_INFO_V2 == pynvml.nvmlGpuInstanceProfileInfo_v2
+    assert nvml_h.CI_PROFILE_INFO_V2 == pynvml.nvmlComputeInstanceProfileInfo_v2
+    assert nvml_h.MEMORY_V2 == pynvml.nvmlMemory_v2
+    assert nvml_h.FABRIC_INFO_V2 == pynvml.nvmlGpuFabricInfo_v2
 
 
 # ------------------------------------------------------------------------------------------------ the agent's calls

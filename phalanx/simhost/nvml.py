@@ -58,11 +58,11 @@ from typing import Any
 from phalanx.core import mig as migcore
 from phalanx.core.topo_dump import TopoDump, is_nvlink, nvlink_count
 from phalanx.nvml_h import (  # nvml.h's layouts, shared with the agent's discovery
-    CI_PROFILE_INFO_V2, FABRIC_INFO_V2, FABRIC_INFO_V3, GI_PROFILE_INFO_V2, MEMORY_V2, NVML_H_STRUCTS,
+    CI_PROFILE_INFO_V2, FABRIC_INFO_V2, FABRIC_INFO_V3, GI_PROFILE_INFO_V2, MEMORY_V2,
     nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlComputeInstanceProfileInfo_v2_t,
     nvmlEventData_t, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstanceInfo_t,
     nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t, nvmlMemory_t,
-    nvmlMemory_v2_t, nvmlPciInfo_t, struct_version,
+    nvmlMemory_v2_t, nvmlPciInfo_t,
 )
 
 from .sysfs import default_gpu_bus_ids
@@ -333,8 +333,8 @@ class SimulatedHost:
         return migcore.profile_by_id(gpu.family, profile_id)
 
     def _create_gi(self, gpu: SimGpu, prof: migcore.MigProfile, start: int | None) -> SimGpuInstance | int:
-        compute_total, memory_total = _family_slices(gpu.family)
-        media = _is_media(prof)
+        compute_total, memory_total = migcore.family_slices(gpu.family)
+        media = prof.media
         starts = [s for s in prof.starts if s + prof.size <= memory_total]
         used = 0
         for gi in gpu.gis:
@@ -349,10 +349,10 @@ class SimulatedHost:
             return NVML_ERROR_INSUFFICIENT_RESOURCES
         if media and any(gi.media for gi in gpu.gis):
             return NVML_ERROR_INSUFFICIENT_RESOURCES   # one set of media engines per GPU
-        if sum(1 for gi in gpu.gis if gi.profile_id == _profile_id(prof)) >= _max_count(prof, gpu.family):
+        if sum(1 for gi in gpu.gis if gi.profile_id == prof.profile_id) >= _max_count(prof, gpu.family):
             return NVML_ERROR_INSUFFICIENT_RESOURCES
         ids = {gi.id for gi in gpu.gis}
-        gi = SimGpuInstance(id=next(i for i in itertools.count(1) if i not in ids), profile_id=_profile_id(prof),
+        gi = SimGpuInstance(id=next(i for i in itertools.count(1) if i not in ids), profile_id=prof.profile_id,
                             start=free[0], size=prof.size, compute=prof.compute, media=media)
         gpu.gis.append(gi)
         return gi
@@ -383,18 +383,6 @@ def _links_from_dump(dump: TopoDump, gpus: list[SimGpu], idx: dict[str, int], bu
         elif typical:  # an NVSwitch box, and this GPU reaches no peer over NVLink: its links are down
             gpu.links = [(NVML_FEATURE_DISABLED, switch_buses[k % n_switches], NVML_NVLINK_DEVICE_TYPE_SWITCH)
                          for k in range(typical)]
-
-
-def _profile_id(prof: migcore.MigProfile) -> int:
-    return prof.profile_id
-
-
-def _is_media(prof: migcore.MigProfile) -> bool:
-    return prof.media
-
-
-def _family_slices(family: str | None) -> tuple[int, int]:
-    return migcore.family_slices(family)
 
 
 def _max_count(prof: migcore.MigProfile, family: str | None) -> int:
@@ -772,17 +760,17 @@ class NvmlFunctions:
         return migcore.profile_for_nvml(gpu.family, profile_enum)
 
     def _fill_gi_profile(self, info, gpu: SimGpu, prof: migcore.MigProfile) -> None:
-        compute_total, _ = _family_slices(gpu.family)
-        info.id = _profile_id(prof)
+        compute_total, _ = migcore.family_slices(gpu.family)
+        info.id = prof.profile_id
         info.isP2pSupported = 0
         info.sliceCount = prof.compute
         info.instanceCount = _max_count(prof, gpu.family)
         info.multiprocessorCount = prof.compute * 16
         info.copyEngineCount = max(1, prof.compute)
-        info.decoderCount = prof.compute if prof.compute > 1 or _is_media(prof) else 0
+        info.decoderCount = prof.compute if prof.compute > 1 or prof.media else 0
         info.encoderCount = 0
-        info.jpegCount = int(prof.compute == compute_total or _is_media(prof))
-        info.ofaCount = int(prof.compute == compute_total or _is_media(prof))
+        info.jpegCount = int(prof.compute == compute_total or prof.media)
+        info.ofaCount = int(prof.compute == compute_total or prof.media)
         info.memorySizeMB = prof.memory_gb * 1024 if prof.memory_gb else 0
         if hasattr(info, "name"):
             info.name = f"MIG {prof.name}".encode()
@@ -818,7 +806,7 @@ class NvmlFunctions:
         prof = self._host._profile_by_id(gpu, profile_id)
         if prof is None:
             return NVML_ERROR_INVALID_ARGUMENT
-        _, memory_total = _family_slices(gpu.family)
+        _, memory_total = migcore.family_slices(gpu.family)
         starts = [s for s in prof.starts if s + prof.size <= memory_total]
         if out:
             array = (nvmlGpuInstancePlacement_t * len(starts)).from_address(out)
@@ -1020,7 +1008,7 @@ class NvmlFunctions:
         gpu, err = self._device(handle)
         if err:
             return err
-        compute_total = _family_slices(gpu.family)[0] if gpu.mig_capable and gpu.family else 0
+        compute_total = migcore.family_slices(gpu.family)[0] if gpu.mig_capable and gpu.family else 0
         return self._put(out, C.c_uint, compute_total)
 
     @_c_function(P, U, P)
