@@ -75,6 +75,8 @@ class Node(Base):
     # Times a rank could not be set up on this host (a retryable FAILED_TO_START: a MIG instance or the MPS daemon;
     # revision 0010). The job it struck avoids the node while it fits elsewhere (jobs.struck_nodes).
     strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The agent registered with --mig-manage (revision 0011): the scheduler may ask it to switch idle GPUs' MIG mode.
+    mig_manage: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class NodeEvent(Base):
@@ -109,6 +111,18 @@ class Gpu(Base):
     # managed false were made by someone else: their slices are out of placement.
     mig_mode: Mapped[str] = mapped_column(String(16), default="UNSUPPORTED", server_default="UNSUPPORTED")
     mig_instances: Mapped[list[Any]] = mapped_column(default=list)
+    # MIG mode switches of --mig-manage agents (revision 0011). `mig_mode_pending`: the mode the agent reports
+    # pending until a GPU reset applies it ("" none, else ENABLED / DISABLED). The switch the scheduler asked:
+    # `mig_switch_to` the target mode ("" none), when, and its SetMigMode assignment's revision; under way while
+    # `mig_switch_error` is empty, else failed with the agent's error and not asked again before `mig_retry_after`.
+    # `mig_switched_at`: when the mode last changed as the scheduler saw it (--mig-switch-hold).
+    mig_mode_pending: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    mig_switch_to: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    mig_switch_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    mig_switch_revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    mig_switch_error: Mapped[str] = mapped_column(Text, default="", server_default="")
+    mig_retry_after: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    mig_switched_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 class Job(Base):
@@ -324,6 +338,25 @@ class CheckpointShard(Base):
     uri: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     checksum: Mapped[str] = mapped_column(String(128), default="")
+
+
+class CheckpointRestore(Base):
+    """What one rank of an attempt restored from (revision 0012), as its phalanx.train.restore() reported it to the
+    checkpoint coordinator: the checkpoint (`checkpoint_id` "", `step` -1: it started from step 0) and the newer
+    committed checkpoints it skipped because their files were missing or damaged (`skipped`: [{"checkpoint_id",
+    "step", "reason"}], newest first; steps from the ledger). `message`: the one-line account
+    ("restored from step S (step T was damaged: ...)"). Written by the coordinator only."""
+
+    __tablename__ = "checkpoint_restores"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
+    skipped: Mapped[list[Any]] = mapped_column(default=list)
+    message: Mapped[str] = mapped_column(Text, default="", server_default="")
+    reported_at: Mapped[float] = mapped_column()
 
 
 class LedgerClock(Base):

@@ -589,3 +589,13 @@ async def test_without_mig_manage_a_switch_is_refused(fake, agents, tmp_path):
     assert a._mig_switch_errors == {2: "this agent was not started with --mig-manage"}
     assert ("set_mig_mode", 2, 1) not in a.sim.host.calls
     assert not fake.last_heartbeat.mig_modes   # only --mig-manage agents send them
+
+
+def test_switching_to_the_current_mode_cancels_a_pending_one():
+    m = manager(h100_backend(mig=[False] * 8))
+    host = m.backend.host
+    host.mig_reset_required = True
+    assert m.switch_mode(2, True, {}) == (0, 1)          # pending: waits for a reset
+    assert m.switch_mode(2, False, {}) == (0, 0)         # asked back before the reset: nothing pending any more
+    host.reset_gpu(2)
+    assert host.gpus[2].mig_mode == [0, 0]

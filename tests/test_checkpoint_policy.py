@@ -128,7 +128,7 @@ def fresh_cluster_figures(monkeypatch):
 
 @pytest.fixture
 async def server(db_url):
-    insert_job(db_url, JOB, attempt=1)
+    insert_job(db_url, JOB, attempt=1, replicas=1)  # one rank: its ranks save with WORLD_SIZE 1
     insert_job(db_url, OTHER, attempt=0)
     srv = await serve(db_url, "127.0.0.1:0", sweep_interval=0)
     yield srv

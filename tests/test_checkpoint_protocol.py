@@ -15,13 +15,14 @@ from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from services.checkpoint_coordinator import serve, store
 
-from helpers.jobs import insert_job, set_attempt
+from helpers.jobs import insert_job, set_attempt, set_world
 
 JOB = "job-ckpt-1"
 
 
 def _insert_job(db_url: str, job_id: str = JOB, attempt: int = 0) -> None:
-    insert_job(db_url, job_id, attempt=attempt, gpus_per_replica=8)
+    # A gang of 2 (2 replicas x 1 GPU) in the ledger: the world size every checkpoint of it has.
+    insert_job(db_url, job_id, attempt=attempt, replicas=2, gpus_per_replica=1)
 
 
 def _shard(rank: int, step: int = 10, tag: str = "") -> pb.Shard:
@@ -72,6 +73,7 @@ async def _code(call) -> tuple[grpc.StatusCode, str]:
 
 
 async def test_commits_only_when_every_rank_reported(stub, db_url):
+    set_world(db_url, JOB, 3)
     first = await stub.ReportShard(_report(2))
     assert (first.state, first.world_size, [s.rank for s in first.shards]) == ("PENDING", 3, [2])
     assert first.committed_at == 0 and first.deadline_at > time.time()
@@ -90,6 +92,7 @@ async def test_commits_only_when_every_rank_reported(stub, db_url):
 
 async def test_concurrent_reports_commit_once(stub, db_url):
     world = 8
+    set_world(db_url, JOB, world)
     results = await asyncio.gather(*(stub.ReportShard(_report(r, world=world)) for r in range(world)))
     assert len({r.id for r in results}) == 1
     assert sum(r.state == "COMMITTED" for r in results) >= 1
@@ -100,12 +103,13 @@ async def test_concurrent_reports_commit_once(stub, db_url):
 async def test_explicit_begin_is_idempotent_and_sets_the_deadline(stub, db_url):
     begun = await stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, step=5, world_size=2, deadline_s=30))
     assert begun.state == "PENDING" and begun.shards == [] and 29 < begun.deadline_at - begun.created_at <= 30
-    again = await stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, step=5, world_size=2))
-    assert again.id == begun.id
+    again = await stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, step=5, world_size=0))  # the ledger's
+    assert again.id == begun.id and again.world_size == 2
+    # a world size the ledger does not have is refused, whether or not a checkpoint is open
     code, details = await _code(stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, step=5, world_size=4)))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "world_size 2" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "the ledger has 2 ranks" in details
     code, details = await _code(stub.ReportShard(_report(0, step=5, world=3)))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "world_size 2" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "world_size 3 does not match" in details
     await stub.ReportShard(_report(0, step=5, world=2))
     done = await stub.ReportShard(_report(1, step=5, world=2))
     assert done.id == begun.id and done.state == "COMMITTED"
@@ -142,6 +146,7 @@ async def test_expired_but_not_yet_swept_is_refused(db_url):
 
 
 async def test_missing_shard_is_never_restored(stub, db_url):
+    set_world(db_url, JOB, 3)
     for r in (0, 1):  # rank 2 of 3 never reports
         await stub.ReportShard(_report(r, world=3))
     code, _ = await _code(_latest(stub))
@@ -205,13 +210,13 @@ async def test_double_report_idempotent_and_conflict_refused(stub, db_url):
     assert again.id == first.id and list(again.shards) == list(first.shards)
     conflicting = _report(0, world=2, shard=_shard(0, tag="-other"))
     code, details = await _code(stub.ReportShard(conflicting))
-    assert code == grpc.StatusCode.ALREADY_EXISTS and "different shard for rank 0" in details
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "different shard for rank 0" in details
     done = await stub.ReportShard(_report(1, world=2))
     assert done.state == "COMMITTED"
     # after the commit, the same report is still idempotent, a different one still refused
     assert (await stub.ReportShard(_report(1, world=2))) == done
     code, _ = await _code(stub.ReportShard(conflicting))
-    assert code == grpc.StatusCode.ALREADY_EXISTS
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert _rows(db_url) == (1, 2, [(10, "COMMITTED")])
 
 
@@ -219,8 +224,11 @@ BAD_REPORTS = {
     "empty job_id": (_report(0, job_id=""), "job_id"),
     "negative attempt": (_report(0, attempt=-1), "attempt"),
     "negative step": (_report(0, step=-1), "step"),
-    "zero world_size": (_report(0, world=0), "world_size"),
+    "negative world_size": (_report(0, world=-1), "world_size"),
+    "world_size beyond the ledger's": (_report(0, world=3), "world_size 3 does not match"),
+    "world_size below the ledger's": (_report(0, world=1), "world_size 1 does not match"),
     "rank out of range": (_report(3, world=3), "rank"),
+    "rank beyond the ledger's world": (_report(2, world=0), "rank must be in 0..1"),
     "negative rank": (_report(0, shard=pb.Shard(rank=-1, uri="u", checksum="c")), "rank"),
     "no shard": (pb.ReportShardRequest(job_id=JOB, step=1, world_size=1), "shard is required"),
     "empty uri": (_report(0, shard=pb.Shard(rank=0, uri=" ", checksum="c")), "uri"),
@@ -242,7 +250,8 @@ async def test_invalid_report_changes_nothing(stub, db_url, case):
 
 
 async def test_invalid_begin(stub, db_url):
-    for req in (pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=0),
+    for req in (pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=-1),
+                pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=1),  # the ledger has 2
                 pb.BeginCheckpointRequest(job_id=JOB, step=-1, world_size=1),
                 pb.BeginCheckpointRequest(job_id="", step=1, world_size=1)):
         code, _ = await _code(stub.BeginCheckpoint(req))

@@ -22,6 +22,8 @@ from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc, scheduler_pb2
 from services.checkpoint_coordinator import serve
 
+from helpers.jobs import set_attempt, set_world
+
 JOB = "job-ckpt-1"
 SERVICE = "phalanx.v1.CheckpointCoordinator"
 
@@ -73,10 +75,13 @@ def stub(channel):
 
 
 async def test_record_and_get_latest(stub, db_url):
+    set_world(db_url, JOB, 4)
     first = await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=0, step=100, shards=_shards(4)))
     assert len(first.id) >= 8 and all(c in "0123456789abcdef" for c in first.id)
     assert (first.job_id, first.attempt, first.step, len(first.shards)) == (JOB, 0, 100, 4)
     assert first.committed_at > 0
+    set_attempt(db_url, JOB, 1)  # relaunched as a gang of 2
+    set_world(db_url, JOB, 2)
     # shards come back ordered by rank whatever order they were sent in
     second = await stub.RecordCheckpoint(
         pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=200, shards=list(reversed(_shards(2))))
@@ -89,9 +94,11 @@ async def test_record_and_get_latest(stub, db_url):
     assert _counts(db_url) == (3, 8)
 
 
-async def test_same_step_latest_commit_wins(stub):
+async def test_same_step_latest_commit_wins(stub, db_url):
+    set_world(db_url, JOB, 1)
     await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, step=7, shards=_shards(1)))
     await asyncio.sleep(0.01)
+    set_attempt(db_url, JOB, 1)
     later = await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=7, shards=_shards(1)))
     assert (await stub.GetLatestCheckpoint(pb.GetLatestCheckpointRequest(job_id=JOB))).id == later.id
 

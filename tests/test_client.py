@@ -331,15 +331,17 @@ def test_node_from_proto_and_to_dict():
     assert d == {"name": "n1", "gpus": 8, "free_gpus": 0, "state": "LOST", "profile": "", "gpu_model": "",
                  "fabric_path": ["leaf1", "spine0"], "message": "lease expired", "last_heartbeat": 0.0,
                  "address": "", "shared_gpus": 0, "health": "UNSPECIFIED", "health_reason": "",
-                 "unhealthy_gpus": {}, "gpu_details": [], "strikes": 0}
-    mig = Node.from_proto(common_pb2.Node(name="n2", gpus=2, strikes=3, gpu_details=[
-        common_pb2.NodeGpu(index=0, name="H100", mig_mode="disabled"),
+                 "unhealthy_gpus": {}, "gpu_details": [], "strikes": 0, "mig_manage": False}
+    mig = Node.from_proto(common_pb2.Node(name="n2", gpus=2, strikes=3, mig_manage=True, gpu_details=[
+        common_pb2.NodeGpu(index=0, name="H100", mig_mode="disabled", mig_mode_pending="enabled", mig_switching=True),
         common_pb2.NodeGpu(index=1, name="H100", mig_mode="enabled", mig_instances=[
             common_pb2.NodeMigInstance(profile="3g.40gb", start=4, size=4, uuid="MIG-x", managed=False,
                                        gpu_instance_id=2, compute_instance_id=0)])]))
     d = mig.to_dict()
-    assert mig.mig_gpus == [1] and d["strikes"] == 3
+    assert mig.mig_gpus == [1] and d["strikes"] == 3 and d["mig_manage"] is True
     assert [g["mig_mode"] for g in d["gpu_details"]] == ["disabled", "enabled"]
+    assert [(g["mig_mode_pending"], g["mig_switching"], g["mig_switch_error"]) for g in d["gpu_details"]] == [
+        ("enabled", True, ""), ("", False, "")]
     assert d["gpu_details"][1]["mig_instances"] == [{"profile": "3g.40gb", "start": 4, "size": 4, "uuid": "MIG-x",
                                                      "managed": False, "gpu_instance_id": 2,
                                                      "compute_instance_id": 0}]

@@ -28,7 +28,7 @@ JOB_FIELDS = {
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",
-    "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus", "gpu_details", "strikes",
+    "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus", "gpu_details", "strikes", "mig_manage",
 }
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR",
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI",

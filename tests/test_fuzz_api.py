@@ -37,6 +37,7 @@ from db.models import Job
 from phalanx.api.v1 import agent_pb2, checkpoint_pb2, common_pb2, scheduler_pb2
 from phalanx.testing.lite_agent import LiteAgent
 from services.checkpoint_coordinator import serve as serve_coordinator
+from services.checkpoint_coordinator.store import ledger_world_size
 from services.common.server import MAX_MESSAGE_BYTES
 from services.scheduler.settings import SchedulerSettings
 
@@ -64,7 +65,7 @@ AGENT_NAMES = ("lite-0", "lite-1")
 CLIENT_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 # The tables a request may write; nodes.last_heartbeat is left out (heartbeats reach the ledger on their own).
 TABLES = ("jobs", "allocations", "checkpoints", "checkpoint_shards", "nodes", "gpus", "job_attempts", "ranks",
-          "assignments", "checkpoint_requests", "node_events")
+          "assignments", "checkpoint_requests", "node_events", "checkpoint_restores")
 VOLATILE = {"nodes": {"last_heartbeat"}}
 
 
@@ -365,6 +366,14 @@ class Harness:
                 "SELECT s.checkpoint_id, s.rank FROM checkpoint_shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
                 "WHERE s.rank < 0 OR s.rank >= c.world_size")).all()
             assert not ranks, f"shards outside 0..world_size-1: {ranks}"
+            # No client number is believed: a commit of the current attempt has the ledger's world size.
+            for job_id, attempt, world, replicas, gpus, procs in conn.execute(text(
+                    "SELECT c.job_id, c.attempt, c.world_size, j.replicas, j.gpus_per_replica, j.procs_per_replica "
+                    "FROM checkpoints c JOIN jobs j ON j.id = c.job_id AND j.attempt = c.attempt "
+                    "WHERE c.state = 'COMMITTED'")).all():
+                want = ledger_world_size(conn, job_id, attempt, replicas, gpus, procs)
+                assert world == want, f"checkpoint of {job_id} attempt {attempt} committed with {world} ranks, " \
+                                      f"the ledger has {want}"
 
     # -- the oracle --------------------------------------------------------------------------------------------
 
@@ -591,8 +600,9 @@ SHARD_EXTREMES = {"rank": INT32, "uri": URIS, "size_bytes": INT64, "checksum": C
 
 def ckpt_target(draw, **skip) -> dict:
     """A valid (job, attempt, step, world_size, deadline_s) of the running job, with up to two extreme fields."""
-    base = {"job_id": RUNNING_JOB, "attempt": 1, "step": draw(st.integers(0, 5)),
-            "world_size": draw(st.integers(1, 3)), "deadline_s": draw(st.sampled_from([0.0, 30.0, 600.0]))}
+    base = {"job_id": RUNNING_JOB, "attempt": 1, "step": draw(st.integers(0, 5)),  # the job has 2 ranks
+            "world_size": draw(st.sampled_from([0, 2, 2, 1, 3])),
+            "deadline_s": draw(st.sampled_from([0.0, 30.0, 600.0]))}
     fields = mutated(draw, base, TARGET_EXTREMES, most=2)
     return {k: v for k, v in fields.items() if k not in skip}
 
@@ -616,7 +626,8 @@ def raw_report(draw) -> bytes:
 
 def _coordinator_step(h: Harness, data) -> None:
     what = data.draw(st.sampled_from(["begin", "begin", "report", "report", "report", "report", "raw", "record",
-                                      "latest", "request", "get_request", "policy"]), label="rpc")
+                                      "latest", "request", "get_request", "policy", "list", "restore",
+                                      "get_restore"]), label="rpc")
     draw = data.draw
     if what == "begin":
         send(h, COORDINATOR, "BeginCheckpoint", checkpoint_pb2.BeginCheckpointRequest(**ckpt_target(draw)))
@@ -642,6 +653,22 @@ def _coordinator_step(h: Harness, data) -> None:
     elif what == "policy":
         send(h, COORDINATOR, "GetCheckpointPolicy", checkpoint_pb2.GetCheckpointPolicyRequest(
             job_id=draw(CKPT_JOBS)))
+    elif what == "list":
+        send(h, COORDINATOR, "ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(
+            job_id=draw(CKPT_JOBS), page_size=draw(st.one_of(st.sampled_from([0, 1, 1000, 1001]), INT32)),
+            page_token=draw(st.one_of(st.sampled_from(["", "1", "999999999", "-1"]), SHORT_TEXT))))
+    elif what == "restore":
+        ids = st.one_of(st.just(""), SHORT_TEXT, st.builds(lambda n: f"{n:016x}", st.integers(0, 3)))
+        send(h, COORDINATOR, "ReportRestore", checkpoint_pb2.ReportRestoreRequest(
+            job_id=draw(CKPT_JOBS), attempt=draw(st.one_of(st.just(1), ATTEMPTS)),
+            rank=draw(st.one_of(st.integers(0, 2), INT32)), checkpoint_id=draw(ids),
+            skipped=[checkpoint_pb2.SkippedCheckpoint(checkpoint_id=draw(ids), reason=draw(st.one_of(
+                st.just("sha256 mismatch in rank 0's shard"), TEXT))) for _ in range(draw(st.integers(0, 2)))]))
+    elif what == "get_restore":
+        request = checkpoint_pb2.GetRestoreRequest(job_id=draw(CKPT_JOBS))
+        if draw(st.booleans()):
+            request.attempt = draw(st.one_of(st.just(1), ATTEMPTS))
+        send(h, COORDINATOR, "GetRestore", request)
 
 
 def _coordinator_loop(address: str, db_url: str, examples: int) -> None:
@@ -695,7 +722,8 @@ def _wire_loop(sched: str, coord: str, db_url: str, examples: int) -> None:
         methods += [(hs, f"/{NODES}/{m}") for m in ("RegisterNode", "Heartbeat", "AckAssignments",
                                                     "ReportRankStatus")]
         methods += [(hc, f"/{COORDINATOR}/{m}") for m in ("BeginCheckpoint", "ReportShard", "RecordCheckpoint",
-                                                         "GetLatestCheckpoint", "GetCheckpointPolicy")]
+                                                         "GetLatestCheckpoint", "GetCheckpointPolicy",
+                                                         "ListCheckpoints", "ReportRestore", "GetRestore")]
 
         @fuzz_settings(examples)
         @given(st.sampled_from(methods), st.one_of(st.binary(max_size=64), st.sampled_from(

@@ -309,10 +309,10 @@ async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_i
                         ("node-1", 1, "UNSUPPORTED")]
         nodes = await _cli_json(capsys, c.scheduler.address, "nodes", "--json")
         assert [n["name"] for n in nodes] == ["node-0", "node-1"]
-        # every field of before is still there; gpu_details and strikes are new
+        # every field of before is still there; gpu_details and strikes are new (mig_manage: --mig-manage)
         assert {"name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message",
                 "last_heartbeat", "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus",
-                "gpu_details", "strikes"} == set(nodes[0])
+                "gpu_details", "strikes", "mig_manage"} == set(nodes[0])
         assert [[(g["index"], g["mig_mode"]) for g in n["gpu_details"]] for n in nodes] == [
             [(0, "disabled"), (1, "enabled")], [(0, "unsupported"), (1, "unsupported")]]
         assert (nodes[0]["free_gpus"], nodes[0]["shared_gpus"], nodes[0]["strikes"]) == (1, 0, 0)
@@ -509,7 +509,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
                 "finished_at, version) VALUES ('0123456789ab', NULL, 'old', 'PENDING', 0, 1, 1, 0, '[\"run\"]', '{}', "
                 "0, '', 0, '{}', 1.0, 0, 0, 0)"))
         upgrade(url)
-        assert current(url) == "0010"
+        assert current(url) == "0012"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT \"index\", mig_mode FROM gpus ORDER BY \"index\"")).all() == [
                 (0, "UNSUPPORTED"), (1, "UNSUPPORTED")]
@@ -536,7 +536,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
                 "SELECT column_name FROM information_schema.columns WHERE table_name = 'gpus'"))}
         assert "mig_mode" not in columns and "memory_mib" in columns
         upgrade(url)
-        assert current(url) == "0010"
+        assert current(url) == "0012"
     finally:
         engine.dispose()
 

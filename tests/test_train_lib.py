@@ -21,7 +21,7 @@ from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from services.checkpoint_coordinator import serve
 
-from helpers.jobs import insert_job, set_attempt
+from helpers.jobs import insert_job, set_attempt, set_world
 
 JOB = "job-train-1"
 
@@ -51,7 +51,7 @@ async def test_save_restore_round_trip_two_ranks(server, tmp_path):
     states = [{"rank": r, "weights": list(range(r, r + 5))} for r in range(2)]
     first = await asyncio.to_thread(ranks[0].save, 5, states[0])
     assert not first.committed and first.checksum.startswith("sha256:")
-    assert Path(tmp_path / "ckpt" / JOB / "5" / "attempt-1" / "rank-0.pkl").is_file()
+    assert Path(tmp_path / "ckpt" / JOB / "5" / "attempt-1" / "rank-0.json").is_file()
     assert await asyncio.to_thread(ranks[1].restore) is None  # one shard of two: not a restore point
     second = await asyncio.to_thread(ranks[1].save, 5, states[1])
     assert second.committed and second.checkpoint_id == first.checkpoint_id
@@ -118,14 +118,17 @@ async def test_a_rank_that_never_reports_aborts_the_checkpoint_and_restore_retur
         await srv.stop(0)
 
 
-async def test_checksum_mismatch_on_restore_raises(server, tmp_path):
+async def test_checksum_mismatch_on_restore_falls_back_on_every_rank(server, tmp_path):
+    """Rank 1's shard of the only checkpoint is damaged: every rank (each checks every rank's shard) starts from
+    step 0, and says why; checking only its own shard, rank 0 would restore it."""
     ranks = _ranks(server, tmp_path)
     results = [await asyncio.to_thread(c.save, 7, {"r": c.rank}) for c in ranks]
     path = Path(results[1].uri.removeprefix("file://"))
     path.write_bytes(path.read_bytes()[:-1] + b"X")
-    assert await asyncio.to_thread(ranks[0].restore) == (7, {"r": 0})
-    with pytest.raises(train.CheckpointCorruptError, match="corrupt"):
-        await asyncio.to_thread(ranks[1].restore)
+    assert [await asyncio.to_thread(c.restore) for c in ranks] == [None, None]
+    assert ranks[0].last_restore.message == ranks[1].last_restore.message == (
+        "started from step 0: no intact checkpoint (step 7 was damaged: sha256 mismatch in rank 1's shard)")
+    assert await asyncio.to_thread(ranks[0].restore, verify="rank") == (7, {"r": 0})
     for c in ranks:
         c.close()
 
@@ -216,10 +219,11 @@ def test_local_store_refuses_unsafe_job_ids(tmp_path):
         store.put("ok-job", -1, 1, 0, b"x")
     uri = store.put("ok-job", 2, 1, 0, b"data")
     assert store.get(uri) == b"data"
-    assert uri == (tmp_path / "ok-job" / "1" / "attempt-2" / "rank-0.pkl").resolve().as_uri()
+    assert uri == (tmp_path / "ok-job" / "1" / "attempt-2" / "rank-0.json").resolve().as_uri()
 
 
-async def test_module_level_functions_use_os_environ(server, tmp_path, monkeypatch):
+async def test_module_level_functions_use_os_environ(server, tmp_path, monkeypatch, db_url):
+    set_world(db_url, JOB, 1)
     for key, value in _env(server, tmp_path, 0, world=1).items():
         monkeypatch.setenv(key, value)
     train.reset()

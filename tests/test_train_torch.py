@@ -6,7 +6,9 @@ scripts/test installs torch==2.13.0 (CPU) into the venv when it is installable; 
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from phalanx import train  # noqa: E402
 from phalanx.train import torch_dcp  # noqa: E402
 from services.checkpoint_coordinator import serve  # noqa: E402
 
-from helpers.jobs import insert_job  # noqa: E402
+from helpers.jobs import insert_job, set_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available")
 
@@ -84,20 +86,40 @@ async def test_two_ranks_save_dcp_and_restore_into_templates(server, tmp_path):
         c.close()
 
 
-async def test_corrupt_dcp_file_raises(server, tmp_path):
+async def test_corrupt_dcp_file_is_skipped_on_every_rank(server, tmp_path):
     ranks, _, results = await _save_step5(server, tmp_path)
     shard = Path(results[1].uri.removeprefix("file://"))
     data_file = next(p for p in shard.iterdir() if p.suffix == ".distcp")
     raw = bytearray(data_file.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data_file.write_bytes(bytes(raw))
-    assert (await asyncio.to_thread(ranks[0].restore, _template()))[0] == 5
-    with pytest.raises(train.CheckpointCorruptError, match="corrupt"):
-        await asyncio.to_thread(ranks[1].restore, _template())
+    assert [await asyncio.to_thread(c.restore, _template()) for c in ranks] == [None, None]
+    assert ranks[0].last_restore.message == (
+        "started from step 0: no intact checkpoint (step 5 was damaged: sha256 mismatch in rank 1's shard)")
+    # checking only its own shard, rank 0 restores it (and rank 1 still cannot)
+    assert (await asyncio.to_thread(ranks[0].restore, _template(), verify="rank"))[0] == 5
     (shard / "extra").write_bytes(b"")  # an added file is a mismatch too
     data_file.unlink()
-    with pytest.raises(train.CheckpointCorruptError):
-        await asyncio.to_thread(ranks[1].restore, _template())
+    assert await asyncio.to_thread(ranks[1].restore, _template(), verify="rank") is None
+    assert "size mismatch in rank 1's shard" in ranks[1].last_restore.message
+    for c in ranks:
+        c.close()
+
+
+async def test_dcp_restore_falls_back_to_the_older_intact_checkpoint(server, tmp_path):
+    ranks = _ranks(server, tmp_path)
+    models = [_model(200 + c.rank) for c in ranks]
+    for c, m in zip(ranks, models):
+        await asyncio.to_thread(c.save, 3, _state(m, 3))
+    newer = [await asyncio.to_thread(c.save, 6, _state(_model(300 + c.rank), 6)) for c in ranks]
+    shutil.rmtree(newer[0].uri.removeprefix("file://"))  # rank 0's shard of step 6 is gone
+    for c, model in zip(ranks, models):
+        fresh = torch.nn.Linear(4, 3)
+        step, state = await asyncio.to_thread(c.restore, _state(fresh, 0))
+        assert step == 3 and state["optim"]["step_count"] == 3 and torch.equal(fresh.weight, model.weight)
+        assert c.last_restore.skipped[0].step == 6
+        assert c.last_restore.message.startswith("restored from step 3 (step 6 was damaged: rank 0's shard is "
+                                                 "missing")
     for c in ranks:
         c.close()
 
@@ -113,21 +135,22 @@ async def test_restore_without_template_says_so(server, tmp_path):
         c.close()
 
 
-async def test_non_tensor_state_still_pickles(server, tmp_path):
+async def test_non_tensor_state_is_json(server, tmp_path):
     ranks = _ranks(server, tmp_path)
     states = [{"rank": c.rank, "weights": [1.0, 2.0]} for c in ranks]
     for c, s in zip(ranks, states):
         res = await asyncio.to_thread(c.save, 3, s)
-        assert res.uri.endswith(f"rank-{c.rank}.pkl")
+        assert res.uri.endswith(f"rank-{c.rank}.json")
+        assert json.loads(Path(res.uri.removeprefix("file://")).read_text())["state"] == s
     assert [await asyncio.to_thread(c.restore) for c in ranks] == [(3, states[0]), (3, states[1])]
-    # a template is ignored for a pickle shard
+    # a template is ignored for a JSON shard
     assert await asyncio.to_thread(ranks[0].restore, _template()) == (3, states[0])
     for c in ranks:
         c.close()
 
 
 class _ObjectStore:
-    """A store without shard_dir (an object store): tensors are pickled into it."""
+    """A store without shard_dir (an object store): tensors go into it as raw bytes after the JSON."""
 
     def __init__(self) -> None:
         self.blobs: dict[str, bytes] = {}
@@ -141,15 +164,20 @@ class _ObjectStore:
         return self.blobs[uri]
 
 
-async def test_object_store_pickles_tensor_state(server, tmp_path):
+async def test_object_store_keeps_tensor_state_without_pickle(server, tmp_path, db_url):
+    set_world(db_url, JOB, 1)
     store = _ObjectStore()
     with train.Checkpointer(_env(server, tmp_path, 0, world=1), store=store) as c:
         model = _model(7)
         res = await asyncio.to_thread(c.save, 2, _state(model, 2))
         assert res.committed and res.uri.startswith("mem://")
-        assert isinstance(pickle.loads(store.blobs[res.uri])["model"]["weight"], torch.Tensor)
+        blob = store.blobs[res.uri]
+        assert blob.startswith(b'{"format":"phalanx.train/state-v1",')
+        with pytest.raises(pickle.UnpicklingError):
+            pickle.loads(blob)
         step, state = await asyncio.to_thread(c.restore)
         assert step == 2 and torch.equal(state["model"]["weight"], model.weight)
+        assert state["optim"]["lr"][0] == 0.1 and torch.equal(state["optim"]["lr"][1], torch.tensor(0.5))
 
 
 def test_is_state_dict():
@@ -163,7 +191,8 @@ def test_is_state_dict():
     assert not torch_dcp.is_dcp_uri("s3://bucket/rank-0.dcp")
 
 
-async def test_module_level_restore_takes_a_template(server, tmp_path, monkeypatch):
+async def test_module_level_restore_takes_a_template(server, tmp_path, monkeypatch, db_url):
+    set_world(db_url, JOB, 1)
     for key, value in _env(server, tmp_path, 0, world=1).items():
         monkeypatch.setenv(key, value)
     train.reset()

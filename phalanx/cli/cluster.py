@@ -174,6 +174,10 @@ class LocalCluster:
         mig_gpus: How many GPUs of the LAST node start in MIG mode: its last N (passed to that agent as
             ``--simulate-mig i,j``); they take only MIG instances, every other GPU only whole-GPU jobs and shares.
             None (default): 1 when the profile's GPUs have MIG (so a MIG job runs out of the box), else 0.
+        mig_manage: Start every agent with ``--mig-manage``: the scheduler may then switch idle GPUs into and out of
+            MIG mode as its queue needs (a MIG job with no GPU in MIG mode, a whole-GPU job that MIG-mode GPUs are
+            in the way of). ``mig_switch_hold`` and ``mig_switch_backoff`` are the scheduler's
+            ``--mig-switch-hold`` and ``--mig-switch-backoff`` then (short local defaults).
         ready_timeout: Seconds for the scheduler to answer and every node to be READY.
         stop_timeout: Seconds each group of children gets between SIGTERM and SIGKILL at stop().
         log: Where progress lines go (default: ``[cluster] ...`` on stderr).
@@ -218,12 +222,18 @@ class LocalCluster:
         tokens: str | Path | None = None,
         tls: bool = False,
         mig_gpus: int | None = None,
+        mig_manage: bool = False,
+        mig_switch_hold: float = 10.0,
+        mig_switch_backoff: float = 10.0,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         if mig_gpus is not None and mig_gpus < 0:
             raise ValueError("mig_gpus must be 0 or more")
         self.mig_gpus = mig_gpus
+        self.mig_manage = mig_manage
+        self.mig_switch_hold = mig_switch_hold
+        self.mig_switch_backoff = mig_switch_backoff
         self.node_count = nodes
         self.node_names = node_names(nodes)
         self.profile = profile
@@ -386,6 +396,9 @@ class LocalCluster:
             "--checkpoint-coordinator", self.checkpoint_address,
             "--checkpoint-dir", str(self.state_dir / "checkpoints"), *security,
         ]
+        if self.mig_manage:
+            sched += ["--mig-switch-hold", f"{self.mig_switch_hold:g}",
+                      "--mig-switch-backoff", f"{self.mig_switch_backoff:g}"]
         ckpt = [
             *_program("phalanx-checkpointd", "services.checkpoint_coordinator.main"),
             "--db", self.db_url, "--listen", self.checkpoint_address,
@@ -407,6 +420,8 @@ class LocalCluster:
             ]
             if mig_gpus and node == self.node_names[-1]:
                 argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
+            if self.mig_manage:
+                argv += ["--mig-manage"]
             if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique
                 argv += ["--fabric-clique", str(i // per_domain)]
             if self.metrics_port_base is not None:
@@ -425,7 +440,9 @@ class LocalCluster:
         self._wait_for_nodes()
         self.log(f"{self.node_count} nodes READY ({self.profile})"
                  + (f"; GPU(s) {','.join(map(str, mig_gpus))} of {self.node_names[-1]} in MIG mode (MIG jobs only)"
-                    if mig_gpus else ""))
+                    if mig_gpus else "")
+                 + ("; --mig-manage: the scheduler switches idle GPUs' MIG mode as jobs need" if self.mig_manage
+                    else ""))
         self._write_info()
         if self.monitor:
             self._monitor_thread = threading.Thread(target=self._monitor, name="phalanx-cluster-monitor", daemon=True)
@@ -696,6 +713,7 @@ class LocalCluster:
             "nodes": self.node_names,
             "profile": self.profile,
             "mig_gpus": {self.node_names[-1]: self.mig_gpu_indexes()} if self.mig_gpu_indexes() else {},
+            "mig_manage": self.mig_manage,
             "authentication": self.tokens is not None,
             "tls": {"ca": str(self.pki.ca), "cert": str(self.pki.client_cert), "key": str(self.pki.client_key)}
             if self.pki is not None else None,
@@ -793,6 +811,7 @@ def _cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> Lo
         tokens=getattr(args, "tokens", None),
         tls=getattr(args, "tls", False),
         mig_gpus=getattr(args, "mig_gpus", None),
+        mig_manage=getattr(args, "mig_manage", False),
         **extra,
     )
 
@@ -1151,6 +1170,10 @@ def register(subparsers) -> None:
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS between every process: a CA and certificates are generated under "
                          "STATE_DIR/tls (clients: PHALANX_TLS_CA, PHALANX_TLS_CERT, PHALANX_TLS_KEY)")
+    up.add_argument("--mig-manage", action="store_true",
+                    help="start every agent with --mig-manage: the scheduler switches idle GPUs into MIG mode when a "
+                         "MIG job finds none with room, and back out when whole-GPU jobs need them (held 10 s after "
+                         "a switch; a failed switch is retried after 10 s)")
     up.add_argument("--restart-agents", action="store_true", help="restart an agent that dies")
     up.add_argument("--restart-delay", type=float, default=2.0, metavar="S",
                     help="seconds before such a restart (default 2)")

@@ -118,12 +118,21 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
             format_age(now - n.last_heartbeat) if n.last_heartbeat else "-",
             "; ".join(m for m in (n.message, n.health_reason if n.health not in ("HEALTHY", "") else "",
                                   f"MIG mode: GPU {','.join(map(str, n.mig_gpus))}" if n.mig_gpus else "",
+                                  _mig_switches(n),
                                   f"{n.strikes} strike(s)" if n.strikes else "") if m),
         )
         for n in nodes
     ]
     return table(["NAME", "STATE", "GPUS", "FREE", "HEALTH", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"],
                  rows)
+
+
+def _mig_switches(n: Node) -> str:
+    """MESSAGE's part on MIG mode switches (--mig-manage): the GPUs switching, and those waiting for a GPU reset."""
+    switching = [str(g["index"]) for g in n.gpu_details if g.get("mig_switching")]
+    pending = [f"{g['index']}->{g['mig_mode_pending']}" for g in n.gpu_details if g.get("mig_mode_pending")]
+    return "; ".join(m for m in (f"MIG switching: GPU {','.join(switching)}" if switching else "",
+                                 f"MIG mode after a GPU reset: GPU {', '.join(pending)}" if pending else "") if m)
 
 
 def _gang(job: Job) -> str:

@@ -435,8 +435,12 @@ class Node:
     # Each GPU as registered: {"index", "uuid", "name", "memory_mib", "mig_mode" ("enabled": only MIG instances;
     # "disabled" or "unsupported": whole GPUs and shares, never MIG), "mig_instances": [{"profile", "start", "size",
     # "uuid", "managed", "gpu_instance_id", "compute_instance_id"}]}; managed false: made by someone else (occupied)
+    # --mig-manage also adds per GPU "mig_mode_pending" (the mode a GPU reset will apply: "enabled", "disabled", ""
+    # when none), "mig_switching" (a switch the scheduler asked is under way) and "mig_switch_error" (why the last
+    # one failed, "" when it did not)
     gpu_details: list[dict[str, Any]] = field(default_factory=list)
     strikes: int = 0  # times a rank could not be set up on this host (retryable launch failures)
+    mig_manage: bool = False  # its agent runs with --mig-manage: the scheduler may switch idle GPUs' MIG mode
 
     @property
     def mig_gpus(self) -> list[int]:
@@ -468,6 +472,7 @@ class Node:
                                            "reasons": list(g.reasons)} for g in msg.health.gpus},
             gpu_details=[_node_gpu(g) for g in msg.gpu_details],
             strikes=int(msg.strikes),
+            mig_manage=bool(msg.mig_manage),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -490,12 +495,14 @@ class Node:
             "gpu_details": [{**g, "mig_instances": [dict(i) for i in g.get("mig_instances", ())]}
                             for g in self.gpu_details],
             "strikes": self.strikes,
+            "mig_manage": self.mig_manage,
         }
 
 
 def _node_gpu(g: common_pb2.NodeGpu) -> dict[str, Any]:
     return {"index": int(g.index), "uuid": g.uuid, "name": g.name, "memory_mib": int(g.memory_mib),
-            "mig_mode": g.mig_mode or "unsupported",
+            "mig_mode": g.mig_mode or "unsupported", "mig_mode_pending": g.mig_mode_pending,
+            "mig_switching": bool(g.mig_switching), "mig_switch_error": g.mig_switch_error,
             "mig_instances": [{"profile": i.profile, "start": int(i.start), "size": int(i.size), "uuid": i.uuid,
                                "managed": bool(i.managed), "gpu_instance_id": int(i.gpu_instance_id),
                                "compute_instance_id": int(i.compute_instance_id)} for i in g.mig_instances]}

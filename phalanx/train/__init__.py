@@ -7,10 +7,16 @@
     while step < total:
         state = train_step(state); step += 1
         if train.should_checkpoint(step):
-            train.save(step, state)            # pickled to PHALANX_CHECKPOINT_DIR, reported to the coordinator
+            train.save(step, state)            # JSON in PHALANX_CHECKPOINT_DIR, reported to the coordinator
 
 A torch state_dict (a Mapping holding torch.Tensors) is saved with torch.distributed.checkpoint instead, when torch
 is installed (phalanx.train.torch_dcp); restore it in place into a template: `train.restore(into=state_dict)`.
+Any other state is JSON (tensors and numpy arrays as raw bytes after it: phalanx.train.state_format); nothing is
+pickled, and a restore refuses the pickles of older versions unless passed `allow_pickle=True`.
+
+`restore()` checks the shards of the newest committed checkpoint against the size and sha256 the coordinator
+committed, and falls back to the next older intact one when a shard is missing or damaged; it logs that, and
+reports what it restored to the coordinator (ReportRestore; GetRestore shows it), see `Checkpointer.restore`.
 
 Configuration comes from the environment: RANK, WORLD_SIZE, PHALANX_JOB_ID, PHALANX_ATTEMPT (set by the
 scheduler), PHALANX_CHECKPOINT_ADDR and PHALANX_CHECKPOINT_DIR (to be set by the scheduler/agent), and the
@@ -26,12 +32,28 @@ Young/Daly interval sqrt(2 x MTBF x cost), from the cluster's measured node fail
 PHALANX_CHECKPOINT_POLICY=off (default auto) disables it. A checkpoint request (user, preemption) applies always.
 """
 
-from ._checkpointer import Checkpointer, SaveResult, default, reset, restore, save, should_checkpoint
-from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointRejectedError
+from ._checkpointer import (
+    Checkpointer,
+    RestoreResult,
+    SaveResult,
+    SkippedCheckpoint,
+    default,
+    reset,
+    restore,
+    save,
+    should_checkpoint,
+)
+from .errors import (
+    CheckpointConfigError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointPickleError,
+    CheckpointRejectedError,
+)
 from .store import CheckpointStore, LocalStore, sha256_checksum
 
 __all__ = [
-    "CheckpointConfigError", "CheckpointCorruptError", "CheckpointError", "CheckpointRejectedError",
-    "CheckpointStore", "Checkpointer", "LocalStore", "SaveResult", "default", "reset", "restore", "save",
-    "sha256_checksum", "should_checkpoint",
+    "CheckpointConfigError", "CheckpointCorruptError", "CheckpointError", "CheckpointPickleError",
+    "CheckpointRejectedError", "CheckpointStore", "Checkpointer", "LocalStore", "RestoreResult", "SaveResult",
+    "SkippedCheckpoint", "default", "reset", "restore", "save", "sha256_checksum", "should_checkpoint",
 ]

@@ -16,8 +16,8 @@ import grpc
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 
-from . import torch_dcp
-from .errors import CheckpointConfigError, CheckpointCorruptError, CheckpointError, CheckpointRejectedError
+from . import state_format, torch_dcp
+from .errors import CheckpointConfigError, CheckpointError, CheckpointPickleError, CheckpointRejectedError
 from .store import CheckpointStore, LocalStore, sha256_checksum
 
 log = logging.getLogger("phalanx.train")
@@ -45,6 +45,12 @@ POLICY_OFF = "off"
 # UNAVAILABLE is retried for about 5 s (0.2, 0.4, 0.8, 1.6, 2 s): a coordinator restart, or a connection still
 # in gRPC's reconnect backoff after one, must not fail a rank's save.
 RETRIES = 6
+# restore(verify=...): "gang" checks every rank's shard of a checkpoint (so every rank that sees the same shared
+# store picks the same step), "rank" only this rank's own.
+VERIFY_GANG = "gang"
+VERIFY_RANK = "rank"
+LIST_PAGE = 100
+MAX_REASON = 1000  # the coordinator's limit on a skipped checkpoint's reason
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,47 @@ class SaveResult:
     size_bytes: int
     committed: bool        # True when this report was the last one and the checkpoint committed
     checkpoint_id: str
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    checkpoint_id: str
+    step: int
+    reason: str            # e.g. "sha256 mismatch in rank 2's shard"
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What `restore()` did (`Checkpointer.last_restore`): the step restored (-1: none, start from 0), the newer
+    committed checkpoints it skipped and why, newest first, and the one-line account also shown by the
+    coordinator's GetRestore."""
+    step: int
+    checkpoint_id: str
+    skipped: tuple[SkippedCheckpoint, ...]
+    message: str
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.skipped)
+
+
+def restore_message(step: int, skipped) -> str:
+    """The coordinator's wording (services/checkpoint_coordinator/store.py restore_message), for the log when the
+    coordinator's own answer is not available."""
+    why = "; ".join(f"step {s.step} was damaged: {s.reason}" for s in skipped)
+    if step >= 0:
+        return f"restored from step {step}" + (f" ({why})" if why else "")
+    if skipped:
+        return f"started from step 0: no intact checkpoint ({why})"
+    return "started from step 0: no checkpoint"
+
+
+def _missing(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, (FileNotFoundError, KeyError)):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _require(env: Mapping[str, str], name: str) -> str:
@@ -131,6 +178,7 @@ class Checkpointer:
         self._last_poll: float | None = None
         self._request: pb.CheckpointRequestState | None = None
         self._satisfied_request_at = 0.0
+        self.last_restore: RestoreResult | None = None
 
     # -- plumbing ------------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -156,58 +204,178 @@ class Checkpointer:
         raise AssertionError("unreachable")
 
     # -- the API -------------------------------------------------------------------------------------------------
-    def restore(self, into: Any = None) -> tuple[int, Any] | None:
-        """`(step, state)` of this rank from the job's latest committed checkpoint, or None when there is none.
+    def restore(self, into: Any = None, *, allow_pickle: bool = False,
+                verify: str = VERIFY_GANG) -> tuple[int, Any] | None:
+        """`(step, state)` of this rank from the job's newest intact committed checkpoint, or None when there is
+        none (start from step 0).
 
-        A pickle shard returns the unpickled state (`into` is ignored). A torch.distributed.checkpoint shard (a
-        torch state_dict that `save` wrote with DCP, see phalanx.train.torch_dcp) is loaded in place into `into`,
-        a template state_dict (e.g. `{"model": model.state_dict(), ...}`), and returns `(step, into)`; without
-        a template it raises CheckpointError. Either way, use the returned state.
+        The coordinator lists the job's complete committed checkpoints newest first (ListCheckpoints); each one's
+        shards are checked against the size and sha256 it committed, every rank's (`verify="gang"`, the default:
+        on a shared store every rank then reaches the same verdict and restores the same step) or only this
+        rank's (`verify="rank"`: cheaper, for stores a rank cannot read the others' shards from; the ranks may
+        then disagree). A checkpoint with a missing or damaged shard is skipped for the next older one, with a
+        warning in the log; what was restored, and what was skipped and why, is reported to the coordinator
+        (ReportRestore, shown by its GetRestore: "restored from step S (step T was damaged: sha256 mismatch in
+        rank 2's shard)", or "started from step 0: no intact checkpoint (...)") and kept in `last_restore`.
 
-        Raises CheckpointCorruptError when the shard's bytes do not match the committed checksum: there is no
-        silent fallback to an older checkpoint, because every rank must restore the same step.
+        A JSON shard (what `save` writes for anything but a torch state_dict) returns its state; `into` is ignored.
+        A torch.distributed.checkpoint shard (a torch state_dict that `save` wrote with DCP, see
+        phalanx.train.torch_dcp) is loaded in place into `into`, a template state_dict (e.g. `{"model":
+        model.state_dict(), ...}`), and returns `(step, into)`; without a template it raises CheckpointError.
+        Either way, use the returned state.
+
+        A pickle shard (written by an older phalanx.train) is refused with CheckpointPickleError: unpickling bytes
+        from storage can run arbitrary code. Pass `allow_pickle=True` to load one from a store you trust.
+        A checkpoint of another world size raises CheckpointError (no resharding).
         """
-        try:
-            ckpt = self._call("GetLatestCheckpoint", pb.GetLatestCheckpointRequest(job_id=self.job_id))
-        except CheckpointRejectedError as exc:
-            if exc.code == "NOT_FOUND" and "no committed checkpoint" in exc.message:
-                return None
-            raise
-        if len(ckpt.shards) != self.world_size:
-            raise CheckpointError(
-                f"checkpoint {ckpt.id} (step {ckpt.step}) has {len(ckpt.shards)} shards but this gang has "
-                f"world size {self.world_size}; resharding is not supported"
-            )
-        shard = next((s for s in ckpt.shards if s.rank == self.rank), None)
-        if shard is None:
-            raise CheckpointError(f"checkpoint {ckpt.id} (step {ckpt.step}) has no shard for rank {self.rank}")
+        if verify not in (VERIFY_GANG, VERIFY_RANK):
+            raise CheckpointError(f"restore(verify={verify!r}): use {VERIFY_GANG!r} or {VERIFY_RANK!r}")
+        skipped: list[SkippedCheckpoint] = []
+        for ckpt in self._restore_points():
+            if len(ckpt.shards) != self.world_size:
+                raise CheckpointError(
+                    f"checkpoint {ckpt.id} (step {ckpt.step}) has {len(ckpt.shards)} shards but this gang has "
+                    f"world size {self.world_size}; resharding is not supported"
+                )
+            shard = next((s for s in ckpt.shards if s.rank == self.rank), None)
+            if shard is None:
+                raise CheckpointError(f"checkpoint {ckpt.id} (step {ckpt.step}) has no shard for rank {self.rank}")
+            checked = sorted(ckpt.shards, key=lambda s: s.rank) if verify == VERIFY_GANG else [shard]
+            problem, data = None, None
+            for s in checked:
+                problem, got = self._check_shard(s)
+                if problem is not None:
+                    break
+                if s.rank == self.rank:
+                    data = got
+            if problem is not None:
+                skipped.append(SkippedCheckpoint(ckpt.id, ckpt.step, problem[:MAX_REASON]))
+                log.warning(
+                    "checkpoint_restore_skipped job=%s attempt=%d rank=%d checkpoint=%s step=%d reason=%r",
+                    self.job_id, self.attempt, self.rank, ckpt.id, ckpt.step, problem,
+                    extra={"checkpoint": {"event": "checkpoint_restore_skipped", "job_id": self.job_id,
+                                          "attempt": self.attempt, "rank": self.rank, "checkpoint_id": ckpt.id,
+                                          "step": ckpt.step, "reason": problem}},
+                )
+                continue
+            state = self._load(ckpt, shard, data, into, allow_pickle)
+            self._restored(ckpt, skipped)
+            return ckpt.step, state
+        self._restored(None, skipped)
+        return None
+
+    def _restore_points(self):
+        """The job's complete committed checkpoints, newest first, a page at a time (a coordinator without
+        ListCheckpoints: its latest one only)."""
+        token = ""
+        while True:
+            try:
+                page = self._call("ListCheckpoints", pb.ListCheckpointsRequest(
+                    job_id=self.job_id, page_size=LIST_PAGE, page_token=token))
+            except CheckpointRejectedError as exc:
+                if exc.code != "UNIMPLEMENTED" or token:
+                    raise
+                try:
+                    yield self._call("GetLatestCheckpoint", pb.GetLatestCheckpointRequest(job_id=self.job_id))
+                except CheckpointRejectedError as inner:
+                    if not (inner.code == "NOT_FOUND" and "no committed checkpoint" in inner.message):
+                        raise
+                return
+            yield from page.checkpoints
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def _check_shard(self, shard: pb.Shard) -> tuple[str | None, bytes | None]:
+        """(None, the shard's bytes: None for a DCP directory) when the shard matches the size and sha256 its
+        checkpoint committed, else (why not, None)."""
+        rank = shard.rank
+        if not shard.checksum:
+            return f"rank {rank}'s shard has no sha256 to check it against", None
         if torch_dcp.is_dcp_uri(shard.uri):
-            what = f"checkpoint {ckpt.id} (step {ckpt.step}, rank {self.rank})"
-            return ckpt.step, torch_dcp.load(shard.uri, shard.checksum, shard.size_bytes, into, what)
+            found = torch_dcp.verify(shard.uri, shard.checksum, shard.size_bytes)
+            if found is None:
+                return None, None
+            kind, detail = found
+        else:
+            try:
+                data = self.store.get(shard.uri)
+            except Exception as exc:  # noqa: BLE001 - any store's failure to read is a shard we cannot restore
+                kind, detail = ("missing", shard.uri) if _missing(exc) else ("unreadable", str(exc)[:300])
+            else:
+                if len(data) != shard.size_bytes:
+                    kind, detail = "size", f"expected {shard.size_bytes} bytes, found {len(data)}"
+                elif sha256_checksum(data) != shard.checksum:
+                    kind, detail = "sha256", ""
+                else:
+                    return None, data
+        if kind == "missing":
+            return f"rank {rank}'s shard is missing ({shard.uri})", None
+        if kind == "unreadable":
+            return f"rank {rank}'s shard cannot be read ({detail})", None
+        if kind == "size":
+            return f"size mismatch in rank {rank}'s shard: {detail}", None
+        return f"sha256 mismatch in rank {rank}'s shard", None
+
+    def _load(self, ckpt: pb.Checkpoint, shard: pb.Shard, data: bytes | None, into: Any, allow_pickle: bool) -> Any:
+        what = f"checkpoint {ckpt.id} (step {ckpt.step}, rank {self.rank})"
+        if torch_dcp.is_dcp_uri(shard.uri):
+            return torch_dcp.load(shard.uri, shard.checksum, shard.size_bytes, into, what, verified=True)
+        assert data is not None
         if into is not None:
-            log.warning("restore(into=...): step %d of rank %d is a pickle shard; the template is not loaded, "
-                        "use the returned state", ckpt.step, self.rank)
-        data = self.store.get(shard.uri)
-        actual = sha256_checksum(data)
-        if actual != shard.checksum or len(data) != shard.size_bytes:
-            raise CheckpointCorruptError(
-                f"shard {shard.uri} of checkpoint {ckpt.id} (step {ckpt.step}, rank {self.rank}) is corrupt: "
-                f"expected {shard.checksum} ({shard.size_bytes} bytes), found {actual} ({len(data)} bytes)"
+            log.warning("restore(into=...): step %d of rank %d is not a torch.distributed.checkpoint shard; the "
+                        "template is not loaded, use the returned state", ckpt.step, self.rank)
+        if state_format.is_state(data):
+            return state_format.decode(data)
+        if not allow_pickle:
+            raise CheckpointPickleError(
+                f"{what} is a pickle ({shard.uri}), written by an older phalanx.train: restoring it would unpickle "
+                "bytes from storage, which can run arbitrary code, so restore() refuses it. If you trust the "
+                "checkpoint storage, pass restore(allow_pickle=True) (or train.restore(allow_pickle=True)) to "
+                "resume from it; the next save writes JSON."
             )
-        return ckpt.step, pickle.loads(data)
+        log.warning("restore(allow_pickle=True): unpickling %s", what)
+        return pickle.loads(data)
+
+    def _restored(self, ckpt: pb.Checkpoint | None, skipped: list[SkippedCheckpoint]) -> None:
+        """Tell the coordinator (ReportRestore) and the log what this rank restored from; keep it in
+        `last_restore`. A failed report is logged, never raised: it must not stop training."""
+        step = ckpt.step if ckpt is not None else -1
+        message = restore_message(step, skipped)
+        try:
+            reply = self._call("ReportRestore", pb.ReportRestoreRequest(
+                job_id=self.job_id, attempt=self.attempt, rank=self.rank,
+                checkpoint_id=ckpt.id if ckpt is not None else "",
+                skipped=[pb.SkippedCheckpoint(checkpoint_id=s.checkpoint_id, reason=s.reason) for s in skipped],
+            ))
+        except CheckpointError as exc:
+            log.warning("checkpoint restore report failed: %s", exc)
+        else:
+            message = reply.message or message
+        self.last_restore = RestoreResult(step, ckpt.id if ckpt is not None else "", tuple(skipped), message)
+        (log.warning if skipped else log.info)(
+            "checkpoint_restored job=%s attempt=%d rank=%d step=%d fell_back_from=%d message=%r",
+            self.job_id, self.attempt, self.rank, step, skipped[0].step if skipped else -1, message,
+            extra={"checkpoint": {"event": "checkpoint_restored", "job_id": self.job_id, "attempt": self.attempt,
+                                  "rank": self.rank, "step": step, "checkpoint_id": ckpt.id if ckpt else "",
+                                  "fell_back_from": skipped[0].step if skipped else -1, "message": message,
+                                  "skipped": [s.__dict__ for s in skipped]}},
+        )
 
     def save(self, step: int, state: Any) -> SaveResult:
         """Write `state` as this rank's shard of `step`, and report it to the coordinator.
 
         A torch state_dict (a Mapping holding torch.Tensors) goes through torch.distributed.checkpoint into a
         directory shard when torch is importable and the store is a directory store (LocalStore); anything else,
-        and any state with another store (an object store), is pickled (phalanx.train.torch_dcp).
+        and any state with another store (an object store), is written as JSON, its tensors and numpy arrays as
+        raw bytes after it (phalanx.train.state_format; nothing is pickled). A value it cannot hold (a custom
+        object) raises CheckpointError naming where it is in the state.
 
         The checkpoint commits when the last rank reports; until then it is not a restore point.
         """
         if step < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
-        # Begin before pickling and writing, so the checkpoint's created_at (the first rank's begin) to its
+        # Begin before serializing and writing, so the checkpoint's created_at (the first rank's begin) to its
         # committed_at (the last rank's report) measures the whole save: the coordinator's interval policy takes
         # that as the checkpoint's cost. Begin is idempotent: every rank of the gang sends it.
         self._call("BeginCheckpoint", pb.BeginCheckpointRequest(
@@ -217,7 +385,7 @@ class Checkpointer:
         if torch_dcp.supports(self.store, state):
             uri, size, checksum = torch_dcp.save(self.store, self.job_id, self.attempt, step, self.rank, state)
         else:
-            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            data = state_format.encode(state)
             uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
             checksum, size = sha256_checksum(data), len(data)
         ckpt = self._call("ReportShard", pb.ReportShardRequest(
@@ -300,8 +468,8 @@ def reset() -> None:
         _default = None
 
 
-def restore(into: Any = None) -> tuple[int, Any] | None:
-    return default().restore(into)
+def restore(into: Any = None, *, allow_pickle: bool = False, verify: str = VERIFY_GANG) -> tuple[int, Any] | None:
+    return default().restore(into, allow_pickle=allow_pickle, verify=verify)
 
 
 def save(step: int, state: Any) -> SaveResult:

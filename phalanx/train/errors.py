@@ -15,6 +15,11 @@ class CheckpointCorruptError(CheckpointError):
     """A shard's bytes do not match the checksum the coordinator committed."""
 
 
+class CheckpointPickleError(CheckpointError):
+    """A shard is a pickle (written by an older phalanx.train) and restore() was not passed allow_pickle=True:
+    unpickling bytes from storage can run arbitrary code."""
+
+
 class CheckpointRejectedError(CheckpointError):
     """The coordinator refused a request; `code` is the gRPC status code name (e.g. FAILED_PRECONDITION when this
     attempt has been superseded: the process should exit)."""

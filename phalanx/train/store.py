@@ -39,8 +39,10 @@ class CheckpointStore(Protocol):
 
 
 class LocalStore:
-    """Shards as files `<root>/<job>/<step>/attempt-<a>/rank-<r>.pkl` on a local or shared (NFS, Lustre) directory
-    (or directories `rank-<r>.dcp/` for torch state_dicts, written by phalanx.train.torch_dcp).
+    """Shards as files `<root>/<job>/<step>/attempt-<a>/rank-<r>.json` on a local or shared (NFS, Lustre) directory
+    (phalanx.train.state_format; older versions wrote pickles, `rank-<r>.pkl`), or directories `rank-<r>.dcp/` for
+    torch state_dicts, written by phalanx.train.torch_dcp. For restores to find every rank's shard after a
+    relaunch on other nodes (and to verify them all, `restore(verify="gang")`), the directory must be shared.
 
     Each write goes to a temporary file in the same directory, is fsynced, then renamed into place, so a reader
     never sees half a shard. URIs are `file://` URIs of absolute paths.
@@ -49,7 +51,7 @@ class LocalStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve()
 
-    def path(self, job_id: str, attempt: int, step: int, rank: int, suffix: str = ".pkl") -> Path:
+    def path(self, job_id: str, attempt: int, step: int, rank: int, suffix: str = ".json") -> Path:
         if not _SAFE.match(job_id):
             raise CheckpointError(f"job id {job_id!r} cannot name a checkpoint directory")
         if min(attempt, step, rank) < 0:

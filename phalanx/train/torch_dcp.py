@@ -6,9 +6,9 @@ torch.Tensor) and the store is a directory store (has `shard_dir(job, attempt, s
 The shard is then the directory `<dir>/<job>/<step>/attempt-<a>/rank-<r>.dcp/`, written by `dcp.save` with a
 FileSystemWriter and `no_dist=True`: every rank writes its own DCP checkpoint (the coordinator's protocol is one
 shard per rank; there is no resharding). The coordinator gets the directory's `file://` URI, its total size and
-"sha256:" over its files (see `dir_checksum`). Any other state keeps the pickle path; so does a tensor state with
-a store that is not a directory store (an object store): torch tensors pickle fine, and that store keeps working
-as before this adapter.
+"sha256:" over its files (see `dir_checksum`). Any other state is written in phalanx.train's JSON format
+(phalanx.train.state_format); so is a tensor state with a store that is not a directory store (an object store):
+its tensors go in as raw bytes after the JSON, and come back as CPU tensors. Nothing is pickled.
 
 `Checkpointer.restore(into=template)` verifies the directory's checksum, then `dcp.load`s into the template in
 place (DCP's contract: the template names every entry to load, with tensors of the right shape) and returns
@@ -80,7 +80,7 @@ def is_state_dict(state: Any) -> bool:
 
 
 def supports(store: Any, state: Any) -> bool:
-    """Whether `Checkpointer.save` writes `state` with DCP into `store` (else it pickles)."""
+    """Whether `Checkpointer.save` writes `state` with DCP into `store` (else phalanx.train.state_format)."""
     return callable(getattr(store, "shard_dir", None)) and is_state_dict(state) and available()
 
 
@@ -183,11 +183,31 @@ def save(store: Any, job_id: str, attempt: int, step: int, rank: int, state: Map
     return target.as_uri(), size, checksum
 
 
-def load(uri: str, checksum: str, size_bytes: int, into: Any, what: str) -> Any:
+def verify(uri: str, checksum: str, size_bytes: int) -> tuple[str, str] | None:
+    """None when the directory shard behind `uri` matches the committed checksum and size, else (kind, detail):
+    kind "missing", "unreadable", "size" or "sha256". Needs no torch."""
+    path = Path(unquote(urlparse(uri).path))
+    if not path.exists():
+        return "missing", str(path)
+    if not path.is_dir():
+        return "unreadable", f"{path} is not a directory"
+    try:
+        actual, size = dir_checksum(path)
+    except OSError as exc:
+        return "unreadable", str(exc)
+    if size != size_bytes:
+        return "size", f"expected {size_bytes} bytes, found {size}"
+    if actual != checksum:
+        return "sha256", f"expected {checksum}, found {actual}"
+    return None
+
+
+def load(uri: str, checksum: str, size_bytes: int, into: Any, what: str, *, verified: bool = False) -> Any:
     """Verify a directory shard against the committed checksum and size, then dcp.load it into `into` in place.
 
     `what` names the shard in errors (checkpoint id, step, rank). Raises CheckpointCorruptError on a mismatch and
-    CheckpointError when torch is missing, the template is missing or does not match the checkpoint.
+    CheckpointError when torch is missing, the template is missing or does not match the checkpoint. `verified`:
+    the caller has just checked the checksum (`verify`); it is not read twice.
     """
     path = Path(unquote(urlparse(uri).path))
     if into is None:
@@ -203,14 +223,16 @@ def load(uri: str, checksum: str, size_bytes: int, into: Any, what: str) -> Any:
         raise CheckpointError(f"{what} is a torch.distributed.checkpoint directory ({uri}): install torch to restore it")
     if not path.is_dir():
         raise CheckpointError(f"cannot read shard {uri}: not a directory")
-    try:
-        actual, size = dir_checksum(path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read shard {uri}: {exc}") from exc
-    if actual != checksum or size != size_bytes:
-        raise CheckpointCorruptError(
-            f"shard {uri} of {what} is corrupt: expected {checksum} ({size_bytes} bytes), found {actual} ({size} bytes)"
-        )
+    if not verified:
+        try:
+            actual, size = dir_checksum(path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read shard {uri}: {exc}") from exc
+        if actual != checksum or size != size_bytes:
+            raise CheckpointCorruptError(
+                f"shard {uri} of {what} is corrupt: expected {checksum} ({size_bytes} bytes), found {actual} "
+                f"({size} bytes)"
+            )
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)

@@ -38,6 +38,18 @@ def to_proto(record: store.CheckpointRecord) -> checkpoint_pb2.Checkpoint:
     )
 
 
+def _skipped_proto(s: store.SkippedRecord) -> checkpoint_pb2.SkippedCheckpoint:
+    return checkpoint_pb2.SkippedCheckpoint(checkpoint_id=s.checkpoint_id, reason=s.reason, step=s.step)
+
+
+def restore_proto(r: store.RestoreRecord) -> checkpoint_pb2.RestoreReport:
+    return checkpoint_pb2.RestoreReport(
+        job_id=r.job_id, attempt=r.attempt, rank=r.rank, checkpoint_id=r.checkpoint_id, step=r.step,
+        skipped=[_skipped_proto(s) for s in r.skipped], fell_back_from=r.fell_back_from, message=r.message,
+        reported_at=r.reported_at,
+    )
+
+
 def _request_proto(record: store.RequestRecord) -> checkpoint_pb2.CheckpointRequestState:
     state = checkpoint_pb2.CheckpointRequestState(
         requested=record.requested, reason=record.reason, requested_at=record.requested_at
@@ -73,7 +85,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         return to_proto(record)
 
     @unary
-    async def BeginCheckpoint(self, request, context):
+    async def BeginCheckpoint(self, request, context):  # world_size 0: the ledger's (store.begin_checkpoint)
         record = await asyncio.to_thread(
             store.begin_checkpoint, self.engine, request.job_id, request.attempt, request.step, request.world_size,
             request.deadline_s,
@@ -117,3 +129,34 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
     async def GetLatestCheckpoint(self, request, context):
         record = await asyncio.to_thread(store.latest_checkpoint, self.engine, request.job_id)
         return to_proto(record)
+
+    @unary
+    async def ListCheckpoints(self, request, context):
+        records, token = await asyncio.to_thread(
+            store.list_checkpoints, self.engine, request.job_id, request.page_size, request.page_token
+        )
+        return checkpoint_pb2.ListCheckpointsResponse(checkpoints=[to_proto(r) for r in records],
+                                                      next_page_token=token)
+
+    @unary
+    async def ReportRestore(self, request, context):
+        skipped = [store.SkippedRecord(s.checkpoint_id, s.reason) for s in request.skipped]
+        record = await asyncio.to_thread(
+            store.report_restore, self.engine, request.job_id, request.attempt, request.rank, request.checkpoint_id,
+            skipped,
+        )
+        event = "checkpoint_restore_fell_back" if record.skipped else "checkpoint_restore_reported"
+        (log.warning if record.skipped else log.info)(
+            event, job_id=record.job_id, attempt=record.attempt, rank=record.rank, step=record.step,
+            checkpoint_id=record.checkpoint_id, fell_back_from=record.fell_back_from, message=record.message[:500],
+        )
+        return restore_proto(record)
+
+    @unary
+    async def GetRestore(self, request, context):
+        attempt = request.attempt if request.HasField("attempt") else None
+        state = await asyncio.to_thread(store.get_restore, self.engine, request.job_id, attempt)
+        return checkpoint_pb2.RestoreState(
+            job_id=state.job_id, attempt=state.attempt, step=state.step, fell_back_from=state.fell_back_from,
+            message=state.message, consistent=state.consistent, ranks=[restore_proto(r) for r in state.ranks],
+        )

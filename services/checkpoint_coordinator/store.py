@@ -8,6 +8,12 @@ it COMMITTED. `abort_expired` marks ABORTED the PENDING ones past their deadline
 Every write first locks the job row and reads `jobs.attempt` (fencing): a request of another attempt raises
 FailedPrecondition, and any refusal raises before anything is written, so the transaction rolls back whole.
 
+No number a client sends about the gang is believed: the world size is the number of ranks of the job's current
+attempt in the ledger (`ledger_world_size`), a request's `world_size` only a cross-check (0: the ledger's); a
+checkpoint commits with exactly one shard of each rank 0..N-1. Restores read only complete COMMITTED checkpoints
+(`latest_checkpoint`, `list_checkpoints`), and `report_restore` records what a rank restored from, checked
+against the ledger (`get_restore` reads it back with its one-line message).
+
 `checkpoint_policy` (and `get_request`, for the ranks' polls) measures the cluster's node failures and the
 checkpoint cost and returns the job's Young/Daly interval (phalanx.core.checkpoint_policy; docs/design.md,
 "Checkpoint interval policy").
@@ -19,12 +25,22 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine, case, delete, func, insert, select, update
+from sqlalchemy import Engine, case, delete, func, insert, or_, select, update
 
-from db.models import ServiceEndpoint, Allocation, Checkpoint, CheckpointRequest, CheckpointShard, Job, Node, NodeEvent
+from db.models import (
+    Allocation,
+    Checkpoint,
+    CheckpointRequest,
+    CheckpointRestore,
+    CheckpointShard,
+    Job,
+    Node,
+    NodeEvent,
+    ServiceEndpoint,
+)
 from phalanx.core import checkpoint_policy as cp
 from services.common.faults import fail_point
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 COMMITTED = "COMMITTED"
 PENDING = "PENDING"
@@ -34,6 +50,11 @@ MAX_DEADLINE_S = 7 * 24 * 3600.0
 MAX_WORLD_SIZE = 1 << 20
 MAX_JOB_ID = Job.__table__.c.id.type.length
 MAX_CHECKSUM = CheckpointShard.__table__.c.checksum.type.length
+MAX_CHECKPOINT_ID = Checkpoint.__table__.c.id.type.length
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+MAX_SKIPPED = 100
+MAX_REASON = 1000
 
 
 @dataclass(frozen=True)
@@ -108,6 +129,9 @@ def validate(job_id: str, attempt: int, step: int, shards: list[ShardRecord]) ->
         raise InvalidArgument(
             f"shard ranks must be exactly 0..{len(shards) - 1} for {len(shards)} shards; missing {missing}"
         )
+    for shard in shards:
+        if not shard.checksum:
+            raise InvalidArgument(f"shard {shard.rank}: checksum is required")
 
 
 def _possible_job_id(job_id: str) -> bool:
@@ -123,7 +147,10 @@ def _require_job(conn, job_id: str) -> None:
 def record_checkpoint(
     engine: Engine, job_id: str, attempt: int, step: int, shards: list[ShardRecord], *, now: float | None = None
 ) -> CheckpointRecord:
-    """Validate, then write the checkpoint row and every shard row as COMMITTED in one transaction."""
+    """Validate, then write the checkpoint row and every shard row as COMMITTED in one transaction.
+
+    Fenced like every write (the job's current attempt, RUNNING), and the shards must be exactly ranks 0..N-1 for
+    the ledger's world size N."""
     validate(job_id, attempt, step, shards)
     if not _possible_job_id(job_id):
         raise NotFound(f"job {job_id[:80]!r} not found")
@@ -131,7 +158,12 @@ def record_checkpoint(
     shards = sorted(shards, key=lambda s: s.rank)
     ckpt_id = new_checkpoint_id()
     with engine.begin() as conn:
-        _require_job(conn, job_id)
+        world = _fence(conn, job_id, attempt)
+        if len(shards) != world:
+            raise InvalidArgument(
+                f"job {job_id[:80]!r} attempt {attempt} has {world} ranks in the ledger: a checkpoint needs exactly "
+                f"one shard of each rank 0..{world - 1}, got {len(shards)} shards"
+            )
         conn.execute(
             insert(Checkpoint).values(
                 id=ckpt_id, job_id=job_id, attempt=attempt, step=step, state=COMMITTED, created_at=ts, committed_at=ts,
@@ -149,22 +181,78 @@ def record_checkpoint(
     return CheckpointRecord(ckpt_id, job_id, attempt, step, ts, list(shards), COMMITTED, len(shards), 0.0, ts)
 
 
+def _current_attempt(conn, job_id: str) -> int:
+    if not _possible_job_id(job_id):
+        raise NotFound(f"job {job_id[:80]!r} not found")
+    current = conn.scalar(select(Job.attempt).where(Job.id == job_id))
+    if current is None:
+        raise NotFound(f"job {job_id[:80]!r} not found")
+    return int(current)
+
+
+def _restore_points(job_id: str, current_attempt: int):
+    """The job's complete COMMITTED checkpoints of attempts up to `current_attempt`, newest first (highest step,
+    then latest commit). Complete: its shards are exactly ranks 0..n-1 (ranks are unique per checkpoint) and n is
+    its world size (0 on rows older than revision 0005: unknown, any n). A checkpoint of a later attempt than the
+    current one can only come from an unfenced write, and is never a restore point."""
+    stats = (
+        select(CheckpointShard.checkpoint_id.label("cid"), func.count().label("n"),
+               func.min(CheckpointShard.rank).label("lo"), func.max(CheckpointShard.rank).label("hi"))
+        .join(Checkpoint, Checkpoint.id == CheckpointShard.checkpoint_id)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED)
+        .group_by(CheckpointShard.checkpoint_id)
+        .subquery()
+    )
+    return (
+        select(Checkpoint)
+        .join(stats, stats.c.cid == Checkpoint.id)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED, Checkpoint.attempt <= current_attempt,
+               stats.c.lo == 0, stats.c.hi == stats.c.n - 1,
+               or_(Checkpoint.world_size == 0, Checkpoint.world_size == stats.c.n))
+        .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc(), Checkpoint.created_at.desc(),
+                  Checkpoint.id)
+    )
+
+
+def _records(conn, rows) -> list[CheckpointRecord]:
+    """Checkpoint rows with their shards (one query), in the rows' order."""
+    ids = [r.id for r in rows]
+    shards: dict[str, list] = {i: [] for i in ids}
+    if ids:
+        for s in conn.execute(select(CheckpointShard).where(CheckpointShard.checkpoint_id.in_(ids))
+                              .order_by(CheckpointShard.checkpoint_id, CheckpointShard.rank)):
+            shards[s.checkpoint_id].append(s)
+    return [_record(r, shards[r.id]) for r in rows]
+
+
 def latest_checkpoint(engine: Engine, job_id: str) -> CheckpointRecord:
-    """The job's committed checkpoint with the highest step (ties: latest committed_at)."""
+    """The job's newest complete committed checkpoint (highest step, ties: latest committed_at), of any attempt up
+    to the current one."""
     with engine.execution_options(readonly=True).begin() as conn:
-        _require_job(conn, job_id)
-        row = conn.execute(
-            select(Checkpoint)
-            .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED)
-            .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc(), Checkpoint.created_at.desc())
-            .limit(1)
-        ).first()
+        current = _current_attempt(conn, job_id)
+        row = conn.execute(_restore_points(job_id, current).limit(1)).first()
         if row is None:
             raise NotFound(f"job {job_id[:80]!r} has no committed checkpoint")
-        shard_rows = conn.execute(
-            select(CheckpointShard).where(CheckpointShard.checkpoint_id == row.id).order_by(CheckpointShard.rank)
-        ).all()
-    return _record(row, shard_rows)
+        return _records(conn, [row])[0]
+
+
+def list_checkpoints(engine: Engine, job_id: str, page_size: int = 0, page_token: str = ""
+                     ) -> tuple[list[CheckpointRecord], str]:
+    """A page of the job's complete committed checkpoints, newest first (latest_checkpoint's order), and the
+    token of the next page ("" after the last)."""
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    if not 0 <= page_size <= MAX_PAGE_SIZE:
+        raise InvalidArgument(f"page_size must be in 0..{MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE}), got {page_size}")
+    size = page_size or DEFAULT_PAGE_SIZE
+    if page_token and not (page_token.isascii() and page_token.isdigit() and len(page_token) <= 9):
+        raise InvalidArgument(f"page_token {page_token[:40]!r} is not one ListCheckpoints returned")
+    offset = int(page_token or 0)
+    with engine.execution_options(readonly=True).begin() as conn:
+        current = _current_attempt(conn, job_id)
+        rows = conn.execute(_restore_points(job_id, current).offset(offset).limit(size + 1)).all()
+        records = _records(conn, rows[:size])
+    return records, str(offset + size) if len(rows) > size else ""
 
 
 def _record(row, shard_rows) -> CheckpointRecord:
@@ -190,17 +278,26 @@ def _clear_requests(conn, job_id: str, begun_at: float) -> None:
 
 def _validate_target(job_id: str, attempt: int, step: int, world_size: int, deadline_s: float) -> None:
     _validate_job_step(job_id, attempt, step)
-    if not 0 < world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
+    if not 0 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"world_size must be in 0..{MAX_WORLD_SIZE} (0: the ledger's), got {world_size}")
     if not 0 <= deadline_s <= MAX_DEADLINE_S:  # also refuses NaN
         raise InvalidArgument(f"deadline_s must be in 0..{MAX_DEADLINE_S:.0f} (0: default), got {deadline_s}")
 
 
-def _validate_shard(shard: ShardRecord, world_size: int) -> None:
+def _check_rank(shard: ShardRecord, world_size: int) -> None:
     if not 0 <= shard.rank < world_size:
         raise InvalidArgument(
             f"shard rank must be in 0..{world_size - 1} for world_size {world_size}, got {shard.rank}"
         )
+
+
+def _validate_shard(shard: ShardRecord, world_size: int) -> None:
+    """The shard's own fields; its rank against the claimed world_size when one is given (0: checked against the
+    ledger's in the transaction)."""
+    if shard.rank < 0:
+        raise InvalidArgument(f"shard rank must be >= 0, got {shard.rank}")
+    if world_size:
+        _check_rank(shard, world_size)
     if shard.size_bytes < 0:
         raise InvalidArgument(f"shard {shard.rank}: size_bytes must be >= 0, got {shard.size_bytes}")
     if not shard.uri.strip():
@@ -213,14 +310,37 @@ def _validate_shard(shard: ShardRecord, world_size: int) -> None:
         raise InvalidArgument(f"shard {shard.rank}: checksum longer than {MAX_CHECKSUM} characters")
 
 
-def _fence(conn, job_id: str, attempt: int) -> None:
+def ledger_world_size(conn, job_id: str, attempt: int, replicas: int, gpus_per_replica: int,
+                      procs_per_replica: int) -> int:
+    """The number of ranks of the job's `attempt`, from what the ledger records for it: its allocations (the
+    scheduler's layout, services/scheduler/state.py layout_ranks: one rank per GPU of each replica, or one per
+    replica when procs_per_replica is 1; a MIG instance or a share is one GPU), else, before any allocation of the
+    attempt is recorded, the job's replicas x ranks per replica."""
+    per_replica = conn.execute(
+        select(Allocation.replica, func.count(func.distinct(Allocation.gpu_index)))
+        .where(Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.kind != "hold")
+        .group_by(Allocation.replica)
+    ).all()
+    if per_replica:
+        if procs_per_replica == 1:
+            return len(per_replica)
+        return sum(int(n) for _, n in per_replica)
+    return max(0, replicas) * (1 if procs_per_replica == 1 else max(0, gpus_per_replica))
+
+
+def _fence(conn, job_id: str, attempt: int) -> int:
     """Lock the job row (PostgreSQL: FOR UPDATE; SQLite: BEGIN IMMEDIATE already holds the write lock) and refuse
     any attempt but the job's current one, and the current one once the scheduler tore it down (the job is no
     longer RUNNING: requeued, or finished). The teardown writes that row in the transaction that closes the
-    attempt, so a commit lands before it (and counts for it) or is refused."""
+    attempt, so a commit lands before it (and counts for it) or is refused.
+
+    Returns the attempt's world size from the ledger (`ledger_world_size`)."""
     if not _possible_job_id(job_id):
         raise NotFound(f"job {job_id[:80]!r} not found")
-    row = conn.execute(select(Job.attempt, Job.state).where(Job.id == job_id).with_for_update()).first()
+    row = conn.execute(
+        select(Job.attempt, Job.state, Job.replicas, Job.gpus_per_replica, Job.procs_per_replica)
+        .where(Job.id == job_id).with_for_update()
+    ).first()
     if row is None:
         raise NotFound(f"job {job_id[:80]!r} not found")
     if attempt != row.attempt:
@@ -232,6 +352,19 @@ def _fence(conn, job_id: str, attempt: int) -> None:
         raise FailedPrecondition(
             f"job {job_id[:80]!r} attempt {attempt} has ended (the job is {row.state}); its ranks are being stopped "
             "and a checkpoint of it is refused"
+        )
+    world = ledger_world_size(conn, job_id, attempt, row.replicas, row.gpus_per_replica, row.procs_per_replica)
+    if not 0 < world <= MAX_WORLD_SIZE:
+        raise FailedPrecondition(f"job {job_id[:80]!r} attempt {attempt} has no ranks in the ledger ({world})")
+    return world
+
+
+def _check_world(job_id: str, attempt: int, claimed: int, world: int) -> None:
+    """A client's world_size is a cross-check only: 0 takes the ledger's, any other value must equal it."""
+    if claimed and claimed != world:
+        raise InvalidArgument(
+            f"world_size {claimed} does not match job {job_id[:80]!r} attempt {attempt}: the ledger has {world} "
+            "ranks (send 0 to use the ledger's)"
         )
 
 
@@ -276,16 +409,18 @@ def begin_checkpoint(
     engine: Engine, job_id: str, attempt: int, step: int, world_size: int, deadline_s: float = 0.0,
     *, now: float | None = None,
 ) -> CheckpointRecord:
-    """Open a PENDING checkpoint for (job, attempt, step); the same begin again returns the one already open."""
+    """Open a PENDING checkpoint for (job, attempt, step) with the ledger's world size (`world_size` 0, or equal
+    to it); the same begin again returns the one already open."""
     _validate_target(job_id, attempt, step, world_size, deadline_s)
     ts = time.time() if now is None else now
     with engine.begin() as conn:
-        _fence(conn, job_id, attempt)
+        world = _fence(conn, job_id, attempt)
+        _check_world(job_id, attempt, world_size, world)
         row = _open(conn, job_id, attempt, step)
         if row is not None:
-            row = _usable(row, world_size, ts, job_id, step)
+            row = _usable(row, world, ts, job_id, step)
         else:
-            row = _create(conn, job_id, attempt, step, world_size, deadline_s, ts)
+            row = _create(conn, job_id, attempt, step, world, deadline_s, ts)
         return _record(row, _shard_rows(conn, row.id))
 
 
@@ -293,25 +428,29 @@ def report_shard(
     engine: Engine, job_id: str, attempt: int, step: int, world_size: int, shard: ShardRecord,
     deadline_s: float = 0.0, *, now: float | None = None,
 ) -> CheckpointRecord:
-    """Record one rank's shard (beginning the checkpoint if none is open) and commit once all ranks reported."""
+    """Record one rank's shard (beginning the checkpoint if none is open) and commit once every rank 0..N-1 of the
+    ledger's world size N reported. The same shard again is a no-op; a different one for a rank that already
+    reported is FailedPrecondition."""
     _validate_target(job_id, attempt, step, world_size, deadline_s)
     _validate_shard(shard, world_size)
     ts = time.time() if now is None else now
     with engine.begin() as conn:
-        _fence(conn, job_id, attempt)
+        world = _fence(conn, job_id, attempt)
+        _check_world(job_id, attempt, world_size, world)
+        _check_rank(shard, world)
         row = _open(conn, job_id, attempt, step)
         if row is None:
-            row = _create(conn, job_id, attempt, step, world_size, deadline_s, ts)
+            row = _create(conn, job_id, attempt, step, world, deadline_s, ts)
         else:
-            row = _usable(row, world_size, ts, job_id, step)
+            row = _usable(row, world, ts, job_id, step)
         existing = conn.execute(
             select(CheckpointShard).where(CheckpointShard.checkpoint_id == row.id, CheckpointShard.rank == shard.rank)
         ).first()
         if existing is not None:
             if (existing.uri, existing.checksum, existing.size_bytes) != (shard.uri, shard.checksum, shard.size_bytes):
-                raise AlreadyExists(
+                raise FailedPrecondition(
                     f"checkpoint {row.id} of job {job_id[:80]!r} step {step} already has a different shard for rank "
-                    f"{shard.rank} ({existing.uri}, {existing.checksum})"
+                    f"{shard.rank} ({existing.uri}, {existing.checksum}); a rank reports one shard per checkpoint"
                 )
             return _record(row, _shard_rows(conn, row.id))  # the same report again: idempotent
         if row.state == COMMITTED:  # a committed checkpoint has every shard; unreachable unless world_size was 0
@@ -323,7 +462,7 @@ def report_shard(
             )
         )
         shard_rows = _shard_rows(conn, row.id)
-        if len(shard_rows) == row.world_size:
+        if [s.rank for s in shard_rows] == list(range(row.world_size)):
             conn.execute(
                 update(Checkpoint).where(Checkpoint.id == row.id, Checkpoint.state == PENDING)
                 .values(state=COMMITTED, committed_at=ts)
@@ -466,6 +605,176 @@ def _cluster_figures(conn) -> tuple[int, float, list[float]]:
     figures = (int(events), float(seconds), _durations(conn, None, cp.CLUSTER_COST_SAMPLES))
     _cluster_cache[key] = (now + CLUSTER_FIGURES_TTL_S, figures)
     return figures
+
+
+# -- restores -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SkippedRecord:
+    checkpoint_id: str
+    reason: str
+    step: int = -1
+
+
+@dataclass(frozen=True)
+class RestoreRecord:
+    job_id: str
+    attempt: int
+    rank: int
+    checkpoint_id: str
+    step: int
+    skipped: list[SkippedRecord]
+    message: str
+    reported_at: float
+
+    @property
+    def fell_back_from(self) -> int:
+        return self.skipped[0].step if self.skipped else -1
+
+
+@dataclass(frozen=True)
+class RestoreStateRecord:
+    job_id: str
+    attempt: int
+    step: int
+    fell_back_from: int
+    message: str
+    consistent: bool
+    ranks: list[RestoreRecord]
+
+
+def restore_message(step: int, skipped: list[SkippedRecord]) -> str:
+    """The one-line account of a restore: "restored from step S (step T was damaged: REASON)", "started from step 0:
+    no intact checkpoint (step T was damaged: REASON)", or "started from step 0: no checkpoint"."""
+    why = "; ".join(f"step {s.step} was damaged: {s.reason}" for s in skipped)
+    if step >= 0:
+        return f"restored from step {step}" + (f" ({why})" if why else "")
+    if skipped:
+        return f"started from step 0: no intact checkpoint ({why})"
+    return "started from step 0: no checkpoint"
+
+
+def _validate_restore(job_id: str, attempt: int, rank: int, checkpoint_id: str, skipped: list[SkippedRecord]) -> None:
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    if attempt < 0:
+        raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
+    if rank < 0:
+        raise InvalidArgument(f"rank must be >= 0, got {rank}")
+    if len(skipped) > MAX_SKIPPED:
+        raise InvalidArgument(f"at most {MAX_SKIPPED} skipped checkpoints, got {len(skipped)}")
+    seen: set[str] = set()
+    for name in [checkpoint_id] + [s.checkpoint_id for s in skipped]:
+        if len(name) > MAX_CHECKPOINT_ID or "\x00" in name:
+            raise InvalidArgument(f"checkpoint id {name[:40]!r} is not a checkpoint id")
+    for s in skipped:
+        if not s.checkpoint_id:
+            raise InvalidArgument("a skipped checkpoint needs its checkpoint_id")
+        if s.checkpoint_id in seen or s.checkpoint_id == checkpoint_id:
+            raise InvalidArgument(f"checkpoint {s.checkpoint_id!r} is listed twice")
+        seen.add(s.checkpoint_id)
+        if not s.reason.strip() or len(s.reason) > MAX_REASON or "\x00" in s.reason:
+            raise InvalidArgument(
+                f"skipped checkpoint {s.checkpoint_id!r}: reason is required, at most {MAX_REASON} characters, "
+                "without NUL"
+            )
+
+
+def report_restore(
+    engine: Engine, job_id: str, attempt: int, rank: int, checkpoint_id: str, skipped: list[SkippedRecord],
+    *, now: float | None = None,
+) -> RestoreRecord:
+    """Record what `rank` of the current attempt restored from (`checkpoint_id`, "" for step 0) and the newer
+    committed checkpoints it skipped, with why. Nothing the client says is taken on trust: fenced like every
+    write, the rank must be one of the ledger's, the checkpoints must be the job's complete committed ones, and
+    the skipped ones exactly those newer than the one restored (every one, when it started from step 0). Steps
+    come from the ledger. The rank's earlier report of this attempt is replaced."""
+    _validate_restore(job_id, attempt, rank, checkpoint_id, skipped)
+    ts = time.time() if now is None else now
+    with engine.begin() as conn:
+        world = _fence(conn, job_id, attempt)
+        if rank >= world:
+            raise InvalidArgument(f"rank must be in 0..{world - 1} for job {job_id[:80]!r} attempt {attempt}, "
+                                  f"got {rank}")
+        # The newest len(skipped) + 1 restore points: the skipped ones, then the one restored (or none at all).
+        newest = conn.execute(_restore_points(job_id, attempt).limit(len(skipped) + 1)).all()
+        named = {s.checkpoint_id for s in skipped}
+        head = {r.id for r in newest[:len(skipped)]}
+        if head != named:
+            stray = sorted(named - head)
+            raise InvalidArgument(
+                f"skipped checkpoint {stray[0][:40]!r} is not one of the {len(skipped)} newest complete committed "
+                f"checkpoints of job {job_id[:80]!r}: a restore skips only checkpoints newer than the one it "
+                "restores, none left out"
+            )
+        older = newest[len(skipped):]
+        if checkpoint_id:
+            if not older or older[0].id != checkpoint_id:
+                want = f"{older[0].id} (step {older[0].step})" if older else "none"
+                raise InvalidArgument(
+                    f"checkpoint {checkpoint_id[:40]!r} is not the newest complete committed checkpoint of job "
+                    f"{job_id[:80]!r} after the skipped ones (that is {want})"
+                )
+            step = int(older[0].step)
+        else:
+            if older:
+                raise InvalidArgument(
+                    f"job {job_id[:80]!r} has a committed checkpoint {older[0].id} (step {older[0].step}) newer than "
+                    "step 0 that the report neither restores nor skips"
+                )
+            step = -1
+        listed = [SkippedRecord(r.id, next(s.reason for s in skipped if s.checkpoint_id == r.id), int(r.step))
+                  for r in newest if r.id in named]
+        message = restore_message(step, listed)
+        values = dict(checkpoint_id=checkpoint_id, step=step, message=message, reported_at=ts,
+                      skipped=[{"checkpoint_id": s.checkpoint_id, "step": s.step, "reason": s.reason} for s in listed])
+        conn.execute(delete(CheckpointRestore).where(CheckpointRestore.job_id == job_id,
+                                                     CheckpointRestore.attempt == attempt,
+                                                     CheckpointRestore.rank == rank))
+        conn.execute(insert(CheckpointRestore).values(job_id=job_id, attempt=attempt, rank=rank, **values))
+    return RestoreRecord(job_id, attempt, rank, checkpoint_id, step, listed, message, ts)
+
+
+def _restore_record(row) -> RestoreRecord:
+    skipped = [SkippedRecord(str(s.get("checkpoint_id", "")), str(s.get("reason", "")), int(s.get("step", -1)))
+               for s in (row.skipped or []) if isinstance(s, dict)]
+    return RestoreRecord(row.job_id, row.attempt, row.rank, row.checkpoint_id, int(row.step), skipped, row.message,
+                         row.reported_at)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+def get_restore(engine: Engine, job_id: str, attempt: int | None = None) -> RestoreStateRecord:
+    """What `attempt` (None: the job's current one) restored from, over the ranks that reported."""
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    if attempt is not None and attempt < 0:
+        raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
+    with engine.execution_options(readonly=True).begin() as conn:
+        current = _current_attempt(conn, job_id)
+        attempt = current if attempt is None else attempt
+        rows = conn.execute(select(CheckpointRestore).where(CheckpointRestore.job_id == job_id,
+                                                            CheckpointRestore.attempt == attempt)
+                            .order_by(CheckpointRestore.rank)).all()
+    if not rows:
+        raise NotFound(f"job {job_id[:80]!r} attempt {attempt} has no restore report")
+    ranks = [_restore_record(r) for r in rows]
+    groups: dict[str, list[RestoreRecord]] = {}
+    for r in ranks:
+        groups.setdefault(r.checkpoint_id, []).append(r)
+    first = ranks[0]
+    if len(groups) == 1:
+        # Ranks that verify every shard (phalanx.train's default) skip the same ones; show the fullest account.
+        fullest = max(ranks, key=lambda r: len(r.skipped))
+        return RestoreStateRecord(job_id, attempt, first.step, fullest.fell_back_from, fullest.message, True, ranks)
+    parts = [f"{_rank_list([r.rank for r in members])}: {max(members, key=lambda r: len(r.skipped)).message}"
+             for members in sorted(groups.values(), key=lambda m: m[0].rank)]
+    fell_back = max((r.fell_back_from for r in ranks), default=-1)
+    return RestoreStateRecord(job_id, attempt, first.step, fell_back,
+                              "ranks restored different checkpoints: " + "; ".join(parts), False, ranks)
 
 
 COORDINATOR_ENDPOINT = "checkpoint-coordinator"

@@ -505,8 +505,10 @@ class MigManager:
                 raise MigError(f"GPU {gpu} is in use by rank {users[0]}: its MIG mode cannot change")
             current, pending = self.backend.mode(gpu)
             want = int(enable)
-            if current == want:
+            if current == want and pending == want:
                 return current, pending
+            if current == want:  # the other mode is pending (waits for a reset): ask for this one, cancelling it
+                return self.backend.set_mode(gpu, enable)
             if current == 1:
                 for inst in self.backend.list_instances(gpu):
                     if not self.owns(inst):

@@ -99,7 +99,10 @@ MIG_MODE_NAMES = {"ENABLED": "enabled", "DISABLED": "disabled", "UNSUPPORTED": "
 
 def node_gpu(g: dict[str, Any]) -> common_pb2.NodeGpu:
     msg = common_pb2.NodeGpu(index=g["index"], uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"],
-                             mig_mode=MIG_MODE_NAMES.get(g["mig_mode"], "unsupported"))
+                             mig_mode=MIG_MODE_NAMES.get(g["mig_mode"], "unsupported"),
+                             mig_mode_pending=MIG_MODE_NAMES.get(g.get("mig_mode_pending") or "", ""),
+                             mig_switching=bool(g.get("mig_switching")),
+                             mig_switch_error=g.get("mig_switch_error") or "")
     for i in g["mig_instances"]:
         if not isinstance(i, dict):
             continue
@@ -126,7 +129,8 @@ def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]]
     if gpus:
         foreign = {g["index"] for g in gpus
                    if any(isinstance(i, dict) and not i.get("managed") for i in g["mig_instances"])}
-        taken = {g["index"] for g in gpus if g["held"] or g["split"] or g["mig_mode"] == "ENABLED"} | foreign
+        taken = {g["index"] for g in gpus if g["held"] or g["split"] or g["mig_mode"] == "ENABLED"
+                 or g.get("mig_switching")} | foreign
         used = max(used, len(taken))
         shared = len({g["index"] for g in gpus if g["split"]} | foreign)
     free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
@@ -139,4 +143,5 @@ def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]]
         free_gpus=free, profile=n["profile"], gpu_model=n["gpu_model"], fabric_path=list(n["fabric_path"] or ()),
         message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"], shared_gpus=shared,
         gpu_details=[node_gpu(g) for g in gpus or ()], strikes=n.get("strikes") or 0,
+        mig_manage=bool(n.get("mig_manage")),
     )

@@ -349,8 +349,11 @@ class Register(Command):
     topology_json: dict[str, Any]
     address: str
     agent_instance: str
+    mig_manage: bool = False  # started with --mig-manage: the scheduler may switch idle GPUs' MIG mode (migmode.py)
 
     def execute(self, cycle: Cycle) -> int:
+        from .migmode import registered
+
         gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib,
                      mig_mode=MIG_MODES.get(g.mig_mode, "UNSUPPORTED"), mig_instances=mig_instances(g))
                 for g in self.topology.gpus]
@@ -359,7 +362,7 @@ class Register(Command):
         node_id, acked, revision = ledger.upsert_node(
             cycle.conn, name=self.name, gpus=gpus, topology=self.topology_json, address=self.address,
             agent_instance=self.agent_instance, profile=self.topology.profile,
-            gpu_model=gpus[0]["name"] if gpus else "", fabric_path=path, now=cycle.now,
+            gpu_model=gpus[0]["name"] if gpus else "", fabric_path=path, now=cycle.now, mig_manage=self.mig_manage,
         )
         state = cycle.state
         old = state.nodes.get(self.name)
@@ -376,7 +379,9 @@ class Register(Command):
             closeness=ledger.node_closeness(self.topology_json),
             mig_gpus=frozenset(g["index"] for g in gpus if g["mig_mode"] == "ENABLED"),
             foreign={g["index"]: m for g in gpus if (m := ledger.foreign_mask(g["mig_instances"]))},
+            acked_revision=acked,
         )
+        switch_ended = registered(cycle, old, node, self.mig_manage)
         if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
             node.health, node.health_reason, node.gpu_health = old.health, old.health_reason, old.gpu_health
         if old is not None and old.state == "LOST":
@@ -385,7 +390,8 @@ class Register(Command):
             ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
         state.nodes[self.name] = node
         if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path \
-                or node.gpu_health or old.mig_gpus != node.mig_gpus or old.foreign != node.foreign:
+                or node.gpu_health or old.mig_gpus != node.mig_gpus or old.foreign != node.foreign \
+                or switch_ended:
             state.rebuild_capacity()  # a new path (another NVLink clique), or a GPU's MIG mode or instances changed
             if old is not None and old.mig_gpus != node.mig_gpus:
                 log.info("node_mig_mode_changed", node=self.name, mig_gpus=sorted(node.mig_gpus),
@@ -780,8 +786,15 @@ def schedule(cycle: Cycle) -> None:
         if blocked is None:
             return
         head = state.jobs[blocked.job_id]
-        message, stopped = preempt_for(cycle, head, book)
-        message = message or f"waiting, holding no GPUs: {blocked.reason}" + _reserved(result.reservation)
+        # --mig-manage: a gang blocked only by the GPUs' MIG modes waits for switches rather than preempting.
+        from .migmode import after_pass
+
+        waits, note = after_pass(cycle, head, result, pending, backfill)
+        if waits is not None:
+            message, stopped = waits, False
+        else:
+            message, stopped = preempt_for(cycle, head, book)
+            message = message or f"waiting, holding no GPUs: {blocked.reason}" + _reserved(result.reservation) + note
         if head.message != message and set_job(cycle, head, message=message):
             cycle.touched(head)
         if not stopped:
@@ -825,7 +838,8 @@ def running_ends(state: SchedulerState) -> list[RunningEnd]:
 
 
 def _unusable(state: SchedulerState) -> dict[str, set[int]]:
-    return {n.name: n.fatal_gpus for n in state.nodes.values() if n.fatal_gpus}
+    """GPUs out of placement besides what runs: FATAL ones and those switching MIG mode."""
+    return {n.name: held for n in state.nodes.values() if (held := n.held_gpus)}
 
 
 def _reserved(reservation: Reservation | None) -> str:

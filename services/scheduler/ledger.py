@@ -28,7 +28,7 @@ from db.models import (
     Queue, ServiceEndpoint,
 )
 
-from .state import JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
+from .state import JobRecord, MigSwitch, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
 
 NOTIFY_CHANNEL = "phalanx_events"
 
@@ -127,8 +127,20 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     memory: dict[int, int] = {}
     mig_gpus: dict[int, set[int]] = {}
     foreign: dict[int, dict[int, int]] = {}
-    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances)):
+    switches: dict[int, tuple[dict, dict, dict]] = {}  # node id -> (switches, pending modes, switched at)
+    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances,
+                                   *MIG_SWITCH_COLUMNS)):
         gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
+        if row.mig_switch_to or row.mig_mode_pending or row.mig_switched_at:
+            mine = switches.setdefault(row.node_id, ({}, {}, {}))
+            if row.mig_switch_to:
+                mine[0][row.index] = MigSwitch(row.mig_switch_to == "ENABLED", row.mig_switch_at or 0.0,
+                                               int(row.mig_switch_revision or 0), row.mig_switch_error or "",
+                                               row.mig_retry_after or 0.0)
+            if row.mig_mode_pending:
+                mine[1][row.index] = row.mig_mode_pending == "ENABLED"
+            if row.mig_switched_at:
+                mine[2][row.index] = row.mig_switched_at
         memory[row.node_id] = max(memory.get(row.node_id, 0), row.memory_mib or 0)
         if row.mig_mode == "ENABLED":
             mig_gpus.setdefault(row.node_id, set()).add(row.index)
@@ -148,7 +160,11 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             health=n["health"] or "HEALTHY", health_reason=(n["health_detail"] or {}).get("reason", ""),
             gpu_health=gpu_health_from_detail(n["health_detail"]),
             mig_gpus=frozenset(mig_gpus.get(n["id"], ())), foreign=foreign.get(n["id"], {}),
+            mig_manage=bool(n["mig_manage"]), acked_revision=int(n["acked_revision"] or 0),
         )
+        if n["id"] in switches:
+            node = nodes[n["name"]]
+            node.mig_switches, node.mig_pending, node.mig_switched_at = switches[n["id"]]
     for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
         jobs[j["id"]] = job_from_row(j)
     running = [j.id for j in jobs.values() if j.state == "RUNNING"]
@@ -461,14 +477,16 @@ def assignments_after(conn: Connection, node_name: str, after: int, limit: int =
 
 
 def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topology: dict[str, Any], address: str,
-                agent_instance: str, profile: str, gpu_model: str, fabric_path: Sequence[str], now: float) -> tuple[int, int]:
+                agent_instance: str, profile: str, gpu_model: str, fabric_path: Sequence[str], now: float,
+                mig_manage: bool = False) -> tuple[int, int]:
     """Insert or refresh a node and its GPU rows; the node becomes READY.
 
     Returns (node id, acked revision, last assignment revision).
     """
     row = conn.execute(select(Node.id, Node.acked_revision, Node.revision).where(Node.name == name)).first()
     values = dict(state="READY", message="", gpus=len(gpus), gpu_model=gpu_model, profile=profile, address=address,
-                  topology=topology, fabric_path=list(fabric_path), agent_instance=agent_instance, last_heartbeat=now)
+                  topology=topology, fabric_path=list(fabric_path), agent_instance=agent_instance, last_heartbeat=now,
+                  mig_manage=mig_manage)
     if row is None:
         node_id = conn.execute(
             insert(Node).values(name=name, registered_at=now, revision=0, acked_revision=0, **values).returning(Node.id)
@@ -516,6 +534,15 @@ def _json_list(value: Any) -> list[Any]:
         except ValueError:
             return []
     return list(value) if isinstance(value, list) else []
+
+
+MIG_SWITCH_COLUMNS = (Gpu.mig_mode_pending, Gpu.mig_switch_to, Gpu.mig_switch_at, Gpu.mig_switch_revision,
+                      Gpu.mig_switch_error, Gpu.mig_retry_after, Gpu.mig_switched_at)
+
+
+def set_gpu_mig(conn: Connection, gpu_id: int, **values: Any) -> None:
+    """Update a GPU row's MIG mode or switch columns (mig_mode, mig_instances, mig_mode_pending, mig_switch_*, ...)."""
+    conn.execute(update(Gpu).where(Gpu.id == gpu_id).values(**values))
 
 
 def strike_node(conn: Connection, node_id: int) -> int:
@@ -756,10 +783,13 @@ def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
         held[(row.node_id, row.gpu_index)] = row.kind
     out: dict[int, list[dict[str, Any]]] = {}
     for row in conn.execute(select(Gpu.node_id, Gpu.index, Gpu.uuid, Gpu.name, Gpu.memory_mib, Gpu.mig_mode,
-                                   Gpu.mig_instances).order_by(Gpu.node_id, Gpu.index)):
+                                   Gpu.mig_instances, Gpu.mig_mode_pending, Gpu.mig_switch_to, Gpu.mig_switch_error)
+                            .order_by(Gpu.node_id, Gpu.index)):
         kind = held.get((row.node_id, row.index))
         out.setdefault(row.node_id, []).append(dict(
             index=row.index, uuid=row.uuid or "", name=row.name or "", memory_mib=row.memory_mib or 0,
             mig_mode=row.mig_mode or "UNSUPPORTED", mig_instances=_json_list(row.mig_instances),
-            held=kind == "gpu", split=kind == "hold"))
+            held=kind == "gpu", split=kind == "hold", mig_mode_pending=row.mig_mode_pending or "",
+            mig_switching=bool(row.mig_switch_to) and not row.mig_switch_error,
+            mig_switch_error=row.mig_switch_error or ""))
     return out

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-id", default=os.environ.get("PHALANX_REPLICA_ID", ""), metavar="ID",
                    help="this replica's name in the ledger's leadership row and logs (default: random; env "
                         "PHALANX_REPLICA_ID). Every replica needs its own")
+    p.add_argument("--mig-switch-hold", type=float, default=60.0, metavar="S",
+                   help="agents started with --mig-manage: a GPU whose MIG mode changed less than S seconds ago is "
+                        "not switched again (no flapping between MIG and whole-GPU work)")
+    p.add_argument("--mig-switch-backoff", type=float, default=60.0, metavar="S",
+                   help="agents started with --mig-manage: a GPU whose MIG mode switch failed is not asked again "
+                        "for S seconds")
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
     add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
     p.add_argument("--rate-limit", type=float, default=None, metavar="N",
@@ -152,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-attempts must be >= 1; --retry-backoff, --retry-backoff-max, --min-runtime and "
               "--preemption-grace must be >= 0", file=sys.stderr)
         return 2
+    if not (0 <= args.mig_switch_hold <= 86400 and 0 <= args.mig_switch_backoff <= 86400):
+        print("error: --mig-switch-hold and --mig-switch-backoff must be within 0-86400 s", file=sys.stderr)
+        return 2
     try:
         tokens, tls = security_from_args(args)
         limits = limits_from_args(args)
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         preemption=PreemptionPolicy(min_runtime_s=args.min_runtime, grace_period_s=args.preemption_grace),
         checkpoint_addr=args.checkpoint_coordinator, checkpoint_dir=args.checkpoint_dir,
         leader_lease_s=args.leader_lease, replica_id=args.replica_id,
+        mig_switch_hold_s=args.mig_switch_hold, mig_switch_backoff_s=args.mig_switch_backoff,
     )
     serve_metrics(args.metrics_port)
 

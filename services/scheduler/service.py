@@ -27,7 +27,7 @@ from services.common import metrics
 from services.common.errors import ServiceError, Unavailable
 from services.common.faults import fail_point
 
-from . import accounting, ledger
+from . import accounting, ledger, migmode
 from .convert import job_from_row, node_from_row
 from .cycle import HEALTH_NAMES, Command, Cycle, Drain, HealthReport, finish_cycle, reload_state, run_cycle
 from .settings import SchedulerSettings
@@ -67,6 +67,11 @@ class SchedulerService:
         self._acks: dict[str, int] = {}
         self._draining: set[str] = set()
         self._health_queued: dict[str, tuple] = {}  # node -> health signature of a HealthReport not yet applied
+        # --mig-manage (migmode.py): per node the highest revision it acked, that revision as of its last heartbeat,
+        # and the signature of a MigModeReport not yet applied
+        self._acked_seen: dict[str, int] = {}
+        self._acked_at_beat: dict[str, int] = {}
+        self._mig_queued: dict[str, tuple] = {}
         self._next_timer_check = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         # Leadership (docs/design.md, "Leadership"): the epoch of the lease this replica holds, None when it does
@@ -329,7 +334,7 @@ class SchedulerService:
                 node.persisted_heartbeat = ts
         cycle.acks = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
 
-    def heartbeat(self, name: str, health=None, events=(), draining: bool = False) -> tuple[str, bool]:
+    def heartbeat(self, name: str, health=None, events=(), draining: bool = False, mig_modes=()) -> tuple[str, bool]:
         """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds).
 
         Health costs nothing while it stays the same. A change (or any health event) queues a HealthReport and wakes
@@ -355,7 +360,40 @@ class SchedulerService:
             fut.add_done_callback(lambda f, n=name: self._health_queued.pop(n, None))
             self._inbox.append((HealthReport(name, None, [], alive=True), fut))
             self._wake.set()
+        if node.mig_manage and node.state != "LOST":
+            self._queue_mig(node, mig_modes)
         return node.state, node.state == "LOST"
+
+    def _queue_mig(self, node, mig_modes) -> None:
+        """A --mig-manage agent's MIG modes: queue a MigModeReport when they change the view (a mode, a pending
+        mode, the end of a switch). Errors count only once the agent had acked the switch before its previous
+        heartbeat (migmode.py)."""
+        gate = self._acked_at_beat.get(node.name, 0)
+        self._acked_at_beat[node.name] = max(self._acked_seen.get(node.name, 0), node.acked_revision)
+        if self._stopping or self._loop is None:
+            return
+        statuses = migmode.statuses_from_proto(mig_modes)
+        try:
+            changes = migmode.report_changes(node, statuses, gate)
+        except RuntimeError:  # the writer thread changed the record meanwhile: let the cycle decide
+            changes = True
+        if not changes:
+            return
+        sig = (tuple(sorted(statuses.items())), gate)
+        if self._mig_queued.get(node.name) == sig:
+            return  # the same report is queued for the next cycle already
+        self._mig_queued[node.name] = sig
+        fut = self._loop.create_future()
+
+        def done(f: asyncio.Future, name=node.name, sig=sig) -> None:
+            if self._mig_queued.get(name) == sig:
+                self._mig_queued.pop(name, None)
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("mig_mode_report_failed", node=name, error=str(f.exception())[:200])
+
+        fut.add_done_callback(done)
+        self._inbox.append((migmode.MigModeReport(node.name, statuses, gate), fut))
+        self._wake.set()
 
     def _queue_health(self, node, health, events: list) -> None:
         if health is not None and health.state in HEALTH_NAMES:
@@ -387,6 +425,7 @@ class SchedulerService:
         if name not in self.state.nodes:
             return False
         self._acks[name] = max(revision, self._acks.get(name, 0))
+        self._acked_seen[name] = max(revision, self._acked_seen.get(name, 0))
         return True
 
     def _timers_due(self, now: float) -> bool:

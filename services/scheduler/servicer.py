@@ -354,7 +354,8 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument(f"GPU indices must be 0..{len(indices) - 1}, got {sorted(indices)}")
         topology = MessageToDict(request.topology, preserving_proto_field_name=True)
         acked = await self.service.execute(
-            Register(name, request.topology, topology, request.address or "127.0.0.1", request.agent_instance)
+            Register(name, request.topology, topology, request.address or "127.0.0.1", request.agent_instance,
+                     mig_manage=request.mig_manage)
         )
         s = self.service.settings
         return agent_pb2.RegisterNodeResponse(
@@ -373,7 +374,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 g.reasons[:] = [_clean(r, 2000) for r in g.reasons]
         state, reregister = self.service.heartbeat(
             request.node_name, request.health if request.HasField("health") else None, request.events,
-            draining=request.draining)
+            draining=request.draining, mig_modes=request.mig_modes)
         return agent_pb2.HeartbeatResponse(
             state=NODE_STATES.get(state, common_pb2.NODE_STATE_UNSPECIFIED), reregister=reregister
         )

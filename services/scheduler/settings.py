@@ -46,3 +46,8 @@ class SchedulerSettings:
     # PHALANX_CHECKPOINT_ADDR / PHALANX_CHECKPOINT_DIR); "" leaves them unset (a job may set them in its env).
     checkpoint_addr: str = ""
     checkpoint_dir: str = ""
+    # MIG mode switches on --mig-manage agents (services/scheduler/migmode.py): a GPU whose mode changed less than
+    # mig_switch_hold_s ago is not switched again; one whose switch failed is not asked again for
+    # mig_switch_backoff_s.
+    mig_switch_hold_s: float = 60.0
+    mig_switch_backoff_s: float = 60.0

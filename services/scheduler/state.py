@@ -132,6 +132,23 @@ def gpu_equivalents(replicas: int, gpus_per_replica: int, mig_profile: str = "",
     return float(replicas * gpus_per_replica)
 
 
+@dataclass(frozen=True)
+class MigSwitch:
+    """A MIG mode switch the scheduler asked a --mig-manage agent for (SetMigMode, assignment `revision`): into MIG
+    mode (`enable`) or out of it, asked at `asked_at`. Under way while `error` is empty; a failed one keeps the
+    agent's error and is not asked again before `retry_after` (--mig-switch-backoff)."""
+
+    enable: bool
+    asked_at: float
+    revision: int = 0
+    error: str = ""
+    retry_after: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return not self.error
+
+
 @dataclass
 class NodeRecord:
     id: int
@@ -157,10 +174,28 @@ class NodeRecord:
     # whole-GPU jobs and shares), and per GPU the memory slices of MIG instances Phalanx did not make.
     mig_gpus: frozenset[int] = frozenset()
     foreign: dict[int, int] = field(default_factory=dict)
+    # --mig-manage (services/scheduler/migmode.py): the agent lets the scheduler switch idle GPUs' MIG mode; the
+    # last revision it acked; per GPU the switch asked (under way or failed), the mode the agent reports pending
+    # (True: MIG mode) where a GPU reset has still to apply it, and when the mode last changed (--mig-switch-hold).
+    mig_manage: bool = False
+    acked_revision: int = 0
+    mig_switches: dict[int, MigSwitch] = field(default_factory=dict)
+    mig_pending: dict[int, bool] = field(default_factory=dict)
+    mig_switched_at: dict[int, float] = field(default_factory=dict)
 
     @property
     def fatal_gpus(self) -> set[int]:
         return {i for i, (h, _) in self.gpu_health.items() if h == "FATAL" and 0 <= i < self.gpus}
+
+    @property
+    def switching_gpus(self) -> set[int]:
+        """GPUs whose MIG mode switch is under way: out of placement for every request until it ends."""
+        return {i for i, s in self.mig_switches.items() if s.active and 0 <= i < self.gpus}
+
+    @property
+    def held_gpus(self) -> set[int]:
+        """GPUs kept out of the capacity view: FATAL ones and those switching MIG mode."""
+        return self.fatal_gpus | self.switching_gpus if self.mig_switches else self.fatal_gpus
 
     @property
     def schedulable(self) -> bool:
@@ -182,14 +217,15 @@ class SchedulerState:
         self.endpoint_expires = 0.0
         self.no_preemption: tuple | None = None
         self.reservation_memo: dict = {}
+        self.mig_plans: dict = {}  # job id -> (signature, valid until, plan) of its last MIG mode switch plan
         self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)  # the blocked head's last reservation and what it was planned on  # (signature, valid until, message) of the last "no victims" answer
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(
-            NodeCapacity(n.name, n.gpus, set(range(n.gpus)) - n.fatal_gpus, n.schedulable, n.path, n.closeness,
-                         n.gpu_model, n.memory_mib, mig={g: FULL_MIG_MASK for g in n.fatal_gpus & n.mig_gpus},
+            NodeCapacity(n.name, n.gpus, set(range(n.gpus)) - held, n.schedulable, n.path, n.closeness,
+                         n.gpu_model, n.memory_mib, mig={g: FULL_MIG_MASK for g in held & n.mig_gpus},
                          mig_gpus=n.mig_gpus, foreign=dict(n.foreign))
-            for n in self.nodes.values()
+            for n in self.nodes.values() for held in (n.held_gpus,)
         )
         for job in self.jobs.values():
             if job.state == "RUNNING":
