@@ -140,6 +140,17 @@ async def test_the_world_size_is_the_attempts_ranks_in_the_ledger(db_url):
                     req.shard.CopyFrom(_shard(rank, 1))
                     done = await stub.ReportShard(req)
                 assert (done.state, done.world_size, len(done.shards)) == ("COMMITTED", world, world)
+            # `phalanx job` (GetJob) shows what the current attempt restored from, once its ranks reported it
+            assert (await c.job(per_gpu.id)).restore == ""
+            attempt = (await c.job(per_gpu.id)).attempt
+            latest = await stub.GetLatestCheckpoint(pb.GetLatestCheckpointRequest(job_id=per_gpu.id))
+            for rank in range(4):
+                await stub.ReportRestore(pb.ReportRestoreRequest(job_id=per_gpu.id, attempt=attempt, rank=rank,
+                                                                 checkpoint_id=latest.id))
+            shown = await c.job(per_gpu.id)
+            assert shown.restore == (await stub.GetRestore(pb.GetRestoreRequest(job_id=per_gpu.id))).message
+            assert shown.restore.startswith("restored from step 1")
+            assert (await c.job(per_replica.id)).restore == ""
     finally:
         await coordinator.stop(0)
 

@@ -25,6 +25,7 @@ JOB_FIELDS = {
     "required_tier", "preferred_tier", "gpu_model", "mig_profile", "gpu_milli",
     "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
     "struck_nodes",
+    "restore",
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",

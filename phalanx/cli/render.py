@@ -180,6 +180,8 @@ def job_detail(job: Job) -> str:
                                     "the latest (sooner once its checkpoint is in)"))
     if job.not_before and job.state.value == "PENDING":
         lines.append(("retry backoff", f"until {format_time(job.not_before)}"))
+    if job.restore:
+        lines.append(("restore", job.restore))
     if job.struck_nodes:
         lines.append(("struck nodes", f"{', '.join(job.struck_nodes)} (avoided while it fits elsewhere)"))
     if job.placement:

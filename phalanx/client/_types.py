@@ -224,6 +224,8 @@ class Job:
     # Nodes whose host could not set up one of its ranks (a retryable launch failure): it avoids them while it fits
     # elsewhere.
     struck_nodes: tuple[str, ...] = ()
+    # What the current attempt restored from (get_job only; "" elsewhere and before any rank reported).
+    restore: str = field(default="", compare=False)
     # GPU-time accounting, filled by get_job only (None elsewhere). It grows with time while the job runs, so it
     # takes no part in equality (watch compares jobs to drop repeats).
     goodput: Goodput | None = field(default=None, compare=False)
@@ -288,6 +290,7 @@ class Job:
             preempted_by=msg.preempted_by,
             preempt_deadline=float(msg.preempt_deadline),
             struck_nodes=tuple(msg.struck_nodes),
+            restore=msg.restore,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
         )
 
@@ -327,6 +330,7 @@ class Job:
             "preempted_by": self.preempted_by,
             "preempt_deadline": self.preempt_deadline,
             "struck_nodes": list(self.struck_nodes),
+            "restore": self.restore,
             "goodput": None if self.goodput is None else self.goodput.to_dict(),
         }
 

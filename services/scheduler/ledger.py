@@ -24,7 +24,7 @@ from phalanx.core.closeness import GpuCloseness
 from phalanx.core.quota import FlavorQuota, QueueSpec
 
 from db.models import (
-    Allocation, Assignment, Checkpoint, CheckpointRequest, Gpu, Job, JobAttempt, LedgerClock, Node, NodeEvent, Rank,
+    Allocation, Assignment, Checkpoint, CheckpointRequest, CheckpointRestore, Gpu, Job, JobAttempt, LedgerClock, Node, NodeEvent, Rank,
     Queue, ServiceEndpoint,
 )
 
@@ -793,3 +793,18 @@ def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
             mig_switching=bool(row.mig_switch_to) and not row.mig_switch_error,
             mig_switch_error=row.mig_switch_error or ""))
     return out
+
+
+def restore_message(conn: Connection, job_id: str) -> str:
+    """What the job's current attempt restored from, as its ranks reported it to the checkpoint coordinator (the
+    fullest account when they agree); "" when no rank has reported."""
+    attempt = conn.execute(select(Job.attempt).where(Job.id == job_id)).scalar()
+    if attempt is None:
+        return ""
+    rows = conn.execute(select(CheckpointRestore.checkpoint_id, CheckpointRestore.skipped, CheckpointRestore.message)
+                        .where(CheckpointRestore.job_id == job_id, CheckpointRestore.attempt == attempt)).all()
+    if not rows:
+        return ""
+    if len({r.checkpoint_id for r in rows}) > 1:
+        return "ranks restored different checkpoints (GetRestore lists each rank's)"
+    return max(rows, key=lambda r: len(r.skipped or [])).message

@@ -16,7 +16,7 @@ from services.common.auth import TenantLimits, current_identity, tenant_scope
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.rpc import stream, unary
 
-from . import accounting, queues
+from . import accounting, ledger, queues
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES
 from .cycle import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
 from .service import SchedulerService
@@ -212,6 +212,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         _, listed, _ = await self.service.read(accounting.read_goodput, time.time(), job_ids=[job_id])
         if listed:
             job.goodput.CopyFrom(accounting.to_proto(listed[0][1]))
+        job.restore = await self.service.read(ledger.restore_message, job_id)
         return job
 
     @unary
