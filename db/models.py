@@ -176,6 +176,9 @@ class Job(Base):
     # Nodes that struck it (revision 0010): their host could not set up one of its ranks (a retryable
     # FAILED_TO_START); its placements avoid them while it fits elsewhere.
     struck_nodes: Mapped[list[Any]] = mapped_column(default=list)
+    # Checkpoint retention (revision 0014): the checkpoint coordinator keeps this many of its newest complete
+    # committed checkpoints (JobSpec.keep_checkpoints); 0: the coordinator's --keep-checkpoints.
+    keep_checkpoints: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Queue(Base):
@@ -305,8 +308,17 @@ class Assignment(Base):
 
 
 class Checkpoint(Base):
+    """A checkpoint of one attempt of a job. Retention (revision 0014, services/checkpoint_coordinator/retention.py):
+    `deleted_at` is when the coordinator deleted its files (NULL: not deleted); the row keeps its state and shards
+    for the record, and a deleted checkpoint is never a restore point."""
+
     __tablename__ = "checkpoints"
-    __table_args__ = (Index(None, "job_id", "state", "step"),)
+    __table_args__ = (
+        Index(None, "job_id", "state", "step"),
+        # The undeleted rows, which the coordinator's retention sweep reads.
+        Index("ix_checkpoints_undeleted", "job_id", "state", sqlite_where=text("deleted_at IS NULL"),
+              postgresql_where=text("deleted_at IS NULL")),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
@@ -318,16 +330,37 @@ class Checkpoint(Base):
     world_size: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # shards needed to commit
     deadline_at: Mapped[float | None] = mapped_column(nullable=True)  # a PENDING checkpoint aborts after this
     message: Mapped[str] = mapped_column(Text, default="", server_default="")  # why it aborted
+    deleted_at: Mapped[float | None] = mapped_column(nullable=True)  # its files were deleted then (retention)
 
 
 class CheckpointRequest(Base):
-    """A pending ask (user, preemption) that the job's ranks checkpoint soon; cleared by the next commit."""
+    """A pending ask (user, preemption, a rank's time policy) that the job's ranks checkpoint soon; cleared by the
+    next commit. `target_step`: the step every rank of attempt `target_attempt` checkpoints at, decided by the
+    coordinator once each of them reported its step (revision 0013; NULL until then, see CheckpointStepReport)."""
 
     __tablename__ = "checkpoint_requests"
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     requested_at: Mapped[float] = mapped_column()
+    target_attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    target_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class CheckpointStepReport(Base):
+    """The step one rank of an attempt last reported while a checkpoint request was outstanding (revision 0013):
+    the step it had just completed, for the request of `requested_at`. The coordinator replaces it at each report and
+    decides the request's target step, max(step) + 1, once every rank 0..N-1 reported for the request; a commit that
+    clears the request removes its reports. Written by the coordinator only."""
+
+    __tablename__ = "checkpoint_step_reports"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger)
+    requested_at: Mapped[float] = mapped_column()
+    reported_at: Mapped[float] = mapped_column()
 
 
 class CheckpointShard(Base):

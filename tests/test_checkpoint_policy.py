@@ -299,12 +299,20 @@ async def test_auto_interval_triggers_and_the_jobs_policy_wins(server, stub, db_
         assert auto.suggested_interval_s == pytest.approx(policy.interval_s)
         assert auto.auto_interval_s == pytest.approx(policy.interval_s)
         assert (off.auto_interval_s, by_time.auto_interval_s, by_steps.auto_interval_s) == (0.0, 0.0, 0.0)
+        assert explicit_auto.auto_interval_s == pytest.approx(policy.interval_s)
         await asyncio.sleep(policy.interval_s + 0.1)
-        assert [await asyncio.to_thread(c.should_checkpoint, 2) for c in everyone] == [True, True, False, False,
-                                                                                       False]
-        result = await asyncio.to_thread(auto.save, 2, {"w": 1})
+        # The job's own policy wins: these do not ask for a checkpoint when the suggested interval passes.
+        assert [await asyncio.to_thread(c.should_checkpoint, 2) for c in (off, by_time, by_steps)] == [False] * 3
+        asked = await stub.GetCheckpointRequest(pb.GetCheckpointRequestRequest(job_id=JOB, attempt=1))
+        assert not asked.requested
+        # The automatic policy asks for one (reason "interval"); with one rank the agreed step is the next one.
+        assert not await asyncio.to_thread(auto.should_checkpoint, 2)
+        asked = await stub.GetCheckpointRequest(pb.GetCheckpointRequestRequest(job_id=JOB, attempt=1))
+        assert (asked.requested, asked.reason, asked.target_step) == (True, "interval", 3)
+        assert await asyncio.to_thread(auto.should_checkpoint, 3)
+        result = await asyncio.to_thread(auto.save, 3, {"w": 1})
         assert result.committed
-        assert not await asyncio.to_thread(auto.should_checkpoint, 3)  # measured again from the save
+        assert not await asyncio.to_thread(auto.should_checkpoint, 4)  # measured again from the save
     finally:
         for c in everyone:
             c.close()

@@ -416,10 +416,10 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0012"}
-    assert current(url) == "0012"
+    assert json.loads(out) == {"db": url, "revision": "0014"}
+    assert current(url) == "0014"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0012" in out
+    assert code == 0 and "0014" in out
 
 
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
@@ -429,7 +429,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0012"
+    assert current(url) == "0014"
 
 
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):

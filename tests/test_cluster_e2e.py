@@ -26,6 +26,7 @@ JOB_FIELDS = {
     "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
     "struck_nodes",
     "restore",
+    "keep_checkpoints",
 }
 NODE_FIELDS = {
     "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",

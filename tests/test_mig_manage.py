@@ -531,6 +531,7 @@ def test_migration_0011_adds_the_switch_columns_keeps_the_gpus_and_downgrades(em
                         "g.mig_switch_revision, g.mig_switch_error, g.mig_retry_after, g.mig_switched_at "
                         "FROM gpus g JOIN nodes n ON n.id = g.node_id")
     assert [tuple(r) for r in rows] == [(False, "ENABLED", "", "", 0.0, 0, "", 0.0, 0.0)]
+    upgrade(url)  # a scheduler runs at the head revision
     state = SchedulerState()  # the scheduler reads it: no --mig-manage, no switch
     from services.scheduler import ledger
 

@@ -509,7 +509,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
                 "finished_at, version) VALUES ('0123456789ab', NULL, 'old', 'PENDING', 0, 1, 1, 0, '[\"run\"]', '{}', "
                 "0, '', 0, '{}', 1.0, 0, 0, 0)"))
         upgrade(url)
-        assert current(url) == "0012"
+        assert current(url) == "0014"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT \"index\", mig_mode FROM gpus ORDER BY \"index\"")).all() == [
                 (0, "UNSUPPORTED"), (1, "UNSUPPORTED")]
@@ -536,7 +536,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
                 "SELECT column_name FROM information_schema.columns WHERE table_name = 'gpus'"))}
         assert "mig_mode" not in columns and "memory_mib" in columns
         upgrade(url)
-        assert current(url) == "0012"
+        assert current(url) == "0014"
     finally:
         engine.dispose()
 

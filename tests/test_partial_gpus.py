@@ -445,7 +445,7 @@ async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_
         conn.execute(text("INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
                           "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 2.0)"))
     upgrade(url)
-    assert current(url) == "0012"
+    assert current(url) == "0014"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT kind, unit, profile, gpu_milli FROM allocations")).all() == [
             ("gpu", -1, "", 0)]

@@ -149,12 +149,20 @@ async def test_should_checkpoint_every_n_steps(server, tmp_path):
 
 
 async def test_should_checkpoint_time_interval(server, tmp_path):
-    with train.Checkpointer(_env(server, tmp_path, 0, PHALANX_CHECKPOINT_INTERVAL_S="0.2")) as c:
-        assert not await asyncio.to_thread(c.should_checkpoint, 1)
-        await asyncio.sleep(0.25)
-        assert await asyncio.to_thread(c.should_checkpoint, 2)
-        await asyncio.to_thread(c.save, 2, "s")
-        assert not await asyncio.to_thread(c.should_checkpoint, 3)
+    """A time policy fires on each rank at its own moment; the ranks agree one step through the coordinator."""
+    ranks = _ranks(server, tmp_path, PHALANX_CHECKPOINT_INTERVAL_S="0.2", PHALANX_CHECKPOINT_POLL_S="0")
+    assert not any([await asyncio.to_thread(c.should_checkpoint, 1) for c in ranks])
+    await asyncio.sleep(0.25)
+    fired: dict[int, list[int]] = {c.rank: [] for c in ranks}
+    for step in range(2, 6):
+        for c in ranks:
+            if await asyncio.to_thread(c.should_checkpoint, step):
+                fired[c.rank].append(step)
+                await asyncio.to_thread(c.save, step, f"s{c.rank}")
+    # Both reported step 2 (the interval passed: rank 0 asked for a checkpoint), so the agreed step is 3.
+    assert fired == {0: [3], 1: [3]}
+    for c in ranks:
+        c.close()
 
 
 async def test_should_checkpoint_on_request_until_committed(server, tmp_path):
@@ -163,13 +171,15 @@ async def test_should_checkpoint_on_request_until_committed(server, tmp_path):
     async with grpc.aio.insecure_channel(server.address) as ch:
         stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(ch)
         await stub.RequestCheckpoint(pb.RequestCheckpointRequest(job_id=JOB, reason="preemption"))
-    assert all([await asyncio.to_thread(c.should_checkpoint, 2) for c in ranks])
-    await asyncio.to_thread(ranks[0].save, 2, "a")
+    # Each rank reports step 2; once both have, the agreed step is 3, the first both can still reach.
+    assert not any([await asyncio.to_thread(c.should_checkpoint, 2) for c in ranks])
+    assert all([await asyncio.to_thread(c.should_checkpoint, 3) for c in ranks])
+    await asyncio.to_thread(ranks[0].save, 3, "a")
     # rank 0 has answered this request; rank 1 has not yet
-    assert not await asyncio.to_thread(ranks[0].should_checkpoint, 3)
-    assert await asyncio.to_thread(ranks[1].should_checkpoint, 2)
-    await asyncio.to_thread(ranks[1].save, 2, "b")  # commits, which clears the request
-    assert not any([await asyncio.to_thread(c.should_checkpoint, 3) for c in ranks])
+    assert not await asyncio.to_thread(ranks[0].should_checkpoint, 4)
+    assert await asyncio.to_thread(ranks[1].should_checkpoint, 3)
+    await asyncio.to_thread(ranks[1].save, 3, "b")  # commits, which clears the request
+    assert not any([await asyncio.to_thread(c.should_checkpoint, 4) for c in ranks])
     for c in ranks:
         c.close()
 

@@ -935,7 +935,8 @@ def _prepare_demo_dir(state_dir: Path) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``phalanx demo``: a local cluster, seven jobs through the SDK (placement, gang waiting, MIG and shares,
-    then a preemption with checkpoint-restart), a readable account, exit 0 when all succeed."""
+    then a preemption with checkpoint-restart), an eighth with torch (a DDP job), a readable account, exit 0 when
+    all succeed."""
     from phalanx.client import Client, JobState, PhalanxError
 
     from . import main as cli_main
@@ -1034,6 +1035,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 _say()
                 preempt_ok, more = _demo_preemption(client, cluster, total, stopper)
                 ok, ids = ok and preempt_ok, ids + more
+                # 4. a real torch.distributed job, when torch is installed
+                _say()
+                if _torch_available():
+                    ddp_ok, more = _demo_ddp(client, cluster)
+                    ok, ids = ok and ddp_ok, ids + more
+                else:
+                    _say("torch is not installed, so the demo skips its DistributedDataParallel job "
+                         "(pip install 'phalanx[torch]' to see it)")
             sample = cluster.agent_state_dir(cluster.node_names[0]) / "logs"
             logs = sorted(sample.glob("*.log"))
             if logs:
@@ -1121,6 +1130,39 @@ def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tupl
     return good, [trainer.id, urgent.id]
 
 
+def _torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _demo_ddp(client, cluster: LocalCluster) -> tuple[bool, list[str]]:
+    """phalanx.examples.ddp_tiny as a 2 x 2-rank gang: gloo, an all-reduce check, DistributedDataParallel and a
+    collective DCP checkpoint every 20 steps through phalanx.train."""
+    from phalanx.client import JobState
+
+    steps, every = 60, 20
+    out = cluster.state_dir / "ddp"
+    cmd = [sys.executable, "-m", "phalanx.examples.ddp_tiny", "--steps", str(steps), "--every", str(every),
+           "--out", str(out)]
+    job = client.submit("ddp-tiny", 2, 2, cmd, env={"PHALANX_CHECKPOINT_POLL_S": "0.5"})
+    _say(f"Submitted {job.name} ({job.id}): 2 replicas x 2 ranks of torch.distributed (gloo) training a small "
+         f"model with DistributedDataParallel, {steps} steps, a collective DCP checkpoint every {every}")
+    done = client.wait(job.id, timeout=180)
+    results = [json.loads(p.read_text()) for p in sorted((out / job.id).glob("rank-*.json"))]
+    params = {r["params_sha256"] for r in results}
+    good = done.state is JobState.SUCCEEDED and len(results) == 4 and len(params) == 1
+    _say(f"{time.strftime('%H:%M:%S')} {job.name} {done.state.value}: {done.message}")
+    if results:
+        nodes = sorted({r["node"] for r in results})
+        saves = results[0]["saves"]
+        _say(f"  {job.name}: {len(results)} ranks on {', '.join(nodes)} checked an all-reduce, trained {steps} steps "
+             f"and saved {saves} collective checkpoints (each rank wrote its own part of each); every rank ends "
+             f"with the same parameters (sha256 {next(iter(params))[:12]})" if len(params) == 1 else
+             f"  {job.name}: the ranks' parameters differ: {sorted(params)}")
+    return good, [job.id]
+
+
 # -- registration ----------------------------------------------------------------------------------------------
 
 
@@ -1181,11 +1223,12 @@ def register(subparsers) -> None:
     up.set_defaults(func=cmd_cluster_up)
 
     demo = subparsers.add_parser(
-        "demo", help="start a local cluster of 8 simulated nodes and run seven jobs through it",
+        "demo", help="start a local cluster of 8 simulated nodes and run seven jobs through it (eight with torch)",
         description="Start a local cluster (SQLite, simulated dgx-h100 nodes), submit a 2 x 8 gang, a 4-GPU job "
                     "and a gang as large as the cluster (which waits, holding nothing), and report what "
                     "happens; then a batch training gang is preempted by a critical one and resumes from its "
-                    "checkpoint. Exits 0 when all seven jobs SUCCEEDED. The state directory is wiped first.",
+                    "checkpoint; with torch installed, a DistributedDataParallel job trains and checkpoints collectively. Exits 0 "
+                    "when every job SUCCEEDED. The state directory is wiped first.",
     )
     _add_common(demo, nodes=8, state_dir=DEFAULT_DEMO_STATE_DIR)
     demo.add_argument("--keep", action="store_true", help="keep the cluster running afterwards, until Ctrl-C")

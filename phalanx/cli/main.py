@@ -112,6 +112,22 @@ def _arg_type(parse):
 
 _duration = _arg_type(parse_duration)
 
+MAX_KEEP_CHECKPOINTS = 10_000  # the scheduler's limit on JobSpec.keep_checkpoints
+
+
+def parse_keep_checkpoints(text: str) -> int:
+    """``--keep-checkpoints``: a whole number of checkpoints, 1 to 10000."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of checkpoints") from None
+    if not 1 <= value <= MAX_KEEP_CHECKPOINTS:
+        raise ValueError(f"--keep-checkpoints must be 1 to {MAX_KEEP_CHECKPOINTS}, got {value}")
+    return value
+
+
+_keep_checkpoints = _arg_type(parse_keep_checkpoints)
+
 
 def _out() -> TextIO:
     return sys.stdout
@@ -215,6 +231,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             time_limit=args.time_limit or 0.0,
             queue=args.queue or "",
+            keep_checkpoints=args.keep_checkpoints or 0,
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -492,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="a rank exiting non-zero requeues the gang, to resume from its last committed checkpoint, "
                         "up to N times instead of failing the job (default 0)")
+    p.add_argument("--keep-checkpoints", type=_keep_checkpoints, default=None, metavar="K",
+                   help="the checkpoint coordinator keeps the job's newest K committed checkpoints and deletes the "
+                        "older ones (K >= 1; default: the coordinator's --keep-checkpoints, 3 unless set)")
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
     json_flag(p)

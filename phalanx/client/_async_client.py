@@ -139,6 +139,7 @@ class AsyncClient:
         max_restarts: int = 0,
         time_limit: float = 0.0,
         queue: str = "",
+        keep_checkpoints: int = 0,
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -159,6 +160,7 @@ class AsyncClient:
             max_restarts: A rank exiting non-zero requeues the gang up to this many times; 0: none.
             time_limit: Declared seconds of runtime per attempt (0: none).
             queue: The queue to submit to ("": default).
+            keep_checkpoints: Newest committed checkpoints the coordinator keeps (0: its default).
 
         Returns:
             The job as accepted by the scheduler.
@@ -168,7 +170,7 @@ class AsyncClient:
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
             gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
-            time_limit=time_limit, queue=queue,
+            time_limit=time_limit, queue=queue, keep_checkpoints=keep_checkpoints,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

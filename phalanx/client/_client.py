@@ -91,6 +91,7 @@ def build_submit_request(
     max_restarts: int = 0,
     time_limit: float = 0.0,
     queue: str = "",
+    keep_checkpoints: int = 0,
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -110,6 +111,7 @@ def build_submit_request(
         max_restarts=int(max_restarts or 0),
         time_limit_s=float(time_limit or 0.0),
         queue=str(queue or ""),
+        keep_checkpoints=int(keep_checkpoints or 0),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -228,6 +230,7 @@ class Client:
         max_restarts: int = 0,
         time_limit: float = 0.0,
         queue: str = "",
+        keep_checkpoints: int = 0,
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -252,6 +255,8 @@ class Client:
             time_limit: Declared seconds of runtime per attempt (0: none): the gang is stopped at its limit, and
                 a limit lets it backfill ahead of a waiting larger gang.
             queue: The queue to submit to ("": default); its quota, cohort and fair share apply.
+            keep_checkpoints: The checkpoint coordinator keeps this many of the job's newest committed
+                checkpoints and deletes the older ones (0: the coordinator's --keep-checkpoints, default 3).
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -267,7 +272,7 @@ class Client:
             priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
             required_tier=required_tier, preferred_tier=preferred_tier,
             gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
-            time_limit=time_limit, queue=queue,
+            time_limit=time_limit, queue=queue, keep_checkpoints=keep_checkpoints,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

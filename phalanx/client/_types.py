@@ -211,6 +211,7 @@ class Job:
     gpu_milli: int = 0
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang this many times (0: it fails the job)
     time_limit: float = 0.0  # declared seconds per attempt (0: none)
+    keep_checkpoints: int = 0  # newest committed checkpoints the coordinator keeps (0: its --keep-checkpoints)
     tenant: str = ""  # who submitted it ("" when authentication is off)
     queue: str = "default"
     flavor: str = ""  # the quota flavor its attempt was admitted under ("" without quotas)
@@ -281,6 +282,7 @@ class Job:
             gpu_milli=int(spec.gpu_milli),
             max_restarts=int(spec.max_restarts),
             time_limit=float(spec.time_limit_s),
+            keep_checkpoints=int(spec.keep_checkpoints),
             tenant=msg.tenant,
             queue=spec.queue or "default",
             flavor=msg.flavor,
@@ -311,6 +313,7 @@ class Job:
             "gpu_milli": self.gpu_milli,
             "max_restarts": self.max_restarts,
             "time_limit": self.time_limit,
+            "keep_checkpoints": self.keep_checkpoints,
             "tenant": self.tenant,
             "queue": self.queue,
             "flavor": self.flavor,

@@ -4,17 +4,19 @@
 
 Each rank restores the job's latest committed checkpoint (``train.restore()``) or starts at step 0 with
 ``{"count": 0}``, then loops: ``step += 1; state["count"] += 1``, sleeps ``--step-time`` (the "work"), and saves a
-checkpoint (``train.save(step, state)``) when rank 0's ``train.should_checkpoint(step)`` says so: every ``--every``
-steps, or when the coordinator asks (a preemption, ``phalanx checkpoint``). However often the gang is killed,
-preempted and restarted, a run ends with ``count == steps``: the proof that no committed step is lost or repeated.
+checkpoint (``train.save(step, state)``) when ``train.should_checkpoint(step)`` says so: every ``--every`` steps, or
+when the coordinator asks (a preemption, ``phalanx checkpoint``) or a time policy fires. However often the gang is
+killed, preempted and restarted, a run ends with ``count == steps``: the proof that no committed step is lost or
+repeated.
 
-Lockstep. A checkpoint commits only when every rank reports a shard of the same step, but a request (or a time
-policy) is seen by each rank at its own step. Real data-parallel training is in lockstep anyway (every step's
-gradient all-reduce), and rank 0 decides and broadcasts whether to checkpoint. The ranks of this program do not
+Lockstep. A checkpoint commits only when every rank reports a shard of the same step. Every rank calls
+``train.should_checkpoint(step)`` at every step; a request (or a time policy) is seen by each rank at its own step,
+and the checkpoint coordinator agrees with the ranks on one step for it, so their answers agree. Real
+data-parallel training is in lockstep anyway (every step's gradient all-reduce); the ranks of this program do not
 otherwise talk, so :class:`FileLockstep` stands in for those collectives (``torch.distributed.barrier`` and
-``broadcast_object_list``) with small files in a shared directory: per step, each rank writes a file and waits
-for every rank's; rank 0's file carries its decision. The directory is namespaced by job id and attempt, so a
-restarted gang never meets the files of a superseded one. It needs a directory every rank sees (one host, or a
+``all_gather_object``) with small files in a shared directory: per step, each rank writes a file with its
+decision and waits for every rank's, and checks they agree. The directory is namespaced by job id and attempt, so
+a restarted gang never meets the files of a superseded one. It needs a directory every rank sees (one host, or a
 shared file system), which a local cluster has.
 
 Outputs, under ``--out``/<job id>/:
@@ -22,11 +24,12 @@ Outputs, under ``--out``/<job id>/:
                     started from scratch)
     events.log      JSON lines, appended as they happen: {"event": "start", "attempt", "rank", "restored_step",
                     "node", "pid"} per rank start; {"event": "checkpoint", "attempt", "rank": 0, "step",
-                    "requested"} per checkpoint rank 0 decides ("requested": not a multiple of --every, so a
-                    request asked for it); {"event": "done", ...} at the end
+                    "requested"} per checkpoint, written by rank 0 ("requested": not a multiple of --every, so
+                    a request or a time policy asked for it); {"event": "done", ...} at the end
     sync/attempt-<a>/   the lockstep's files (each rank removes its old ones as it goes)
 Exit codes: 0 done; 2 the ranks restored different steps; 3 a lockstep wait timed out (a peer died and nobody
-stopped this rank); a phalanx.train error (e.g. this attempt was superseded) is raised (exit 1).
+stopped this rank); 4 the ranks disagreed whether to checkpoint at a step (the step agreement failed); a
+phalanx.train error (e.g. this attempt was superseded) is raised (exit 1).
 """
 
 from __future__ import annotations
@@ -46,12 +49,12 @@ class LockstepTimeout(RuntimeError):
 
 
 class FileLockstep:
-    """Barrier + broadcast for ``world_size`` ranks through files in ``directory`` (a stand-in for collectives).
+    """Barrier + all-gather for ``world_size`` ranks through files in ``directory`` (a stand-in for collectives).
 
     ``exchange(tag, value)`` writes this rank's ``value`` for ``tag``, waits until every rank wrote its own, and
-    returns all of them by rank: a barrier that also broadcasts (rank 0's value is the decision). Tags must be
-    used in the same order by every rank; each rank deletes its file of the previous tag once every rank has
-    written the current one (so every rank has read the previous one).
+    returns all of them by rank: a barrier that also gathers (every rank's decision, to check they agree). Tags
+    must be used in the same order by every rank; each rank deletes its file of the previous tag once every rank
+    has written the current one (so every rank has read the previous one).
     """
 
     def __init__(self, directory: str | os.PathLike[str], rank: int, world_size: int, *, timeout: float = 300.0,
@@ -135,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             state["count"] += 1
             time.sleep(args.step_time)
-            # Rank 0 decides for everyone (a request can reach ranks at different steps); the others follow.
-            decision = ("1" if train.should_checkpoint(step) else "0") if rank == 0 else ""
-            if sync.exchange(f"step-{step}", decision)[0] == "1":
+            # Every rank asks (the coordinator agrees a request's step with all of them); they must agree.
+            decisions = sync.exchange(f"step-{step}", "1" if train.should_checkpoint(step) else "0")
+            if len(set(decisions)) != 1:
+                print(f"rank {rank}: the ranks disagree whether to checkpoint at step {step}: {decisions}",
+                      file=sys.stderr, flush=True)
+                return 4
+            if decisions[0] == "1":
                 if rank == 0:
                     _append(events, dict(event="checkpoint", attempt=attempt, rank=rank, step=step,
                                          requested=not (every and step % every == 0)))

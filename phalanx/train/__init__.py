@@ -30,6 +30,14 @@ Young/Daly interval sqrt(2 x MTBF x cost), from the cluster's measured node fail
 6,000 h node MTBF), the nodes the gang spans and the measured cost of its recent checkpoints (docs/design.md,
 "Checkpoint interval policy"). It is measured from the last save, or from the Checkpointer's start.
 PHALANX_CHECKPOINT_POLICY=off (default auto) disables it. A checkpoint request (user, preemption) applies always.
+
+Call `should_checkpoint(step)` at every step on every rank: every rank of the gang checkpoints at the same step
+(a checkpoint commits only with one shard of each rank for one step). The every-N-steps policy is the same step
+everywhere; a request, or a time policy (which, when it fires, asks the coordinator for a checkpoint rather than
+checkpointing alone), is seen by each rank at its own step, so the coordinator agrees the step with the ranks:
+while a request is outstanding each rank reports its step with its polls, and once all have, every rank's
+`should_checkpoint` is True exactly at the highest reported step + 1 (docs/design.md, "Checkpoints"). No
+broadcast from rank 0 is needed.
 """
 
 from ._checkpointer import (

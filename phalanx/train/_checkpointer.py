@@ -51,6 +51,11 @@ VERIFY_GANG = "gang"
 VERIFY_RANK = "rank"
 LIST_PAGE = 100
 MAX_REASON = 1000  # the coordinator's limit on a skipped checkpoint's reason
+INTERVAL_REASON = "interval"  # the reason of the request a rank's time policy sends (RequestCheckpoint)
+# Where a rank stands in the step agreement for the outstanding request (should_checkpoint).
+_IDLE = "idle"            # no request (or an older coordinator's, which is acted on at once)
+_REPORTING = "reporting"  # a request whose step is undecided: report the step at every call
+_HOLDING = "holding"      # the agreed step is known: checkpoint at it
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,9 @@ class Checkpointer:
     """One rank's view of its gang's checkpoints, configured from the environment (default `os.environ`)."""
 
     def __init__(self, env: Mapping[str, str] | None = None, store: CheckpointStore | None = None,
-                 *, timeout: float = 30.0) -> None:
+                 *, timeout: float = 30.0, channel: grpc.Channel | None = None) -> None:
+        """`channel`: an open channel to the coordinator to use (shared, e.g. by many Checkpointers of one
+        process) instead of opening one to PHALANX_CHECKPOINT_ADDR; close() leaves it open."""
         env = os.environ if env is None else env
         self.job_id = _require(env, ENV_JOB_ID)
         self.attempt = _int(env, ENV_ATTEMPT)
@@ -165,24 +172,33 @@ class Checkpointer:
         self.timeout = timeout
         # With authentication on, the cluster gives ranks a `service` token (PHALANX_TOKEN) and, with TLS, the
         # PHALANX_TLS_CA/CERT/KEY files.
-        from phalanx.client._channel import open_channel
+        self._owns_channel = channel is None
+        if channel is None:
+            from phalanx.client._channel import open_channel
 
-        tls = None
-        if env.get("PHALANX_TLS_CA"):
-            from phalanx.client._channel import TLSConfig
+            tls = None
+            if env.get("PHALANX_TLS_CA"):
+                from phalanx.client._channel import TLSConfig
 
-            tls = TLSConfig(env["PHALANX_TLS_CA"], env.get("PHALANX_TLS_CERT", ""), env.get("PHALANX_TLS_KEY", ""))
-        self._channel = open_channel(self.addr, token=(env.get("PHALANX_TOKEN") or "").strip(), tls=tls)
+                tls = TLSConfig(env["PHALANX_TLS_CA"], env.get("PHALANX_TLS_CERT", ""), env.get("PHALANX_TLS_KEY", ""))
+            channel = open_channel(self.addr, token=(env.get("PHALANX_TOKEN") or "").strip(), tls=tls)
+        self._channel = channel
         self._stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(self._channel)
         self._last_save = time.monotonic()
-        self._last_poll: float | None = None
+        self._poll_slot: int | None = None   # floor(time.time() / poll_s) at the last poll
+        self._poll_failed = False
+        self._asked_slot: int | None = None  # the poll slot of the time policy's last ask
         self._request: pb.CheckpointRequestState | None = None
-        self._satisfied_request_at = 0.0
+        self._agreeing: bool | None = None   # the coordinator agrees the step (None: no answer yet)
+        self._target: tuple[float, int] | None = None  # (requested_at, agreed step) of the outstanding request
+        self._done: tuple[float, int] | None = None    # the (requested_at, agreed step) this rank saved at
+        self._satisfied_request_at = 0.0     # an older coordinator's request this rank saved for
         self.last_restore: RestoreResult | None = None
 
     # -- plumbing ------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        self._channel.close()
+        if self._owns_channel:
+            self._channel.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -222,7 +238,11 @@ class Checkpointer:
         A torch.distributed.checkpoint shard (a torch state_dict that `save` wrote with DCP, see
         phalanx.train.torch_dcp) is loaded in place into `into`, a template state_dict (e.g. `{"model":
         model.state_dict(), ...}`), and returns `(step, into)`; without a template it raises CheckpointError.
-        Either way, use the returned state.
+        Either way, use the returned state. `into` may also be a function that returns the template, called only
+        when a DCP checkpoint is loaded: building a template can change what it is built from
+        (`torch.distributed.checkpoint.state_dict.get_state_dict` creates an empty optimizer's state by taking a
+        step with learning rate 0, which advances Adam's step count), so a run that finds no checkpoint should not
+        build one.
 
         A pickle shard (written by an older phalanx.train) is refused with CheckpointPickleError: unpickling bytes
         from storage can run arbitrary code. Pass `allow_pickle=True` to load one from a store you trust.
@@ -320,6 +340,8 @@ class Checkpointer:
     def _load(self, ckpt: pb.Checkpoint, shard: pb.Shard, data: bytes | None, into: Any, allow_pickle: bool) -> Any:
         what = f"checkpoint {ckpt.id} (step {ckpt.step}, rank {self.rank})"
         if torch_dcp.is_dcp_uri(shard.uri):
+            if callable(into):  # a template built only when there is a checkpoint to load into it
+                into = into()
             return torch_dcp.load(shard.uri, shard.checksum, shard.size_bytes, into, what, verified=True)
         assert data is not None
         if into is not None:
@@ -383,7 +405,8 @@ class Checkpointer:
             deadline_s=self.deadline_s,
         ))
         if torch_dcp.supports(self.store, state):
-            uri, size, checksum = torch_dcp.save(self.store, self.job_id, self.attempt, step, self.rank, state)
+            uri, size, checksum = torch_dcp.save(self.store, self.job_id, self.attempt, step, self.rank, state,
+                                                 world_size=self.world_size)
         else:
             data = state_format.encode(state)
             uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
@@ -394,32 +417,46 @@ class Checkpointer:
             deadline_s=self.deadline_s,
         ))
         self._last_save = time.monotonic()
-        if self._request is not None and self._request.requested:
-            self._satisfied_request_at = self._request.requested_at
+        req = self._request
+        if req is not None and req.requested:
+            if not req.agreeing:
+                self._satisfied_request_at = req.requested_at
+            elif self._target is not None and step == self._target[1]:
+                self._done = self._target  # the agreed step is saved: not acted on again
         return SaveResult(step, uri, checksum, size, ckpt.state == "COMMITTED", ckpt.id)
 
     def should_checkpoint(self, step: int) -> bool:
-        """True when the policy (every N steps, S seconds since the last save, or the coordinator's suggested
-        interval) or a request asks for one.
+        """True when this rank should checkpoint after completing `step`: call it at every step, on every rank.
 
-        The job's own policy (PHALANX_CHECKPOINT_EVERY / PHALANX_CHECKPOINT_INTERVAL_S) overrides the coordinator's
-        suggestion: only when both are 0/unset, and PHALANX_CHECKPOINT_POLICY is not "off", does this rank
-        checkpoint once the suggested interval_s (the Young/Daly interval, learned from the request polls) has
-        passed since its last save (or since this Checkpointer started).
+        - Every N steps (PHALANX_CHECKPOINT_EVERY): decided here; it is the same step on every rank.
+        - A request (a user's `phalanx checkpoint`, a preemption) and the time policies (S seconds since this
+          rank's last save, PHALANX_CHECKPOINT_INTERVAL_S; or else, with PHALANX_CHECKPOINT_POLICY "auto", the
+          default, the coordinator's suggested Young/Daly interval, learned from the request polls) are agreed
+          with the coordinator, so that every rank checkpoints at the same step (a checkpoint commits only with
+          one shard of each rank for one step): when a time policy fires, this rank asks for a checkpoint
+          (RequestCheckpoint, reason "interval"; an outstanding request is kept). While a request is outstanding
+          and its step undecided, each rank reports its step with every call; once every rank has, the
+          coordinator picks the first step every rank can still reach (the highest reported + 1), and this returns
+          True exactly at that step, on every rank. So a request is answered a step or two after every rank has
+          seen it. After `save` at that step the request is not acted on again.
+        - The job's own policy (PHALANX_CHECKPOINT_EVERY / PHALANX_CHECKPOINT_INTERVAL_S) overrides the suggested
+          interval, which applies only when both are 0/unset and the policy is not "off".
 
-        The every-N policy is the same on every rank. A time interval or a request (user, preemption) can be seen
-        at different steps by different ranks: for one consistent step, have rank 0 decide and broadcast it.
-        A request is polled from the coordinator at most every PHALANX_CHECKPOINT_POLL_S seconds; a failing
-        poll counts as "no request" (it never stops training).
+        Without an outstanding request, the coordinator is polled at most once per PHALANX_CHECKPOINT_POLL_S
+        seconds, at wall-clock multiples of it, so the ranks of a gang notice a new request within about a step of
+        each other. A failing poll counts as "no request" (it never stops training). A coordinator that does not
+        agree steps (an older one) gets the old behaviour: each rank acts on a request, or its time policy, at its
+        own step, and for one consistent step rank 0 would have to decide and broadcast it.
         """
+        polled = self._poll_if_due(step)  # also learns the suggested interval
         if self.every and step > 0 and step % self.every == 0:
             return True
-        if self.interval_s and time.monotonic() - self._last_save >= self.interval_s:
-            return True
-        requested = self._requested()  # also learns the suggested interval
-        if self.auto_interval_s and time.monotonic() - self._last_save >= self.auto_interval_s:
-            return True
-        return requested
+        interval = self.interval_s or self.auto_interval_s
+        if interval and time.monotonic() - self._last_save >= interval:
+            if not self._agreeing:
+                return True  # an older coordinator (or none answered yet): this rank decides alone, as before
+            self._interval_passed(step, polled)
+        return self._at_target(step)
 
     @property
     def auto_interval_s(self) -> float:
@@ -429,24 +466,102 @@ class Checkpointer:
             return 0.0
         return self.suggested_interval_s
 
-    def _requested(self) -> bool:
-        now = time.monotonic()
-        if self._last_poll is None or now - self._last_poll >= self.poll_s:
-            self._last_poll = now
-            try:
-                self._request = self._call(
-                    "GetCheckpointRequest", pb.GetCheckpointRequestRequest(job_id=self.job_id, attempt=self.attempt)
-                )
-            except CheckpointError as exc:
-                log.warning("checkpoint request poll failed: %s", exc)
-                self._request = None
-            else:
-                suggested = self._request.interval_s
-                # Keep the last good suggestion when a (older) coordinator sends none or a nonsensical one.
-                if math.isfinite(suggested) and suggested > 0:
-                    self.suggested_interval_s = suggested
+    # -- the step agreement (should_checkpoint) ---------------------------------------------------------------------
+    def _slot(self) -> int | None:
+        """The wall-clock poll slot, floor(time.time() / poll_s); None when polling at every call (poll_s 0)."""
+        return math.floor(time.time() / self.poll_s) if self.poll_s > 0 else None
+
+    def _phase(self) -> str:
         req = self._request
-        return bool(req is not None and req.requested and req.requested_at != self._satisfied_request_at)
+        if req is None or not req.requested or not req.agreeing:
+            return _IDLE
+        if self._target is not None and self._target[0] == req.requested_at:
+            return _HOLDING
+        return _REPORTING
+
+    def _missed(self, step: int) -> bool:
+        """The agreed step is behind this rank and it did not save at it (it learned it too late)."""
+        return (self._phase() == _HOLDING and self._target is not None and step > self._target[1]
+                and self._done != self._target)
+
+    def _poll_if_due(self, step: int) -> bool:
+        """Poll when due: at every call while the request's step is undecided (or this rank missed the agreed
+        one), else once per poll slot; after a failed poll, once per poll slot until one succeeds. Sends the step
+        unless this rank knows the agreed step. Returns whether it polled."""
+        phase = self._phase()
+        missed = self._missed(step)
+        eager = (phase == _REPORTING or missed) and not self._poll_failed
+        slot = self._slot()
+        if not eager and slot is not None and slot == self._poll_slot:
+            return False
+        send = phase != _HOLDING or missed
+        if missed:
+            # Only when this rank's polls failed, or it skipped steps: a lone shard at another step could never
+            # commit, so it reports its step, past the agreed one, and the coordinator starts the agreement over.
+            log.warning(
+                "checkpoint_step_missed job=%s attempt=%d rank=%d step=%d target_step=%d: this rank learned the "
+                "agreed step too late; asking for a new agreement", self.job_id, self.attempt, self.rank, step,
+                self._target[1])
+        if self._poll(step if send else None) and not send and self._phase() == _REPORTING:
+            # A new request, or the agreement started over (a rank was past the agreed step): report from now on.
+            self._poll(step)
+        return True
+
+    def _poll(self, step: int | None) -> bool:
+        self._poll_slot = self._slot()
+        request = pb.GetCheckpointRequestRequest(job_id=self.job_id, attempt=self.attempt, rank=self.rank)
+        if step is not None:
+            request.step = step
+        try:
+            reply = self._call("GetCheckpointRequest", request)
+        except CheckpointError as exc:
+            log.warning("checkpoint request poll failed: %s", exc)
+            self._poll_failed = True
+            if self._phase() == _IDLE:
+                self._request = None  # counts as no request; an agreement under way is kept
+            return False
+        self._poll_failed = False
+        suggested = reply.interval_s
+        # Keep the last good suggestion when a (older) coordinator sends none or a nonsensical one.
+        if math.isfinite(suggested) and suggested > 0:
+            self.suggested_interval_s = suggested
+        self._request = reply
+        self._agreeing = reply.agreeing
+        if reply.agreeing and reply.requested and reply.HasField("target_step"):
+            self._target = (reply.requested_at, reply.target_step)
+        else:
+            self._target = None
+        return True
+
+    def _interval_passed(self, step: int, polled: bool) -> None:
+        """A time policy fired (with a coordinator that agrees steps): make sure a request is outstanding and this
+        rank takes part in its agreement. At most once per poll slot."""
+        if self._phase() != _IDLE:
+            # A checkpoint is being agreed, or agreed (ahead, or saved and not yet committed: a rank that did not
+            # save at the agreed step reports a step past it, which starts the agreement over).
+            return
+        slot = self._slot()
+        if slot is not None and slot == self._asked_slot:
+            return
+        self._asked_slot = slot
+        if not polled and self._poll(step) and self._phase() != _IDLE:
+            return  # another rank asked already: this poll joined its agreement
+        try:
+            self._call("RequestCheckpoint", pb.RequestCheckpointRequest(job_id=self.job_id, reason=INTERVAL_REASON))
+        except CheckpointError as exc:
+            log.warning("checkpoint request (time policy) failed: %s", exc)
+            return
+        self._poll(step)
+
+    def _at_target(self, step: int) -> bool:
+        req = self._request
+        if req is None or not req.requested:
+            return False
+        if not req.agreeing:  # an older coordinator: act on the request at once, once
+            return req.requested_at != self._satisfied_request_at
+        if self._phase() != _HOLDING or self._done == self._target:
+            return False
+        return step == self._target[1]
 
 
 _default: Checkpointer | None = None

@@ -25,7 +25,9 @@ from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
 
+from . import retention as retention_policy
 from . import store
+from .retention import DEFAULT_FINISHED, DEFAULT_KEEP_CHECKPOINTS, FINISHED_POLICIES, Retention
 from .servicer import SERVICE_NAME, CheckpointCoordinatorServicer
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
@@ -36,12 +38,19 @@ log = structlog.get_logger(service="checkpointd")
 class CheckpointServer:
     """A started coordinator: `.address` is host:port actually bound; `await .stop()` shuts it down."""
 
-    def __init__(self, server: AioServer, engine, sweeper: asyncio.Task | None = None) -> None:
+    def __init__(self, server: AioServer, engine, sweeper: asyncio.Task | None = None,
+                 servicer: CheckpointCoordinatorServicer | None = None) -> None:
         self._server = server
         self._engine = engine
         self._sweeper = sweeper
+        self._servicer = servicer
         self.address = server.address
         self.port = server.port
+
+    async def settle(self, timeout: float | None = None) -> None:
+        """Wait for the retention passes that commits started (they run in the background)."""
+        if self._servicer is not None:
+            await self._servicer.settle(timeout)
 
     async def stop(self, grace: float = 2.0) -> None:
         try:
@@ -52,6 +61,7 @@ class CheckpointServer:
                 except asyncio.CancelledError:
                     pass
             await self._server.stop(grace)
+            await self.settle(max(grace, 1.0))
         finally:
             self._engine.dispose()
 
@@ -59,8 +69,10 @@ class CheckpointServer:
         await self._server.server.wait_for_termination()
 
 
-async def _sweep(engine, interval: float) -> None:
-    """Abort PENDING checkpoints past their deadline (or of a superseded attempt) every `interval` seconds."""
+async def _sweep(engine, interval: float, retention: Retention | None = None) -> None:
+    """Every `interval` seconds: abort PENDING checkpoints past their deadline (or of a superseded attempt), then
+    the retention pass (retention.py: aborted checkpoints' shards, committed ones beyond what a job keeps, finished
+    jobs' policy)."""
     while True:
         await asyncio.sleep(interval)
         try:
@@ -70,12 +82,23 @@ async def _sweep(engine, interval: float) -> None:
             continue
         if aborted:
             log.info("checkpoints_aborted", count=aborted)
+        if retention is None:
+            continue
+        try:
+            deleted = await asyncio.to_thread(retention.sweep, engine)
+        except Exception as exc:  # noqa: BLE001 - retried at the next tick
+            log.warning("checkpoint_retention_failed", error=str(exc)[:500])
+            continue
+        if deleted:
+            log.info("checkpoint_retention_swept", deleted=len(deleted),
+                     bytes_freed=sum(d.bytes_freed for d in deleted))
 
 
 async def serve(
     db_url: str, listen: str = DEFAULT_LISTEN, sweep_interval: float = DEFAULT_SWEEP_S, *,
     advertise: str | None = None, checkpoint_dir: str = "", tokens: TokenStore | None = None,
-    tls: ServerTLS | None = None,
+    tls: ServerTLS | None = None, keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+    finished_checkpoints: str = DEFAULT_FINISHED,
 ) -> CheckpointServer:
     """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database.
 
@@ -84,10 +107,17 @@ async def serve(
     checkpoint directory ranks should use in the ledger's service_endpoints, where a scheduler started without
     --checkpoint-coordinator finds them. `tokens`: authentication on (roles `service` and `admin` may call it);
     `tls`: serve TLS (mutual when it names a CA).
+
+    Retention (retention.py): after each commit, and in every sweep, it keeps the newest `keep_checkpoints` (>= 1)
+    complete committed checkpoints of each job (a job's own keep_checkpoints > 0 overrides it) and deletes the
+    older ones and aborted ones; finished jobs follow `finished_checkpoints` ("keep", "latest" or "delete"). Only
+    files of file:// shards inside `checkpoint_dir`/<job>/ are deleted (none without a checkpoint_dir).
     """
+    retention = Retention(checkpoint_dir, retention_policy.validate_keep(keep_checkpoints),
+                          retention_policy.validate_finished(finished_checkpoints))
     engine = make_engine(db_url)
     try:
-        servicer = CheckpointCoordinatorServicer(engine)
+        servicer = CheckpointCoordinatorServicer(engine, retention)
         server = AioServer(
             listen,
             [lambda s: checkpoint_pb2_grpc.add_CheckpointCoordinatorServicer_to_server(servicer, s)],
@@ -101,8 +131,8 @@ async def serve(
     except BaseException:
         engine.dispose()
         raise
-    sweeper = asyncio.create_task(_sweep(engine, sweep_interval)) if sweep_interval > 0 else None
-    return CheckpointServer(server, engine, sweeper)
+    sweeper = asyncio.create_task(_sweep(engine, sweep_interval, retention)) if sweep_interval > 0 else None
+    return CheckpointServer(server, engine, sweeper, servicer)
 
 
 def _reachable(address: str) -> str:
@@ -113,10 +143,13 @@ def _reachable(address: str) -> str:
 
 
 async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S, advertise: str | None = None,
-               checkpoint_dir: str = "", tokens: TokenStore | None = None, tls: ServerTLS | None = None) -> None:
+               checkpoint_dir: str = "", tokens: TokenStore | None = None, tls: ServerTLS | None = None,
+               keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS, finished_checkpoints: str = DEFAULT_FINISHED) -> None:
     server = await serve(db_url, listen, sweep_interval, advertise=advertise, checkpoint_dir=checkpoint_dir,
-                         tokens=tokens, tls=tls)
-    log.info("checkpointd_started", address=server.address)
+                         tokens=tokens, tls=tls, keep_checkpoints=keep_checkpoints,
+                         finished_checkpoints=finished_checkpoints)
+    log.info("checkpointd_started", address=server.address, keep_checkpoints=keep_checkpoints,
+             finished_checkpoints=finished_checkpoints, checkpoint_dir=checkpoint_dir)
     print(f"checkpoint coordinator at {server.address}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -128,6 +161,21 @@ async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SW
     log.info("checkpointd_stopped")
 
 
+def _keep_checkpoints(text: str) -> int:
+    try:
+        return retention_policy.validate_keep(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a whole number of checkpoints, 1 to {retention_policy.MAX_KEEP_CHECKPOINTS}") from None
+
+
+def _finished_policy(text: str) -> str:
+    try:
+        return retention_policy.validate_finished(text.strip().lower())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(FINISHED_POLICIES)}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="phalanx-checkpointd", description="Phalanx checkpoint coordinator")
     parser.add_argument("--db", default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL), help="database URL (env PHALANX_DB)")
@@ -137,14 +185,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gRPC listen address host:port (env PHALANX_CHECKPOINTD_LISTEN)",
     )
     parser.add_argument("--sweep-interval", type=float, default=DEFAULT_SWEEP_S,
-                        help="seconds between sweeps that abort checkpoints past their deadline (0: never)")
+                        help="seconds between sweeps that abort checkpoints past their deadline and apply the "
+                             "retention policy (0: never)")
     parser.add_argument("--advertise", default=os.environ.get("PHALANX_CHECKPOINTD_ADVERTISE") or None,
                         metavar="HOST:PORT",
                         help="the address ranks reach this coordinator at, recorded in the ledger for schedulers "
                              "started without --checkpoint-coordinator (default: the bound address)")
     parser.add_argument("--checkpoint-dir", default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""), metavar="DIR",
                         help="the checkpoint directory ranks should write to, recorded beside the address "
-                             "(env PHALANX_CHECKPOINT_DIR)")
+                             "(env PHALANX_CHECKPOINT_DIR); retention deletes only files inside it")
+    parser.add_argument("--keep-checkpoints", type=_keep_checkpoints,
+                        default=os.environ.get("PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS", str(DEFAULT_KEEP_CHECKPOINTS)),
+                        metavar="K",
+                        help="keep the newest K complete committed checkpoints of each job and delete the older ones "
+                             f"(K >= 1, default {DEFAULT_KEEP_CHECKPOINTS}; a job's own --keep-checkpoints overrides "
+                             "it; env PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS)")
+    parser.add_argument("--finished-checkpoints", type=_finished_policy,
+                        default=os.environ.get("PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS", DEFAULT_FINISHED),
+                        metavar="{" + ",".join(FINISHED_POLICIES) + "}",
+                        help="a finished job's checkpoints: keep (default: its newest K, as while it ran), latest "
+                             "(only its newest one) or delete (all of them) "
+                             "(env PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS)")
     parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
     add_security_flags(parser, env_prefix="PHALANX_CHECKPOINTD")
@@ -162,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_metrics(args.metrics_port, args.metrics_host)
     try:
         asyncio.run(_run(args.db, args.listen, log, args.sweep_interval, args.advertise, args.checkpoint_dir,
-                         tokens, tls))
+                         tokens, tls, args.keep_checkpoints, args.finished_checkpoints))
     except OSError as exc:
         log.error("checkpointd_failed", error=str(exc))
         return 1

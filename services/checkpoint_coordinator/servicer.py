@@ -13,6 +13,7 @@ from services.common.errors import InvalidArgument
 from services.common.rpc import unary
 
 from . import store
+from .retention import Retention
 
 log = structlog.get_logger(service="checkpointd")
 
@@ -52,8 +53,11 @@ def restore_proto(r: store.RestoreRecord) -> checkpoint_pb2.RestoreReport:
 
 def _request_proto(record: store.RequestRecord) -> checkpoint_pb2.CheckpointRequestState:
     state = checkpoint_pb2.CheckpointRequestState(
-        requested=record.requested, reason=record.reason, requested_at=record.requested_at
+        requested=record.requested, reason=record.reason, requested_at=record.requested_at,
+        agreeing=True, ranks_reported=record.ranks_reported,
     )
+    if record.target_step is not None:
+        state.target_step = record.target_step
     if record.policy is not None:
         state.interval_s = record.policy.interval_s
         state.mtbf_s = record.policy.mtbf_s
@@ -71,8 +75,44 @@ def policy_proto(job_id: str, p: CheckpointPolicy) -> checkpoint_pb2.CheckpointP
 
 
 class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorServicer):
-    def __init__(self, engine: Engine) -> None:
+    """`retention`: after each commit the job's checkpoints beyond what it keeps are deleted (retention.py), in the
+    background: the commit's answer never waits for the file system."""
+
+    def __init__(self, engine: Engine, retention: Retention | None = None) -> None:
         self.engine = engine
+        self.retention = retention
+        self._pruning: dict[str, asyncio.Task] = {}  # job id -> its retention pass under way
+        self._again: set[str] = set()  # jobs that committed again meanwhile: one more pass
+
+    def _committed(self, job_id: str) -> None:
+        if self.retention is None:
+            return
+        task = self._pruning.get(job_id)
+        if task is not None and not task.done():
+            self._again.add(job_id)
+            return
+        self._pruning[job_id] = asyncio.create_task(self._prune(job_id))
+
+    async def _prune(self, job_id: str) -> None:
+        try:
+            while True:
+                self._again.discard(job_id)
+                try:
+                    await asyncio.to_thread(self.retention.prune_job, self.engine, job_id)
+                except Exception as exc:  # noqa: BLE001 - best effort: the sweep finds what is left
+                    log.warning("checkpoint_retention_failed", job_id=job_id, error=str(exc)[:500])
+                if job_id not in self._again:
+                    break
+        finally:
+            if self._pruning.get(job_id) is asyncio.current_task():
+                del self._pruning[job_id]
+
+    async def settle(self, timeout: float | None = None) -> None:
+        """Wait for the retention passes that commits started (tests; shutdown)."""
+        while self._pruning:
+            _, pending = await asyncio.wait(list(self._pruning.values()), timeout=timeout)
+            if pending:
+                return
 
     @unary
     async def RecordCheckpoint(self, request, context):
@@ -82,6 +122,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         )
         log.info("checkpoint_committed", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
                  attempt=record.attempt, shards=len(record.shards))
+        self._committed(record.job_id)
         return to_proto(record)
 
     @unary
@@ -107,6 +148,8 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         log.info("checkpoint_shard_reported", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
                  attempt=record.attempt, rank=s.rank, reported=len(record.shards), world_size=record.world_size,
                  state=record.state)
+        if record.state == store.COMMITTED:
+            self._committed(record.job_id)
         return to_proto(record)
 
     @unary
@@ -117,7 +160,15 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def GetCheckpointRequest(self, request, context):
-        record = await asyncio.to_thread(store.get_request, self.engine, request.job_id, request.attempt)
+        step = request.step if request.HasField("step") else None  # set: the rank takes part in the step agreement
+        record = await asyncio.to_thread(store.get_request, self.engine, request.job_id, request.attempt,
+                                         request.rank, step)
+        if record.decided:
+            log.info("checkpoint_step_agreed", job_id=request.job_id, attempt=request.attempt,
+                     target_step=record.target_step, ranks=record.ranks_reported, reason=record.reason)
+        elif record.restarted:
+            log.warning("checkpoint_step_agreement_restarted", job_id=request.job_id, attempt=request.attempt,
+                        rank=request.rank, step=step, reason=record.reason)
         return _request_proto(record)
 
     @unary

@@ -11,8 +11,13 @@ FailedPrecondition, and any refusal raises before anything is written, so the tr
 No number a client sends about the gang is believed: the world size is the number of ranks of the job's current
 attempt in the ledger (`ledger_world_size`), a request's `world_size` only a cross-check (0: the ledger's); a
 checkpoint commits with exactly one shard of each rank 0..N-1. Restores read only complete COMMITTED checkpoints
-(`latest_checkpoint`, `list_checkpoints`), and `report_restore` records what a rank restored from, checked
+whose files retention did not delete (`latest_checkpoint`, `list_checkpoints`; retention.py), and `report_restore` records what a rank restored from, checked
 against the ledger (`get_restore` reads it back with its one-line message).
+
+Step agreement (`get_request` with a rank's step): while a request is outstanding, every rank reports the step it
+has just completed at each poll (`checkpoint_step_reports`, one row per rank of the attempt); once every rank
+0..N-1 has reported for the request, its target step is max(reported) + 1 (`checkpoint_requests.target_step`), the
+step every rank checkpoints at (the argument: proto/phalanx/api/v1/checkpoint.proto, GetCheckpointRequest).
 
 `checkpoint_policy` (and `get_request`, for the ranks' polls) measures the cluster's node failures and the
 checkpoint cost and returns the job's Young/Daly interval (phalanx.core.checkpoint_policy; docs/design.md,
@@ -26,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine, case, delete, func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from db.models import (
     Allocation,
@@ -33,6 +40,7 @@ from db.models import (
     CheckpointRequest,
     CheckpointRestore,
     CheckpointShard,
+    CheckpointStepReport,
     Job,
     Node,
     NodeEvent,
@@ -89,6 +97,10 @@ class RequestRecord:
     reason: str = ""
     requested_at: float = 0.0
     policy: cp.CheckpointPolicy | None = None
+    target_step: int | None = None  # the agreed step of the polling attempt, once decided
+    ranks_reported: int = 0         # ranks of the polling attempt that reported a step for this request
+    decided: bool = False           # this report completed the agreement (for the log)
+    restarted: bool = False         # this report was past the target: the agreement started over (for the log)
 
 
 def new_checkpoint_id() -> str:
@@ -194,12 +206,13 @@ def _restore_points(job_id: str, current_attempt: int):
     """The job's complete COMMITTED checkpoints of attempts up to `current_attempt`, newest first (highest step,
     then latest commit). Complete: its shards are exactly ranks 0..n-1 (ranks are unique per checkpoint) and n is
     its world size (0 on rows older than revision 0005: unknown, any n). A checkpoint of a later attempt than the
-    current one can only come from an unfenced write, and is never a restore point."""
+    current one can only come from an unfenced write, and is never a restore point; nor is one whose files the
+    coordinator's retention deleted (`deleted_at`, revision 0014: retention.py)."""
     stats = (
         select(CheckpointShard.checkpoint_id.label("cid"), func.count().label("n"),
                func.min(CheckpointShard.rank).label("lo"), func.max(CheckpointShard.rank).label("hi"))
         .join(Checkpoint, Checkpoint.id == CheckpointShard.checkpoint_id)
-        .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED, Checkpoint.deleted_at.is_(None))
         .group_by(CheckpointShard.checkpoint_id)
         .subquery()
     )
@@ -207,7 +220,7 @@ def _restore_points(job_id: str, current_attempt: int):
         select(Checkpoint)
         .join(stats, stats.c.cid == Checkpoint.id)
         .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED, Checkpoint.attempt <= current_attempt,
-               stats.c.lo == 0, stats.c.hi == stats.c.n - 1,
+               Checkpoint.deleted_at.is_(None), stats.c.lo == 0, stats.c.hi == stats.c.n - 1,
                or_(Checkpoint.world_size == 0, Checkpoint.world_size == stats.c.n))
         .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc(), Checkpoint.created_at.desc(),
                   Checkpoint.id)
@@ -270,9 +283,13 @@ def _shard_rows(conn, ckpt_id: str):
 
 
 def _clear_requests(conn, job_id: str, begun_at: float) -> None:
-    """A commit of a checkpoint begun at or after a request satisfies it."""
+    """A commit of a checkpoint begun at or after a request satisfies it; the ranks' step reports for it go too."""
     conn.execute(
         delete(CheckpointRequest).where(CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at <= begun_at)
+    )
+    conn.execute(
+        delete(CheckpointStepReport).where(CheckpointStepReport.job_id == job_id,
+                                           CheckpointStepReport.requested_at <= begun_at)
     )
 
 
@@ -514,33 +531,127 @@ def request_checkpoint(engine: Engine, job_id: str, reason: str, *, now: float |
     ts = time.time() if now is None else now
     with engine.begin() as conn:
         _require_job(conn, job_id)
-        row = conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
-        if row is None:
-            conn.execute(insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=ts))
-            return RequestRecord(True, reason, ts)
+        # Ranks whose time policy fires ask at about the same moment: the first insert wins, the rest keep it.
+        dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        conn.execute(dialect_insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=ts)
+                     .on_conflict_do_nothing(index_elements=["job_id"]))
+        row = _request_row(conn, job_id)
         return RequestRecord(True, row.reason, row.requested_at)
 
 
-def get_request(engine: Engine, job_id: str, attempt: int) -> RequestRecord:
+def _request_row(conn, job_id: str):
+    return conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
+
+
+def _target(row, attempt: int) -> int | None:
+    """The request's agreed step for `attempt` (None: undecided, or decided by another attempt)."""
+    if row.target_step is None or row.target_attempt != attempt:
+        return None
+    return int(row.target_step)
+
+
+def _reports(conn, job_id: str, attempt: int, requested_at: float, world: int) -> tuple[int, int | None]:
+    """(ranks 0..world-1 of `attempt` that reported a step for the request of `requested_at`, their highest step)."""
+    count, top = conn.execute(
+        select(func.count(), func.max(CheckpointStepReport.step)).where(
+            CheckpointStepReport.job_id == job_id, CheckpointStepReport.attempt == attempt,
+            CheckpointStepReport.requested_at == requested_at, CheckpointStepReport.rank < world)
+    ).one()
+    return int(count or 0), None if top is None else int(top)
+
+
+MAX_REPORTED_STEP = (1 << 63) - 1
+
+
+def _check_report_rank(job_id: str, attempt: int, rank: int, world: int) -> None:
+    if world > 0 and not 0 <= rank < world:
+        raise InvalidArgument(f"rank must be in 0..{world - 1} for job {job_id[:80]!r} attempt {attempt}, got {rank}")
+
+
+def get_request(engine: Engine, job_id: str, attempt: int, rank: int = 0, step: int | None = None,
+                *, now: float | None = None) -> RequestRecord:
     """The outstanding request for the job's current attempt (a superseded attempt is refused), with the job's
-    checkpoint interval policy."""
+    checkpoint interval policy and, once decided, the step every rank of the attempt checkpoints at.
+
+    `step` (the step `rank` has just completed; None: a read-only poll) takes part in the step agreement: while a
+    request is outstanding and undecided, the rank's report is recorded (`_report_step`). A poll with no request
+    outstanding, or a step at or before a decided target, only reads (the common case: one read-only
+    transaction)."""
     if attempt < 0:
         raise InvalidArgument(f"attempt must be >= 0, got {attempt}")
+    if step is not None:
+        if not 0 <= step < MAX_REPORTED_STEP:  # the target, step + 1, must fit a BIGINT
+            raise InvalidArgument(f"step must be in 0..{MAX_REPORTED_STEP - 1}, got {step}")
+        if rank < 0:
+            raise InvalidArgument(f"rank must be >= 0, got {rank}")
     with engine.execution_options(readonly=True).begin() as conn:
         if not _possible_job_id(job_id):
             raise NotFound(f"job {job_id[:80]!r} not found")
-        current = conn.scalar(select(Job.attempt).where(Job.id == job_id))
-        if current is None:
+        job = conn.execute(
+            select(Job.attempt, Job.replicas, Job.gpus_per_replica, Job.procs_per_replica).where(Job.id == job_id)
+        ).first()
+        if job is None:
             raise NotFound(f"job {job_id[:80]!r} not found")
+        current = job.attempt
         if attempt != current:
             raise FailedPrecondition(
                 f"job {job_id[:80]!r} attempt {attempt} is superseded: the current attempt is {current}"
             )
-        row = conn.execute(select(CheckpointRequest).where(CheckpointRequest.job_id == job_id)).first()
-        policy = _policy(conn, job_id, current)
-    if row is None:
-        return RequestRecord(False, policy=policy)
-    return RequestRecord(True, row.reason, row.requested_at, policy)
+        row = _request_row(conn, job_id)
+        policy = _poll_policy(conn, job_id, current)
+        if row is None:  # most polls: nothing requested, nothing more to read
+            return RequestRecord(False, policy=policy)
+        target = _target(row, attempt)
+        if step is None or (target is not None and step <= target):
+            world = ledger_world_size(conn, job_id, attempt, job.replicas, job.gpus_per_replica, job.procs_per_replica)
+            if step is None:
+                reported, _ = _reports(conn, job_id, attempt, row.requested_at, world)
+            else:
+                _check_report_rank(job_id, attempt, rank, world)
+                reported = world  # decided: every rank has reported
+            return RequestRecord(True, row.reason, row.requested_at, policy, target, reported)
+    return _report_step(engine, job_id, attempt, rank, step, policy, time.time() if now is None else now)
+
+
+def _report_step(engine: Engine, job_id: str, attempt: int, rank: int, step: int, policy: cp.CheckpointPolicy,
+                 now: float) -> RequestRecord:
+    """Record `rank`'s step for the outstanding request and decide the target once every rank reported.
+
+    Fenced like every write (the job row locked, the current attempt, RUNNING), so the ranks' reports are
+    serialised and exactly one of them sees every rank reported and decides. A step past the decided target comes
+    from a rank that cannot checkpoint at it (it did not learn it in time): the agreement of this attempt starts
+    over from this report, and the new target is necessarily later."""
+    with engine.begin() as conn:
+        world = _fence(conn, job_id, attempt)
+        _check_report_rank(job_id, attempt, rank, world)
+        row = _request_row(conn, job_id)
+        if row is None:  # a commit cleared it since the read
+            return RequestRecord(False, policy=policy)
+        requested_at = row.requested_at
+        target = _target(row, attempt)
+        if target is not None and step <= target:  # decided since the read: stable
+            reported, _ = _reports(conn, job_id, attempt, requested_at, world)
+            return RequestRecord(True, row.reason, requested_at, policy, target, reported)
+        this_request = (CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at == requested_at)
+        restarted = target is not None
+        if restarted:
+            conn.execute(delete(CheckpointStepReport).where(
+                CheckpointStepReport.job_id == job_id, CheckpointStepReport.attempt == attempt,
+                CheckpointStepReport.requested_at == requested_at))
+        if row.target_step is not None:  # past it, or another attempt's: undecided for this attempt
+            conn.execute(update(CheckpointRequest).where(*this_request).values(target_attempt=None, target_step=None))
+        values = dict(step=step, requested_at=requested_at, reported_at=now)
+        dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        conn.execute(dialect_insert(CheckpointStepReport).values(job_id=job_id, attempt=attempt, rank=rank, **values)
+                     .on_conflict_do_update(index_elements=["job_id", "attempt", "rank"], set_=values))
+        reported, top = _reports(conn, job_id, attempt, requested_at, world)
+        decided = None
+        if reported >= world and top is not None:
+            decided = top + 1
+            conn.execute(update(CheckpointRequest).where(*this_request)
+                         .values(target_attempt=attempt, target_step=decided))
+        return RequestRecord(True, row.reason, requested_at, policy, decided, reported, decided is not None,
+                             restarted)
 
 
 def checkpoint_policy(engine: Engine, job_id: str) -> cp.CheckpointPolicy:
@@ -589,7 +700,27 @@ def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
 # Every rank polls the policy (GetCheckpointRequest): the cluster-wide figures, which scan node_events and nodes,
 # are shared by all of them and kept this long per database.
 CLUSTER_FIGURES_TTL_S = 30.0
-_cluster_cache: dict[str, tuple[float, tuple[int, float, list[float]]]] = {}
+_cluster_cache: dict[str, tuple[float, tuple[int, float, list[float]]]] = {}  # key: (computed at, figures)
+# While a request's step is agreed, every rank polls at every step: the polls share the job's policy too, for as
+# long (GetCheckpointPolicy still computes it per call).
+_poll_policy_cache: dict[tuple[str, str, int], tuple[float, cp.CheckpointPolicy]] = {}
+POLL_POLICY_CACHE_MAX = 10_000
+
+
+def _poll_policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
+    """The job's policy for a rank's poll (`_policy`), cached for CLUSTER_FIGURES_TTL_S per job and attempt."""
+    key = (conn.engine.url.render_as_string(hide_password=True), job_id, attempt)
+    now = time.monotonic()
+    hit = _poll_policy_cache.get(key)
+    if hit is not None and now - hit[0] < CLUSTER_FIGURES_TTL_S:
+        return hit[1]
+    policy = _policy(conn, job_id, attempt)
+    if len(_poll_policy_cache) >= POLL_POLICY_CACHE_MAX:
+        stale = [k for k, (at, _) in _poll_policy_cache.items() if now - at >= CLUSTER_FIGURES_TTL_S]
+        for k in stale or list(_poll_policy_cache):
+            del _poll_policy_cache[k]
+    _poll_policy_cache[key] = (now, policy)
+    return policy
 
 
 def _cluster_figures(conn) -> tuple[int, float, list[float]]:
@@ -597,13 +728,13 @@ def _cluster_figures(conn) -> tuple[int, float, list[float]]:
     key = conn.engine.url.render_as_string(hide_password=True)
     now = time.monotonic()
     hit = _cluster_cache.get(key)
-    if hit is not None and now < hit[0]:
+    if hit is not None and now - hit[0] < CLUSTER_FIGURES_TTL_S:  # the TTL in force now (a test may set 0)
         return hit[1]
     events = conn.scalar(select(func.count()).select_from(NodeEvent).where(NodeEvent.severity == FATAL)) or 0
     alive = Node.last_heartbeat - Node.registered_at
     seconds = conn.scalar(select(func.sum(case((alive > 0, alive), else_=0.0)))) or 0.0
     figures = (int(events), float(seconds), _durations(conn, None, cp.CLUSTER_COST_SAMPLES))
-    _cluster_cache[key] = (now + CLUSTER_FIGURES_TTL_S, figures)
+    _cluster_cache[key] = (now, figures)
     return figures
 
 

@@ -40,7 +40,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
         required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
         gpu_model=j.get("gpu_model") or "", mig_profile=j.get("mig_profile") or "", gpu_milli=j.get("gpu_milli") or 0,
         max_restarts=j.get("max_restarts") or 0, time_limit_s=j.get("time_limit") or 0.0,
-        queue=j.get("queue") or "default",
+        queue=j.get("queue") or "default", keep_checkpoints=j.get("keep_checkpoints") or 0,
     )
 
 

@@ -155,7 +155,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
             gpu_model=spec.gpu_model, mig_profile=spec.mig_profile.lower(), gpu_milli=spec.gpu_milli,
             max_restarts=spec.max_restarts, tenant=sub.tenant, time_limit=spec.time_limit_s,
-            queue=spec.queue or DEFAULT_QUEUE,
+            queue=spec.queue or DEFAULT_QUEUE, keep_checkpoints=spec.keep_checkpoints,
         )
         new.append(job)
         results[i] = job

@@ -308,6 +308,7 @@ def job_from_row(j) -> JobRecord:
         max_restarts=j["max_restarts"] or 0, tenant=j["tenant"] or "", time_limit=j["time_limit"] or 0.0,
         queue=j["queue"] or "default", flavor=j["flavor"] or "",
         struck_nodes=[str(n) for n in _json_list(j.get("struck_nodes"))],
+        keep_checkpoints=j.get("keep_checkpoints") or 0,
     )
 
 
@@ -325,7 +326,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
                 preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline, max_restarts=j.max_restarts,
                 tenant=j.tenant, time_limit=j.time_limit, queue=j.queue, flavor=j.flavor,
-                struck_nodes=list(j.struck_nodes),
+                struck_nodes=list(j.struck_nodes), keep_checkpoints=j.keep_checkpoints,
             )
             for j in jobs
         ],

@@ -27,6 +27,7 @@ MAX_COMMAND_BYTES = 256 * 1024
 MAX_REPLICAS = 100_000
 MAX_GPUS_PER_REPLICA = 1024
 MAX_RESTARTS = 1000
+MAX_KEEP_CHECKPOINTS = 10_000
 MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
 # \Z, not $: "$" also matches before a trailing newline.
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -114,6 +115,9 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
         problems.append(f"time_limit_s must be 0 (none) to {MAX_TIME_LIMIT_S:.0f} seconds, got {spec.time_limit_s}")
     if not 0 <= spec.max_restarts <= MAX_RESTARTS:
         problems.append(f"max_restarts must be 0-{MAX_RESTARTS}, got {spec.max_restarts}")
+    if not 0 <= spec.keep_checkpoints <= MAX_KEEP_CHECKPOINTS:
+        problems.append(f"keep_checkpoints must be 0 (the checkpoint coordinator's default) to "
+                        f"{MAX_KEEP_CHECKPOINTS}, got {spec.keep_checkpoints}")
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 

@@ -72,6 +72,7 @@ class JobRecord:
     partials: dict[int, Partial] = field(default_factory=dict)
     failures: int = 0  # attempts torn down by a failure; the retry limit counts these
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang while failures < max_restarts
+    keep_checkpoints: int = 0  # the checkpoint coordinator keeps this many newest checkpoints (0: its default)
     tenant: str = ""  # who submitted it ("" with authentication off)
     time_limit: float = 0.0  # declared seconds per attempt (0: none)
     queue: str = "default"
