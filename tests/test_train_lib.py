@@ -190,7 +190,10 @@ def _dead_port() -> int:
         return s.getsockname()[1]
 
 
-def test_poll_failure_is_no_request(tmp_path):
+def test_poll_failure_is_no_request(tmp_path, monkeypatch):
+    from phalanx.train import _checkpointer
+
+    monkeypatch.setattr(_checkpointer, "RETRIES", 2)  # UNAVAILABLE is retried ~5 s by default; twice shows it too
     env = {"RANK": "0", "WORLD_SIZE": "1", "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "0",
            "PHALANX_CHECKPOINT_ADDR": f"127.0.0.1:{_dead_port()}", "PHALANX_CHECKPOINT_DIR": str(tmp_path)}
     with train.Checkpointer(env, timeout=1) as c:
