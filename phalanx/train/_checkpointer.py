@@ -15,6 +15,7 @@ import grpc
 
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
+from phalanx.core.restore_account import restore_message
 
 from . import state_format, torch_dcp
 from .errors import CheckpointConfigError, CheckpointError, CheckpointPickleError, CheckpointRejectedError
@@ -88,17 +89,6 @@ class RestoreResult:
     @property
     def fell_back(self) -> bool:
         return bool(self.skipped)
-
-
-def restore_message(step: int, skipped) -> str:
-    """The coordinator's wording (services/checkpoint_coordinator/store.py restore_message), for the log when the
-    coordinator's own answer is not available."""
-    why = "; ".join(f"step {s.step} was damaged: {s.reason}" for s in skipped)
-    if step >= 0:
-        return f"restored from step {step}" + (f" ({why})" if why else "")
-    if skipped:
-        return f"started from step 0: no intact checkpoint ({why})"
-    return "started from step 0: no checkpoint"
 
 
 def _missing(exc: BaseException) -> bool:

@@ -47,6 +47,7 @@ from db.models import (
     ServiceEndpoint,
 )
 from phalanx.core import checkpoint_policy as cp
+from phalanx.core.restore_account import restore_message
 from services.common.faults import fail_point
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -772,17 +773,6 @@ class RestoreStateRecord:
     message: str
     consistent: bool
     ranks: list[RestoreRecord]
-
-
-def restore_message(step: int, skipped: list[SkippedRecord]) -> str:
-    """The one-line account of a restore: "restored from step S (step T was damaged: REASON)", "started from step 0:
-    no intact checkpoint (step T was damaged: REASON)", or "started from step 0: no checkpoint"."""
-    why = "; ".join(f"step {s.step} was damaged: {s.reason}" for s in skipped)
-    if step >= 0:
-        return f"restored from step {step}" + (f" ({why})" if why else "")
-    if skipped:
-        return f"started from step 0: no intact checkpoint ({why})"
-    return "started from step 0: no checkpoint"
 
 
 def _validate_restore(job_id: str, attempt: int, rank: int, checkpoint_id: str, skipped: list[SkippedRecord]) -> None:
