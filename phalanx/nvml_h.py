@@ -2,7 +2,7 @@
 
 Bindings have their own copies, which have drifted from the header (nvidia-ml-py 12.x declared the GPU fabric
 UUID as char[80], not unsigned char[16]); code that needs the layout itself (the fabric query in the node agent's
-discovery, the simulated NVML library in phalanx.simhost.nvml) uses these. tests/test_nvml_bindings.py holds the
+discovery, the simulated NVML library in phalanx.simhost.nvml) uses these. tests/unit/test_nvml_bindings.py holds the
 installed binding's structures against them.
 """
 

@@ -22,8 +22,21 @@ from db.migrate import upgrade
 from db.models import Base
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+GROUPS = ("unit", "service", "e2e")
 SHARED_DATA = Path(os.environ.get("PHALANX_DATA", ROOT.parent / "shared" / "data"))
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its group (its folder under tests/); every e2e test is also `slow`."""
+    for item in items:
+        group = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if group not in GROUPS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/service or tests/e2e")
+        item.add_marker(getattr(pytest.mark, group))
+        if group == "e2e":
+            item.add_marker(pytest.mark.slow)
 
 
 def _pg_admin_url() -> str:

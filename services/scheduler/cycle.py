@@ -1038,9 +1038,14 @@ def launch_node(job: JobRecord, replica: int) -> str:
     return job.allocations[replica][1]
 
 
+# Rank 0's rendezvous port: below Linux's ephemeral range (32768-60999 by default), so that no outgoing connection
+# on the master's host already holds it (seen: EADDRINUSE from torch.distributed's TCPStore at 44224).
+MASTER_PORTS = range(20000, 32000)
+
+
 def master_port(job_id: str, attempt: int) -> int:
     digest = hashlib.sha1(f"{job_id}:{attempt}".encode()).digest()
-    return 20000 + int.from_bytes(digest[:4], "big") % 30000
+    return MASTER_PORTS.start + int.from_bytes(digest[:4], "big") % len(MASTER_PORTS)
 
 
 def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSettings | None = None,

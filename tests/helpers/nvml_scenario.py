@@ -1,4 +1,4 @@
-"""One NVML scenario through whatever `pynvml` is first on sys.path (tests/test_nvml_bindings.py runs it under the
+"""One NVML scenario through whatever `pynvml` is first on sys.path (tests/unit/test_nvml_bindings.py runs it under the
 oldest and the newest nvidia-ml-py of the pinned range): discovery of a GB200 tray with a fabric and a MIG-mode
 GPU, a MIG instance made and destroyed through the agent's manager, one health poll. Prints one JSON line."""
 

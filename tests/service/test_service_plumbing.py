@@ -18,7 +18,7 @@ from helpers.procs import start_scheduler
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

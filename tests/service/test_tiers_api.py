@@ -2,7 +2,7 @@
 
 The scheduler runs in-process (services.scheduler.main.serve) on SQLite and on PostgreSQL, with protocol-level
 LiteAgents (8 GPUs each) under a two-tier fabric of 4 nodes per leaf. Whether placement honours the tiers is the
-placement core's business (tests/test_core_placement.py); here: validation at submit, the impossible-tier refusal,
+placement core's business (tests/unit/test_core_placement.py); here: validation at submit, the impossible-tier refusal,
 the round trip through every layer, and the 0001 -> 0002 migration of an existing ledger.
 """
 

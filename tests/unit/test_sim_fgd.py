@@ -31,6 +31,7 @@ def test_workload_is_shuffled_then_tuned_to_130_percent():
     assert sum(t.gpu_milli for t in down) <= TUNE_RATIO * capacity and len(down) == 1
 
 
+@pytest.mark.slow
 def test_fgd_experiment_reproduces_the_paper_and_phalanx_beats_fgd(data, tmp_path, capsys):
     out = tmp_path / "fgd"
     code = main(["sim", "fgd", "--out", str(out), "--lists", "default", "--seeds", "42", "--jobs", "1",

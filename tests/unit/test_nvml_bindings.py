@@ -37,8 +37,8 @@ from services.node_agent.health import HealthMonitor, NvmlHealthSource
 from services.node_agent.mig_manager import MigManager, NvmlMigBackend
 from services.node_agent.simulated import simulated_topology
 
-ROOT = Path(__file__).resolve().parents[1]
-HELPERS = Path(__file__).resolve().parent / "helpers"
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 
 def host_of(profile: str = "dgx-h100", **kw) -> SimulatedHost:

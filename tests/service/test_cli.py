@@ -35,7 +35,7 @@ serve_fake = _fake_mod.serve_fake
 closed_port_address = _fake_mod.closed_port_address
 JOB_KEYS = _fake_mod.JOB_KEYS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

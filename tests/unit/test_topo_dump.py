@@ -19,7 +19,7 @@ from phalanx.core.topo_dump import (
     sort_by_closeness,
 )
 
-TOPOLOGIES = Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")) / "topologies"
+TOPOLOGIES = Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")) / "topologies"
 
 TABBED = (
     "# a comment\n"

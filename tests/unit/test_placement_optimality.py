@@ -248,6 +248,7 @@ def hindsight(nodes: list[NodeCapacity], sequence: list[tuple[int, int]]) -> int
 
 @settings(FAST, max_examples=400)
 @given(spec=specs(), gang=gangs)
+@pytest.mark.slow
 def test_single_gang_crosses_the_lowest_possible_tier_and_uses_the_fewest_domains_of_every_level(spec, gang):
     """Unplaceable exactly when CP-SAT proves infeasibility; else the exact optimum at every level: the lowest tier,
     the fewest children, then the fewest domains of each level below down to nodes; and inside the domain it picked,
@@ -282,6 +283,7 @@ SPAN_VS_BEST_FIT = Spec(nodes=[(4, 0, False)] * 3 + [(8, 0, False)] * 2, depth=2
 @settings(FAST, max_examples=300)
 @example(spec=SPAN_VS_BEST_FIT, gang=(5, 2))
 @given(spec=specs(), gang=gangs)
+@pytest.mark.slow
 def test_single_gang_is_lexicographically_optimal(spec, gang):
     replicas, g = gang
     cap, tiers = spec.capacity()
@@ -427,6 +429,7 @@ LEAVES_ACROSS_SPINES = Spec(nodes=[(4, 0, False), (4, 0, False), (8, 0, False)],
 @settings(FAST, max_examples=150)
 @example(spec=LEAVES_ACROSS_SPINES, sequence=[(3, 4)])
 @given(spec=specs(), sequence=st.lists(gangs, min_size=1, max_size=10))
+@pytest.mark.slow
 def test_phalanx_never_spans_more_leaves_than_the_fewest_that_hold_the_gang(spec, sequence):
     """On the fabric written as Slurm tree syntax and read back: every gang of a sequence uses exactly as many leaf
     switches as necessary, "necessary" being the exact lexicographic optimum for the state it is placed in."""

@@ -8,8 +8,8 @@ checkpoints through phalanx.train) against a real checkpoint coordinator on loop
   still end bit-identical.
 
 The ledger is SQLite only here: each case starts torch in several processes, and the coordinator's database
-paths are the ones tests/test_checkpoint_trust.py runs on SQLite and PostgreSQL. The end-to-end case on a local
-cluster (scheduler, agents, preemption) is tests/test_ddp_e2e.py.
+paths are the ones tests/service/test_checkpoint_trust.py runs on SQLite and PostgreSQL. The end-to-end case on a local
+cluster (scheduler, agents, preemption) is tests/e2e/test_ddp_e2e.py.
 """
 
 from __future__ import annotations

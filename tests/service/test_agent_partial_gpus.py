@@ -2,7 +2,7 @@
 
 Everything MIG runs through the real nvidia-ml-py bindings over the simulated NVML library (phalanx.simhost.nvml),
 which keeps MIG state with NVIDIA's placement rules and records the mutations made. Agent tests run real rank
-processes (as tests/test_node_agent.py does) against its fake NodeService and check the environment each rank got.
+processes (as tests/service/test_node_agent.py does) against its fake NodeService and check the environment each rank got.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The stand-in records every command it gets in `<state_dir>/mps/gpu<N>/log/commands.jsonl`; the tests check the
 daemons' lifecycle through those records and the processes themselves: the manager alone, the NodeAgent against
-the fake NodeService of tests/test_node_agent.py (real rank processes that write their environment to a file),
+the fake NodeService of tests/service/test_node_agent.py (real rank processes that write their environment to a file),
 a restarted agent, and a real scheduler with a NodeAgent end to end.
 """
 

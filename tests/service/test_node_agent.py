@@ -24,7 +24,7 @@ from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.simulated import simulated_topology
 from services.node_agent.state import AgentState, RankRecord, StateDirLocked
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 S = common_pb2
 
 # A rank: writes its environment to $OUT_FILE, appends a line to $COUNT_FILE (to count starts), sleeps, exits $CODE.

@@ -350,6 +350,7 @@ def _gpu_is(c: Cluster, node: str, index: int, **want):
 
 
 @pytestmark_e2e
+@pytest.mark.slow
 async def test_a_mig_job_gets_an_idle_gpu_switched_and_a_whole_node_job_gets_it_back(db_url, tmp_path):
     async with Cluster(db_url, tmp_path, {"node-a": ("none", True)}, mig_switch_hold_s=3.0) as c:
         (shown,) = await c.cli_json("nodes", "--json")

@@ -30,7 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import insert, text
+from sqlalchemy import bindparam, insert, text
 
 from db.engine import make_engine
 from db.models import Job
@@ -332,16 +332,29 @@ class Harness:
                 out[table] = (len(rows), hashlib.sha256("\n".join(rows).encode("utf-8", "surrogatepass")).hexdigest())
         return out
 
-    def settle(self, timeout: float = 8.0) -> dict[str, tuple[int, str]]:
-        """Wait until the background (placement, agents' reports, sweeps, acks) stops moving the ledger."""
+    def settle(self, timeout: float = 8.0, quiet_s: float = 1.2) -> dict[str, tuple[int, str]]:
+        """Wait until the background (placement, agents' reports, sweeps, acks) stops moving the ledger.
+
+        Settled means the real agents have acked every revision sent to them, and nothing moved for `quiet_s`:
+        longer than a heartbeat interval, so an agent's next report (an ack, a rank's exit) is not still due.
+        """
         end = time.monotonic() + timeout
-        last, stable = self.snapshot(), 0
-        while time.monotonic() < end and stable < 3:
+        last, quiet_since = self.snapshot(), time.monotonic()
+        while time.monotonic() < end:
             time.sleep(0.1)
             now = self.snapshot()
-            stable = stable + 1 if now == last else 0
-            last = now
+            if now != last or not self.agents_caught_up():
+                last, quiet_since = now, time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet_s:
+                break
         return last
+
+    def agents_caught_up(self) -> bool:
+        with self.engine.connect() as conn:
+            behind = conn.execute(text("SELECT count(*) FROM nodes WHERE acked_revision < revision AND name IN :names")
+                                  .bindparams(bindparam("names", expanding=True)),
+                                  {"names": list(AGENT_NAMES)}).scalar_one()
+        return behind == 0
 
     def invariants(self) -> None:
         with self.engine.connect() as conn:
@@ -563,6 +576,7 @@ def _scheduler_loop(address: str, db_url: str, examples: int) -> None:
         h.close()
 
 
+@pytest.mark.slow
 async def test_scheduler_api_survives_fuzzing(db_url, logs_to_stderr):
     examples = 400 if db_url.startswith("sqlite") else 150
     async with LiteCluster(_scheduler_settings(db_url), _agents) as cluster:
@@ -685,6 +699,7 @@ def _coordinator_loop(address: str, db_url: str, examples: int) -> None:
         h.close()
 
 
+@pytest.mark.slow
 async def test_checkpoint_coordinator_survives_fuzzing(db_url, logs_to_stderr):
     _coordinator_jobs(db_url)
     server = await serve_coordinator(db_url, "127.0.0.1:0", sweep_interval=0.2)
@@ -740,6 +755,7 @@ def _wire_loop(sched: str, coord: str, db_url: str, examples: int) -> None:
         hc.close()
 
 
+@pytest.mark.slow
 async def test_oversized_and_malformed_messages(db_url, logs_to_stderr):
     _coordinator_jobs(db_url)
     coordinator = await serve_coordinator(db_url, "127.0.0.1:0", sweep_interval=0)

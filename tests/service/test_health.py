@@ -343,6 +343,7 @@ async def _free(c: HealthCluster, free: int):
     return node if node is not None and node.free_gpus == free else None
 
 
+@pytest.mark.slow
 async def test_sigterm_drain_reports_and_the_node_takes_no_work(db_url, tmp_path):
     """request_stop() (what SIGTERM calls in phalanx-agent): the node becomes DRAINED at once, its ranks are killed
     and reported (the gang is requeued), and the agent returns; registering again makes the node READY."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -101,6 +102,10 @@ async def test_ranks_get_the_torchrun_environment(db_url):
         assert [r.rank for r, _ in ranks] == list(range(16))
         assert len({env["MASTER_ADDR"] for _, env in ranks}) == 1
         assert len({env["MASTER_PORT"] for _, env in ranks}) == 1
+        # Below the ephemeral port range, where no outgoing connection of the master's host can hold it.
+        ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+        low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+        assert 1024 < int(ranks[0][1]["MASTER_PORT"]) < low
         for r, env in ranks:
             assert env["RANK"] == str(r.rank) and env["WORLD_SIZE"] == "16"
             assert env["LOCAL_RANK"] == str(r.rank % 8) and env["LOCAL_WORLD_SIZE"] == "8"
@@ -189,6 +194,7 @@ async def test_rank_failure_fails_the_gang_and_stops_the_rest(db_url):
         assert c.active_gpus(job.id) == 0
 
 
+@pytest.mark.slow
 async def test_gang_whose_ranks_never_start_is_torn_down_whole_and_requeued(db_url):
     async with Cluster(db_url, 2, launch_timeout=0.6, max_attempts=2) as c:
         job = await c.submit("stuck", 2, 8, ("hang",))
@@ -199,6 +205,7 @@ async def test_gang_whose_ranks_never_start_is_torn_down_whole_and_requeued(db_u
         assert [tuple(r) for r in rows] == [(1, 16, 16), (2, 16, 16)]
 
 
+@pytest.mark.slow
 async def test_lost_node_requeues_its_gang_onto_healthy_nodes(db_url):
     async with Cluster(db_url, 3, lease_timeout=1.0, heartbeat_interval=0.2) as c:
         job = await c.submit("survivor", 2, 8, ("run",))

@@ -10,7 +10,7 @@ import pytest
 
 from phalanx.sim import traces as T
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _locate() -> Path | None:

@@ -5,6 +5,7 @@ until it reports healthy, while the stale ranks it still runs are killed."""
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric
@@ -71,6 +72,7 @@ async def test_lost_node_requeues_after_a_backoff_and_its_stale_ranks_die_when_i
         assert (await c.job(job.id)).attempt == 2  # the job was not disturbed
 
 
+@pytest.mark.slow
 async def test_returning_node_is_not_used_before_its_first_health_report(db_url):
     async with cluster(db_url, nodes=1, heartbeat_interval=3.0, lease_timeout=4.0) as c:
         only = c.agents[0]

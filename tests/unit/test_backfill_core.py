@@ -8,6 +8,8 @@ import heapq
 import math
 import random
 
+import pytest
+
 from phalanx.core.backfill import RunningEnd, plan_reservation, schedule_with_backfill
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.fabric import default_fabric
@@ -169,6 +171,7 @@ def simulate(policy: str, seed: int = 7, nodes: int = 96, per_leaf: int = 16, bi
     return big_start, head_at, first_reservation, blocked_area / (total * window) if window > 0 else 1.0
 
 
+@pytest.mark.slow
 def test_the_512_gpu_gang_starts_within_its_bound_and_backfill_keeps_gpus_busy():
     easy_start, head_at, reserved, easy_util = simulate("easy")
     # The bound: once the big gang is the head (the gangs queued before it have started), its reservation is the

@@ -451,6 +451,7 @@ def scratch(tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow
 async def test_512_ranks_commit_one_checkpoint_with_the_default_policy(sqlite_template, scratch, clock, monkeypatch):
     """The default policy (auto: the coordinator's suggested interval) on a gang of 512 ranks, all in one thread
     over one shared channel: once the interval has passed, every rank checkpoints at one step and it commits,
