@@ -7,7 +7,7 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
-from genproto import generate  # noqa: E402
+from genproto import generate
 
 if (ROOT / "proto").is_dir():  # building from a source tree (an sdist built from it carries the modules too)
     generate(ROOT)

@@ -47,15 +47,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from sqlalchemy import create_engine, insert, select, text  # noqa: E402
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sqlalchemy import create_engine, insert, select, text
 
-from db.engine import make_engine, normalize_url  # noqa: E402
-from db.migrate import upgrade  # noqa: E402
-from db.models import Allocation, Gpu, Job, Node  # noqa: E402
-from phalanx.api.v1 import checkpoint_pb2 as pb  # noqa: E402
-from phalanx.api.v1 import checkpoint_pb2_grpc  # noqa: E402
+from db.engine import make_engine, normalize_url
+from db.migrate import upgrade
+from db.models import Allocation, Gpu, Job, Node
+from phalanx.api.v1 import checkpoint_pb2 as pb
+from phalanx.api.v1 import checkpoint_pb2_grpc
 
 DEFAULT_PG = os.environ.get("PHALANX_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 GPUS_PER_NODE = 8
@@ -86,11 +86,12 @@ def default_checkpoints(ranks: int, quick: bool) -> int:
 
 # -- the coordinator, in its own process ------------------------------------------------------------------------
 
+
 def coordinator_process(db_url: str, log_path: str, pipe) -> None:
     """serve() on 127.0.0.1:0 with its JSON logs in `log_path`; sends its address, stops on any message."""
     sys.path.insert(0, str(ROOT))
+    from phalanx.common.logging import configure_logging
     from services.checkpoint_coordinator import serve
-    from services.common.logging import configure_logging
 
     with open(log_path, "w") as log:
         sys.stderr = log  # configure_logging writes to stderr: a file here, not a terminal, so JSON lines
@@ -138,6 +139,7 @@ class Coordinator:
 
 # -- the ledger: a RUNNING gang of N ranks, as the scheduler records it ------------------------------------------
 
+
 def insert_gang(db_url: str, ranks: int) -> str:
     """Nodes of 8 GPUs, a RUNNING job (attempt 1) of ranks/8 replicas x 8 GPUs (1 replica of N GPUs under 8) and
     one allocation per GPU: the coordinator's fence counts the attempt's allocations (store.ledger_world_size)."""
@@ -148,19 +150,46 @@ def insert_gang(db_url: str, ranks: int) -> str:
     engine = make_engine(db_url)
     try:
         with engine.begin() as conn:
-            conn.execute(insert(Job).values(id=job_id, name=job_id, state="RUNNING", replicas=replicas,
-                                            gpus_per_replica=per_replica, procs_per_replica=0, command=["train"],
-                                            attempt=1, submitted_at=now))
+            conn.execute(
+                insert(Job).values(
+                    id=job_id,
+                    name=job_id,
+                    state="RUNNING",
+                    replicas=replicas,
+                    gpus_per_replica=per_replica,
+                    procs_per_replica=0,
+                    command=["train"],
+                    attempt=1,
+                    submitted_at=now,
+                )
+            )
             rows = []
             for replica in range(replicas):
-                node_id = conn.execute(insert(Node).values(
-                    name=f"{job_id}-n{replica}", state="READY", gpus=GPUS_PER_NODE, registered_at=now,
-                    last_heartbeat=now)).inserted_primary_key[0]
+                node_id = conn.execute(
+                    insert(Node).values(
+                        name=f"{job_id}-n{replica}",
+                        state="READY",
+                        gpus=GPUS_PER_NODE,
+                        registered_at=now,
+                        last_heartbeat=now,
+                    )
+                ).inserted_primary_key[0]
                 conn.execute(insert(Gpu), [{"node_id": node_id, "index": i} for i in range(GPUS_PER_NODE)])
-                gpus = conn.execute(select(Gpu.id, Gpu.index).where(Gpu.node_id == node_id, Gpu.index < per_replica)
-                                    .order_by(Gpu.index)).all()
-                rows += [{"job_id": job_id, "attempt": 1, "replica": replica, "node_id": node_id, "gpu_id": g.id,
-                          "gpu_index": g.index, "reserved_at": now} for g in gpus]
+                gpus = conn.execute(
+                    select(Gpu.id, Gpu.index).where(Gpu.node_id == node_id, Gpu.index < per_replica).order_by(Gpu.index)
+                ).all()
+                rows += [
+                    {
+                        "job_id": job_id,
+                        "attempt": 1,
+                        "replica": replica,
+                        "node_id": node_id,
+                        "gpu_id": g.id,
+                        "gpu_index": g.index,
+                        "reserved_at": now,
+                    }
+                    for g in gpus
+                ]
             conn.execute(insert(Allocation), rows)
     finally:
         engine.dispose()
@@ -169,16 +198,23 @@ def insert_gang(db_url: str, ranks: int) -> str:
 
 # -- measurements -------------------------------------------------------------------------------------------------
 
+
 def _shard(job_id: str, step: int, rank: int) -> pb.Shard:
     digest = hashlib.sha256(f"{job_id}/{step}/{rank}".encode()).hexdigest()
-    return pb.Shard(rank=rank, uri=f"file:///ckpt/{job_id}/step-{step}/rank-{rank}.pt", size_bytes=64 << 20,
-                    checksum=f"sha256:{digest}")
+    return pb.Shard(
+        rank=rank,
+        uri=f"file:///ckpt/{job_id}/step-{step}/rank-{rank}.pt",
+        size_bytes=64 << 20,
+        checksum=f"sha256:{digest}",
+    )
 
 
 async def one_checkpoint(stub, job_id: str, ranks: int, step: int) -> tuple[float, float]:
     """(last shard -> COMMITTED, first shard -> COMMITTED) in seconds."""
-    reqs = [pb.ReportShardRequest(job_id=job_id, attempt=1, step=step, world_size=0, shard=_shard(job_id, step, r))
-            for r in range(ranks)]
+    reqs = [
+        pb.ReportShardRequest(job_id=job_id, attempt=1, step=step, world_size=0, shard=_shard(job_id, step, r))
+        for r in range(ranks)
+    ]
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(stub.ReportShard(r, timeout=RPC_TIMEOUT_S) for r in reqs[:-1]))
     t1 = time.perf_counter()
@@ -186,11 +222,14 @@ async def one_checkpoint(stub, job_id: str, ranks: int, step: int) -> tuple[floa
     t2 = time.perf_counter()
     early = [a.state for a in answers if a.state != "PENDING"]
     if early:
-        raise RuntimeError(f"step {step}: {len(early)} of the first {ranks - 1} shards answered {early[0]}, "
-                           "not PENDING")
+        raise RuntimeError(
+            f"step {step}: {len(early)} of the first {ranks - 1} shards answered {early[0]}, not PENDING"
+        )
     if last.state != "COMMITTED" or last.world_size != ranks or len(last.shards) != ranks:
-        raise RuntimeError(f"step {step}: the last shard answered {last.state} with {len(last.shards)} of "
-                           f"{last.world_size} shards; expected COMMITTED with {ranks}")
+        raise RuntimeError(
+            f"step {step}: the last shard answered {last.state} with {len(last.shards)} of "
+            f"{last.world_size} shards; expected COMMITTED with {ranks}"
+        )
     return t2 - t1, t2 - t0
 
 
@@ -231,12 +270,16 @@ def durability(db_url: str) -> dict:
         with engine.connect() as conn:
             if conn.dialect.name == "sqlite":
                 database = engine.url.database
-                return {"journal_mode": conn.exec_driver_sql("PRAGMA journal_mode").scalar(),
-                        "synchronous": SYNCHRONOUS.get(conn.exec_driver_sql("PRAGMA synchronous").scalar(), "?"),
-                        "sqlite_version": conn.exec_driver_sql("SELECT sqlite_version()").scalar(),
-                        "filesystem": filesystem_of(Path(database))}
-            return {name: conn.exec_driver_sql(f"SHOW {name}").scalar()
-                    for name in ("synchronous_commit", "fsync", "wal_sync_method", "server_version")}
+                return {
+                    "journal_mode": conn.exec_driver_sql("PRAGMA journal_mode").scalar(),
+                    "synchronous": SYNCHRONOUS.get(conn.exec_driver_sql("PRAGMA synchronous").scalar(), "?"),
+                    "sqlite_version": conn.exec_driver_sql("SELECT sqlite_version()").scalar(),
+                    "filesystem": filesystem_of(Path(database)),
+                }
+            return {
+                name: conn.exec_driver_sql(f"SHOW {name}").scalar()
+                for name in ("synchronous_commit", "fsync", "wal_sync_method", "server_version")
+            }
     finally:
         engine.dispose()
 
@@ -248,8 +291,11 @@ def filesystem_of(path: Path) -> str:
         with open("/proc/mounts") as mounts:
             for line in mounts:
                 parts = line.split()
-                if len(parts) >= 3 and str(path.resolve()).startswith(parts[1].rstrip("/") + "/") \
-                        and len(parts[1]) > len(best):
+                if (
+                    len(parts) >= 3
+                    and str(path.resolve()).startswith(parts[1].rstrip("/") + "/")
+                    and len(parts[1]) > len(best)
+                ):
                     best, kind = parts[1], parts[2]
     except OSError:
         pass
@@ -282,29 +328,39 @@ async def measure_database(label: str, db_url: str, args, workdir: Path) -> dict
                     whole.append(w)
                 figures = {
                     "checkpoints": count,
-                    "commit_p50_ms": ms(pct(commit, 50)), "commit_p99_ms": ms(pct(commit, 99)),
+                    "commit_p50_ms": ms(pct(commit, 50)),
+                    "commit_p99_ms": ms(pct(commit, 99)),
                     "commit_mean_ms": ms(statistics.fmean(commit)),
-                    "checkpoint_p50_ms": ms(pct(whole, 50)), "checkpoint_p99_ms": ms(pct(whole, 99)),
+                    "checkpoint_p50_ms": ms(pct(whole, 50)),
+                    "checkpoint_p99_ms": ms(pct(whole, 99)),
                     "shards_per_s": round(n / statistics.median(whole), 1),
                 }
                 result[str(n)] = figures
-                say(f"[{label}] {n:>4} ranks, {count} checkpoints: last shard -> COMMITTED p50 "
+                say(
+                    f"[{label}] {n:>4} ranks, {count} checkpoints: last shard -> COMMITTED p50 "
                     f"{figures['commit_p50_ms']} ms, p99 {figures['commit_p99_ms']} ms, mean "
                     f"{figures['commit_mean_ms']} ms; all {n} shards p50 {figures['checkpoint_p50_ms']} ms "
-                    f"({figures['shards_per_s']} shards/s)")
+                    f"({figures['shards_per_s']} shards/s)"
+                )
             floor += await asyncio.to_thread(durable_commits, db_url, half)
             rpc += await health_rpcs(channel, half)
-    base = {"durable_commit_p50_ms": ms(pct(floor, 50)), "durable_commit_p99_ms": ms(pct(floor, 99)),
-            "health_rpc_p50_ms": ms(pct(rpc, 50)), "health_rpc_p99_ms": ms(pct(rpc, 99)),
-            "samples": len(floor)}
+    base = {
+        "durable_commit_p50_ms": ms(pct(floor, 50)),
+        "durable_commit_p99_ms": ms(pct(floor, 99)),
+        "health_rpc_p50_ms": ms(pct(rpc, 50)),
+        "health_rpc_p99_ms": ms(pct(rpc, 99)),
+        "samples": len(floor),
+    }
     result["baseline"] = base
     floor_plus_rpc = pct(floor, 50) + pct(rpc, 50)
     for n in args.ranks:
         result[str(n)]["commit_p50_over_baseline"] = round(result[str(n)]["commit_p50_ms"] / ms(floor_plus_rpc), 2)
-    say(f"[{label}] baseline: one durable commit p50 {base['durable_commit_p50_ms']} ms (p99 "
+    say(
+        f"[{label}] baseline: one durable commit p50 {base['durable_commit_p50_ms']} ms (p99 "
         f"{base['durable_commit_p99_ms']} ms), one health RPC p50 {base['health_rpc_p50_ms']} ms (p99 "
         f"{base['health_rpc_p99_ms']} ms); commit p50 / (commit + RPC): "
-        + ", ".join(f"{n} ranks {result[str(n)]['commit_p50_over_baseline']}x" for n in args.ranks))
+        + ", ".join(f"{n} ranks {result[str(n)]['commit_p50_over_baseline']}x" for n in args.ranks)
+    )
     return result
 
 
@@ -321,7 +377,7 @@ def pg_problem(admin_url: str) -> str | None:
             conn.execute(text("SELECT 1"))
         engine.dispose()
         return None
-    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+    except Exception as exc:  # any failure means "no server"
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
@@ -342,13 +398,19 @@ async def on_postgresql(args, workdir: Path) -> dict:
         return await measure_database("postgresql", db_url, args, workdir)
     finally:
         with admin.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = :n AND pid <> pg_backend_pid()"), {"n": name})
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :n AND pid <> pg_backend_pid()"
+                ),
+                {"n": name},
+            )
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
         admin.dispose()
 
 
 # -- sections: each takes the parsed arguments and returns figures merged into the final JSON object -------------
+
 
 def commit_latency(args) -> dict:
     """Last shard -> COMMITTED for every N, on SQLite and PostgreSQL, with the durable-commit + RPC baseline."""
@@ -375,11 +437,33 @@ def _ddp_gang(out: Path, steps: int, every: int, world: int, env_extra: dict[str
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(ROOT), **env_extra)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "phalanx.examples.ddp_tiny", "--steps", str(steps), "--every", str(every),
-             "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=str(ROOT),
+            **env_extra,
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "phalanx.examples.ddp_tiny",
+                    "--steps",
+                    str(steps),
+                    "--every",
+                    str(every),
+                    "--out",
+                    str(out),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     for rank, proc in enumerate(procs):
         text_out, _ = proc.communicate(timeout=600)
         if proc.returncode != 0:
@@ -407,8 +491,13 @@ def ddp_overhead(args) -> dict:
         say(f"ddp: {world} ranks, {steps} steps: baseline without checkpoints")
         base = _ddp_gang(workdir / "base", steps, 0, world, {})[0]
         with Coordinator(db_url, workdir / "coordinator.log") as address:
-            env = {"PHALANX_JOB_ID": job_id, "PHALANX_ATTEMPT": "1", "PHALANX_CHECKPOINT_ADDR": address,
-                   "PHALANX_CHECKPOINT_DIR": str(workdir / "ckpt"), "PHALANX_CHECKPOINT_POLICY": "off"}
+            env = {
+                "PHALANX_JOB_ID": job_id,
+                "PHALANX_ATTEMPT": "1",
+                "PHALANX_CHECKPOINT_ADDR": address,
+                "PHALANX_CHECKPOINT_DIR": str(workdir / "ckpt"),
+                "PHALANX_CHECKPOINT_POLICY": "off",
+            }
             say(f"ddp: the same with a collective checkpoint every {every} steps")
             saved = _ddp_gang(workdir / "out", steps, every, world, env)[0]
             engine = make_engine(db_url)
@@ -420,14 +509,21 @@ def ddp_overhead(args) -> dict:
         if resumed["restored_step"] != steps or resumed["params_sha256"] != base["params_sha256"]:
             raise RuntimeError(f"the resumed run does not match the baseline: {resumed} vs {base}")
         size = sum(f.stat().st_size for f in (workdir / "ckpt").rglob("*") if f.is_file()) // max(1, saved["saves"])
-        return {"ddp": {
-            "ranks": world, "steps": steps, "every": every, "saves": saved["saves"],
-            "train_s_baseline": round(base["train_s"], 3), "train_s_with_checkpoints": round(saved["train_s"], 3),
-            "save_ms_mean": round(ms(saved["save_s"] / max(1, saved["saves"])), 2),
-            "checkpoint_overhead_pct": round(100 * (saved["train_s"] - base["train_s"]) / base["train_s"], 1),
-            "restore_ms": round(ms(resumed["restore_s"]), 2), "checkpoint_bytes": size,
-            "resumed_bit_identical": True,
-        }}
+        return {
+            "ddp": {
+                "ranks": world,
+                "steps": steps,
+                "every": every,
+                "saves": saved["saves"],
+                "train_s_baseline": round(base["train_s"], 3),
+                "train_s_with_checkpoints": round(saved["train_s"], 3),
+                "save_ms_mean": round(ms(saved["save_s"] / max(1, saved["saves"])), 2),
+                "checkpoint_overhead_pct": round(100 * (saved["train_s"] - base["train_s"]) / base["train_s"], 1),
+                "restore_ms": round(ms(resumed["restore_s"]), 2),
+                "checkpoint_bytes": size,
+                "resumed_bit_identical": True,
+            }
+        }
     finally:
         if args.keep:
             say(f"kept {workdir}")
@@ -440,14 +536,29 @@ SECTIONS = [commit_latency, ddp_overhead]  # a section is f(args) -> dict, merge
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", default=[8, 64, 512], type=lambda s: [int(x) for x in s.split(",")],
-                   help="gang sizes, comma-separated (default 8,64,512)")
-    p.add_argument("--checkpoints", type=int, default=0,
-                   help="checkpoints measured per gang size (default: 20 up to 128 ranks, 5 at 512)")
-    p.add_argument("--baseline-samples", type=int, default=400,
-                   help="durable commits and health RPCs, each (half before the checkpoints, half after)")
-    p.add_argument("--pg", default=DEFAULT_PG,
-                   help="PostgreSQL server (env PHALANX_TEST_PG); a database is created for the run and dropped")
+    p.add_argument(
+        "--ranks",
+        default=[8, 64, 512],
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="gang sizes, comma-separated (default 8,64,512)",
+    )
+    p.add_argument(
+        "--checkpoints",
+        type=int,
+        default=0,
+        help="checkpoints measured per gang size (default: 20 up to 128 ranks, 5 at 512)",
+    )
+    p.add_argument(
+        "--baseline-samples",
+        type=int,
+        default=400,
+        help="durable commits and health RPCs, each (half before the checkpoints, half after)",
+    )
+    p.add_argument(
+        "--pg",
+        default=DEFAULT_PG,
+        help="PostgreSQL server (env PHALANX_TEST_PG); a database is created for the run and dropped",
+    )
     p.add_argument("--no-pg", action="store_true", help="SQLite only")
     p.add_argument("--workdir", default=None, help="where the SQLite file and the coordinator log go (a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the SQLite file and the coordinator log")

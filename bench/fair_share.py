@@ -28,14 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phalanx.core.backfill import RunningEnd, schedule_with_backfill  # noqa: E402
-from phalanx.core.capacity import ClusterCapacity  # noqa: E402
-from phalanx.core.fabric import default_fabric  # noqa: E402
-from phalanx.core.model import GangRequest, NodeCapacity  # noqa: E402
-from phalanx.core.quota import FlavorQuota, QueueSpec, QuotaBook, usage_of  # noqa: E402
+from phalanx.core.backfill import RunningEnd, schedule_with_backfill
+from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.fabric import default_fabric
+from phalanx.core.model import GangRequest, NodeCapacity
+from phalanx.core.quota import FlavorQuota, QueueSpec, QuotaBook, usage_of
 
-SHAPES = [((1, 1), 20), ((1, 2), 10), ((1, 4), 10), ((1, 8), 25), ((2, 8), 15), ((4, 8), 10), ((8, 8), 7),
-          ((16, 8), 3)]
+SHAPES = [((1, 1), 20), ((1, 2), 10), ((1, 4), 10), ((1, 8), 25), ((2, 8), 15), ((4, 8), 10), ((8, 8), 7), ((16, 8), 3)]
 
 
 def say(*args) -> None:
@@ -55,8 +54,9 @@ def run(policy: str, args, rng_seed: int) -> dict:
     total = args.nodes * 8
     weights = {f"t{i:02d}": rng.randint(1, 5) for i in range(args.tenants)}
     wsum = sum(weights.values())
-    specs = {t: QueueSpec(t, {"*": FlavorQuota(gpus=total * w / wsum)}, cohort="all", weight=w)
-             for t, w in weights.items()}
+    specs = {
+        t: QueueSpec(t, {"*": FlavorQuota(gpus=total * w / wsum)}, cohort="all", weight=w) for t, w in weights.items()
+    }
     shapes = [s for s, _ in SHAPES]
     freq = [f for _, f in SHAPES]
     seq = 0
@@ -68,7 +68,7 @@ def run(policy: str, args, rng_seed: int) -> dict:
     def submit(tenant: str, now: float) -> None:
         nonlocal seq
         seq += 1
-        (r, g), = rng.choices(shapes, freq)
+        ((r, g),) = rng.choices(shapes, freq)
         limit = rng.uniform(600, 3600)
         job = f"j{seq:07d}"
         owner[job] = tenant
@@ -85,12 +85,20 @@ def run(policy: str, args, rng_seed: int) -> dict:
     for cycle in range(args.cycles):
         book = None
         if policy == "fair":
-            book = QuotaBook(specs, usage_of((owner[j], "*", req) for j, (_, _, req) in running.items()),
-                             {"gpus": float(total)})
+            book = QuotaBook(
+                specs, usage_of((owner[j], "*", req) for j, (_, _, req) in running.items()), {"gpus": float(total)}
+            )
         t0 = time.perf_counter()
-        result = schedule_with_backfill(cap, pending, fabric.tiers, now=now,
-                                        running=lambda: [g for g, _, _ in running.values()], memo=memo,
-                                        book=book, queues=owner if book else None)
+        result = schedule_with_backfill(
+            cap,
+            pending,
+            fabric.tiers,
+            now=now,
+            running=lambda: [g for g, _, _ in running.values()],
+            memo=memo,
+            book=book,
+            queues=owner if book else None,
+        )
         took = time.perf_counter() - t0
         cycle_ms.append(took * 1000)
         placed = {p.job_id: p for p in result.placements}
@@ -106,8 +114,10 @@ def run(policy: str, args, rng_seed: int) -> dict:
                 held[owner[job_id]] += req.gpus
             used = sum(held.values()) or 1
             samples.append({t: held[t] / used for t in weights})
-        say(f"  [{policy}] cycle {cycle + 1}/{args.cycles}: {len(placed)} placed in {took * 1000:.0f} ms, "
-            f"{len(running)} running, {len(pending)} waiting, utilisation {1 - cap.free_gpus() / total:.1%}")
+        say(
+            f"  [{policy}] cycle {cycle + 1}/{args.cycles}: {len(placed)} placed in {took * 1000:.0f} ms, "
+            f"{len(running)} running, {len(pending)} waiting, utilisation {1 - cap.free_gpus() / total:.1%}"
+        )
         now += args.step
         for job_id in [j for j, (_, end, _) in running.items() if end <= now]:
             cap.release_placement(running.pop(job_id)[0].placement)
@@ -121,12 +131,15 @@ def run(policy: str, args, rng_seed: int) -> dict:
     mean = {t: sum(s[t] for s in samples) / len(samples) for t in weights}
     errors = [abs(mean[t] - target[t]) for t in weights]
     return {
-        "cycle_ms_p50": round(pct(cycle_ms, 50), 1), "cycle_ms_p99": round(pct(cycle_ms, 99), 1),
+        "cycle_ms_p50": round(pct(cycle_ms, 50), 1),
+        "cycle_ms_p99": round(pct(cycle_ms, 99), 1),
         "cycle_ms_max": round(max(cycle_ms), 1),
-        "first_cycle_ms": round(cycle_ms[0], 1), "steady_cycle_ms_p50": round(pct(cycle_ms[args.warmup:], 50), 1),
+        "first_cycle_ms": round(cycle_ms[0], 1),
+        "steady_cycle_ms_p50": round(pct(cycle_ms[args.warmup :], 50), 1),
         "placed_per_s_first_cycle": round(placed_per_s[0]),
-        "placed_per_s_steady_p50": round(pct(placed_per_s[args.warmup:], 50)),
-        "fairness_error_max": round(max(errors), 4), "fairness_error_mean": round(sum(errors) / len(errors), 4),
+        "placed_per_s_steady_p50": round(pct(placed_per_s[args.warmup :], 50)),
+        "fairness_error_max": round(max(errors), 4),
+        "fairness_error_mean": round(sum(errors) / len(errors), 4),
         "fairness_error_max_relative": round(max(abs(mean[t] / target[t] - 1) for t in weights), 3),
     }
 
@@ -144,19 +157,34 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.nodes, args.tenants, args.queued, args.cycles, args.warmup = 512, 20, 2000, 12, 4
-    say(f"{args.nodes} nodes x 8 GPUs, {args.tenants} tenants (one queue each, one cohort, weights 1-5), "
-        f"{args.queued} gangs queued, {args.cycles} cycles {args.step:g} simulated seconds apart")
+    say(
+        f"{args.nodes} nodes x 8 GPUs, {args.tenants} tenants (one queue each, one cohort, weights 1-5), "
+        f"{args.queued} gangs queued, {args.cycles} cycles {args.step:g} simulated seconds apart"
+    )
     started = time.perf_counter()
     fair = run("fair", args, args.seed)
     fifo = run("fifo", args, args.seed)
     for name, r in (("fair share (queues, DRF, EASY backfill)", fair), ("baseline: priority + FIFO", fifo)):
-        say(f"{name}: cycle p50 {r['cycle_ms_p50']} ms, p99 {r['cycle_ms_p99']} ms (first {r['first_cycle_ms']} ms, "
+        say(
+            f"{name}: cycle p50 {r['cycle_ms_p50']} ms, p99 {r['cycle_ms_p99']} ms (first {r['first_cycle_ms']} ms, "
             f"steady p50 {r['steady_cycle_ms_p50']} ms); placed/s first cycle {r['placed_per_s_first_cycle']}, "
             f"steady p50 {r['placed_per_s_steady_p50']}; fairness error max {r['fairness_error_max']:.2%} of the "
             f"GPUs in use (mean {r['fairness_error_mean']:.2%}; worst tenant {r['fairness_error_max_relative']:.0%} "
-            "off its target)")
-    print(json.dumps({"nodes": args.nodes, "tenants": args.tenants, "queued": args.queued, "cycles": args.cycles,
-                      "fair": fair, "fifo": fifo, "elapsed_s": round(time.perf_counter() - started, 1)}))
+            "off its target)"
+        )
+    print(
+        json.dumps(
+            {
+                "nodes": args.nodes,
+                "tenants": args.tenants,
+                "queued": args.queued,
+                "cycles": args.cycles,
+                "fair": fair,
+                "fifo": fifo,
+                "elapsed_s": round(time.perf_counter() - started, 1),
+            }
+        )
+    )
     return 0
 
 

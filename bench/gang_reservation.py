@@ -34,16 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import grpc  # noqa: E402
-import psycopg  # noqa: E402
+import grpc
+import psycopg
+from helpers.procs import start_scheduler
 
-from db.engine import normalize_url  # noqa: E402
-from db.migrate import upgrade  # noqa: E402
-from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from phalanx.client import AsyncClient  # noqa: E402
-from phalanx.core.fabric import default_fabric, to_slurm_tree  # noqa: E402
-from phalanx.testing.lite_agent import LiteAgent  # noqa: E402
-from helpers.procs import start_scheduler  # noqa: E402
+from db.engine import normalize_url
+from db.migrate import upgrade
+from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.client import AsyncClient
+from phalanx.core.fabric import default_fabric, to_slurm_tree
+from phalanx.testing.lite_agent import LiteAgent
 
 RUNNING = common_pb2.JOB_STATE_RUNNING
 SHAPES = {1: (1, 1), 8: (1, 8), 64: (8, 8)}  # GPUs -> (replicas, gpus per replica)
@@ -76,9 +76,18 @@ class Bench:
         fabric = default_fabric([f"node-{i:04d}" for i in range(self.nodes)], nodes_per_leaf=32, leaves_per_spine=8)
         fabric_file = self.workdir / f"topology-{self.nodes}.conf"
         fabric_file.write_text(to_slurm_tree(fabric))
-        self.scheduler = start_scheduler(self.db_url, self.workdir / f"scheduler-{self.nodes}.log",
-                                         "--launch-timeout", "3600", "--lease-timeout", "600",
-                                         "--heartbeat-interval", "10", "--fabric", str(fabric_file))
+        self.scheduler = start_scheduler(
+            self.db_url,
+            self.workdir / f"scheduler-{self.nodes}.log",
+            "--launch-timeout",
+            "3600",
+            "--lease-timeout",
+            "600",
+            "--heartbeat-interval",
+            "10",
+            "--fabric",
+            str(fabric_file),
+        )
         # Agents live in their own process, so their gRPC work does not slow the measuring clients.
         ctx = multiprocessing.get_context("spawn")
         self.agent_pipe, child = ctx.Pipe()
@@ -155,7 +164,7 @@ class Bench:
                 ids: list[str] = []
                 t0 = time.perf_counter()
 
-                async def worker(client: AsyncClient) -> None:
+                async def worker(client: AsyncClient, queue: list[int] = queue, ids: list[str] = ids) -> None:
                     while queue:
                         gpus = queue.pop()
                         r, g = SHAPES[gpus]
@@ -203,7 +212,7 @@ def agents_process(address: str, nodes: int, pipe) -> None:
     async def run() -> None:
         agents = [LiteAgent(address, f"node-{i:04d}") for i in range(nodes)]
         for i in range(0, nodes, 64):
-            await asyncio.gather(*(a.start() for a in agents[i:i + 64]))
+            await asyncio.gather(*(a.start() for a in agents[i : i + 64]))
         pipe.send("ready")
         await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
         for a in agents:
@@ -263,10 +272,14 @@ def naive_writer_rate(admin_url: str, threads: int = 8, seconds: float = 2.0) ->
 
 async def run(args) -> dict:
     admin = normalize_url(args.db).replace("postgresql+psycopg://", "postgresql://")
-    results: dict = {"commit_floor_ms": round(commit_floor(admin) * 1000, 3),
-                     "naive_txn_per_submit_per_s": round(naive_writer_rate(admin))}
-    say(f"baseline: durable commit p50 {results['commit_floor_ms']} ms; "
-        f"naive one-txn-per-submit x8 threads {results['naive_txn_per_submit_per_s']}/s")
+    results: dict = {
+        "commit_floor_ms": round(commit_floor(admin) * 1000, 3),
+        "naive_txn_per_submit_per_s": round(naive_writer_rate(admin)),
+    }
+    say(
+        f"baseline: durable commit p50 {results['commit_floor_ms']} ms; "
+        f"naive one-txn-per-submit x8 threads {results['naive_txn_per_submit_per_s']}/s"
+    )
     workdir = Path(tempfile.mkdtemp(prefix="phalanx-bench-"))
     for nodes in args.nodes:
         say(f"--- {nodes} nodes x 8 GPUs ---")
@@ -280,20 +293,27 @@ async def run(args) -> dict:
                 say(f"latency {gpus:>2}-GPU gang: p50 {results[f'{key}_p50_ms']} ms, p99 {results[f'{key}_p99_ms']} ms")
             rates = await bench.throughput(args.clients, args.rounds, args.inflight)
             results[f"n{nodes}_throughput_gangs_per_s"] = round(statistics.median(rates), 1)
-            say(f"throughput, {args.clients} SDK clients x {args.inflight} in flight, mixed 1/8/64-GPU gangs: "
-                f"{results[f'n{nodes}_throughput_gangs_per_s']} gangs/s (rounds: {[round(r) for r in rates]})")
+            say(
+                f"throughput, {args.clients} SDK clients x {args.inflight} in flight, mixed 1/8/64-GPU gangs: "
+                f"{results[f'n{nodes}_throughput_gangs_per_s']} gangs/s (rounds: {[round(r) for r in rates]})"
+            )
             rel = await bench.release_to_reserve(args.release_samples)
             results[f"n{nodes}_release_to_reserve_p50_ms"] = round(pct(rel, 50) * 1000, 2)
             results[f"n{nodes}_release_to_reserve_p99_ms"] = round(pct(rel, 99) * 1000, 2)
-            say(f"release-to-reserve of a pending 64-GPU gang: p50 {results[f'n{nodes}_release_to_reserve_p50_ms']} "
-                f"ms, p99 {results[f'n{nodes}_release_to_reserve_p99_ms']} ms")
+            say(
+                f"release-to-reserve of a pending 64-GPU gang: p50 {results[f'n{nodes}_release_to_reserve_p50_ms']} "
+                f"ms, p99 {results[f'n{nodes}_release_to_reserve_p99_ms']} ms"
+            )
     return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--db", default=os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test"),
-                   help="PostgreSQL server (a database per cluster size is created and dropped)")
+    p.add_argument(
+        "--db",
+        default=os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test"),
+        help="PostgreSQL server (a database per cluster size is created and dropped)",
+    )
     p.add_argument("--nodes", default="256,512", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--samples", type=int, default=100)
     p.add_argument("--clients", type=int, default=8)

@@ -34,13 +34,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phalanx.core import mig  # noqa: E402
-from phalanx.core.capacity import ClusterCapacity, shape_key  # noqa: E402
-from phalanx.core.fabric import default_fabric  # noqa: E402
-from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement  # noqa: E402
-from phalanx.core.placement import place_gang  # noqa: E402
-from phalanx.core.shares import (  # noqa: E402
-    _NO_CPU_LIMIT, _free_capacity, _moves, _share_gpus, fragmentation, share_fragmentation,
+from phalanx.core import mig
+from phalanx.core.capacity import ClusterCapacity, shape_key
+from phalanx.core.fabric import default_fabric
+from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
+from phalanx.core.placement import place_gang
+from phalanx.core.shares import (
+    _NO_CPU_LIMIT,
+    _free_capacity,
+    _moves,
+    _share_gpus,
+    fragmentation,
+    share_fragmentation,
 )
 
 NODES, GPUS = 4096, 8
@@ -61,10 +66,20 @@ def pct(values: list[float], p: float) -> float:
 def cluster(nodes: int) -> ClusterCapacity:
     names = [f"n{i:04d}" for i in range(nodes)]
     fabric = default_fabric(names, nodes_per_leaf=32, leaves_per_spine=16)
-    return ClusterCapacity(NodeCapacity(n, GPUS, set(range(GPUS)), True, fabric.path(n), None, MODEL, MEMORY,
-                                        mig_gpus=frozenset(range(GPUS)) if i % MIG_EVERY == MIG_EVERY - 1
-                                        else frozenset())
-                           for i, n in enumerate(names))
+    return ClusterCapacity(
+        NodeCapacity(
+            n,
+            GPUS,
+            set(range(GPUS)),
+            True,
+            fabric.path(n),
+            None,
+            MODEL,
+            MEMORY,
+            mig_gpus=frozenset(range(GPUS)) if i % MIG_EVERY == MIG_EVERY - 1 else frozenset(),
+        )
+        for i, n in enumerate(names)
+    )
 
 
 def stream(decisions: int, seed: int):
@@ -135,8 +150,7 @@ def place_naive(cap: ClusterCapacity, req: GangRequest):
             continue
         before = score(shape)
         for state, start, after in _moves(shape, req):
-            key = (round(score(after) - before, 9), _free_capacity(after[3], after[4], after[5]), node.name,
-                   start)
+            key = (round(score(after) - before, 9), _free_capacity(after[3], after[4], after[5]), node.name, start)
             if best is None or key < best[0]:
                 best = (key, node, state)
     if best is None:
@@ -154,7 +168,7 @@ def place_first_fit(cap: ClusterCapacity, req: GangRequest):
     if not req.partial:
         for node in cap.nodes.values():
             if len(node.free) >= req.gpus_per_replica:
-                gpus = tuple(sorted(node.free)[:req.gpus_per_replica])
+                gpus = tuple(sorted(node.free)[: req.gpus_per_replica])
                 return Placement(req.job_id, (ReplicaPlacement(0, node.name, gpus),), "node", 1, 0.0, "first fit")
         return None
     for node in cap.nodes.values():
@@ -176,13 +190,14 @@ def place_first_fit(cap: ClusterCapacity, req: GangRequest):
 
 def place_spread(cap: ClusterCapacity, req: GangRequest):
     """Kubernetes' default scoring (LeastAllocated): the node with the most free capacity, then its emptiest GPU."""
+
     def free_of(n: NodeCapacity) -> float:
         return _free_capacity(len(n.free), list(n.mig.values()), list(n.milli.values()))
 
     for node in sorted(cap.nodes.values(), key=lambda n: (-free_of(n), n.name)):
         if not req.partial:
             if len(node.free) >= req.gpus_per_replica:
-                gpus = tuple(sorted(node.free)[:req.gpus_per_replica])
+                gpus = tuple(sorted(node.free)[: req.gpus_per_replica])
                 return Placement(req.job_id, (ReplicaPlacement(0, node.name, gpus),), "node", 1, 0.0, "spread")
             continue
         for gpu in sorted(range(node.total), key=lambda g: (g not in node.free, g)):
@@ -225,8 +240,11 @@ def run(placer, arrivals, nodes: int, label: str, check_against=None):
                 allocated -= size(gone)
             continue
         req = request(i, kind, arg)
-        arrived += req.gpus if not req.partial else (mig.resolve(req.mig_profile, "H100-80GB").size / 8
-                                                      if req.mig_profile else req.gpu_milli / 1000)
+        arrived += (
+            req.gpus
+            if not req.partial
+            else (mig.resolve(req.mig_profile, "H100-80GB").size / 8 if req.mig_profile else req.gpu_milli / 1000)
+        )
         if at_half is None and arrived >= 0.5 * nodes * GPUS:
             at_half = sum(1 for n in cap.nodes.values() if len(n.free) == n.total)
         t0 = time.perf_counter()
@@ -252,16 +270,25 @@ def run(placer, arrivals, nodes: int, label: str, check_against=None):
             say(f"  {label}: {i} requests")
     split = sum(sum(1 for m in n.mig.values() if m) + len(n.milli) for n in cap.nodes.values())
     whole_nodes = sum(1 for n in cap.nodes.values() if len(n.free) == n.total)  # (nodes in MIG mode never are)
-    return dict(times=times, choices=choices, whole_tried=whole_tried, whole_failed=whole_failed,
-                partial_failed=partial_failed, split_gpus=split, whole_free_nodes=whole_nodes,
-                allocated_at_first_refusal=round(first_refusal or allocated / (nodes * GPUS), 4),
-                allocated_at_end=round(allocated / (nodes * GPUS), 4), whole_free_nodes_at_half=at_half)
+    return dict(
+        times=times,
+        choices=choices,
+        whole_tried=whole_tried,
+        whole_failed=whole_failed,
+        partial_failed=partial_failed,
+        split_gpus=split,
+        whole_free_nodes=whole_nodes,
+        allocated_at_first_refusal=round(first_refusal or allocated / (nodes * GPUS), 4),
+        allocated_at_end=round(allocated / (nodes * GPUS), 4),
+        whole_free_nodes_at_half=at_half,
+    )
 
 
 def size(p: Placement) -> float:
     """GPUs a placement holds: whole GPUs, MIG memory slices / 8, shares / 1000."""
-    return sum(r.mig_size / 8 if r.mig_profile else r.gpu_milli / 1000 if r.gpu_milli else len(r.gpus)
-               for r in p.replicas)
+    return sum(
+        r.mig_size / 8 if r.mig_profile else r.gpu_milli / 1000 if r.gpu_milli else len(r.gpus) for r in p.replicas
+    )
 
 
 def main() -> None:
@@ -278,41 +305,63 @@ def main() -> None:
     t0 = time.perf_counter()
     ours = run(place_phalanx, arrivals, args.nodes, "phalanx")
     ours_wall = time.perf_counter() - t0
-    naive_arrivals = arrivals[:args.naive_decisions]
+    naive_arrivals = arrivals[: args.naive_decisions]
     naive = run(place_naive, naive_arrivals, args.nodes, "naive")
     agree = sum(1 for a, b in zip(ours["choices"], naive["choices"], strict=False) if a == b)
     # Packing, FGD-style: arrivals only, in order, never retried, until the arrived load is 130% of the cluster.
     packing_arrivals = list(packing_stream(args.packing_nodes, args.seed + 1))
     say(f"packing: {args.packing_nodes} nodes, {len(packing_arrivals)} arrivals (130% of the cluster), no departures")
-    packed = {name: run(fn, packing_arrivals, args.packing_nodes, name)
-              for name, fn in (("phalanx", place_phalanx), ("first_fit", place_first_fit), ("spread", place_spread))}
+    packed = {
+        name: run(fn, packing_arrivals, args.packing_nodes, name)
+        for name, fn in (("phalanx", place_phalanx), ("first_fit", place_first_fit), ("spread", place_spread))
+    }
+
     def speed(r):
         t = [x * 1000 for x in r["times"]]
-        return dict(decisions=len(t), per_s=round(len(t) / (sum(t) / 1000), 1), p50_ms=round(pct(t, 50), 4),
-                    p99_ms=round(pct(t, 99), 4))
+        return dict(
+            decisions=len(t),
+            per_s=round(len(t) / (sum(t) / 1000), 1),
+            p50_ms=round(pct(t, 50), 4),
+            p99_ms=round(pct(t, 99), 4),
+        )
 
     out = {
-        "nodes": args.nodes, "gpus": args.nodes * GPUS, "arrivals": len(arrivals), "seed": args.seed,
+        "nodes": args.nodes,
+        "gpus": args.nodes * GPUS,
+        "arrivals": len(arrivals),
+        "seed": args.seed,
         "phalanx": {**speed(ours), "wall_s": round(ours_wall, 2)},
         "naive": speed(naive),
         "naive_agrees": f"{agree}/{len(naive['choices'])}",
         "packing_nodes": args.packing_nodes,
         "packing": {
-            name: dict(whole_failed=r["whole_failed"], whole_tried=r["whole_tried"], partial_failed=r["partial_failed"],
-                       split_gpus=r["split_gpus"], whole_free_nodes=r["whole_free_nodes"],
-                       allocated_at_first_refusal=r["allocated_at_first_refusal"],
-                       allocated_at_end=r["allocated_at_end"], whole_free_nodes_at_half=r["whole_free_nodes_at_half"])
+            name: dict(
+                whole_failed=r["whole_failed"],
+                whole_tried=r["whole_tried"],
+                partial_failed=r["partial_failed"],
+                split_gpus=r["split_gpus"],
+                whole_free_nodes=r["whole_free_nodes"],
+                allocated_at_first_refusal=r["allocated_at_first_refusal"],
+                allocated_at_end=r["allocated_at_end"],
+                whole_free_nodes_at_half=r["whole_free_nodes_at_half"],
+            )
             for name, r in packed.items()
         },
     }
-    say(f"phalanx : {out['phalanx']['per_s']:>9} decisions/s  p50 {out['phalanx']['p50_ms']} ms  "
-        f"p99 {out['phalanx']['p99_ms']} ms")
-    say(f"naive   : {out['naive']['per_s']:>9} decisions/s  p50 {out['naive']['p50_ms']} ms  "
-        f"p99 {out['naive']['p99_ms']} ms  (same choice in {out['naive_agrees']})")
+    say(
+        f"phalanx : {out['phalanx']['per_s']:>9} decisions/s  p50 {out['phalanx']['p50_ms']} ms  "
+        f"p99 {out['phalanx']['p99_ms']} ms"
+    )
+    say(
+        f"naive   : {out['naive']['per_s']:>9} decisions/s  p50 {out['naive']['p50_ms']} ms  "
+        f"p99 {out['naive']['p99_ms']} ms  (same choice in {out['naive_agrees']})"
+    )
     for name, pk in out["packing"].items():
-        say(f"{name:9}: whole free nodes at 50% arrived load {pk['whole_free_nodes_at_half']}; allocated "
+        say(
+            f"{name:9}: whole free nodes at 50% arrived load {pk['whole_free_nodes_at_half']}; allocated "
             f"{pk['allocated_at_first_refusal']:.1%} of GPUs at the first refusal, {pk['allocated_at_end']:.1%} at "
-            f"the end; refused: whole-GPU {pk['whole_failed']}/{pk['whole_tried']}, partial {pk['partial_failed']}")
+            f"the end; refused: whole-GPU {pk['whole_failed']}/{pk['whole_tried']}, partial {pk['partial_failed']}"
+        )
     print(json.dumps(out))
 
 

@@ -33,15 +33,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phalanx.core.capacity import ClusterCapacity, domain_key  # noqa: E402
-from phalanx.core.fabric import default_fabric  # noqa: E402
-from phalanx.core.model import GangRequest, NodeCapacity, Placement  # noqa: E402
-from phalanx.core.placement import Unplaceable, _build, _scan_cost, _take, place_gang  # noqa: E402
+from phalanx.core.capacity import ClusterCapacity, domain_key
+from phalanx.core.fabric import default_fabric
+from phalanx.core.model import GangRequest, NodeCapacity, Placement
+from phalanx.core.placement import Unplaceable, _build, _scan_cost, _take, place_gang
 
 NODES, GPUS, PER_LEAF, LEAVES_PER_SPINE = 4096, 8, 32, 16
 # (replicas, GPUs per replica) and how often each arrives
-SHAPES = [((1, 1), 30), ((1, 2), 12), ((1, 4), 12), ((1, 8), 16), ((2, 8), 10), ((8, 8), 8), ((32, 8), 6),
-          ((128, 8), 4), ((512, 8), 2)]
+SHAPES = [
+    ((1, 1), 30),
+    ((1, 2), 12),
+    ((1, 4), 12),
+    ((1, 8), 16),
+    ((2, 8), 10),
+    ((8, 8), 8),
+    ((32, 8), 6),
+    ((128, 8), 4),
+    ((512, 8), 2),
+]
 NARROW = [((4, 4), 8), ((8, 2), 6), ((16, 4), 6), ((32, 2), 4), ((64, 1), 3), ((256, 4), 2)]
 TARGETS = {"p99_ms_up_to_64_gpus": 2.0, "p99_ms_4096_gpus": 20.0, "single_node_per_s": 5000.0}
 
@@ -116,8 +125,9 @@ class NaivePlacer:
                 key = fitting[0]
             else:
                 key = min(fitting, key=lambda k: (_scan_cost(members[k], need, g, level), stats[k][1], k))
-            members = [n for n in self.nodes
-                       if domain_key(n, level, self.top) == key and n.schedulable and len(n.free) >= g]
+            members = [
+                n for n in self.nodes if domain_key(n, level, self.top) == key and n.schedulable and len(n.free) >= g
+            ]
             return _build(request, _take(members, need, g, level), self.names, level)
         return Unplaceable(request.job_id, "does not fit")
 
@@ -228,7 +238,8 @@ def run_naive(ops: list[tuple], limit: int):
         if not isinstance(result, Unplaceable):
             held_naive[request.job_id] = result
         same = (isinstance(core, Unplaceable) and isinstance(result, Unplaceable)) or (
-            isinstance(core, Placement) and isinstance(result, Placement) and core.replicas == result.replicas)
+            isinstance(core, Placement) and isinstance(result, Placement) and core.replicas == result.replicas
+        )
         agree += same
         disagree += not same
     return lat, n, agree, disagree
@@ -236,8 +247,12 @@ def run_naive(ops: list[tuple], limit: int):
 
 def summarize(lat: dict[int, list[float]]) -> dict[str, dict[str, float]]:
     return {
-        str(gpus): {"n": len(v), "p50_ms": round(pct(v, 50) * 1e3, 4), "p99_ms": round(pct(v, 99) * 1e3, 4),
-                    "max_ms": round(max(v) * 1e3, 4)}
+        str(gpus): {
+            "n": len(v),
+            "p50_ms": round(pct(v, 50) * 1e3, 4),
+            "p99_ms": round(pct(v, 99) * 1e3, 4),
+            "max_ms": round(max(v) * 1e3, 4),
+        }
         for gpus, v in sorted(lat.items())
     }
 
@@ -255,41 +270,69 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=40, help="attempts per gang after a failure (each one releases)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="2,000 decisions, 300 for the naive placer")
-    ap.add_argument("--mix", choices=["default", "narrow"], default="default",
-                    help="narrow: also multi-node gangs of fewer than 8 GPUs per replica")
+    ap.add_argument(
+        "--mix",
+        choices=["default", "narrow"],
+        default="default",
+        help="narrow: also multi-node gangs of fewer than 8 GPUs per replica",
+    )
     args = ap.parse_args()
     if args.quick:
         args.decisions, args.naive_decisions = 2000, 300
 
-    say(f"fabric: {NODES} nodes x {GPUS} GPUs, {NODES // PER_LEAF} leaves of {PER_LEAF}, "
-        f"{NODES // PER_LEAF // LEAVES_PER_SPINE} spines of {LEAVES_PER_SPINE} leaves")
-    ops, lat, lat_placed, placed, failed, utils, index_peak, _ = run_core(args.decisions, args.retries, args.seed,
-                                                                    SHAPES + NARROW if args.mix == 'narrow' else SHAPES)
+    say(
+        f"fabric: {NODES} nodes x {GPUS} GPUs, {NODES // PER_LEAF} leaves of {PER_LEAF}, "
+        f"{NODES // PER_LEAF // LEAVES_PER_SPINE} spines of {LEAVES_PER_SPINE} leaves"
+    )
+    ops, lat, lat_placed, placed, failed, utils, index_peak, _ = run_core(
+        args.decisions, args.retries, args.seed, SHAPES + NARROW if args.mix == "narrow" else SHAPES
+    )
     per_s, single_per_s = rates(lat)
-    core = {"decisions": placed + failed, "placed": placed, "failed": failed, "decisions_per_s": round(per_s),
-            "single_node_per_s": round(single_per_s), "all": summarize(lat), "placed_only": summarize(lat_placed),
-            "utilization_mean": round(sum(utils) / len(utils), 3),
-            "utilization_p10_p90": [round(pct(utils, 10), 3), round(pct(utils, 90), 3)],
-            "index_build_peak_bytes": index_peak}
-    say(f"core: {core['decisions']} decisions ({placed} placed, {failed} failed), {per_s:,.0f} decisions/s, "
+    core = {
+        "decisions": placed + failed,
+        "placed": placed,
+        "failed": failed,
+        "decisions_per_s": round(per_s),
+        "single_node_per_s": round(single_per_s),
+        "all": summarize(lat),
+        "placed_only": summarize(lat_placed),
+        "utilization_mean": round(sum(utils) / len(utils), 3),
+        "utilization_p10_p90": [round(pct(utils, 10), 3), round(pct(utils, 90), 3)],
+        "index_build_peak_bytes": index_peak,
+    }
+    say(
+        f"core: {core['decisions']} decisions ({placed} placed, {failed} failed), {per_s:,.0f} decisions/s, "
         f"{single_per_s:,.0f} single-node decisions/s, utilization mean {core['utilization_mean']:.0%} "
         f"(p10 {core['utilization_p10_p90'][0]:.0%}, p90 {core['utilization_p10_p90'][1]:.0%}); "
-        f"index build peak {index_peak / 2**20:.1f} MiB")
+        f"index build peak {index_peak / 2**20:.1f} MiB"
+    )
     for gpus, s in core["all"].items():
         pl = core["placed_only"].get(gpus, {})
-        say(f"  core {gpus:>5} GPUs: n={s['n']:>6} p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms  "
-            f"max {s['max_ms']:.3f} ms   placed-only p99 {pl.get('p99_ms', float('nan')):.3f} ms (n={pl.get('n', 0)})")
+        say(
+            f"  core {gpus:>5} GPUs: n={s['n']:>6} p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms  "
+            f"max {s['max_ms']:.3f} ms   placed-only p99 {pl.get('p99_ms', float('nan')):.3f} ms (n={pl.get('n', 0)})"
+        )
 
     nlat, nn, agree, disagree = run_naive(ops, args.naive_decisions)
     nper_s, nsingle = rates(nlat)
-    naive = {"decisions": nn, "decisions_per_s": round(nper_s), "single_node_per_s": round(nsingle),
-             "all": summarize(nlat), "agree_with_core": agree, "disagree_with_core": disagree}
-    say(f"naive full scan: {nn} decisions, {nper_s:,.0f} decisions/s, {nsingle:,.0f} single-node decisions/s; "
-        f"same choice as the core in {agree}/{nn}")
+    naive = {
+        "decisions": nn,
+        "decisions_per_s": round(nper_s),
+        "single_node_per_s": round(nsingle),
+        "all": summarize(nlat),
+        "agree_with_core": agree,
+        "disagree_with_core": disagree,
+    }
+    say(
+        f"naive full scan: {nn} decisions, {nper_s:,.0f} decisions/s, {nsingle:,.0f} single-node decisions/s; "
+        f"same choice as the core in {agree}/{nn}"
+    )
     for gpus, s in naive["all"].items():
         c = core["all"].get(gpus, {})
-        say(f"  naive {gpus:>5} GPUs: n={s['n']:>6} p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms   "
-            f"(core p99 {c.get('p99_ms', float('nan')):.3f} ms)")
+        say(
+            f"  naive {gpus:>5} GPUs: n={s['n']:>6} p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms   "
+            f"(core p99 {c.get('p99_ms', float('nan')):.3f} ms)"
+        )
 
     up_to_64 = max((s["p99_ms"] for g, s in core["all"].items() if int(g) <= 64), default=float("nan"))
     big = core["all"].get("4096", {}).get("p99_ms", float("nan"))
@@ -297,17 +340,22 @@ def main() -> None:
     checks = {
         "p99_ms_up_to_64_gpus": [up_to_64, TARGETS["p99_ms_up_to_64_gpus"], up_to_64 < TARGETS["p99_ms_up_to_64_gpus"]],
         "p99_ms_4096_gpus": [big, TARGETS["p99_ms_4096_gpus"], big < TARGETS["p99_ms_4096_gpus"]],
-        "p99_ms_4096_gpus_placed": [big_placed, TARGETS["p99_ms_4096_gpus"],
-                                    big_placed < TARGETS["p99_ms_4096_gpus"]],
-        "single_node_per_s": [core["single_node_per_s"], TARGETS["single_node_per_s"],
-                              core["single_node_per_s"] > TARGETS["single_node_per_s"]],
+        "p99_ms_4096_gpus_placed": [big_placed, TARGETS["p99_ms_4096_gpus"], big_placed < TARGETS["p99_ms_4096_gpus"]],
+        "single_node_per_s": [
+            core["single_node_per_s"],
+            TARGETS["single_node_per_s"],
+            core["single_node_per_s"] > TARGETS["single_node_per_s"],
+        ],
     }
     for name, (got, want, ok) in checks.items():
         say(f"target {name}: {got} vs {want}: {'met' if ok else 'MISSED'}")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     say(f"max RSS {rss / 1024:.0f} MiB")
-    print(json.dumps({"core": core, "naive": naive, "targets": checks, "max_rss_kib": rss,
-                      "python": sys.version.split()[0]}))
+    print(
+        json.dumps(
+            {"core": core, "naive": naive, "targets": checks, "max_rss_kib": rss, "python": sys.version.split()[0]}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,11 +46,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phalanx.core.capacity import ClusterCapacity, CapacityError  # noqa: E402
-from phalanx.core.fabric import default_fabric  # noqa: E402
-from phalanx.core.model import GangRequest, NodeCapacity, Placement  # noqa: E402
-from phalanx.core.placement import place_gang  # noqa: E402
-from phalanx.core.preemption import (  # noqa: E402
+from phalanx.core.capacity import CapacityError, ClusterCapacity
+from phalanx.core.fabric import default_fabric
+from phalanx.core.model import GangRequest, NodeCapacity, Placement
+from phalanx.core.placement import place_gang
+from phalanx.core.preemption import (
     NoPreemption,
     Preemption,
     PreemptionPolicy,
@@ -66,8 +66,15 @@ NOW = 1_000_000.0
 RUNNING_SHAPES = [((1, 1), 20), ((1, 2), 12), ((1, 4), 12), ((1, 8), 20), ((2, 8), 14), ((4, 8), 12), ((8, 8), 10)]
 RUNNING_PRIORITIES = [(-100, 30), (0, 50), (100, 20)]
 # pending gangs: (replicas, GPUs per replica, required_tier) and how often each arrives; priorities and weights
-PENDING_SHAPES = [((1, 8, ""), 25), ((4, 8, ""), 20), ((4, 8, "leaf"), 10), ((8, 8, ""), 15), ((8, 8, "leaf"), 10),
-                  ((16, 8, ""), 15), ((16, 8, "leaf"), 5)]
+PENDING_SHAPES = [
+    ((1, 8, ""), 25),
+    ((4, 8, ""), 20),
+    ((4, 8, "leaf"), 10),
+    ((8, 8, ""), 15),
+    ((8, 8, "leaf"), 10),
+    ((16, 8, ""), 15),
+    ((16, 8, "leaf"), 5),
+]
 PENDING_PRIORITIES = [(100, 70), (200, 30)]
 
 
@@ -86,8 +93,7 @@ def mean(values: list[float]) -> float:
 
 def copy_capacity(capacity: ClusterCapacity) -> ClusterCapacity:
     return ClusterCapacity(
-        dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli))
-        for n in capacity.nodes.values()
+        dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli)) for n in capacity.nodes.values()
     )
 
 
@@ -119,9 +125,13 @@ def build_state(nodes: int, churn: int, seed: int):
                 continue
             cap.reserve(got)
             # started up to an hour ago: about 1 in 6 is still within its 600 s minimum runtime
-            running[request.job_id] = RunningGang(request.job_id, rng.choices(prios, pw)[0], got,
-                                                  started_at=NOW - rng.uniform(0, 3600),
-                                                  work_since_checkpoint=round(rng.uniform(0, 1800), 1))
+            running[request.job_id] = RunningGang(
+                request.job_id,
+                rng.choices(prios, pw)[0],
+                got,
+                started_at=NOW - rng.uniform(0, 3600),
+                work_since_checkpoint=round(rng.uniform(0, 1800), 1),
+            )
 
     def fill() -> None:
         fill_to(FILL)
@@ -162,8 +172,11 @@ def naive_victims(capacity: ClusterCapacity, pending: GangRequest, running: list
     if isinstance(place_gang(capacity, pending, tiers), Placement):
         return "fits", ()
     candidates = sorted(
-        (g for g in running
-         if g.priority < pending.priority and g.placement.replicas and NOW - g.started_at >= POLICY.min_runtime_s),
+        (
+            g
+            for g in running
+            if g.priority < pending.priority and g.placement.replicas and NOW - g.started_at >= POLICY.min_runtime_s
+        ),
         key=lambda g: (g.priority, g.work_since_checkpoint, g.job_id),
     )
     work = copy_capacity(capacity)
@@ -177,8 +190,9 @@ def naive_victims(capacity: ClusterCapacity, pending: GangRequest, running: list
 # ---- the run -----------------------------------------------------------------------------------------------------
 
 
-def check(capacity: ClusterCapacity, pending: GangRequest, decision: Preemption, by_id: dict[str, RunningGang],
-          tiers) -> list[str]:
+def check(
+    capacity: ClusterCapacity, pending: GangRequest, decision: Preemption, by_id: dict[str, RunningGang], tiers
+) -> list[str]:
     problems = []
     work = copy_capacity(capacity)
     for vid in decision.victims:
@@ -207,8 +221,12 @@ def gpus_of(gang: RunningGang) -> int:
 
 
 def lat(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50_ms": round(pct(values, 50) * 1e3, 3), "p99_ms": round(pct(values, 99) * 1e3, 3),
-            "max_ms": round(max(values) * 1e3, 3) if values else float("nan")}
+    return {
+        "n": len(values),
+        "p50_ms": round(pct(values, 50) * 1e3, 3),
+        "p99_ms": round(pct(values, 99) * 1e3, 3),
+        "max_ms": round(max(values) * 1e3, 3) if values else float("nan"),
+    }
 
 
 def main() -> None:
@@ -216,10 +234,19 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=512, help="nodes of 8 GPUs (a multiple of 16 keeps leaves whole)")
     ap.add_argument("--states", type=int, default=4, help="cluster states (each filled and churned from its own seed)")
     ap.add_argument("--cases", type=int, default=1000, help="pending gangs to decide, spread over the states")
-    ap.add_argument("--churn", type=int, default=None, help="departures (each refilled) after the first fill; "
-                    "default: as many as nodes")
-    ap.add_argument("--repeat", type=int, default=3, help="time each search this many times and keep the fastest "
-                    "(the machine's noise, not the search, makes the slow ones)")
+    ap.add_argument(
+        "--churn",
+        type=int,
+        default=None,
+        help="departures (each refilled) after the first fill; default: as many as nodes",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="time each search this many times and keep the fastest "
+        "(the machine's noise, not the search, makes the slow ones)",
+    )
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 states, 200 cases, 1 timing")
     args = ap.parse_args()
@@ -243,17 +270,21 @@ def main() -> None:
         t0 = time.perf_counter()
         fabric, cap, running = build_state(args.nodes, churn, args.seed + 1000 * k)
         tiers, total = fabric.tiers, cap.total_gpus()
-        state = {"running_gangs": len(running),
-                 "protected": sum(NOW - g.started_at < POLICY.min_runtime_s for g in running),
-                 "by_priority": {p: sum(g.priority == p for g in running) for p, _ in RUNNING_PRIORITIES},
-                 "utilization": round(1 - cap.free_gpus() / total, 4),
-                 "whole_free_nodes": sum(len(n.free) == GPUS for n in cap.nodes.values()),
-                 "partly_free_nodes": sum(0 < len(n.free) < GPUS for n in cap.nodes.values())}
+        state = {
+            "running_gangs": len(running),
+            "protected": sum(NOW - g.started_at < POLICY.min_runtime_s for g in running),
+            "by_priority": {p: sum(g.priority == p for g in running) for p, _ in RUNNING_PRIORITIES},
+            "utilization": round(1 - cap.free_gpus() / total, 4),
+            "whole_free_nodes": sum(len(n.free) == GPUS for n in cap.nodes.values()),
+            "partly_free_nodes": sum(0 < len(n.free) < GPUS for n in cap.nodes.values()),
+        }
         states.append(state)
-        say(f"state {k}: {args.nodes} nodes x {GPUS} GPUs, {args.nodes // PER_LEAF} leaves of {PER_LEAF}; "
+        say(
+            f"state {k}: {args.nodes} nodes x {GPUS} GPUs, {args.nodes // PER_LEAF} leaves of {PER_LEAF}; "
             f"{state['running_gangs']} running gangs ({state['protected']} protected), utilization "
             f"{state['utilization']:.1%}, {state['whole_free_nodes']} whole free nodes, "
-            f"{state['partly_free_nodes']} partly free; built in {time.perf_counter() - t0:.2f} s")
+            f"{state['partly_free_nodes']} partly free; built in {time.perf_counter() - t0:.2f} s"
+        )
         by_id = {g.job_id: g for g in running}
         for i, pending in enumerate(make_cases(per_state[k], args.seed + 1000 * k)):
             if i and i % 100 == 0:
@@ -285,8 +316,10 @@ def main() -> None:
                 cv_kind = "none"
             outcome[cv_kind] += 1
             if cv_kind != kind:
-                mismatches.append(f"{name} ({label} GPUs, priority {pending.priority}): choose_victims says "
-                                  f"{cv_kind}, the naive search {kind}")
+                mismatches.append(
+                    f"{name} ({label} GPUs, priority {pending.priority}): choose_victims says "
+                    f"{cv_kind}, the naive search {kind}"
+                )
             if not isinstance(decision, Preemption):
                 continue
             lat_cv_pre.append(dt_cv)
@@ -296,11 +329,20 @@ def main() -> None:
             if abs(lost - decision.work_lost) > 1e-6:
                 violations.append(f"{name}: work_lost {decision.work_lost} != the victims' sum {lost}")
             if kind == "preempt":
-                pairs.append((len(victims), sum(map(gpus_of, victims)), lost,
-                              len(naive), sum(map(gpus_of, naive)), sum(g.work_since_checkpoint for g in naive)))
+                pairs.append(
+                    (
+                        len(victims),
+                        sum(map(gpus_of, victims)),
+                        lost,
+                        len(naive),
+                        sum(map(gpus_of, naive)),
+                        sum(g.work_since_checkpoint for g in naive),
+                    )
+                )
                 if len(victims) > len(naive):
-                    violations.append(f"{name}: choose_victims evicts {len(victims)} gangs, the naive search "
-                                      f"{len(naive)}")
+                    violations.append(
+                        f"{name}: choose_victims evicts {len(victims)} gangs, the naive search {len(naive)}"
+                    )
     elapsed = time.perf_counter() - t_all
     say(f"{args.cases} cases on {args.states} states (building, both searches and the checks) in {elapsed:.1f} s")
 
@@ -311,39 +353,65 @@ def main() -> None:
     order = sorted(by_size, key=lambda label: (int(label.split("/")[0]), label))
     result = {
         "cluster": {"nodes": args.nodes, "gpus": args.nodes * GPUS, "nodes_per_leaf": PER_LEAF, "states": states},
-        "cases": args.cases, "outcomes": outcome,
-        "choose_victims": {"all": lat(lat_cv), "preempting": lat(lat_cv_pre),
-                           "by_size": {label: lat(by_size[label]) for label in order},
-                           "mean_victims": round(mean(col[0]), 3), "mean_gpus_evicted": round(mean(col[1]), 2),
-                           "mean_work_lost": round(mean(col[2]), 1)},
-        "naive": {"all": lat(lat_nv), "preempting": lat(lat_nv_pre),
-                  "mean_victims": round(mean(col[3]), 3), "mean_gpus_evicted": round(mean(col[4]), 2),
-                  "mean_work_lost": round(mean(col[5]), 1)},
-        "compared_cases": len(pairs), "fewer_victims_than_naive": fewer, "same_victims_as_naive": same,
-        "fewer_gpus_than_naive": fewer_gpus, "mismatches": len(mismatches), "violations": len(violations),
-        "repeat": args.repeat, "seed": args.seed, "elapsed_s": round(elapsed, 2),
-        "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "python": sys.version.split()[0],
+        "cases": args.cases,
+        "outcomes": outcome,
+        "choose_victims": {
+            "all": lat(lat_cv),
+            "preempting": lat(lat_cv_pre),
+            "by_size": {label: lat(by_size[label]) for label in order},
+            "mean_victims": round(mean(col[0]), 3),
+            "mean_gpus_evicted": round(mean(col[1]), 2),
+            "mean_work_lost": round(mean(col[2]), 1),
+        },
+        "naive": {
+            "all": lat(lat_nv),
+            "preempting": lat(lat_nv_pre),
+            "mean_victims": round(mean(col[3]), 3),
+            "mean_gpus_evicted": round(mean(col[4]), 2),
+            "mean_work_lost": round(mean(col[5]), 1),
+        },
+        "compared_cases": len(pairs),
+        "fewer_victims_than_naive": fewer,
+        "same_victims_as_naive": same,
+        "fewer_gpus_than_naive": fewer_gpus,
+        "mismatches": len(mismatches),
+        "violations": len(violations),
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "elapsed_s": round(elapsed, 2),
+        "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "python": sys.version.split()[0],
     }
 
     util = mean([st["utilization"] for st in states])
-    print(f"cluster: {args.nodes} nodes x {GPUS} GPUs ({args.nodes // PER_LEAF} leaves of {PER_LEAF}), {args.states} "
-          f"states: mean {mean([st['running_gangs'] for st in states]):.0f} running gangs "
-          f"({mean([st['protected'] for st in states]):.0f} protected), utilization {util:.1%}, "
-          f"{mean([st['whole_free_nodes'] for st in states]):.1f} whole free nodes")
-    print(f"cases: {args.cases} pending gangs; choose_victims found a preemption in {outcome['preempt']}, "
-          f"{outcome['fits']} fit without one, {outcome['none']} had no admissible set of victims")
+    print(
+        f"cluster: {args.nodes} nodes x {GPUS} GPUs ({args.nodes // PER_LEAF} leaves of {PER_LEAF}), {args.states} "
+        f"states: mean {mean([st['running_gangs'] for st in states]):.0f} running gangs "
+        f"({mean([st['protected'] for st in states]):.0f} protected), utilization {util:.1%}, "
+        f"{mean([st['whole_free_nodes'] for st in states]):.1f} whole free nodes"
+    )
+    print(
+        f"cases: {args.cases} pending gangs; choose_victims found a preemption in {outcome['preempt']}, "
+        f"{outcome['fits']} fit without one, {outcome['none']} had no admissible set of victims"
+    )
     for name, key in (("choose_victims", "choose_victims"), ("naive search  ", "naive")):
         a, p = result[key]["all"], result[key]["preempting"]
-        print(f"{name}: all cases p50 {a['p50_ms']:.3f} ms  p99 {a['p99_ms']:.3f} ms  max {a['max_ms']:.3f} ms;   "
-              f"preempting cases p50 {p['p50_ms']:.3f} ms  p99 {p['p99_ms']:.3f} ms  max {p['max_ms']:.3f} ms")
+        print(
+            f"{name}: all cases p50 {a['p50_ms']:.3f} ms  p99 {a['p99_ms']:.3f} ms  max {a['max_ms']:.3f} ms;   "
+            f"preempting cases p50 {p['p50_ms']:.3f} ms  p99 {p['p99_ms']:.3f} ms  max {p['max_ms']:.3f} ms"
+        )
     for label, st in result["choose_victims"]["by_size"].items():
-        print(f"  choose_victims {label:>8} GPUs: n={st['n']:>4}  p50 {st['p50_ms']:.3f} ms  "
-              f"p99 {st['p99_ms']:.3f} ms  max {st['max_ms']:.3f} ms")
+        print(
+            f"  choose_victims {label:>8} GPUs: n={st['n']:>4}  p50 {st['p50_ms']:.3f} ms  "
+            f"p99 {st['p99_ms']:.3f} ms  max {st['max_ms']:.3f} ms"
+        )
     cv, nv = result["choose_victims"], result["naive"]
-    print(f"over the {len(pairs)} cases where both preempt: mean victims {cv['mean_victims']:.2f} vs "
-          f"{nv['mean_victims']:.2f} (naive), GPUs evicted {cv['mean_gpus_evicted']:.1f} vs "
-          f"{nv['mean_gpus_evicted']:.1f}, work lost {cv['mean_work_lost']:.0f} vs {nv['mean_work_lost']:.0f}; "
-          f"fewer victims in {fewer}, as many in {same}")
+    print(
+        f"over the {len(pairs)} cases where both preempt: mean victims {cv['mean_victims']:.2f} vs "
+        f"{nv['mean_victims']:.2f} (naive), GPUs evicted {cv['mean_gpus_evicted']:.1f} vs "
+        f"{nv['mean_gpus_evicted']:.1f}, work lost {cv['mean_work_lost']:.0f} vs {nv['mean_work_lost']:.0f}; "
+        f"fewer victims in {fewer}, as many in {same}"
+    )
     print(f"mismatches (choose_victims vs naive on whether a preemption exists): {len(mismatches)}")
     for m in mismatches[:20]:
         print(f"  MISMATCH {m}")

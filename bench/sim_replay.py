@@ -42,8 +42,14 @@ GPUS = 8
 # Synthetic mix when no trace data is found: (GPUs, weight) and log-normal durations (median, sigma).
 SYNTH_SIZES = [(1, 68), (2, 4), (4, 13), (8, 12), (16, 1.6), (32, 0.8), (64, 0.4), (128, 0.15), (256, 0.05)]
 SYNTH_MEDIAN_S, SYNTH_SIGMA = 1186.0, 2.0
-SAME = ("completed", "jct_mean_h", "utilization_allocated", "scheduling_passes", "queue_delay_mean_h",
-        "multi_node_gangs")
+SAME = (
+    "completed",
+    "jct_mean_h",
+    "utilization_allocated",
+    "scheduling_passes",
+    "queue_delay_mean_h",
+    "multi_node_gangs",
+)
 
 
 def say(*args) -> None:
@@ -65,13 +71,16 @@ def workload(n: int, nodes: int, load: float, seed: int, max_hours: float, synth
     if not synthetic:
         try:
             trace = load_trace("philly", find_data(data))
-            pool = [(j.replicas, j.gpus_per_replica, j.duration_s, j.tenant) for j in trace
-                    if j.gpus_per_replica <= GPUS and j.replicas * j.gpus_per_replica <= nodes * GPUS]
+            pool = [
+                (j.replicas, j.gpus_per_replica, j.duration_s, j.tenant)
+                for j in trace
+                if j.gpus_per_replica <= GPUS and j.replicas * j.gpus_per_replica <= nodes * GPUS
+            ]
             source = f"philly ({len(trace)} jobs resampled)"
         except DataNotFound:
             pool = []
     shapes = []
-    for i in range(n):
+    for _ in range(n):
         if pool:
             r, g, d, tenant = pool[rng.randrange(len(pool))]
         else:
@@ -85,21 +94,34 @@ def workload(n: int, nodes: int, load: float, seed: int, max_hours: float, synth
     jobs, t = [], 0.0
     for i, (r, g, d, tenant) in enumerate(shapes):
         t += rng.expovariate(rate)
-        jobs.append(TraceJob(job_id=f"j{i:06d}", tenant=tenant, submit_s=t, replicas=r, gpus_per_replica=g,
-                             gpu_milli=0, duration_s=d, source="bench"))
+        jobs.append(
+            TraceJob(
+                job_id=f"j{i:06d}",
+                tenant=tenant,
+                submit_s=t,
+                replicas=r,
+                gpus_per_replica=g,
+                gpu_milli=0,
+                duration_s=d,
+                source="bench",
+            )
+        )
     return jobs, source, rate
 
 
 def replay(args, policy: str, quiet: bool = False) -> dict:
     from phalanx.sim.engine import ClusterSpec, simulate
 
-    jobs, source, rate = workload(args.jobs, args.nodes, args.load, args.seed, args.max_hours, args.synthetic,
-                                  args.data)
+    jobs, source, rate = workload(
+        args.jobs, args.nodes, args.load, args.seed, args.max_hours, args.synthetic, args.data
+    )
     if not quiet:
         gpus = sorted(j.replicas * j.gpus_per_replica for j in jobs)
-        say(f"[{policy}] {len(jobs)} jobs from {source} on {args.nodes} x {GPUS} GPUs: arrivals over "
+        say(
+            f"[{policy}] {len(jobs)} jobs from {source} on {args.nodes} x {GPUS} GPUs: arrivals over "
             f"{jobs[-1].submit_s / 3600:.1f} h ({rate:.3f}/s), median {gpus[len(gpus) // 2]} GPU(s), "
-            f"largest {gpus[-1]}, {sum(g > 8 for g in gpus)} multi-node")
+            f"largest {gpus[-1]}, {sum(g > 8 for g in gpus)} multi-node"
+        )
     t0 = time.perf_counter()
     last = [t0]
 
@@ -118,25 +140,52 @@ def replay(args, policy: str, quiet: bool = False) -> dict:
     start = min(jobs[0].submit_s + args.max_hours * 3600.0, end / 2)
     busy = [f for t, f in result.timeline if start <= t <= end]
     out = {k: m[k] for k in SAME}
-    out.update(policy=policy, jobs=len(jobs), nodes=args.nodes, source=source, wall_s=round(wall, 2),
-               events=2 * len(jobs) + m["scheduling_passes"],
-               events_per_s=round((2 * len(jobs) + m["scheduling_passes"]) / wall, 1),
-               utilization_while_arriving=sum(busy) / len(busy) if busy else float("nan"),
-               makespan_h=m["makespan_h"], queue_delay_p99_h=m["queue_delay_p99_h"],
-               idle_gpu_hours_while_jobs_wait=m["idle_gpu_hours_while_jobs_wait"])
+    out.update(
+        policy=policy,
+        jobs=len(jobs),
+        nodes=args.nodes,
+        source=source,
+        wall_s=round(wall, 2),
+        events=2 * len(jobs) + m["scheduling_passes"],
+        events_per_s=round((2 * len(jobs) + m["scheduling_passes"]) / wall, 1),
+        utilization_while_arriving=sum(busy) / len(busy) if busy else float("nan"),
+        makespan_h=m["makespan_h"],
+        queue_delay_p99_h=m["queue_delay_p99_h"],
+        idle_gpu_hours_while_jobs_wait=m["idle_gpu_hours_while_jobs_wait"],
+    )
     if not quiet:
-        say(f"[{policy}] {out['events']} events in {wall:.1f} s: {out['events_per_s']:.0f} events/s; "
+        say(
+            f"[{policy}] {out['events']} events in {wall:.1f} s: {out['events_per_s']:.0f} events/s; "
             f"completed {out['completed']}/{len(jobs)}, utilization {out['utilization_allocated']:.3f} "
             f"(while arriving {out['utilization_while_arriving']:.3f}), mean JCT {out['jct_mean_h']:.2f} h, "
-            f"queue delay mean {out['queue_delay_mean_h'] * 3600:.0f} s, p99 {out['queue_delay_p99_h'] * 3600:.0f} s")
+            f"queue delay mean {out['queue_delay_mean_h'] * 3600:.0f} s, p99 {out['queue_delay_p99_h'] * 3600:.0f} s"
+        )
     return out
 
 
 def child(tree: Path, args, policy: str, jobs: int, nodes: int) -> dict:
     """One replay by the code of `tree`, in its own process (so two checkouts never share a module)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(tree), "--jobs", str(jobs),
-           "--nodes", str(nodes), "--policy", policy, "--load", str(args.load), "--seed", str(args.seed),
-           "--max-hours", str(args.max_hours), "--depth", str(args.depth)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--tree",
+        str(tree),
+        "--jobs",
+        str(jobs),
+        "--nodes",
+        str(nodes),
+        "--policy",
+        policy,
+        "--load",
+        str(args.load),
+        "--seed",
+        str(args.seed),
+        "--max-hours",
+        str(args.max_hours),
+        "--depth",
+        str(args.depth),
+    ]
     if args.synthetic:
         cmd.append("--synthetic")
     if args.data:
@@ -171,32 +220,52 @@ def main() -> int:
     if args.child:
         print(json.dumps(replay(args, policies[0], quiet=True)))
         return 0
-    figures: dict = {"jobs": args.jobs, "nodes": args.nodes, "gpus_per_node": GPUS, "load": args.load,
-                     "seed": args.seed, "max_hours": args.max_hours, "depth": args.depth, "runs": {}}
+    figures: dict = {
+        "jobs": args.jobs,
+        "nodes": args.nodes,
+        "gpus_per_node": GPUS,
+        "load": args.load,
+        "seed": args.seed,
+        "max_hours": args.max_hours,
+        "depth": args.depth,
+        "runs": {},
+    }
     ok = True
     if args.baseline is not None:
         figures["baseline"] = {}
         for policy in policies:
-            say(f"[baseline] {policy}: {args.baseline_jobs} jobs on {args.baseline_nodes} nodes, "
-                f"{args.baseline} against {ROOT} ...")
+            say(
+                f"[baseline] {policy}: {args.baseline_jobs} jobs on {args.baseline_nodes} nodes, "
+                f"{args.baseline} against {ROOT} ..."
+            )
             before = child(args.baseline.resolve(), args, policy, args.baseline_jobs, args.baseline_nodes)
             after = child(ROOT, args, policy, args.baseline_jobs, args.baseline_nodes)
             same = all(before[k] == after[k] for k in SAME)
             ok &= same
-            say(f"[baseline] {policy}: before {before['events_per_s']:.0f} events/s ({before['wall_s']:.1f} s), "
+            say(
+                f"[baseline] {policy}: before {before['events_per_s']:.0f} events/s ({before['wall_s']:.1f} s), "
                 f"after {after['events_per_s']:.0f} events/s ({after['wall_s']:.1f} s): "
-                f"{before['wall_s'] / after['wall_s']:.1f}x; same results: {same}")
+                f"{before['wall_s'] / after['wall_s']:.1f}x; same results: {same}"
+            )
             if not same:
-                say(f"[baseline] {policy}: differ: " + ", ".join(f"{k} {before[k]} -> {after[k]}" for k in SAME
-                                                                 if before[k] != after[k]))
-            figures["baseline"][policy] = {"before": before, "after": after, "speedup":
-                                           round(before["wall_s"] / after["wall_s"], 2), "same_results": same}
+                say(
+                    f"[baseline] {policy}: differ: "
+                    + ", ".join(f"{k} {before[k]} -> {after[k]}" for k in SAME if before[k] != after[k])
+                )
+            figures["baseline"][policy] = {
+                "before": before,
+                "after": after,
+                "speedup": round(before["wall_s"] / after["wall_s"], 2),
+                "same_results": same,
+            }
     for policy in policies:
         out = replay(args, policy)
         figures["runs"][policy] = out
-        print(f"{policy}: {out['events_per_s']:.0f} events/s, wall {out['wall_s']:.1f} s, completed "
-              f"{out['completed']}/{out['jobs']}, utilization {out['utilization_allocated']:.3f} "
-              f"(while arriving {out['utilization_while_arriving']:.3f})")
+        print(
+            f"{policy}: {out['events_per_s']:.0f} events/s, wall {out['wall_s']:.1f} s, completed "
+            f"{out['completed']}/{out['jobs']}, utilization {out['utilization_allocated']:.3f} "
+            f"(while arriving {out['utilization_while_arriving']:.3f})"
+        )
     figures["same_results_as_baseline"] = ok if args.baseline is not None else None
     print(json.dumps(figures))
     return 0 if ok else 1

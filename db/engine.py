@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-
-DEFAULT_DB_URL = "sqlite:///" + str(Path(os.environ.get("PHALANX_HOME", ".phalanx")) / "phalanx.db")
 
 
 def normalize_url(url: str) -> str:
     """Map `postgresql://` and `postgres://` to the psycopg 3 driver; leave everything else alone."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -58,6 +55,9 @@ def make_engine(url: str, *, pool_size: int = 8, idle_in_transaction_timeout_s: 
         return engine
     connect_args = {}
     if idle_in_transaction_timeout_s:
-        connect_args["options"] = f"-c idle_in_transaction_session_timeout={max(1, int(idle_in_transaction_timeout_s * 1000))}"
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
-                         connect_args=connect_args)
+        connect_args["options"] = (
+            f"-c idle_in_transaction_session_timeout={max(1, int(idle_in_transaction_timeout_s * 1000))}"
+        )
+    return create_engine(
+        url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, connect_args=connect_args
+    )

@@ -127,8 +127,11 @@ class Gpu(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index(None, "state", "priority", "submitted_at"), Index(None, "submitted_at"),
-                      Index(None, "tenant", "submitted_at"))
+    __table_args__ = (
+        Index(None, "state", "priority", "submitted_at"),
+        Index(None, "submitted_at"),
+        Index(None, "tenant", "submitted_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
@@ -316,8 +319,13 @@ class Checkpoint(Base):
     __table_args__ = (
         Index(None, "job_id", "state", "step"),
         # The undeleted rows, which the coordinator's retention sweep reads.
-        Index("ix_checkpoints_undeleted", "job_id", "state", sqlite_where=text("deleted_at IS NULL"),
-              postgresql_where=text("deleted_at IS NULL")),
+        Index(
+            "ix_checkpoints_undeleted",
+            "job_id",
+            "state",
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -407,6 +415,18 @@ class LedgerClock(Base):
     leader: Mapped[str] = mapped_column(String(64), default="", server_default="")
     leader_epoch: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     leader_until: Mapped[float] = mapped_column(default=0.0, server_default="0")
+
+
+class LedgerIdentity(Base):
+    """The ledger's identity (revision 0015): one row (id 1) whose `cluster_id`, a random UUID, is written when the
+    database is created or upgraded (`phalanx db upgrade`, db.migrate.upgrade) and never changes after. The scheduler
+    returns it at registration; a node agent whose saved state names another cluster id starts clean."""
+
+    __tablename__ = "ledger_identity"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cluster_id: Mapped[str] = mapped_column(String(36))
+    created_at: Mapped[float] = mapped_column()
 
 
 ACTIVE_JOB_STATES = ("PENDING", "RUNNING")

@@ -21,39 +21,71 @@ class nvmlMemory_t(C.Structure):
 
 
 class nvmlMemory_v2_t(C.Structure):
-    _fields_ = [("version", C.c_uint), ("total", C.c_ulonglong), ("reserved", C.c_ulonglong),
-                ("free", C.c_ulonglong), ("used", C.c_ulonglong)]
+    _fields_ = [
+        ("version", C.c_uint),
+        ("total", C.c_ulonglong),
+        ("reserved", C.c_ulonglong),
+        ("free", C.c_ulonglong),
+        ("used", C.c_ulonglong),
+    ]
 
 
 class nvmlPciInfo_t(C.Structure):
-    _fields_ = [("busIdLegacy", C.c_char * 16), ("domain", C.c_uint), ("bus", C.c_uint), ("device", C.c_uint),
-                ("pciDeviceId", C.c_uint), ("pciSubSystemId", C.c_uint), ("busId", C.c_char * 32)]
+    _fields_ = [
+        ("busIdLegacy", C.c_char * 16),
+        ("domain", C.c_uint),
+        ("bus", C.c_uint),
+        ("device", C.c_uint),
+        ("pciDeviceId", C.c_uint),
+        ("pciSubSystemId", C.c_uint),
+        ("busId", C.c_char * 32),
+    ]
 
 
 class nvmlGpuFabricInfo_t(C.Structure):
-    _fields_ = [("clusterUuid", C.c_ubyte * 16), ("status", C.c_int), ("cliqueId", C.c_uint),
-                ("state", C.c_ubyte)]
+    _fields_ = [("clusterUuid", C.c_ubyte * 16), ("status", C.c_int), ("cliqueId", C.c_uint), ("state", C.c_ubyte)]
 
 
 class nvmlGpuFabricInfo_v2_t(C.Structure):
-    _fields_ = [("version", C.c_uint), ("clusterUuid", C.c_ubyte * 16), ("status", C.c_int),
-                ("cliqueId", C.c_uint), ("state", C.c_ubyte), ("healthMask", C.c_uint)]
+    _fields_ = [
+        ("version", C.c_uint),
+        ("clusterUuid", C.c_ubyte * 16),
+        ("status", C.c_int),
+        ("cliqueId", C.c_uint),
+        ("state", C.c_ubyte),
+        ("healthMask", C.c_uint),
+    ]
 
 
 class nvmlGpuFabricInfo_v3_t(C.Structure):
-    _fields_ = [("version", C.c_uint), ("clusterUuid", C.c_ubyte * 16), ("status", C.c_int),
-                ("cliqueId", C.c_uint), ("state", C.c_ubyte), ("healthMask", C.c_uint),
-                ("healthSummary", C.c_ubyte)]
+    _fields_ = [
+        ("version", C.c_uint),
+        ("clusterUuid", C.c_ubyte * 16),
+        ("status", C.c_int),
+        ("cliqueId", C.c_uint),
+        ("state", C.c_ubyte),
+        ("healthMask", C.c_uint),
+        ("healthSummary", C.c_ubyte),
+    ]
 
 
 class nvmlGpuInstancePlacement_t(C.Structure):
     _fields_ = [("start", C.c_uint), ("size", C.c_uint)]
 
 
-_GI_PROFILE_COMMON = [("id", C.c_uint), ("isP2pSupported", C.c_uint), ("sliceCount", C.c_uint),
-                      ("instanceCount", C.c_uint), ("multiprocessorCount", C.c_uint), ("copyEngineCount", C.c_uint),
-                      ("decoderCount", C.c_uint), ("encoderCount", C.c_uint), ("jpegCount", C.c_uint),
-                      ("ofaCount", C.c_uint), ("memorySizeMB", C.c_ulonglong)]
+_GI_PROFILE_COMMON = [
+    ("id", C.c_uint),
+    ("isP2pSupported", C.c_uint),
+    ("sliceCount", C.c_uint),
+    ("instanceCount", C.c_uint),
+    ("multiprocessorCount", C.c_uint),
+    ("copyEngineCount", C.c_uint),
+    ("decoderCount", C.c_uint),
+    ("encoderCount", C.c_uint),
+    ("jpegCount", C.c_uint),
+    ("ofaCount", C.c_uint),
+    ("memorySizeMB", C.c_ulonglong),
+]
 
 
 class nvmlGpuInstanceProfileInfo_t(C.Structure):
@@ -65,14 +97,25 @@ class nvmlGpuInstanceProfileInfo_v2_t(C.Structure):
 
 
 class nvmlGpuInstanceInfo_t(C.Structure):
-    _fields_ = [("device", C.c_void_p), ("id", C.c_uint), ("profileId", C.c_uint),
-                ("placement", nvmlGpuInstancePlacement_t)]
+    _fields_ = [
+        ("device", C.c_void_p),
+        ("id", C.c_uint),
+        ("profileId", C.c_uint),
+        ("placement", nvmlGpuInstancePlacement_t),
+    ]
 
 
-_CI_PROFILE_COMMON = [("id", C.c_uint), ("sliceCount", C.c_uint), ("instanceCount", C.c_uint),
-                      ("multiprocessorCount", C.c_uint), ("sharedCopyEngineCount", C.c_uint),
-                      ("sharedDecoderCount", C.c_uint), ("sharedEncoderCount", C.c_uint),
-                      ("sharedJpegCount", C.c_uint), ("sharedOfaCount", C.c_uint)]
+_CI_PROFILE_COMMON = [
+    ("id", C.c_uint),
+    ("sliceCount", C.c_uint),
+    ("instanceCount", C.c_uint),
+    ("multiprocessorCount", C.c_uint),
+    ("sharedCopyEngineCount", C.c_uint),
+    ("sharedDecoderCount", C.c_uint),
+    ("sharedEncoderCount", C.c_uint),
+    ("sharedJpegCount", C.c_uint),
+    ("sharedOfaCount", C.c_uint),
+]
 
 
 class nvmlComputeInstanceProfileInfo_t(C.Structure):
@@ -88,25 +131,39 @@ class nvmlComputeInstancePlacement_t(C.Structure):
 
 
 class nvmlComputeInstanceInfo_t(C.Structure):
-    _fields_ = [("device", C.c_void_p), ("gpuInstance", C.c_void_p), ("id", C.c_uint), ("profileId", C.c_uint),
-                ("placement", nvmlComputeInstancePlacement_t)]
+    _fields_ = [
+        ("device", C.c_void_p),
+        ("gpuInstance", C.c_void_p),
+        ("id", C.c_uint),
+        ("profileId", C.c_uint),
+        ("placement", nvmlComputeInstancePlacement_t),
+    ]
 
 
 class nvmlEventData_t(C.Structure):
-    _fields_ = [("device", C.c_void_p), ("eventType", C.c_ulonglong), ("eventData", C.c_ulonglong),
-                ("gpuInstanceId", C.c_uint), ("computeInstanceId", C.c_uint)]
+    _fields_ = [
+        ("device", C.c_void_p),
+        ("eventType", C.c_ulonglong),
+        ("eventData", C.c_ulonglong),
+        ("gpuInstanceId", C.c_uint),
+        ("computeInstanceId", C.c_uint),
+    ]
 
 
 NVML_H_STRUCTS = {  # nvml.h name -> layout, for the tests that hold bindings against the header
-    "nvmlMemory_t": nvmlMemory_t, "nvmlMemory_v2_t": nvmlMemory_v2_t, "nvmlPciInfo_t": nvmlPciInfo_t,
-    "nvmlGpuFabricInfo_t": nvmlGpuFabricInfo_t, "nvmlGpuFabricInfo_v2_t": nvmlGpuFabricInfo_v2_t,
+    "nvmlMemory_t": nvmlMemory_t,
+    "nvmlMemory_v2_t": nvmlMemory_v2_t,
+    "nvmlPciInfo_t": nvmlPciInfo_t,
+    "nvmlGpuFabricInfo_t": nvmlGpuFabricInfo_t,
+    "nvmlGpuFabricInfo_v2_t": nvmlGpuFabricInfo_v2_t,
     "nvmlGpuInstancePlacement_t": nvmlGpuInstancePlacement_t,
     "nvmlGpuInstanceProfileInfo_t": nvmlGpuInstanceProfileInfo_t,
     "nvmlGpuInstanceProfileInfo_v2_t": nvmlGpuInstanceProfileInfo_v2_t,
     "nvmlGpuInstanceInfo_t": nvmlGpuInstanceInfo_t,
     "nvmlComputeInstanceProfileInfo_t": nvmlComputeInstanceProfileInfo_t,
     "nvmlComputeInstanceProfileInfo_v2_t": nvmlComputeInstanceProfileInfo_v2_t,
-    "nvmlComputeInstanceInfo_t": nvmlComputeInstanceInfo_t, "nvmlEventData_t": nvmlEventData_t,
+    "nvmlComputeInstanceInfo_t": nvmlComputeInstanceInfo_t,
+    "nvmlEventData_t": nvmlEventData_t,
 }
 GI_PROFILE_INFO_V2 = struct_version(nvmlGpuInstanceProfileInfo_v2_t, 2)
 CI_PROFILE_INFO_V2 = struct_version(nvmlComputeInstanceProfileInfo_v2_t, 2)

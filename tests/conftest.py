@@ -50,7 +50,7 @@ def _pg_reachable(url: str) -> str | None:
             conn.execute(text("SELECT 1"))
         engine.dispose()
         return None
-    except Exception as exc:  # noqa: BLE001 - any failure means "no server"
+    except Exception as exc:  # any failure means "no server"
         return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
 
 
@@ -74,7 +74,9 @@ def pg_session_url():
     yield url
     with engine.connect() as conn:
         conn.execute(
-            text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n AND pid <> pg_backend_pid()"),
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n AND pid <> pg_backend_pid()"
+            ),
             {"n": name},
         )
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
@@ -175,7 +177,12 @@ def empty_db_url(request, tmp_path):
         yield f"{base}/{name}"
     finally:
         with admin.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = :n AND pid <> pg_backend_pid()"), {"n": name})
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :n AND pid <> pg_backend_pid()"
+                ),
+                {"n": name},
+            )
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
         admin.dispose()

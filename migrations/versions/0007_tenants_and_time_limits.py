@@ -7,29 +7,28 @@ Revises: 0006
 Create Date: 2026-11-30
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0007'
-down_revision = '0006'
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('tenant', sa.String(length=64), server_default='', nullable=False))
-        batch_op.add_column(sa.Column('time_limit', sa.Double(), server_default='0', nullable=False))
-        batch_op.create_index(batch_op.f('ix_jobs_tenant_submitted_at'), ['tenant', 'submitted_at'], unique=False)
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("tenant", sa.String(length=64), server_default="", nullable=False))
+        batch_op.add_column(sa.Column("time_limit", sa.Double(), server_default="0", nullable=False))
+        batch_op.create_index(batch_op.f("ix_jobs_tenant_submitted_at"), ["tenant", "submitted_at"], unique=False)
     # A plain ADD COLUMN (a batch would rebuild the table on SQLite, which its foreign keys refuse with data in it).
-    op.add_column('nodes', sa.Column('cordoned', sa.Boolean(), server_default=sa.false(), nullable=False))
+    op.add_column("nodes", sa.Column("cordoned", sa.Boolean(), server_default=sa.false(), nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('nodes', schema=None) as batch_op:
-        batch_op.drop_column('cordoned')
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f('ix_jobs_tenant_submitted_at'))
-        batch_op.drop_column('time_limit')
-        batch_op.drop_column('tenant')
+    with op.batch_alter_table("nodes", schema=None) as batch_op:
+        batch_op.drop_column("cordoned")
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_jobs_tenant_submitted_at"))
+        batch_op.drop_column("time_limit")
+        batch_op.drop_column("tenant")

@@ -11,34 +11,33 @@ their queue; "default" is the queue of every job that names none, and has no quo
 jobs.flavor is the quota flavor its current attempt was admitted under (charged while it runs).
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0008'
-down_revision = '0007'
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
     op.create_table(
-        'queues',
-        sa.Column('name', sa.String(length=64), nullable=False),
-        sa.Column('cohort', sa.String(length=64), server_default='', nullable=False),
-        sa.Column('weight', sa.Double(), server_default='1', nullable=False),
-        sa.Column('quotas', sa.JSON(), nullable=False),
-        sa.Column('tenants', sa.JSON(), nullable=False),
-        sa.Column('updated_at', sa.Double(), nullable=False),
-        sa.PrimaryKeyConstraint('name', name=op.f('pk_queues')),
+        "queues",
+        sa.Column("name", sa.String(length=64), nullable=False),
+        sa.Column("cohort", sa.String(length=64), server_default="", nullable=False),
+        sa.Column("weight", sa.Double(), server_default="1", nullable=False),
+        sa.Column("quotas", sa.JSON(), nullable=False),
+        sa.Column("tenants", sa.JSON(), nullable=False),
+        sa.Column("updated_at", sa.Double(), nullable=False),
+        sa.PrimaryKeyConstraint("name", name=op.f("pk_queues")),
     )
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('queue', sa.String(length=64), server_default='default', nullable=False))
-        batch_op.add_column(sa.Column('flavor', sa.String(length=64), server_default='', nullable=False))
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("queue", sa.String(length=64), server_default="default", nullable=False))
+        batch_op.add_column(sa.Column("flavor", sa.String(length=64), server_default="", nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.drop_column('flavor')
-        batch_op.drop_column('queue')
-    op.drop_table('queues')
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_column("flavor")
+        batch_op.drop_column("queue")
+    op.drop_table("queues")

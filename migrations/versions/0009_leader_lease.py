@@ -9,25 +9,24 @@ id), `leader_until` (unix seconds) and `leader_epoch`, a fencing token that goes
 that every scheduling transaction checks under the row lock.
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0009'
-down_revision = '0008'
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('ledger_clock', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('leader', sa.String(length=64), server_default='', nullable=False))
-        batch_op.add_column(sa.Column('leader_epoch', sa.BigInteger(), server_default='0', nullable=False))
-        batch_op.add_column(sa.Column('leader_until', sa.Double(), server_default='0', nullable=False))
+    with op.batch_alter_table("ledger_clock", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("leader", sa.String(length=64), server_default="", nullable=False))
+        batch_op.add_column(sa.Column("leader_epoch", sa.BigInteger(), server_default="0", nullable=False))
+        batch_op.add_column(sa.Column("leader_until", sa.Double(), server_default="0", nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('ledger_clock', schema=None) as batch_op:
-        batch_op.drop_column('leader_until')
-        batch_op.drop_column('leader_epoch')
-        batch_op.drop_column('leader')
+    with op.batch_alter_table("ledger_clock", schema=None) as batch_op:
+        batch_op.drop_column("leader_until")
+        batch_op.drop_column("leader_epoch")
+        batch_op.drop_column("leader")

@@ -12,31 +12,30 @@ the MPS daemon) strikes the node: nodes.strikes counts them, and jobs.struck_nod
 placements avoid while it fits elsewhere.
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0010'
-down_revision = '0009'
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('gpus', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('mig_mode', sa.String(length=16), server_default='UNSUPPORTED', nullable=False))
-        batch_op.add_column(sa.Column('mig_instances', sa.JSON(), server_default='[]', nullable=False))
-    with op.batch_alter_table('nodes', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('strikes', sa.Integer(), server_default='0', nullable=False))
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('struck_nodes', sa.JSON(), server_default='[]', nullable=False))
+    with op.batch_alter_table("gpus", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("mig_mode", sa.String(length=16), server_default="UNSUPPORTED", nullable=False))
+        batch_op.add_column(sa.Column("mig_instances", sa.JSON(), server_default="[]", nullable=False))
+    with op.batch_alter_table("nodes", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("strikes", sa.Integer(), server_default="0", nullable=False))
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("struck_nodes", sa.JSON(), server_default="[]", nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.drop_column('struck_nodes')
-    with op.batch_alter_table('nodes', schema=None) as batch_op:
-        batch_op.drop_column('strikes')
-    with op.batch_alter_table('gpus', schema=None) as batch_op:
-        batch_op.drop_column('mig_instances')
-        batch_op.drop_column('mig_mode')
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_column("struck_nodes")
+    with op.batch_alter_table("nodes", schema=None) as batch_op:
+        batch_op.drop_column("strikes")
+    with op.batch_alter_table("gpus", schema=None) as batch_op:
+        batch_op.drop_column("mig_instances")
+        batch_op.drop_column("mig_mode")

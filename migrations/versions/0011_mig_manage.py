@@ -12,12 +12,11 @@ the mode last changed (mig_switched_at: a GPU is not switched back within the sc
 Nodes registered before this revision read mig_manage false until their agent registers again.
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0011'
-down_revision = '0010'
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
@@ -27,18 +26,25 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column('nodes', sa.Column('mig_manage', sa.Boolean(), server_default=sa.false(), nullable=False))
-    op.add_column('gpus', sa.Column('mig_mode_pending', sa.String(length=16), server_default='', nullable=False))
-    op.add_column('gpus', sa.Column('mig_switch_to', sa.String(length=16), server_default='', nullable=False))
-    op.add_column('gpus', sa.Column('mig_switch_at', sa.Double(), server_default='0', nullable=False))
-    op.add_column('gpus', sa.Column('mig_switch_revision', sa.BigInteger(), server_default='0', nullable=False))
-    op.add_column('gpus', sa.Column('mig_switch_error', sa.Text(), server_default='', nullable=False))
-    op.add_column('gpus', sa.Column('mig_retry_after', sa.Double(), server_default='0', nullable=False))
-    op.add_column('gpus', sa.Column('mig_switched_at', sa.Double(), server_default='0', nullable=False))
+    op.add_column("nodes", sa.Column("mig_manage", sa.Boolean(), server_default=sa.false(), nullable=False))
+    op.add_column("gpus", sa.Column("mig_mode_pending", sa.String(length=16), server_default="", nullable=False))
+    op.add_column("gpus", sa.Column("mig_switch_to", sa.String(length=16), server_default="", nullable=False))
+    op.add_column("gpus", sa.Column("mig_switch_at", sa.Double(), server_default="0", nullable=False))
+    op.add_column("gpus", sa.Column("mig_switch_revision", sa.BigInteger(), server_default="0", nullable=False))
+    op.add_column("gpus", sa.Column("mig_switch_error", sa.Text(), server_default="", nullable=False))
+    op.add_column("gpus", sa.Column("mig_retry_after", sa.Double(), server_default="0", nullable=False))
+    op.add_column("gpus", sa.Column("mig_switched_at", sa.Double(), server_default="0", nullable=False))
 
 
 def downgrade() -> None:
-    for column in ('mig_switched_at', 'mig_retry_after', 'mig_switch_error', 'mig_switch_revision', 'mig_switch_at',
-                   'mig_switch_to', 'mig_mode_pending'):
-        op.drop_column('gpus', column)
-    op.drop_column('nodes', 'mig_manage')
+    for column in (
+        "mig_switched_at",
+        "mig_retry_after",
+        "mig_switch_error",
+        "mig_switch_revision",
+        "mig_switch_at",
+        "mig_switch_to",
+        "mig_mode_pending",
+    ):
+        op.drop_column("gpus", column)
+    op.drop_column("nodes", "mig_manage")

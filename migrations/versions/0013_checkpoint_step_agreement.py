@@ -12,36 +12,36 @@ on the request (target_step, for target_attempt; NULL until decided). A commit t
 reports.
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0013'
-down_revision = '0012'
+revision = "0013"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
     op.create_table(
-        'checkpoint_step_reports',
-        sa.Column('job_id', sa.String(length=32), nullable=False),
-        sa.Column('attempt', sa.Integer(), nullable=False),
-        sa.Column('rank', sa.Integer(), nullable=False),
-        sa.Column('step', sa.BigInteger(), nullable=False),
-        sa.Column('requested_at', sa.Double(), nullable=False),
-        sa.Column('reported_at', sa.Double(), nullable=False),
-        sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_checkpoint_step_reports_job_id_jobs'),
-                                ondelete='CASCADE'),
-        sa.PrimaryKeyConstraint('job_id', 'attempt', 'rank', name=op.f('pk_checkpoint_step_reports')),
+        "checkpoint_step_reports",
+        sa.Column("job_id", sa.String(length=32), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("requested_at", sa.Double(), nullable=False),
+        sa.Column("reported_at", sa.Double(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["job_id"], ["jobs.id"], name=op.f("fk_checkpoint_step_reports_job_id_jobs"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("job_id", "attempt", "rank", name=op.f("pk_checkpoint_step_reports")),
     )
-    with op.batch_alter_table('checkpoint_requests', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('target_attempt', sa.Integer(), nullable=True))
-        batch_op.add_column(sa.Column('target_step', sa.BigInteger(), nullable=True))
+    with op.batch_alter_table("checkpoint_requests", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("target_attempt", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("target_step", sa.BigInteger(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('checkpoint_requests', schema=None) as batch_op:
-        batch_op.drop_column('target_step')
-        batch_op.drop_column('target_attempt')
-    op.drop_table('checkpoint_step_reports')
+    with op.batch_alter_table("checkpoint_requests", schema=None) as batch_op:
+        batch_op.drop_column("target_step")
+        batch_op.drop_column("target_attempt")
+    op.drop_table("checkpoint_step_reports")

@@ -13,12 +13,11 @@ its shards for the record, and a deleted checkpoint is never a restore point. Th
 undeleted rows keeps the coordinator's periodic retention sweep from reading the deleted history.
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 
-
-revision = '0014'
-down_revision = '0013'
+revision = "0014"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
@@ -27,13 +26,18 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column('jobs', sa.Column('keep_checkpoints', sa.Integer(), server_default='0', nullable=False))
-    op.add_column('checkpoints', sa.Column('deleted_at', sa.Double(), nullable=True))
-    op.create_index('ix_checkpoints_undeleted', 'checkpoints', ['job_id', 'state'],
-                    sqlite_where=sa.text('deleted_at IS NULL'), postgresql_where=sa.text('deleted_at IS NULL'))
+    op.add_column("jobs", sa.Column("keep_checkpoints", sa.Integer(), server_default="0", nullable=False))
+    op.add_column("checkpoints", sa.Column("deleted_at", sa.Double(), nullable=True))
+    op.create_index(
+        "ix_checkpoints_undeleted",
+        "checkpoints",
+        ["job_id", "state"],
+        sqlite_where=sa.text("deleted_at IS NULL"),
+        postgresql_where=sa.text("deleted_at IS NULL"),
+    )
 
 
 def downgrade() -> None:
-    op.drop_index('ix_checkpoints_undeleted', table_name='checkpoints')
-    op.drop_column('checkpoints', 'deleted_at')
-    op.drop_column('jobs', 'keep_checkpoints')
+    op.drop_index("ix_checkpoints_undeleted", table_name="checkpoints")
+    op.drop_column("checkpoints", "deleted_at")
+    op.drop_column("jobs", "keep_checkpoints")

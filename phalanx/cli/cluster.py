@@ -1,49 +1,29 @@
-"""A whole Phalanx cluster as local processes, without Docker: ``phalanx cluster up`` and ``phalanx demo``.
-
-:class:`LocalCluster` migrates the ledger, then starts the scheduler, the checkpoint coordinator and one simulated
-node agent per node, each as its own OS process, and waits until every node is READY::
-
-    from phalanx.cli.cluster import LocalCluster
-
-    with LocalCluster(nodes=4, state_dir="/tmp/c1", port=0) as cluster:   # port 0: two free ports
-        client = Client(cluster.address)
-        ...
-
-Layout of the state directory (default ``.phalanx/cluster``)::
-
-    phalanx.db                 the SQLite ledger (unless --db names another database)
-    topology.conf              the generated fabric (Slurm tree syntax), unless --fabric is given
-    topology.yaml              instead, for a profile with multi-node NVLink domains (gb200-nvl72): Phalanx YAML with
-                               the NVLink tier (`nvlink_domains: auto`; each 18 consecutive agents report one clique)
-    cluster.json               addresses and pids of the running cluster (removed at a clean stop)
-    logs/scheduler.log, logs/checkpointd.log, logs/agent-node-01.log, ...
-    agents/node-01/            each agent's own state directory (rank logs under logs/)
-
-Children run in their own sessions (a terminal's Ctrl-C reaches only the supervisor, which then stops them in
-order: agents first, so they can report their ranks, then the coordinator and the scheduler). Each child also
-gets SIGTERM if the thread that started it dies (Linux PR_SET_PDEATHSIG), so a killed supervisor leaves no
-orphans: start the cluster from a thread that lives as long as it does (the main thread, normally).
-"""
+"""``phalanx cluster up``: a local cluster of processes (phalanx.cli.local_cluster.LocalCluster) supervised until
+SIGINT/SIGTERM, and the start-up and signal handling that ``phalanx demo`` shares."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import json
-import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from phalanx.core.preemption import LOCAL_POLICY, parse_priority
+from phalanx.core.preemption import LOCAL_POLICY
+
+from . import render
+from .common import UsageError
+from .local_cluster import (
+    DEFAULT_DEMO_STATE_DIR,
+    DEFAULT_PORT,
+    DEFAULT_PROFILE,
+    DEFAULT_STATE_DIR,
+    ClusterError,
+    LocalCluster,
+    ManagedProcess,
+    free_port_pair,
+    node_names,
+)
 
 __all__ = [
     "ClusterError",
@@ -57,694 +37,8 @@ __all__ = [
     "register",
 ]
 
-DEFAULT_STATE_DIR = Path(".phalanx") / "cluster"
-DEFAULT_DEMO_STATE_DIR = Path(".phalanx") / "demo"
-DEFAULT_PORT = 50051
-DEFAULT_PROFILE = "dgx-h100"
-MARKER = ".phalanx-local-cluster"  # marks a state directory LocalCluster created (the demo may wipe those)
 
-# Sets PR_SET_PDEATHSIG, checks the parent is still the one that forked us, then execs the real command.
-_EXEC_WITH_PDEATHSIG = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(143)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-class ClusterError(RuntimeError):
-    """The local cluster could not start (a child died, a port is taken, nodes did not become READY)."""
-
-
-def node_names(count: int, prefix: str = "node-") -> list[str]:
-    """``node-01`` ... ``node-NN`` (at least two digits)."""
-    width = max(2, len(str(count)))
-    return [f"{prefix}{i:0{width}d}" for i in range(1, count + 1)]
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port P such that P and P+1 are both free right now (the scheduler's and the coordinator's)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port < 65535 and _port_free(host, port + 1):
-            return port
-    raise ClusterError("could not find two consecutive free ports")
-
-
-def _stderr_log(message: str) -> None:
-    sys.stderr.write(f"[cluster] {message}\n")
-    sys.stderr.flush()
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _program(script: str, module: str) -> list[str]:
-    """The console script next to this interpreter when installed, else ``python -m module``."""
-    candidate = Path(sys.executable).parent / script
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return [str(candidate)]
-    return [sys.executable, "-m", module]
-
-
-@dataclass
-class ManagedProcess:
-    """One child of the cluster: its role, command line, log file and current process."""
-
-    name: str                      # "scheduler", "checkpointd" or a node name
-    kind: str                      # "scheduler" | "checkpointd" | "agent"
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    exit_code: int | None = None   # of the last process, once it has exited and been noticed
-    restart_at: float | None = None
-    history: list[int] = field(default_factory=list)  # pids of every process started for this child
-    env: dict[str, str] = field(default_factory=dict)  # this child's own environment (its credentials)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-
-class LocalCluster:
-    """A scheduler, a checkpoint coordinator and N simulated node agents as local processes.
-
-    Args:
-        nodes: How many node agents (named node-01 ... node-NN).
-        profile: Simulated host profile of every agent (``phalanx-agent --simulate``).
-        state_dir: Where the ledger (SQLite by default), the generated fabric, logs and agent state live.
-        db_url: Ledger URL; default ``sqlite:///<state_dir>/phalanx.db``.
-        host: Address the services bind and are reached at.
-        port: Scheduler port; the coordinator takes ``port + 1`` unless ``checkpoint_port`` is given.
-            0 picks two free consecutive ports.
-        checkpoint_port: Coordinator port (default ``port + 1``).
-        fabric: A fabric file for the scheduler; default: a generated fat-tree, 4 nodes per leaf (for a profile
-            with multi-node NVLink domains, e.g. gb200-nvl72: 2 racks of 18 per leaf, with the NVLink tier).
-        metrics_port_base: Serve Prometheus metrics: scheduler on N, coordinator on N+1, agent i on N+2+i.
-        lease_timeout, heartbeat_interval, launch_timeout: The scheduler's timers (short local defaults).
-        min_runtime, preemption_grace: Preemption's minimum runtime and grace period (local defaults: a few
-            seconds, so preemption shows in a demo; production: 600 s and 120 s).
-        retry_backoff, retry_backoff_max: The backoff before a gang torn down by a failure is retried.
-        kill_grace: Seconds an agent waits between SIGTERM and SIGKILL of a rank.
-        restart_agents: Restart an agent that died, after ``restart_delay`` seconds.
-        mig_gpus: How many GPUs of the LAST node start in MIG mode: its last N (passed to that agent as
-            ``--simulate-mig i,j``); they take only MIG instances, every other GPU only whole-GPU jobs and shares.
-            None (default): 1 when the profile's GPUs have MIG (so a MIG job runs out of the box), else 0.
-        mig_manage: Start every agent with ``--mig-manage``: the scheduler may then switch idle GPUs into and out of
-            MIG mode as its queue needs (a MIG job with no GPU in MIG mode, a whole-GPU job that MIG-mode GPUs are
-            in the way of). ``mig_switch_hold`` and ``mig_switch_backoff`` are the scheduler's
-            ``--mig-switch-hold`` and ``--mig-switch-backoff`` then (short local defaults).
-        ready_timeout: Seconds for the scheduler to answer and every node to be READY.
-        stop_timeout: Seconds each group of children gets between SIGTERM and SIGKILL at stop().
-        log: Where progress lines go (default: ``[cluster] ...`` on stderr).
-        monitor: Run a background thread that notices dead children (and restarts agents) every 0.5 s.
-            Without it, call :meth:`poll` yourself.
-        env: Extra environment for every child.
-        tokens: Authentication on: the operator's tokens file (`phalanx token new` makes entries). The cluster adds
-            its own credentials in STATE_DIR/cluster-tokens.yaml: a `node` token for the agents, a `service` token
-            the agents hand their ranks (PHALANX_TOKEN, for the checkpoint coordinator) and an `admin` token for
-            the supervisor's own calls (:attr:`admin_token`).
-        tls: Mutual TLS between every process: a CA and certificates are generated under STATE_DIR/tls
-            (:attr:`pki`); clients use the CA and the client certificate.
-    """
-
-    def __init__(
-        self,
-        nodes: int = 4,
-        *,
-        profile: str = DEFAULT_PROFILE,
-        state_dir: str | Path = DEFAULT_STATE_DIR,
-        db_url: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
-        checkpoint_port: int | None = None,
-        fabric: str | Path | None = None,
-        metrics_port_base: int | None = None,
-        lease_timeout: float = 6.0,
-        heartbeat_interval: float = 1.0,
-        launch_timeout: float = 30.0,
-        min_runtime: float = LOCAL_POLICY.min_runtime_s,
-        preemption_grace: float = LOCAL_POLICY.grace_period_s,
-        retry_backoff: float = 1.0,
-        retry_backoff_max: float = 10.0,
-        kill_grace: float = 3.0,
-        restart_agents: bool = False,
-        restart_delay: float = 2.0,
-        ready_timeout: float = 60.0,
-        stop_timeout: float = 10.0,
-        log: Callable[[str], None] | None = None,
-        monitor: bool = True,
-        env: dict[str, str] | None = None,
-        tokens: str | Path | None = None,
-        tls: bool = False,
-        mig_gpus: int | None = None,
-        mig_manage: bool = False,
-        mig_switch_hold: float = 10.0,
-        mig_switch_backoff: float = 10.0,
-    ) -> None:
-        if nodes < 1:
-            raise ValueError("a cluster needs at least one node")
-        if mig_gpus is not None and mig_gpus < 0:
-            raise ValueError("mig_gpus must be 0 or more")
-        self.mig_gpus = mig_gpus
-        self.mig_manage = mig_manage
-        self.mig_switch_hold = mig_switch_hold
-        self.mig_switch_backoff = mig_switch_backoff
-        self.node_count = nodes
-        self.node_names = node_names(nodes)
-        self.profile = profile
-        self.state_dir = Path(state_dir).resolve()
-        self.db_url = db_url or f"sqlite:///{self.state_dir / 'phalanx.db'}"
-        self.host = host
-        self.port = port
-        self.checkpoint_port = checkpoint_port
-        self.fabric = Path(fabric).resolve() if fabric else None
-        self.metrics_port_base = metrics_port_base
-        self.lease_timeout = lease_timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.launch_timeout = launch_timeout
-        self.min_runtime = min_runtime
-        self.preemption_grace = preemption_grace
-        self.retry_backoff = retry_backoff
-        self.retry_backoff_max = retry_backoff_max
-        self.kill_grace = kill_grace
-        self.restart_agents = restart_agents
-        self.restart_delay = restart_delay
-        self.ready_timeout = ready_timeout
-        self.stop_timeout = stop_timeout
-        self.log = log or _stderr_log
-        self.monitor = monitor
-        self.env = dict(env or {})
-        self.tokens = Path(tokens).resolve() if tokens else None
-        self.tls = tls
-        self.pki = None  # phalanx.cli.certs.LocalPKI once started with tls
-        self.admin_token = ""  # the supervisor's own credential when authentication is on
-        self._node_token = self._service_token = ""
-        self.scheduler: ManagedProcess | None = None
-        self.checkpointd: ManagedProcess | None = None
-        self.agents: dict[str, ManagedProcess] = {}
-        self.failed_service: ManagedProcess | None = None  # a scheduler/coordinator that died while running
-        self._lock = threading.RLock()
-        self._lock_file = None
-        self._started = False
-        self._stopping = False
-        self._monitor_stop = threading.Event()
-        self._monitor_thread: threading.Thread | None = None
-
-    # -- addresses -------------------------------------------------------------------------------------------
-
-    @property
-    def address(self) -> str:
-        """The scheduler's ``host:port`` (what ``--scheduler`` / ``PHALANX_SCHEDULER`` take)."""
-        return f"{self.host}:{self.port}"
-
-    @property
-    def checkpoint_address(self) -> str:
-        return f"{self.host}:{self.checkpoint_port}"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.state_dir / "logs"
-
-    def client_options(self) -> dict[str, str | None]:
-        """Keyword arguments for a :class:`phalanx.client.Client` of this cluster (the supervisor's credential)."""
-        out: dict[str, str | None] = {}
-        if self.tokens is not None:
-            out["token"] = self.admin_token
-        if self.pki is not None:
-            out.update(tls_ca=str(self.pki.ca), tls_cert=str(self.pki.client_cert), tls_key=str(self.pki.client_key))
-        return out
-
-    def _security(self) -> tuple[list[str], dict[str, str], dict[str, str]]:
-        """Credentials and certificates: the services' extra flags, the agents' environment, the ranks' share."""
-        flags: list[str] = []
-        agent_env: dict[str, str] = {}
-        if self.tokens is not None:
-            from services.common.auth import TokenStore, new_token, token_entry
-
-            TokenStore(self.tokens)  # a file that does not load fails here, readably
-            self.admin_token, self._node_token, self._service_token = new_token(), new_token(), new_token()
-            entries = [token_entry(self.admin_token, "cluster-admin", "admin"),
-                       token_entry(self._node_token, "cluster-agents", "node"),
-                       token_entry(self._service_token, "cluster", "service")]
-            own = self.state_dir / "cluster-tokens.yaml"
-            own.write_text("# generated by phalanx cluster up: the cluster's own credentials (rewritten at each "
-                           "start)\n" + "".join(f"- {{token_sha256: {e['token_sha256']}, tenant: {e['tenant']}, "
-                                                 f"role: {e['role']}}}\n" for e in entries))
-            os.chmod(own, 0o600)
-            flags += ["--tokens", str(self.tokens), "--tokens", str(own)]
-            # The agent keeps PHALANX_AGENT_TOKEN to itself; its ranks inherit PHALANX_TOKEN (the service token).
-            agent_env.update(PHALANX_AGENT_TOKEN=self._node_token, PHALANX_TOKEN=self._service_token)
-        if self.tls:
-            from .certs import generate_local_pki
-
-            self.pki = generate_local_pki(self.state_dir / "tls", hosts=("127.0.0.1", "localhost", self.host))
-            flags += ["--tls-cert", str(self.pki.server_cert), "--tls-key", str(self.pki.server_key),
-                      "--tls-ca", str(self.pki.ca)]
-            agent_env.update(PHALANX_TLS_CA=str(self.pki.ca), PHALANX_TLS_CERT=str(self.pki.client_cert),
-                             PHALANX_TLS_KEY=str(self.pki.client_key))
-        return flags, agent_env, {}
-
-    def agent_state_dir(self, node: str) -> Path:
-        return self.state_dir / "agents" / node
-
-    def children(self) -> list[ManagedProcess]:
-        """Every child, agents first."""
-        out = list(self.agents.values())
-        out += [p for p in (self.checkpointd, self.scheduler) if p is not None]
-        return out
-
-    def all_pids(self) -> list[int]:
-        """Every pid ever started by this cluster (for tests that check nothing is left behind)."""
-        return [pid for p in self.children() for pid in p.history]
-
-    # -- lifecycle -------------------------------------------------------------------------------------------
-
-    def __enter__(self) -> LocalCluster:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> LocalCluster:
-        """Migrate the ledger, start every process and wait until every node is READY.
-
-        Raises:
-            ClusterError: Something did not start; whatever had started is stopped again.
-        """
-        if self._started:
-            raise ClusterError("cluster already started")
-        self._started = True
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.logs_dir.mkdir(exist_ok=True)
-        self._take_lock()
-        (self.state_dir / MARKER).write_text("created by phalanx cluster up / phalanx demo\n")
-        if self.port == 0:
-            self.port = free_port_pair(self.host)
-        if self.checkpoint_port is None:
-            self.checkpoint_port = self.port + 1
-        for what, port in (("scheduler", self.port), ("checkpoint coordinator", self.checkpoint_port)):
-            if not _port_free(self.host, port):
-                raise ClusterError(f"port {port} on {self.host} ({what}) is in use; pick another with --port")
-
-        self.log(f"state directory {self.state_dir}")
-        self._upgrade_db()
-        fabric = self._fabric_file()
-        security, agent_env, _ = self._security()
-
-        sched = [
-            *_program("phalanx-scheduler", "services.scheduler.main"),
-            "--db", self.db_url, "--listen", self.address, "--fabric", str(fabric),
-            "--lease-timeout", f"{self.lease_timeout:g}",
-            "--heartbeat-interval", f"{self.heartbeat_interval:g}",
-            "--launch-timeout", f"{self.launch_timeout:g}",
-            "--min-runtime", f"{self.min_runtime:g}", "--preemption-grace", f"{self.preemption_grace:g}",
-            "--retry-backoff", f"{self.retry_backoff:g}", "--retry-backoff-max", f"{self.retry_backoff_max:g}",
-            "--checkpoint-coordinator", self.checkpoint_address,
-            "--checkpoint-dir", str(self.state_dir / "checkpoints"), *security,
-        ]
-        if self.mig_manage:
-            sched += ["--mig-switch-hold", f"{self.mig_switch_hold:g}",
-                      "--mig-switch-backoff", f"{self.mig_switch_backoff:g}"]
-        ckpt = [
-            *_program("phalanx-checkpointd", "services.checkpoint_coordinator.main"),
-            "--db", self.db_url, "--listen", self.checkpoint_address,
-            "--checkpoint-dir", str(self.state_dir / "checkpoints"), *security,
-        ]
-        if self.metrics_port_base is not None:
-            sched += ["--metrics-port", str(self.metrics_port_base)]
-            ckpt += ["--metrics-port", str(self.metrics_port_base + 1)]
-        self.scheduler = ManagedProcess("scheduler", "scheduler", sched, self.logs_dir / "scheduler.log")
-        self.checkpointd = ManagedProcess("checkpointd", "checkpointd", ckpt, self.logs_dir / "checkpointd.log")
-        per_domain = self._nvlink_domain_nodes()
-        mig_gpus = self.mig_gpu_indexes()
-        for i, node in enumerate(self.node_names):
-            argv = [
-                *_program("phalanx-agent", "services.node_agent.main"),
-                "--scheduler", self.address, "--node-name", node, "--simulate", self.profile,
-                "--state-dir", str(self.agent_state_dir(node)), "--address", self.host,
-                "--kill-grace", f"{self.kill_grace:g}",
-            ]
-            if mig_gpus and node == self.node_names[-1]:
-                argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
-            if self.mig_manage:
-                argv += ["--mig-manage"]
-            if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique
-                argv += ["--fabric-clique", str(i // per_domain)]
-            if self.metrics_port_base is not None:
-                argv += ["--metrics-port", str(self.metrics_port_base + 2 + i)]
-            self.agents[node] = ManagedProcess(node, "agent", argv, self.logs_dir / f"agent-{node}.log",
-                                               env=dict(agent_env))
-
-        self._spawn(self.scheduler)
-        self._wait_for_scheduler()
-        self.log(f"scheduler at {self.address} (log {self.scheduler.log_path})")
-        self._spawn(self.checkpointd)
-        for agent in self.agents.values():
-            self._spawn(agent)
-        self._wait_for_port(self.checkpointd, self.checkpoint_port)
-        self.log(f"checkpoint coordinator at {self.checkpoint_address}")
-        self._wait_for_nodes()
-        self.log(f"{self.node_count} nodes READY ({self.profile})"
-                 + (f"; GPU(s) {','.join(map(str, mig_gpus))} of {self.node_names[-1]} in MIG mode (MIG jobs only)"
-                    if mig_gpus else "")
-                 + ("; --mig-manage: the scheduler switches idle GPUs' MIG mode as jobs need" if self.mig_manage
-                    else ""))
-        self._write_info()
-        if self.monitor:
-            self._monitor_thread = threading.Thread(target=self._monitor, name="phalanx-cluster-monitor", daemon=True)
-            self._monitor_thread.start()
-
-    def stop(self) -> None:
-        """Stop every child: agents first (SIGTERM, wait, SIGKILL), then the coordinator and the scheduler.
-
-        Safe to call twice, and from a signal handler's aftermath; never raises for a child that is already gone.
-        """
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-        self._monitor_stop.set()
-        if self._monitor_thread is not None and self._monitor_thread is not threading.current_thread():
-            self._monitor_thread.join(timeout=5)
-        groups = [list(self.agents.values()), [p for p in (self.checkpointd, self.scheduler) if p is not None]]
-        if any(p.alive() for g in groups for p in g):
-            self.log("stopping the cluster")
-        for group in groups:
-            self._terminate(group)
-        with contextlib.suppress(OSError):
-            (self.state_dir / "cluster.json").unlink()
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
-
-    @property
-    def running(self) -> bool:
-        return self._started and not self._stopping
-
-    # -- supervision -----------------------------------------------------------------------------------------
-
-    def poll(self) -> list[ManagedProcess]:
-        """Notice children that exited since the last call (and restart agents when asked). Returns them.
-
-        An agent that dies is a node failure: it is logged (the scheduler marks the node LOST once its lease
-        runs out) and the cluster keeps running. A scheduler or coordinator that dies is recorded in
-        :attr:`failed_service`; ``cluster up`` then stops the whole cluster.
-        """
-        died: list[ManagedProcess] = []
-        with self._lock:
-            if self._stopping:
-                return died
-            now = time.monotonic()
-            for child in self.children():
-                if child.proc is not None and child.exit_code is None:
-                    rc = child.proc.poll()
-                    if rc is None:
-                        continue
-                    child.exit_code = rc
-                    died.append(child)
-                    if child.kind == "agent":
-                        what = f"signal {-rc}" if rc < 0 else f"code {rc}"
-                        more = (f"; restarting it in {self.restart_delay:g}s" if self.restart_agents
-                                else "; the node will show LOST")
-                        self.log(f"agent of {child.name} (pid {child.pid}) exited with {what}: node failure{more}")
-                        if self.restart_agents:
-                            child.restart_at = now + self.restart_delay
-                    else:
-                        self.log(f"{child.name} (pid {child.pid}) exited with code {rc}; see {child.log_path}")
-                        self.failed_service = self.failed_service or child
-                if child.kind == "agent" and child.restart_at is not None and now >= child.restart_at:
-                    child.restart_at = None
-                    child.restarts += 1
-                    self._spawn(child)
-                    self.log(f"restarted the agent of {child.name} (pid {child.pid}, restart #{child.restarts})")
-        return died
-
-    def _monitor(self) -> None:
-        while not self._monitor_stop.wait(0.5):
-            try:
-                self.poll()
-            except Exception as exc:  # noqa: BLE001 - keep supervising
-                self.log(f"monitor error: {type(exc).__name__}: {exc}")
-
-    def kill_agent(self, node: str, sig: int = signal.SIGKILL) -> int:
-        """Send ``sig`` to a node's agent (a simulated node failure). Returns the pid signalled."""
-        child = self.agents[node]
-        if child.proc is None:
-            raise ClusterError(f"agent of {node} is not running")
-        child.proc.send_signal(sig)
-        return child.proc.pid
-
-    def wait(self, stop_event: threading.Event | None = None) -> int:
-        """Supervise until ``stop_event`` is set (0) or the scheduler or coordinator dies (1)."""
-        stop_event = stop_event or threading.Event()
-        while not stop_event.wait(0.5):
-            if not self.monitor:
-                self.poll()
-            if self.failed_service is not None:
-                return 1
-        return 0
-
-    # -- internals -------------------------------------------------------------------------------------------
-
-    def _take_lock(self) -> None:
-        f = open(self.state_dir / "cluster.lock", "a+")  # noqa: SIM115 - held for the cluster's lifetime
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            raise ClusterError(
-                f"another local cluster is running with state directory {self.state_dir}; "
-                "stop it or pass another --state-dir"
-            ) from None
-        self._lock_file = f
-
-    def _child_env(self) -> dict[str, str]:
-        env = {**os.environ, **self.env}
-        env.setdefault("PHALANX_HOME", str(self.state_dir))
-        env["PYTHONUNBUFFERED"] = "1"
-        env.pop("PHALANX_SCHEDULER_LISTEN", None)
-        env.pop("PHALANX_CHECKPOINTD_LISTEN", None)
-        return env
-
-    def _spawn(self, child: ManagedProcess) -> None:
-        child.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = child.argv
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv]
-            if not os.path.isabs(argv[4]):
-                argv[4] = shutil.which(argv[4]) or argv[4]
-        with open(child.log_path, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(child.argv)}\n".encode())
-            out.flush()
-            child.proc = subprocess.Popen(
-                argv, env={**self._child_env(), **child.env}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
-            )
-        child.exit_code = None
-        child.history.append(child.proc.pid)
-
-    def _upgrade_db(self) -> None:
-        shown = self.db_url.split("@")[-1]
-        self.log(f"phalanx db upgrade --db {shown}")
-        argv = [*_program("phalanx", "phalanx.cli.main"), "db", "upgrade", "--db", self.db_url]
-        log_path = self.logs_dir / "db-upgrade.log"
-        with open(log_path, "ab") as out:
-            rc = subprocess.run(argv, env=self._child_env(), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, timeout=120).returncode
-        if rc != 0:
-            raise ClusterError(f"`phalanx db upgrade` failed (exit {rc}):\n{_tail(log_path)}")
-
-    def mig_gpu_indexes(self) -> list[int]:
-        """The GPUs of the last node that start in MIG mode (its last `mig_gpus`, see the class); [] for none.
-
-        Raises:
-            ValueError: More GPUs than a node has, or MIG GPUs asked of a profile whose GPUs have no MIG.
-        """
-        from phalanx.core import mig
-        from phalanx.profiles import UnknownProfile, load_profile
-
-        try:
-            prof = load_profile(self.profile)
-        except (UnknownProfile, ValueError):
-            if self.mig_gpus:
-                raise ValueError(f"--mig-gpus needs a known profile, not {self.profile!r}") from None
-            return []  # the agents will say what is wrong with the profile
-        capable = mig.mig_family(prof.gpu_model, prof.memory_mib) is not None
-        count = (1 if capable else 0) if self.mig_gpus is None else self.mig_gpus
-        if count > prof.gpu_count:
-            raise ValueError(f"--mig-gpus {count}: a {self.profile} node has {prof.gpu_count} GPUs")
-        if count and not capable:
-            raise ValueError(f"--mig-gpus {count}: the GPUs of profile {self.profile} ({prof.gpu_model}) have no MIG")
-        return list(range(prof.gpu_count - count, prof.gpu_count))
-
-    def _nvlink_domain_nodes(self) -> int:
-        """Nodes per multi-node NVLink domain of the profile (18 for gb200-nvl72), 1 for other profiles."""
-        from phalanx.profiles import UnknownProfile, load_profile
-
-        try:
-            return load_profile(self.profile).nvlink_domain_nodes
-        except (UnknownProfile, ValueError):
-            return 1  # the agents will say what is wrong with the profile
-
-    def _fabric_file(self) -> Path:
-        if self.fabric is not None:
-            from phalanx.core.fabric import load_fabric
-
-            fabric = load_fabric(self.fabric)  # fail here, readably, rather than in the scheduler's log
-            if self._nvlink_domain_nodes() > 1 and not fabric.has_nvlink:
-                self.log(f"{self.fabric} has no NVLink tier (`nvlink_domains: auto` in YAML adds one): the agents' "
-                         "fabric cliques are not used for placement")
-            return self.fabric
-        from phalanx.core.fabric import default_fabric, to_slurm_tree, with_nvlink_domains
-
-        per_domain = self._nvlink_domain_nodes()
-        if per_domain > 1:
-            # Two racks (NVLink domains) per leaf switch; the domains come from the agents' cliques.
-            path = self.state_dir / "topology.yaml"
-            fabric = with_nvlink_domains(default_fabric(self.node_names, nodes_per_leaf=2 * per_domain), {})
-            path.write_text(f"# generated by phalanx cluster up: NVLink domains of {per_domain} nodes (from the "
-                            f"agents' fabric cliques), {2 * per_domain} nodes per leaf switch\n" + fabric.to_yaml())
-            return path
-        path = self.state_dir / "topology.conf"
-        text = to_slurm_tree(default_fabric(self.node_names, nodes_per_leaf=4))
-        path.write_text("# generated by phalanx cluster up: 4 nodes per leaf switch\n" + text)
-        return path
-
-    def _check_alive(self, child: ManagedProcess) -> None:
-        if child.proc is not None and child.proc.poll() is not None:
-            raise ClusterError(
-                f"{child.name} exited with code {child.proc.returncode} while starting; "
-                f"last lines of {child.log_path}:\n{_tail(child.log_path)}"
-            )
-
-    def _wait_for_scheduler(self) -> None:
-        from phalanx.client import Client, PhalanxError
-
-        assert self.scheduler is not None
-        deadline = time.monotonic() + self.ready_timeout
-        with Client(self.address, timeout=2.0, retries=0, **self.client_options()) as client:
-            while True:
-                self._check_alive(self.scheduler)
-                try:
-                    client.nodes()
-                    return
-                except PhalanxError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"the scheduler did not answer at {self.address} within "
-                                       f"{self.ready_timeout:g}s; see {self.scheduler.log_path}")
-                time.sleep(0.1)
-
-    def _wait_for_port(self, child: ManagedProcess, port: int) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        while True:
-            self._check_alive(child)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.settimeout(1.0)
-                if s.connect_ex((self.host, port)) == 0:
-                    return
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{child.name} did not listen on {self.host}:{port} within "
-                                   f"{self.ready_timeout:g}s; see {child.log_path}")
-            time.sleep(0.1)
-
-    def _wait_for_nodes(self) -> None:
-        from phalanx.client import Client, NodeState, PhalanxError
-
-        deadline = time.monotonic() + self.ready_timeout
-        wanted = set(self.node_names)
-        with Client(self.address, timeout=5.0, **self.client_options()) as client:
-            while True:
-                for child in self.children():
-                    self._check_alive(child)
-                try:
-                    ready = {n.name for n in client.nodes() if n.state is NodeState.READY}
-                except PhalanxError:
-                    ready = set()
-                if wanted <= ready:
-                    return
-                if time.monotonic() > deadline:
-                    missing = ", ".join(sorted(wanted - ready))
-                    raise ClusterError(f"nodes not READY after {self.ready_timeout:g}s: {missing} "
-                                       f"(agent logs under {self.logs_dir})")
-                time.sleep(0.2)
-
-    def _write_info(self) -> None:
-        info = {
-            "scheduler": self.address,
-            "checkpoint_coordinator": self.checkpoint_address,
-            "db": self.db_url.split("@")[-1],
-            "supervisor_pid": os.getpid(),
-            "pids": {p.name: p.pid for p in self.children()},
-            "nodes": self.node_names,
-            "profile": self.profile,
-            "mig_gpus": {self.node_names[-1]: self.mig_gpu_indexes()} if self.mig_gpu_indexes() else {},
-            "mig_manage": self.mig_manage,
-            "authentication": self.tokens is not None,
-            "tls": {"ca": str(self.pki.ca), "cert": str(self.pki.client_cert), "key": str(self.pki.client_key)}
-            if self.pki is not None else None,
-        }
-        (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
-
-    def _terminate(self, group: Sequence[ManagedProcess]) -> None:
-        live = [p for p in group if p.alive()]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        deadline = time.monotonic() + self.stop_timeout
-        for p in live:
-            try:
-                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
-            except subprocess.TimeoutExpired:
-                self.log(f"{p.name} (pid {p.pid}) did not stop within {self.stop_timeout:g}s; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    p.proc.kill()  # type: ignore[union-attr]
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.proc.wait(timeout=5)  # type: ignore[union-attr]
-        for p in group:  # reap anything that had already exited
-            if p.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.proc.wait(timeout=0.1)
-
-
-# -- shared CLI plumbing ---------------------------------------------------------------------------------------
-
-
-class _StopOnSignal:
+class StopOnSignal:
     """While active, the first SIGINT or SIGTERM sets ``event`` and raises KeyboardInterrupt in the main thread;
     later ones only set the event, so the clean stop that follows is not interrupted. Restores the handlers."""
 
@@ -760,7 +54,7 @@ class _StopOnSignal:
         if first:
             raise KeyboardInterrupt
 
-    def __enter__(self) -> _StopOnSignal:
+    def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -775,10 +69,8 @@ class _StopOnSignal:
             raise KeyboardInterrupt
 
 
-def _print_ready(cluster: LocalCluster) -> None:
+def print_ready(cluster: LocalCluster) -> None:
     from phalanx.client import Client
-
-    from . import render
 
     with Client(cluster.address, **cluster.client_options()) as client:
         nodes = client.nodes()
@@ -790,11 +82,14 @@ def _print_ready(cluster: LocalCluster) -> None:
         print(f"authentication on (tokens file {cluster.tokens}): clients need PHALANX_TOKEN", flush=True)
     if cluster.pki is not None:
         pki = cluster.pki
-        print(f"mutual TLS: export PHALANX_TLS_CA={pki.ca} PHALANX_TLS_CERT={pki.client_cert} "
-              f"PHALANX_TLS_KEY={pki.client_key}", flush=True)
+        print(
+            f"mutual TLS: export PHALANX_TLS_CA={pki.ca} PHALANX_TLS_CERT={pki.client_cert} "
+            f"PHALANX_TLS_KEY={pki.client_key}",
+            flush=True,
+        )
 
 
-def _cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> LocalCluster:
+def cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> LocalCluster:
     return LocalCluster(
         nodes=args.nodes,
         profile=getattr(args, "profile", DEFAULT_PROFILE),
@@ -816,9 +111,8 @@ def _cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> Lo
     )
 
 
-def _start_or_report(cluster: LocalCluster, stopper: _StopOnSignal) -> bool:
+def start_or_report(cluster: LocalCluster, stopper: StopOnSignal) -> bool:
     """Start the cluster; on failure print ``error: ...`` and return False. Ctrl-C while starting stops it."""
-    from .main import UsageError
 
     try:
         cluster.start()
@@ -840,16 +134,15 @@ def _start_or_report(cluster: LocalCluster, stopper: _StopOnSignal) -> bool:
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     """``phalanx cluster up``: run a local cluster until SIGINT/SIGTERM (exit 0)."""
-    from .main import UsageError
 
     if args.nodes < 1:
         raise UsageError("--nodes must be at least 1")
-    cluster = _cluster_from_args(args, Path(args.state_dir))
-    with _StopOnSignal() as stopper:
+    cluster = cluster_from_args(args, Path(args.state_dir))
+    with StopOnSignal() as stopper:
         try:
-            if not _start_or_report(cluster, stopper):
+            if not start_or_report(cluster, stopper):
                 return 1
-            _print_ready(cluster)
+            print_ready(cluster)
             cluster.log("running; Ctrl-C (SIGINT) or SIGTERM stops every process")
             rc = cluster.wait(stopper.event)
         except KeyboardInterrupt:
@@ -865,321 +158,41 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
 
 # -- phalanx demo ----------------------------------------------------------------------------------------------
 
-RANK_PROGRAM = (
-    "import os, time\n"
-    "e = os.environ\n"
-    "print(f\"rank {e['RANK']}/{e['WORLD_SIZE']} on {e.get('PHALANX_NODE', '?')} \"\n"
-    "      f\"CUDA_VISIBLE_DEVICES={e['CUDA_VISIBLE_DEVICES']} MASTER_ADDR={e.get('MASTER_ADDR', '')}\", flush=True)\n"
-    "time.sleep(float(e.get('DEMO_SLEEP', '3')))\n"
-)
 
-
-def _gpu_ranges(gpus: Sequence[int]) -> str:
-    gpus = sorted(gpus)
-    if not gpus:
-        return "-"
-    parts, start, prev = [], gpus[0], gpus[0]
-    for g in gpus[1:] + [None]:  # type: ignore[list-item]
-        if g is not None and g == prev + 1:
-            prev = g
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if g is not None:
-            start = prev = g
-    return ",".join(parts)
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def _describe_placement(job) -> None:
-    what = (f"MIG {job.mig_profile}" if job.mig_profile else f"{job.gpu_milli}/1000 GPU" if job.gpu_milli
-            else f"{job.gpus_per_replica} GPUs")
-    _say(f"  {job.name} ({job.id}) is RUNNING: {job.replicas} x {what}, attempt {job.attempt}")
-    for a in sorted(job.allocations, key=lambda a: a.replica):
-        if a.slices:
-            part = ", ".join(f"GPU {s.gpu} MIG {s.profile} (memory slices {s.start}-{s.start + s.size - 1})"
-                             for s in a.slices)
-        elif a.gpu_milli:
-            part = f"{a.gpu_milli}/1000 of GPU {_gpu_ranges(a.gpus)} (MPS)"
-        else:
-            part = f"GPUs {_gpu_ranges(a.gpus)}"
-        _say(f"    replica {a.replica} -> {a.node}  {part}")
-    p = job.placement
-    if p:
-        _say(f"    placement: {p.get('reason', '')} (tier {p.get('tier', '?')}, {p.get('domains', 0)} domain(s))")
-    elif job.message:
-        _say(f"    {job.message}")
-
-
-def _prepare_demo_dir(state_dir: Path) -> None:
-    """The demo starts from an empty ledger: wipe a state directory it created before, refuse any other."""
-    from .main import UsageError
-
-    if not state_dir.exists():
-        return
-    if (state_dir / MARKER).exists():
-        lock = state_dir / "cluster.lock"
-        if lock.exists():
-            with open(lock, "a+") as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    raise UsageError(f"a cluster is running with state directory {state_dir}; "
-                                     "stop it or pass --state-dir") from None
-        shutil.rmtree(state_dir)
-    elif any(state_dir.iterdir()):
-        raise UsageError(f"{state_dir} exists and was not created by phalanx; pass another --state-dir")
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """``phalanx demo``: a local cluster, seven jobs through the SDK (placement, gang waiting, MIG and shares,
-    then a preemption with checkpoint-restart), an eighth with torch (a DDP job), a readable account, exit 0 when
-    all succeed."""
-    from phalanx.client import Client, JobState, PhalanxError
-
-    from . import main as cli_main
-    from .main import UsageError
-
-    if args.mig_gpus is not None and args.mig_gpus < 1:
-        raise UsageError("the demo runs a MIG job: --mig-gpus must be at least 1")
-    if args.nodes < 3:
-        raise UsageError("the demo needs at least 3 nodes (2 for its gangs, and one with a GPU in MIG mode)")
-    state_dir = Path(args.state_dir)
-    _prepare_demo_dir(state_dir)
-    cluster = _cluster_from_args(args, state_dir)
-    sleep_s = str(args.sleep)
-    command = [sys.executable, "-c", RANK_PROGRAM]
-    env = {"DEMO_SLEEP": sleep_s}
-    ok = False
-    with _StopOnSignal() as stopper:
-        try:
-            _say(f"Starting a local Phalanx cluster: {args.nodes} simulated {DEFAULT_PROFILE} nodes "
-                 f"(8 GPUs each), SQLite ledger, state in {state_dir}/")
-            if not _start_or_report(cluster, stopper):
-                return 1
-            _print_ready(cluster)
-            mig_gpus = cluster.mig_gpu_indexes()
-            last = cluster.node_names[-1]
-            # The last node has GPUs in MIG mode (they take only MIG instances): a gang of 8-GPU replicas "as
-            # large as the cluster" is one replica per other node.
-            total = args.nodes - 1
-            _say(f"GPU(s) {','.join(map(str, mig_gpus))} of {last} are in MIG mode: only MIG instances go there, "
-                 "and MIG instances only go there")
-            _say()
-            with Client(cluster.address) as client:
-                # 1. a 2-node gang, a 4-GPU job and partial GPUs (a MIG instance, two quarter-GPU shares): all fit
-                gang = client.submit("gang-2x8", 2, 8, command, env=env)
-                single = client.submit("single-4gpu", 1, 4, command, env=env)
-                mig = client.submit("mig-3g.40gb", 1, 1, command, env=env, mig_profile="3g.40gb")
-                shares = client.submit("shares-2x250m", 2, 1, command, env=env, gpu_milli=250)
-                _say(f"Submitted {gang.name} ({gang.id}): 2 replicas x 8 GPUs, one process per GPU")
-                _say(f"Submitted {single.name} ({single.id}): 1 replica x 4 GPUs")
-                _say(f"Submitted {mig.name} ({mig.id}): 1 MIG instance of profile 3g.40gb")
-                _say(f"Submitted {shares.name} ({shares.id}): 2 replicas x 250/1000 of a GPU (MPS shares)")
-                shown: set[str] = set()
-                for job_id in (gang.id, single.id, mig.id, shares.id):
-                    job = client.wait(job_id, ["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"], timeout=60)
-                    if job.allocations:
-                        _describe_placement(job)
-                        shown.add(job_id)
-                    stopper.check()
-                # 2. a gang as large as the whole cluster: it must wait, holding nothing
-                big = client.submit(f"big-{total}x8", total, 8, command, env=env)
-                _say(f"Submitted {big.name} ({big.id}): {total} replicas x 8 GPUs = every 8-GPU node of the "
-                     f"cluster ({last} has GPUs in MIG mode)")
-                deadline = time.monotonic() + 10
-                while True:
-                    big = client.get_job(big.id)
-                    if big.state is not JobState.PENDING or big.message != "queued" or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.1)
-                if big.state is JobState.PENDING:
-                    held = sum(len(a.gpus) for a in big.allocations)
-                    _say(f"  {big.name} is PENDING and holds {held} GPUs (gangs are reserved all at once or "
-                         f"not at all): {big.message}")
-                else:
-                    _say(f"  {big.name} is {big.state.value}: {big.message}")
-                _say()
-                ids = [gang.id, single.id, mig.id, shares.id, big.id]
-                _say(f"Watching until all {len(ids)} jobs finish:")
-                last: dict[str, JobState] = {i: JobState.RUNNING for i in ids[:-1]}
-                last[big.id] = big.state
-                final: dict[str, object] = {}
-                stream = client.watch(ids, timeout=args.job_timeout)
-                try:
-                    for job in stream:
-                        stopper.check()
-                        if last.get(job.id) == job.state:
-                            continue
-                        last[job.id] = job.state
-                        stamp = time.strftime("%H:%M:%S")
-                        if job.state is JobState.RUNNING and job.id not in shown:
-                            _say(f"{stamp} {job.name} started")
-                            _describe_placement(job)
-                            shown.add(job.id)
-                        elif job.terminal:
-                            took = f" after {job.finished_at - job.started_at:.1f}s" if job.started_at else ""
-                            _say(f"{stamp} {job.name} {job.state.value}{took} (exit code {job.exit_code}): "
-                                 f"{job.message}")
-                            final[job.id] = job
-                            if len(final) == len(ids):
-                                break
-                        elif job.state is not JobState.RUNNING:
-                            _say(f"{stamp} {job.name} {job.state.value}: {job.message}")
-                finally:
-                    stream.close()
-                ok = all(getattr(final.get(i), "state", None) is JobState.SUCCEEDED for i in ids)
-                # 3. preemption and checkpoint-restart: a batch training gang makes way for a critical one
-                _say()
-                preempt_ok, more = _demo_preemption(client, cluster, total, stopper)
-                ok, ids = ok and preempt_ok, ids + more
-                # 4. a real torch.distributed job, when torch is installed
-                _say()
-                if _torch_available():
-                    ddp_ok, more = _demo_ddp(client, cluster)
-                    ok, ids = ok and ddp_ok, ids + more
-                else:
-                    _say("torch is not installed, so the demo skips its DistributedDataParallel job "
-                         "(pip install 'phalanx[torch]' to see it)")
-            sample = cluster.agent_state_dir(cluster.node_names[0]) / "logs"
-            logs = sorted(sample.glob("*.log"))
-            if logs:
-                _say(f"\nOutput of one rank ({logs[0]}):")
-                _say("  " + (_tail(logs[0], 3).replace("\n", "\n  ") or "(empty)"))
-            _say(f"\n$ phalanx --scheduler {cluster.address} jobs")
-            cli_main.main(["--scheduler", cluster.address, "jobs"])
-            _say()
-            _say(f"All {len(ids)} jobs SUCCEEDED." if ok else "Not every job SUCCEEDED; see the logs under "
-                 f"{cluster.logs_dir} and {cluster.state_dir / 'agents'}")
-            if args.keep:
-                _say(f"\nThe cluster keeps running (--keep): export PHALANX_SCHEDULER={cluster.address} and try "
-                     "`phalanx nodes`, `phalanx jobs`. Ctrl-C stops it.")
-                cluster.wait(stopper.event)
-        except KeyboardInterrupt:
-            if not (args.keep and ok):
-                sys.stderr.write("error: interrupted\n")
-                return 130
-        except PhalanxError as exc:
-            sys.stderr.write(f"error: {exc}\n")
-            return 1
-        finally:
-            cluster.stop()
-    return 0 if ok else 1
-
-
-def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tuple[bool, list[str]]:
-    """A batch-priority 2-node gang trains (phalanx.examples.count_steps, checkpointing through phalanx.train); a
-    critical gang as large as the cluster (`nodes` x 8 GPUs: every node whose GPUs are all out of MIG mode)
-    arrives, waits out the trainer's minimum runtime, preempts it (it checkpoints, then stops) and runs; the trainer
-    resumes from its checkpoint and ends with the exact count."""
-    from phalanx.client import JobState
-
-    steps, every = 60, 20
-    out = cluster.state_dir / "train"
-    train_cmd = [sys.executable, "-m", "phalanx.examples.count_steps", "--steps", str(steps), "--every", str(every),
-                 "--step-time", "0.1", "--out", str(out)]
-    trainer = client.submit("train-batch", 2, 8, train_cmd, priority=parse_priority("batch"), procs_per_replica=1,
-                            env={"PHALANX_CHECKPOINT_POLL_S": "0.2"})
-    _say(f"Submitted {trainer.name} ({trainer.id}): 2 x 8 GPUs at priority batch (-100), a training loop of {steps} "
-         f"steps that checkpoints every {every} through phalanx.train")
-    client.wait(trainer.id, ["RUNNING"], timeout=60)
-    time.sleep(1.0)
-    urgent = client.submit(f"urgent-{nodes}x8", nodes, 8, [sys.executable, "-c", "import time; time.sleep(2)"],
-                           priority=parse_priority("critical"))
-    _say(f"Submitted {urgent.name} ({urgent.id}): every 8-GPU node of the cluster at priority critical (200)")
-    seen: dict[str, tuple] = {}
-    final: dict[str, object] = {}
-    stream = client.watch([trainer.id, urgent.id], timeout=120)
-    try:
-        for job in stream:
-            stopper.check()
-            key = (job.state, job.attempt, job.message if job.state is JobState.PENDING else "")
-            if seen.get(job.id) == key:
-                continue
-            seen[job.id] = key
-            stamp = time.strftime("%H:%M:%S")
-            if job.terminal:
-                _say(f"{stamp} {job.name} {job.state.value} (attempt {job.attempt}): {job.message}")
-                final[job.id] = job
-                if len(final) == 2:
-                    break
-            elif job.state is JobState.PREEMPTING:
-                _say(f"{stamp} {job.name} PREEMPTING: {job.message}")
-            else:
-                attempt = f" (attempt {job.attempt})" if job.attempt else ""
-                _say(f"{stamp} {job.name} {job.state.value}{attempt}: {job.message}")
-    finally:
-        stream.close()
-    done = final.get(trainer.id)
-    results = sorted((out / trainer.id).glob("rank-*.json"))
-    counts = [json.loads(p.read_text())["count"] for p in results]
-    restored = [json.loads(p.read_text())["restored_step"] for p in results]
-    good = (getattr(done, "state", None) is JobState.SUCCEEDED
-            and getattr(final.get(urgent.id), "state", None) is JobState.SUCCEEDED
-            and len(counts) == 2 and counts == [steps, steps])
-    if results:
-        _say(f"  {trainer.name}: both ranks counted {counts} of {steps} steps; the last attempt resumed from step "
-             f"{restored[0]} (its preemption checkpoint), so no committed step was lost or done twice")
-    job = client.get_job(trainer.id)
-    if job.goodput is not None:
-        g = job.goodput
-        _say(f"  goodput of {trainer.name}: {g.productive:.0f} productive of {g.allocated:.0f} allocated GPU-seconds "
-             f"({g.ratio:.0%}); rollback {g.rollback:.0f}, restart {g.restart:.0f}, waiting {g.waiting:.0f}")
-    return good, [trainer.id, urgent.id]
-
-
-def _torch_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
-
-
-def _demo_ddp(client, cluster: LocalCluster) -> tuple[bool, list[str]]:
-    """phalanx.examples.ddp_tiny as a 2 x 2-rank gang: gloo, an all-reduce check, DistributedDataParallel and a
-    collective DCP checkpoint every 20 steps through phalanx.train."""
-    from phalanx.client import JobState
-
-    steps, every = 60, 20
-    out = cluster.state_dir / "ddp"
-    cmd = [sys.executable, "-m", "phalanx.examples.ddp_tiny", "--steps", str(steps), "--every", str(every),
-           "--out", str(out)]
-    job = client.submit("ddp-tiny", 2, 2, cmd, env={"PHALANX_CHECKPOINT_POLL_S": "0.5"})
-    _say(f"Submitted {job.name} ({job.id}): 2 replicas x 2 ranks of torch.distributed (gloo) training a small "
-         f"model with DistributedDataParallel, {steps} steps, a collective DCP checkpoint every {every}")
-    done = client.wait(job.id, timeout=180)
-    results = [json.loads(p.read_text()) for p in sorted((out / job.id).glob("rank-*.json"))]
-    params = {r["params_sha256"] for r in results}
-    good = done.state is JobState.SUCCEEDED and len(results) == 4 and len(params) == 1
-    _say(f"{time.strftime('%H:%M:%S')} {job.name} {done.state.value}: {done.message}")
-    if results:
-        nodes = sorted({r["node"] for r in results})
-        saves = results[0]["saves"]
-        _say(f"  {job.name}: {len(results)} ranks on {', '.join(nodes)} checked an all-reduce, trained {steps} steps "
-             f"and saved {saves} collective checkpoints (each rank wrote its own part of each); every rank ends "
-             f"with the same parameters (sha256 {next(iter(params))[:12]})" if len(params) == 1 else
-             f"  {job.name}: the ranks' parameters differ: {sorted(params)}")
-    return good, [job.id]
-
-
-# -- registration ----------------------------------------------------------------------------------------------
-
-
-def _add_common(p: argparse.ArgumentParser, *, nodes: int, state_dir: Path) -> None:
+def add_common_flags(p: argparse.ArgumentParser, *, nodes: int, state_dir: Path) -> None:
     p.add_argument("--nodes", type=int, default=nodes, metavar="N", help=f"simulated nodes (default {nodes})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="PORT",
-                   help=f"scheduler port on 127.0.0.1; the checkpoint coordinator takes PORT+1 "
-                        f"(default {DEFAULT_PORT}; 0 picks free ports)")
-    p.add_argument("--state-dir", default=str(state_dir), metavar="DIR",
-                   help=f"ledger, fabric, logs and agent state (default {state_dir})")
-    p.add_argument("--metrics-port-base", type=int, default=None, metavar="N",
-                   help="serve Prometheus metrics: scheduler N, coordinator N+1, agent i N+2+i (default: off)")
-    p.add_argument("--ready-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds for every node to be READY (default 60)")
-    p.add_argument("--mig-gpus", type=int, default=None, metavar="N",
-                   help="the last N GPUs of the LAST node start in MIG mode (only MIG jobs go there, and MIG jobs "
-                        "only there); default 1 when the profile's GPUs have MIG, else 0")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        metavar="PORT",
+        help=f"scheduler port on 127.0.0.1; the checkpoint coordinator takes PORT+1 "
+        f"(default {DEFAULT_PORT}; 0 picks free ports)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=str(state_dir),
+        metavar="DIR",
+        help=f"ledger, fabric, logs and agent state (default {state_dir})",
+    )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics: scheduler N, coordinator N+1, agent i N+2+i (default: off)",
+    )
+    p.add_argument(
+        "--ready-timeout", type=float, default=60.0, metavar="S", help="seconds for every node to be READY (default 60)"
+    )
+    p.add_argument(
+        "--mig-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the last N GPUs of the LAST node start in MIG mode (only MIG jobs go there, and MIG jobs "
+        "only there); default 1 when the profile's GPUs have MIG, else 0",
+    )
 
 
 def register(subparsers) -> None:
@@ -1188,51 +201,63 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", parser_class=type(p))
     sub.required = True
     up = sub.add_parser(
-        "up", help="start scheduler, checkpoint coordinator and N simulated agents; supervise until Ctrl-C",
+        "up",
+        help="start scheduler, checkpoint coordinator and N simulated agents; supervise until Ctrl-C",
         description="Run a scheduler, a checkpoint coordinator and one simulated node agent per node as local "
-                    "processes, wait until every node is READY, then supervise them until SIGINT/SIGTERM. "
-                    "An agent that dies is a node failure: it is logged and the cluster keeps running.",
+        "processes, wait until every node is READY, then supervise them until SIGINT/SIGTERM. "
+        "An agent that dies is a node failure: it is logged and the cluster keeps running.",
     )
-    up.add_argument("--profile", default=DEFAULT_PROFILE, metavar="P",
-                    help=f"simulated host profile of every node (default {DEFAULT_PROFILE})")
-    up.add_argument("--fabric", default=None, metavar="FILE",
-                    help="fabric file (Slurm topology.conf or YAML); default: generated, 4 nodes per leaf "
-                         "(gb200-nvl72: NVLink domains of 18 nodes from the agents' cliques, 36 nodes per leaf)")
-    up.add_argument("--db", default=None, metavar="URL",
-                    help="ledger URL (default: sqlite:///STATE_DIR/phalanx.db)")
-    up.add_argument("--min-runtime", type=float, default=LOCAL_POLICY.min_runtime_s, metavar="S",
-                    help=f"seconds a gang runs before it can be preempted (default {LOCAL_POLICY.min_runtime_s:g}; "
-                         "production 600)")
-    up.add_argument("--preemption-grace", type=float, default=LOCAL_POLICY.grace_period_s, metavar="S",
-                    help=f"seconds a preempted gang gets to checkpoint (default {LOCAL_POLICY.grace_period_s:g}; "
-                         "production 120)")
-    up.add_argument("--tokens", default=None, metavar="FILE",
-                    help="authentication on: the tokens file (`phalanx token new` makes entries), reloaded when it "
-                         "changes; the cluster's own processes get credentials of their own")
-    up.add_argument("--tls", action="store_true",
-                    help="mutual TLS between every process: a CA and certificates are generated under "
-                         "STATE_DIR/tls (clients: PHALANX_TLS_CA, PHALANX_TLS_CERT, PHALANX_TLS_KEY)")
-    up.add_argument("--mig-manage", action="store_true",
-                    help="start every agent with --mig-manage: the scheduler switches idle GPUs into MIG mode when a "
-                         "MIG job finds none with room, and back out when whole-GPU jobs need them (held 10 s after "
-                         "a switch; a failed switch is retried after 10 s)")
+    up.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        metavar="P",
+        help=f"simulated host profile of every node (default {DEFAULT_PROFILE})",
+    )
+    up.add_argument(
+        "--fabric",
+        default=None,
+        metavar="FILE",
+        help="fabric file (Slurm topology.conf or YAML); default: generated, 4 nodes per leaf "
+        "(gb200-nvl72: NVLink domains of 18 nodes from the agents' cliques, 36 nodes per leaf)",
+    )
+    up.add_argument("--db", default=None, metavar="URL", help="ledger URL (default: sqlite:///STATE_DIR/phalanx.db)")
+    up.add_argument(
+        "--min-runtime",
+        type=float,
+        default=LOCAL_POLICY.min_runtime_s,
+        metavar="S",
+        help=f"seconds a gang runs before it can be preempted (default {LOCAL_POLICY.min_runtime_s:g}; production 600)",
+    )
+    up.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=LOCAL_POLICY.grace_period_s,
+        metavar="S",
+        help=f"seconds a preempted gang gets to checkpoint (default {LOCAL_POLICY.grace_period_s:g}; production 120)",
+    )
+    up.add_argument(
+        "--tokens",
+        default=None,
+        metavar="FILE",
+        help="authentication on: the tokens file (`phalanx token new` makes entries), reloaded when it "
+        "changes; the cluster's own processes get credentials of their own",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS between every process: a CA and certificates are generated under "
+        "STATE_DIR/tls (clients: PHALANX_TLS_CA, PHALANX_TLS_CERT, PHALANX_TLS_KEY)",
+    )
+    up.add_argument(
+        "--mig-manage",
+        action="store_true",
+        help="start every agent with --mig-manage: the scheduler switches idle GPUs into MIG mode when a "
+        "MIG job finds none with room, and back out when whole-GPU jobs need them (held 10 s after "
+        "a switch; a failed switch is retried after 10 s)",
+    )
     up.add_argument("--restart-agents", action="store_true", help="restart an agent that dies")
-    up.add_argument("--restart-delay", type=float, default=2.0, metavar="S",
-                    help="seconds before such a restart (default 2)")
-    _add_common(up, nodes=4, state_dir=DEFAULT_STATE_DIR)
-    up.set_defaults(func=cmd_cluster_up)
-
-    demo = subparsers.add_parser(
-        "demo", help="start a local cluster of 8 simulated nodes and run seven jobs through it (eight with torch)",
-        description="Start a local cluster (SQLite, simulated dgx-h100 nodes), submit a 2 x 8 gang, a 4-GPU job "
-                    "and a gang as large as the cluster (which waits, holding nothing), and report what "
-                    "happens; then a batch training gang is preempted by a critical one and resumes from its "
-                    "checkpoint; with torch installed, a DistributedDataParallel job trains and checkpoints collectively. Exits 0 "
-                    "when every job SUCCEEDED. The state directory is wiped first.",
+    up.add_argument(
+        "--restart-delay", type=float, default=2.0, metavar="S", help="seconds before such a restart (default 2)"
     )
-    _add_common(demo, nodes=8, state_dir=DEFAULT_DEMO_STATE_DIR)
-    demo.add_argument("--keep", action="store_true", help="keep the cluster running afterwards, until Ctrl-C")
-    demo.add_argument("--sleep", type=float, default=4.0, metavar="S", help="seconds each rank runs (default 4)")
-    demo.add_argument("--job-timeout", type=float, default=180.0, metavar="S",
-                      help="give up when the jobs have not finished after S seconds (default 180)")
-    demo.set_defaults(func=cmd_demo)
+    add_common_flags(up, nodes=4, state_dir=DEFAULT_STATE_DIR)
+    up.set_defaults(func=cmd_cluster_up)

@@ -12,11 +12,13 @@ This is a stable contract that scripts depend on:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 from phalanx import __version__
@@ -34,6 +36,8 @@ from phalanx.client import (
 from phalanx.core.preemption import PRIORITY_CLASSES, parse_priority
 
 from . import render
+from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from .common import Parser as _Parser
 
 __all__ = ["main", "build_parser", "UsageError", "RESERVED_SUBMIT_FLAGS", "TIER_SUBMIT_FLAGS", "GPU_SUBMIT_FLAGS"]
 
@@ -54,24 +58,6 @@ GPU_SUBMIT_FLAGS = (
 # Flags accepted by `phalanx submit` now and rejected until the scheduler implements them.
 RESERVED_SUBMIT_FLAGS: tuple[str, ...] = ()
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A command line that parses but cannot be honoured; exits with code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that prints ``error: ...`` in the CLI's format (still exit code 2)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"error: {message}\n")
-
-
 # -- helpers ---------------------------------------------------------------------------------------------------
 
 
@@ -79,7 +65,7 @@ def parse_duration(text: str) -> float:
     """Seconds from "90", "90s", "30m", "2h", "1d", "1:30" (M:SS), "1:30:00" (H:MM:SS) or "2-00:00:00" (Slurm's
     D-HH:MM:SS). ValueError with the accepted forms otherwise."""
     value = text.strip().lower()
-    forms = 'seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS'
+    forms = "seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS"
     try:
         if value and value[-1] in "smhd" and value[:-1].replace(".", "", 1).isdigit():
             seconds = float(value[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[value[-1]]
@@ -88,7 +74,7 @@ def parse_duration(text: str) -> float:
             parts = [float(p) for p in clock.split(":")]
             if len(parts) > 3 or any(p < 0 for p in parts) or (days and not days.isdigit()):
                 raise ValueError
-            seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts))) + (int(days) * 86400 if days else 0)
+            seconds = sum(p * 60**i for i, p in enumerate(reversed(parts))) + (int(days) * 86400 if days else 0)
         else:
             seconds = float(value)
     except (ValueError, KeyError):
@@ -100,6 +86,7 @@ def parse_duration(text: str) -> float:
 
 def _arg_type(parse):
     """An argparse `type` from a parser that raises ValueError: a bad value is a usage error (exit code 2)."""
+
     def convert(value: str):
         try:
             return parse(value)
@@ -143,8 +130,14 @@ def _print(text: str) -> None:
 
 def _client(args: argparse.Namespace) -> Client:
     try:
-        return Client(args.scheduler, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca,
-                      tls_cert=args.tls_cert, tls_key=args.tls_key)
+        return Client(
+            args.scheduler,
+            timeout=args.timeout,
+            token=args.token,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
     except (OSError, ValueError) as exc:
         raise UsageError(f"TLS settings: {exc}") from None
 
@@ -173,6 +166,7 @@ def _parse_states(values: Sequence[str] | None) -> list[JobState]:
 
 _priority = _arg_type(parse_priority)  # ``--priority``: an integer or a class name
 
+
 def _parse_since(value: str | None) -> float:
     """``--since``: unix seconds, or an ISO 8601 time (UTC unless it says otherwise); None or "" is 0 (all)."""
     if value is None or not value.strip():
@@ -186,7 +180,7 @@ def _parse_since(value: str | None) -> float:
         except ValueError:
             raise UsageError(f"--since expects unix seconds or an ISO 8601 time, got {value!r}") from None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
+            when = when.replace(tzinfo=UTC)
         since = when.timestamp()
     if not math.isfinite(since) or since < 0:
         raise UsageError(f"--since must be a time at or after 1970-01-01, got {value!r}")
@@ -404,7 +398,7 @@ def cmd_quota_delete(args: argparse.Namespace) -> int:
 def cmd_token_new(args: argparse.Namespace) -> int:
     """``phalanx token new --tenant T [--role R]``: a new token and its tokens-file entry (only the entry, with
     the token's SHA-256, goes in the scheduler's file; the token itself is shown once)."""
-    from services.common.auth import new_token, token_entry
+    from phalanx.common.tokens import new_token, token_entry
 
     token = new_token()
     try:
@@ -414,26 +408,40 @@ def cmd_token_new(args: argparse.Namespace) -> int:
     if args.json:
         _print(render.to_json({"token": token, "entry": entry}))
     else:
-        _print(f"token: {token}\n"
-               f"# add this entry to the tokens file (--tokens FILE); give the token to its user as PHALANX_TOKEN\n"
-               f"- {{token_sha256: {entry['token_sha256']}, tenant: {entry['tenant']}, role: {entry['role']}}}")
+        _print(
+            f"token: {token}\n"
+            f"# add this entry to the tokens file (--tokens FILE); give the token to its user as PHALANX_TOKEN\n"
+            f"- {{token_sha256: {entry['token_sha256']}, tenant: {entry['tenant']}, role: {entry['role']}}}"
+        )
     return EXIT_OK
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    """``phalanx db upgrade``: apply the migrations to ``--db`` and print the revision reached."""
-    from sqlalchemy.engine import make_url
+    """``phalanx db upgrade``: apply the migrations to ``--db`` and print the revision reached.
 
-    from db import migrate
-
-    url = args.db
-    migrate.upgrade(url)
-    revision = migrate.current(url)
-    shown = make_url(url).render_as_string(hide_password=True)
+    The ledger's own tool (``python -m db upgrade``) does the work in a process of its own: the CLI does not import
+    the ledger's code.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "db", "upgrade", "--db", args.db],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        message = errors[-1][len("error: ") :] if errors else (proc.stderr.strip().splitlines() or [""])[-1]
+        _error(message or f"python -m db upgrade exited {proc.returncode}")
+        return EXIT_ERROR
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     if args.json:
-        _print(render.to_json({"db": shown, "revision": revision}))
+        _print(
+            render.to_json(
+                {"db": result["db"], "revision": result["revision"], "cluster_id": result.get("cluster_id", "")}
+            )
+        )
     else:
-        _print(f"database {shown} is at revision {revision}")
+        _print(f"database {result['db']} is at revision {result['revision']} (cluster id {result.get('cluster_id')})")
     return EXIT_OK
 
 
@@ -444,7 +452,7 @@ def _default_db_url() -> str:
     env = os.environ.get("PHALANX_DB")
     if env:
         return env
-    from db.engine import DEFAULT_DB_URL
+    from phalanx.common.defaults import DEFAULT_DB_URL
 
     return DEFAULT_DB_URL
 
@@ -460,17 +468,25 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"scheduler host:port (default: $PHALANX_SCHEDULER, else {DEFAULT_TARGET})",
     )
     parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
         help=f"deadline of each call, retries included (default: {DEFAULT_TIMEOUT:g})",
     )
-    parser.add_argument("--token", default=None, metavar="TOKEN",
-                        help="bearer token sent with every call (default: $PHALANX_TOKEN)")
-    parser.add_argument("--tls-ca", default=None, metavar="PEM",
-                        help="reach the scheduler over TLS, trusting this CA (default: $PHALANX_TLS_CA)")
-    parser.add_argument("--tls-cert", default=None, metavar="PEM",
-                        help="client certificate for mutual TLS (default: $PHALANX_TLS_CERT)")
-    parser.add_argument("--tls-key", default=None, metavar="PEM",
-                        help="its private key (default: $PHALANX_TLS_KEY)")
+    parser.add_argument(
+        "--token", default=None, metavar="TOKEN", help="bearer token sent with every call (default: $PHALANX_TOKEN)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="reach the scheduler over TLS, trusting this CA (default: $PHALANX_TLS_CA)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="client certificate for mutual TLS (default: $PHALANX_TLS_CERT)"
+    )
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (default: $PHALANX_TLS_KEY)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on standard error")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -478,40 +494,98 @@ def build_parser() -> argparse.ArgumentParser:
     def json_flag(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    p = sub.add_parser("submit", help="submit a gang job", usage="phalanx submit --name NAME --replicas R "
-                       "--gpus-per-replica G [options] -- CMD ARGS...")
+    p = sub.add_parser(
+        "submit",
+        help="submit a gang job",
+        usage="phalanx submit --name NAME --replicas R --gpus-per-replica G [options] -- CMD ARGS...",
+    )
     p.add_argument("--name", required=True)
     p.add_argument("--replicas", type=int, required=True, metavar="R")
-    p.add_argument("--gpus-per-replica", type=int, default=None, metavar="G",
-                   help="whole GPUs per replica (required, except with --mig or --gpu-milli, where it is 1)")
-    p.add_argument("--priority", type=_priority, default=0, metavar="P",
-                   help="higher wins (default 0): an integer or a class name, "
-                        + ", ".join(f"{name} ({p})" for name, p in PRIORITY_CLASSES.items()))
-    p.add_argument("--procs-per-replica", type=int, default=0, metavar="K",
-                   help="0: one process per GPU (default); 1: one per replica")
+    p.add_argument(
+        "--gpus-per-replica",
+        type=int,
+        default=None,
+        metavar="G",
+        help="whole GPUs per replica (required, except with --mig or --gpu-milli, where it is 1)",
+    )
+    p.add_argument(
+        "--priority",
+        type=_priority,
+        default=0,
+        metavar="P",
+        help="higher wins (default 0): an integer or a class name, "
+        + ", ".join(f"{name} ({p})" for name, p in PRIORITY_CLASSES.items()),
+    )
+    p.add_argument(
+        "--procs-per-replica",
+        type=int,
+        default=0,
+        metavar="K",
+        help="0: one process per GPU (default); 1: one per replica",
+    )
     p.add_argument("--env", action="extend", nargs="+", metavar="K=V", help="environment for the job (repeatable)")
-    p.add_argument("--required-tier", default=None, metavar="TIER",
-                   help="the gang must fit under one domain of this tier (node, a fabric tier such as leaf or "
-                        "spine, or cluster), or wait")
-    p.add_argument("--preferred-tier", default=None, metavar="TIER",
-                   help="best effort: prefer placing the gang under one domain of this tier")
-    p.add_argument("--mig", default=None, metavar="PROFILE",
-                   help="each replica is one MIG instance of this profile, e.g. 1g.10gb or 3g.40gb on H100 80GB")
-    p.add_argument("--gpu-milli", type=int, default=None, metavar="N",
-                   help="each replica is N thousandths of one GPU (1-999), shared through MPS")
-    p.add_argument("--gpu-model", default=None, metavar="MODEL",
-                   help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100")
-    p.add_argument("--queue", default=None, metavar="QUEUE",
-                   help="the queue to submit to (its quota, cohort and fair share apply; default: default)")
-    p.add_argument("--time-limit", type=_duration, default=None, metavar="DURATION",
-                   help="declared runtime per attempt: seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS; the gang is "
-                        "stopped at its limit, and a limit lets it backfill ahead of a waiting larger gang")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="a rank exiting non-zero requeues the gang, to resume from its last committed checkpoint, "
-                        "up to N times instead of failing the job (default 0)")
-    p.add_argument("--keep-checkpoints", type=_keep_checkpoints, default=None, metavar="K",
-                   help="the checkpoint coordinator keeps the job's newest K committed checkpoints and deletes the "
-                        "older ones (K >= 1; default: the coordinator's --keep-checkpoints, 3 unless set)")
+    p.add_argument(
+        "--required-tier",
+        default=None,
+        metavar="TIER",
+        help="the gang must fit under one domain of this tier (node, a fabric tier such as leaf or "
+        "spine, or cluster), or wait",
+    )
+    p.add_argument(
+        "--preferred-tier",
+        default=None,
+        metavar="TIER",
+        help="best effort: prefer placing the gang under one domain of this tier",
+    )
+    p.add_argument(
+        "--mig",
+        default=None,
+        metavar="PROFILE",
+        help="each replica is one MIG instance of this profile, e.g. 1g.10gb or 3g.40gb on H100 80GB",
+    )
+    p.add_argument(
+        "--gpu-milli",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each replica is N thousandths of one GPU (1-999), shared through MPS",
+    )
+    p.add_argument(
+        "--gpu-model",
+        default=None,
+        metavar="MODEL",
+        help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100",
+    )
+    p.add_argument(
+        "--queue",
+        default=None,
+        metavar="QUEUE",
+        help="the queue to submit to (its quota, cohort and fair share apply; default: default)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="declared runtime per attempt: seconds, 30m, 2h, 1d, H:MM:SS or D-HH:MM:SS; the gang is "
+        "stopped at its limit, and a limit lets it backfill ahead of a waiting larger gang",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a rank exiting non-zero requeues the gang, to resume from its last committed checkpoint, "
+        "up to N times instead of failing the job (default 0)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=_keep_checkpoints,
+        default=None,
+        metavar="K",
+        help="the checkpoint coordinator keeps the job's newest K committed checkpoints and deletes the "
+        "older ones (K >= 1; default: the coordinator's --keep-checkpoints, 3 unless set)",
+    )
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
     json_flag(p)
@@ -519,8 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("jobs", help="list jobs, newest first (finished ones included)")
-    p.add_argument("--state", action="extend", nargs="+", metavar="STATE",
-                   help="only these states: " + ", ".join(s.value for s in JobState if s.value != "UNSPECIFIED"))
+    p.add_argument(
+        "--state",
+        action="extend",
+        nargs="+",
+        metavar="STATE",
+        help="only these states: " + ", ".join(s.value for s in JobState if s.value != "UNSPECIFIED"),
+    )
     json_flag(p)
     p.set_defaults(func=cmd_jobs)
 
@@ -541,10 +620,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_checkpoint)
 
     p = sub.add_parser("goodput", help="GPU-time accounting: allocated, productive, rollback, restart, waiting")
-    p.add_argument("--since", default=None, metavar="UNIX_OR_ISO",
-                   help="only jobs submitted at or after this time: unix seconds or ISO 8601 (UTC by default)")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="at most N jobs listed, newest first (default: the scheduler's, 100); the totals count all")
+    p.add_argument(
+        "--since",
+        default=None,
+        metavar="UNIX_OR_ISO",
+        help="only jobs submitted at or after this time: unix seconds or ISO 8601 (UTC by default)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N jobs listed, newest first (default: the scheduler's, 100); the totals count all",
+    )
     json_flag(p)
     p.set_defaults(func=cmd_goodput)
 
@@ -580,14 +668,24 @@ def build_parser() -> argparse.ArgumentParser:
     q_sub.required = True
     qs = q_sub.add_parser("set", help="create or replace a queue's quotas, cohort, weight and tenants")
     qs.add_argument("queue", metavar="QUEUE")
-    qs.add_argument("--quota", action="append", default=[], metavar="FLAVOR=GPUS[,borrow=N][,mig=N]",
-                    help="nominal GPUs of a flavor (a GPU model such as H100, or '*' for any), optionally a "
-                         "borrowing limit and MIG compute slices; repeat for several flavors, in preference order")
+    qs.add_argument(
+        "--quota",
+        action="append",
+        default=[],
+        metavar="FLAVOR=GPUS[,borrow=N][,mig=N]",
+        help="nominal GPUs of a flavor (a GPU model such as H100, or '*' for any), optionally a "
+        "borrowing limit and MIG compute slices; repeat for several flavors, in preference order",
+    )
     qs.add_argument("--gpus", type=float, default=None, metavar="N", help="shorthand for --quota '*=N'")
     qs.add_argument("--cohort", default="", metavar="C", help="queues of one cohort lend each other idle quota")
     qs.add_argument("--weight", type=float, default=1.0, metavar="W", help="fair-share weight (default 1)")
-    qs.add_argument("--tenant", action="append", default=[], metavar="T",
-                    help="a tenant allowed to submit to it (repeat; default: anyone)")
+    qs.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="T",
+        help="a tenant allowed to submit to it (repeat; default: anyone)",
+    )
     json_flag(qs)
     qs.set_defaults(func=cmd_quota_set)
     qd = q_sub.add_parser("delete", help="remove a queue (refused while it has pending or running jobs)")
@@ -600,9 +698,13 @@ def build_parser() -> argparse.ArgumentParser:
     tok_sub.required = True
     tn = tok_sub.add_parser("new", help="print a new token and its tokens-file entry")
     tn.add_argument("--tenant", required=True, metavar="T", help="the tenant the token acts for")
-    tn.add_argument("--role", default="user", choices=["user", "admin", "node", "service"],
-                    help="user (its tenant's jobs), admin (every job, node drain), node (agents), service "
-                         "(cluster processes and ranks: the checkpoint coordinator); default user")
+    tn.add_argument(
+        "--role",
+        default="user",
+        choices=["user", "admin", "node", "service"],
+        help="user (its tenant's jobs), admin (every job, node drain), node (agents), service "
+        "(cluster processes and ranks: the checkpoint coordinator); default user",
+    )
     json_flag(tn)
     tn.set_defaults(func=cmd_token_new)
 
@@ -610,18 +712,21 @@ def build_parser() -> argparse.ArgumentParser:
     db_sub = p.add_subparsers(dest="db_command", metavar="SUBCOMMAND", parser_class=_Parser)
     db_sub.required = True
     up = db_sub.add_parser("upgrade", help="apply the migrations (creates a SQLite file if needed)")
-    up.add_argument("--db", default=None, metavar="URL",
-                    help="database URL (default: $PHALANX_DB, else the local SQLite file)")
+    up.add_argument(
+        "--db", default=None, metavar="URL", help="database URL (default: $PHALANX_DB, else the local SQLite file)"
+    )
     json_flag(up)
     up.set_defaults(func=cmd_db_upgrade)
 
-    try:
-        from . import cluster
+    try:  # POSIX only (fcntl, process groups)
+        from . import cluster, demo
     except ImportError:
-        cluster = None  # type: ignore[assignment]
-    if cluster is not None:
+        pass
+    else:
         cluster.register(sub)
+        demo.register(sub)
     from . import place, sim
+
     place.register(sub)
     sim.register(sub)
     return parser
@@ -634,7 +739,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     idx = argv.index("--")
     if "submit" not in argv[:idx]:
         return argv, None
-    return argv[:idx], argv[idx + 1:]
+    return argv[:idx], argv[idx + 1 :]
 
 
 def _error(message: str) -> None:
@@ -666,7 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is cmd_db_upgrade and args.db is None:
         args.db = _default_db_url()
     if args.verbose:
-        from services.common.logging import configure_logging
+        from phalanx.common.logging import configure_logging
 
         configure_logging("phalanx-cli", "DEBUG").debug("cli", argv=args_list, scheduler=args.scheduler)
     func: Callable[[argparse.Namespace], int] = args.func
@@ -687,11 +792,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (e.g. `phalanx jobs | head`); nothing more to say.
         try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+            sys.stdout = open(os.devnull, "w")  # silence the flush at exit
         except OSError:
             pass
         return EXIT_ERROR
-    except Exception as exc:  # noqa: BLE001 - e.g. a database error in `db upgrade`: one line, no traceback
+    except Exception as exc:  # e.g. a database error in `db upgrade`: one line, no traceback
         if args.verbose:
             raise
         _error(f"{type(exc).__name__}: {exc}")

@@ -22,9 +22,9 @@ it no GPU is in MIG mode, so no MIG request is placed).
 Output, one line per request (and per release), then a summary line. With ``--json`` every such line is one JSON
 object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}, plus "slices": [{"gpu", "profile",
 "start", "size"}] for a MIG instance or "gpu_milli" for a share], "cost": {"tier", "leaves", "leaf_crossings",
-"spine_crossings", "rails", "rail_changes"} | null, "reason"}``, ``{"release": NAME}``, and finally ``{"summary": {"requests", "placed",
-"not_placed", "gpus_allocated"}}``. Errors about the command itself (a missing file, an unreadable fabric, an
-unknown profile) go to standard error with exit code 2.
+"spine_crossings", "rails", "rail_changes"} | null, "reason"}``, ``{"release": NAME}``, and finally
+``{"summary": {"requests", "placed", "not_placed", "gpus_allocated"}}``. Errors about the command itself (a
+missing file, an unreadable fabric, an unknown profile) go to standard error with exit code 2.
 
 Cost of a placement (phalanx.core.cost): ``tier`` is the highest tier the gang crosses (``node`` when it fits in
 one node); ``leaves`` the number of distinct leaf switches under its nodes (1 when it sits in one node; NVLink
@@ -76,7 +76,7 @@ class _Request:
     priority: int = 0
     mig: str = ""
     gpu_milli: int = 0
-    error: str = ""          # a per-line refusal decided before placement
+    error: str = ""  # a per-line refusal decided before placement
 
 
 @dataclass
@@ -165,8 +165,9 @@ def _parse_request(lineno: int, doc: dict, tier_order: list[str]) -> _Request:
         replicas = _positive_int(doc, "replicas")
         profile, milli = doc.get("mig"), doc.get("gpu_milli")
         if profile is not None and (not isinstance(profile, str) or not mig.known_profile(profile)):
-            raise ValueError(f"'mig' must be a MIG profile ({', '.join(mig.all_profile_names())}), "
-                             f"got {json.dumps(profile)}")
+            raise ValueError(
+                f"'mig' must be a MIG profile ({', '.join(mig.all_profile_names())}), got {json.dumps(profile)}"
+            )
         if milli is not None and (isinstance(milli, bool) or not isinstance(milli, int) or not 1 <= milli <= 999):
             raise ValueError(f"'gpu_milli' must be an integer 1-999, got {json.dumps(milli)}")
         if profile and milli:
@@ -190,8 +191,7 @@ def _parse_request(lineno: int, doc: dict, tier_order: list[str]) -> _Request:
             tiers[key] = value
     except ValueError as exc:
         return _Request(lineno, label, error=f"line {lineno}: {exc}")
-    return _Request(lineno, name, replicas, gpus, tiers["required_tier"], priority, (profile or "").lower(),
-                    milli or 0)
+    return _Request(lineno, name, replicas, gpus, tiers["required_tier"], priority, (profile or "").lower(), milli or 0)
 
 
 # -- cost ------------------------------------------------------------------------------------------------------
@@ -205,8 +205,15 @@ def placement_cost(placement: Placement, fabric: Fabric) -> dict[str, Any]:
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
-def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: GpuCloseness | None = None,
-              gpu_model: str = "", memory_mib: int = 0, mig_gpus: frozenset[int] = frozenset()):
+def run_place(
+    fabric: Fabric,
+    gpus_per_node: int,
+    lines: list[str],
+    closeness: GpuCloseness | None = None,
+    gpu_model: str = "",
+    memory_mib: int = 0,
+    mig_gpus: frozenset[int] = frozenset(),
+):
     """Decide every line in order. Yields `_Outcome` per request line, `("release", name, freed)` per release.
 
     `closeness`: the host profile's GPU closeness (from its topo matrix), given to every node: a gang on one node
@@ -214,8 +221,17 @@ def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: G
     profile's GPUs, which decide the MIG profiles they offer. `mig_gpus`: the GPUs of every node in MIG mode (only
     MIG instances go there, and only there)."""
     capacity = ClusterCapacity(
-        NodeCapacity(name, gpus_per_node, set(range(gpus_per_node)), True, fabric.path(name), closeness,
-                     gpu_model, memory_mib, mig_gpus=mig_gpus)
+        NodeCapacity(
+            name,
+            gpus_per_node,
+            set(range(gpus_per_node)),
+            True,
+            fabric.path(name),
+            closeness,
+            gpu_model,
+            memory_mib,
+            mig_gpus=mig_gpus,
+        )
         for name in sorted(fabric.paths)
     )
     tier_order = ["node", *fabric.tiers, "cluster"]
@@ -234,9 +250,12 @@ def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: G
         if "release" in doc:
             target = doc["release"]
             if set(doc) != {"release"} or not isinstance(target, str) or not target:
-                yield _Outcome(f"line {lineno}", None,
-                               f"line {lineno}: a release is {{\"release\": NAME}} with NAME a non-empty string",
-                               None)
+                yield _Outcome(
+                    f"line {lineno}",
+                    None,
+                    f'line {lineno}: a release is {{"release": NAME}} with NAME a non-empty string',
+                    None,
+                )
                 continue
             placement = held.pop(target, None)
             if placement is not None:
@@ -248,11 +267,18 @@ def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: G
             yield _Outcome(request.name, None, request.error, None)
             continue
         if request.name in held:
-            yield _Outcome(request.name, None,
-                           f"line {lineno}: {request.name!r} already holds a placement; release it first", None)
+            yield _Outcome(
+                request.name, None, f"line {lineno}: {request.name!r} already holds a placement; release it first", None
+            )
             continue
-        gang = GangRequest(request.name, request.replicas, request.gpus_per_replica, priority=request.priority,
-                           mig_profile=request.mig, gpu_milli=request.gpu_milli)
+        gang = GangRequest(
+            request.name,
+            request.replicas,
+            request.gpus_per_replica,
+            priority=request.priority,
+            mig_profile=request.mig,
+            gpu_milli=request.gpu_milli,
+        )
         result = place_gang(capacity, gang, fabric.tiers)
         if isinstance(result, Unplaceable):
             yield _Outcome(request.name, None, result.reason, None)
@@ -261,7 +287,8 @@ def run_place(fabric: Fabric, gpus_per_node: int, lines: list[str], closeness: G
             got, want = _rank(tier_order, result.tier), tier_order.index(request.required_tier)
             if got > want:
                 yield _Outcome(
-                    request.name, None,
+                    request.name,
+                    None,
                     f"required_tier {request.required_tier}: no single {request.required_tier} holds "
                     f"{gang.replicas} x {gang.gpus_per_replica} GPUs now (the best placement crosses {result.tier})",
                     None,
@@ -349,8 +376,9 @@ def cmd_place(args: argparse.Namespace) -> int:
 
     out: list[str] = []
     requests = placed = allocated = 0
-    for item in run_place(fabric, gpus, lines, GpuCloseness.from_dump(profile.dump), profile.gpu_model,
-                          profile.memory_mib, mig_gpus):
+    for item in run_place(
+        fabric, gpus, lines, GpuCloseness.from_dump(profile.dump), profile.gpu_model, profile.memory_mib, mig_gpus
+    ):
         if isinstance(item, tuple):
             if args.json:
                 out.append(render.to_json({"release": item[1]}, lines=True))
@@ -366,20 +394,32 @@ def cmd_place(args: argparse.Namespace) -> int:
         elif item.placement is not None:
             p, c = item.placement, item.cost or {}
             first = p.replicas[0]
-            what = (f"MIG {first.mig_profile}" if first.mig_profile else
-                    f"{first.gpu_milli}/1000 GPU" if first.gpu_milli else f"{len(first.gpus)} GPUs")
-            out.append(f"{item.name}  PLACED  {len(p.replicas)} x {what}  {_compact(p)}  "
-                       f"tier={c['tier']} leaves={c['leaves']} spine_crossings={c['spine_crossings']}"
-                       + (f" rails={','.join(map(str, c['rails']))} rail_changes={c['rail_changes']}"
-                          if fabric.rails and c['rails'] else ""))
+            what = (
+                f"MIG {first.mig_profile}"
+                if first.mig_profile
+                else f"{first.gpu_milli}/1000 GPU"
+                if first.gpu_milli
+                else f"{len(first.gpus)} GPUs"
+            )
+            out.append(
+                f"{item.name}  PLACED  {len(p.replicas)} x {what}  {_compact(p)}  "
+                f"tier={c['tier']} leaves={c['leaves']} spine_crossings={c['spine_crossings']}"
+                + (
+                    f" rails={','.join(map(str, c['rails']))} rail_changes={c['rail_changes']}"
+                    if fabric.rails and c["rails"]
+                    else ""
+                )
+            )
         else:
             out.append(f"{item.name}  NOT PLACED  {item.reason}")
     summary = {"requests": requests, "placed": placed, "not_placed": requests - placed, "gpus_allocated": allocated}
     if args.json:
         out.append(render.to_json({"summary": summary}, lines=True))
     else:
-        out.append(f"{requests} request(s): {placed} placed, {requests - placed} not placed, "
-                   f"{allocated} GPUs allocated ({len(fabric.paths)} nodes x {gpus} GPUs)")
+        out.append(
+            f"{requests} request(s): {placed} placed, {requests - placed} not placed, "
+            f"{allocated} GPUs allocated ({len(fabric.paths)} nodes x {gpus} GPUs)"
+        )
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.flush()
     return EXIT_OK
@@ -388,19 +428,36 @@ def cmd_place(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Add ``place`` to the ``phalanx`` CLI."""
     p = subparsers.add_parser(
-        "place", help="what-if: place a list of gang requests on a fabric, offline (no services)",
+        "place",
+        help="what-if: place a list of gang requests on a fabric, offline (no services)",
         description="Run the placement core over a fabric file and a JSONL list of requests, one pass in file "
-                    "order, and report where each gang would go and what it costs.",
+        "order, and report where each gang would go and what it costs.",
     )
-    p.add_argument("--fabric", required=True, metavar="FILE",
-                   help="fabric file: Slurm topology.conf (tree or block syntax) or Phalanx YAML")
-    p.add_argument("--profile", required=True, metavar="NAME|DUMP",
-                   help="host profile of every node: a shipped profile name or an `nvidia-smi topo -m` dump file")
-    p.add_argument("--requests", required=True, metavar="FILE.jsonl",
-                   help='one JSON request per line; {"release": NAME} frees an earlier placement')
-    p.add_argument("--mig-gpus", default="", metavar="GPUS",
-                   help="GPUs of every node in MIG mode: `all` or a comma list of indexes (e.g. `7` or `6,7`); only "
-                        "MIG requests go there, and MIG requests only go there (default: none)")
+    p.add_argument(
+        "--fabric",
+        required=True,
+        metavar="FILE",
+        help="fabric file: Slurm topology.conf (tree or block syntax) or Phalanx YAML",
+    )
+    p.add_argument(
+        "--profile",
+        required=True,
+        metavar="NAME|DUMP",
+        help="host profile of every node: a shipped profile name or an `nvidia-smi topo -m` dump file",
+    )
+    p.add_argument(
+        "--requests",
+        required=True,
+        metavar="FILE.jsonl",
+        help='one JSON request per line; {"release": NAME} frees an earlier placement',
+    )
+    p.add_argument(
+        "--mig-gpus",
+        default="",
+        metavar="GPUS",
+        help="GPUs of every node in MIG mode: `all` or a comma list of indexes (e.g. `7` or `6,7`); only "
+        "MIG requests go there, and MIG requests only go there (default: none)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line, then a summary object")
     p.set_defaults(func=cmd_place)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from phalanx.client import CheckpointResult, Goodput, GoodputReport, Job, Node
@@ -67,11 +67,12 @@ def format_time(ts: float) -> str:
     """A unix time as ISO 8601 UTC (seconds), or ``-`` when 0 (never)."""
     if not ts:
         return "-"
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def job_nodes(job: Job, limit: int = 3) -> str:
-    """Distinct nodes of a job's allocation, at most ``limit`` named then ``+N``; ``-`` when none."""
+    """Distinct nodes of a job's allocations (a running job's), at most ``limit`` named then ``+N``; ``-`` when none
+    (a job that is not running holds no GPUs)."""
     nodes = list(job.nodes)
     if not nodes:
         return "-"
@@ -88,8 +89,11 @@ def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
             j.name,
             j.state.value,
             j.priority,
-            f"{j.replicas}x{j.mig_profile}" if j.mig_profile else
-            f"{j.replicas}x{j.gpu_milli}m" if j.gpu_milli else f"{j.replicas}x{j.gpus_per_replica}",
+            f"{j.replicas}x{j.mig_profile}"
+            if j.mig_profile
+            else f"{j.replicas}x{j.gpu_milli}m"
+            if j.gpu_milli
+            else f"{j.replicas}x{j.gpus_per_replica}",
             job_nodes(j),
             format_age(now - j.submitted_at) if j.submitted_at else "-",
         )
@@ -116,23 +120,37 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
             n.profile or "-",
             "/".join(n.fabric_path) or "-",
             format_age(now - n.last_heartbeat) if n.last_heartbeat else "-",
-            "; ".join(m for m in (n.message, n.health_reason if n.health not in ("HEALTHY", "") else "",
-                                  f"MIG mode: GPU {','.join(map(str, n.mig_gpus))}" if n.mig_gpus else "",
-                                  _mig_switches(n),
-                                  f"{n.strikes} strike(s)" if n.strikes else "") if m),
+            "; ".join(
+                m
+                for m in (
+                    n.message,
+                    n.health_reason if n.health not in ("HEALTHY", "") else "",
+                    f"MIG mode: GPU {','.join(map(str, n.mig_gpus))}" if n.mig_gpus else "",
+                    _mig_switches(n),
+                    f"{n.strikes} strike(s)" if n.strikes else "",
+                )
+                if m
+            ),
         )
         for n in nodes
     ]
-    return table(["NAME", "STATE", "GPUS", "FREE", "HEALTH", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"],
-                 rows)
+    return table(
+        ["NAME", "STATE", "GPUS", "FREE", "HEALTH", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"], rows
+    )
 
 
 def _mig_switches(n: Node) -> str:
     """MESSAGE's part on MIG mode switches (--mig-manage): the GPUs switching, and those waiting for a GPU reset."""
     switching = [str(g["index"]) for g in n.gpu_details if g.get("mig_switching")]
     pending = [f"{g['index']}->{g['mig_mode_pending']}" for g in n.gpu_details if g.get("mig_mode_pending")]
-    return "; ".join(m for m in (f"MIG switching: GPU {','.join(switching)}" if switching else "",
-                                 f"MIG mode after a GPU reset: GPU {', '.join(pending)}" if pending else "") if m)
+    return "; ".join(
+        m
+        for m in (
+            f"MIG switching: GPU {','.join(switching)}" if switching else "",
+            f"MIG mode after a GPU reset: GPU {', '.join(pending)}" if pending else "",
+        )
+        if m
+    )
 
 
 def _gang(job: Job) -> str:
@@ -176,8 +194,13 @@ def job_detail(job: Job) -> str:
         lines.append(("failures", job.failures))
         lines.append(("preemptions", job.preemptions))
     if job.preempted_by:
-        lines.append(("preempting", f"for {job.preempted_by}, stopped by {format_time(job.preempt_deadline)} at "
-                                    "the latest (sooner once its checkpoint is in)"))
+        lines.append(
+            (
+                "preempting",
+                f"for {job.preempted_by}, stopped by {format_time(job.preempt_deadline)} at "
+                "the latest (sooner once its checkpoint is in)",
+            )
+        )
     if job.not_before and job.state.value == "PENDING":
         lines.append(("retry backoff", f"until {format_time(job.not_before)}"))
     if job.restore:
@@ -186,8 +209,13 @@ def job_detail(job: Job) -> str:
         lines.append(("struck nodes", f"{', '.join(job.struck_nodes)} (avoided while it fits elsewhere)"))
     if job.placement:
         p = job.placement
-        lines.append(("placement", f"tier={p.get('tier', '')} domains={p.get('domains', 0)} "
-                                   f"score={p.get('score', 0):g} {p.get('reason', '')}".rstrip()))
+        lines.append(
+            (
+                "placement",
+                f"tier={p.get('tier', '')} domains={p.get('domains', 0)} "
+                f"score={p.get('score', 0):g} {p.get('reason', '')}".rstrip(),
+            )
+        )
     width = max(len(k) for k, _ in lines) + 1
     out = [f"{(k + ':').ljust(width)} {v}" for k, v in lines]
     if job.allocations:
@@ -229,8 +257,9 @@ def _goodput_section(g: Goodput) -> list[str]:
     out = [f"goodput: {format_ratio(g)} (productive / allocated)"]
     out.extend(
         "  " + line
-        for line in table(["CATEGORY", unit], [(c, format_gpu_time(getattr(g, c), unit)) for c in GOODPUT_CATEGORIES])
-        .splitlines()
+        for line in table(
+            ["CATEGORY", unit], [(c, format_gpu_time(getattr(g, c), unit)) for c in GOODPUT_CATEGORIES]
+        ).splitlines()
     )
     return out
 
@@ -245,20 +274,29 @@ def goodput_report(report: GoodputReport) -> str:
     out = [f"cluster: goodput {format_ratio(c)} over {jobs} (GPU time in {unit})"]
     out.extend(
         "  " + line
-        for line in table([name.upper() for name in GOODPUT_CATEGORIES],
-                          [[format_gpu_time(getattr(c, name), unit) for name in GOODPUT_CATEGORIES]]).splitlines()
+        for line in table(
+            [name.upper() for name in GOODPUT_CATEGORIES],
+            [[format_gpu_time(getattr(c, name), unit) for name in GOODPUT_CATEGORIES]],
+        ).splitlines()
     )
     if report.jobs:
         out.append("")
-        out.append(table(
-            ["ID", "NAME", "STATE", "ATTEMPTS", *(name.upper() for name in GOODPUT_CATEGORIES), "GOODPUT"],
-            [
-                (j.job_id, j.name, j.state.value, j.attempts,
-                 *(format_gpu_time(getattr(j.goodput, name), unit) for name in GOODPUT_CATEGORIES),
-                 format_ratio(j.goodput))
-                for j in report.jobs
-            ],
-        ))
+        out.append(
+            table(
+                ["ID", "NAME", "STATE", "ATTEMPTS", *(name.upper() for name in GOODPUT_CATEGORIES), "GOODPUT"],
+                [
+                    (
+                        j.job_id,
+                        j.name,
+                        j.state.value,
+                        j.attempts,
+                        *(format_gpu_time(getattr(j.goodput, name), unit) for name in GOODPUT_CATEGORIES),
+                        format_ratio(j.goodput),
+                    )
+                    for j in report.jobs
+                ],
+            )
+        )
         if len(report.jobs) < report.job_count:
             out.append(f"({len(report.jobs)} of {report.job_count} jobs listed; --limit N for more)")
     return "\n".join(out)
@@ -268,8 +306,10 @@ def checkpoint_result(result: CheckpointResult, asked: str | None = None) -> str
     """``phalanx checkpoint``: what was requested, of which job, and when. ``asked``: the reason given, when an
     earlier request (with another reason) is still outstanding and kept instead."""
     job = result.job
-    line = (f"checkpoint requested: job {job.id} ({job.name}, {job.state.value}, attempt {job.attempt}), "
-            f"reason {result.reason!r}, at {format_time(result.requested_at)}")
+    line = (
+        f"checkpoint requested: job {job.id} ({job.name}, {job.state.value}, attempt {job.attempt}), "
+        f"reason {result.reason!r}, at {format_time(result.requested_at)}"
+    )
     if asked is not None and asked != result.reason:
         line += " (an earlier request, still outstanding)"
     return line
@@ -278,7 +318,7 @@ def checkpoint_result(result: CheckpointResult, asked: str | None = None) -> str
 def watch_line(job: Job, now: float | None = None) -> str:
     """One line per change in ``phalanx watch``: time, id, name, state, attempt, nodes, message."""
     now = time.time() if now is None else now
-    stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%H:%M:%S")
+    stamp = datetime.fromtimestamp(now, tz=UTC).strftime("%H:%M:%S")
     parts = [stamp, job.id, job.name, job.state.value, f"attempt={job.attempt}", f"nodes={job_nodes(job)}"]
     if job.terminal and job.state.value != "CANCELLED":
         parts.append(f"exit_code={job.exit_code}")
@@ -291,8 +331,10 @@ def queues_table(queues: Sequence[Any]) -> str:
     """`phalanx queue`: one block per queue: quotas and use per flavor, share, and pending jobs by position."""
     out = []
     for q in queues:
-        head = f"queue {q.name}" + (f" (cohort {q.cohort})" if q.cohort else "") + f", weight {q.weight:g}, " \
+        head = (
+            f"queue {q.name}" + (f" (cohort {q.cohort})" if q.cohort else "") + f", weight {q.weight:g}, "
             f"share {q.share:.1%}, {q.running} running, {len(q.pending)} pending"
+        )
         if q.tenants:
             head += f"; tenants: {', '.join(q.tenants)}"
         out.append(head)
@@ -301,13 +343,24 @@ def queues_table(queues: Sequence[Any]) -> str:
         for quota in q.quotas:
             u = used.pop(quota["flavor"], {"gpus": 0.0, "mig_slices": 0, "borrowing": False})
             limit = "-" if quota["borrow_limit"] is None else f"{quota['borrow_limit']:g}"
-            rows.append([quota["flavor"], f"{u['gpus']:g}/{quota['gpus']:g}", limit,
-                         f"{u['mig_slices']}/{quota['mig_slices']}", "yes" if u["borrowing"] else ""])
+            rows.append(
+                [
+                    quota["flavor"],
+                    f"{u['gpus']:g}/{quota['gpus']:g}",
+                    limit,
+                    f"{u['mig_slices']}/{quota['mig_slices']}",
+                    "yes" if u["borrowing"] else "",
+                ]
+            )
         for flavor, u in used.items():
             rows.append([flavor or "(any)", f"{u['gpus']:g}", "-", str(u["mig_slices"]), ""])
         if rows:
-            out.append("  " + table(["FLAVOR", "GPUS USED/QUOTA", "BORROW LIMIT", "MIG SLICES", "BORROWING"],
-                                    rows).replace("\n", "\n  "))
+            out.append(
+                "  "
+                + table(["FLAVOR", "GPUS USED/QUOTA", "BORROW LIMIT", "MIG SLICES", "BORROWING"], rows).replace(
+                    "\n", "\n  "
+                )
+            )
         elif not q.quotas:
             out.append("  no quota: unlimited")
         for p in q.pending:

@@ -1,5 +1,6 @@
 """``phalanx sim run``: replay a real trace through the scheduler's core under one or more policies, and write a
-report (``result.json``, ``report.md``, PNG plots) to ``--out``."""
+report (``result.json``, ``report.md``, PNG plots) to ``--out``. The plots need matplotlib (``pip install
+'phalanx[plots]'``); without it the run warns at its start and writes the report without them (exit 0)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,22 @@ import os
 import sys
 from pathlib import Path
 
+from .common import UsageError
+
 
 def cmd_sim_run(args: argparse.Namespace) -> int:
     from phalanx.sim.engine import POLICIES, ClusterSpec, equal_quotas, simulate
     from phalanx.sim.network import NetworkSpec
-    from phalanx.sim.report import write_report
+    from phalanx.sim.report import plots_unavailable, write_report
     from phalanx.sim.traces import DataNotFound, find_data, load_trace
-
-    from .main import UsageError
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
-        raise UsageError(f"--policy: unknown {', '.join(unknown) or '(none)'}; policies: {', '.join(POLICIES)} "
-                         "(comma-separated to compare several)")
+        raise UsageError(
+            f"--policy: unknown {', '.join(unknown) or '(none)'}; policies: {', '.join(POLICIES)} "
+            "(comma-separated to compare several)"
+        )
     try:
         cluster = ClusterSpec.parse(args.cluster)
     except ValueError as exc:
@@ -46,26 +49,47 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
         raise UsageError("--arrival-scale must be > 0")
     if args.arrival_scale != 1.0:
         jobs = [dataclasses.replace(j, submit_s=j.submit_s * args.arrival_scale) for j in jobs]
-    too_big = [j for j in jobs if j.gpus_per_replica > cluster.gpus or j.replicas * j.gpus_per_replica >
-               cluster.nodes * cluster.gpus]
+    too_big = [
+        j
+        for j in jobs
+        if j.gpus_per_replica > cluster.gpus or j.replicas * j.gpus_per_replica > cluster.nodes * cluster.gpus
+    ]
     jobs = [j for j in jobs if j not in too_big]
-    sys.stderr.write(f"[sim] {len(jobs)} jobs from {args.trace} ({len(too_big)} larger than the cluster left out) "
-                     f"on {cluster.nodes} x {cluster.gpus} GPUs\n")
+    sys.stderr.write(
+        f"[sim] {len(jobs)} jobs from {args.trace} ({len(too_big)} larger than the cluster left out) "
+        f"on {cluster.nodes} x {cluster.gpus} GPUs\n"
+    )
+    missing = plots_unavailable()  # plots are optional (the `plots` extra): say so now, not after the run
+    if missing:
+        sys.stderr.write(f"[sim] warning: the report will have no plots: {missing}\n")
     results = []
     for policy in policies:
+
         def progress(done: int, total: int, policy=policy) -> None:
             sys.stderr.write(f"[sim] {policy}: {done}/{total} jobs done\n")
             sys.stderr.flush()
 
         network = None if args.no_network else NetworkSpec(oversubscription=cluster.oversub)
         quotas = equal_quotas(jobs, cluster.nodes * cluster.gpus) if args.quotas == "equal" else None
-        result = simulate(jobs, cluster, policy, failures_per_gpu_day=args.failures, checkpoint=args.checkpoint,
-                          seed=args.seed, progress=progress, network=network, quotas=quotas,
-                          min_runtime_s=args.min_runtime, borrower_preempts=args.borrower_preemption)
+        result = simulate(
+            jobs,
+            cluster,
+            policy,
+            failures_per_gpu_day=args.failures,
+            checkpoint=args.checkpoint,
+            seed=args.seed,
+            progress=progress,
+            network=network,
+            quotas=quotas,
+            min_runtime_s=args.min_runtime,
+            borrower_preempts=args.borrower_preemption,
+        )
         m = result.metrics
-        sys.stderr.write(f"[sim] {policy}: {m['completed']}/{m['jobs']} completed, utilisation "
-                         f"{m['utilization_allocated']:.1%}, mean JCT {m['jct_mean_h']:.2f} h, "
-                         f"{m['preemptions']} preemptions, {m['events_per_s']:.0f} events/s\n")
+        sys.stderr.write(
+            f"[sim] {policy}: {m['completed']}/{m['jobs']} completed, utilisation "
+            f"{m['utilization_allocated']:.1%}, mean JCT {m['jct_mean_h']:.2f} h, "
+            f"{m['preemptions']} preemptions, {m['events_per_s']:.0f} events/s\n"
+        )
         results.append(result)
     doc = write_report(results, Path(args.out), f"Phalanx simulation: {args.trace} on {args.cluster}")
     sys.stderr.write(f"[sim] report in {Path(args.out) / 'report.md'}\n")
@@ -74,7 +98,7 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
 
 
 def _int_range(text: str) -> list[int]:
-    """"42-51" or "42,43,50" -> the seeds."""
+    """ "42-51" or "42,43,50" -> the seeds."""
     out: list[int] = []
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
@@ -92,8 +116,6 @@ def cmd_sim_fgd(args: argparse.Namespace) -> int:
     from phalanx.sim.fgd import TASK_LISTS, run_experiment
     from phalanx.sim.traces import DataNotFound
 
-    from .main import UsageError
-
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -107,13 +129,21 @@ def cmd_sim_fgd(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     try:
-        doc = run_experiment(args.data, Path(args.out), policies=policies, task_lists=lists, seeds=args.seeds,
-                             jobs=args.jobs, progress=progress)
+        doc = run_experiment(
+            args.data,
+            Path(args.out),
+            policies=policies,
+            task_lists=lists,
+            seeds=args.seeds,
+            jobs=args.jobs,
+            progress=progress,
+        )
     except DataNotFound as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
-    sys.stderr.write(f"[fgd] {Path(args.out) / 'fgd.json'}, {Path(args.out) / 'fgd_report.md'} written "
-                     f"in {doc['wall_s']:.0f} s\n")
+    sys.stderr.write(
+        f"[fgd] {Path(args.out) / 'fgd.json'}, {Path(args.out) / 'fgd_report.md'} written in {doc['wall_s']:.0f} s\n"
+    )
     print(json.dumps({k: doc[k] for k in ("mean_alloc_130", "fidelity_diff_points", "fidelity_ok", "wall_s")}))
     return 0
 
@@ -125,56 +155,123 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", parser_class=type(p))
     sub.required = True
     run = sub.add_parser("run", help="replay a trace under one or more policies and write a report")
-    run.add_argument("--trace", required=True, metavar="SPEC",
-                     help="philly, philly:team=ID, alibaba:default, pollux:workload-1, csv:PATH, or the "
-                          "multi-tenant mix: mix[:teams=N,jobs=J,hours=H,pretrain=K,finetune=M,seed=S] (N Philly "
-                          "teams' first J jobs each over H hours, plus K high-priority 64-256-GPU pre-training gangs "
-                          "and M low-priority 1-8-GPU or fractional fine-tuning jobs spread across the teams; "
-                          "defaults 4,300,168,8,2000,0; use with --quotas equal)")
-    run.add_argument("--cluster", default="512x8,leaf=32,spine=16", metavar="SPEC",
-                     help="NODESxGPUS[,leaf=N][,spine=N][,oversub=R] (default 512x8,leaf=32,spine=16; oversub: "
-                          "leaf-to-spine oversubscription of the network model, 1 = non-blocking)")
-    run.add_argument("--policy", default="gang-fifo,gang-backfill,topo", metavar="NAME[,NAME...]",
-                     help=f"policies to compare: {', '.join(POLICIES)} (a: per-pod, b: gang FIFO, c: + EASY "
-                          "backfill, d: + topology, e: + preemption with checkpoint-restart, f: + fractional GPUs)")
-    run.add_argument("--failures", type=float, default=0.0, metavar="RATE",
-                     help="node failures per GPU-day (Llama 3: about 4.7e-4; default 0)")
-    run.add_argument("--checkpoint", choices=["young-daly", "none"], default="young-daly",
-                     help="on a failure, restart from the last Young/Daly checkpoint or from scratch")
-    run.add_argument("--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then "
-                                                                  "../shared/data)")
+    run.add_argument(
+        "--trace",
+        required=True,
+        metavar="SPEC",
+        help="philly, philly:team=ID, alibaba:default, pollux:workload-1, csv:PATH, or the "
+        "multi-tenant mix: mix[:teams=N,jobs=J,hours=H,pretrain=K,finetune=M,seed=S] (N Philly "
+        "teams' first J jobs each over H hours, plus K high-priority 64-256-GPU pre-training gangs "
+        "and M low-priority 1-8-GPU or fractional fine-tuning jobs spread across the teams; "
+        "defaults 4,300,168,8,2000,0; use with --quotas equal)",
+    )
+    run.add_argument(
+        "--cluster",
+        default="512x8,leaf=32,spine=16",
+        metavar="SPEC",
+        help="NODESxGPUS[,leaf=N][,spine=N][,oversub=R] (default 512x8,leaf=32,spine=16; oversub: "
+        "leaf-to-spine oversubscription of the network model, 1 = non-blocking)",
+    )
+    run.add_argument(
+        "--policy",
+        default="gang-fifo,gang-backfill,topo",
+        metavar="NAME[,NAME...]",
+        help=f"policies to compare: {', '.join(POLICIES)} (a: per-pod, b: gang FIFO, c: + EASY "
+        "backfill, d: + topology, e: + preemption with checkpoint-restart, f: + fractional GPUs)",
+    )
+    run.add_argument(
+        "--failures",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="node failures per GPU-day (Llama 3: about 4.7e-4; default 0)",
+    )
+    run.add_argument(
+        "--checkpoint",
+        choices=["young-daly", "none"],
+        default="young-daly",
+        help="on a failure, restart from the last Young/Daly checkpoint or from scratch",
+    )
+    run.add_argument(
+        "--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then ../shared/data)"
+    )
     run.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N jobs of the trace")
-    run.add_argument("--quotas", choices=["none", "equal"], default="none",
-                     help="equal: each tenant of the trace (a Philly team) gets a queue with an equal share of the "
-                          "cluster as its quota, in one cohort (borrowing idle quota), and fair share across them")
-    run.add_argument("--no-network", action="store_true",
-                     help="run times as in the trace (no AllReduce model: placement does not change speed)")
-    run.add_argument("--arrival-scale", type=float, default=1.0, metavar="S",
-                     help="multiply submit times by S (0.1: arrivals ten times as dense, to load a large cluster)")
-    run.add_argument("--min-runtime", type=float, default=600.0, metavar="S",
-                     help="preemption (topo-preempt, topo-mig): a gang cannot be preempted in its first S seconds "
-                          "(default 600)")
-    run.add_argument("--borrower-preemption", action="store_true",
-                     help="with --quotas: let a gang that would run on borrowed quota preempt other queues' "
-                          "lower-priority gangs (by default it preempts only within its own queue, as the scheduler "
-                          "does: Kueue's borrowWithinCohort: Never; this flag shows the thrashing that avoids)")
+    run.add_argument(
+        "--quotas",
+        choices=["none", "equal"],
+        default="none",
+        help="equal: each tenant of the trace (a Philly team) gets a queue with an equal share of the "
+        "cluster as its quota, in one cohort (borrowing idle quota), and fair share across them",
+    )
+    run.add_argument(
+        "--no-network",
+        action="store_true",
+        help="run times as in the trace (no AllReduce model: placement does not change speed)",
+    )
+    run.add_argument(
+        "--arrival-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="multiply submit times by S (0.1: arrivals ten times as dense, to load a large cluster)",
+    )
+    run.add_argument(
+        "--min-runtime",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="preemption (topo-preempt, topo-mig): a gang cannot be preempted in its first S seconds (default 600)",
+    )
+    run.add_argument(
+        "--borrower-preemption",
+        action="store_true",
+        help="with --quotas: let a gang that would run on borrowed quota preempt other queues' "
+        "lower-priority gangs (by default it preempts only within its own queue, as the scheduler "
+        "does: Kueue's borrowWithinCohort: Never; this flag shows the thrashing that avoids)",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", required=True, metavar="DIR", help="where result.json, report.md and plots go")
     run.set_defaults(func=cmd_sim_run)
 
-    fgd = sub.add_parser("fgd", help="the FGD paper's experiment (ATC'23): online packing of the Alibaba v2023 task "
-                                     "lists at 130%% load, BestFit and FGD reproduced against Phalanx's packer")
-    fgd.add_argument("--out", required=True, metavar="DIR",
-                     help="where fgd.json (task list -> Phalanx's mean allocation %% at 130%% load), "
-                          "fgd_runs.json and fgd_report.md go")
-    fgd.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
-                     help="runs in parallel (default: the CPUs this process may use)")
-    fgd.add_argument("--policies", default="bestfit,fgd,phalanx", metavar="P[,P...]",
-                     help="bestfit, fgd (the paper's, reproduced), phalanx (default: all three)")
-    fgd.add_argument("--lists", default="", metavar="NAME[,NAME...]",
-                     help="task lists (default: the 17 of the paper's figures: default, cpu050 ... multigpu50)")
-    fgd.add_argument("--seeds", type=_int_range, default=list(range(42, 52)), metavar="A-B",
-                     help="shuffle seeds (default 42-51, as the paper)")
-    fgd.add_argument("--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then "
-                                                                  "../shared/data)")
+    fgd = sub.add_parser(
+        "fgd",
+        help="the FGD paper's experiment (ATC'23): online packing of the Alibaba v2023 task "
+        "lists at 130%% load, BestFit and FGD reproduced against Phalanx's packer",
+    )
+    fgd.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="where fgd.json (task list -> Phalanx's mean allocation %% at 130%% load), "
+        "fgd_runs.json and fgd_report.md go",
+    )
+    fgd.add_argument(
+        "--jobs",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        metavar="N",
+        help="runs in parallel (default: the CPUs this process may use)",
+    )
+    fgd.add_argument(
+        "--policies",
+        default="bestfit,fgd,phalanx",
+        metavar="P[,P...]",
+        help="bestfit, fgd (the paper's, reproduced), phalanx (default: all three)",
+    )
+    fgd.add_argument(
+        "--lists",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="task lists (default: the 17 of the paper's figures: default, cpu050 ... multigpu50)",
+    )
+    fgd.add_argument(
+        "--seeds",
+        type=_int_range,
+        default=list(range(42, 52)),
+        metavar="A-B",
+        help="shuffle seeds (default 42-51, as the paper)",
+    )
+    fgd.add_argument(
+        "--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then ../shared/data)"
+    )
     fgd.set_defaults(func=cmd_sim_fgd)

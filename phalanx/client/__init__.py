@@ -16,6 +16,7 @@ gRPC status code).
 """
 
 from ._async_client import AsyncClient
+from ._channel import TLSConfig, open_aio_channel, open_channel, resolve_tls
 from ._client import DEFAULT_RETRIES, DEFAULT_TARGET, DEFAULT_TIMEOUT, Client, resolve_target
 from ._errors import (
     DeadlineExceededError,
@@ -46,6 +47,11 @@ from ._types import (
 
 __all__ = [
     "Client",
+    # Channels with the SDK's auth, TLS, limits and retry policy, for the node agent and the rank library.
+    "open_channel",
+    "open_aio_channel",
+    "resolve_tls",
+    "TLSConfig",
     "AsyncClient",
     "Job",
     "Node",

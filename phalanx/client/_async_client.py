@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from ._channel import effective_retries, open_aio_channel, resolve_tls, resolve_token
 from ._client import (
+    BACKOFF_INITIAL,
     BACKOFF_MAX,
     CHANNEL_OPTIONS,
     DEFAULT_RETRIES,
@@ -20,10 +22,10 @@ from ._client import (
     build_submit_request,
     queue_request,
     resolve_target,
+    scheduler_stub,
     wait_timeout_error,
     watch_ids,
 )
-from ._channel import open_aio_channel, resolve_tls, resolve_token
 from ._errors import DeadlineExceededError, from_grpc_error
 from ._types import (
     TERMINAL_STATES,
@@ -54,17 +56,26 @@ class AsyncClient:
     Args:
         target: Scheduler ``host:port``; defaults to ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
         timeout: Deadline in seconds of each call, retries included.
-        retries: How many times a call failing with UNAVAILABLE is retried (0: never).
+        retries: How many times a call failing with UNAVAILABLE is retried (0: never), by gRPC's retry policy
+            on the channel; clamped to 4 (gRPC's cap of 5 attempts), as for :class:`Client`.
         token, tls_ca, tls_cert, tls_key: As for :class:`Client` (defaults from ``$PHALANX_TOKEN`` and
             ``$PHALANX_TLS_*``).
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
-                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.target = resolve_target(target)
         self.timeout = float(timeout)
-        self.retries = max(0, int(retries))
+        self.retries = effective_retries(retries)
         self._token = resolve_token(token)
         self._tls = resolve_tls(tls_ca, tls_cert, tls_key)
         self._channel: grpc.aio.Channel | None = None
@@ -76,8 +87,16 @@ class AsyncClient:
     def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         """The generated stub over this client's channel (opened on first access)."""
         if self._stub is None:
-            self._channel = open_aio_channel(self.target, CHANNEL_OPTIONS, token=self._token, tls=self._tls)
-            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+            self._channel = open_aio_channel(
+                self.target,
+                CHANNEL_OPTIONS,
+                token=self._token,
+                tls=self._tls,
+                retries=self.retries,
+                retry_budget=self.timeout,
+                retry_backoff=(BACKOFF_INITIAL, BACKOFF_MAX),
+            )
+            self._stub = scheduler_stub(self._channel)
         return self._stub
 
     async def close(self) -> None:
@@ -99,24 +118,13 @@ class AsyncClient:
     # -- plumbing --------------------------------------------------------------------------------------------
 
     async def _call(self, method_name: str, request: Any, timeout: float | None = None) -> Any:
+        """One call; gRPC's retry policy retries UNAVAILABLE within the deadline (the channel's service config)."""
         method: Callable[..., Any] = getattr(self.stub, method_name)
         budget = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + budget
-        attempt = 0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(f"scheduler at {self.target} did not answer within {budget:g}s")
-            try:
-                return await method(request, timeout=remaining)
-            except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    delay = backoff_delay(attempt)
-                    if time.monotonic() + delay < deadline:
-                        await asyncio.sleep(delay)
-                        attempt += 1
-                        continue
-                raise from_grpc_error(exc, self.target) from exc
+        try:
+            return await method(request, timeout=budget)
+        except grpc.RpcError as exc:
+            raise from_grpc_error(exc, self.target) from exc
 
     # -- API -------------------------------------------------------------------------------------------------
 
@@ -166,11 +174,23 @@ class AsyncClient:
             The job as accepted by the scheduler.
         """
         request = build_submit_request(
-            name, replicas, gpus_per_replica, command,
-            priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
-            required_tier=required_tier, preferred_tier=preferred_tier,
-            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
-            time_limit=time_limit, queue=queue, keep_checkpoints=keep_checkpoints,
+            name,
+            replicas,
+            gpus_per_replica,
+            command,
+            priority=priority,
+            procs_per_replica=procs_per_replica,
+            env=env,
+            request_id=request_id,
+            required_tier=required_tier,
+            preferred_tier=preferred_tier,
+            gpu_model=gpu_model,
+            mig_profile=mig_profile,
+            gpu_milli=gpu_milli,
+            max_restarts=max_restarts,
+            time_limit=time_limit,
+            queue=queue,
+            keep_checkpoints=keep_checkpoints,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 
@@ -259,16 +279,24 @@ class AsyncClient:
 
     async def drain_node(self, name: str, reason: str = "") -> Node:
         """Drain a node (admin); see :meth:`Client.drain_node`."""
-        return Node.from_proto(await self._call("DrainNode", scheduler_pb2.DrainNodeRequest(node_name=name,
-                                                                                             reason=reason)))
+        return Node.from_proto(
+            await self._call("DrainNode", scheduler_pb2.DrainNodeRequest(node_name=name, reason=reason))
+        )
 
     async def queues(self, name: str = "") -> list[QueueInfo]:
         """Every queue (or the one named); see :meth:`Client.queues`."""
         response = await self._call("ListQueues", scheduler_pb2.ListQueuesRequest(name=name))
         return [QueueInfo.from_proto(q) for q in response.queues]
 
-    async def set_queue(self, name: str, quotas: Mapping[str, Mapping[str, Any]] | None = None, *, cohort: str = "",
-                        weight: float = 1.0, tenants: Iterable[str] = ()) -> QueueInfo:
+    async def set_queue(
+        self,
+        name: str,
+        quotas: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        cohort: str = "",
+        weight: float = 1.0,
+        tenants: Iterable[str] = (),
+    ) -> QueueInfo:
         """Create or replace a queue (admin); see :meth:`Client.set_queue`."""
         return QueueInfo.from_proto(await self._call("SetQueue", queue_request(name, quotas, cohort, weight, tenants)))
 
@@ -282,7 +310,7 @@ class AsyncClient:
 
     async def watch(
         self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None
-    ) -> AsyncIterator[Job]:
+    ) -> AsyncGenerator[Job, None]:
         """Stream the current state of each job, then every change; see :meth:`Client.watch`.
 
         Args:
@@ -295,15 +323,15 @@ class AsyncClient:
         request = scheduler_pb2.WatchJobsRequest(job_ids=watch_ids(job_ids))
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         last: dict[str, Job] = {}
-        attempt = 0
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceededError(f"watch did not finish within {timeout:g}s")
             call = self.stub.WatchJobs(request, timeout=remaining)
+            delivered = False
             try:
                 async for event in call:
-                    attempt = 0
+                    delivered = True
                     job = Job.from_proto(event.job)
                     if last.get(job.id) == job:
                         continue
@@ -311,11 +339,11 @@ class AsyncClient:
                     yield job
                 return
             except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    delay = backoff_delay(attempt)
+                # A failed open was retried by gRPC already; a live stream that broke is a session to resume.
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and delivered and self.retries:
+                    delay = backoff_delay(0)
                     if deadline is None or time.monotonic() + delay < deadline:
                         await asyncio.sleep(delay)
-                        attempt += 1
                         continue
                 raise from_grpc_error(exc, self.target) from exc
             finally:

@@ -6,23 +6,42 @@ becomes unreachable (gRPC's pick_first over the list; see :func:`channel_target`
 
 Environment: ``PHALANX_TOKEN`` (the client's token), ``PHALANX_TLS_CA`` (trust this CA: the channel uses TLS),
 ``PHALANX_TLS_CERT`` and ``PHALANX_TLS_KEY`` (this client's certificate, for mutual TLS).
+
+Retries of UNAVAILABLE are gRPC's own (``open_channel(..., retries=N)``: a ``retryPolicy`` in the channel's service
+config, built by :func:`retry_service_config`), not loops around the calls; see :func:`retry_options` for what
+gRPC does and does not retry.
 """
 
 from __future__ import annotations
 
 import collections
 import ipaddress
+import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
-__all__ = ["TLSConfig", "resolve_token", "resolve_tls", "open_channel", "open_aio_channel", "auth_metadata",
-           "channel_target"]
+_Req = TypeVar("_Req")  # what an interceptor passes on: a request message, or a streaming call's request iterator
+_Call = TypeVar("_Call")  # what the continuation returns: the call (a future), or the response iterator
+
+__all__ = [
+    "TLSConfig",
+    "resolve_token",
+    "resolve_tls",
+    "open_channel",
+    "open_aio_channel",
+    "auth_metadata",
+    "channel_target",
+    "retry_service_config",
+    "retry_options",
+    "effective_retries",
+    "MAX_RETRIES",
+]
 
 ENV_TOKEN = "PHALANX_TOKEN"
 ENV_TLS_CA = "PHALANX_TLS_CA"
@@ -66,34 +85,70 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
-                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+# grpcio ships no type information (no py.typed, no stubs installed), so mypy sees its classes as Any: this module
+# may subclass them (pyproject.toml turns disallow_subclassing_any off for it alone).
+class _Details(
+    collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
-class _SyncAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _SyncAuth(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str) -> None:
         self._md = auth_metadata(token)
 
-    def _details(self, d):
-        return _Details(d.method, d.timeout, [*(d.metadata or ()), *self._md], d.credentials,
-                        getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+    def _details(self, d: grpc.ClientCallDetails) -> _Details:
+        return _Details(
+            d.method,
+            d.timeout,
+            [*(d.metadata or ()), *self._md],
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
+    def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, _Req], _Call],
+        client_call_details: grpc.ClientCallDetails,
+        request: _Req,
+    ) -> _Call:
         return continuation(self._details(client_call_details), request)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):
+    def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, _Req], _Call],
+        client_call_details: grpc.ClientCallDetails,
+        request: _Req,
+    ) -> _Call:
         return continuation(self._details(client_call_details), request)
 
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, _Req], _Call],
+        client_call_details: grpc.ClientCallDetails,
+        request_iterator: _Req,
+    ) -> _Call:
         return continuation(self._details(client_call_details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+    def intercept_stream_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, _Req], _Call],
+        client_call_details: grpc.ClientCallDetails,
+        request_iterator: _Req,
+    ) -> _Call:
         return continuation(self._details(client_call_details), request_iterator)
 
 
-def _aio_details(d, md):
+def _aio_details(d: grpc.aio.ClientCallDetails, md: Sequence[tuple[str, str]]) -> grpc.aio.ClientCallDetails:
     metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()))
     for k, v in md:
         metadata.add(k, v)
@@ -104,7 +159,12 @@ class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self._md = auth_metadata(token)
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, _Req], Awaitable[_Call]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: _Req,
+    ) -> _Call:
         return await continuation(_aio_details(client_call_details, self._md), request)
 
 
@@ -112,7 +172,12 @@ class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, token: str) -> None:
         self._md = auth_metadata(token)
 
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, _Req], Awaitable[_Call]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: _Req,
+    ) -> _Call:
         return await continuation(_aio_details(client_call_details, self._md), request)
 
 
@@ -160,8 +225,10 @@ def channel_target(target: str) -> tuple[str, list[tuple[str, Any]]]:
 
 
 # Every channel has message size limits (the servers' too: services/common/server.py), unless the caller set them.
-MESSAGE_LIMITS = (("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                  ("grpc.max_send_message_length", 16 * 1024 * 1024))
+MESSAGE_LIMITS = (
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+)
 
 
 def _with_limits(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -169,12 +236,121 @@ def _with_limits(options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [*options, *(item for item in MESSAGE_LIMITS if item[0] not in given)]
 
 
-def open_channel(target: str, options: Sequence[tuple[str, Any]] = (), *, token: str = "",
-                 tls: TLSConfig | None = None) -> grpc.Channel:
+# -- retries: gRPC's retry policy ---------------------------------------------------------------------------------
+
+# gRPC core caps retryPolicy.maxAttempts at 5 (MAX_MAX_RETRY_ATTEMPTS in src/core/client_channel/
+# retry_service_config.cc; grpcio 1.85 has no channel argument to raise it: a larger value is clamped, with an
+# error line in the log). So a call is retried at most 4 times; more is clamped here, without that log line.
+MAX_ATTEMPTS = 5
+MAX_RETRIES = MAX_ATTEMPTS - 1
+RETRY_INITIAL_BACKOFF = 0.1
+RETRY_MAX_BACKOFF = 2.0
+RETRY_BACKOFF_MULTIPLIER = 2.0
+_GRPC_JITTER = 0.2  # gRPC's retry backoff jitter: each delay is its nominal value +-20%
+
+
+def effective_retries(retries: int) -> int:
+    """The retries gRPC will make for `retries` asked: 0 for <= 0, at most :data:`MAX_RETRIES` (4)."""
+    return min(MAX_RETRIES, max(0, int(retries)))
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(seconds, 0.001):.3f}s"  # a protobuf JSON Duration; gRPC wants it > 0
+
+
+def retry_service_config(
+    retries: int,
+    *,
+    initial_backoff: float = RETRY_INITIAL_BACKOFF,
+    max_backoff: float = RETRY_MAX_BACKOFF,
+    multiplier: float = RETRY_BACKOFF_MULTIPLIER,
+    budget: float | None = None,
+) -> str | None:
+    """The JSON service config that makes gRPC retry UNAVAILABLE `retries` times (clamped to 0..4, see
+    :data:`MAX_RETRIES`) on every method of the channel, or None for no retries.
+
+    The n-th retry waits ``min(max_backoff, initial_backoff * multiplier**(n-1))``, +-20% (gRPC's jitter). With a
+    `budget` (the calls' deadline, in seconds, which covers every attempt) the backoffs are scaled down so that
+    they add up to at most half of it: the last attempt then still fits in the deadline, and a call that keeps
+    failing ends with its UNAVAILABLE rather than a DEADLINE_EXCEEDED.
+    """
+    retries = effective_retries(retries)
+    if retries == 0:
+        return None
+    waits = [min(max_backoff, initial_backoff * multiplier**n) for n in range(retries)]
+    worst = sum(waits) * (1 + _GRPC_JITTER)
+    if budget is not None and budget > 0 and worst > budget / 2:
+        scale = budget / 2 / worst
+        initial_backoff, max_backoff = initial_backoff * scale, max_backoff * scale
+    policy = {
+        "maxAttempts": retries + 1,
+        "initialBackoff": _duration(initial_backoff),
+        "maxBackoff": _duration(max(max_backoff, initial_backoff)),
+        "backoffMultiplier": multiplier,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    # An empty name is the channel's default method config: every service and method on it.
+    return json.dumps({"methodConfig": [{"name": [{}], "retryPolicy": policy}]})
+
+
+def retry_options(
+    retries: int, *, budget: float | None = None, backoff: tuple[float, float] | None = None
+) -> list[tuple[str, Any]]:
+    """Channel options for :func:`retry_service_config` (``grpc.service_config``; none for 0 retries), with
+    `backoff` = (initial, max) seconds (default 0.1, 2) and the deadline `budget`.
+
+    What gRPC then does (grpcio 1.85, gRFC A6): a call that fails with UNAVAILABLE, including a connection
+    refused or a pick while every address is down, is sent again after the backoff, to whatever address the
+    channel picks then (with a replica list, pick_first's next one once the first is down), with the same
+    request message and metadata (each retry adds ``grpc-previous-rpc-attempts``): an idempotency key in the
+    request (SubmitJob's request_id) is the same in every attempt. The
+    call's deadline covers every attempt. A call is retried only until the server has sent response headers
+    or a message (gRPC then commits to that attempt): a streaming call (WatchJobs) is retried when opening it
+    fails, never once its stream has delivered; reconnecting a live stream is the caller's session logic. A
+    request larger than the channel's retry buffer (``grpc.per_rpc_retry_buffer_size``, 256 KiB) is not
+    retried. The config also turns off service configs from DNS (``grpc.service_config_disable_resolution``),
+    so this policy is the one that applies; ``grpc.enable_retries`` is set to 1 (gRPC's default).
+    """
+    initial, cap = backoff or (RETRY_INITIAL_BACKOFF, RETRY_MAX_BACKOFF)
+    config = retry_service_config(retries, initial_backoff=initial, max_backoff=cap, budget=budget)
+    if config is None:
+        return []
+    return [("grpc.enable_retries", 1), ("grpc.service_config", config), ("grpc.service_config_disable_resolution", 1)]
+
+
+def _channel_options(
+    options: Sequence[tuple[str, Any]],
+    extra: list[tuple[str, Any]],
+    retries: int | None,
+    budget: float | None,
+    backoff: tuple[float, float] | None,
+) -> list[tuple[str, Any]]:
+    merged = [*options, *extra]
+    if retries is not None:
+        given = {key for key, _ in merged}
+        merged += [item for item in retry_options(retries, budget=budget, backoff=backoff) if item[0] not in given]
+    return _with_limits(merged)
+
+
+def open_channel(
+    target: str,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    token: str = "",
+    tls: TLSConfig | None = None,
+    retries: int | None = None,
+    retry_budget: float | None = None,
+    retry_backoff: tuple[float, float] | None = None,
+) -> grpc.Channel:
     """A blocking channel to `target` sending `token` (if any) on every call, over TLS when `tls` is given.
-    `target` may list several replicas, comma-separated (:func:`channel_target`)."""
+    `target` may list several replicas, comma-separated (:func:`channel_target`).
+
+    `retries`: gRPC retries every call on the channel that fails with UNAVAILABLE this many times (clamped to
+    0..4), `retry_backoff` = (initial, max) seconds apart (default 0.1, 2; doubling), scaled down to fit half
+    of `retry_budget` (the calls' deadline) when given: :func:`retry_service_config`, :func:`retry_options`.
+    None (the default) leaves the channel without a retry policy. Options the caller gives take precedence."""
     target, extra = channel_target(target)
-    options = _with_limits([*options, *extra])
+    options = _channel_options(options, extra, retries, retry_budget, retry_backoff)
     if tls is not None:
         channel = grpc.secure_channel(target, tls.credentials(), options=list(options))
     else:
@@ -182,11 +358,19 @@ def open_channel(target: str, options: Sequence[tuple[str, Any]] = (), *, token:
     return grpc.intercept_channel(channel, _SyncAuth(token)) if token else channel
 
 
-def open_aio_channel(target: str, options: Sequence[tuple[str, Any]] = (), *, token: str = "",
-                     tls: TLSConfig | None = None) -> grpc.aio.Channel:
+def open_aio_channel(
+    target: str,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    token: str = "",
+    tls: TLSConfig | None = None,
+    retries: int | None = None,
+    retry_budget: float | None = None,
+    retry_backoff: tuple[float, float] | None = None,
+) -> grpc.aio.Channel:
     """The asyncio counterpart of :func:`open_channel`."""
     target, extra = channel_target(target)
-    options = _with_limits([*options, *extra])
+    options = _channel_options(options, extra, retries, retry_budget, retry_backoff)
     interceptors = [_AioUnaryUnary(token), _AioUnaryStream(token)] if token else None
     if tls is not None:
         return grpc.aio.secure_channel(target, tls.credentials(), options=list(options), interceptors=interceptors)

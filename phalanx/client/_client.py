@@ -7,7 +7,7 @@ import random
 import shlex
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -15,7 +15,7 @@ import grpc
 import phalanx
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from ._channel import open_channel, resolve_tls, resolve_token
+from ._channel import MAX_RETRIES, effective_retries, open_channel, resolve_tls, resolve_token
 from ._errors import DeadlineExceededError, from_grpc_error
 from ._types import (
     TERMINAL_STATES,
@@ -29,7 +29,7 @@ from ._types import (
     parse_states,
 )
 
-__all__ = ["Client", "DEFAULT_TARGET", "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "resolve_target"]
+__all__ = ["Client", "DEFAULT_TARGET", "DEFAULT_TIMEOUT", "DEFAULT_RETRIES", "MAX_RETRIES", "resolve_target"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 10.0
@@ -46,7 +46,7 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
-    # Reconnect quickly, so that our own UNAVAILABLE retries meet a restarted scheduler.
+    # Reconnect quickly, so that the retries of UNAVAILABLE (gRPC's retry policy) meet a restarted scheduler.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
@@ -69,8 +69,10 @@ def resolve_target(target: str | None) -> str:
 
 
 def backoff_delay(attempt: int, initial: float = BACKOFF_INITIAL, cap: float = BACKOFF_MAX) -> float:
-    """Exponential backoff with jitter: about ``initial * 2**attempt``, capped, scaled by a random 0.5..1."""
-    return min(cap, initial * (2**attempt)) * random.uniform(0.5, 1.0)
+    """Exponential backoff with jitter: about ``initial * 2**attempt``, capped, scaled by a random 0.5..1 (the pause
+    before a watch re-opens a stream that broke; single calls are retried by gRPC's policy)."""
+    growth: float = 2**attempt  # int ** int is typed Any: an int, or a float for a negative attempt
+    return min(cap, initial * growth) * random.uniform(0.5, 1.0)
 
 
 def build_submit_request(
@@ -116,13 +118,19 @@ def build_submit_request(
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
 
-def queue_request(name: str, quotas: Mapping[str, Mapping[str, Any]] | None, cohort: str, weight: float,
-                  tenants: Iterable[str]) -> scheduler_pb2.SetQueueRequest:
+def queue_request(
+    name: str, quotas: Mapping[str, Mapping[str, Any]] | None, cohort: str, weight: float, tenants: Iterable[str]
+) -> scheduler_pb2.SetQueueRequest:
     spec = scheduler_pb2.QueueSpec(name=name, cohort=cohort, weight=float(weight), tenants=list(tenants))
     for flavor, q in (quotas or {}).items():
         limit = q.get("borrow_limit")
-        spec.quotas.add(flavor=flavor, gpus=float(q.get("gpus", 0)), mig_slices=int(q.get("mig_slices", 0)),
-                        has_borrow_limit=limit is not None, borrow_limit=float(limit or 0))
+        spec.quotas.add(
+            flavor=flavor,
+            gpus=float(q.get("gpus", 0)),
+            mig_slices=int(q.get("mig_slices", 0)),
+            has_borrow_limit=limit is not None,
+            borrow_limit=float(limit or 0),
+        )
     return scheduler_pb2.SetQueueRequest(spec=spec)
 
 
@@ -135,6 +143,12 @@ def watch_ids(job_ids: Iterable[str] | str | None) -> list[str]:
     return [str(j) for j in job_ids]
 
 
+def scheduler_stub(channel: grpc.Channel | grpc.aio.Channel) -> scheduler_pb2_grpc.SchedulerStub:
+    """The generated Scheduler stub over a blocking or an asyncio channel."""
+    # grpcio-tools writes no .pyi for *_pb2_grpc.py (tools/genproto.py), so mypy sees an unannotated constructor.
+    return scheduler_pb2_grpc.SchedulerStub(channel)  # type: ignore[no-untyped-call]  # generated, unannotated
+
+
 def wait_timeout_error(job_id: str, states: Iterable[JobState], timeout: float | None) -> DeadlineExceededError:
     """The error :meth:`Client.wait` raises when the job does not reach the states in time."""
     names = "/".join(sorted(s.value for s in states))
@@ -145,8 +159,11 @@ class Client:
     """A synchronous client for the Phalanx scheduler.
 
     Every call has a deadline (``timeout`` seconds, retries included). Calls that fail with UNAVAILABLE are
-    retried with exponential backoff; this includes :meth:`submit`, which is idempotent thanks to a request id
-    that is generated once per call and reused by every retry.
+    retried with exponential backoff (0.1 s doubling, at most 2 s, +-20%; shortened so that all the backoffs take
+    at most half of ``timeout``) by gRPC itself: the channel carries a ``retryPolicy`` in its service config
+    (:func:`phalanx.client._channel.retry_options`). This includes :meth:`submit`, which is idempotent thanks to
+    a request id that is generated once per call, is part of the request, and so is the same in every attempt.
+    A call still failing after its retries raises :class:`UnavailableError`.
 
     Example:
         >>> with Client("127.0.0.1:50051") as client:
@@ -156,22 +173,40 @@ class Client:
     Args:
         target: Scheduler ``host:port``; defaults to ``$PHALANX_SCHEDULER``, else ``127.0.0.1:50051``.
         timeout: Deadline in seconds of each call, retries included.
-        retries: How many times a call failing with UNAVAILABLE is retried (0: never).
+        retries: How many times a call failing with UNAVAILABLE is retried (0: never). gRPC makes at most 5
+            attempts of a call (``MAX_RETRIES`` = 4 retries; no channel argument of grpcio raises it), so a larger
+            value is clamped to 4 (``client.retries`` is the value in effect). For :meth:`watch`, 0 also means a
+            stream that breaks is not re-opened.
         token: Bearer token sent with every call; defaults to ``$PHALANX_TOKEN`` (none when unset).
         tls_ca, tls_cert, tls_key: PEM files for TLS (the CA to trust; this client's certificate and key, for
             mutual TLS); default ``$PHALANX_TLS_CA``, ``$PHALANX_TLS_CERT``, ``$PHALANX_TLS_KEY``. Without a CA
             the channel is plaintext.
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
-                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.target = resolve_target(target)
         self.timeout = float(timeout)
-        self.retries = max(0, int(retries))
-        self._channel = open_channel(self.target, CHANNEL_OPTIONS, token=resolve_token(token),
-                                     tls=resolve_tls(tls_ca, tls_cert, tls_key))
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.retries = effective_retries(retries)
+        self._channel = open_channel(
+            self.target,
+            CHANNEL_OPTIONS,
+            token=resolve_token(token),
+            tls=resolve_tls(tls_ca, tls_cert, tls_key),
+            retries=self.retries,
+            retry_budget=self.timeout,
+            retry_backoff=(BACKOFF_INITIAL, BACKOFF_MAX),
+        )
+        self._stub = scheduler_stub(self._channel)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -191,23 +226,12 @@ class Client:
     # -- plumbing --------------------------------------------------------------------------------------------
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        """One call; gRPC's retry policy retries UNAVAILABLE within the deadline (the channel's service config)."""
         budget = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + budget
-        attempt = 0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(f"scheduler at {self.target} did not answer within {budget:g}s")
-            try:
-                return method(request, timeout=remaining)
-            except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    delay = backoff_delay(attempt)
-                    if time.monotonic() + delay < deadline:
-                        time.sleep(delay)
-                        attempt += 1
-                        continue
-                raise from_grpc_error(exc, self.target) from exc
+        try:
+            return method(request, timeout=budget)
+        except grpc.RpcError as exc:
+            raise from_grpc_error(exc, self.target) from exc
 
     # -- API -------------------------------------------------------------------------------------------------
 
@@ -268,11 +292,23 @@ class Client:
             DeadlineExceededError: No answer within the timeout.
         """
         request = build_submit_request(
-            name, replicas, gpus_per_replica, command,
-            priority=priority, procs_per_replica=procs_per_replica, env=env, request_id=request_id,
-            required_tier=required_tier, preferred_tier=preferred_tier,
-            gpu_model=gpu_model, mig_profile=mig_profile, gpu_milli=gpu_milli, max_restarts=max_restarts,
-            time_limit=time_limit, queue=queue, keep_checkpoints=keep_checkpoints,
+            name,
+            replicas,
+            gpus_per_replica,
+            command,
+            priority=priority,
+            procs_per_replica=procs_per_replica,
+            env=env,
+            request_id=request_id,
+            required_tier=required_tier,
+            preferred_tier=preferred_tier,
+            gpu_model=gpu_model,
+            mig_profile=mig_profile,
+            gpu_milli=gpu_milli,
+            max_restarts=max_restarts,
+            time_limit=time_limit,
+            queue=queue,
+            keep_checkpoints=keep_checkpoints,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 
@@ -290,7 +326,9 @@ class Client:
         """
         return Job.from_proto(self._call(self._stub.GetJob, scheduler_pb2.GetJobRequest(job_id=job_id)))
 
-    def list_jobs(self, states: Iterable[str | JobState] | str | JobState | None = None, *, limit: int = 0) -> list[Job]:
+    def list_jobs(
+        self, states: Iterable[str | JobState] | str | JobState | None = None, *, limit: int = 0
+    ) -> list[Job]:
         """List jobs, finished ones included, newest first.
 
         Args:
@@ -386,8 +424,15 @@ class Client:
         response = self._call(self._stub.ListQueues, scheduler_pb2.ListQueuesRequest(name=name))
         return [QueueInfo.from_proto(q) for q in response.queues]
 
-    def set_queue(self, name: str, quotas: Mapping[str, Mapping[str, Any]] | None = None, *, cohort: str = "",
-                  weight: float = 1.0, tenants: Iterable[str] = ()) -> QueueInfo:
+    def set_queue(
+        self,
+        name: str,
+        quotas: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        cohort: str = "",
+        weight: float = 1.0,
+        tenants: Iterable[str] = (),
+    ) -> QueueInfo:
         """Create or replace a queue (admin). `quotas`: flavor ("H100", or "*" for any GPU model) -> {"gpus": N,
         "borrow_limit": N (absent: none), "mig_slices": N}, in preference order; none: unlimited.
 
@@ -395,8 +440,9 @@ class Client:
             InvalidArgumentError: A bad name, weight or quota.
             PermissionDeniedError: The caller is not an admin (authentication on).
         """
-        return QueueInfo.from_proto(self._call(self._stub.SetQueue, queue_request(name, quotas, cohort, weight,
-                                                                                   tenants)))
+        return QueueInfo.from_proto(
+            self._call(self._stub.SetQueue, queue_request(name, quotas, cohort, weight, tenants))
+        )
 
     def delete_queue(self, name: str) -> None:
         """Remove a queue (admin); FailedPreconditionError while it has pending or running jobs."""
@@ -411,11 +457,14 @@ class Client:
         """
         return Node.from_proto(self._call(self._stub.UndrainNode, scheduler_pb2.UndrainNodeRequest(node_name=name)))
 
-    def watch(self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None) -> Iterator[Job]:
+    def watch(
+        self, job_ids: Iterable[str] | str | None = None, *, timeout: float | None = None
+    ) -> Generator[Job, None, None]:
         """Stream the current state of each job, then every change.
 
-        The stream is re-opened after an UNAVAILABLE (the scheduler re-sends current states; repeats of an
-        unchanged job are dropped). Closing the iterator hangs up.
+        Opening the stream is retried on UNAVAILABLE by gRPC's retry policy, like any call. A stream that breaks
+        with UNAVAILABLE after it has delivered (a scheduler restart) is re-opened, unless ``retries`` is 0 (the
+        scheduler re-sends current states; repeats of an unchanged job are dropped). Closing the iterator hangs up.
 
         Args:
             job_ids: Jobs to watch (one id or several); None or empty: every job.
@@ -431,15 +480,15 @@ class Client:
         request = scheduler_pb2.WatchJobsRequest(job_ids=watch_ids(job_ids))
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         last: dict[str, Job] = {}
-        attempt = 0
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceededError(f"watch did not finish within {timeout:g}s")
             call = self._stub.WatchJobs(request, timeout=remaining)
+            delivered = False
             try:
                 for event in call:
-                    attempt = 0
+                    delivered = True
                     job = Job.from_proto(event.job)
                     if last.get(job.id) == job:
                         continue
@@ -447,11 +496,11 @@ class Client:
                     yield job
                 return
             except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
-                    delay = backoff_delay(attempt)
+                # A failed open was retried by gRPC already; a live stream that broke is a session to resume.
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and delivered and self.retries:
+                    delay = backoff_delay(0)
                     if deadline is None or time.monotonic() + delay < deadline:
                         time.sleep(delay)
-                        attempt += 1
                         continue
                 raise from_grpc_error(exc, self.target) from exc
             finally:

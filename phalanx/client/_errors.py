@@ -64,7 +64,8 @@ class RPCError(PhalanxError):
     @property
     def code_name(self) -> str:
         """The status code's name, e.g. ``"NOT_FOUND"``."""
-        return self.code.name
+        name: str = self.code.name  # grpc.StatusCode is an enum.Enum (untyped for mypy: grpc ships no types)
+        return name
 
 
 class InvalidArgumentError(RPCError):

@@ -93,7 +93,7 @@ def _enum_from_proto(enum_cls: type[enum.Enum], descriptor: Any, prefix: str, nu
     return enum_cls(name.removeprefix(prefix))
 
 
-def job_state_to_proto(state: str | JobState) -> int:
+def job_state_to_proto(state: str | JobState) -> common_pb2.JobState:
     """Map a job state (or its name) to the protobuf enum number.
 
     Args:
@@ -102,7 +102,9 @@ def job_state_to_proto(state: str | JobState) -> int:
     Returns:
         The ``phalanx.v1.JobState`` number.
     """
-    return common_pb2.JobState.Value("JOB_STATE_" + JobState.parse(state).value)
+    return common_pb2.JobState.Value(  # type: ignore[no-any-return]  # protobuf ships no types: Value() is Any
+        "JOB_STATE_" + JobState.parse(state).value
+    )
 
 
 @dataclass(frozen=True, eq=True)
@@ -133,7 +135,9 @@ class Allocation:
     def from_proto(cls, msg: common_pb2.Allocation) -> Allocation:
         """Build from a ``phalanx.v1.Allocation`` message."""
         return cls(
-            replica=int(msg.replica), node=msg.node, gpus=[int(g) for g in msg.gpus],
+            replica=int(msg.replica),
+            node=msg.node,
+            gpus=[int(g) for g in msg.gpus],
             slices=[MigSlice(int(s.gpu), s.profile, int(s.start), int(s.size)) for s in msg.slices],
             gpu_milli=int(msg.gpu_milli),
         )
@@ -165,8 +169,12 @@ class Goodput:
     def from_proto(cls, msg: common_pb2.Goodput) -> Goodput:
         """Build from a ``phalanx.v1.Goodput`` message."""
         return cls(
-            allocated=float(msg.allocated), productive=float(msg.productive), rollback=float(msg.rollback),
-            restart=float(msg.restart), waiting=float(msg.waiting), ratio=float(msg.ratio),
+            allocated=float(msg.allocated),
+            productive=float(msg.productive),
+            rollback=float(msg.rollback),
+            restart=float(msg.restart),
+            waiting=float(msg.waiting),
+            ratio=float(msg.ratio),
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -194,6 +202,8 @@ class Job:
     procs_per_replica: int = 0
     command: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # The GPUs it holds: only a RUNNING (or PREEMPTING) job has any, those of its current attempt; a pending one
+    # (also when requeued after a failure) and a finished one hold none, so this is [] for them.
     allocations: list[Allocation] = field(default_factory=list)
     attempt: int = 0
     message: str = ""
@@ -243,7 +253,7 @@ class Job:
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        """Distinct nodes of the current (or last) allocation, in replica order."""
+        """Distinct nodes of its allocations (the GPUs it holds while it runs), in replica order; () otherwise."""
         seen: dict[str, None] = {}
         for alloc in sorted(self.allocations, key=lambda a: a.replica):
             seen.setdefault(alloc.node, None)
@@ -475,8 +485,13 @@ class Node:
             shared_gpus=int(msg.shared_gpus),
             health=common_pb2.HealthState.Name(msg.health.state).removeprefix("HEALTH_STATE_"),
             health_reason=msg.health.reason,
-            unhealthy_gpus={int(g.index): {"state": common_pb2.HealthState.Name(g.state).removeprefix("HEALTH_STATE_"),
-                                           "reasons": list(g.reasons)} for g in msg.health.gpus},
+            unhealthy_gpus={
+                int(g.index): {
+                    "state": common_pb2.HealthState.Name(g.state).removeprefix("HEALTH_STATE_"),
+                    "reasons": list(g.reasons),
+                }
+                for g in msg.health.gpus
+            },
             gpu_details=[_node_gpu(g) for g in msg.gpu_details],
             strikes=int(msg.strikes),
             mig_manage=bool(msg.mig_manage),
@@ -499,20 +514,37 @@ class Node:
             "health": self.health,
             "health_reason": self.health_reason,
             "unhealthy_gpus": {str(i): dict(g) for i, g in sorted(self.unhealthy_gpus.items())},
-            "gpu_details": [{**g, "mig_instances": [dict(i) for i in g.get("mig_instances", ())]}
-                            for g in self.gpu_details],
+            "gpu_details": [
+                {**g, "mig_instances": [dict(i) for i in g.get("mig_instances", ())]} for g in self.gpu_details
+            ],
             "strikes": self.strikes,
             "mig_manage": self.mig_manage,
         }
 
 
 def _node_gpu(g: common_pb2.NodeGpu) -> dict[str, Any]:
-    return {"index": int(g.index), "uuid": g.uuid, "name": g.name, "memory_mib": int(g.memory_mib),
-            "mig_mode": g.mig_mode or "unsupported", "mig_mode_pending": g.mig_mode_pending,
-            "mig_switching": bool(g.mig_switching), "mig_switch_error": g.mig_switch_error,
-            "mig_instances": [{"profile": i.profile, "start": int(i.start), "size": int(i.size), "uuid": i.uuid,
-                               "managed": bool(i.managed), "gpu_instance_id": int(i.gpu_instance_id),
-                               "compute_instance_id": int(i.compute_instance_id)} for i in g.mig_instances]}
+    return {
+        "index": int(g.index),
+        "uuid": g.uuid,
+        "name": g.name,
+        "memory_mib": int(g.memory_mib),
+        "mig_mode": g.mig_mode or "unsupported",
+        "mig_mode_pending": g.mig_mode_pending,
+        "mig_switching": bool(g.mig_switching),
+        "mig_switch_error": g.mig_switch_error,
+        "mig_instances": [
+            {
+                "profile": i.profile,
+                "start": int(i.start),
+                "size": int(i.size),
+                "uuid": i.uuid,
+                "managed": bool(i.managed),
+                "gpu_instance_id": int(i.gpu_instance_id),
+                "compute_instance_id": int(i.compute_instance_id),
+            }
+            for i in g.mig_instances
+        ],
+    }
 
 
 def parse_states(states: Iterable[str | JobState] | str | JobState | None) -> list[JobState]:
@@ -543,18 +575,46 @@ class QueueInfo:
     def from_proto(cls, msg: Any) -> QueueInfo:
         spec = msg.spec
         return cls(
-            name=spec.name, cohort=spec.cohort, weight=float(spec.weight or 1.0),
-            quotas=tuple({"flavor": q.flavor, "gpus": q.gpus, "mig_slices": int(q.mig_slices),
-                          "borrow_limit": q.borrow_limit if q.has_borrow_limit else None} for q in spec.quotas),
+            name=spec.name,
+            cohort=spec.cohort,
+            weight=float(spec.weight or 1.0),
+            quotas=tuple(
+                {
+                    "flavor": q.flavor,
+                    "gpus": q.gpus,
+                    "mig_slices": int(q.mig_slices),
+                    "borrow_limit": q.borrow_limit if q.has_borrow_limit else None,
+                }
+                for q in spec.quotas
+            ),
             tenants=tuple(spec.tenants),
-            usage=tuple({"flavor": u.flavor, "gpus": u.gpus, "mig_slices": int(u.mig_slices),
-                         "borrowing": bool(u.borrowing)} for u in msg.usage),
-            share=float(msg.share), running=int(msg.running),
-            pending=tuple({"job_id": p.job_id, "name": p.name, "position": int(p.position),
-                           "priority": int(p.priority), "message": p.message} for p in msg.pending),
+            usage=tuple(
+                {"flavor": u.flavor, "gpus": u.gpus, "mig_slices": int(u.mig_slices), "borrowing": bool(u.borrowing)}
+                for u in msg.usage
+            ),
+            share=float(msg.share),
+            running=int(msg.running),
+            pending=tuple(
+                {
+                    "job_id": p.job_id,
+                    "name": p.name,
+                    "position": int(p.position),
+                    "priority": int(p.priority),
+                    "message": p.message,
+                }
+                for p in msg.pending
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "cohort": self.cohort, "weight": self.weight, "quotas": list(self.quotas),
-                "tenants": list(self.tenants), "usage": list(self.usage), "share": self.share,
-                "running": self.running, "pending": list(self.pending)}
+        return {
+            "name": self.name,
+            "cohort": self.cohort,
+            "weight": self.weight,
+            "quotas": list(self.quotas),
+            "tenants": list(self.tenants),
+            "usage": list(self.usage),
+            "share": self.share,
+            "running": self.running,
+            "pending": list(self.pending),
+        }

@@ -31,8 +31,9 @@ import dataclasses
 import heapq
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from .capacity import ClusterCapacity
 from .model import GangRequest, Placement
@@ -93,10 +94,10 @@ class RunningSet:
     def __len__(self) -> int:
         return len(self._gangs)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[RunningEnd]:
         return iter(self._gangs)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> RunningEnd:
         return self._gangs[i]
 
 
@@ -110,7 +111,7 @@ class _InEndOrder:
         self._len = len(live) + len(extra)
         if extra:
             self._done: list[RunningEnd] = []
-            self._rest = heapq.merge(live, sorted(extra, key=_end_key), key=_end_key)
+            self._rest: Iterator[RunningEnd] | None = heapq.merge(live, sorted(extra, key=_end_key), key=_end_key)
         else:
             self._done, self._rest = live._gangs, None
 
@@ -127,6 +128,21 @@ class _InEndOrder:
         while self._rest is not None and len(done) <= i:
             done.append(next(self._rest))
         return done[i]
+
+
+class _EndOrdered(Protocol):
+    """Running gangs in end order, read by index: a sorted list or an `_InEndOrder` (what the search reads)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> RunningEnd: ...
+
+
+# What placement depends on besides the capacity (`_shape`), and what `plan_reservation` remembers per head shape
+# and set of nodes out (`ideal_cache`): the head's (tier rank, domains) on an empty cluster, False when it never fits.
+_Shape = tuple[int, int, str, str, int, str, str]
+_IdealKey = tuple[_Shape, frozenset[str], frozenset[tuple[str, frozenset[int]]]]
+_Ideal = tuple[int, int] | Literal[False]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +167,9 @@ class BackfillResult:
     quota_blocked: Mapping[str, str] = dataclasses.field(default_factory=dict)  # job -> why its quota refuses it
 
 
-def _shape(r: GangRequest) -> tuple:
+def _shape(r: GangRequest) -> _Shape:
     """What placement depends on, besides the capacity: requests of one shape fit or not alike."""
-    return (r.replicas, r.gpus_per_replica, r.gpu_model, r.mig_profile, r.gpu_milli, r.required_tier,
-            r.preferred_tier)
+    return (r.replicas, r.gpus_per_replica, r.gpu_model, r.mig_profile, r.gpu_milli, r.required_tier, r.preferred_tier)
 
 
 def _release(cap: ClusterCapacity, gang: RunningEnd, unusable: Mapping[str, Collection[int]]) -> None:
@@ -186,9 +201,13 @@ def region_of(capacity: ClusterCapacity, placement: Placement) -> frozenset[str]
 
 
 def plan_reservation(
-    capacity: ClusterCapacity, head: GangRequest, running: Sequence[RunningEnd], now: float,
-    fabric_tiers: Sequence[str] = (), unusable: Mapping[str, Collection[int]] | None = None,
-    ideal_cache: dict | None = None,
+    capacity: ClusterCapacity,
+    head: GangRequest,
+    running: Sequence[RunningEnd] | RunningSet | _InEndOrder,
+    now: float,
+    fabric_tiers: Sequence[str] = (),
+    unusable: Mapping[str, Collection[int]] | None = None,
+    ideal_cache: dict[_IdealKey, _Ideal] | None = None,
 ) -> Reservation | None:
     """When and where `head` can start at the earliest, as the running gangs end at their limits; None when it
     would not fit even with every running gang gone (then there is nothing to protect: lost or unhealthy capacity
@@ -202,17 +221,18 @@ def plan_reservation(
     unusable = unusable or {}
     if isinstance(running, RunningSet):
         running = _InEndOrder(running)
-    gangs = running if isinstance(running, _InEndOrder) else sorted(running, key=_end_key)
+    gangs: _EndOrdered = running if isinstance(running, _InEndOrder) else sorted(running, key=_end_key)
     rank = _tier_rank(capacity, fabric_tiers)
     # The head on an empty cluster (only down nodes and unusable GPUs out): it depends on the shape and on which
     # nodes are out, not on what runs, so it is worked out once per shape while they stay the same.
     down = capacity.unschedulable()
-    key = (_shape(head), down, frozenset((n, frozenset(g)) for n, g in unusable.items()))
-    best = ideal_cache.get(key) if ideal_cache is not None else None
+    key: _IdealKey = (_shape(head), down, frozenset((n, frozenset(g)) for n, g in unusable.items()))
+    best: _Ideal | None = ideal_cache.get(key) if ideal_cache is not None else None
     if best is None:
         empty = ClusterCapacity(
             dataclasses.replace(n, free=set(range(n.total)) - set(unusable.get(n.name, ())), mig={}, milli={})
-            for n in capacity.nodes.values())
+            for n in capacity.nodes.values()
+        )
         ideal = place_gang(empty, head, fabric_tiers)
         best = (rank(ideal.tier), ideal.domains) if isinstance(ideal, Placement) else False
         if ideal_cache is not None:
@@ -235,20 +255,28 @@ def plan_reservation(
     start, witness = found
     region = region_of(capacity, witness)
     when = "once a gang without a time limit ends" if math.isinf(start) else f"by t={start:.0f}"
-    reason = (f"reserved to start {when} on {len(witness.nodes)} node(s) ({witness.reason}); gangs that would "
-              f"outlive that are kept off its {len(region)} node(s)")
+    reason = (
+        f"reserved to start {when} on {len(witness.nodes)} node(s) ({witness.reason}); gangs that would "
+        f"outlive that are kept off its {len(region)} node(s)"
+    )
     return Reservation(head.job_id, max(start, now), region, witness, reason)
 
 
-def _tier_rank(capacity: ClusterCapacity, fabric_tiers: Sequence[str]):
+def _tier_rank(capacity: ClusterCapacity, fabric_tiers: Sequence[str]) -> Callable[[str], int]:
     from .placement import tier_names
 
     order = {name: i for i, name in enumerate(tier_names(capacity, fabric_tiers))}
     return lambda tier: order.get(tier, len(order))
 
 
-def _earliest(capacity: ClusterCapacity, head: GangRequest, gangs: Sequence[RunningEnd], fabric_tiers: Sequence[str],
-              unusable: Mapping[str, Collection[int]], good) -> tuple[float, Placement] | None:
+def _earliest(
+    capacity: ClusterCapacity,
+    head: GangRequest,
+    gangs: _EndOrdered,
+    fabric_tiers: Sequence[str],
+    unusable: Mapping[str, Collection[int]],
+    good: Callable[[Placement], bool],
+) -> tuple[float, Placement] | None:
     """The earliest end (in `gangs`, sorted by end) after which `head` has a placement that is `good`, and that
     placement; None when not even with all of them gone. `good` must hold for every placement at least as free as
     one where it holds (releasing GPUs never makes the best placement worse), so a gallop and a binary search find
@@ -283,9 +311,16 @@ def _earliest(capacity: ClusterCapacity, head: GangRequest, gangs: Sequence[Runn
                 capacity._touch(node)
 
 
-def _search(cap: ClusterCapacity, head: GangRequest, gangs: Sequence[RunningEnd], fabric_tiers: Sequence[str],
-            unusable: Mapping[str, Collection[int]], good, saved: dict | None = None,
-            stale: set[str] | None = None) -> tuple[float, Placement] | None:
+def _search(
+    cap: ClusterCapacity,
+    head: GangRequest,
+    gangs: _EndOrdered,
+    fabric_tiers: Sequence[str],
+    unusable: Mapping[str, Collection[int]],
+    good: Callable[[Placement], bool],
+    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int]]] | None = None,
+    stale: set[str] | None = None,
+) -> tuple[float, Placement] | None:
     """`_earliest` on `cap`, changing it; `saved` (when given) gets each node's state before its first change.
 
     With `saved`, whole GPUs are released and taken back on the nodes' free sets at once (as `_release` and
@@ -327,6 +362,7 @@ def _search(cap: ClusterCapacity, head: GangRequest, gangs: Sequence[RunningEnd]
                     nodes[rep.node].free -= set(rep.gpus)
                     stale.add(rep.node)
     else:
+
         def release(gang: RunningEnd) -> None:
             _release(cap, gang, unusable)
 
@@ -380,10 +416,10 @@ def schedule_with_backfill(
     fabric_tiers: Sequence[str] = (),
     *,
     now: float = 0.0,
-    running: Callable[[], Sequence[RunningEnd]] = tuple,
+    running: Callable[[], Sequence[RunningEnd] | RunningSet] = tuple,
     unusable: Mapping[str, Collection[int]] | None = None,
     backfill: bool = True,
-    memo: dict | None = None,
+    memo: dict[str, Any] | None = None,
     book: QuotaBook | None = None,
     queues: Mapping[str, str] | None = None,
     depth: int | None = None,
@@ -407,7 +443,7 @@ def schedule_with_backfill(
     backfilled: list[str] = []
     flavors: dict[str, str] = {}
     refused: dict[str, str] = {}
-    failed: set[tuple] = set()  # (region hidden, shape) that did not fit behind the head in this pass
+    failed: set[tuple[bool, _Shape]] = set()  # (region hidden, shape) that did not fit behind the head in this pass
     if book is None:
         order: Iterable[tuple[str, GangRequest]] = (("", r) for r in queue_order(pending))
     else:
@@ -428,7 +464,7 @@ def schedule_with_backfill(
             limit_end = now + request.time_limit if request.time_limit > 0 else math.inf
             placed = None
             if head is None:
-                first_failure = None
+                first_failure: tuple[GangRequest, Unplaceable] | None = None
                 for flavor, variant in variants:
                     result = place_gang(capacity, variant, fabric_tiers)
                     if isinstance(result, Placement):
@@ -436,12 +472,17 @@ def schedule_with_backfill(
                         break
                     first_failure = first_failure or (variant, result)
                 if placed is None:
+                    # variants is never empty (book.admit returns a Refusal rather than no admission), so every
+                    # variant failed here and the first failure is set.
+                    assert first_failure is not None
                     variant, head = first_failure
                     if not backfill:
                         break
                     # The gangs placed in this pass count as running, with their own limits.
                     live = running()
                     extra = [RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements]
+                    planned: _InEndOrder | list[RunningEnd]
+                    running_key: tuple[RunningSet, int, frozenset[tuple[str, float]]] | frozenset[tuple[str, float]]
                     if isinstance(live, RunningSet):
                         planned = _InEndOrder(live, extra)
                         running_key = (live, live.version, frozenset((g.job_id, g.ends_at) for g in extra))
@@ -453,8 +494,14 @@ def schedule_with_backfill(
                         reservation = memo["reservation"]
                     else:
                         reservation = plan_reservation(
-                            capacity, variant, planned, now, fabric_tiers, unusable,
-                            memo.setdefault("ideal", {}) if memo is not None else None)
+                            capacity,
+                            variant,
+                            planned,
+                            now,
+                            fabric_tiers,
+                            unusable,
+                            memo.setdefault("ideal", {}) if memo is not None else None,
+                        )
                         if memo is not None:
                             memo.update(key=key, reservation=reservation)
                     continue
@@ -476,11 +523,15 @@ def schedule_with_backfill(
                 # The region is hidden while the gangs tried may not enter it; it stays hidden from one such gang
                 # to the next (each placement sees what it would see were the region hidden and shown around it).
                 if hide and not hidden_region:
+                    assert reservation is not None  # hide is only true with a reservation
                     # A node with nothing free (no whole GPU, no MIG slice or share) is invisible to placement,
                     # hidden or not, and capacity only shrinks during a pass: only the others need hiding.
                     nodes = capacity.nodes
-                    hidden = [n for n in reservation.nodes if n in nodes and nodes[n].schedulable
-                              and (nodes[n].free or nodes[n].mig or nodes[n].milli)]
+                    hidden = [
+                        n
+                        for n in reservation.nodes
+                        if n in nodes and nodes[n].schedulable and (nodes[n].free or nodes[n].mig or nodes[n].milli)
+                    ]
                     for n in hidden:
                         capacity.set_schedulable(n, False)
                     hidden_region = True
@@ -508,4 +559,3 @@ def schedule_with_backfill(
         for n in hidden:
             capacity.set_schedulable(n, True)
     return BackfillResult(placements, head, reservation, tuple(backfilled), flavors, refused)
-

@@ -10,12 +10,14 @@ same free count.
 from __future__ import annotations
 
 import dataclasses
-
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 
 from .mig import MEDIA_BIT, family_slices, full_mask, mig_family
 from .model import FULL_MIG_MASK, NodeCapacity, Placement, ReplicaPlacement
+
+# A node's free shape (`shape_key`): (GPU model, memory MiB, GPUs, whole free GPUs, MIG masks, milli shares in use).
+NodeShape = tuple[str, int, int, int, tuple[int, ...], tuple[int, ...]]
 
 
 class CapacityError(RuntimeError):
@@ -100,12 +102,14 @@ class ClusterCapacity:
             bucket.sort()
         # Each node's (histogram, domain key) per level 1..top, so an update needs no key computation.
         self._cells: dict[str, list[tuple[list[int], str]]] = {
-            node.name: [(self._hist[lv][k], k) for lv in range(1, self.top + 1)
-                        for k in (domain_key(node, lv, self.top),)]
+            node.name: [
+                (self._hist[lv][k], k) for lv in range(1, self.top + 1) for k in (domain_key(node, lv, self.top),)
+            ]
             for node in nodes
         }
-        self.most_nodes = [1] + [max((len(m) for m in self._members[lv].values()), default=0)
-                                 for lv in range(1, self.top + 1)]
+        self.most_nodes = [1] + [
+            max((len(m) for m in self._members[lv].values()), default=0) for lv in range(1, self.top + 1)
+        ]
         # Effective free GPUs per domain, and per free count the tie-tier domains holding a node with that count:
         # the fragmentation tie-break of `tightest_node` reads both.
         self._dom_free: list[dict[str, int]] = [{} for _ in range(self.top + 1)]
@@ -115,8 +119,9 @@ class ClusterCapacity:
         # The tie-break's tier: the lowest switch tier whose domains group nodes (an NVLink tier of single-node
         # domains says nothing), below the cluster root; 0 when there is none.
         self._tie_level = next((lv for lv in range(1, self.top) if self.most_nodes[lv] > 1), 0)
-        self._tie_key = {node.name: domain_key(node, self._tie_level, self.top) for node in nodes} \
-            if self._tie_level else {}
+        self._tie_key = (
+            {node.name: domain_key(node, self._tie_level, self.top) for node in nodes} if self._tie_level else {}
+        )
         self._leaves_with: list[set[str]] = [set() for _ in range(self.largest + 1)]
         # Per tie-tier domain, its nodes by effective free count (sorted names), like `_by_free` per domain.
         self._tie_buckets: dict[str, list[list[str]]] = {}
@@ -136,8 +141,8 @@ class ClusterCapacity:
         self.mig_mode_gpus = sum(len(n.mig_gpus) for n in nodes)  # GPUs in MIG mode (they take only MIG instances)
         self._ever: dict[int, int] = {}
         # Nodes by free shape, for partial-GPU placement (core.shares): refreshed lazily from `_dirty`.
-        self._shapes: dict[tuple, list[str]] = {}
-        self._shape_of: dict[str, tuple | None] = {}
+        self._shapes: dict[NodeShape, list[str]] = {}
+        self._shape_of: dict[str, NodeShape | None] = {}
         self._dirty: set[str] = set(self.nodes)
         # Nodes not schedulable (drained, down, or hidden for a while), kept with every change.
         self._down: set[str] = {node.name for node in nodes if not node.schedulable}
@@ -262,7 +267,7 @@ class ClusterCapacity:
             return self.nodes[self._tie_buckets[leaf][f][0]]
         return None
 
-    def _fullest(self, domains) -> str:
+    def _fullest(self, domains: list[str]) -> str:
         """The tie-tier domain with the least free GPUs, ties by name (one C-level pass)."""
         free = self._dom_free[self._tie_level]
         return min(zip(map(free.__getitem__, domains), domains))[1]
@@ -326,7 +331,7 @@ class ClusterCapacity:
                 out[child] = (slots, free)
         return out
 
-    def shape_buckets(self) -> dict[tuple, list[str]]:
+    def shape_buckets(self) -> dict[NodeShape, list[str]]:
         """Schedulable nodes with any free capacity, grouped by free shape (`shape_key`); each list sorted by name.
         Nodes of one shape are interchangeable for a partial-GPU request, so placement scores one per shape."""
         self._ensure()
@@ -449,8 +454,10 @@ class ClusterCapacity:
                 # Overlapping slices, or a second `+me` instance (MEDIA_BIT), or slices past the family's last one.
                 slices = family_slices(mig_family(node.gpu_model, node.memory_mib))[1]
                 if used is None or used & rep.mig_mask or (rep.mig_mask & ~MEDIA_BIT) >> slices:
-                    raise CapacityError(f"MIG slices {rep.mig_start}-{rep.mig_start + rep.mig_size - 1} of GPU {gpu} "
-                                        f"of {rep.node} are not free")
+                    raise CapacityError(
+                        f"MIG slices {rep.mig_start}-{rep.mig_start + rep.mig_size - 1} of GPU {gpu} "
+                        f"of {rep.node} are not free"
+                    )
                 mig[key] = used | rep.mig_mask
             else:
                 used = milli.get(key, node.milli.get(gpu, 0 if gpu in node.free else None))
@@ -534,7 +541,7 @@ class ClusterCapacity:
         self._touch(n)
 
 
-def shape_key(node: NodeCapacity) -> tuple | None:
+def shape_key(node: NodeCapacity) -> NodeShape | None:
     """What a partial-GPU request sees of a node: model, memory, GPUs, whole free GPUs, and the partial use of the
     others (sorted, since which GPU index holds what does not change the score). None when it offers nothing.
     Only GPUs in MIG mode count as MIG capacity: a GPU outside it that carries instances (a foreign one, or one

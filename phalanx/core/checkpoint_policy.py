@@ -88,17 +88,17 @@ DEFAULT_PRIOR = FailurePrior()
 class CheckpointPolicy:
     """A suggested checkpoint interval for one job, with every figure it came from."""
 
-    interval_s: float       # the suggested time between checkpoints
-    mtbf_s: float           # the job's MTBF: node_mtbf_s / nodes
-    node_mtbf_s: float      # the estimated MTBF of one node (prior + measurements)
-    cost_s: float           # the estimated time one checkpoint costs
-    nodes: int              # nodes the job's gang spans
-    events: int             # node-loss events observed cluster-wide
-    node_hours: float       # node-hours observed cluster-wide
-    cost_samples: int       # checkpoints the cost is the mean of (0: the prior)
-    cost_source: str        # "job", "cluster" or "prior"
-    mtbf_source: str        # "prior" (no node-hours or events observed) or "measured+prior"
-    method: str = YOUNG     # "young" (sqrt(2 M C)) or "daly" (the higher-order form)
+    interval_s: float  # the suggested time between checkpoints
+    mtbf_s: float  # the job's MTBF: node_mtbf_s / nodes
+    node_mtbf_s: float  # the estimated MTBF of one node (prior + measurements)
+    cost_s: float  # the estimated time one checkpoint costs
+    nodes: int  # nodes the job's gang spans
+    events: int  # node-loss events observed cluster-wide
+    node_hours: float  # node-hours observed cluster-wide
+    cost_samples: int  # checkpoints the cost is the mean of (0: the prior)
+    cost_source: str  # "job", "cluster" or "prior"
+    mtbf_source: str  # "prior" (no node-hours or events observed) or "measured+prior"
+    method: str = YOUNG  # "young" (sqrt(2 M C)) or "daly" (the higher-order form)
     prior_events: float = DEFAULT_PRIOR.events
     prior_node_hours: float = DEFAULT_PRIOR.node_hours
 
@@ -147,8 +147,9 @@ def job_mtbf_s(node_mtbf: float, nodes: int) -> float:
     return m / nodes
 
 
-def estimate_cost(job_durations: Iterable[float], cluster_durations: Iterable[float],
-                  prior_cost_s: float = PRIOR_COST_S) -> tuple[float, str, int]:
+def estimate_cost(
+    job_durations: Iterable[float], cluster_durations: Iterable[float], prior_cost_s: float = PRIOR_COST_S
+) -> tuple[float, str, int]:
     """(cost_s, source, samples): the job's mean measured duration, else the cluster's, else the prior.
 
     Durations of zero say nothing about the cost (a checkpoint recorded in one call) and are left out, so the
@@ -163,9 +164,15 @@ def estimate_cost(job_durations: Iterable[float], cluster_durations: Iterable[fl
 
 
 def compute_policy(
-    *, events: int, node_hours: float, nodes: int = 1, job_durations: Iterable[float] = (),
-    cluster_durations: Iterable[float] = (), prior: FailurePrior = DEFAULT_PRIOR,
-    prior_cost_s: float = PRIOR_COST_S, method: str = YOUNG,
+    *,
+    events: int,
+    node_hours: float,
+    nodes: int = 1,
+    job_durations: Iterable[float] = (),
+    cluster_durations: Iterable[float] = (),
+    prior: FailurePrior = DEFAULT_PRIOR,
+    prior_cost_s: float = PRIOR_COST_S,
+    method: str = YOUNG,
 ) -> CheckpointPolicy:
     """The suggested interval for a job spanning `nodes` nodes, from the cluster's measured failures and the
     measured checkpoint durations (seconds)."""
@@ -175,8 +182,17 @@ def compute_policy(
     mtbf = job_mtbf_s(node_mtbf, nodes)
     cost, cost_source, samples = estimate_cost(job_durations, cluster_durations, prior_cost_s)
     return CheckpointPolicy(
-        interval_s=interval(cost, mtbf, method), mtbf_s=mtbf, node_mtbf_s=node_mtbf, cost_s=cost, nodes=nodes,
-        events=events, node_hours=float(node_hours), cost_samples=samples, cost_source=cost_source,
-        mtbf_source="measured+prior" if events or node_hours else "prior", method=method,
-        prior_events=prior.events, prior_node_hours=prior.node_hours,
+        interval_s=interval(cost, mtbf, method),
+        mtbf_s=mtbf,
+        node_mtbf_s=node_mtbf,
+        cost_s=cost,
+        nodes=nodes,
+        events=events,
+        node_hours=float(node_hours),
+        cost_samples=samples,
+        cost_source=cost_source,
+        mtbf_source="measured+prior" if events or node_hours else "prior",
+        method=method,
+        prior_events=prior.events,
+        prior_node_hours=prior.node_hours,
     )

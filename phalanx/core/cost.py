@@ -29,9 +29,15 @@ class RingCost:
     rails: tuple[int, ...]  # rails the inter-node traffic uses (rail-optimized fabrics only)
     rail_changes: int  # hops inside one leaf domain with a channel that changes rail (up to a spine)
 
-    def to_dict(self) -> dict:
-        return {"tier": self.tier, "leaves": self.leaves, "leaf_crossings": self.leaf_crossings,
-                "spine_crossings": self.spine_crossings, "rails": list(self.rails), "rail_changes": self.rail_changes}
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "tier": self.tier,
+            "leaves": self.leaves,
+            "leaf_crossings": self.leaf_crossings,
+            "spine_crossings": self.spine_crossings,
+            "rails": list(self.rails),
+            "rail_changes": self.rail_changes,
+        }
 
 
 def ring_cost(placement: Placement, fabric: Fabric) -> RingCost:

@@ -80,17 +80,24 @@ class Fabric:
 
     def to_yaml(self) -> str:
         rails = {"rails": self.rails} if self.rails else {}
+        out: str  # yaml.safe_dump without a stream returns the document as a str (PyYAML has no stubs here)
         if self.nvlink_domains is None:
-            return yaml.safe_dump({"tiers": list(self.tiers), **rails,
-                                   "nodes": {n: list(p) for n, p in self.paths.items()}})
+            out = yaml.safe_dump(
+                {"tiers": list(self.tiers), **rails, "nodes": {n: list(p) for n, p in self.paths.items()}}
+            )
+            return out
         members: dict[str, list[str]] = {}
         for node, domain in self.nvlink_domains.items():
             members.setdefault(domain, []).append(node)
-        return yaml.safe_dump({
-            "tiers": list(self.switch_tiers), **rails,
-            "nvlink_domains": {d: sorted(ns) for d, ns in sorted(members.items())} or AUTO,
-            "nodes": {n: list(self.switch_path(n)) for n in self.paths},
-        })
+        out = yaml.safe_dump(
+            {
+                "tiers": list(self.switch_tiers),
+                **rails,
+                "nvlink_domains": {d: sorted(ns) for d, ns in sorted(members.items())} or AUTO,
+                "nodes": {n: list(self.switch_path(n)) for n in self.paths},
+            }
+        )
+        return out
 
 
 def nvlink_domain_key(cluster_uuid: str, clique: str = "") -> str:
@@ -140,7 +147,9 @@ def with_nvlink_domains(fabric: Fabric, declared: Mapping[str, str] | None = Non
     return Fabric(tiers=(NVLINK_TIER, *fabric.tiers), paths=paths, nvlink_domains=declared, rails=fabric.rails)
 
 
-def _two_differing(placed: Mapping[str, tuple[str, ...]]):
+def _two_differing(
+    placed: Mapping[str, tuple[str, ...]],
+) -> tuple[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]]:
     items = sorted(placed.items())
     first = items[0]
     return first, next(item for item in items if item[1] != first[1])
@@ -165,7 +174,7 @@ def group_nvlink_domains(fabric: Fabric, nodes_per_domain: int, prefix: str = "n
         for start in range(0, len(nodes), nodes_per_domain):
             while f"{prefix}-{index}" in taken:
                 index += 1
-            for node in nodes[start:start + nodes_per_domain]:
+            for node in nodes[start : start + nodes_per_domain]:
                 declared[node] = f"{prefix}-{index}"
             index += 1
     plain = Fabric(tiers=base.switch_tiers, paths={n: base.switch_path(n) for n in base.paths}, rails=base.rails)
@@ -371,8 +380,9 @@ def parse_fabric_yaml(text: str) -> Fabric:
     if NVLINK_TIER in tiers:
         raise FabricError(
             f"tier {NVLINK_TIER!r} comes from `nvlink_domains:` (a mapping of domains to hostlists, or `auto`) "
-            "and is always the lowest; leave it out of `tiers`" if declared is not None else
-            f"tier {NVLINK_TIER!r} needs `nvlink_domains:` (a mapping of domains to hostlists, or `auto`)"
+            "and is always the lowest; leave it out of `tiers`"
+            if declared is not None
+            else f"tier {NVLINK_TIER!r} needs `nvlink_domains:` (a mapping of domains to hostlists, or `auto`)"
         )
     paths: dict[str, tuple[str, ...]] = {}
     if "nodes" in doc:
@@ -395,16 +405,14 @@ def parse_fabric_yaml(text: str) -> Fabric:
     return fabric if declared is None else with_nvlink_domains(fabric, declared)
 
 
-def _nvlink_section(section) -> dict[str, str]:
+def _nvlink_section(section: object) -> dict[str, str]:
     """`nvlink_domains:` of the YAML: `auto` (or an empty mapping) -> {}, else node -> domain."""
     if isinstance(section, str) and section.strip().lower() == AUTO:
         return {}
     if section is None:
         section = {}
     if not isinstance(section, dict):
-        raise FabricError(
-            f"nvlink_domains must be `auto` or a mapping of domain names to hostlists, got {section!r}"
-        )
+        raise FabricError(f"nvlink_domains must be `auto` or a mapping of domain names to hostlists, got {section!r}")
     declared: dict[str, str] = {}
     for domain, members in section.items():
         domain = str(domain)
@@ -420,16 +428,14 @@ def _nvlink_section(section) -> dict[str, str]:
                 raise FabricError(f"nvlink domain {domain!r}: {exc}") from exc
             for node in names:
                 if node in declared and declared[node] != domain:
-                    raise FabricError(
-                        f"node {node!r} is in two NVLink domains ({declared[node]!r} and {domain!r})"
-                    )
+                    raise FabricError(f"node {node!r} is in two NVLink domains ({declared[node]!r} and {domain!r})")
                 if node in declared:
                     raise FabricError(f"node {node!r} is listed twice in NVLink domain {domain!r}")
                 declared[node] = domain
     return declared
 
 
-def _walk_switches(tree, above: tuple[str, ...], paths: dict[str, tuple[str, ...]]) -> None:
+def _walk_switches(tree: object, above: tuple[str, ...], paths: dict[str, tuple[str, ...]]) -> None:
     if isinstance(tree, dict):
         for switch, below in tree.items():
             _walk_switches(below, (str(switch), *above), paths)

@@ -82,12 +82,14 @@ def account_attempt(a: AttemptTimes, now: float) -> Goodput:
     else:
         kept = min(max(a.kept_until - ready, 0.0), work)
     g = a.gpus
-    return Goodput(allocated=g * (end - start), productive=g * kept, rollback=g * (work - kept),
-                   restart=g * (ready - start))
+    return Goodput(
+        allocated=g * (end - start), productive=g * kept, rollback=g * (work - kept), restart=g * (ready - start)
+    )
 
 
-def account_job(submitted_at: float, gpus: float, attempts: Sequence[AttemptTimes], now: float,
-                finished_at: float | None = None) -> Goodput:
+def account_job(
+    submitted_at: float, gpus: float, attempts: Sequence[AttemptTimes], now: float, finished_at: float | None = None
+) -> Goodput:
     """A job's goodput from its attempts in order. `gpus`: what it asks for (its waiting is charged at that);
     `finished_at`: when it ended for good (None while it is active: a queued job is still waiting at `now`)."""
     acc = Goodput()

@@ -20,7 +20,9 @@ def expand_hostlist(expr: str) -> list[str]:
 
 
 def _split_top_level(expr: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
     for ch in expr:
         if ch == "[":
             depth += 1
@@ -43,7 +45,7 @@ def _expand_one(part: str) -> list[str]:
     match = _BRACKET.search(part)
     if not match:
         return [part]
-    prefix, suffix = part[: match.start()], part[match.end():]
+    prefix, suffix = part[: match.start()], part[match.end() :]
     out = []
     for item in match.group(1).split(","):
         item = item.strip()

@@ -211,9 +211,18 @@ def family_table(family: str) -> dict[str, MigProfile]:
     table: dict[str, MigProfile] = {}
     for (suffix, c, size, starts, count, pid, gi, ci), gb in zip(rows, memory, strict=True):
         name = f"{c}g.{gb}gb{suffix}"
-        table[name] = MigProfile(name, c, size, starts, gb, nvml_gi_profile=f"NVML_GPU_INSTANCE_PROFILE_{gi}",
-                                 profile_id=pid, max_count=count, media=suffix == "+me",
-                                 nvml_ci_profile=f"NVML_COMPUTE_INSTANCE_PROFILE_{ci}")
+        table[name] = MigProfile(
+            name,
+            c,
+            size,
+            starts,
+            gb,
+            nvml_gi_profile=f"NVML_GPU_INSTANCE_PROFILE_{gi}",
+            profile_id=pid,
+            max_count=count,
+            media=suffix == "+me",
+            nvml_ci_profile=f"NVML_COMPUTE_INSTANCE_PROFILE_{ci}",
+        )
     return table
 
 
@@ -310,8 +319,9 @@ def parse_gpu_indexes(text: str, count: int) -> frozenset[int]:
     for part in spec.split(","):
         part = part.strip()
         if not part.isdigit() or int(part) >= count:
-            raise ValueError(f"{part!r} is not a GPU index 0-{count - 1} (give `all`, `none` or a comma list such "
-                             "as 6,7)")
+            raise ValueError(
+                f"{part!r} is not a GPU index 0-{count - 1} (give `all`, `none` or a comma list such as 6,7)"
+            )
         out.add(int(part))
     return frozenset(out)
 

@@ -67,7 +67,7 @@ def switch_order(capacity: ClusterCapacity, candidates: Collection[Gpu], enable:
     """The candidates in the order they are preferred (see the module docstring)."""
     nodes = capacity.nodes
 
-    def key(c: Gpu) -> tuple:
+    def key(c: Gpu) -> tuple[bool, bool, int, str, int] | tuple[int, str, int]:
         name, gpu = c
         n = nodes[name]
         if enable:
@@ -91,8 +91,12 @@ def _apply(node: NodeCapacity, gpu: int, enable: bool) -> None:
             node.free.add(gpu)
 
 
-def _view(capacity: ClusterCapacity, flips: Sequence[tuple[str, int, bool]], hidden: Collection[str],
-          taken: Sequence[Placement]) -> ClusterCapacity | None:
+def _view(
+    capacity: ClusterCapacity,
+    flips: Sequence[tuple[str, int, bool]],
+    hidden: Collection[str],
+    taken: Sequence[Placement],
+) -> ClusterCapacity | None:
     """A copy of `capacity` with the GPUs of `flips` in their new mode, the `hidden` nodes unschedulable and the
     `taken` placements reserved; None when one of those no longer fits."""
     view = capacity.copy()
@@ -137,8 +141,11 @@ def plan_switches(
     coming = [(n, g, e) for (n, g), e in sorted(switching.items()) if e == enable]
     claimed = {(r.node, g) for p in taken for r in p.replicas for g in r.gpus}
     hidden = frozenset(hidden)
-    order = [c for c in switch_order(capacity, candidates, enable)
-             if c not in switching and c not in claimed and c[0] not in hidden and offers(capacity.nodes[c[0]], request)]
+    order = [
+        c
+        for c in switch_order(capacity, candidates, enable)
+        if c not in switching and c not in claimed and c[0] not in hidden and offers(capacity.nodes[c[0]], request)
+    ]
 
     def attempt(k: int) -> Placement | None:
         view = _view(capacity, coming + [(n, g, enable) for n, g in order[:k]], hidden, taken)
@@ -164,6 +171,9 @@ def plan_switches(
             else:
                 hi, best = mid, got
     used = {(r.node, g) for r in best.replicas for g in r.gpus}
-    return SwitchPlan(enable, tuple(c for c in order[:hi] if c in used),
-                      tuple(c for c in sorted(switching) if switching[c] == enable and c in used), best)
-
+    return SwitchPlan(
+        enable,
+        tuple(c for c in order[:hi] if c in used),
+        tuple(c for c in sorted(switching) if switching[c] == enable and c in used),
+        best,
+    )

@@ -116,7 +116,7 @@ class TypicalMix:
     thresholds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        by: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+        by: dict[tuple[int, int, tuple[str, ...]], list[tuple[int, float]]] = defaultdict(list)
         for t, w in self.tasks:
             self.total += w
             if t.milli == 0:
@@ -157,7 +157,7 @@ class Fragmentation:
 
     def __init__(self, mix: TypicalMix) -> None:
         self.mix = mix
-        self._memo: dict[tuple, float] = {}
+        self._memo: dict[tuple[str, int, tuple[int, ...]], float] = {}  # (model, CPU class, sorted GPUs left)
         self._groups_of: dict[str, list[_Group]] = {}
 
     def _groups(self, model: str) -> list[_Group]:
@@ -211,8 +211,15 @@ def _sigmoid_score(delta: float) -> int:
 class Packer:
     """Online, irrevocable placement of `PackTask`s onto `PackNode`s under one policy."""
 
-    def __init__(self, nodes: Sequence[PackNode], policy: str, mix: TypicalMix | None = None, *,
-                 rng: random.Random | None = None, random_ties: bool = False) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[PackNode],
+        policy: str,
+        mix: TypicalMix | None = None,
+        *,
+        rng: random.Random | None = None,
+        random_ties: bool = False,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown packing policy {policy!r}; policies: {', '.join(POLICIES)}")
         if policy != "bestfit" and mix is None:
@@ -223,7 +230,7 @@ class Packer:
         self.rng = rng or random.Random(0)
         self.random_ties = random_ties
         self._version = np.zeros(len(self.nodes), dtype=np.int64)
-        self._cache: dict[PackTask, tuple[np.ndarray, np.ndarray, list]] = {}
+        self._cache: dict[PackTask, tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]] = {}
         self.allocated_milli = 0
         self.capacity_milli = sum(len(n.gpus) for n in self.nodes) * MILLI
 
@@ -248,6 +255,7 @@ class Packer:
 
     def _fgd(self, node: PackNode, task: PackTask, phalanx: bool) -> tuple[float, tuple[int, ...]]:
         frag = self.frag
+        assert frag is not None  # only the fgd/phalanx policies score here, and __init__ makes them take a mix
         before = frag.of(node.model, node.cpu, node.gpus)
         cpu_after = node.cpu - task.cpu
         if phalanx:
@@ -261,7 +269,9 @@ class Packer:
             return _sigmoid_score(before - after - self._stranded(cpu_after, left)) * 10_000.0 - left
 
         if task.is_share:
-            best, choice, seen = -math.inf, (), set()
+            best = -math.inf
+            choice: tuple[int, ...] = ()
+            seen: set[int] = set()
             for i, x in enumerate(node.gpus):
                 if x < task.milli or x in seen:
                     continue
@@ -280,11 +290,13 @@ class Packer:
 
     def _stranded(self, cpu: int, gpu_left: int) -> float:
         """Free milli-GPU beyond what `cpu` milli-CPU can feed at the workload's CPU-per-GPU ratio."""
-        ratio = self.frag.mix.cpu_per_milli
+        frag = self.frag
+        assert frag is not None  # called only from _fgd: the phalanx policy, which __init__ makes take a mix
+        ratio = frag.mix.cpu_per_milli
         return max(0.0, gpu_left - cpu / ratio) if ratio > 0 else 0.0
 
     # ------------------------------------------------------------------ placing
-    def _scores(self, task: PackTask) -> tuple[np.ndarray, list]:
+    def _scores(self, task: PackTask) -> tuple[np.ndarray, list[tuple[int, ...]]]:
         entry = self._cache.get(task)
         if entry is None:
             n = len(self.nodes)

@@ -26,17 +26,23 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Generic, Protocol, TypeVar, cast
 
 from .capacity import ClusterCapacity
 from .closeness import GpuCloseness, closest_sets
 from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from .shares import place_partial
+from .status import Code, Status
 
 
 @dataclass(frozen=True, slots=True)
 class Unplaceable:
     job_id: str
     reason: str
+
+    @property
+    def status(self) -> Status:
+        return Status(Code.UNSCHEDULABLE, self.reason)
 
 
 def tier_names(capacity: ClusterCapacity, fabric_tiers: Sequence[str] = ()) -> list[str]:
@@ -98,8 +104,10 @@ def place_gang(
         got = _place_gang(capacity, request, fabric_tiers)
         if isinstance(got, Placement) and set(got.nodes) & request.avoid:
             struck = sorted(set(got.nodes) & request.avoid)
-            got = replace(got, reason=f"{got.reason}; on node(s) {', '.join(struck)} that struck it before: it fits "
-                                      "nowhere else now")
+            got = replace(
+                got,
+                reason=f"{got.reason}; on node(s) {', '.join(struck)} that struck it before: it fits nowhere else now",
+            )
         return got
     return _place_gang(capacity, request, fabric_tiers)
 
@@ -121,19 +129,21 @@ def _place_gang(
     names = tier_names(capacity, fabric_tiers)
     limit = top
     if request.required_tier:
-        limit = tier_level(capacity, request.required_tier, fabric_tiers)
-        if limit is None:
+        required = tier_level(capacity, request.required_tier, fabric_tiers)
+        if required is None:
             return Unplaceable(
                 request.job_id,
                 f"unknown required_tier {request.required_tier!r}; this cluster has {', '.join(names)}",
             )
+        limit = required
     total_slots, free_now = capacity.domain_stats(top, g).get("", (0, 0))
     if total_slots < need:
         in_mig = capacity.mig_mode_gpus
         return Unplaceable(
             request.job_id,
             f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now ({free_now} GPUs free"
-            + (f"; {in_mig} GPU(s) in MIG mode take only MIG instances" if in_mig else "") + ")",
+            + (f"; {in_mig} GPU(s) in MIG mode take only MIG instances" if in_mig else "")
+            + ")",
         )
     most_nodes, largest = capacity.shape()
     for level in range(limit + 1):
@@ -173,8 +183,14 @@ def _place_gang(
 
 
 def _fewest_children(
-    capacity: ClusterCapacity, level: int, fitting: list[tuple[int, str]], need: int, g: int,
-    most_nodes: list[int], largest: int, objective: _Objective | None = None,
+    capacity: ClusterCapacity,
+    level: int,
+    fitting: list[tuple[int, str]],
+    need: int,
+    g: int,
+    most_nodes: list[int],
+    largest: int,
+    objective: _Objective[str] | None = None,
 ) -> tuple[int, str]:
     """The fitting domain (given as (free, key), best fit first) whose best placement is cheapest (`_Objective`:
     fewest children, then fewest domains of each level below, down to nodes); ties keep best fit, then the key.
@@ -197,6 +213,7 @@ def _fewest_children(
                 best = (cost, free, key)
                 if cost <= bound:
                     break
+        assert best is not None  # fitting has two domains or more: the loop ran
         return best[1], best[2]
     ranked = sorted((_bound(objective, level, key, need), free, key) for free, key in fitting)
     best = None
@@ -205,11 +222,15 @@ def _fewest_children(
             break  # neither this domain nor any after it can beat the best
         cost = _domain_cost(objective, level, key, low)
         best = min(best or (cost, free, key), (cost, free, key))
+    assert best is not None  # ranked is not empty, and its first domain always sets best
     return best[1], best[2]
 
 
 def _preferred(
-    request: GangRequest, placement: Placement, names: list[str], fabric_tiers: Sequence[str],
+    request: GangRequest,
+    placement: Placement,
+    names: list[str],
+    fabric_tiers: Sequence[str],
     capacity: ClusterCapacity,
 ) -> Placement:
     """Note in the reason when the preferred tier could not be met (the placement itself is already the lowest)."""
@@ -222,7 +243,7 @@ def _preferred(
     return Placement(placement.job_id, placement.replicas, placement.tier, placement.domains, placement.score, reason)
 
 
-def _order_and_pick(kids: list, need: int) -> tuple[list, tuple, int]:
+def _order_and_pick(kids: list[_Kid[_H]], need: int) -> tuple[list[tuple[_Kid[_H], int]], _Kid[_H], int]:
     """Fullest children first; the remainder goes to the tightest child that holds all of it.
 
     `kids`: (key, slots, free GPUs, handle) each. Returns the children taken whole (kid, replicas), the child that
@@ -230,12 +251,12 @@ def _order_and_pick(kids: list, need: int) -> tuple[list, tuple, int]:
     always a prefix of what is left.
     """
     order = sorted(kids, key=lambda kid: (-kid[1], kid[2], kid[0]))
-    whole: list = []
+    whole: list[tuple[_Kid[_H], int]] = []
     remaining = need
     for i, kid in enumerate(order):
         if kid[1] >= remaining:
             best = kid
-            for other in order[i + 1:]:
+            for other in order[i + 1 :]:
                 if other[1] < remaining:
                     break
                 if (other[2], other[0]) < (best[2], best[0]):
@@ -247,7 +268,7 @@ def _order_and_pick(kids: list, need: int) -> tuple[list, tuple, int]:
 
 
 def _take_indexed(
-    capacity: ClusterCapacity, level: int, key: str, need: int, g: int, objective: _Objective | None = None
+    capacity: ClusterCapacity, level: int, key: str, need: int, g: int, objective: _Objective[str] | None = None
 ) -> list[tuple[NodeCapacity, int]]:
     """`_take` read from the capacity index: only the children of chosen domains (and, where lower levels must be
     weighed, their descendants' slot counts) are looked at, not every node of the domain."""
@@ -311,6 +332,30 @@ def _scan_cost(nodes: list[NodeCapacity], need: int, g: int, level: int) -> int:
 _EXACT_CELLS = 20_000
 _TAKE_CELLS = 3 * _EXACT_CELLS
 _NEVER = float("inf")
+
+# A domain as a view hands it out: its key on `_IndexView`, its member nodes (`_Group`) on `_ScanView`.
+_H = TypeVar("_H")
+# A child of a domain: (key, slots, free GPUs, handle).
+_Kid = tuple[str, int, int, _H]
+# A domain's shape (`_sig`): its slots at the lowest level counted, above it the sorted tuple of its children's
+# shapes (at level 1 with nodes counted, the nodes' slot counts). Which it is follows from the level alone.
+_Sig = int | tuple["_Sig", ...]
+# What `_eligible` and `_select` read of a child: its slots second; `_select`'s also carry free GPUs third and
+# their shape fifth ((key, slots, free, handle, shape); key and handle None where only the cost is wanted).
+_Slotted = TypeVar("_Slotted", bound=tuple[object, int, object, object] | tuple[object, int, object, object, object])
+_Shaped = TypeVar("_Shaped", bound=tuple[str | None, int, int, object, _Sig])
+
+
+class _View(Protocol[_H]):
+    """What the objective reads of a fabric: `_IndexView` (domains by key) or `_ScanView` (groups of nodes)."""
+
+    def kids(self, level: int, handle: _H, /) -> list[_Kid[_H]]: ...
+
+    def node_slots(self, level: int, handle: _H, /) -> tuple[int, ...]: ...
+
+    def most_slots(self, level: int, handle: _H, /) -> int: ...
+
+    def node(self, handle: _H, /) -> NodeCapacity: ...
 
 
 class _Group:
@@ -382,28 +427,29 @@ class _ScanView:
         return node
 
 
-class _Objective:
+class _Objective(Generic[_H]):
     """Memos for one gang size on one view: signatures, F tables and domain costs (pure functions of shape)."""
 
-    def __init__(self, view: _IndexView | _ScanView, need: int) -> None:
+    def __init__(self, view: _View[_H], need: int) -> None:
         self.view, self.need, self.w = view, need, need + 1
         self.left = _TAKE_CELLS  # what one take may still spend on DPs (`_plan`)
-        self.sigs: dict = {}
-        self.fns: dict = {}
-        self.costs: dict = {}
-        self.sizes: dict = {}
+        self.sigs: dict[tuple[int, int, _H], _Sig] = {}  # (lo, level, handle) -> shape
+        self.fns: dict[tuple[int, int, _Sig], tuple[list[int], int]] = {}  # (lo, level, shape) -> (F table, work)
+        self.costs: dict[tuple[int, int, _Sig], int] = {}  # (lo, level, shape) -> cheapest cost
+        self.sizes: dict[tuple[_Sig, ...], int] = {}  # shape -> slots
 
     def unit(self, level: int) -> int:
-        return self.w ** level
+        unit: int = self.w**level  # int ** int is typed Any (a negative power is a float); level is never < 0
+        return unit
 
 
-def _lowest(objective: _Objective, level: int, handle) -> int:
+def _lowest(objective: _Objective[_H], level: int, handle: _H) -> int:
     """The lowest level the DP counts inside a domain: 1 when no node holds two replicas (then every placement
     uses exactly k nodes), else 0."""
     return 0 if objective.view.most_slots(level, handle) >= 2 else 1
 
 
-def _sig(objective: _Objective, level: int, handle, slots: int, lo: int):
+def _sig(objective: _Objective[_H], level: int, handle: _H, slots: int, lo: int) -> _Sig:
     """The shape of a domain as far as the objective sees it: its slots at level `lo`, above it the sorted tuple of
     its children's shapes (nodes' slot counts for a leaf)."""
     if level <= lo:
@@ -420,7 +466,7 @@ def _sig(objective: _Objective, level: int, handle, slots: int, lo: int):
     return got
 
 
-def _size(objective: _Objective, sig) -> int:
+def _size(objective: _Objective[_H], sig: _Sig) -> int:
     if isinstance(sig, int):
         return sig
     got = objective.sizes.get(sig)
@@ -429,7 +475,7 @@ def _size(objective: _Objective, sig) -> int:
     return got
 
 
-def _fewest(sizes: list[int], need: int) -> int:
+def _fewest(sizes: Sequence[int], need: int) -> int:
     """How many of these (sorted largest first) hold `need` together."""
     count = held = 0
     for s in sizes:
@@ -458,17 +504,17 @@ def _cover(options: list[list[tuple[int, int]]], n: int) -> list[list[float]]:
             took = min(took, n)
             first = bisect_right(b, w, 1, took + 1)  # from state 0: states 1..took at cost w
             if first <= took:
-                b[first:took + 1] = [w] * (took + 1 - first)
+                b[first : took + 1] = [w] * (took + 1 - first)
             if took < n:  # from states s - took >= 1, at cost a[s - took] + w >= a[1] + w
                 start = bisect_right(b, a[1] + w, took + 1)
                 if start <= n:
-                    b[start:] = [x if x <= (y := z + w) else y for x, z in zip(b[start:], a[start - took:])]
+                    b[start:] = [x if x <= (y := z + w) else y for x, z in zip(b[start:], a[start - took :])]
         a = b
         stages.append(a)
     return stages
 
 
-def _fn(objective: _Objective, level: int, sig, lo: int) -> tuple[list[int], int]:
+def _fn(objective: _Objective[_H], level: int, sig: _Sig, lo: int) -> tuple[list[int], int]:
     """F[k] for k = 0 .. min(R, slots): the least cost of levels lo .. level-1 for k replicas in a domain of this
     shape (see the comment above `_EXACT_CELLS`), and the work it took (DP cells, as if nothing were memoised:
     a pure function of the shape, so the budget decisions below do not depend on what was computed before)."""
@@ -476,22 +522,24 @@ def _fn(objective: _Objective, level: int, sig, lo: int) -> tuple[list[int], int
     got = objective.fns.get(memo)
     if got is not None:
         return got
+    # Every caller asks about a domain above `lo` (level > lo), whose shape is the tuple of its children's.
+    assert isinstance(sig, tuple)
     n = min(objective.need, _size(objective, sig))
     unit = objective.unit(level - 1)
     table = [0] * (n + 1)
     work = n
     if level - 1 <= lo:  # children are atoms (sig: their slots, ascending): the fewest children is a greedy prefix
         held = count = 0
-        for s in reversed(sig):
+        for s in reversed(cast("tuple[int, ...]", sig)):  # the children, at level lo, are slot counts
             count += 1
             upto = min(held + s, n)
-            table[held + 1:upto + 1] = [count * unit] * (upto - held)
+            table[held + 1 : upto + 1] = [count * unit] * (upto - held)
             held = upto
             if held >= n:
                 break
         objective.fns[memo] = table, work
         return table, work
-    kinds: dict = {}
+    kinds: dict[_Sig, int] = {}  # child shape -> how many children have it, fullest shapes first
     for child in sorted(sig, key=lambda c: _size(objective, c), reverse=True):
         kinds[child] = kinds.get(child, 0) + 1
     tables = {}
@@ -503,7 +551,7 @@ def _fn(objective: _Objective, level: int, sig, lo: int) -> tuple[list[int], int
         sub = tables[child]
         for _ in range(count):
             upto = min(held + len(sub) - 1, n)
-            table[held + 1:upto + 1] = [base + unit + sub[k] for k in range(1, upto - held + 1)]
+            table[held + 1 : upto + 1] = [base + unit + sub[k] for k in range(1, upto - held + 1)]
             base += unit + sub[upto - held]
             held = upto
             if held >= n:
@@ -532,7 +580,7 @@ def _fn(objective: _Objective, level: int, sig, lo: int) -> tuple[list[int], int
     return table, work
 
 
-def _lower(objective: _Objective, level: int, sig, lo: int, n: int) -> list[int]:
+def _lower(objective: _Objective[_H], level: int, sig: tuple[_Sig, ...], lo: int, n: int) -> list[int]:
     """A lower bound of F[k] for every k: at each level, the fewest descendants of that level that hold k."""
     table = [0] * (n + 1)
     layer = list(sig)
@@ -541,21 +589,21 @@ def _lower(objective: _Objective, level: int, sig, lo: int, n: int) -> list[int]
         for s in sorted((_size(objective, c) for c in layer), reverse=True):
             count += 1
             upto = min(held + s, n)
-            table[held + 1:upto + 1] = [x + count * unit for x in table[held + 1:upto + 1]]
+            table[held + 1 : upto + 1] = [x + count * unit for x in table[held + 1 : upto + 1]]
             held = upto
             if held >= n:
                 break
-        if lv > lo:
-            layer = [c for shape in layer for c in shape]
+        if lv > lo:  # the shapes of level lv > lo are tuples of their children's
+            layer = [c for shape in cast("list[tuple[_Sig, ...]]", layer) for c in shape]
     return table
 
 
-def _eligible(kids: list, need: int) -> tuple[int, list]:
+def _eligible(kids: Sequence[_Slotted], need: int) -> tuple[int, list[tuple[_Slotted, int]]]:
     """m, the fewest of `kids` (as (key, slots, ...)) that hold `need` together, and the kids that can be one of m
     that do, each with the least it must then take (what the m-1 largest others cannot)."""
     sizes = sorted((kid[1] for kid in kids), reverse=True)
     m = _fewest(sizes, need)
-    top = sum(sizes[:m - 1])  # what the m-1 largest hold
+    top = sum(sizes[: m - 1])  # what the m-1 largest hold
     out = []
     for kid in kids:
         s = kid[1]
@@ -569,7 +617,14 @@ def _eligible(kids: list, need: int) -> tuple[int, list]:
     return m, out
 
 
-def _select(objective: _Objective, level: int, kids: list, need: int, lo: int, tie: bool):
+def _select(
+    objective: _Objective[_H],
+    level: int,
+    kids: Sequence[_Shaped],
+    need: int,
+    lo: int,
+    tie: bool,
+) -> tuple[int, list[tuple[_Shaped, int]]] | None:
     """The cheapest way to hold `need` replicas on `kids` (children of one domain of `level`, as (key, slots, free,
     handle, shape)): (cost, [(kid, replicas)]), or None when the DP (with the F tables it needs) would be too big.
 
@@ -580,9 +635,9 @@ def _select(objective: _Objective, level: int, kids: list, need: int, lo: int, t
     limit = min(_EXACT_CELLS, objective.left) if tie else _EXACT_CELLS
     if (need + 1) * len(eligible) > limit:
         return None  # at least one option a child: too big whatever the tables say
-    chosen: list = []
-    seen: dict = {}
-    charged: set = set()
+    chosen: list[tuple[_Shaped, list[tuple[int, int]]]] = []  # (kid, its (replicas, cost) options)
+    seen: dict[_Sig | tuple[_Sig, int], int] = {}  # kind of child (shape; with tie, (shape, free)) -> offered
+    charged: set[_Sig] = set()
     work = 0
     for kid, least in eligible:
         cls = (kid[4], kid[2]) if tie else kid[4]
@@ -608,8 +663,8 @@ def _select(objective: _Objective, level: int, kids: list, need: int, lo: int, t
     if tie:
         objective.left -= work
     stages = _cover(options, need)
-    cost = stages[-1][need]
-    picks = []
+    scaled = stages[-1][need]
+    picks: list[tuple[_Shaped, int]] = []
     s = need
     for i in range(len(options) - 1, -1, -1):
         if s == 0:
@@ -623,10 +678,10 @@ def _select(objective: _Objective, level: int, kids: list, need: int, lo: int, t
                 picks.append((chosen[i][0], took))
                 s -= took
                 break
-    return int(cost) // scale, picks
+    return int(scaled) // scale, picks
 
 
-def _bound(objective: _Objective, level: int, handle, need: int) -> int:
+def _bound(objective: _Objective[_H], level: int, handle: _H, need: int) -> int:
     """A lower bound of the cheapest placement's cost inside a domain: the fewest children (exact), then at every
     level below, the fewest descendants of that level of the children that can be among the fewest, whatever their
     parents (a greedy count each), for `need` replicas. A placement that reaches it is optimal; exact when the
@@ -647,7 +702,7 @@ def _bound(objective: _Objective, level: int, handle, need: int) -> int:
     return total + _fewest(nodes, need)
 
 
-def _greedy_cost(objective: _Objective, level: int, shapes: list, lo: int) -> int:
+def _greedy_cost(objective: _Objective[_H], level: int, shapes: list[tuple[_Sig, int]], lo: int) -> int:
     """The cost of children taken as (shape, replicas), lower levels at their best (levels down to `lo`)."""
     unit, need = objective.unit(level - 1), 0
     cost = 0
@@ -657,7 +712,7 @@ def _greedy_cost(objective: _Objective, level: int, shapes: list, lo: int) -> in
     return cost + (need if lo == 1 else 0)
 
 
-def _domain_cost(objective: _Objective, level: int, handle, bound: int | None = None) -> int:
+def _domain_cost(objective: _Objective[_H], level: int, handle: _H, bound: int | None = None) -> int:
     """The cost of the cheapest placement of the gang inside this domain (it holds the gang); `bound`: its
     `_bound`, if known. Exact unless the DP would be too big (then the greedy fill's cost, an upper bound)."""
     need = objective.need
@@ -668,6 +723,7 @@ def _domain_cost(objective: _Objective, level: int, handle, bound: int | None = 
     memo = (lo, level, sig)
     cost = objective.costs.get(memo)
     if cost is None:
+        assert isinstance(sig, tuple)  # level >= 2 > lo: the shape is the tuple of the children's
         # The greedy fill (fullest children first); exact when the children are atoms or it reaches the bound.
         fill, held = [], 0
         for child in sorted(sig, key=lambda c: _size(objective, c), reverse=True):
@@ -686,7 +742,7 @@ def _domain_cost(objective: _Objective, level: int, handle, bound: int | None = 
     return cost
 
 
-def _plan(objective: _Objective, level: int, handle, need: int, out: list[tuple[NodeCapacity, int]]) -> None:
+def _plan(objective: _Objective[_H], level: int, handle: _H, need: int, out: list[tuple[NodeCapacity, int]]) -> None:
     """Append the nodes (and replicas on each) of the cheapest placement of `need` replicas inside a domain."""
     if level == 0:
         out.append((objective.view.node(handle), need))
@@ -713,9 +769,7 @@ def _plan(objective: _Objective, level: int, handle, need: int, out: list[tuple[
         _plan(objective, level - 1, child, took, out)
 
 
-def pick_gpus(
-    free: set[int] | frozenset[int], k: int, closeness: GpuCloseness | None = None
-) -> tuple[int, ...]:
+def pick_gpus(free: set[int] | frozenset[int], k: int, closeness: GpuCloseness | None = None) -> tuple[int, ...]:
     """`k` GPU indices out of `free`.
 
     Without `closeness` (or with a uniform one, where every pair is equally close), by index: contiguous blocks
@@ -741,7 +795,7 @@ def pick_gpus(
                 return tuple(range(start, start + k))
     for i in range(len(ordered) - k + 1):
         if ordered[i + k - 1] - ordered[i] == k - 1:
-            return tuple(ordered[i:i + k])
+            return tuple(ordered[i : i + k])
     return tuple(ordered[:k])
 
 
@@ -755,7 +809,8 @@ def _shape(gpus: tuple[int, ...], k: int) -> int:
 def _split_close(gpus: tuple[int, ...], count: int, g: int, closeness: GpuCloseness) -> tuple[int, ...]:
     """Order the GPUs of `count` replicas of `g` on one node so each replica's slice is as close as it can be:
     the closest `g` first, then the closest `g` of the rest, and so on."""
-    rest, ordered = set(gpus), []
+    rest = set(gpus)
+    ordered: list[int] = []
     for _ in range(count - 1):
         part = pick_gpus(rest, g, closeness)
         ordered += part
@@ -795,7 +850,7 @@ def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: l
         if closeness is not None and not closeness.uniform and count > 1 and g > 1:
             gpus = _split_close(gpus, count, g, closeness)
         for i in range(count):
-            replicas.append(ReplicaPlacement(len(replicas), node.name, gpus[i * g:(i + 1) * g]))
+            replicas.append(ReplicaPlacement(len(replicas), node.name, gpus[i * g : (i + 1) * g]))
     spanned = len({_key(node, level - 1) for node, _ in takes}) if level > 0 else 1
     tier = names[level]
     child = names[level - 1] if level > 0 else "node"

@@ -23,12 +23,13 @@ without placing again: the current placement does not need its GPUs).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
 from .model import GangRequest, Placement
 from .placement import Unplaceable, place_gang
+from .status import Code, Status
 
 # Named priority classes. Integers in between are allowed too (`--priority 50`).
 PRIORITY_CLASSES: dict[str, int] = {
@@ -115,8 +116,13 @@ class NoPreemption:
     reason: str
     retry_in: float | None = None
 
+    @property
+    def status(self) -> Status:
+        """PROTECTED when gangs' minimum runtime is what keeps the preemptor out, else UNSCHEDULABLE."""
+        return Status(Code.PROTECTED if self.retry_in is not None else Code.UNSCHEDULABLE, self.reason)
 
-def _cost(gang: RunningGang) -> tuple:
+
+def _cost(gang: RunningGang) -> tuple[int, float, str]:
     return (gang.priority, gang.work_since_checkpoint, gang.job_id)
 
 
@@ -144,8 +150,13 @@ class _Work:
 
 
 def _shortest_prefix(
-    work: _Work, gangs: list[RunningGang], pending: GangRequest, fabric_tiers: Sequence[str], fits: Placement,
-    lo: int = 0, hi: int | None = None,
+    work: _Work,
+    gangs: list[RunningGang],
+    pending: GangRequest,
+    fabric_tiers: Sequence[str],
+    fits: Placement,
+    lo: int = 0,
+    hi: int | None = None,
 ) -> tuple[int, Placement]:
     """With gangs[:hi] released in `work` (default: all of them) and the gang fitting then, at `fits`, but not with
     gangs[:lo] released: the least k such that releasing gangs[:k] makes it fit, and a placement then. Leaves
@@ -176,8 +187,9 @@ def _shortest_prefix(
     return hi, witness
 
 
-def _gallop(work: _Work, gangs: list[RunningGang], pending: GangRequest, fabric_tiers: Sequence[str]
-            ) -> tuple[int, int, Placement | Unplaceable]:
+def _gallop(
+    work: _Work, gangs: list[RunningGang], pending: GangRequest, fabric_tiers: Sequence[str]
+) -> tuple[int, int, Placement | Unplaceable]:
     """Release gangs in order, in prefixes of 1, 2, 4, 8 ... until the gang fits (or all are released). Returns
     (lo, hi, result): gangs[:hi] are released, prefix lo did not fit, and result is the placement with gangs[:hi]
     released, or why it does not fit with all of them. The work is proportional to the prefix needed, not to the
@@ -224,8 +236,10 @@ def choose_victims(
     lower = [g for g in running if g.priority < pending.priority and g.placement.replicas]
     if not lower:
         if any(g.priority == pending.priority for g in running):
-            reason = (f"only gangs of equal or higher priority (>= {pending.priority}) hold GPUs; equal priorities "
-                      "never preempt each other")
+            reason = (
+                f"only gangs of equal or higher priority (>= {pending.priority}) hold GPUs; equal priorities "
+                "never preempt each other"
+            )
         elif running:
             reason = f"only gangs of higher priority (> {pending.priority}) hold GPUs"
         else:
@@ -276,14 +290,22 @@ def choose_victims(
         witness = placement
     lost = sum(g.work_since_checkpoint for g in kept)
     names = ", ".join(f"{g.job_id} (priority {g.priority})" for g in kept)
-    reason = (f"preempts {len(kept)} gang(s) of lower priority than {pending.priority}: {names}; work lost since "
-              f"their checkpoints {lost:g}; then {placement.reason}")
+    reason = (
+        f"preempts {len(kept)} gang(s) of lower priority than {pending.priority}: {names}; work lost since "
+        f"their checkpoints {lost:g}; then {placement.reason}"
+    )
     return Preemption(pending.job_id, tuple(g.job_id for g in kept), placement, lost, reason)
 
 
 def _refusal(
-    pending: GangRequest, now_reason, whole, candidates: list[RunningGang], protected: list[RunningGang],
-    work: _Work, left, fabric_tiers: Sequence[str],
+    pending: GangRequest,
+    now_reason: Unplaceable,
+    whole: Unplaceable,
+    candidates: list[RunningGang],
+    protected: list[RunningGang],
+    work: _Work,
+    left: Callable[[RunningGang], float],
+    fabric_tiers: Sequence[str],
 ) -> NoPreemption:
     """Why no set of admissible victims makes the gang fit, and whether waiting for protected gangs would help."""
     if protected:
@@ -297,8 +319,10 @@ def _refusal(
             k, _ = _shortest_prefix(work, protected, pending, fabric_tiers, got)
             wait = max(0.0, left(protected[k - 1]))
             if candidates:
-                what = f"evicting the {len(candidates)} unprotected lower-priority gang(s) would not make it fit; " \
-                       f"{len(protected)} more are"
+                what = (
+                    f"evicting the {len(candidates)} unprotected lower-priority gang(s) would not make it fit; "
+                    f"{len(protected)} more are"
+                )
             else:
                 what = f"the {len(protected)} lower-priority gang(s) are"
             return NoPreemption(

@@ -15,7 +15,8 @@ jobs of other queues of its cohort that are running on borrowed quota, whatever 
 Fair share: among jobs of equal priority, the queue with the lowest weighted dominant share goes first (Dominant
 Resource Fairness over the cluster's GPU flavors and MIG slices: a queue's share is the largest fraction of any one
 resource it uses, divided by its weight). The cluster's MIG slices are those of its GPUs in MIG mode only, and its
-whole GPUs those outside MIG mode (`cluster_totals`): a GPU serves one kind or the other. The order is recomputed after every admission, so queues interleave.
+whole GPUs those outside MIG mode (`cluster_totals`): a GPU serves one kind or the other. The order is recomputed
+after every admission, so queues interleave.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from . import mig
 from .model import GangRequest
+from .status import Code, Status
 
 ANY = "*"
 DEFAULT_QUEUE = "default"
@@ -77,8 +79,9 @@ def demand(request: GangRequest) -> tuple[float, int]:
 def mig_compute_slices(gpu_model: str, memory_mib: int = 0) -> int:
     """MIG compute slices one GPU of this model offers in MIG mode (its largest profile's: 7 on A100/H100/H200/
     B200/GB200); 0 when it has no MIG."""
-    return max((p.compute for p in mig.family_profiles(mig.mig_family(gpu_model, memory_mib) or "").values()),
-               default=0)
+    return max(
+        (p.compute for p in mig.family_profiles(mig.mig_family(gpu_model, memory_mib) or "").values()), default=0
+    )
 
 
 def cluster_totals(gpus: Iterable[tuple[str, int, bool]]) -> dict[str, float]:
@@ -110,6 +113,10 @@ class Admission:
 class Refusal:
     reason: str
 
+    @property
+    def status(self) -> Status:
+        return Status(Code.QUOTA, self.reason)
+
 
 class QuotaBook:
     """Quota use within one scheduling pass: what each queue uses per flavor, what it may take next, and its share.
@@ -118,8 +125,12 @@ class QuotaBook:
     resource for DRF: flavor-independent here, {"gpus": total GPUs, "mig_slices": total slices} plus per model
     "gpus:<model>" when known (a missing total counts as 1 so shares stay finite)."""
 
-    def __init__(self, queues: Mapping[str, QueueSpec], usage: Mapping[str, Mapping[str, tuple[float, int]]],
-                 capacity: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        queues: Mapping[str, QueueSpec],
+        usage: Mapping[str, Mapping[str, tuple[float, int]]],
+        capacity: Mapping[str, float] | None = None,
+    ) -> None:
         self.queues = dict(queues)
         self.usage: dict[str, dict[str, list[float]]] = {
             q: {f: [float(g), float(s)] for f, (g, s) in flavors.items()} for q, flavors in usage.items()
@@ -158,8 +169,11 @@ class QuotaBook:
         borrowed: list[Admission] = []
         why: list[str] = []
         for flavor, quota in spec.quotas.items():
-            if request.gpu_model and not (flavor == ANY or flavor.lower() in request.gpu_model.lower()
-                                          or request.gpu_model.lower() in flavor.lower()):
+            if request.gpu_model and not (
+                flavor == ANY
+                or flavor.lower() in request.gpu_model.lower()
+                or request.gpu_model.lower() in flavor.lower()
+            ):
                 continue
             used_g, used_s = self.used(queue, flavor)
             over_g = used_g + need_g - quota.gpus
@@ -174,11 +188,16 @@ class QuotaBook:
                 borrowed.append(Admission(flavor, True, restricted))
                 continue
             what = f"{need_g:g} GPU(s)" if need_g else f"{need_s:g} MIG slice(s)"
-            why.append(f"{flavor}: needs {what}, uses {used_g:g}/{quota.gpus:g} GPUs"
-                       + (f" and {used_s:g}/{quota.mig_slices:g} slices" if need_s else "")
-                       + (f", the cohort {spec.cohort!r} lends {lend_g:g} more" if spec.cohort else ", no cohort to "
-                          "borrow from")
-                       + (f" (borrow limit {quota.borrow_limit:g})" if quota.borrow_limit is not None else ""))
+            why.append(
+                f"{flavor}: needs {what}, uses {used_g:g}/{quota.gpus:g} GPUs"
+                + (f" and {used_s:g}/{quota.mig_slices:g} slices" if need_s else "")
+                + (
+                    f", the cohort {spec.cohort!r} lends {lend_g:g} more"
+                    if spec.cohort
+                    else ", no cohort to borrow from"
+                )
+                + (f" (borrow limit {quota.borrow_limit:g})" if quota.borrow_limit is not None else "")
+            )
         if nominal or borrowed:
             return nominal + borrowed
         if not why:
@@ -238,7 +257,7 @@ def fair_order(requests: Iterable[tuple[str, GangRequest]], book: QuotaBook) -> 
     for items in by_queue.values():
         items.sort(key=lambda r: (-r.priority, r.submitted_at, r.job_id), reverse=True)  # pop() takes the first
 
-    def entry(queue: str) -> tuple:
+    def entry(queue: str) -> tuple[int, float, float, str, str]:
         head = by_queue[queue][-1]
         return (-head.priority, book.share(queue), head.submitted_at, head.job_id, queue)
 

@@ -13,7 +13,7 @@ class Skipped(Protocol):
 
 
 def restore_message(step: int, skipped: Iterable[Skipped]) -> str:
-    """"restored from step S (step T was damaged: REASON)", "started from step 0: no intact checkpoint (step T was
+    """ "restored from step S (step T was damaged: REASON)", "started from step 0: no intact checkpoint (step T was
     damaged: REASON)", or "started from step 0: no checkpoint" (`step` -1: none restored)."""
     skipped = list(skipped)
     why = "; ".join(f"step {s.step} was damaged: {s.reason}" for s in skipped)

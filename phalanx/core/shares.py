@@ -26,14 +26,19 @@ of 1/4 and 1/2 GPU; a caller that knows its workload (the simulator, from the tr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from . import mig
-from .capacity import ClusterCapacity
-from .model import GangRequest, Placement, ReplicaPlacement
+from .capacity import ClusterCapacity, NodeShape
+from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from .packing import Fragmentation, PackTask, TypicalMix
+
+# The GPU a replica takes on a node of some shape: ("free",) a whole free GPU, ("mig", mask) a GPU in MIG mode with
+# that mask used, ("milli", used) a share GPU with that many thousandths used.
+GpuState = tuple[Literal["free"]] | tuple[Literal["mig", "milli"], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,7 @@ def _memory_slices(model: str, memory: int) -> int:
 
 
 @lru_cache(maxsize=65536)
-def fragmentation(shape: tuple, mix: tuple[tuple[Task, float], ...] = DEFAULT_MIX) -> float:
+def fragmentation(shape: NodeShape, mix: tuple[tuple[Task, float], ...] = DEFAULT_MIX) -> float:
     """Expected fragmentation (in GPUs) of a node of this free shape under the workload mix."""
     model, memory, total, free, migs, millis = shape
     family = mig.mig_family(model, memory)
@@ -105,12 +110,14 @@ class _Option:
     delta: float
     after_capacity: float
     node: str
-    gpu_state: tuple  # ("free",) | ("mig", mask) | ("milli", used)
+    gpu_state: GpuState  # ("free",) | ("mig", mask) | ("milli", used)
     start: int  # MIG start slice, -1 for shares
 
 
 def place_partial(
-    capacity: ClusterCapacity, request: GangRequest, tier_names: Sequence[str] = (),
+    capacity: ClusterCapacity,
+    request: GangRequest,
+    tier_names: Sequence[str] = (),
     mix: tuple[tuple[Task, float], ...] = DEFAULT_MIX,
 ) -> Placement | PartialUnplaceable:
     """Place every replica of a partial-GPU request (one MIG instance or one share each), all or none.
@@ -139,13 +146,21 @@ def place_partial(
             cap.release_partial(rep)
     what = request.mig_profile or f"{request.gpu_milli}/1000 GPU"
     first = taken[0]
-    where = (f"GPU {first.gpus[0]} of {first.node}" if len(taken) == 1
-             else f"{len({(r.node, r.gpus[0]) for r in taken})} GPU(s) on {len({r.node for r in taken})} node(s)")
-    slices = f" (slices {first.mig_start}-{first.mig_start + first.mig_size - 1})" if len(taken) == 1 and \
-        first.mig_profile else ""
+    where = (
+        f"GPU {first.gpus[0]} of {first.node}"
+        if len(taken) == 1
+        else f"{len({(r.node, r.gpus[0]) for r in taken})} GPU(s) on {len({r.node for r in taken})} node(s)"
+    )
+    slices = (
+        f" (slices {first.mig_start}-{first.mig_start + first.mig_size - 1})"
+        if len(taken) == 1 and first.mig_profile
+        else ""
+    )
     tier, spanned = _tier(capacity, taken, tier_names)
-    reason = (f"{request.replicas} x {what} on {where}{slices}; fragmentation {total_delta:+.3f} GPU "
-              f"(FGD score, lower is better)")
+    reason = (
+        f"{request.replicas} x {what} on {where}{slices}; fragmentation {total_delta:+.3f} GPU "
+        f"(FGD score, lower is better)"
+    )
     return Placement(request.job_id, tuple(taken), tier, spanned, round(total_delta, 6), reason)
 
 
@@ -157,8 +172,9 @@ def share_fragmentation(mix: tuple[tuple[Task, float], ...] = DEFAULT_MIX) -> Fr
     """The packing core's fragmentation measure (`phalanx.core.packing`, FGD's definition, the one `phalanx sim fgd`
     evaluates) over the mix's whole-GPU and share tasks: fractional shares are scored with it. MIG tasks are left
     out: no share GPU can serve them, so they would add the same amount to every option."""
-    tasks = [(PackTask(0, 0, t.gpus, 1000) if t.gpus else PackTask(0, 0, 1, t.milli), w)
-             for t, w in mix if t.gpus or t.milli]
+    tasks = [
+        (PackTask(0, 0, t.gpus, 1000) if t.gpus else PackTask(0, 0, 1, t.milli), w) for t, w in mix if t.gpus or t.milli
+    ]
     return Fragmentation(TypicalMix(tasks))
 
 
@@ -166,7 +182,11 @@ def _share_gpus(free: int, millis: Sequence[int]) -> list[int]:
     return [1000] * free + [1000 - u for u in millis]
 
 
-def _best_option(cap: ClusterCapacity, request: GangRequest, mix) -> _Option | None:
+def _best_option(
+    cap: ClusterCapacity,
+    request: GangRequest,
+    mix: tuple[tuple[Task, float], ...],
+) -> _Option | None:
     best: _Option | None = None
     shares = share_fragmentation(mix) if request.gpu_milli else None
     for shape, names in cap.shape_buckets().items():
@@ -183,12 +203,16 @@ def _best_option(cap: ClusterCapacity, request: GangRequest, mix) -> _Option | N
             cap_after = _free_capacity(after[3], after[4], after[5], _memory_slices(model, memory))
             option = _Option(round(delta, 9), cap_after, names[0], gpu_state, start)
             if best is None or (option.delta, option.after_capacity, option.node, option.start) < (
-                    best.delta, best.after_capacity, best.node, best.start):
+                best.delta,
+                best.after_capacity,
+                best.node,
+                best.start,
+            ):
                 best = option
     return best
 
 
-def _moves(shape: tuple, request: GangRequest):
+def _moves(shape: NodeShape, request: GangRequest) -> Iterator[tuple[GpuState, int, NodeShape]]:
     """Every distinct way to put one replica on a node of this shape: (GPU state used, start slice, new shape)."""
     model, memory, total, free, migs, millis = shape
     if request.mig_profile:
@@ -204,7 +228,7 @@ def _moves(shape: tuple, request: GangRequest):
                 yield ("mig", used), start, (model, memory, total, free, tuple(sorted([*rest, new])), millis)
     else:
         m = request.gpu_milli
-        states = [("milli", u) for u in dict.fromkeys(millis) if u + m <= 1000]
+        states: list[GpuState] = [("milli", u) for u in dict.fromkeys(millis) if u + m <= 1000]
         if free:
             states.append(("free",))
         for state in states:
@@ -212,25 +236,25 @@ def _moves(shape: tuple, request: GangRequest):
             rest = list(millis)
             if state[0] == "milli":
                 rest.remove(used)
-            yield state, -1, (model, memory, total, free - (state[0] == "free"), migs,
-                              tuple(sorted([*rest, used + m])))
+            yield state, -1, (model, memory, total, free - (state[0] == "free"), migs, tuple(sorted([*rest, used + m])))
 
 
 def _replica(cap: ClusterCapacity, request: GangRequest, replica: int, option: _Option) -> ReplicaPlacement:
     node = cap.nodes[option.node]
-    kind = option.gpu_state[0]
-    if kind == "free":
+    state = option.gpu_state  # tested through state[0] so that mypy narrows the tagged tuple
+    if state[0] == "free":
         # The highest free index: whole-GPU gangs take the lowest ones first (rail alignment, aligned blocks).
         gpu = max(node.free)
-    elif kind == "mig":
-        gpu = min(g for g, m in node.mig.items() if m == option.gpu_state[1] and g in node.mig_gpus)
+    elif state[0] == "mig":
+        gpu = min(g for g, m in node.mig.items() if m == state[1] and g in node.mig_gpus)
     else:
-        gpu = min(g for g, m in node.milli.items() if m == option.gpu_state[1])
+        gpu = min(g for g, m in node.milli.items() if m == state[1])
     if request.mig_profile:
         profile = mig.resolve(request.mig_profile, mig.mig_family(node.gpu_model, node.memory_mib))
         assert profile is not None
-        return ReplicaPlacement(replica, node.name, (gpu,), mig_profile=profile.name, mig_start=option.start,
-                                mig_size=profile.size)
+        return ReplicaPlacement(
+            replica, node.name, (gpu,), mig_profile=profile.name, mig_start=option.start, mig_size=profile.size
+        )
     return ReplicaPlacement(replica, node.name, (gpu,), gpu_milli=request.gpu_milli)
 
 
@@ -240,7 +264,7 @@ def _tier(capacity: ClusterCapacity, reps: list[ReplicaPlacement], names: Sequen
         return "node", 1
     depth = max(len(n.path) for n in nodes)
 
-    def key(n, level: int) -> str:
+    def key(n: NodeCapacity, level: int) -> str:
         return n.name if level == 0 else (n.path[level - 1] if level - 1 < len(n.path) else "")
 
     for level in range(1, depth + 2):
@@ -264,18 +288,27 @@ def _why_not(cap: ClusterCapacity, request: GangRequest, placed: int) -> str:
                 return f"no node here has MIG-capable GPUs, so MIG profile {request.mig_profile} cannot be placed"
             names = ", ".join(f"{f}: {', '.join(mig.family_table(f))}" for f in known)
             return f"no GPU here offers MIG profile {request.mig_profile} ({names})"
-        in_mode = [n for n in nodes if n.mig_gpus and mig.resolve(request.mig_profile,
-                                                                  mig.mig_family(n.gpu_model, n.memory_mib))]
+        in_mode = [
+            n
+            for n in nodes
+            if n.mig_gpus and mig.resolve(request.mig_profile, mig.mig_family(n.gpu_model, n.memory_mib))
+        ]
         if not in_mode:
             capable = sum(n.total for n in nodes if mig.mig_family(n.gpu_model, n.memory_mib) in offering)
-            return (f"{prefix}{request.mig_profile}: no GPU is in MIG mode (a MIG instance goes only on a GPU whose "
-                    f"agent reports MIG mode enabled; the {capable} {'/'.join(offering)} GPU(s) here are not in MIG "
-                    f"mode and serve whole-GPU jobs and shares)")
+            return (
+                f"{prefix}{request.mig_profile}: no GPU is in MIG mode (a MIG instance goes only on a GPU whose "
+                f"agent reports MIG mode enabled; the {capable} {'/'.join(offering)} GPU(s) here are not in MIG "
+                f"mode and serve whole-GPU jobs and shares)"
+            )
         gpus = sum(len(n.mig_gpus) for n in in_mode)
-        return (f"{prefix}{request.mig_profile}: no free placement for it on any of the {gpus} "
-                f"{'/'.join(offering)} GPU(s) in MIG mode now ({placed} of {request.replicas} replicas fit)")
+        return (
+            f"{prefix}{request.mig_profile}: no free placement for it on any of the {gpus} "
+            f"{'/'.join(offering)} GPU(s) in MIG mode now ({placed} of {request.replicas} replicas fit)"
+        )
     hint = ""
     if any(n.mig_gpus for n in nodes):
         hint = f"; the {sum(len(n.mig_gpus) for n in nodes)} GPU(s) in MIG mode take only MIG instances"
-    return (f"{prefix}{request.gpu_milli}/1000 GPU: no GPU has that share free now "
-            f"({placed} of {request.replicas} replicas fit{hint})")
+    return (
+        f"{prefix}{request.gpu_milli}/1000 GPU: no GPU has that share free now "
+        f"({placed} of {request.replicas} replicas fit{hint})"
+    )

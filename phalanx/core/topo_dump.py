@@ -11,6 +11,7 @@ Closeness: `link_rank(cell)` orders cells from far to near: SYS < NODE < PHB < P
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Column titles that follow the device columns; matched greedily on whitespace-separated header words.
@@ -89,38 +90,48 @@ class TopoDump:
             return self.nic_devices[nic]
         return "" if nic.startswith("NIC") else nic
 
-    def nearest_nics(self) -> dict[str, str]:
-        """GPU -> its nearest NIC, closer than SYS only. Ties are spread: GPUs sharing two equally close NICs
-        (DGX A100 PXB pairs) get one each, as NCCL would use them."""
+    def nearest_nics(self, farthest: str = "NODE") -> dict[str, str]:
+        """GPU -> its nearest NIC, at most `farthest` away (default NODE: anything closer than SYS; the node agent
+        reports a GPU's own NIC only at PXB or closer, with no host bridge on the way).
+
+        Rails: GPUs with equally close NICs are matched to them one GPU per NIC, in device order, where the layout
+        allows (DGX A100: GPU0 and GPU1 are PXB to NIC0 and NIC1 -> GPU0 gets NIC0, GPU1 NIC1), as NCCL would use
+        them; two GPUs may still share a NIC when it is the only close one.
+        """
+        limit = link_rank(farthest)
         load: dict[str, int] = {n: 0 for n in self.nics}
+        order = {n: i for i, n in enumerate(self.nics)}
         result: dict[str, str] = {}
         for gpu in self.gpus:
-            best_rank, best = link_rank("SYS"), []
+            best_rank, best = limit - 1, []
             for nic in self.nics:
                 cell = self.cell(gpu, nic)
                 if cell is None:
                     continue
                 r = link_rank(cell)
+                if r < limit:
+                    continue
                 if r > best_rank:
                     best_rank, best = r, [nic]
-                elif r == best_rank and r > link_rank("SYS"):
+                elif r == best_rank:
                     best.append(nic)
             if best:
-                pick = min(best, key=lambda n: (load[n], self.devices.index(n)))
+                pick = min(best, key=lambda n: (load[n], order[n]))
                 load[pick] += 1
                 result[gpu] = pick
         return result
 
-    def nearest_gpus(self) -> dict[str, str]:
-        """NIC -> nearest GPU (the GPU that picked it in `nearest_nics`, else the closest GPU better than SYS)."""
-        picked = self.nearest_nics()
+    def nearest_gpus(self, farthest: str = "NODE") -> dict[str, str]:
+        """NIC -> the first GPU that took it in `nearest_nics(farthest)`, else its closest GPU at most `farthest`
+        away; none otherwise."""
+        limit = link_rank(farthest)
         result: dict[str, str] = {}
-        for gpu, nic in picked.items():
+        for gpu, nic in self.nearest_nics(farthest).items():
             result.setdefault(nic, gpu)
         for nic in self.nics:
             if nic in result:
                 continue
-            best_rank, best = link_rank("SYS"), None
+            best_rank, best = limit - 1, None
             for gpu in self.gpus:
                 cell = self.cell(nic, gpu)
                 if cell is not None and link_rank(cell) > best_rank:
@@ -282,6 +293,6 @@ def render_topo(dump: TopoDump, legend: bool = True) -> str:
     return out
 
 
-def matrix_from_pairs(devices: list[str], cell) -> dict[str, dict[str, str]]:
+def matrix_from_pairs(devices: list[str], cell: Callable[[str, str], str]) -> dict[str, dict[str, str]]:
     """Build a full matrix from a function cell(a, b) -> str (called for a != b)."""
     return {a: {b: ("X" if a == b else cell(a, b)) for b in devices} for a in devices}

@@ -57,8 +57,15 @@ class FileLockstep:
     has written the current one (so every rank has read the previous one).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], rank: int, world_size: int, *, timeout: float = 300.0,
-                 poll_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        poll_s: float = 0.005,
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size, self.timeout, self.poll_s = rank, world_size, timeout, poll_s
@@ -101,12 +108,20 @@ def _append(path: Path, record: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m phalanx.examples.count_steps", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, required=True, help="total steps; the run ends with count == steps")
-    p.add_argument("--every", type=int, default=None,
-                   help="checkpoint every K steps (sets PHALANX_CHECKPOINT_EVERY; default: the job's env/policy)")
+    p.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help="checkpoint every K steps (sets PHALANX_CHECKPOINT_EVERY; default: the job's env/policy)",
+    )
     p.add_argument("--step-time", type=float, default=0.1, help="seconds of 'work' per step (default 0.1)")
     p.add_argument("--out", required=True, help="directory for the results (and the lockstep's files)")
-    p.add_argument("--sync-timeout", type=float, default=300.0,
-                   help="seconds to wait for the other ranks at a step before giving up (exit 3)")
+    p.add_argument(
+        "--sync-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the other ranks at a step before giving up (exit 3)",
+    )
     return p.parse_args(argv)
 
 
@@ -127,8 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     restored = train.restore()
     step, state = restored if restored is not None else (0, {"count": 0})
     restored_step = restored[0] if restored is not None else -1
-    _append(events, dict(event="start", attempt=attempt, rank=rank, restored_step=restored_step, node=node,
-                         pid=os.getpid(), count=state["count"]))
+    _append(
+        events,
+        dict(
+            event="start",
+            attempt=attempt,
+            rank=rank,
+            restored_step=restored_step,
+            node=node,
+            pid=os.getpid(),
+            count=state["count"],
+        ),
+    )
     try:
         steps_seen = sync.exchange("start", str(restored_step))
         if len(set(steps_seen)) != 1:  # every rank must resume from the same step
@@ -141,13 +166,24 @@ def main(argv: list[str] | None = None) -> int:
             # Every rank asks (the coordinator agrees a request's step with all of them); they must agree.
             decisions = sync.exchange(f"step-{step}", "1" if train.should_checkpoint(step) else "0")
             if len(set(decisions)) != 1:
-                print(f"rank {rank}: the ranks disagree whether to checkpoint at step {step}: {decisions}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"rank {rank}: the ranks disagree whether to checkpoint at step {step}: {decisions}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 4
             if decisions[0] == "1":
                 if rank == 0:
-                    _append(events, dict(event="checkpoint", attempt=attempt, rank=rank, step=step,
-                                         requested=not (every and step % every == 0)))
+                    _append(
+                        events,
+                        dict(
+                            event="checkpoint",
+                            attempt=attempt,
+                            rank=rank,
+                            step=step,
+                            requested=not (every and step % every == 0),
+                        ),
+                    )
                 train.save(step, state)
     except LockstepTimeout as exc:
         print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)

@@ -101,8 +101,12 @@ class Events:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m phalanx.examples.ddp_tiny", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="train to this step")
-    parser.add_argument("--every", type=int, default=0,
-                        help="also checkpoint every N steps (sets PHALANX_CHECKPOINT_EVERY; 0: only when asked)")
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=0,
+        help="also checkpoint every N steps (sets PHALANX_CHECKPOINT_EVERY; 0: only when asked)",
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of 'work' per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -136,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 step, state = restored
                 set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
                 restored_step = step
-        events.write(event="start", attempt=attempt, rank=rank, restored_step=restored_step, node=node,
-                     pid=os.getpid())
+        events.write(event="start", attempt=attempt, rank=rank, restored_step=restored_step, node=node, pid=os.getpid())
 
         loss_fn = torch.nn.MSELoss()
         warm_up(model, loss_fn)
@@ -158,9 +161,19 @@ def main(argv: list[str] | None = None) -> int:
                 saves += 1
                 events.write(event="checkpoint", attempt=attempt, rank=rank, step=step, committed=result.committed)
         train_s = time.perf_counter() - t_train
-        result = {"rank": rank, "world_size": world, "step": step, "attempt": attempt,
-                  "restored_step": restored_step, "node": node, "params_sha256": params_sha256(model.module),
-                  "saves": saves, "save_s": save_s, "restore_s": restore_s, "train_s": train_s}
+        result = {
+            "rank": rank,
+            "world_size": world,
+            "step": step,
+            "attempt": attempt,
+            "restored_step": restored_step,
+            "node": node,
+            "params_sha256": params_sha256(model.module),
+            "saves": saves,
+            "save_s": save_s,
+            "restore_s": restore_s,
+            "train_s": train_s,
+        }
         tmp = out / f".rank-{rank}.json.tmp"
         tmp.write_text(json.dumps(result))
         os.replace(tmp, out / f"rank-{rank}.json")

@@ -34,7 +34,7 @@ class HostProfile:
     memory_mib: int
     dump: TopoDump
     description: str = ""
-    meta: dict[str, str] = field(default_factory=dict)   # every `# key: value` header
+    meta: dict[str, str] = field(default_factory=dict)  # every `# key: value` header
     text: str = ""
 
     @property
@@ -43,7 +43,7 @@ class HostProfile:
 
     @property
     def nvlink_domain(self) -> str:
-        """"nvl72" for a GB200 NVL72 tray, else ""."""
+        """ "nvl72" for a GB200 NVL72 tray, else ""."""
         return self.meta.get("nvlink_domain", "")
 
     @property

@@ -41,9 +41,25 @@ from phalanx.core.packing import MILLI, POLICIES, Packer, PackNode, PackTask, Ty
 from .traces import ALIBABA_DIR, DataNotFound, find_data
 
 # The 17 task lists of the paper's figures (those in fgd-simulator-results), in its order.
-TASK_LISTS = ("default", "cpu050", "cpu100", "cpu200", "cpu250", "gpushare100", "gpushare40", "gpushare60",
-              "gpushare80", "gpuspec10", "gpuspec20", "gpuspec25", "gpuspec33", "multigpu20", "multigpu30",
-              "multigpu40", "multigpu50")
+TASK_LISTS = (
+    "default",
+    "cpu050",
+    "cpu100",
+    "cpu200",
+    "cpu250",
+    "gpushare100",
+    "gpushare40",
+    "gpushare60",
+    "gpushare80",
+    "gpuspec10",
+    "gpuspec20",
+    "gpuspec25",
+    "gpuspec33",
+    "multigpu20",
+    "multigpu30",
+    "multigpu40",
+    "multigpu50",
+)
 SEEDS = tuple(range(42, 52))
 TUNE_RATIO = 1.3
 RESULTS_DIR = "fgd-simulator-results"
@@ -60,16 +76,18 @@ def _csv(folder: Path, stem: str) -> Path:
     for name in (f"{stem}.csv.gz", f"{stem}.csv"):
         if (folder / name).is_file():
             return folder / name
-    raise DataNotFound(f"{folder} has no {stem}.csv(.gz): the FGD experiment needs the Alibaba GPU v2023 trace "
-                       f"({ALIBABA_DIR}/csv)")
+    raise DataNotFound(
+        f"{folder} has no {stem}.csv(.gz): the FGD experiment needs the Alibaba GPU v2023 trace ({ALIBABA_DIR}/csv)"
+    )
 
 
 @lru_cache(maxsize=4)
 def load_nodes(data: str) -> tuple[tuple[str, str, int, int, int], ...]:
     """(name, model, milli-CPU, memory MiB, GPUs) of every GPU node."""
     with _open(_csv(Path(data) / ALIBABA_DIR / "csv", "openb_node_list_gpu_node")) as fh:
-        return tuple((r["sn"], r["model"], int(r["cpu_milli"]), int(r["memory_mib"]), int(r["gpu"]))
-                     for r in csv.DictReader(fh))
+        return tuple(
+            (r["sn"], r["model"], int(r["cpu_milli"]), int(r["memory_mib"]), int(r["gpu"])) for r in csv.DictReader(fh)
+        )
 
 
 @lru_cache(maxsize=32)
@@ -86,8 +104,9 @@ def load_tasks(data: str, name: str) -> tuple[tuple[str, PackTask], ...]:
     return tuple(out)
 
 
-def build_workload(tasks: Sequence[PackTask], capacity_milli: int, seed: int,
-                   ratio: float = TUNE_RATIO) -> list[PackTask]:
+def build_workload(
+    tasks: Sequence[PackTask], capacity_milli: int, seed: int, ratio: float = TUNE_RATIO
+) -> list[PackTask]:
     """The arrival order of one run: shuffle, then tune to `ratio` of the capacity (see the module docstring)."""
     rng = random.Random(seed)
     order = list(tasks)
@@ -142,8 +161,17 @@ def run_one(data: str, task_list: str, policy: str, seed: int) -> RunResult:
         if alloc_100 is None and arrived >= capacity:
             alloc_100 = packer.allocation_ratio * 100
     final = packer.allocation_ratio * 100
-    return RunResult(task_list, policy, seed, alloc_100 if alloc_100 is not None else final, final, len(order),
-                     failed, failed_milli, time.perf_counter() - started)
+    return RunResult(
+        task_list,
+        policy,
+        seed,
+        alloc_100 if alloc_100 is not None else final,
+        final,
+        len(order),
+        failed,
+        failed_milli,
+        time.perf_counter() - started,
+    )
 
 
 def published(data: str) -> dict[str, dict[str, float]]:
@@ -161,9 +189,16 @@ def published(data: str) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def run_experiment(data: str | None, out: Path, *, policies: Sequence[str] = ("bestfit", "fgd", "phalanx"),
-                   task_lists: Sequence[str] = TASK_LISTS, seeds: Sequence[int] = SEEDS, jobs: int = 1,
-                   progress: Callable[[str], None] | None = None) -> dict:
+def run_experiment(
+    data: str | None,
+    out: Path,
+    *,
+    policies: Sequence[str] = ("bestfit", "fgd", "phalanx"),
+    task_lists: Sequence[str] = TASK_LISTS,
+    seeds: Sequence[int] = SEEDS,
+    jobs: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     root = str(find_data(data))
     for p in policies:
         if p not in POLICIES:
@@ -177,9 +212,11 @@ def run_experiment(data: str | None, out: Path, *, policies: Sequence[str] = ("b
     def note(r: RunResult) -> None:
         results.append(r)
         if progress:
-            progress(f"[fgd] {len(results)}/{len(runs)} {r.task_list} {r.policy} seed {r.seed}: "
-                     f"{r.alloc_130:.2f}% allocated, {r.failed} tasks failed ({r.wall_s:.1f} s; "
-                     f"{time.perf_counter() - started:.0f} s elapsed)")
+            progress(
+                f"[fgd] {len(results)}/{len(runs)} {r.task_list} {r.policy} seed {r.seed}: "
+                f"{r.alloc_130:.2f}% allocated, {r.failed} tasks failed ({r.wall_s:.1f} s; "
+                f"{time.perf_counter() - started:.0f} s elapsed)"
+            )
 
     if jobs <= 1:
         for name, p, s in runs:
@@ -192,14 +229,14 @@ def run_experiment(data: str | None, out: Path, *, policies: Sequence[str] = ("b
     return write_results(results, published(root), out, wall_s=time.perf_counter() - started)
 
 
-def write_results(results: Sequence[RunResult], paper: dict[str, dict[str, float]], out: Path, *,
-                  wall_s: float) -> dict:
+def write_results(
+    results: Sequence[RunResult], paper: dict[str, dict[str, float]], out: Path, *, wall_s: float
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     by: dict[tuple[str, str], list[RunResult]] = defaultdict(list)
     for r in results:
         by[(r.task_list, r.policy)].append(r)
-    lists = [n for n in TASK_LISTS if any(k[0] == n for k in by)] + sorted(
-        {k[0] for k in by} - set(TASK_LISTS))
+    lists = [n for n in TASK_LISTS if any(k[0] == n for k in by)] + sorted({k[0] for k in by} - set(TASK_LISTS))
     policies = [p for p in POLICIES if any(k[1] == p for k in by)]
     mean = {k: statistics.fmean(r.alloc_130 for r in v) for k, v in by.items()}
     mean100 = {k: statistics.fmean(r.alloc_100 for r in v) for k, v in by.items()}
@@ -211,7 +248,9 @@ def write_results(results: Sequence[RunResult], paper: dict[str, dict[str, float
             if (n, ours) in mean and theirs in paper.get(n, {}):
                 fidelity[f"{n}/{ours}"] = round(mean[(n, ours)] - paper[n][theirs], 3)
     doc = {
-        "tune_ratio": TUNE_RATIO, "seeds": sorted({r.seed for r in results}), "wall_s": round(wall_s, 1),
+        "tune_ratio": TUNE_RATIO,
+        "seeds": sorted({r.seed for r in results}),
+        "wall_s": round(wall_s, 1),
         "mean_alloc_130": {f"{n}/{p}": round(mean[(n, p)], 3) for n, p in sorted(mean)},
         "mean_alloc_100": {f"{n}/{p}": round(mean100[(n, p)], 3) for n, p in sorted(mean100)},
         "fidelity_diff_points": fidelity,
@@ -219,11 +258,14 @@ def write_results(results: Sequence[RunResult], paper: dict[str, dict[str, float
         "runs": [r.__dict__ for r in results],
     }
     (out / "fgd_runs.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = ["# FGD experiment (ATC'23) through Phalanx's packing core", "",
-             "GPU allocation ratio (%) once 130% of the 6,212 GPUs' capacity has arrived, mean over seeds "
-             f"{', '.join(str(s) for s in doc['seeds'])}. Published columns are the FGD authors' results "
-             "(fgd-simulator-results); ours are this run. Δ is ours minus the published figure of the same policy.",
-             ""]
+    lines = [
+        "# FGD experiment (ATC'23) through Phalanx's packing core",
+        "",
+        "GPU allocation ratio (%) once 130% of the 6,212 GPUs' capacity has arrived, mean over seeds "
+        f"{', '.join(str(s) for s in doc['seeds'])}. Published columns are the FGD authors' results "
+        "(fgd-simulator-results); ours are this run. Δ is ours minus the published figure of the same policy.",
+        "",
+    ]
     head = ["task list", *[p.split("-", 1)[1] + " (paper)" for p in PUBLISHED_POLICIES]]
     for p in policies:
         head.append(f"{p} (ours)")
@@ -240,8 +282,11 @@ def write_results(results: Sequence[RunResult], paper: dict[str, dict[str, float
         lines.append("| " + " | ".join(row) + " |")
     if fidelity:
         worst = max(fidelity.items(), key=lambda kv: abs(kv[1]))
-        lines += ["", f"Fidelity: every |Δ| <= {FIDELITY_POINTS} points: "
-                      f"{'yes' if doc['fidelity_ok'] else 'NO'} (largest: {worst[0]} {worst[1]:+.2f})."]
+        lines += [
+            "",
+            f"Fidelity: every |Δ| <= {FIDELITY_POINTS} points: "
+            f"{'yes' if doc['fidelity_ok'] else 'NO'} (largest: {worst[0]} {worst[1]:+.2f}).",
+        ]
     if "phalanx" in policies and all((n, "fgd") in mean for n in lists):
         wins = sum(mean[(n, "phalanx")] > mean[(n, "fgd")] for n in lists)
         lines.append(f"Phalanx above our FGD on {wins} of {len(lists)} task lists.")

@@ -77,7 +77,7 @@ class NetworkSpec:
     def uplink_capacity(self, level: int, nodes_under: int) -> float:
         """Bytes/s up out of a switch of tier `level` (0 = leaf) with `nodes_under` nodes below it:
         (nodes x NICs per node x per-rail bandwidth) / (leaf ratio x upper ratio per tier above the leaf)."""
-        ratio = self.oversubscription * self.upper_oversubscription ** level
+        ratio = self.oversubscription * self.upper_oversubscription**level
         return nodes_under * self.nics_per_node * self.ib_rail_bw / ratio
 
 
@@ -178,8 +178,11 @@ def ring_demand(placement: Placement, fabric: Fabric, spec: NetworkSpec) -> Ring
     for node, gpus in per_node.items():
         if len(gpus) > 1 or len(per_node) == 1:
             # A node of a multi-node domain (GB200 tray) reaches its own GPUs through the domain's NVSwitches too.
-            bounds.append((spec.nvlink_domain_bw, 1, NVLINK_DOMAIN) if _in_multi_node_domain(fabric, node)
-                          else (spec.nvlink_bw, 2, NVLINK))
+            bounds.append(
+                (spec.nvlink_domain_bw, 1, NVLINK_DOMAIN)
+                if _in_multi_node_domain(fabric, node)
+                else (spec.nvlink_bw, 2, NVLINK)
+            )
     ib_out: dict[str, int] = {}
     uplinks: dict[Uplink, float] = {}
     tiers = fabric.switch_tiers
@@ -216,8 +219,9 @@ def nodes_under(fabric: Fabric) -> dict[tuple[int, str], int]:
     return counts
 
 
-def uplink_capacity(fabric: Fabric, spec: NetworkSpec, uplink: Uplink,
-                    counts: Mapping[tuple[int, str], int] | None = None) -> float:
+def uplink_capacity(
+    fabric: Fabric, spec: NetworkSpec, uplink: Uplink, counts: Mapping[tuple[int, str], int] | None = None
+) -> float:
     """Capacity of one uplink (`NetworkSpec.uplink_capacity` with the fabric's node count under the switch)."""
     counts = nodes_under(fabric) if counts is None else counts
     return spec.uplink_capacity(uplink.level, counts.get((uplink.level, uplink.domain), 0))
@@ -258,8 +262,9 @@ class Allocation:
     limits: dict
 
 
-def max_min_fair(capacity: Mapping[L, float], usage: Mapping[J, Mapping[L, float]],
-                 cap: Mapping[J, float]) -> Allocation:
+def max_min_fair(
+    capacity: Mapping[L, float], usage: Mapping[J, Mapping[L, float]], cap: Mapping[J, float]
+) -> Allocation:
     """Max-min fair rates by progressive filling (water-filling; Bertsekas and Gallager, Data Networks, 6.5.2).
 
     Flow j at rate r puts usage[j][l] x r on link l (its ring's edges through the uplink) and never exceeds cap[j].
@@ -290,8 +295,7 @@ def max_min_fair(capacity: Mapping[L, float], usage: Mapping[J, Mapping[L, float
             rates[j] += step
         for link, w in weight.items():
             remaining[link] = remaining.get(link, 0.0) - step * w
-        saturated = {link for link, w in weight.items()
-                     if remaining[link] <= 1e-12 * max(capacity.get(link, 0.0), 1.0)}
+        saturated = {link for link, w in weight.items() if remaining[link] <= 1e-12 * max(capacity.get(link, 0.0), 1.0)}
         if full is not None:
             saturated.add(full)
         still = []
@@ -367,8 +371,9 @@ class NetworkState:
         if shared:
             links = {up for d in shared.values() for up in d.uplinks}
             capacity = {up: uplink_capacity(self.fabric, self.spec, up, self._counts) for up in links}
-            alloc = max_min_fair(capacity, {j: d.uplinks for j, d in shared.items()},
-                                 {j: d.bandwidth for j, d in shared.items()})
+            alloc = max_min_fair(
+                capacity, {j: d.uplinks for j, d in shared.items()}, {j: d.bandwidth for j, d in shared.items()}
+            )
             self._rate.update(alloc.rates)
             self._limit.update(alloc.limits)
         return {j: r for j, r in self._rate.items() if j == new or before.get(j) != r}

@@ -104,9 +104,9 @@ import math
 import os
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,7 @@ class TraceNode:
 class Trace(list):
     """A list of TraceJob (or TraceNode) with load diagnostics."""
 
-    def __init__(self, items: Iterable = (), *, name: str = "",
-                 skipped_reasons: Mapping[str, int] | None = None):
+    def __init__(self, items: Iterable = (), *, name: str = "", skipped_reasons: Mapping[str, int] | None = None):
         super().__init__(items)
         self.name = name
         self.skipped_reasons: dict[str, int] = dict(skipped_reasons or {})
@@ -227,15 +226,19 @@ def find_data(explicit: str | os.PathLike | None = None, *, cwd: str | os.PathLi
     """Find the trace data folder: ``explicit`` (--data), then $PHALANX_DATA, then ../shared/data from cwd."""
     expected = ", ".join(d + "/" for d in TRACE_DIRS)
     env = os.environ.get(ENV_VAR, "")
-    for given, label, fix in ((explicit, "--data ", "Point --data at"),
-                              (env, f"{ENV_VAR}=", f"Set {ENV_VAR} (or pass --data) to")):
+    for given, label, fix in (
+        (explicit, "--data ", "Point --data at"),
+        (env, f"{ENV_VAR}=", f"Set {ENV_VAR} (or pass --data) to"),
+    ):
         if given is None or str(given) == "":
             continue
         p = Path(given).expanduser()
         if _has_traces(p):
             return p.resolve()
-        raise DataNotFound(f"{label}{p}: {'no such folder' if not p.is_dir() else 'holds none of ' + expected}. "
-                           f"{fix} the folder that holds {expected}")
+        raise DataNotFound(
+            f"{label}{p}: {'no such folder' if not p.is_dir() else 'holds none of ' + expected}. "
+            f"{fix} the folder that holds {expected}"
+        )
     base = Path(cwd) if cwd is not None else Path.cwd()
     p = base / ".." / "shared" / "data"
     if _has_traces(p):
@@ -244,7 +247,8 @@ def find_data(explicit: str | os.PathLike | None = None, *, cwd: str | os.PathLi
         "no trace data found. Looked at: --data (not given); "
         f"${ENV_VAR} (not set); {p.resolve()} (../shared/data from the working directory: "
         f"{'no such folder' if not p.is_dir() else 'holds none of ' + expected}). "
-        f"Pass --data DIR or set {ENV_VAR}=DIR, where DIR holds {expected}")
+        f"Pass --data DIR or set {ENV_VAR}=DIR, where DIR holds {expected}"
+    )
 
 
 def _root(data: str | os.PathLike | None) -> Path:
@@ -289,11 +293,11 @@ _BATCH_RE = re.compile(r"\(batch size (\d+)\)")
 
 # fp32 parameter bytes for models whose size is well known (optional; 0 = unknown).
 _PARAM_COUNTS = {
-    "ResNet-18": 11_173_962,   # CIFAR-10 ResNet-18 (Gavel's image_classification/cifar10; Pollux cifar10)
+    "ResNet-18": 11_173_962,  # CIFAR-10 ResNet-18 (Gavel's image_classification/cifar10; Pollux cifar10)
     "cifar10": 11_173_962,
-    "ResNet-50": 25_557_032,   # torchvision ResNet-50 (Gavel imagenet; Pollux imagenet)
+    "ResNet-50": 25_557_032,  # torchvision ResNet-50 (Gavel imagenet; Pollux imagenet)
     "imagenet": 25_557_032,
-    "bert": 109_482_240,       # BERT-base (Pollux fine-tunes BERT-base on SQuAD)
+    "bert": 109_482_240,  # BERT-base (Pollux fine-tunes BERT-base on SQuAD)
 }
 
 
@@ -349,6 +353,7 @@ def _quantile(sorted_vals: list[float], q: float) -> float:
         return sorted_vals[i]
     # log-normal with the Philly median
     from statistics import NormalDist
+
     z = NormalDist().inv_cdf(min(max(q, 1e-9), 1 - 1e-9))
     return _PHILLY_MEDIAN_S * math.exp(_PHILLY_SIGMA * z)
 
@@ -359,8 +364,13 @@ def philly_teams(data=None) -> list[str]:
     return sorted(p.name.split(".")[0] for p in d.glob("*.trace*"))
 
 
-def load_philly(data=None, teams: Iterable[str] | str | None = None, limit: int | None = None,
-                steps_per_s: Mapping | None = None, gpus_per_node: int = MAX_GPUS_PER_NODE) -> Trace:
+def load_philly(
+    data=None,
+    teams: Iterable[str] | str | None = None,
+    limit: int | None = None,
+    steps_per_s: Mapping | None = None,
+    gpus_per_node: int = MAX_GPUS_PER_NODE,
+) -> Trace:
     """Gavel's Philly-derived per-VC traces (all 15 teams unless ``teams``); ``limit`` caps jobs per team."""
     root = _root(data)
     seed = _sub(root, PHILLY_DIR) / "seed0"
@@ -427,10 +437,23 @@ def load_philly(data=None, teams: Iterable[str] | str | None = None, limit: int 
         r, g = gang_shape(gpus, gpus_per_node)
         m = _BATCH_RE.search(jt)
         dur, est = durations[i]
-        jobs.append(TraceJob(
-            job_id=f"{team}-{idx}", tenant=team, submit_s=arrival, replicas=r, gpus_per_replica=g,
-            gpu_milli=0, duration_s=dur, model=jt, batch_size=int(m.group(1)) if m else 0,
-            total_steps=steps, param_bytes=_param_bytes(jt), duration_estimated=est, source="philly"))
+        jobs.append(
+            TraceJob(
+                job_id=f"{team}-{idx}",
+                tenant=team,
+                submit_s=arrival,
+                replicas=r,
+                gpus_per_replica=g,
+                gpu_milli=0,
+                duration_s=dur,
+                model=jt,
+                batch_size=int(m.group(1)) if m else 0,
+                total_steps=steps,
+                param_bytes=_param_bytes(jt),
+                duration_estimated=est,
+                source="philly",
+            )
+        )
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     return skip.done(jobs, "philly")
 
@@ -440,7 +463,7 @@ def load_philly(data=None, teams: Iterable[str] | str | None = None, limit: int 
 
 def alibaba_task_lists(data=None) -> list[str]:
     d = _sub(data, ALIBABA_DIR) / "csv"
-    return sorted(p.name[len("openb_pod_list_"):].split(".")[0] for p in d.glob("openb_pod_list_*.csv*"))
+    return sorted(p.name[len("openb_pod_list_") :].split(".")[0] for p in d.glob("openb_pod_list_*.csv*"))
 
 
 def _csv_file(d: Path, stem: str) -> Path | None:
@@ -505,11 +528,24 @@ def load_alibaba_v2023(data=None, task_list: str = "default") -> Trace:
             else:
                 submit, dur, est = 0.0, 1.0, True
             spec = row.get("gpu_spec") or ""
-            jobs.append(TraceJob(
-                job_id=name, tenant="", submit_s=submit, replicas=reps, gpus_per_replica=gpr,
-                gpu_milli=frac, duration_s=dur, cpu_milli=cpu, memory_mib=mem,
-                gpu_models=tuple(s for s in spec.split("|") if s), qos=row.get("qos") or "",
-                status=row.get("pod_phase") or "", duration_estimated=est, source=f"alibaba:{task_list}"))
+            jobs.append(
+                TraceJob(
+                    job_id=name,
+                    tenant="",
+                    submit_s=submit,
+                    replicas=reps,
+                    gpus_per_replica=gpr,
+                    gpu_milli=frac,
+                    duration_s=dur,
+                    cpu_milli=cpu,
+                    memory_mib=mem,
+                    gpu_models=tuple(s for s in spec.split("|") if s),
+                    qos=row.get("qos") or "",
+                    status=row.get("pod_phase") or "",
+                    duration_estimated=est,
+                    source=f"alibaba:{task_list}",
+                )
+            )
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     return skip.done(jobs, f"alibaba:{task_list}")
 
@@ -526,8 +562,13 @@ def load_alibaba_nodes(data=None, all_nodes: bool = False) -> Trace:
     with _open_text(f) as fh:
         for row in csv.DictReader(fh):
             try:
-                n = TraceNode(name=row["sn"], gpus=int(row["gpu"]), model=row.get("model") or "",
-                              cpu_milli=int(row["cpu_milli"]), memory_mib=int(row["memory_mib"]))
+                n = TraceNode(
+                    name=row["sn"],
+                    gpus=int(row["gpu"]),
+                    model=row.get("model") or "",
+                    cpu_milli=int(row["cpu_milli"]),
+                    memory_mib=int(row["memory_mib"]),
+                )
             except (KeyError, TypeError, ValueError):
                 skip("non-numeric or missing field")
                 continue
@@ -544,15 +585,18 @@ def load_alibaba_nodes(data=None, all_nodes: bool = False) -> Trace:
 POLLUX_VARIANTS = {"simulator": "simulator-workloads", "testbed": "workloads", "realistic": "workloads-realistic"}
 # reference GPU-hours: geometric middle of the GPU-time class the Pollux generator drew each app from
 _POLLUX_GPU_HOURS = {
-    "cifar10": 0.5, "ncf": 0.5,
-    "deepspeech2": math.sqrt(10.0), "bert": math.sqrt(10.0),
+    "cifar10": 0.5,
+    "ncf": 0.5,
+    "deepspeech2": math.sqrt(10.0),
+    "bert": math.sqrt(10.0),
     "yolov3": math.sqrt(1000.0),
     "imagenet": math.sqrt(100000.0),
 }
 
 
-def load_pollux(data=None, workload: str = "workload-1", variant: str = "simulator",
-                gpus_per_node: int = MAX_GPUS_PER_NODE) -> Trace:
+def load_pollux(
+    data=None, workload: str = "workload-1", variant: str = "simulator", gpus_per_node: int = MAX_GPUS_PER_NODE
+) -> Trace:
     """A Pollux workload (160 jobs); ``variant`` simulator (default) | testbed | realistic."""
     if variant not in POLLUX_VARIANTS:
         raise ValueError(f"unknown Pollux variant {variant!r}; known: {', '.join(POLLUX_VARIANTS)}")
@@ -581,10 +625,22 @@ def load_pollux(data=None, workload: str = "workload-1", variant: str = "simulat
                 skip("bad value or unknown application")
                 continue
             r, g = gang_shape(n, gpus_per_node)
-            jobs.append(TraceJob(
-                job_id=name, tenant="", submit_s=t, replicas=r, gpus_per_replica=g, gpu_milli=0,
-                duration_s=_POLLUX_GPU_HOURS[app] * 3600.0 / n, model=app, batch_size=bs,
-                param_bytes=_param_bytes(app), duration_estimated=True, source=f"pollux:{w}:{variant}"))
+            jobs.append(
+                TraceJob(
+                    job_id=name,
+                    tenant="",
+                    submit_s=t,
+                    replicas=r,
+                    gpus_per_replica=g,
+                    gpu_milli=0,
+                    duration_s=_POLLUX_GPU_HOURS[app] * 3600.0 / n,
+                    model=app,
+                    batch_size=bs,
+                    param_bytes=_param_bytes(app),
+                    duration_estimated=True,
+                    source=f"pollux:{w}:{variant}",
+                )
+            )
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     return skip.done(jobs, f"pollux:{w}")
 
@@ -592,8 +648,17 @@ def load_pollux(data=None, workload: str = "workload-1", variant: str = "simulat
 # --------------------------------------------------------------------------------------------- common CSV
 
 _FIELDS = [f.name for f in dataclasses.fields(TraceJob)]
-_INT_FIELDS = {"replicas", "gpus_per_replica", "gpu_milli", "cpu_milli", "memory_mib", "batch_size",
-               "total_steps", "param_bytes", "priority"}
+_INT_FIELDS = {
+    "replicas",
+    "gpus_per_replica",
+    "gpu_milli",
+    "cpu_milli",
+    "memory_mib",
+    "batch_size",
+    "total_steps",
+    "param_bytes",
+    "priority",
+}
 _FLOAT_FIELDS = {"submit_s", "duration_s"}
 _REQUIRED = ("job_id", "submit_s", "replicas", "gpus_per_replica", "duration_s")
 
@@ -677,8 +742,15 @@ MIX_FINETUNE_PRIORITY = -100  # "batch"
 MIX_PRETRAIN_GPUS = (64, 128, 256)
 
 
-def load_mix(data=None, teams: int | Iterable[str] = 4, jobs_per_team: int = 300, hours: float = 168.0,
-             pretrain: int = 8, finetune: int = 2000, seed: int = 0) -> Trace:
+def load_mix(
+    data=None,
+    teams: int | Iterable[str] = 4,
+    jobs_per_team: int = 300,
+    hours: float = 168.0,
+    pretrain: int = 8,
+    finetune: int = 2000,
+    seed: int = 0,
+) -> Trace:
     """A multi-tenant mix: Philly teams' own jobs, plus high-priority pre-training gangs and low-priority
     fine-tuning jobs spread across the teams (see the module docstring, ``mix``, for what is real)."""
     import random
@@ -714,21 +786,42 @@ def load_mix(data=None, teams: int | Iterable[str] = 4, jobs_per_team: int = 300
         r, g = gang_shape(gpus)
         duration = min(72 * 3600.0, _quantile(runtimes, rng.uniform(0.95, 0.995)))
         team = chosen[i % len(chosen)]
-        jobs.append(TraceJob(
-            job_id=f"pt{i}-{team}", tenant=team, submit_s=rng.uniform(0.0, 0.8 * window), replicas=r,
-            gpus_per_replica=g, gpu_milli=0, duration_s=duration, model="pretrain", duration_estimated=True,
-            source="mix:pretrain", priority=MIX_PRETRAIN_PRIORITY))
+        jobs.append(
+            TraceJob(
+                job_id=f"pt{i}-{team}",
+                tenant=team,
+                submit_s=rng.uniform(0.0, 0.8 * window),
+                replicas=r,
+                gpus_per_replica=g,
+                gpu_milli=0,
+                duration_s=duration,
+                model="pretrain",
+                duration_estimated=True,
+                source="mix:pretrain",
+                priority=MIX_PRETRAIN_PRIORITY,
+            )
+        )
     pool = [j for j in load_alibaba_v2023(root) if j.gpus_per_replica > 0 and 60.0 <= j.duration_s <= 12 * 3600.0]
     if finetune and not pool:
         raise ValueError("the Alibaba default list has no GPU pods to draw fine-tuning jobs from")
     for i in range(finetune):
         src = rng.choice(pool)
         team = rng.choice(chosen)
-        jobs.append(TraceJob(
-            job_id=f"ft{i}-{team}", tenant=team, submit_s=rng.uniform(0.0, window), replicas=src.replicas,
-            gpus_per_replica=src.gpus_per_replica, gpu_milli=src.gpu_milli, duration_s=src.duration_s,
-            model="finetune", duration_estimated=src.duration_estimated, source="mix:finetune",
-            priority=MIX_FINETUNE_PRIORITY))
+        jobs.append(
+            TraceJob(
+                job_id=f"ft{i}-{team}",
+                tenant=team,
+                submit_s=rng.uniform(0.0, window),
+                replicas=src.replicas,
+                gpus_per_replica=src.gpus_per_replica,
+                gpu_milli=src.gpu_milli,
+                duration_s=src.duration_s,
+                model="finetune",
+                duration_estimated=src.duration_estimated,
+                source="mix:finetune",
+                priority=MIX_FINETUNE_PRIORITY,
+            )
+        )
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     return Trace(jobs, name="mix", skipped_reasons=philly.skipped_reasons)
 
@@ -818,10 +911,15 @@ def load_trace(spec: str, data=None) -> Trace:
             raise _bad_spec(spec, "hours must be a number") from None
         counts = {k: _int(k) for k in ("jobs", "pretrain", "finetune", "seed")}
         try:
-            return load_mix(data, teams=chosen, jobs_per_team=300 if counts["jobs"] is None else counts["jobs"],
-                            hours=hours, pretrain=8 if counts["pretrain"] is None else
-                            counts["pretrain"], finetune=2000 if counts["finetune"] is None else counts["finetune"],
-                            seed=counts["seed"] or 0)
+            return load_mix(
+                data,
+                teams=chosen,
+                jobs_per_team=300 if counts["jobs"] is None else counts["jobs"],
+                hours=hours,
+                pretrain=8 if counts["pretrain"] is None else counts["pretrain"],
+                finetune=2000 if counts["finetune"] is None else counts["finetune"],
+                seed=counts["seed"] or 0,
+            )
         except ValueError as e:
             raise _bad_spec(spec, str(e)) from None
     raise _bad_spec(spec, f"unknown source {source!r}")

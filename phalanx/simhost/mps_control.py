@@ -55,8 +55,10 @@ _LIMIT = re.compile(r"^\d+[MG]$")
 
 
 def _dirs() -> tuple[str, str]:
-    return (os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR,
-            os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIR)
+    return (
+        os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR,
+        os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIR,
+    )
 
 
 def _record(log_dir: str, entry: dict) -> None:
@@ -98,7 +100,7 @@ def _alive(pid: int) -> bool:
             raw = f.read()
     except OSError:
         return False
-    return raw[raw.rfind(")") + 2:][:1] not in ("Z", "X")
+    return raw[raw.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _connect(pipe_dir: str, timeout: float = 5.0) -> socket.socket | None:
@@ -163,8 +165,19 @@ class _Daemon:
         self.pid = os.getpid()
 
     def record(self, command: str, args: list[str], ok: bool, reply: str = "", error: str = "") -> None:
-        _record(self.log_dir, {"command": command, "args": args, "ok": ok, "reply": reply, "error": error,
-                               "daemon_pid": self.pid, "pipe_dir": self.pipe_dir, "visible_devices": self.visible})
+        _record(
+            self.log_dir,
+            {
+                "command": command,
+                "args": args,
+                "ok": ok,
+                "reply": reply,
+                "error": error,
+                "daemon_pid": self.pid,
+                "pipe_dir": self.pipe_dir,
+                "visible_devices": self.visible,
+            },
+        )
 
     def answer(self, line: str) -> tuple[bool, str, bool]:
         """(ok, reply, quit) for one command line."""
@@ -175,8 +188,14 @@ class _Daemon:
                 return True, "", True
             if cmd in ("get_server_list", "ps"):
                 return True, "", False
-            if cmd in ("get_server_status", "get_client_list", "set_active_thread_percentage",
-                       "get_active_thread_percentage", "set_device_pinned_mem_limit", "get_device_pinned_mem_limit"):
+            if cmd in (
+                "get_server_status",
+                "get_client_list",
+                "set_active_thread_percentage",
+                "get_active_thread_percentage",
+                "set_device_pinned_mem_limit",
+                "get_device_pinned_mem_limit",
+            ):
                 if not args:
                     return False, f"{cmd}: a server PID is required", False
                 return False, f"Server {args[0]} not found", False
@@ -252,8 +271,14 @@ class _Daemon:
 
 def _start_daemon() -> int:
     pipe_dir, log_dir = _dirs()
-    entry = {"command": "start", "args": ["-d"], "daemon_pid": 0, "pipe_dir": os.path.abspath(pipe_dir),
-             "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "reply": ""}
+    entry = {
+        "command": "start",
+        "args": ["-d"],
+        "daemon_pid": 0,
+        "pipe_dir": os.path.abspath(pipe_dir),
+        "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "reply": "",
+    }
     try:
         os.makedirs(pipe_dir, exist_ok=True)
         os.makedirs(log_dir, exist_ok=True)
@@ -317,10 +342,12 @@ def _start_daemon() -> int:
             f.write(f"{daemon.pid}\n")
         os.replace(tmp, PID_FILE)
         _log(daemon.log_dir, f"Starting control daemon using socket {daemon.pipe_dir}/{SOCKET}")
-        _log(daemon.log_dir, f"To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY="
-                             f"{daemon.pipe_dir}")
+        _log(
+            daemon.log_dir,
+            f"To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir}",
+        )
         _record(daemon.log_dir, {**entry, "ok": True, "error": "", "daemon_pid": daemon.pid})
-    except Exception as exc:  # noqa: BLE001 - tell the waiting parent, then go
+    except Exception as exc:  # tell the waiting parent, then go
         os.write(w, f"failed to start: {exc!r}".encode())
         os.close(w)
         os._exit(1)
@@ -350,9 +377,19 @@ def _client(lines: list[str]) -> int:
     if conn is None:
         for line in commands:
             words = line.split()
-            _record(log_dir, {"command": words[0], "args": words[1:], "ok": False, "error": "no daemon",
-                              "reply": "", "daemon_pid": 0, "pipe_dir": os.path.abspath(pipe_dir),
-                              "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+            _record(
+                log_dir,
+                {
+                    "command": words[0],
+                    "args": words[1:],
+                    "ok": False,
+                    "error": "no daemon",
+                    "reply": "",
+                    "daemon_pid": 0,
+                    "pipe_dir": os.path.abspath(pipe_dir),
+                    "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                },
+            )
         print(NO_DAEMON, file=sys.stderr)
         return 1
     code = 0
@@ -384,8 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["-d"]:
         return _start_daemon()
     if argv:
-        print(f"nvidia-cuda-mps-control: unsupported option {' '.join(argv)} (this stand-in knows -d)",
-              file=sys.stderr)
+        print(f"nvidia-cuda-mps-control: unsupported option {' '.join(argv)} (this stand-in knows -d)", file=sys.stderr)
         return 2
     return _client(sys.stdin.read().splitlines())
 

@@ -58,11 +58,25 @@ from typing import Any
 from phalanx.core import mig as migcore
 from phalanx.core.topo_dump import TopoDump, is_nvlink, nvlink_count
 from phalanx.nvml_h import (  # nvml.h's layouts, shared with the agent's discovery
-    CI_PROFILE_INFO_V2, FABRIC_INFO_V2, FABRIC_INFO_V3, GI_PROFILE_INFO_V2, MEMORY_V2,
-    nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlComputeInstanceProfileInfo_v2_t,
-    nvmlEventData_t, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstanceInfo_t,
-    nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t, nvmlMemory_t,
-    nvmlMemory_v2_t, nvmlPciInfo_t,
+    CI_PROFILE_INFO_V2,
+    FABRIC_INFO_V2,
+    FABRIC_INFO_V3,
+    GI_PROFILE_INFO_V2,
+    MEMORY_V2,
+    nvmlComputeInstanceInfo_t,
+    nvmlComputeInstanceProfileInfo_t,
+    nvmlComputeInstanceProfileInfo_v2_t,
+    nvmlEventData_t,
+    nvmlGpuFabricInfo_t,
+    nvmlGpuFabricInfo_v2_t,
+    nvmlGpuFabricInfo_v3_t,
+    nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t,
+    nvmlGpuInstanceProfileInfo_t,
+    nvmlGpuInstanceProfileInfo_v2_t,
+    nvmlMemory_t,
+    nvmlMemory_v2_t,
+    nvmlPciInfo_t,
 )
 
 from .sysfs import default_gpu_bus_ids
@@ -96,27 +110,53 @@ NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
 NVML_EVENT_TYPE_XID_CRITICAL_ERROR = 0x8
 NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
 NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC = 0, 1
-MAX_LINKS_PER_GPU = 18   # NVLink4/5 links of one GPU; more NV links than this to peers means NVSwitches
+MAX_LINKS_PER_GPU = 18  # NVLink4/5 links of one GPU; more NV links than this to peers means NVSwitches
 
 _ERROR_STRINGS = {
-    0: b"Success", 1: b"Uninitialized", 2: b"Invalid Argument", 3: b"Not Supported", 4: b"Insufficient Permissions",
-    6: b"Not Found", 7: b"Insufficient Size", 9: b"Driver Not Loaded", 10: b"Timeout", 12: b"NVML Shared Library Not Found",
-    13: b"Function Not Found", 15: b"GPU is lost", 16: b"GPU requires restart", 19: b"In use by another client",
-    23: b"Insufficient resources", 25: b"Argument version mismatch", 999: b"Unknown Error",
+    0: b"Success",
+    1: b"Uninitialized",
+    2: b"Invalid Argument",
+    3: b"Not Supported",
+    4: b"Insufficient Permissions",
+    6: b"Not Found",
+    7: b"Insufficient Size",
+    9: b"Driver Not Loaded",
+    10: b"Timeout",
+    12: b"NVML Shared Library Not Found",
+    13: b"Function Not Found",
+    15: b"GPU is lost",
+    16: b"GPU requires restart",
+    19: b"In use by another client",
+    23: b"Insufficient resources",
+    25: b"Argument version mismatch",
+    999: b"Unknown Error",
 }
 _ERROR_BUFFERS = {code: C.create_string_buffer(text) for code, text in _ERROR_STRINGS.items()}
-
 
 
 # ------------------------------------------------------------------------------------------------ the simulated host
 
 # (model substring, compute capability, MIG capable); first match wins.
 _MODELS = [
-    ("GB200", (10, 0), True), ("B200", (10, 0), True), ("B100", (10, 0), True),
-    ("GH200", (9, 0), True), ("H100", (9, 0), True), ("H200", (9, 0), True), ("H800", (9, 0), True),
-    ("H20", (9, 0), True), ("A100", (8, 0), True), ("A800", (8, 0), True), ("A30", (8, 0), True),
-    ("L40", (8, 9), False), ("L4", (8, 9), False), ("4090", (8, 9), False), ("4080", (8, 9), False),
-    ("A10", (8, 6), False), ("A40", (8, 6), False), ("3090", (8, 6), False), ("V100", (7, 0), False),
+    ("GB200", (10, 0), True),
+    ("B200", (10, 0), True),
+    ("B100", (10, 0), True),
+    ("GH200", (9, 0), True),
+    ("H100", (9, 0), True),
+    ("H200", (9, 0), True),
+    ("H800", (9, 0), True),
+    ("H20", (9, 0), True),
+    ("A100", (8, 0), True),
+    ("A800", (8, 0), True),
+    ("A30", (8, 0), True),
+    ("L40", (8, 9), False),
+    ("L4", (8, 9), False),
+    ("4090", (8, 9), False),
+    ("4080", (8, 9), False),
+    ("A10", (8, 6), False),
+    ("A40", (8, 6), False),
+    ("3090", (8, 6), False),
+    ("V100", (7, 0), False),
     ("T4", (7, 5), False),
 ]
 _ANCESTOR = {"PIX": 10, "PXB": 20, "PHB": 30, "CPU": 30, "NODE": 40, "SYS": 50, "SOC": 50}
@@ -155,12 +195,12 @@ class SimGpu:
     uuid: str
     name: str
     memory_mib: int
-    bus_id: str                                   # "00000000:18:00.0"
+    bus_id: str  # "00000000:18:00.0"
     numa: int = -1
-    gpu_numa_id: int = -1                         # the GPU's own NUMA node (Grace), -1 when none
+    gpu_numa_id: int = -1  # the GPU's own NUMA node (Grace), -1 when none
     compute_capability: tuple[int, int] = (0, 0)
     mig_capable: bool = False
-    mig_mode: list[int] = field(default_factory=lambda: [0, 0])   # [current, pending]
+    mig_mode: list[int] = field(default_factory=lambda: [0, 0])  # [current, pending]
     links: list[tuple[int, str, int]] | None = None  # (state, remote bus id, remote device type); None: no NVLink
     gis: list[SimGpuInstance] = field(default_factory=list)
     ecc: dict[tuple[int, int], int] = field(default_factory=dict)  # (error type, counter type) -> count
@@ -183,23 +223,30 @@ class SimFabric:
 class SimulatedHost:
     """The hardware a simulated NVML library answers for: GPUs, their links and PCIe ancestry, the fabric, MIG."""
 
-    def __init__(self, gpus: list[SimGpu], ancestors: dict[tuple[int, int], int] | None = None,
-                 fabric: SimFabric | None = None, *, driver_version: str = "570.133.20", cuda_version: int = 12080,
-                 state_file: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        gpus: list[SimGpu],
+        ancestors: dict[tuple[int, int], int] | None = None,
+        fabric: SimFabric | None = None,
+        *,
+        driver_version: str = "570.133.20",
+        cuda_version: int = 12080,
+        state_file: str | Path | None = None,
+    ) -> None:
         self.gpus = gpus
         self.ancestors = dict(ancestors or {})
         self.fabric = fabric
         self.driver_version = driver_version
         self.cuda_version = cuda_version
         self.state_file = Path(state_file) if state_file else None
-        self.fail: dict[str, int] = {}          # C function -> NVML_ERROR_* it returns
-        self.missing: set[str] = set()          # C functions the library lacks (older driver)
-        self.init_error: int | None = None      # what nvmlInitWithFlags returns (e.g. NVML_ERROR_DRIVER_NOT_LOADED)
-        self.mig_reset_required = False         # a MIG mode switch stays pending until reset_gpu (a VM)
-        self.errors: list[str] = []             # exceptions raised inside C functions (bugs in the simulation)
-        self.calls: list[tuple] = []            # MIG mutations, for tests
+        self.fail: dict[str, int] = {}  # C function -> NVML_ERROR_* it returns
+        self.missing: set[str] = set()  # C functions the library lacks (older driver)
+        self.init_error: int | None = None  # what nvmlInitWithFlags returns (e.g. NVML_ERROR_DRIVER_NOT_LOADED)
+        self.mig_reset_required = False  # a MIG mode switch stays pending until reset_gpu (a VM)
+        self.errors: list[str] = []  # exceptions raised inside C functions (bugs in the simulation)
+        self.calls: list[tuple] = []  # MIG mutations, for tests
         self._lock = threading.RLock()
-        self._events: deque[tuple[int, int, int]] = deque()   # (gpu, event type, data)
+        self._events: deque[tuple[int, int, int]] = deque()  # (gpu, event type, data)
         self._event_cond = threading.Condition(self._lock)
         self._load()
 
@@ -238,11 +285,20 @@ class SimulatedHost:
         for i, g in enumerate(names):
             gpu_numa = dump.gpu_numa_id(g)
             on = int(migs[i] and mig_capable)
-            gpus.append(SimGpu(
-                index=int(g[3:]), uuid=uuids[i], name=gpu_model, memory_mib=memory_mib, bus_id=buses[i],
-                numa=dump.numa_node(g), gpu_numa_id=int(gpu_numa) if gpu_numa and gpu_numa.isdigit() else -1,
-                compute_capability=cc, mig_capable=mig_capable, mig_mode=[on, on],
-            ))
+            gpus.append(
+                SimGpu(
+                    index=int(g[3:]),
+                    uuid=uuids[i],
+                    name=gpu_model,
+                    memory_mib=memory_mib,
+                    bus_id=buses[i],
+                    numa=dump.numa_node(g),
+                    gpu_numa_id=int(gpu_numa) if gpu_numa and gpu_numa.isdigit() else -1,
+                    compute_capability=cc,
+                    mig_capable=mig_capable,
+                    mig_mode=[on, on],
+                )
+            )
         _links_from_dump(dump, gpus, idx, buses)
         ancestors: dict[tuple[int, int], int] = {}
         for a in names:
@@ -275,21 +331,37 @@ class SimulatedHost:
                 if not saved or not gpu.mig_capable:
                     continue
                 gpu.mig_mode = [int(m) for m in saved.get("mig_mode", gpu.mig_mode)]
-                gpu.gis = [SimGpuInstance(**{**g, "cis": [SimComputeInstance(**c) for c in g.get("cis", [])]})
-                           for g in saved.get("gis", [])]
+                gpu.gis = [
+                    SimGpuInstance(**{**g, "cis": [SimComputeInstance(**c) for c in g.get("cis", [])]})
+                    for g in saved.get("gis", [])
+                ]
         except (OSError, ValueError, TypeError) as exc:
             self.errors.append(f"unreadable simulated GPU state {self.state_file}: {exc}")
 
     def save(self) -> None:
         if not self.state_file:
             return
-        data = {"gpus": {str(g.index): {
-            "mig_mode": g.mig_mode,
-            "gis": [{"id": gi.id, "profile_id": gi.profile_id, "start": gi.start, "size": gi.size,
-                     "compute": gi.compute, "media": gi.media,
-                     "cis": [{"id": c.id, "profile_id": c.profile_id, "slices": c.slices} for c in gi.cis]}
-                    for gi in g.gis],
-        } for g in self.gpus if g.mig_capable}}
+        data = {
+            "gpus": {
+                str(g.index): {
+                    "mig_mode": g.mig_mode,
+                    "gis": [
+                        {
+                            "id": gi.id,
+                            "profile_id": gi.profile_id,
+                            "start": gi.start,
+                            "size": gi.size,
+                            "compute": gi.compute,
+                            "media": gi.media,
+                            "cis": [{"id": c.id, "profile_id": c.profile_id, "slices": c.slices} for c in gi.cis],
+                        }
+                        for gi in g.gis
+                    ],
+                }
+                for g in self.gpus
+                if g.mig_capable
+            }
+        }
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
@@ -348,12 +420,18 @@ class SimulatedHost:
         if sum(gi.compute for gi in gpu.gis) + prof.compute > compute_total:
             return NVML_ERROR_INSUFFICIENT_RESOURCES
         if media and any(gi.media for gi in gpu.gis):
-            return NVML_ERROR_INSUFFICIENT_RESOURCES   # one set of media engines per GPU
+            return NVML_ERROR_INSUFFICIENT_RESOURCES  # one set of media engines per GPU
         if sum(1 for gi in gpu.gis if gi.profile_id == prof.profile_id) >= _max_count(prof, gpu.family):
             return NVML_ERROR_INSUFFICIENT_RESOURCES
         ids = {gi.id for gi in gpu.gis}
-        gi = SimGpuInstance(id=next(i for i in itertools.count(1) if i not in ids), profile_id=prof.profile_id,
-                            start=free[0], size=prof.size, compute=prof.compute, media=media)
+        gi = SimGpuInstance(
+            id=next(i for i in itertools.count(1) if i not in ids),
+            profile_id=prof.profile_id,
+            start=free[0],
+            size=prof.size,
+            compute=prof.compute,
+            media=media,
+        )
         gpu.gis.append(gi)
         return gi
 
@@ -375,14 +453,21 @@ def _links_from_dump(dump: TopoDump, gpus: list[SimGpu], idx: dict[str, int], bu
     switch_buses = [f"00000000:{0xC1 + k:02X}:00.0" for k in range(n_switches)]
     for i, gpu in enumerate(gpus):
         if switched[i]:
-            gpu.links = [(NVML_FEATURE_ENABLED, switch_buses[k % n_switches], NVML_NVLINK_DEVICE_TYPE_SWITCH)
-                         for k in range(max(peers[i].values()))]
+            gpu.links = [
+                (NVML_FEATURE_ENABLED, switch_buses[k % n_switches], NVML_NVLINK_DEVICE_TYPE_SWITCH)
+                for k in range(max(peers[i].values()))
+            ]
         elif peers[i]:
-            gpu.links = [(NVML_FEATURE_ENABLED, buses[j], NVML_NVLINK_DEVICE_TYPE_GPU)
-                         for j, c in sorted(peers[i].items()) for _ in range(c)][:MAX_LINKS_PER_GPU]
+            gpu.links = [
+                (NVML_FEATURE_ENABLED, buses[j], NVML_NVLINK_DEVICE_TYPE_GPU)
+                for j, c in sorted(peers[i].items())
+                for _ in range(c)
+            ][:MAX_LINKS_PER_GPU]
         elif typical:  # an NVSwitch box, and this GPU reaches no peer over NVLink: its links are down
-            gpu.links = [(NVML_FEATURE_DISABLED, switch_buses[k % n_switches], NVML_NVLINK_DEVICE_TYPE_SWITCH)
-                         for k in range(typical)]
+            gpu.links = [
+                (NVML_FEATURE_DISABLED, switch_buses[k % n_switches], NVML_NVLINK_DEVICE_TYPE_SWITCH)
+                for k in range(typical)
+            ]
 
 
 def _max_count(prof: migcore.MigProfile, family: str | None) -> int:
@@ -398,9 +483,11 @@ CI_SLICES = {0: 1, 1: 2, 2: 3, 3: 4, 4: 7, 5: 8, 6: 6, 7: 1}
 
 def _c_function(*argtypes):
     """Mark a method as the C function of that name with these nvml.h parameter types (returns nvmlReturn_t)."""
+
     def mark(fn):
         fn.c_argtypes = argtypes
         return fn
+
     return mark
 
 
@@ -420,8 +507,8 @@ def _integer(base: type) -> type:
     return Integer
 
 
-P = C.c_void_p              # any pointer or opaque handle
-U = _integer(C.c_uint)      # unsigned int, and nvml.h's enums
+P = C.c_void_p  # any pointer or opaque handle
+U = _integer(C.c_uint)  # unsigned int, and nvml.h's enums
 ULL = _integer(C.c_ulonglong)
 
 
@@ -476,8 +563,8 @@ class NvmlFunctions:
     def __init__(self, host: SimulatedHost) -> None:
         self._host = host
         self._refcount = 0
-        self._handles: dict[int, tuple] = {}   # address -> ("gpu", i) | ("mig", i, gi, ci) | ("gi", i, gi) | ...
-        self._cells: dict[tuple, Any] = {}     # the objects whose addresses are the handles
+        self._handles: dict[int, tuple] = {}  # address -> ("gpu", i) | ("mig", i, gi, ci) | ("gi", i, gi) | ...
+        self._cells: dict[tuple, Any] = {}  # the objects whose addresses are the handles
         self._error_strings = _ERROR_BUFFERS
 
     # ---------------------------------------------------------------- plumbing
@@ -636,8 +723,9 @@ class NvmlFunctions:
             return err
         if gpu.compute_capability == (0, 0):
             return NVML_ERROR_NOT_SUPPORTED
-        return self._put(major, C.c_int, gpu.compute_capability[0]) or self._put(minor, C.c_int,
-                                                                                   gpu.compute_capability[1])
+        return self._put(major, C.c_int, gpu.compute_capability[0]) or self._put(
+            minor, C.c_int, gpu.compute_capability[1]
+        )
 
     @_c_function(P, P)
     def nvmlDeviceGetNumaNodeId(self, handle, out):
@@ -654,8 +742,11 @@ class NvmlFunctions:
         b, err2 = self._device(h2)
         if err or err2:
             return err or err2
-        level = NVML_TOPOLOGY_INTERNAL if a is b else self._host.ancestors[(self._host.gpus.index(a),
-                                                                            self._host.gpus.index(b))]
+        level = (
+            NVML_TOPOLOGY_INTERNAL
+            if a is b
+            else self._host.ancestors[(self._host.gpus.index(a), self._host.gpus.index(b))]
+        )
         return self._put(out, C.c_int, level)
 
     # ---------------------------------------------------------------- NVLink
@@ -740,11 +831,11 @@ class NvmlFunctions:
         if mode == 0 and gpu.gis:
             return NVML_ERROR_IN_USE
         self._host.calls.append(("set_mig_mode", gpu.index, int(mode)))
-        if self._host.mig_reset_required:   # pass-through VMs: NVML cannot reset the GPU itself
+        if self._host.mig_reset_required:  # pass-through VMs: NVML cannot reset the GPU itself
             gpu.mig_mode[1] = int(mode)
             self._host.save()
             return self._put(activation, C.c_int, NVML_ERROR_RESET_REQUIRED)
-        gpu.mig_mode = [int(mode), int(mode)]   # bare metal: NVML resets the idle GPU and the mode applies
+        gpu.mig_mode = [int(mode), int(mode)]  # bare metal: NVML resets the idle GPU and the mode applies
         self._host.save()
         return self._put(activation, C.c_int, NVML_SUCCESS)
 
@@ -868,7 +959,7 @@ class NvmlFunctions:
         gpu = self._host.gpus[key[1]]
         gi = next((g for g in gpu.gis if g.id == key[2]), None)
         if gi is None:
-            return None, None, NVML_ERROR_INVALID_ARGUMENT   # destroyed: a stale handle
+            return None, None, NVML_ERROR_INVALID_ARGUMENT  # destroyed: a stale handle
         return gpu, gi, NVML_SUCCESS
 
     @_c_function(P, P)
@@ -946,7 +1037,8 @@ class NvmlFunctions:
             return NVML_ERROR_INVALID_ARGUMENT
         for i, ci in enumerate(found):
             C.c_void_p.from_address(out + i * C.sizeof(C.c_void_p)).value = self._handle(
-                ("ci", gpu.index, gi.id, ci.id))
+                ("ci", gpu.index, gi.id, ci.id)
+            )
         return self._put(count, C.c_uint, len(found))
 
     @_c_function(P, U, P)
@@ -961,8 +1053,9 @@ class NvmlFunctions:
         if sum(c.slices for c in gi.cis) + slices > gi.compute:
             return NVML_ERROR_INSUFFICIENT_RESOURCES
         ids = {c.id for c in gi.cis}
-        ci = SimComputeInstance(id=next(i for i in itertools.count(0) if i not in ids), profile_id=profile_id,
-                                slices=slices)
+        ci = SimComputeInstance(
+            id=next(i for i in itertools.count(0) if i not in ids), profile_id=profile_id, slices=slices
+        )
         gi.cis.append(ci)
         self._host.save()
         return self._put(out, C.c_void_p, self._handle(("ci", gpu.index, gi.id, ci.id)))
@@ -1027,7 +1120,7 @@ class NvmlFunctions:
             return None, NVML_ERROR_UNINITIALIZED
         key = self._key(handle)
         if key is None or key[0] != "mig":
-            return None, NVML_ERROR_INVALID_ARGUMENT   # not a MIG device handle
+            return None, NVML_ERROR_INVALID_ARGUMENT  # not a MIG device handle
         return key, NVML_SUCCESS
 
     @_c_function(P, P)
@@ -1100,7 +1193,7 @@ class NvmlFunctions:
         if err:
             return err
         if gpu.compute_capability < (7, 0) or gpu.compute_capability == (8, 9) or gpu.compute_capability == (8, 6):
-            return NVML_ERROR_NOT_SUPPORTED   # consumer and workstation parts without ECC reporting
+            return NVML_ERROR_NOT_SUPPORTED  # consumer and workstation parts without ECC reporting
         return self._put(out, C.c_ulonglong, gpu.ecc.get((error_type, counter_type), 0))
 
     @_c_function(P, P)
@@ -1129,7 +1222,7 @@ def load_bindings(name: str = "") -> Any:
         raise ImportError("nvidia-ml-py (pynvml) is not installed")
     private = importlib.util.spec_from_file_location(name or f"pynvml_simulated_{next(_counter)}", spec.origin)
     module = importlib.util.module_from_spec(private)
-    sys.modules[private.name] = module   # the binding looks itself up there while it is imported
+    sys.modules[private.name] = module  # the binding looks itself up there while it is imported
     try:
         private.loader.exec_module(module)  # type: ignore[union-attr]
     finally:
@@ -1157,4 +1250,3 @@ def unbind(module: Any) -> None:
     cache = getattr(module, "_nvmlGetFunctionPointer_cache", None)
     if isinstance(cache, dict):
         cache.clear()
-

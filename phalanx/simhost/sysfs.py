@@ -38,7 +38,7 @@ def default_gpu_bus_ids(count: int) -> list[str]:
 
 
 def sysfs_bdf(bus_id: str) -> str:
-    """"00000000:18:00.0" -> "0000:18:00.0" (the sysfs spelling)."""
+    """ "00000000:18:00.0" -> "0000:18:00.0" (the sysfs spelling)."""
     domain, bus, devfn = bus_id.strip().split(":")
     return f"{int(domain, 16):04x}:{bus.lower()}:{devfn.lower()}"
 
@@ -80,10 +80,10 @@ class _UnionFind:
 @dataclass
 class FakeSysfs:
     root: Path
-    bdf: dict[str, str] = field(default_factory=dict)        # device ("GPU0", "NIC3") -> sysfs bdf
-    numa: dict[str, int] = field(default_factory=dict)       # device -> numa_node written
-    ib: dict[str, str] = field(default_factory=dict)         # dump NIC column -> mlx5_N
-    paths: dict[str, Path] = field(default_factory=dict)     # device -> its directory under sys/devices
+    bdf: dict[str, str] = field(default_factory=dict)  # device ("GPU0", "NIC3") -> sysfs bdf
+    numa: dict[str, int] = field(default_factory=dict)  # device -> numa_node written
+    ib: dict[str, str] = field(default_factory=dict)  # dump NIC column -> mlx5_N
+    paths: dict[str, Path] = field(default_factory=dict)  # device -> its directory under sys/devices
 
 
 class _Alloc:
@@ -123,7 +123,7 @@ def build_fake_sysfs(root: str | Path, dump: TopoDump, gpu_bus_ids: list[str] | 
 
     ufs = {level: _UnionFind(devices) for level in _LEVELS}
     for i, a in enumerate(devices):
-        for b in devices[i + 1:]:
+        for b in devices[i + 1 :]:
             value = cell(a, b)
             if value is None:
                 continue
@@ -144,8 +144,7 @@ def build_fake_sysfs(root: str | Path, dump: TopoDump, gpu_bus_ids: list[str] | 
         node = known[0] if known else None
         if node is not None:
             clash = any(
-                gpu_numa[g] == node and g not in group and cell(g, n) is not None
-                for g in gpus for n in group_nics
+                gpu_numa[g] == node and g not in group and cell(g, n) is not None for g in gpus for n in group_nics
             )
             if clash:
                 node = None
@@ -162,8 +161,8 @@ def build_fake_sysfs(root: str | Path, dump: TopoDump, gpu_bus_ids: list[str] | 
     devices_dir = root / "sys" / "devices"
     hb_of = {d: ufs["PHB"].find(d) for d in devices}
     hb_index = {r: i for i, r in enumerate(dict.fromkeys(hb_of[d] for d in devices))}
-    upper: dict = {}   # PXB group root -> (root port, upper switch upstream port) directory
-    leaf: dict = {}    # PIX group root -> leaf switch upstream port directory
+    upper: dict = {}  # PXB group root -> (root port, upper switch upstream port) directory
+    leaf: dict = {}  # PIX group root -> leaf switch upstream port directory
     for d in devices:
         hb = devices_dir / f"pci0000:{hb_index[hb_of[d]]:02x}"
         up_key = ufs["PXB"].find(d)

@@ -27,21 +27,37 @@ from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from phalanx.core import mig
 
 
-def simple_topology(gpus: int, model: str = "NVIDIA H100 80GB HBM3", memory_mib: int = 81559,
-                    mig_gpus: Iterable[int] = (),
-                    mig_instances: Mapping[int, Iterable[agent_pb2.GpuInfo.MigInstance]] | None = None,
-                    ) -> agent_pb2.HostTopology:
+def simple_topology(
+    gpus: int,
+    model: str = "NVIDIA H100 80GB HBM3",
+    memory_mib: int = 81559,
+    mig_gpus: Iterable[int] = (),
+    mig_instances: Mapping[int, Iterable[agent_pb2.GpuInfo.MigInstance]] | None = None,
+) -> agent_pb2.HostTopology:
     """`mig_gpus`: GPUs in MIG mode (MIG_MODE_ENABLED); the others report DISABLED when the model has MIG, else
     UNSUPPORTED. `mig_instances`: per GPU, the MIG instances present."""
     enabled = set(mig_gpus)
     capable = mig.mig_family(model, memory_mib) is not None
     topo = agent_pb2.HostTopology(
         profile="lite",
-        gpus=[agent_pb2.GpuInfo(index=i, uuid=f"GPU-lite-{uuid.uuid4().hex[:12]}", name=model, memory_mib=memory_mib,
-                                numa_node=i // 4, nic=f"NIC{i}",
-                                mig_mode=(agent_pb2.GpuInfo.MIG_MODE_ENABLED if i in enabled else
-                                          agent_pb2.GpuInfo.MIG_MODE_DISABLED if capable else
-                                          agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED)) for i in range(gpus)],
+        gpus=[
+            agent_pb2.GpuInfo(
+                index=i,
+                uuid=f"GPU-lite-{uuid.uuid4().hex[:12]}",
+                name=model,
+                memory_mib=memory_mib,
+                numa_node=i // 4,
+                nic=f"NIC{i}",
+                mig_mode=(
+                    agent_pb2.GpuInfo.MIG_MODE_ENABLED
+                    if i in enabled
+                    else agent_pb2.GpuInfo.MIG_MODE_DISABLED
+                    if capable
+                    else agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED
+                ),
+            )
+            for i in range(gpus)
+        ],
     )
     for i, instances in (mig_instances or {}).items():
         topo.gpus[i].mig_instances.extend(instances)
@@ -74,14 +90,16 @@ class LiteAgent:
     start_failure: str = ""  # non-empty: every rank reports FAILED_TO_START, not retryable
 
     async def start(self) -> None:
-        from phalanx.client._channel import open_aio_channel
+        from phalanx.client import open_aio_channel
 
         self.channel = open_aio_channel(self.target, token=self.token)
         self.stub = agent_pb2_grpc.NodeServiceStub(self.channel)
         self.instance = uuid.uuid4().hex
-        resp = await self.stub.RegisterNode(agent_pb2.RegisterNodeRequest(
-            node_name=self.name, topology=self.topology(), address=self.address,
-            agent_instance=self.instance))
+        resp = await self.stub.RegisterNode(
+            agent_pb2.RegisterNodeRequest(
+                node_name=self.name, topology=self.topology(), address=self.address, agent_instance=self.instance
+            )
+        )
         self.acked = max(self.acked, resp.acked_revision)
         self._ack_due = asyncio.Event()
         self._stream_task = asyncio.create_task(self._stream())
@@ -125,7 +143,8 @@ class LiteAgent:
         while True:
             try:
                 call = self.stub.StreamAssignments(
-                    agent_pb2.StreamAssignmentsRequest(node_name=self.name, after_revision=self.acked))
+                    agent_pb2.StreamAssignmentsRequest(node_name=self.name, after_revision=self.acked)
+                )
                 async for assignment in call:
                     await self._take(assignment)
             except grpc.aio.AioRpcError:
@@ -146,8 +165,9 @@ class LiteAgent:
             for rank, task in self.by_attempt.pop((a.kill.job_id, a.kill.attempt), {}).items():
                 if not task.done():
                     task.cancel()
-                    asyncio.create_task(self._report(a.kill.job_id, a.kill.attempt, rank,
-                                                     common_pb2.RANK_STATE_KILLED, -15))
+                    asyncio.create_task(
+                        self._report(a.kill.job_id, a.kill.attempt, rank, common_pb2.RANK_STATE_KILLED, -15)
+                    )
         self.acked = a.revision
         self._ack_due.set()
 
@@ -161,15 +181,23 @@ class LiteAgent:
             if self.acked > sent:
                 revision = self.acked
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.stub.AckAssignments(agent_pb2.AckAssignmentsRequest(node_name=self.name,
-                                                                                   revision=revision))
+                    await self.stub.AckAssignments(
+                        agent_pb2.AckAssignmentsRequest(node_name=self.name, revision=revision)
+                    )
                     sent = revision
 
     async def _rank(self, launch: agent_pb2.LaunchReplica, rank: agent_pb2.RankLaunch) -> None:
         cmd = list(launch.command)
         if self.setup_failure or self.start_failure:
-            await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_FAILED_TO_START, 0,
-                               message=self.setup_failure or self.start_failure, retryable=bool(self.setup_failure))
+            await self._report(
+                launch.job_id,
+                launch.attempt,
+                rank.rank,
+                common_pb2.RANK_STATE_FAILED_TO_START,
+                0,
+                message=self.setup_failure or self.start_failure,
+                retryable=bool(self.setup_failure),
+            )
             return
         if cmd[:1] == ["hang"]:
             return
@@ -180,13 +208,23 @@ class LiteAgent:
         elif cmd[:1] == ["exit"]:
             await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, int(cmd[1]))
 
-    async def _report(self, job_id: str, attempt: int, rank: int, state: int, code: int, *, message: str = "",
-                      retryable: bool = False) -> bool:
+    async def _report(
+        self, job_id: str, attempt: int, rank: int, state: int, code: int, *, message: str = "", retryable: bool = False
+    ) -> bool:
         for _ in range(50):
             try:
-                resp = await self.stub.ReportRankStatus(agent_pb2.ReportRankStatusRequest(
-                    node_name=self.name, job_id=job_id, attempt=attempt, rank=rank, state=state, exit_code=code,
-                    message=message, retryable=retryable))
+                resp = await self.stub.ReportRankStatus(
+                    agent_pb2.ReportRankStatusRequest(
+                        node_name=self.name,
+                        job_id=job_id,
+                        attempt=attempt,
+                        rank=rank,
+                        state=state,
+                        exit_code=code,
+                        message=message,
+                        retryable=retryable,
+                    )
+                )
                 return resp.stale
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:

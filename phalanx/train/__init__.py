@@ -61,7 +61,21 @@ from .errors import (
 from .store import CheckpointStore, LocalStore, sha256_checksum
 
 __all__ = [
-    "CheckpointConfigError", "CheckpointCorruptError", "CheckpointError", "CheckpointPickleError",
-    "CheckpointRejectedError", "CheckpointStore", "Checkpointer", "LocalStore", "RestoreResult", "SaveResult",
-    "SkippedCheckpoint", "default", "reset", "restore", "save", "sha256_checksum", "should_checkpoint",
+    "CheckpointConfigError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointPickleError",
+    "CheckpointRejectedError",
+    "CheckpointStore",
+    "Checkpointer",
+    "LocalStore",
+    "RestoreResult",
+    "SaveResult",
+    "SkippedCheckpoint",
+    "default",
+    "reset",
+    "restore",
+    "save",
+    "sha256_checksum",
+    "should_checkpoint",
 ]

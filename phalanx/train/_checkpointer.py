@@ -29,23 +29,26 @@ ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_JOB_ID = "PHALANX_JOB_ID"
 ENV_ATTEMPT = "PHALANX_ATTEMPT"
 # Defined here; the scheduler/agent will set them (not wired yet).
-ENV_ADDR = "PHALANX_CHECKPOINT_ADDR"          # coordinator host:port
-ENV_DIR = "PHALANX_CHECKPOINT_DIR"            # root of the LocalStore
+ENV_ADDR = "PHALANX_CHECKPOINT_ADDR"  # coordinator host:port
+ENV_DIR = "PHALANX_CHECKPOINT_DIR"  # root of the LocalStore
 # Policy, set by the job's env.
-ENV_EVERY = "PHALANX_CHECKPOINT_EVERY"        # every N steps (0/unset: off)
+ENV_EVERY = "PHALANX_CHECKPOINT_EVERY"  # every N steps (0/unset: off)
 ENV_INTERVAL = "PHALANX_CHECKPOINT_INTERVAL_S"  # every S seconds since the last save (0/unset: off)
 # When neither of those is set: "auto" (default) checkpoints every interval_s the coordinator suggests (the
 # Young/Daly interval, docs/design.md "Checkpoint interval policy"); "off" does not.
 ENV_POLICY = "PHALANX_CHECKPOINT_POLICY"
-ENV_POLL = "PHALANX_CHECKPOINT_POLL_S"        # how often to ask the coordinator for a request (default 10)
+ENV_POLL = "PHALANX_CHECKPOINT_POLL_S"  # how often to ask the coordinator for a request (default 10)
 ENV_DEADLINE = "PHALANX_CHECKPOINT_DEADLINE_S"  # deadline of a checkpoint this rank begins (0: coordinator default)
 
 DEFAULT_POLL_S = 10.0
 POLICY_AUTO = "auto"
 POLICY_OFF = "off"
-# UNAVAILABLE is retried for about 5 s (0.2, 0.4, 0.8, 1.6, 2 s): a coordinator restart, or a connection still
-# in gRPC's reconnect backoff after one, must not fail a rank's save.
-RETRIES = 6
+# UNAVAILABLE is retried 4 times over about 5 s (0.4, 0.8, 1.6, 2 s apart, +-20%), by gRPC's retry policy on the
+# channel (phalanx.client.open_channel(retries=...)), read when a Checkpointer opens its channel: a coordinator
+# restart, or a connection still in gRPC's reconnect backoff after one, must not fail a rank's save. 4 is gRPC's
+# cap (5 attempts; more is clamped). The backoffs are shortened to take at most half of the call's timeout.
+RETRIES = 4
+RETRY_BACKOFF = (0.4, 2.0)  # initial, max seconds (doubling)
 # restore(verify=...): "gang" checks every rank's shard of a checkpoint (so every rank that sees the same shared
 # store picks the same step), "rank" only this rank's own.
 VERIFY_GANG = "gang"
@@ -54,9 +57,9 @@ LIST_PAGE = 100
 MAX_REASON = 1000  # the coordinator's limit on a skipped checkpoint's reason
 INTERVAL_REASON = "interval"  # the reason of the request a rank's time policy sends (RequestCheckpoint)
 # Where a rank stands in the step agreement for the outstanding request (should_checkpoint).
-_IDLE = "idle"            # no request (or an older coordinator's, which is acted on at once)
+_IDLE = "idle"  # no request (or an older coordinator's, which is acted on at once)
 _REPORTING = "reporting"  # a request whose step is undecided: report the step at every call
-_HOLDING = "holding"      # the agreed step is known: checkpoint at it
+_HOLDING = "holding"  # the agreed step is known: checkpoint at it
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class SaveResult:
     uri: str
     checksum: str
     size_bytes: int
-    committed: bool        # True when this report was the last one and the checkpoint committed
+    committed: bool  # True when this report was the last one and the checkpoint committed
     checkpoint_id: str
 
 
@@ -73,7 +76,7 @@ class SaveResult:
 class SkippedCheckpoint:
     checkpoint_id: str
     step: int
-    reason: str            # e.g. "sha256 mismatch in rank 2's shard"
+    reason: str  # e.g. "sha256 mismatch in rank 2's shard"
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class RestoreResult:
     """What `restore()` did (`Checkpointer.last_restore`): the step restored (-1: none, start from 0), the newer
     committed checkpoints it skipped and why, newest first, and the one-line account also shown by the
     coordinator's GetRestore."""
+
     step: int
     checkpoint_id: str
     skipped: tuple[SkippedCheckpoint, ...]
@@ -135,10 +139,19 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 class Checkpointer:
     """One rank's view of its gang's checkpoints, configured from the environment (default `os.environ`)."""
 
-    def __init__(self, env: Mapping[str, str] | None = None, store: CheckpointStore | None = None,
-                 *, timeout: float = 30.0, channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        store: CheckpointStore | None = None,
+        *,
+        timeout: float = 30.0,
+        channel: grpc.Channel | None = None,
+    ) -> None:
         """`channel`: an open channel to the coordinator to use (shared, e.g. by many Checkpointers of one
-        process) instead of opening one to PHALANX_CHECKPOINT_ADDR; close() leaves it open."""
+        process) instead of opening one to PHALANX_CHECKPOINT_ADDR; close() leaves it open. Retries of UNAVAILABLE
+        are that channel's own retry policy (the one opened here has :data:`RETRIES`; for the same on a shared
+        channel, open it with ``phalanx.client.open_channel(addr, retries=RETRIES,
+        retry_backoff=RETRY_BACKOFF, retry_budget=timeout)``)."""
         env = os.environ if env is None else env
         self.job_id = _require(env, ENV_JOB_ID)
         self.attempt = _int(env, ENV_ATTEMPT)
@@ -164,25 +177,32 @@ class Checkpointer:
         # PHALANX_TLS_CA/CERT/KEY files.
         self._owns_channel = channel is None
         if channel is None:
-            from phalanx.client._channel import open_channel
+            from phalanx.client import open_channel
 
             tls = None
             if env.get("PHALANX_TLS_CA"):
-                from phalanx.client._channel import TLSConfig
+                from phalanx.client import TLSConfig
 
                 tls = TLSConfig(env["PHALANX_TLS_CA"], env.get("PHALANX_TLS_CERT", ""), env.get("PHALANX_TLS_KEY", ""))
-            channel = open_channel(self.addr, token=(env.get("PHALANX_TOKEN") or "").strip(), tls=tls)
+            channel = open_channel(
+                self.addr,
+                token=(env.get("PHALANX_TOKEN") or "").strip(),
+                tls=tls,
+                retries=RETRIES,
+                retry_backoff=RETRY_BACKOFF,
+                retry_budget=timeout,
+            )
         self._channel = channel
         self._stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(self._channel)
         self._last_save = time.monotonic()
-        self._poll_slot: int | None = None   # floor(time.time() / poll_s) at the last poll
+        self._poll_slot: int | None = None  # floor(time.time() / poll_s) at the last poll
         self._poll_failed = False
         self._asked_slot: int | None = None  # the poll slot of the time policy's last ask
         self._request: pb.CheckpointRequestState | None = None
-        self._agreeing: bool | None = None   # the coordinator agrees the step (None: no answer yet)
+        self._agreeing: bool | None = None  # the coordinator agrees the step (None: no answer yet)
         self._target: tuple[float, int] | None = None  # (requested_at, agreed step) of the outstanding request
-        self._done: tuple[float, int] | None = None    # the (requested_at, agreed step) this rank saved at
-        self._satisfied_request_at = 0.0     # an older coordinator's request this rank saved for
+        self._done: tuple[float, int] | None = None  # the (requested_at, agreed step) this rank saved at
+        self._satisfied_request_at = 0.0  # an older coordinator's request this rank saved for
         self.last_restore: RestoreResult | None = None
 
     # -- plumbing ------------------------------------------------------------------------------------------------
@@ -197,21 +217,17 @@ class Checkpointer:
         self.close()
 
     def _call(self, method: str, request):
-        """Call the coordinator, retrying UNAVAILABLE (every call here is idempotent)."""
-        for attempt in range(RETRIES):
-            try:
-                return getattr(self._stub, method)(request, timeout=self.timeout)
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < RETRIES:
-                    time.sleep(min(0.2 * 2**attempt, 2.0))
-                    continue
-                raise CheckpointRejectedError(code.name, exc.details() or "") from None
-        raise AssertionError("unreachable")
+        """Call the coordinator; the channel's retry policy retries UNAVAILABLE within the timeout (every call here
+        is idempotent)."""
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise CheckpointRejectedError(exc.code().name, exc.details() or "") from None
 
     # -- the API -------------------------------------------------------------------------------------------------
-    def restore(self, into: Any = None, *, allow_pickle: bool = False,
-                verify: str = VERIFY_GANG) -> tuple[int, Any] | None:
+    def restore(
+        self, into: Any = None, *, allow_pickle: bool = False, verify: str = VERIFY_GANG
+    ) -> tuple[int, Any] | None:
         """`(step, state)` of this rank from the job's newest intact committed checkpoint, or None when there is
         none (start from step 0).
 
@@ -262,10 +278,23 @@ class Checkpointer:
                 skipped.append(SkippedCheckpoint(ckpt.id, ckpt.step, problem[:MAX_REASON]))
                 log.warning(
                     "checkpoint_restore_skipped job=%s attempt=%d rank=%d checkpoint=%s step=%d reason=%r",
-                    self.job_id, self.attempt, self.rank, ckpt.id, ckpt.step, problem,
-                    extra={"checkpoint": {"event": "checkpoint_restore_skipped", "job_id": self.job_id,
-                                          "attempt": self.attempt, "rank": self.rank, "checkpoint_id": ckpt.id,
-                                          "step": ckpt.step, "reason": problem}},
+                    self.job_id,
+                    self.attempt,
+                    self.rank,
+                    ckpt.id,
+                    ckpt.step,
+                    problem,
+                    extra={
+                        "checkpoint": {
+                            "event": "checkpoint_restore_skipped",
+                            "job_id": self.job_id,
+                            "attempt": self.attempt,
+                            "rank": self.rank,
+                            "checkpoint_id": ckpt.id,
+                            "step": ckpt.step,
+                            "reason": problem,
+                        }
+                    },
                 )
                 continue
             state = self._load(ckpt, shard, data, into, allow_pickle)
@@ -280,8 +309,10 @@ class Checkpointer:
         token = ""
         while True:
             try:
-                page = self._call("ListCheckpoints", pb.ListCheckpointsRequest(
-                    job_id=self.job_id, page_size=LIST_PAGE, page_token=token))
+                page = self._call(
+                    "ListCheckpoints",
+                    pb.ListCheckpointsRequest(job_id=self.job_id, page_size=LIST_PAGE, page_token=token),
+                )
             except CheckpointRejectedError as exc:
                 if exc.code != "UNIMPLEMENTED" or token:
                     raise
@@ -310,7 +341,7 @@ class Checkpointer:
         else:
             try:
                 data = self.store.get(shard.uri)
-            except Exception as exc:  # noqa: BLE001 - any store's failure to read is a shard we cannot restore
+            except Exception as exc:  # any store's failure to read is a shard we cannot restore
                 kind, detail = ("missing", shard.uri) if _missing(exc) else ("unreadable", str(exc)[:300])
             else:
                 if len(data) != shard.size_bytes:
@@ -335,8 +366,12 @@ class Checkpointer:
             return torch_dcp.load(shard.uri, shard.checksum, shard.size_bytes, into, what, verified=True)
         assert data is not None
         if into is not None:
-            log.warning("restore(into=...): step %d of rank %d is not a torch.distributed.checkpoint shard; the "
-                        "template is not loaded, use the returned state", ckpt.step, self.rank)
+            log.warning(
+                "restore(into=...): step %d of rank %d is not a torch.distributed.checkpoint shard; the "
+                "template is not loaded, use the returned state",
+                ckpt.step,
+                self.rank,
+            )
         if state_format.is_state(data):
             return state_format.decode(data)
         if not allow_pickle:
@@ -355,11 +390,16 @@ class Checkpointer:
         step = ckpt.step if ckpt is not None else -1
         message = restore_message(step, skipped)
         try:
-            reply = self._call("ReportRestore", pb.ReportRestoreRequest(
-                job_id=self.job_id, attempt=self.attempt, rank=self.rank,
-                checkpoint_id=ckpt.id if ckpt is not None else "",
-                skipped=[pb.SkippedCheckpoint(checkpoint_id=s.checkpoint_id, reason=s.reason) for s in skipped],
-            ))
+            reply = self._call(
+                "ReportRestore",
+                pb.ReportRestoreRequest(
+                    job_id=self.job_id,
+                    attempt=self.attempt,
+                    rank=self.rank,
+                    checkpoint_id=ckpt.id if ckpt is not None else "",
+                    skipped=[pb.SkippedCheckpoint(checkpoint_id=s.checkpoint_id, reason=s.reason) for s in skipped],
+                ),
+            )
         except CheckpointError as exc:
             log.warning("checkpoint restore report failed: %s", exc)
         else:
@@ -367,11 +407,25 @@ class Checkpointer:
         self.last_restore = RestoreResult(step, ckpt.id if ckpt is not None else "", tuple(skipped), message)
         (log.warning if skipped else log.info)(
             "checkpoint_restored job=%s attempt=%d rank=%d step=%d fell_back_from=%d message=%r",
-            self.job_id, self.attempt, self.rank, step, skipped[0].step if skipped else -1, message,
-            extra={"checkpoint": {"event": "checkpoint_restored", "job_id": self.job_id, "attempt": self.attempt,
-                                  "rank": self.rank, "step": step, "checkpoint_id": ckpt.id if ckpt else "",
-                                  "fell_back_from": skipped[0].step if skipped else -1, "message": message,
-                                  "skipped": [s.__dict__ for s in skipped]}},
+            self.job_id,
+            self.attempt,
+            self.rank,
+            step,
+            skipped[0].step if skipped else -1,
+            message,
+            extra={
+                "checkpoint": {
+                    "event": "checkpoint_restored",
+                    "job_id": self.job_id,
+                    "attempt": self.attempt,
+                    "rank": self.rank,
+                    "step": step,
+                    "checkpoint_id": ckpt.id if ckpt else "",
+                    "fell_back_from": skipped[0].step if skipped else -1,
+                    "message": message,
+                    "skipped": [s.__dict__ for s in skipped],
+                }
+            },
         )
 
     def save(self, step: int, state: Any) -> SaveResult:
@@ -390,22 +444,35 @@ class Checkpointer:
         # Begin before serializing and writing, so the checkpoint's created_at (the first rank's begin) to its
         # committed_at (the last rank's report) measures the whole save: the coordinator's interval policy takes
         # that as the checkpoint's cost. Begin is idempotent: every rank of the gang sends it.
-        self._call("BeginCheckpoint", pb.BeginCheckpointRequest(
-            job_id=self.job_id, attempt=self.attempt, step=step, world_size=self.world_size,
-            deadline_s=self.deadline_s,
-        ))
+        self._call(
+            "BeginCheckpoint",
+            pb.BeginCheckpointRequest(
+                job_id=self.job_id,
+                attempt=self.attempt,
+                step=step,
+                world_size=self.world_size,
+                deadline_s=self.deadline_s,
+            ),
+        )
         if torch_dcp.supports(self.store, state):
-            uri, size, checksum = torch_dcp.save(self.store, self.job_id, self.attempt, step, self.rank, state,
-                                                 world_size=self.world_size)
+            uri, size, checksum = torch_dcp.save(
+                self.store, self.job_id, self.attempt, step, self.rank, state, world_size=self.world_size
+            )
         else:
             data = state_format.encode(state)
             uri = self.store.put(self.job_id, self.attempt, step, self.rank, data)
             checksum, size = sha256_checksum(data), len(data)
-        ckpt = self._call("ReportShard", pb.ReportShardRequest(
-            job_id=self.job_id, attempt=self.attempt, step=step, world_size=self.world_size,
-            shard=pb.Shard(rank=self.rank, uri=uri, size_bytes=size, checksum=checksum),
-            deadline_s=self.deadline_s,
-        ))
+        ckpt = self._call(
+            "ReportShard",
+            pb.ReportShardRequest(
+                job_id=self.job_id,
+                attempt=self.attempt,
+                step=step,
+                world_size=self.world_size,
+                shard=pb.Shard(rank=self.rank, uri=uri, size_bytes=size, checksum=checksum),
+                deadline_s=self.deadline_s,
+            ),
+        )
         self._last_save = time.monotonic()
         req = self._request
         if req is not None and req.requested:
@@ -471,8 +538,12 @@ class Checkpointer:
 
     def _missed(self, step: int) -> bool:
         """The agreed step is behind this rank and it did not save at it (it learned it too late)."""
-        return (self._phase() == _HOLDING and self._target is not None and step > self._target[1]
-                and self._done != self._target)
+        return (
+            self._phase() == _HOLDING
+            and self._target is not None
+            and step > self._target[1]
+            and self._done != self._target
+        )
 
     def _poll_if_due(self, step: int) -> bool:
         """Poll when due: at every call while the request's step is undecided (or this rank missed the agreed
@@ -490,8 +561,13 @@ class Checkpointer:
             # commit, so it reports its step, past the agreed one, and the coordinator starts the agreement over.
             log.warning(
                 "checkpoint_step_missed job=%s attempt=%d rank=%d step=%d target_step=%d: this rank learned the "
-                "agreed step too late; asking for a new agreement", self.job_id, self.attempt, self.rank, step,
-                self._target[1])
+                "agreed step too late; asking for a new agreement",
+                self.job_id,
+                self.attempt,
+                self.rank,
+                step,
+                self._target[1],
+            )
         if self._poll(step if send else None) and not send and self._phase() == _REPORTING:
             # A new request, or the agreement started over (a rank was past the agreed step): report from now on.
             self._poll(step)

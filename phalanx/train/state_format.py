@@ -50,6 +50,7 @@ def is_state(data: bytes) -> bool:
 
 # -- encoding ---------------------------------------------------------------------------------------------------
 
+
 class _Encoder:
     def __init__(self) -> None:
         self.blobs: list[bytes] = []
@@ -103,8 +104,12 @@ class _Encoder:
     def mapping(self, value: Mapping, path: str, depth: int) -> Any:
         if all(isinstance(k, str) and not k.startswith(TAG) for k in value):
             return {k: self.encode(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()}
-        return {TAG + "dict": [[self.encode(k, f"{path} key {k!r}", depth + 1),
-                                self.encode(v, f"{path}[{k!r}]", depth + 1)] for k, v in value.items()]}
+        return {
+            TAG + "dict": [
+                [self.encode(k, f"{path} key {k!r}", depth + 1), self.encode(v, f"{path}[{k!r}]", depth + 1)]
+                for k, v in value.items()
+            ]
+        }
 
     def tensor(self, t: Any, path: str) -> Any:
         torch = self.torch
@@ -113,8 +118,14 @@ class _Encoder:
         t = t.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         offset, nbytes = self.blob(raw)
-        return {TAG + "tensor": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                 "offset": offset, "nbytes": nbytes}}
+        return {
+            TAG + "tensor": {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        }
 
     def array(self, a: Any, path: str) -> Any:
         np = self.numpy
@@ -123,20 +134,29 @@ class _Encoder:
         if arr.dtype.hasobject:
             raise StateFormatError(f"cannot save state{path}: a numpy array of Python objects")
         offset, nbytes = self.blob(np.ascontiguousarray(arr).tobytes())
-        return {TAG + "ndarray": {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset,
-                                  "nbytes": nbytes, "scalar": scalar}}
+        return {
+            TAG + "ndarray": {
+                "dtype": arr.dtype.str,
+                "shape": list(arr.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+                "scalar": scalar,
+            }
+        }
 
 
 def encode(state: Any) -> bytes:
     """The shard bytes of `state`; StateFormatError (naming where) for a value the format cannot hold."""
     enc = _Encoder()
     body = enc.encode(state, "")
-    header = json.dumps({"format": FORMAT, "blobs": enc.size, "state": body}, separators=(",", ":"),
-                        ensure_ascii=True, allow_nan=False)
+    header = json.dumps(
+        {"format": FORMAT, "blobs": enc.size, "state": body}, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
     return b"".join([header.encode("ascii"), b"\n", *enc.blobs])
 
 
 # -- decoding ---------------------------------------------------------------------------------------------------
+
 
 def _bad(why: str) -> StateFormatError:
     return StateFormatError(f"not a valid {FORMAT} shard: {why}")
@@ -150,10 +170,15 @@ class _Decoder:
         if not isinstance(meta, dict):
             raise _bad("a tensor or array without its description")
         offset, nbytes = meta.get("offset"), meta.get("nbytes")
-        if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset
-                and 0 <= nbytes and offset + nbytes <= len(self.blobs)):
+        if not (
+            isinstance(offset, int)
+            and isinstance(nbytes, int)
+            and 0 <= offset
+            and 0 <= nbytes
+            and offset + nbytes <= len(self.blobs)
+        ):
             raise _bad("a tensor or array outside the shard's bytes")
-        return bytes(self.blobs[offset:offset + nbytes])
+        return bytes(self.blobs[offset : offset + nbytes])
 
     @staticmethod
     def shape(meta: dict) -> tuple[int, ...]:
@@ -170,9 +195,9 @@ class _Decoder:
         if not isinstance(value, dict):
             return value
         if len(value) == 1:
-            (key, inner), = value.items()
+            ((key, inner),) = value.items()
             if key.startswith(TAG):
-                return self.tagged(key[len(TAG):], inner, depth)
+                return self.tagged(key[len(TAG) :], inner, depth)
         return {k: self.decode(v, depth + 1) for k, v in value.items()}
 
     def tagged(self, kind: str, inner: Any, depth: int) -> Any:
@@ -247,7 +272,7 @@ def decode(data: bytes) -> Any:
         header = json.loads(data[:end].decode("ascii"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(f"the header is not JSON ({exc})") from None
-    blobs = memoryview(data)[end + 1:]
+    blobs = memoryview(data)[end + 1 :]
     if not isinstance(header, dict) or header.get("blobs") != len(blobs) or "state" not in header:
         raise _bad("the header does not describe the shard's bytes")
     return _Decoder(blobs).decode(header["state"])

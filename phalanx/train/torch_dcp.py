@@ -51,7 +51,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 
 SUFFIX = ".dcp"
 GANG_DIR = "gang" + SUFFIX
-METADATA = ".metadata"   # DCP's global metadata, written by its coordinator rank (0)
+METADATA = ".metadata"  # DCP's global metadata, written by its coordinator rank (0)
 _RANK_FRAGMENT = re.compile(r"^rank-(\d{1,7})$")
 _RANK_FILE = re.compile(r"^__(\d+)_")
 _CHUNK = 1 << 20
@@ -63,6 +63,7 @@ def _dcp():
     """torch.distributed.checkpoint, or None when torch or torch.distributed is not available."""
     try:
         import torch.distributed as dist
+
         if not dist.is_available():
             return None
         import torch.distributed.checkpoint as dcp
@@ -212,14 +213,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(store: Any, job_id: str, attempt: int, step: int, rank: int, state: Mapping[str, Any],
-         world_size: int = 0) -> tuple[str, int, str]:
+def save(
+    store: Any, job_id: str, attempt: int, step: int, rank: int, state: Mapping[str, Any], world_size: int = 0
+) -> tuple[str, int, str]:
     """Write `state` with dcp.save as this rank's shard; returns (uri, size_bytes, checksum).
 
     With torch.distributed initialized (`collective(rank, world_size)`), every rank of the gang must call it for
-    the same step (phalanx.train's step agreement sees to that): see `save_collective`. Otherwise the checkpoint is written into a temporary sibling directory (files fsynced by the FileSystemWriter) and
-    renamed into place, so a reader never sees half a shard; a shard this rank wrote before for the same
-    attempt and step (a retried save) is replaced.
+    the same step (phalanx.train's step agreement sees to that): see `save_collective`. Otherwise the checkpoint is
+    written into a temporary sibling directory (files fsynced by the FileSystemWriter) and renamed into place, so a
+    reader never sees half a shard; a shard this rank wrote before for the same attempt and step (a retried save)
+    is replaced.
     """
     dcp = _dcp()
     if dcp is None:
@@ -255,8 +258,9 @@ def save(store: Any, job_id: str, attempt: int, step: int, rank: int, state: Map
     return target.as_uri(), size, checksum
 
 
-def save_collective(store: Any, job_id: str, attempt: int, step: int, rank: int,
-                    state: Mapping[str, Any]) -> tuple[str, int, str]:
+def save_collective(
+    store: Any, job_id: str, attempt: int, step: int, rank: int, state: Mapping[str, Any]
+) -> tuple[str, int, str]:
     """The collective save: every rank of the process group calls it for the same step. The directory is the
     attempt's `gang.dcp/` for the step (emptied first by rank 0 when a retried save finds one); `dcp.save` writes
     each rank's de-duplicated part and rank 0 the metadata, and returns on every rank once all of it is written.
@@ -281,8 +285,9 @@ def save_collective(store: Any, job_id: str, attempt: int, step: int, rank: int,
     except BaseException as exc:
         if not _is_dcp_error(exc):
             raise
-        raise CheckpointError(f"torch.distributed.checkpoint collective save of {target} failed: "
-                              f"{_dcp_failure(exc)}") from exc
+        raise CheckpointError(
+            f"torch.distributed.checkpoint collective save of {target} failed: {_dcp_failure(exc)}"
+        ) from exc
     return f"{target.as_uri()}#rank-{rank}", size, checksum
 
 
@@ -326,7 +331,9 @@ def load(uri: str, checksum: str, size_bytes: int, into: Any, what: str, *, veri
         raise CheckpointError(f"restore(into=...) needs a dict state_dict template, got {type(into).__name__}")
     dcp = _dcp()
     if dcp is None:
-        raise CheckpointError(f"{what} is a torch.distributed.checkpoint directory ({uri}): install torch to restore it")
+        raise CheckpointError(
+            f"{what} is a torch.distributed.checkpoint directory ({uri}): install torch to restore it"
+        )
     if not path.is_dir():
         raise CheckpointError(f"cannot read shard {uri}: not a directory")
     if not verified:
@@ -342,8 +349,7 @@ def load(uri: str, checksum: str, size_bytes: int, into: Any, what: str, *, veri
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            dcp.load(into, storage_reader=dcp.FileSystemReader(path),
-                     no_dist=rank is None or _dist() is None)
+            dcp.load(into, storage_reader=dcp.FileSystemReader(path), no_dist=rank is None or _dist() is None)
     except BaseException as exc:
         if not _is_dcp_error(exc):
             raise

@@ -11,17 +11,17 @@ import sys
 
 import structlog
 
-from db.engine import DEFAULT_DB_URL, make_engine
+from db.engine import make_engine
 from phalanx.api.v1 import checkpoint_pb2_grpc
+from phalanx.common.defaults import DEFAULT_DB_URL
+from phalanx.common.logging import configure_logging
+from phalanx.common.tokens import TokenFileError, TokenStore
 from services.common.auth import (
     AuthInterceptor,
     ServerTLS,
-    TokenFileError,
-    TokenStore,
     add_security_flags,
     security_from_args,
 )
-from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
 
@@ -38,8 +38,13 @@ log = structlog.get_logger(service="checkpointd")
 class CheckpointServer:
     """A started coordinator: `.address` is host:port actually bound; `await .stop()` shuts it down."""
 
-    def __init__(self, server: AioServer, engine, sweeper: asyncio.Task | None = None,
-                 servicer: CheckpointCoordinatorServicer | None = None) -> None:
+    def __init__(
+        self,
+        server: AioServer,
+        engine,
+        sweeper: asyncio.Task | None = None,
+        servicer: CheckpointCoordinatorServicer | None = None,
+    ) -> None:
         self._server = server
         self._engine = engine
         self._sweeper = sweeper
@@ -77,7 +82,7 @@ async def _sweep(engine, interval: float, retention: Retention | None = None) ->
         await asyncio.sleep(interval)
         try:
             aborted = await asyncio.to_thread(store.abort_expired, engine)
-        except Exception as exc:  # noqa: BLE001 - a failed sweep is retried at the next tick
+        except Exception as exc:  # a failed sweep is retried at the next tick
             log.warning("checkpoint_sweep_failed", error=str(exc))
             continue
         if aborted:
@@ -86,18 +91,25 @@ async def _sweep(engine, interval: float, retention: Retention | None = None) ->
             continue
         try:
             deleted = await asyncio.to_thread(retention.sweep, engine)
-        except Exception as exc:  # noqa: BLE001 - retried at the next tick
+        except Exception as exc:  # retried at the next tick
             log.warning("checkpoint_retention_failed", error=str(exc)[:500])
             continue
         if deleted:
-            log.info("checkpoint_retention_swept", deleted=len(deleted),
-                     bytes_freed=sum(d.bytes_freed for d in deleted))
+            log.info(
+                "checkpoint_retention_swept", deleted=len(deleted), bytes_freed=sum(d.bytes_freed for d in deleted)
+            )
 
 
 async def serve(
-    db_url: str, listen: str = DEFAULT_LISTEN, sweep_interval: float = DEFAULT_SWEEP_S, *,
-    advertise: str | None = None, checkpoint_dir: str = "", tokens: TokenStore | None = None,
-    tls: ServerTLS | None = None, keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+    db_url: str,
+    listen: str = DEFAULT_LISTEN,
+    sweep_interval: float = DEFAULT_SWEEP_S,
+    *,
+    advertise: str | None = None,
+    checkpoint_dir: str = "",
+    tokens: TokenStore | None = None,
+    tls: ServerTLS | None = None,
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
     finished_checkpoints: str = DEFAULT_FINISHED,
 ) -> CheckpointServer:
     """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database.
@@ -113,8 +125,11 @@ async def serve(
     older ones and aborted ones; finished jobs follow `finished_checkpoints` ("keep", "latest" or "delete"). Only
     files of file:// shards inside `checkpoint_dir`/<job>/ are deleted (none without a checkpoint_dir).
     """
-    retention = Retention(checkpoint_dir, retention_policy.validate_keep(keep_checkpoints),
-                          retention_policy.validate_finished(finished_checkpoints))
+    retention = Retention(
+        checkpoint_dir,
+        retention_policy.validate_keep(keep_checkpoints),
+        retention_policy.validate_finished(finished_checkpoints),
+    )
     engine = make_engine(db_url)
     try:
         servicer = CheckpointCoordinatorServicer(engine, retention)
@@ -142,14 +157,36 @@ def _reachable(address: str) -> str:
     return f"{host}:{port}"
 
 
-async def _run(db_url: str, listen: str, log, sweep_interval: float = DEFAULT_SWEEP_S, advertise: str | None = None,
-               checkpoint_dir: str = "", tokens: TokenStore | None = None, tls: ServerTLS | None = None,
-               keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS, finished_checkpoints: str = DEFAULT_FINISHED) -> None:
-    server = await serve(db_url, listen, sweep_interval, advertise=advertise, checkpoint_dir=checkpoint_dir,
-                         tokens=tokens, tls=tls, keep_checkpoints=keep_checkpoints,
-                         finished_checkpoints=finished_checkpoints)
-    log.info("checkpointd_started", address=server.address, keep_checkpoints=keep_checkpoints,
-             finished_checkpoints=finished_checkpoints, checkpoint_dir=checkpoint_dir)
+async def _run(
+    db_url: str,
+    listen: str,
+    log,
+    sweep_interval: float = DEFAULT_SWEEP_S,
+    advertise: str | None = None,
+    checkpoint_dir: str = "",
+    tokens: TokenStore | None = None,
+    tls: ServerTLS | None = None,
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+    finished_checkpoints: str = DEFAULT_FINISHED,
+) -> None:
+    server = await serve(
+        db_url,
+        listen,
+        sweep_interval,
+        advertise=advertise,
+        checkpoint_dir=checkpoint_dir,
+        tokens=tokens,
+        tls=tls,
+        keep_checkpoints=keep_checkpoints,
+        finished_checkpoints=finished_checkpoints,
+    )
+    log.info(
+        "checkpointd_started",
+        address=server.address,
+        keep_checkpoints=keep_checkpoints,
+        finished_checkpoints=finished_checkpoints,
+        checkpoint_dir=checkpoint_dir,
+    )
     print(f"checkpoint coordinator at {server.address}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -166,7 +203,8 @@ def _keep_checkpoints(text: str) -> int:
         return retention_policy.validate_keep(int(text))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give a whole number of checkpoints, 1 to {retention_policy.MAX_KEEP_CHECKPOINTS}") from None
+            f"{text!r}: give a whole number of checkpoints, 1 to {retention_policy.MAX_KEEP_CHECKPOINTS}"
+        ) from None
 
 
 def _finished_policy(text: str) -> str:
@@ -178,34 +216,53 @@ def _finished_policy(text: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="phalanx-checkpointd", description="Phalanx checkpoint coordinator")
-    parser.add_argument("--db", default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL), help="database URL (env PHALANX_DB)")
+    parser.add_argument(
+        "--db", default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL), help="database URL (env PHALANX_DB)"
+    )
     parser.add_argument(
         "--listen",
         default=os.environ.get("PHALANX_CHECKPOINTD_LISTEN", DEFAULT_LISTEN),
         help="gRPC listen address host:port (env PHALANX_CHECKPOINTD_LISTEN)",
     )
-    parser.add_argument("--sweep-interval", type=float, default=DEFAULT_SWEEP_S,
-                        help="seconds between sweeps that abort checkpoints past their deadline and apply the "
-                             "retention policy (0: never)")
-    parser.add_argument("--advertise", default=os.environ.get("PHALANX_CHECKPOINTD_ADVERTISE") or None,
-                        metavar="HOST:PORT",
-                        help="the address ranks reach this coordinator at, recorded in the ledger for schedulers "
-                             "started without --checkpoint-coordinator (default: the bound address)")
-    parser.add_argument("--checkpoint-dir", default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""), metavar="DIR",
-                        help="the checkpoint directory ranks should write to, recorded beside the address "
-                             "(env PHALANX_CHECKPOINT_DIR); retention deletes only files inside it")
-    parser.add_argument("--keep-checkpoints", type=_keep_checkpoints,
-                        default=os.environ.get("PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS", str(DEFAULT_KEEP_CHECKPOINTS)),
-                        metavar="K",
-                        help="keep the newest K complete committed checkpoints of each job and delete the older ones "
-                             f"(K >= 1, default {DEFAULT_KEEP_CHECKPOINTS}; a job's own --keep-checkpoints overrides "
-                             "it; env PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS)")
-    parser.add_argument("--finished-checkpoints", type=_finished_policy,
-                        default=os.environ.get("PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS", DEFAULT_FINISHED),
-                        metavar="{" + ",".join(FINISHED_POLICIES) + "}",
-                        help="a finished job's checkpoints: keep (default: its newest K, as while it ran), latest "
-                             "(only its newest one) or delete (all of them) "
-                             "(env PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS)")
+    parser.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=DEFAULT_SWEEP_S,
+        help="seconds between sweeps that abort checkpoints past their deadline and apply the "
+        "retention policy (0: never)",
+    )
+    parser.add_argument(
+        "--advertise",
+        default=os.environ.get("PHALANX_CHECKPOINTD_ADVERTISE") or None,
+        metavar="HOST:PORT",
+        help="the address ranks reach this coordinator at, recorded in the ledger for schedulers "
+        "started without --checkpoint-coordinator (default: the bound address)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""),
+        metavar="DIR",
+        help="the checkpoint directory ranks should write to, recorded beside the address "
+        "(env PHALANX_CHECKPOINT_DIR); retention deletes only files inside it",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=_keep_checkpoints,
+        default=os.environ.get("PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS", str(DEFAULT_KEEP_CHECKPOINTS)),
+        metavar="K",
+        help="keep the newest K complete committed checkpoints of each job and delete the older ones "
+        f"(K >= 1, default {DEFAULT_KEEP_CHECKPOINTS}; a job's own --keep-checkpoints overrides "
+        "it; env PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS)",
+    )
+    parser.add_argument(
+        "--finished-checkpoints",
+        type=_finished_policy,
+        default=os.environ.get("PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS", DEFAULT_FINISHED),
+        metavar="{" + ",".join(FINISHED_POLICIES) + "}",
+        help="a finished job's checkpoints: keep (default: its newest K, as while it ran), latest "
+        "(only its newest one) or delete (all of them) "
+        "(env PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS)",
+    )
     parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
     add_security_flags(parser, env_prefix="PHALANX_CHECKPOINTD")
@@ -222,8 +279,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     serve_metrics(args.metrics_port, args.metrics_host)
     try:
-        asyncio.run(_run(args.db, args.listen, log, args.sweep_interval, args.advertise, args.checkpoint_dir,
-                         tokens, tls, args.keep_checkpoints, args.finished_checkpoints))
+        asyncio.run(
+            _run(
+                args.db,
+                args.listen,
+                log,
+                args.sweep_interval,
+                args.advertise,
+                args.checkpoint_dir,
+                tokens,
+                tls,
+                args.keep_checkpoints,
+                args.finished_checkpoints,
+            )
+        )
     except OSError as exc:
         log.error("checkpointd_failed", error=str(exc))
         return 1

@@ -30,9 +30,9 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Sequence
 from urllib.parse import unquote, urlsplit
 
 import structlog
@@ -46,9 +46,9 @@ ABORTED = "ABORTED"
 
 DEFAULT_KEEP_CHECKPOINTS = 3
 MAX_KEEP_CHECKPOINTS = 10_000
-KEEP = "keep"        # a finished job keeps its newest K, as while it ran
-LATEST = "latest"    # a finished job keeps only its newest checkpoint
-DELETE = "delete"    # a finished job keeps none
+KEEP = "keep"  # a finished job keeps its newest K, as while it ran
+LATEST = "latest"  # a finished job keeps only its newest checkpoint
+DELETE = "delete"  # a finished job keeps none
 FINISHED_POLICIES = (KEEP, LATEST, DELETE)
 DEFAULT_FINISHED = KEEP
 FINISHED_STATES = frozenset(TERMINAL_JOB_STATES)
@@ -60,6 +60,7 @@ log = structlog.get_logger(service="checkpointd")
 
 
 # -- policy (pure) ------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -174,6 +175,7 @@ def protected(path: Path, referenced: Iterable[Path]) -> bool:
 
 # -- I/O ----------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Removal:
     files: int = 0
@@ -245,16 +247,17 @@ class Deleted:
 class _Plan:
     job_id: str
     delete: list[Candidate]
-    shards: dict[str, list[str]]      # checkpoint id -> shard URIs, for the ones to delete
-    referenced: list[Path]            # paths the job's other undeleted checkpoints reference
+    shards: dict[str, list[str]]  # checkpoint id -> shard URIs, for the ones to delete
+    referenced: list[Path]  # paths the job's other undeleted checkpoints reference
 
 
 class Retention:
     """The coordinator's retention: `prune_job` after a commit, `sweep` periodically (aborted checkpoints,
     committed ones beyond K, finished jobs' policy). Passes run one at a time (a lock), in a worker thread."""
 
-    def __init__(self, checkpoint_dir: str = "", keep: int = DEFAULT_KEEP_CHECKPOINTS,
-                 finished: str = DEFAULT_FINISHED) -> None:
+    def __init__(
+        self, checkpoint_dir: str = "", keep: int = DEFAULT_KEEP_CHECKPOINTS, finished: str = DEFAULT_FINISHED
+    ) -> None:
         self.keep = validate_keep(keep)
         self.finished = validate_finished(finished)
         self.root = Path(os.path.realpath(checkpoint_dir)) if checkpoint_dir else None
@@ -302,8 +305,9 @@ class Retention:
             .group_by(Checkpoint.job_id, Job.state, Job.keep_checkpoints, Checkpoint.state)
         ).all()
         for job_id, job_state, job_keep, cstate, n in rows:
-            entry = counts.setdefault(job_id, {"keep": self.keep_for(job_keep or 0, job_state), COMMITTED: 0,
-                                               ABORTED: 0})
+            entry = counts.setdefault(
+                job_id, {"keep": self.keep_for(job_keep or 0, job_state), COMMITTED: 0, ABORTED: 0}
+            )
             entry[cstate] = int(n)
         return sorted(j for j, c in counts.items() if c[ABORTED] or c[COMMITTED] > c["keep"])
 
@@ -312,24 +316,50 @@ class Retention:
         if job is None:
             return None
         stats = (
-            select(CheckpointShard.checkpoint_id.label("cid"), func.count().label("n"),
-                   func.min(CheckpointShard.rank).label("lo"), func.max(CheckpointShard.rank).label("hi"))
+            select(
+                CheckpointShard.checkpoint_id.label("cid"),
+                func.count().label("n"),
+                func.min(CheckpointShard.rank).label("lo"),
+                func.max(CheckpointShard.rank).label("hi"),
+            )
             .join(Checkpoint, Checkpoint.id == CheckpointShard.checkpoint_id)
             .where(Checkpoint.job_id == job_id, Checkpoint.deleted_at.is_(None))
             .group_by(CheckpointShard.checkpoint_id)
             .subquery()
         )
         rows = conn.execute(
-            select(Checkpoint.id, Checkpoint.step, Checkpoint.state, Checkpoint.attempt, Checkpoint.committed_at,
-                   Checkpoint.created_at, Checkpoint.world_size, stats.c.n, stats.c.lo, stats.c.hi)
+            select(
+                Checkpoint.id,
+                Checkpoint.step,
+                Checkpoint.state,
+                Checkpoint.attempt,
+                Checkpoint.committed_at,
+                Checkpoint.created_at,
+                Checkpoint.world_size,
+                stats.c.n,
+                stats.c.lo,
+                stats.c.hi,
+            )
             .outerjoin(stats, stats.c.cid == Checkpoint.id)
             .where(Checkpoint.job_id == job_id, Checkpoint.deleted_at.is_(None))
         ).all()
         candidates = [
-            Candidate(r.id, int(r.step), r.state, r.committed_at or 0.0, r.created_at or 0.0,
-                      complete=(r.state == COMMITTED and r.attempt <= job.attempt and bool(r.n) and r.lo == 0
-                                and r.hi == r.n - 1 and (r.world_size == 0 or r.world_size == r.n)),
-                      attempt=int(r.attempt))
+            Candidate(
+                r.id,
+                int(r.step),
+                r.state,
+                r.committed_at or 0.0,
+                r.created_at or 0.0,
+                complete=(
+                    r.state == COMMITTED
+                    and r.attempt <= job.attempt
+                    and bool(r.n)
+                    and r.lo == 0
+                    and r.hi == r.n - 1
+                    and (r.world_size == 0 or r.world_size == r.n)
+                ),
+                attempt=int(r.attempt),
+            )
             for r in rows
         ]
         delete = select_deletions(candidates, self.keep_for(job.keep_checkpoints or 0, job.state))
@@ -371,13 +401,24 @@ class Retention:
                 for i in range(0, len(marked), 500):
                     conn.execute(
                         update(Checkpoint)
-                        .where(Checkpoint.id.in_(marked[i:i + 500]), Checkpoint.deleted_at.is_(None),
-                               Checkpoint.state.in_((COMMITTED, ABORTED)))
+                        .where(
+                            Checkpoint.id.in_(marked[i : i + 500]),
+                            Checkpoint.deleted_at.is_(None),
+                            Checkpoint.state.in_((COMMITTED, ABORTED)),
+                        )
                         .values(deleted_at=ts)
                     )
         for d in done:
-            log.info("checkpoint_deleted", checkpoint_id=d.checkpoint_id, job_id=d.job_id, step=d.step,
-                     state=d.state, files=d.files, bytes_freed=d.bytes_freed, left=d.left)
+            log.info(
+                "checkpoint_deleted",
+                checkpoint_id=d.checkpoint_id,
+                job_id=d.job_id,
+                step=d.step,
+                state=d.state,
+                files=d.files,
+                bytes_freed=d.bytes_freed,
+                left=d.left,
+            )
         return done
 
     def _delete_one(self, plan: _Plan, c: Candidate, gone: set[Path]) -> Deleted | None:
@@ -406,12 +447,26 @@ class Retention:
         if errors:
             if c.id not in self._warned:
                 self._warned.add(c.id)
-                log.warning("checkpoint_delete_failed", checkpoint_id=c.id, job_id=plan.job_id, step=c.step,
-                            state=c.state, errors=errors[:5], error_count=len(errors),
-                            detail="kept in the ledger; every sweep retries")
+                log.warning(
+                    "checkpoint_delete_failed",
+                    checkpoint_id=c.id,
+                    job_id=plan.job_id,
+                    step=c.step,
+                    state=c.state,
+                    errors=errors[:5],
+                    error_count=len(errors),
+                    detail="kept in the ledger; every sweep retries",
+                )
             return None
         self._warned.discard(c.id)
         if left:
-            log.warning("checkpoint_files_left", checkpoint_id=c.id, job_id=plan.job_id, step=c.step,
-                        shards=len(left), uri=left[0][0][:300], reason=left[0][1])
+            log.warning(
+                "checkpoint_files_left",
+                checkpoint_id=c.id,
+                job_id=plan.job_id,
+                step=c.step,
+                shards=len(left),
+                uri=left[0][0][:300],
+                reason=left[0][1],
+            )
         return Deleted(c.id, plan.job_id, c.step, c.state, files, size, len(left))

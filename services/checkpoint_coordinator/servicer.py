@@ -45,16 +45,25 @@ def _skipped_proto(s: store.SkippedRecord) -> checkpoint_pb2.SkippedCheckpoint:
 
 def restore_proto(r: store.RestoreRecord) -> checkpoint_pb2.RestoreReport:
     return checkpoint_pb2.RestoreReport(
-        job_id=r.job_id, attempt=r.attempt, rank=r.rank, checkpoint_id=r.checkpoint_id, step=r.step,
-        skipped=[_skipped_proto(s) for s in r.skipped], fell_back_from=r.fell_back_from, message=r.message,
+        job_id=r.job_id,
+        attempt=r.attempt,
+        rank=r.rank,
+        checkpoint_id=r.checkpoint_id,
+        step=r.step,
+        skipped=[_skipped_proto(s) for s in r.skipped],
+        fell_back_from=r.fell_back_from,
+        message=r.message,
         reported_at=r.reported_at,
     )
 
 
 def _request_proto(record: store.RequestRecord) -> checkpoint_pb2.CheckpointRequestState:
     state = checkpoint_pb2.CheckpointRequestState(
-        requested=record.requested, reason=record.reason, requested_at=record.requested_at,
-        agreeing=True, ranks_reported=record.ranks_reported,
+        requested=record.requested,
+        reason=record.reason,
+        requested_at=record.requested_at,
+        agreeing=True,
+        ranks_reported=record.ranks_reported,
     )
     if record.target_step is not None:
         state.target_step = record.target_step
@@ -67,9 +76,19 @@ def _request_proto(record: store.RequestRecord) -> checkpoint_pb2.CheckpointRequ
 
 def policy_proto(job_id: str, p: CheckpointPolicy) -> checkpoint_pb2.CheckpointPolicy:
     return checkpoint_pb2.CheckpointPolicy(
-        job_id=job_id, interval_s=p.interval_s, mtbf_s=p.mtbf_s, node_mtbf_s=p.node_mtbf_s, cost_s=p.cost_s,
-        nodes=p.nodes, events=p.events, node_hours=p.node_hours, cost_samples=p.cost_samples,
-        cost_source=p.cost_source, mtbf_source=p.mtbf_source, method=p.method, prior_events=p.prior_events,
+        job_id=job_id,
+        interval_s=p.interval_s,
+        mtbf_s=p.mtbf_s,
+        node_mtbf_s=p.node_mtbf_s,
+        cost_s=p.cost_s,
+        nodes=p.nodes,
+        events=p.events,
+        node_hours=p.node_hours,
+        cost_samples=p.cost_samples,
+        cost_source=p.cost_source,
+        mtbf_source=p.mtbf_source,
+        method=p.method,
+        prior_events=p.prior_events,
         prior_node_hours=p.prior_node_hours,
     )
 
@@ -99,7 +118,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
                 self._again.discard(job_id)
                 try:
                     await asyncio.to_thread(self.retention.prune_job, self.engine, job_id)
-                except Exception as exc:  # noqa: BLE001 - best effort: the sweep finds what is left
+                except Exception as exc:  # best effort: the sweep finds what is left
                     log.warning("checkpoint_retention_failed", job_id=job_id, error=str(exc)[:500])
                 if job_id not in self._again:
                     break
@@ -120,19 +139,37 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         record = await asyncio.to_thread(
             store.record_checkpoint, self.engine, request.job_id, request.attempt, request.step, shards
         )
-        log.info("checkpoint_committed", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
-                 attempt=record.attempt, shards=len(record.shards))
+        log.info(
+            "checkpoint_committed",
+            checkpoint_id=record.id,
+            job_id=record.job_id,
+            step=record.step,
+            attempt=record.attempt,
+            shards=len(record.shards),
+        )
         self._committed(record.job_id)
         return to_proto(record)
 
     @unary
     async def BeginCheckpoint(self, request, context):  # world_size 0: the ledger's (store.begin_checkpoint)
         record = await asyncio.to_thread(
-            store.begin_checkpoint, self.engine, request.job_id, request.attempt, request.step, request.world_size,
+            store.begin_checkpoint,
+            self.engine,
+            request.job_id,
+            request.attempt,
+            request.step,
+            request.world_size,
             request.deadline_s,
         )
-        log.info("checkpoint_begun", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
-                 attempt=record.attempt, world_size=record.world_size, state=record.state)
+        log.info(
+            "checkpoint_begun",
+            checkpoint_id=record.id,
+            job_id=record.job_id,
+            step=record.step,
+            attempt=record.attempt,
+            world_size=record.world_size,
+            state=record.state,
+        )
         return to_proto(record)
 
     @unary
@@ -142,12 +179,26 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         s = request.shard
         shard = store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum)
         record = await asyncio.to_thread(
-            store.report_shard, self.engine, request.job_id, request.attempt, request.step, request.world_size,
-            shard, request.deadline_s,
+            store.report_shard,
+            self.engine,
+            request.job_id,
+            request.attempt,
+            request.step,
+            request.world_size,
+            shard,
+            request.deadline_s,
         )
-        log.info("checkpoint_shard_reported", checkpoint_id=record.id, job_id=record.job_id, step=record.step,
-                 attempt=record.attempt, rank=s.rank, reported=len(record.shards), world_size=record.world_size,
-                 state=record.state)
+        log.info(
+            "checkpoint_shard_reported",
+            checkpoint_id=record.id,
+            job_id=record.job_id,
+            step=record.step,
+            attempt=record.attempt,
+            rank=s.rank,
+            reported=len(record.shards),
+            world_size=record.world_size,
+            state=record.state,
+        )
         if record.state == store.COMMITTED:
             self._committed(record.job_id)
         return to_proto(record)
@@ -161,14 +212,27 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
     @unary
     async def GetCheckpointRequest(self, request, context):
         step = request.step if request.HasField("step") else None  # set: the rank takes part in the step agreement
-        record = await asyncio.to_thread(store.get_request, self.engine, request.job_id, request.attempt,
-                                         request.rank, step)
+        record = await asyncio.to_thread(
+            store.get_request, self.engine, request.job_id, request.attempt, request.rank, step
+        )
         if record.decided:
-            log.info("checkpoint_step_agreed", job_id=request.job_id, attempt=request.attempt,
-                     target_step=record.target_step, ranks=record.ranks_reported, reason=record.reason)
+            log.info(
+                "checkpoint_step_agreed",
+                job_id=request.job_id,
+                attempt=request.attempt,
+                target_step=record.target_step,
+                ranks=record.ranks_reported,
+                reason=record.reason,
+            )
         elif record.restarted:
-            log.warning("checkpoint_step_agreement_restarted", job_id=request.job_id, attempt=request.attempt,
-                        rank=request.rank, step=step, reason=record.reason)
+            log.warning(
+                "checkpoint_step_agreement_restarted",
+                job_id=request.job_id,
+                attempt=request.attempt,
+                rank=request.rank,
+                step=step,
+                reason=record.reason,
+            )
         return _request_proto(record)
 
     @unary
@@ -186,20 +250,30 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         records, token = await asyncio.to_thread(
             store.list_checkpoints, self.engine, request.job_id, request.page_size, request.page_token
         )
-        return checkpoint_pb2.ListCheckpointsResponse(checkpoints=[to_proto(r) for r in records],
-                                                      next_page_token=token)
+        return checkpoint_pb2.ListCheckpointsResponse(checkpoints=[to_proto(r) for r in records], next_page_token=token)
 
     @unary
     async def ReportRestore(self, request, context):
         skipped = [store.SkippedRecord(s.checkpoint_id, s.reason) for s in request.skipped]
         record = await asyncio.to_thread(
-            store.report_restore, self.engine, request.job_id, request.attempt, request.rank, request.checkpoint_id,
+            store.report_restore,
+            self.engine,
+            request.job_id,
+            request.attempt,
+            request.rank,
+            request.checkpoint_id,
             skipped,
         )
         event = "checkpoint_restore_fell_back" if record.skipped else "checkpoint_restore_reported"
         (log.warning if record.skipped else log.info)(
-            event, job_id=record.job_id, attempt=record.attempt, rank=record.rank, step=record.step,
-            checkpoint_id=record.checkpoint_id, fell_back_from=record.fell_back_from, message=record.message[:500],
+            event,
+            job_id=record.job_id,
+            attempt=record.attempt,
+            rank=record.rank,
+            step=record.step,
+            checkpoint_id=record.checkpoint_id,
+            fell_back_from=record.fell_back_from,
+            message=record.message[:500],
         )
         return restore_proto(record)
 
@@ -208,6 +282,11 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         attempt = request.attempt if request.HasField("attempt") else None
         state = await asyncio.to_thread(store.get_restore, self.engine, request.job_id, attempt)
         return checkpoint_pb2.RestoreState(
-            job_id=state.job_id, attempt=state.attempt, step=state.step, fell_back_from=state.fell_back_from,
-            message=state.message, consistent=state.consistent, ranks=[restore_proto(r) for r in state.ranks],
+            job_id=state.job_id,
+            attempt=state.attempt,
+            step=state.step,
+            fell_back_from=state.fell_back_from,
+            message=state.message,
+            consistent=state.consistent,
+            ranks=[restore_proto(r) for r in state.ranks],
         )

@@ -11,8 +11,8 @@ FailedPrecondition, and any refusal raises before anything is written, so the tr
 No number a client sends about the gang is believed: the world size is the number of ranks of the job's current
 attempt in the ledger (`ledger_world_size`), a request's `world_size` only a cross-check (0: the ledger's); a
 checkpoint commits with exactly one shard of each rank 0..N-1. Restores read only complete COMMITTED checkpoints
-whose files retention did not delete (`latest_checkpoint`, `list_checkpoints`; retention.py), and `report_restore` records what a rank restored from, checked
-against the ledger (`get_restore` reads it back with its one-line message).
+whose files retention did not delete (`latest_checkpoint`, `list_checkpoints`; retention.py), and `report_restore`
+records what a rank restored from, checked against the ledger (`get_restore` reads it back with its one-line message).
 
 Step agreement (`get_request` with a rank's step): while a request is outstanding, every rank reports the step it
 has just completed at each poll (`checkpoint_step_reports`, one row per rank of the attempt); once every rank
@@ -48,8 +48,8 @@ from db.models import (
 )
 from phalanx.core import checkpoint_policy as cp
 from phalanx.core.restore_account import restore_message
-from services.common.faults import fail_point
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.faults import fail_point
 
 COMMITTED = "COMMITTED"
 PENDING = "PENDING"
@@ -99,9 +99,9 @@ class RequestRecord:
     requested_at: float = 0.0
     policy: cp.CheckpointPolicy | None = None
     target_step: int | None = None  # the agreed step of the polling attempt, once decided
-    ranks_reported: int = 0         # ranks of the polling attempt that reported a step for this request
-    decided: bool = False           # this report completed the agreement (for the log)
-    restarted: bool = False         # this report was past the target: the agreement started over (for the log)
+    ranks_reported: int = 0  # ranks of the polling attempt that reported a step for this request
+    decided: bool = False  # this report completed the agreement (for the log)
+    restarted: bool = False  # this report was past the target: the agreement started over (for the log)
 
 
 def new_checkpoint_id() -> str:
@@ -179,14 +179,27 @@ def record_checkpoint(
             )
         conn.execute(
             insert(Checkpoint).values(
-                id=ckpt_id, job_id=job_id, attempt=attempt, step=step, state=COMMITTED, created_at=ts, committed_at=ts,
-                world_size=len(shards), message="",
+                id=ckpt_id,
+                job_id=job_id,
+                attempt=attempt,
+                step=step,
+                state=COMMITTED,
+                created_at=ts,
+                committed_at=ts,
+                world_size=len(shards),
+                message="",
             )
         )
         conn.execute(
             insert(CheckpointShard),
             [
-                {"checkpoint_id": ckpt_id, "rank": s.rank, "uri": s.uri, "size_bytes": s.size_bytes, "checksum": s.checksum}
+                {
+                    "checkpoint_id": ckpt_id,
+                    "rank": s.rank,
+                    "uri": s.uri,
+                    "size_bytes": s.size_bytes,
+                    "checksum": s.checksum,
+                }
                 for s in shards
             ],
         )
@@ -210,8 +223,12 @@ def _restore_points(job_id: str, current_attempt: int):
     current one can only come from an unfenced write, and is never a restore point; nor is one whose files the
     coordinator's retention deleted (`deleted_at`, revision 0014: retention.py)."""
     stats = (
-        select(CheckpointShard.checkpoint_id.label("cid"), func.count().label("n"),
-               func.min(CheckpointShard.rank).label("lo"), func.max(CheckpointShard.rank).label("hi"))
+        select(
+            CheckpointShard.checkpoint_id.label("cid"),
+            func.count().label("n"),
+            func.min(CheckpointShard.rank).label("lo"),
+            func.max(CheckpointShard.rank).label("hi"),
+        )
         .join(Checkpoint, Checkpoint.id == CheckpointShard.checkpoint_id)
         .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED, Checkpoint.deleted_at.is_(None))
         .group_by(CheckpointShard.checkpoint_id)
@@ -220,11 +237,16 @@ def _restore_points(job_id: str, current_attempt: int):
     return (
         select(Checkpoint)
         .join(stats, stats.c.cid == Checkpoint.id)
-        .where(Checkpoint.job_id == job_id, Checkpoint.state == COMMITTED, Checkpoint.attempt <= current_attempt,
-               Checkpoint.deleted_at.is_(None), stats.c.lo == 0, stats.c.hi == stats.c.n - 1,
-               or_(Checkpoint.world_size == 0, Checkpoint.world_size == stats.c.n))
-        .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc(), Checkpoint.created_at.desc(),
-                  Checkpoint.id)
+        .where(
+            Checkpoint.job_id == job_id,
+            Checkpoint.state == COMMITTED,
+            Checkpoint.attempt <= current_attempt,
+            Checkpoint.deleted_at.is_(None),
+            stats.c.lo == 0,
+            stats.c.hi == stats.c.n - 1,
+            or_(Checkpoint.world_size == 0, Checkpoint.world_size == stats.c.n),
+        )
+        .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc(), Checkpoint.created_at.desc(), Checkpoint.id)
     )
 
 
@@ -233,8 +255,11 @@ def _records(conn, rows) -> list[CheckpointRecord]:
     ids = [r.id for r in rows]
     shards: dict[str, list] = {i: [] for i in ids}
     if ids:
-        for s in conn.execute(select(CheckpointShard).where(CheckpointShard.checkpoint_id.in_(ids))
-                              .order_by(CheckpointShard.checkpoint_id, CheckpointShard.rank)):
+        for s in conn.execute(
+            select(CheckpointShard)
+            .where(CheckpointShard.checkpoint_id.in_(ids))
+            .order_by(CheckpointShard.checkpoint_id, CheckpointShard.rank)
+        ):
             shards[s.checkpoint_id].append(s)
     return [_record(r, shards[r.id]) for r in rows]
 
@@ -250,8 +275,9 @@ def latest_checkpoint(engine: Engine, job_id: str) -> CheckpointRecord:
         return _records(conn, [row])[0]
 
 
-def list_checkpoints(engine: Engine, job_id: str, page_size: int = 0, page_token: str = ""
-                     ) -> tuple[list[CheckpointRecord], str]:
+def list_checkpoints(
+    engine: Engine, job_id: str, page_size: int = 0, page_token: str = ""
+) -> tuple[list[CheckpointRecord], str]:
     """A page of the job's complete committed checkpoints, newest first (latest_checkpoint's order), and the
     token of the next page ("" after the last)."""
     if not job_id:
@@ -272,8 +298,17 @@ def list_checkpoints(engine: Engine, job_id: str, page_size: int = 0, page_token
 def _record(row, shard_rows) -> CheckpointRecord:
     shards = [ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum) for s in shard_rows]
     return CheckpointRecord(
-        row.id, row.job_id, row.attempt, row.step, row.committed_at or 0.0, shards, row.state, row.world_size,
-        row.deadline_at or 0.0, row.created_at, row.message,
+        row.id,
+        row.job_id,
+        row.attempt,
+        row.step,
+        row.committed_at or 0.0,
+        shards,
+        row.state,
+        row.world_size,
+        row.deadline_at or 0.0,
+        row.created_at,
+        row.message,
     )
 
 
@@ -289,8 +324,9 @@ def _clear_requests(conn, job_id: str, begun_at: float) -> None:
         delete(CheckpointRequest).where(CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at <= begun_at)
     )
     conn.execute(
-        delete(CheckpointStepReport).where(CheckpointStepReport.job_id == job_id,
-                                           CheckpointStepReport.requested_at <= begun_at)
+        delete(CheckpointStepReport).where(
+            CheckpointStepReport.job_id == job_id, CheckpointStepReport.requested_at <= begun_at
+        )
     )
 
 
@@ -328,8 +364,9 @@ def _validate_shard(shard: ShardRecord, world_size: int) -> None:
         raise InvalidArgument(f"shard {shard.rank}: checksum longer than {MAX_CHECKSUM} characters")
 
 
-def ledger_world_size(conn, job_id: str, attempt: int, replicas: int, gpus_per_replica: int,
-                      procs_per_replica: int) -> int:
+def ledger_world_size(
+    conn, job_id: str, attempt: int, replicas: int, gpus_per_replica: int, procs_per_replica: int
+) -> int:
     """The number of ranks of the job's `attempt`, from what the ledger records for it: its allocations (the
     scheduler's layout, services/scheduler/state.py layout_ranks: one rank per GPU of each replica, or one per
     replica when procs_per_replica is 1; a MIG instance or a share is one GPU), else, before any allocation of the
@@ -357,7 +394,8 @@ def _fence(conn, job_id: str, attempt: int) -> int:
         raise NotFound(f"job {job_id[:80]!r} not found")
     row = conn.execute(
         select(Job.attempt, Job.state, Job.replicas, Job.gpus_per_replica, Job.procs_per_replica)
-        .where(Job.id == job_id).with_for_update()
+        .where(Job.id == job_id)
+        .with_for_update()
     ).first()
     if row is None:
         raise NotFound(f"job {job_id[:80]!r} not found")
@@ -416,16 +454,30 @@ def _create(conn, job_id: str, attempt: int, step: int, world_size: int, deadlin
     deadline_at = now + (deadline_s or DEFAULT_DEADLINE_S)
     conn.execute(
         insert(Checkpoint).values(
-            id=ckpt_id, job_id=job_id, attempt=attempt, step=step, state=PENDING, created_at=now, committed_at=None,
-            world_size=world_size, deadline_at=deadline_at, message="",
+            id=ckpt_id,
+            job_id=job_id,
+            attempt=attempt,
+            step=step,
+            state=PENDING,
+            created_at=now,
+            committed_at=None,
+            world_size=world_size,
+            deadline_at=deadline_at,
+            message="",
         )
     )
     return conn.execute(select(Checkpoint).where(Checkpoint.id == ckpt_id)).first()
 
 
 def begin_checkpoint(
-    engine: Engine, job_id: str, attempt: int, step: int, world_size: int, deadline_s: float = 0.0,
-    *, now: float | None = None,
+    engine: Engine,
+    job_id: str,
+    attempt: int,
+    step: int,
+    world_size: int,
+    deadline_s: float = 0.0,
+    *,
+    now: float | None = None,
 ) -> CheckpointRecord:
     """Open a PENDING checkpoint for (job, attempt, step) with the ledger's world size (`world_size` 0, or equal
     to it); the same begin again returns the one already open."""
@@ -443,8 +495,15 @@ def begin_checkpoint(
 
 
 def report_shard(
-    engine: Engine, job_id: str, attempt: int, step: int, world_size: int, shard: ShardRecord,
-    deadline_s: float = 0.0, *, now: float | None = None,
+    engine: Engine,
+    job_id: str,
+    attempt: int,
+    step: int,
+    world_size: int,
+    shard: ShardRecord,
+    deadline_s: float = 0.0,
+    *,
+    now: float | None = None,
 ) -> CheckpointRecord:
     """Record one rank's shard (beginning the checkpoint if none is open) and commit once every rank 0..N-1 of the
     ledger's world size N reported. The same shard again is a no-op; a different one for a rank that already
@@ -475,14 +534,18 @@ def report_shard(
             raise FailedPrecondition(f"checkpoint {row.id} of job {job_id[:80]!r} step {step} is already committed")
         conn.execute(
             insert(CheckpointShard).values(
-                checkpoint_id=row.id, rank=shard.rank, uri=shard.uri, size_bytes=shard.size_bytes,
+                checkpoint_id=row.id,
+                rank=shard.rank,
+                uri=shard.uri,
+                size_bytes=shard.size_bytes,
                 checksum=shard.checksum,
             )
         )
         shard_rows = _shard_rows(conn, row.id)
         if [s.rank for s in shard_rows] == list(range(row.world_size)):
             conn.execute(
-                update(Checkpoint).where(Checkpoint.id == row.id, Checkpoint.state == PENDING)
+                update(Checkpoint)
+                .where(Checkpoint.id == row.id, Checkpoint.state == PENDING)
                 .values(state=COMMITTED, committed_at=ts)
             )
             _clear_requests(conn, job_id, row.created_at)
@@ -534,8 +597,11 @@ def request_checkpoint(engine: Engine, job_id: str, reason: str, *, now: float |
         _require_job(conn, job_id)
         # Ranks whose time policy fires ask at about the same moment: the first insert wins, the rest keep it.
         dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-        conn.execute(dialect_insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=ts)
-                     .on_conflict_do_nothing(index_elements=["job_id"]))
+        conn.execute(
+            dialect_insert(CheckpointRequest)
+            .values(job_id=job_id, reason=reason, requested_at=ts)
+            .on_conflict_do_nothing(index_elements=["job_id"])
+        )
         row = _request_row(conn, job_id)
         return RequestRecord(True, row.reason, row.requested_at)
 
@@ -555,8 +621,11 @@ def _reports(conn, job_id: str, attempt: int, requested_at: float, world: int) -
     """(ranks 0..world-1 of `attempt` that reported a step for the request of `requested_at`, their highest step)."""
     count, top = conn.execute(
         select(func.count(), func.max(CheckpointStepReport.step)).where(
-            CheckpointStepReport.job_id == job_id, CheckpointStepReport.attempt == attempt,
-            CheckpointStepReport.requested_at == requested_at, CheckpointStepReport.rank < world)
+            CheckpointStepReport.job_id == job_id,
+            CheckpointStepReport.attempt == attempt,
+            CheckpointStepReport.requested_at == requested_at,
+            CheckpointStepReport.rank < world,
+        )
     ).one()
     return int(count or 0), None if top is None else int(top)
 
@@ -569,8 +638,9 @@ def _check_report_rank(job_id: str, attempt: int, rank: int, world: int) -> None
         raise InvalidArgument(f"rank must be in 0..{world - 1} for job {job_id[:80]!r} attempt {attempt}, got {rank}")
 
 
-def get_request(engine: Engine, job_id: str, attempt: int, rank: int = 0, step: int | None = None,
-                *, now: float | None = None) -> RequestRecord:
+def get_request(
+    engine: Engine, job_id: str, attempt: int, rank: int = 0, step: int | None = None, *, now: float | None = None
+) -> RequestRecord:
     """The outstanding request for the job's current attempt (a superseded attempt is refused), with the job's
     checkpoint interval policy and, once decided, the step every rank of the attempt checkpoints at.
 
@@ -614,8 +684,9 @@ def get_request(engine: Engine, job_id: str, attempt: int, rank: int = 0, step: 
     return _report_step(engine, job_id, attempt, rank, step, policy, time.time() if now is None else now)
 
 
-def _report_step(engine: Engine, job_id: str, attempt: int, rank: int, step: int, policy: cp.CheckpointPolicy,
-                 now: float) -> RequestRecord:
+def _report_step(
+    engine: Engine, job_id: str, attempt: int, rank: int, step: int, policy: cp.CheckpointPolicy, now: float
+) -> RequestRecord:
     """Record `rank`'s step for the outstanding request and decide the target once every rank reported.
 
     Fenced like every write (the job row locked, the current attempt, RUNNING), so the ranks' reports are
@@ -636,23 +707,30 @@ def _report_step(engine: Engine, job_id: str, attempt: int, rank: int, step: int
         this_request = (CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at == requested_at)
         restarted = target is not None
         if restarted:
-            conn.execute(delete(CheckpointStepReport).where(
-                CheckpointStepReport.job_id == job_id, CheckpointStepReport.attempt == attempt,
-                CheckpointStepReport.requested_at == requested_at))
+            conn.execute(
+                delete(CheckpointStepReport).where(
+                    CheckpointStepReport.job_id == job_id,
+                    CheckpointStepReport.attempt == attempt,
+                    CheckpointStepReport.requested_at == requested_at,
+                )
+            )
         if row.target_step is not None:  # past it, or another attempt's: undecided for this attempt
             conn.execute(update(CheckpointRequest).where(*this_request).values(target_attempt=None, target_step=None))
         values = dict(step=step, requested_at=requested_at, reported_at=now)
         dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-        conn.execute(dialect_insert(CheckpointStepReport).values(job_id=job_id, attempt=attempt, rank=rank, **values)
-                     .on_conflict_do_update(index_elements=["job_id", "attempt", "rank"], set_=values))
+        conn.execute(
+            dialect_insert(CheckpointStepReport)
+            .values(job_id=job_id, attempt=attempt, rank=rank, **values)
+            .on_conflict_do_update(index_elements=["job_id", "attempt", "rank"], set_=values)
+        )
         reported, top = _reports(conn, job_id, attempt, requested_at, world)
         decided = None
         if reported >= world and top is not None:
             decided = top + 1
-            conn.execute(update(CheckpointRequest).where(*this_request)
-                         .values(target_attempt=attempt, target_step=decided))
-        return RequestRecord(True, row.reason, requested_at, policy, decided, reported, decided is not None,
-                             restarted)
+            conn.execute(
+                update(CheckpointRequest).where(*this_request).values(target_attempt=attempt, target_step=decided)
+            )
+        return RequestRecord(True, row.reason, requested_at, policy, decided, reported, decided is not None, restarted)
 
 
 def checkpoint_policy(engine: Engine, job_id: str) -> cp.CheckpointPolicy:
@@ -686,13 +764,18 @@ def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
     GPU errors arrive as FATAL health events); exposure: the sum over nodes of max(0, last_heartbeat -
     registered_at); nodes: the distinct nodes of the attempt's unreleased allocations (1 when none)."""
     events, seconds, cluster_durations = _cluster_figures(conn)
-    nodes = conn.scalar(
-        select(func.count(func.distinct(Allocation.node_id))).where(
-            Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.released_at.is_(None)
+    nodes = (
+        conn.scalar(
+            select(func.count(func.distinct(Allocation.node_id))).where(
+                Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.released_at.is_(None)
+            )
         )
-    ) or 0
+        or 0
+    )
     return cp.compute_policy(
-        events=int(events), node_hours=float(seconds) / cp.HOUR_S, nodes=max(1, int(nodes)),
+        events=int(events),
+        node_hours=float(seconds) / cp.HOUR_S,
+        nodes=max(1, int(nodes)),
         job_durations=_durations(conn, job_id, cp.JOB_COST_SAMPLES),
         cluster_durations=cluster_durations,
     )
@@ -740,6 +823,7 @@ def _cluster_figures(conn) -> tuple[int, float, list[float]]:
 
 
 # -- restores -----------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SkippedRecord:
@@ -802,8 +886,14 @@ def _validate_restore(job_id: str, attempt: int, rank: int, checkpoint_id: str, 
 
 
 def report_restore(
-    engine: Engine, job_id: str, attempt: int, rank: int, checkpoint_id: str, skipped: list[SkippedRecord],
-    *, now: float | None = None,
+    engine: Engine,
+    job_id: str,
+    attempt: int,
+    rank: int,
+    checkpoint_id: str,
+    skipped: list[SkippedRecord],
+    *,
+    now: float | None = None,
 ) -> RestoreRecord:
     """Record what `rank` of the current attempt restored from (`checkpoint_id`, "" for step 0) and the newer
     committed checkpoints it skipped, with why. Nothing the client says is taken on trust: fenced like every
@@ -815,12 +905,13 @@ def report_restore(
     with engine.begin() as conn:
         world = _fence(conn, job_id, attempt)
         if rank >= world:
-            raise InvalidArgument(f"rank must be in 0..{world - 1} for job {job_id[:80]!r} attempt {attempt}, "
-                                  f"got {rank}")
+            raise InvalidArgument(
+                f"rank must be in 0..{world - 1} for job {job_id[:80]!r} attempt {attempt}, got {rank}"
+            )
         # The newest len(skipped) + 1 restore points: the skipped ones, then the one restored (or none at all).
         newest = conn.execute(_restore_points(job_id, attempt).limit(len(skipped) + 1)).all()
         named = {s.checkpoint_id for s in skipped}
-        head = {r.id for r in newest[:len(skipped)]}
+        head = {r.id for r in newest[: len(skipped)]}
         if head != named:
             stray = sorted(named - head)
             raise InvalidArgument(
@@ -828,7 +919,7 @@ def report_restore(
                 f"checkpoints of job {job_id[:80]!r}: a restore skips only checkpoints newer than the one it "
                 "restores, none left out"
             )
-        older = newest[len(skipped):]
+        older = newest[len(skipped) :]
         if checkpoint_id:
             if not older or older[0].id != checkpoint_id:
                 want = f"{older[0].id} (step {older[0].step})" if older else "none"
@@ -844,23 +935,37 @@ def report_restore(
                     "step 0 that the report neither restores nor skips"
                 )
             step = -1
-        listed = [SkippedRecord(r.id, next(s.reason for s in skipped if s.checkpoint_id == r.id), int(r.step))
-                  for r in newest if r.id in named]
+        listed = [
+            SkippedRecord(r.id, next(s.reason for s in skipped if s.checkpoint_id == r.id), int(r.step))
+            for r in newest
+            if r.id in named
+        ]
         message = restore_message(step, listed)
-        values = dict(checkpoint_id=checkpoint_id, step=step, message=message, reported_at=ts,
-                      skipped=[{"checkpoint_id": s.checkpoint_id, "step": s.step, "reason": s.reason} for s in listed])
-        conn.execute(delete(CheckpointRestore).where(CheckpointRestore.job_id == job_id,
-                                                     CheckpointRestore.attempt == attempt,
-                                                     CheckpointRestore.rank == rank))
+        values = dict(
+            checkpoint_id=checkpoint_id,
+            step=step,
+            message=message,
+            reported_at=ts,
+            skipped=[{"checkpoint_id": s.checkpoint_id, "step": s.step, "reason": s.reason} for s in listed],
+        )
+        conn.execute(
+            delete(CheckpointRestore).where(
+                CheckpointRestore.job_id == job_id, CheckpointRestore.attempt == attempt, CheckpointRestore.rank == rank
+            )
+        )
         conn.execute(insert(CheckpointRestore).values(job_id=job_id, attempt=attempt, rank=rank, **values))
     return RestoreRecord(job_id, attempt, rank, checkpoint_id, step, listed, message, ts)
 
 
 def _restore_record(row) -> RestoreRecord:
-    skipped = [SkippedRecord(str(s.get("checkpoint_id", "")), str(s.get("reason", "")), int(s.get("step", -1)))
-               for s in (row.skipped or []) if isinstance(s, dict)]
-    return RestoreRecord(row.job_id, row.attempt, row.rank, row.checkpoint_id, int(row.step), skipped, row.message,
-                         row.reported_at)
+    skipped = [
+        SkippedRecord(str(s.get("checkpoint_id", "")), str(s.get("reason", "")), int(s.get("step", -1)))
+        for s in (row.skipped or [])
+        if isinstance(s, dict)
+    ]
+    return RestoreRecord(
+        row.job_id, row.attempt, row.rank, row.checkpoint_id, int(row.step), skipped, row.message, row.reported_at
+    )
 
 
 def _rank_list(ranks: list[int]) -> str:
@@ -877,9 +982,11 @@ def get_restore(engine: Engine, job_id: str, attempt: int | None = None) -> Rest
     with engine.execution_options(readonly=True).begin() as conn:
         current = _current_attempt(conn, job_id)
         attempt = current if attempt is None else attempt
-        rows = conn.execute(select(CheckpointRestore).where(CheckpointRestore.job_id == job_id,
-                                                            CheckpointRestore.attempt == attempt)
-                            .order_by(CheckpointRestore.rank)).all()
+        rows = conn.execute(
+            select(CheckpointRestore)
+            .where(CheckpointRestore.job_id == job_id, CheckpointRestore.attempt == attempt)
+            .order_by(CheckpointRestore.rank)
+        ).all()
     if not rows:
         raise NotFound(f"job {job_id[:80]!r} attempt {attempt} has no restore report")
     ranks = [_restore_record(r) for r in rows]
@@ -891,26 +998,45 @@ def get_restore(engine: Engine, job_id: str, attempt: int | None = None) -> Rest
         # Ranks that verify every shard (phalanx.train's default) skip the same ones; show the fullest account.
         fullest = max(ranks, key=lambda r: len(r.skipped))
         return RestoreStateRecord(job_id, attempt, first.step, fullest.fell_back_from, fullest.message, True, ranks)
-    parts = [f"{_rank_list([r.rank for r in members])}: {max(members, key=lambda r: len(r.skipped)).message}"
-             for members in sorted(groups.values(), key=lambda m: m[0].rank)]
+    parts = [
+        f"{_rank_list([r.rank for r in members])}: {max(members, key=lambda r: len(r.skipped)).message}"
+        for members in sorted(groups.values(), key=lambda m: m[0].rank)
+    ]
     fell_back = max((r.fell_back_from for r in ranks), default=-1)
-    return RestoreStateRecord(job_id, attempt, first.step, fell_back,
-                              "ranks restored different checkpoints: " + "; ".join(parts), False, ranks)
+    return RestoreStateRecord(
+        job_id,
+        attempt,
+        first.step,
+        fell_back,
+        "ranks restored different checkpoints: " + "; ".join(parts),
+        False,
+        ranks,
+    )
 
 
 COORDINATOR_ENDPOINT = "checkpoint-coordinator"
 
 
-def advertise(engine: Engine, address: str, checkpoint_dir: str = "", *, name: str = COORDINATOR_ENDPOINT,
-              now: float | None = None) -> None:
+def advertise(
+    engine: Engine,
+    address: str,
+    checkpoint_dir: str = "",
+    *,
+    name: str = COORDINATOR_ENDPOINT,
+    now: float | None = None,
+) -> None:
     """Record where this coordinator is reached (and the checkpoint directory it serves), for a scheduler started
     without --checkpoint-coordinator. The last one to start wins."""
     from sqlalchemy.dialects.postgresql import insert as pg_insert
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-    values = dict(address=address, detail={"checkpoint_dir": checkpoint_dir}, updated_at=time.time() if now is None
-                  else now)
+    values = dict(
+        address=address, detail={"checkpoint_dir": checkpoint_dir}, updated_at=time.time() if now is None else now
+    )
     with engine.begin() as conn:
         dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-        conn.execute(dialect_insert(ServiceEndpoint).values(name=name, **values)
-                     .on_conflict_do_update(index_elements=["name"], set_=values))
+        conn.execute(
+            dialect_insert(ServiceEndpoint)
+            .values(name=name, **values)
+            .on_conflict_do_update(index_elements=["name"], set_=values)
+        )

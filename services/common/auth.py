@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
-import hashlib
-import math
 import os
-import secrets
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,23 +34,11 @@ from typing import Any
 import grpc
 import structlog
 
+from phalanx.common.tokens import Identity, TokenStore
+
 log = structlog.get_logger()
 
-ROLES = ("user", "admin", "node", "service")
-TOKEN_PREFIX = "phx_"
 METADATA_KEY = "authorization"
-
-
-@dataclass(frozen=True)
-class Identity:
-    tenant: str
-    role: str
-    rate_limit: float | None = None    # submissions per second for this tenant (None: the service's default)
-    max_pending: int | None = None     # PENDING jobs this tenant may have (None: the service's default)
-
-    @property
-    def admin(self) -> bool:
-        return self.role == "admin"
 
 
 _IDENTITY: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("phalanx_identity", default=None)
@@ -73,147 +57,15 @@ def tenant_scope() -> str | None:
     return ident.tenant
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def new_token() -> str:
-    return TOKEN_PREFIX + secrets.token_urlsafe(32)
-
-
-def token_entry(token: str, tenant: str, role: str = "user") -> dict[str, str]:
-    """The tokens-file entry of `token`."""
-    check_entry_fields(tenant, role)
-    return {"token_sha256": hash_token(token), "tenant": tenant, "role": role}
-
-
-def check_entry_fields(tenant: str, role: str) -> None:
-    if role not in ROLES:
-        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
-    if not tenant or len(tenant) > 64 or any(c.isspace() or c in "\x00" for c in tenant):
-        raise ValueError(f"tenant {tenant[:80]!r} must be 1-64 characters without spaces")
-
-
-class TokenFileError(ValueError):
-    pass
-
-
-def parse_tokens(text: str, source: str = "tokens file") -> dict[str, Identity]:
-    """{sha256 hex: Identity} from the YAML text of a tokens file. Raises TokenFileError."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TokenFileError(f"{source}: not YAML: {exc}") from exc
-    if data is None:
-        data = []
-    if isinstance(data, dict) and "tokens" in data:
-        data = data["tokens"] or []
-    if not isinstance(data, list):
-        raise TokenFileError(f"{source}: expected a list of {{token_sha256, tenant, role}} entries")
-    out: dict[str, Identity] = {}
-    for i, entry in enumerate(data):
-        if not isinstance(entry, dict):
-            raise TokenFileError(f"{source}: entry {i} is not a mapping")
-        digest = str(entry.get("token_sha256", "")).strip().lower()
-        tenant = str(entry.get("tenant", "")).strip()
-        role = str(entry.get("role", "user")).strip()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise TokenFileError(f"{source}: entry {i}: token_sha256 must be 64 hex digits")
-        try:
-            check_entry_fields(tenant, role)
-            rate = entry.get("rate_limit")
-            pending = entry.get("max_pending")
-            rate = None if rate is None else float(rate)
-            pending = None if pending is None else int(pending)
-        except (TypeError, ValueError) as exc:
-            raise TokenFileError(f"{source}: entry {i}: {exc}") from exc
-        if (rate is not None and not (rate > 0 and math.isfinite(rate))) or (pending is not None and pending < 1):
-            raise TokenFileError(f"{source}: entry {i}: rate_limit must be > 0 and max_pending >= 1")
-        out[digest] = Identity(tenant, role, rate, pending)
-    return out
-
-
-class TokenStore:
-    """The tokens of one or more files, each reloaded when it changes (checked at most every `check_interval`
-    seconds). Several files: e.g. the operator's, and the credentials `phalanx cluster up` makes for its own
-    processes."""
-
-    def __init__(self, path: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-                 check_interval: float = 1.0) -> None:
-        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-        self.paths = [Path(p) for p in paths]
-        self.path = self.paths[0]
-        self.check_interval = check_interval
-        self._lock = threading.Lock()
-        self._signatures: dict[Path, tuple] = {}
-        self._files: dict[Path, dict[str, Identity]] = {}
-        for p in self.paths:  # a file that does not load at start is an error for the caller
-            self._files[p] = self._load(p)
-        self._tokens = self._merged()
-        self._next_check = time.monotonic() + check_interval
-
-    @staticmethod
-    def _stat(path: Path) -> tuple:
-        st = path.stat()
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def _load(self, path: Path) -> dict[str, Identity]:
-        try:
-            signature = self._stat(path)
-            text = path.read_text()
-        except OSError as exc:
-            raise TokenFileError(f"cannot read the tokens file {path}: {exc}") from exc
-        tokens = parse_tokens(text, str(path))
-        self._signatures[path] = signature
-        return tokens
-
-    def _merged(self) -> dict[str, Identity]:
-        out: dict[str, Identity] = {}
-        for tokens in self._files.values():
-            out.update(tokens)
-        return out
-
-    def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        with self._lock:
-            if now < self._next_check:
-                return
-            self._next_check = now + self.check_interval
-            changed = False
-            for path in self.paths:
-                try:
-                    if self._stat(path) == self._signatures.get(path):
-                        continue
-                    self._files[path] = self._load(path)
-                    changed = True
-                    log.info("tokens_reloaded", path=str(path), tokens=len(self._files[path]))
-                except (OSError, TokenFileError) as exc:
-                    log.warning("tokens_reload_failed", path=str(path), error=str(exc)[:300])
-            if changed:
-                self._tokens = self._merged()
-
-    def lookup(self, token: str) -> Identity | None:
-        self._maybe_reload()
-        if not token:
-            return None
-        return self._tokens.get(hash_token(token))
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-
 # ---- authorization policy -------------------------------------------------------------------------------------
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 SCHEDULER = "/phalanx.v1.Scheduler/"
 NODE_SERVICE = "/phalanx.v1.NodeService/"
 CHECKPOINT = "/phalanx.v1.CheckpointCoordinator/"
-ADMIN_METHODS = frozenset({SCHEDULER + "DrainNode", SCHEDULER + "UndrainNode", SCHEDULER + "SetQueue",
-                           SCHEDULER + "DeleteQueue"})
+ADMIN_METHODS = frozenset(
+    {SCHEDULER + "DrainNode", SCHEDULER + "UndrainNode", SCHEDULER + "SetQueue", SCHEDULER + "DeleteQueue"}
+)
 
 
 def allowed_roles(method: str) -> frozenset[str]:
@@ -293,14 +145,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
         if not token:
-            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED,
-                           "no credential: send 'authorization: Bearer <token>' (the CLI reads $PHALANX_TOKEN)")
+            return _refuse(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no credential: send 'authorization: Bearer <token>' (the CLI reads $PHALANX_TOKEN)",
+            )
         ident = self.store.lookup(token)
         if ident is None:
             return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked token")
         if ident.role not in allowed_roles(method):
-            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
-                           f"role {ident.role!r} (tenant {ident.tenant!r}) may not call {method.rsplit('/', 1)[-1]}")
+            return _refuse(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"role {ident.role!r} (tenant {ident.tenant!r}) may not call {method.rsplit('/', 1)[-1]}",
+            )
         return _with_identity(handler, ident)
 
 
@@ -349,7 +207,7 @@ class TenantLimits:
 
 @dataclass(frozen=True)
 class ServerTLS:
-    cert: str   # PEM files
+    cert: str  # PEM files
     key: str
     ca: str = ""  # given: clients must present a certificate signed by this CA (mutual TLS)
 
@@ -376,14 +234,20 @@ def server_tls(cert: str | None, key: str | None, ca: str | None) -> ServerTLS |
 def add_security_flags(p: argparse.ArgumentParser, env_prefix: str) -> None:
     """--tokens and --tls-cert/--tls-key/--tls-ca, shared by the scheduler and the checkpoint coordinator."""
     env = os.environ.get(f"{env_prefix}_TOKENS")
-    p.add_argument("--tokens", action="append", default=[env] if env else None, metavar="FILE",
-                   help=f"authentication on: a YAML list of {{token_sha256, tenant, role}} entries (`phalanx token "
-                        f"new` makes them), reloaded when it changes; repeatable (env {env_prefix}_TOKENS; "
-                        f"default: off)")
+    p.add_argument(
+        "--tokens",
+        action="append",
+        default=[env] if env else None,
+        metavar="FILE",
+        help=f"authentication on: a YAML list of {{token_sha256, tenant, role}} entries (`phalanx token "
+        f"new` makes them), reloaded when it changes; repeatable (env {env_prefix}_TOKENS; "
+        f"default: off)",
+    )
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
-    p.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="mutual TLS: clients must present a certificate signed by this CA")
+    p.add_argument(
+        "--tls-ca", default=None, metavar="PEM", help="mutual TLS: clients must present a certificate signed by this CA"
+    )
 
 
 def security_from_args(args: argparse.Namespace) -> tuple[TokenStore | None, ServerTLS | None]:

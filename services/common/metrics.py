@@ -15,21 +15,27 @@ RESERVATION_LATENCY = Histogram(
     "Submit-to-reserved time of gangs reserved by this replica",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
-GOODPUT = Gauge("phalanx_goodput_gpu_seconds",
-                "GPU-seconds of every job in the ledger by category: allocated, productive, rollback, restart, waiting",
-                ["category"])
+GOODPUT = Gauge(
+    "phalanx_goodput_gpu_seconds",
+    "GPU-seconds of every job in the ledger by category: allocated, productive, rollback, restart, waiting",
+    ["category"],
+)
 GOODPUT_RATIO = Gauge("phalanx_goodput_ratio", "Productive over allocated GPU time, whole cluster")
 RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
 RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
 
 SCHEDULER_LEADER = Gauge("phalanx_scheduler_leader", "1 while this scheduler replica holds the leadership lease")
-SCHEDULER_LEADER_EPOCH = Gauge("phalanx_scheduler_leader_epoch",
-                               "Fencing epoch of the leadership lease as this replica last saw it")
-LEADERSHIP_CHANGES = Counter("phalanx_scheduler_leadership_changes_total",
-                             "Leadership acquired or lost by this replica", ["event"])
-FENCED = Counter("phalanx_scheduler_fenced_total",
-                 "Scheduling passes and lease renewals of this replica refused by the epoch check "
-                 "(it believed it led, the ledger said another epoch)")
+SCHEDULER_LEADER_EPOCH = Gauge(
+    "phalanx_scheduler_leader_epoch", "Fencing epoch of the leadership lease as this replica last saw it"
+)
+LEADERSHIP_CHANGES = Counter(
+    "phalanx_scheduler_leadership_changes_total", "Leadership acquired or lost by this replica", ["event"]
+)
+FENCED = Counter(
+    "phalanx_scheduler_fenced_total",
+    "Scheduling passes and lease renewals of this replica refused by the epoch check "
+    "(it believed it led, the ledger said another epoch)",
+)
 
 
 def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:

@@ -29,7 +29,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     if isinstance(exc, ServiceError):
         metrics.RPC_ERRORS.labels(method=method, code=exc.code.name).inc()
         # Details travel in a header (at most 16 KiB): a message quoting a huge input must not break the reply.
-        message = exc.message if len(exc.message) <= MAX_DETAILS else exc.message[:MAX_DETAILS - 3] + "..."
+        message = exc.message if len(exc.message) <= MAX_DETAILS else exc.message[: MAX_DETAILS - 3] + "..."
         await context.abort(exc.code, message)
     log.error("rpc_internal_error", method=method, exc_info=exc)
     metrics.RPC_ERRORS.labels(method=method, code="INTERNAL").inc()
@@ -48,9 +48,11 @@ def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             return await asyncio.wait_for(fn(self, request, context), SERVER_DEADLINE_S)
         except TimeoutError:
             metrics.RPC_ERRORS.labels(method=method, code="DEADLINE_EXCEEDED").inc()
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{method} took longer than the server's {SERVER_DEADLINE_S:g}s limit; try again")
-        except (ServiceError, Exception) as exc:  # noqa: BLE001 - mapped to a status, never re-raised raw
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{method} took longer than the server's {SERVER_DEADLINE_S:g}s limit; try again",
+            )
+        except (ServiceError, Exception) as exc:  # mapped to a status, never re-raised raw
             if isinstance(exc, grpc.aio.AbortError) or _is_abort(exc):
                 raise
             await _abort(context, method, exc)
@@ -69,7 +71,7 @@ def stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator
         try:
             async for item in fn(self, request, context):
                 yield item
-        except (ServiceError, Exception) as exc:  # noqa: BLE001
+        except (ServiceError, Exception) as exc:
             if _is_abort(exc):
                 raise
             await _abort(context, method, exc)

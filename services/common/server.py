@@ -37,9 +37,8 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
         async def parse(raw, context):
             try:
                 return decode(raw)
-            except Exception as exc:  # noqa: BLE001 - DecodeError and friends, whatever the protobuf backend
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"malformed {method} request: {str(exc)[:200]}")
+            except Exception as exc:  # DecodeError and friends, whatever the protobuf backend
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method} request: {str(exc)[:200]}")
 
         if handler.unary_unary is not None:
             behavior = handler.unary_unary

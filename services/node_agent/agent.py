@@ -14,6 +14,10 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 - The connection is retried with exponential backoff and jitter (capped at backoff_cap_s).
 - After a restart the agent adopts ranks whose wrapper process is still alive (same pid and start time) and
   reports the others EXITED (exit code from the wrapper's status file) or LOST.
+- Ledger identity: RegisterNode returns the ledger's cluster id (and the node's last revision there), kept in the
+  state file. Saved state of another cluster id, or whose acked revision is above the ledger's (state of an older
+  agent has no id: the ledger's revision decides), is another ledger's: the agent logs a warning naming both ids,
+  kills that state's ranks (adopted ones included), forgets them, and streams from revision 0 (_check_ledger).
 - request_stop() (SIGTERM/SIGINT in the CLI) drains: stop taking work, tell the scheduler (a heartbeat with
   `draining`: the node becomes DRAINED, out of placement), kill running ranks (KILLED), flush reports, return.
 - Partial GPUs: a rank with MIG `slices` starts once its MIG instances exist (found or created through the
@@ -43,9 +47,9 @@ import signal
 import subprocess
 import time
 import uuid
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -55,13 +59,9 @@ from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from . import launcher
 from .health import HealthMonitor, NodeHealth, NvmlHealthSource, SimulatedHealthSource, event_to_proto, health_to_proto
-from phalanx.simhost.nvml import bind
-
 from .mig_manager import MigBackend, MigError, MigManager, backend_for
 from .mps import CONTROL as MPS_CONTROL
 from .mps import MpsError, MpsManager, strip_mps, write_fake_control
-from .simulated import STATE_FILE as SIMULATED_STATE_FILE
-from .simulated import host_for_topology
 from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key
 
 RANKS_RUNNING = Gauge("phalanx_agent_ranks_running", "Rank processes this node agent is running")
@@ -78,13 +78,15 @@ CHANNEL_OPTIONS = [
 
 # Report errors that retrying cannot fix; anything else (UNAVAILABLE, NOT_FOUND while the scheduler forgot the
 # node, DEADLINE_EXCEEDED, ...) is retried with backoff.
-_PERMANENT = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNIMPLEMENTED,
-})
+_PERMANENT = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 _STATE_ENUM = {
     "running": common_pb2.RANK_STATE_RUNNING,
@@ -100,28 +102,28 @@ class AgentConfig:
     scheduler: str
     node_name: str
     topology: agent_pb2.HostTopology
-    state_dir: Path | None = None          # default $PHALANX_HOME/agents/<node_name> (.phalanx/...)
-    address: str = "127.0.0.1"             # where ranks reach this host (MASTER_ADDR when it hosts rank 0)
-    kill_grace_s: float = 5.0              # SIGTERM -> SIGKILL
+    state_dir: Path | None = None  # default $PHALANX_HOME/agents/<node_name> (.phalanx/...)
+    address: str = "127.0.0.1"  # where ranks reach this host (MASTER_ADDR when it hosts rank 0)
+    kill_grace_s: float = 5.0  # SIGTERM -> SIGKILL
     backoff_initial_s: float = 0.1
     backoff_cap_s: float = 5.0
     rpc_timeout_s: float = 5.0
-    poll_interval_s: float = 0.05          # how often rank processes are checked
-    start_timeout_s: float = 15.0          # for the wrapper to say the command started
-    flush_timeout_s: float = 5.0           # at shutdown, for queued reports
+    poll_interval_s: float = 0.05  # how often rank processes are checked
+    start_timeout_s: float = 15.0  # for the wrapper to say the command started
+    flush_timeout_s: float = 5.0  # at shutdown, for queued reports
     default_heartbeat_ms: int = 1000
     mig_backend: MigBackend | None = None  # default: NVML through `nvml`
     # The NVML bindings: None for the real pynvml (a discovered host); on a simulated host a private pynvml bound to
     # its simulated library (phalanx.simhost.nvml), made from the topology when not given.
     nvml: Any = None
-    mig_manage: bool = False               # the scheduler may ask to switch idle GPUs' MIG mode (SetMigMode)
-    mps_control: str | None = None         # MPS control program; default nvidia-cuda-mps-control on PATH for a
-                                           # discovered host, the fake (phalanx.simhost.mps_control) when simulated
-    health_source: object | None = None    # default: NVML for a discovered host, SimulatedHealthSource otherwise
-    health_enabled: bool = True            # False: heartbeats carry no health (the scheduler keeps what it has)
-    ecc_sbe_threshold: int = 100           # corrected ECC errors above which a GPU is DEGRADED
-    token: str = ""                        # the agent's own credential (role `node`), sent on every call
-    tls: object | None = None              # phalanx.client._channel.TLSConfig: TLS to the scheduler
+    mig_manage: bool = False  # the scheduler may ask to switch idle GPUs' MIG mode (SetMigMode)
+    mps_control: str | None = None  # MPS control program; default nvidia-cuda-mps-control on PATH for a
+    # discovered host, the fake (phalanx.simhost.mps_control) when simulated
+    health_source: object | None = None  # default: NVML for a discovered host, SimulatedHealthSource otherwise
+    health_enabled: bool = True  # False: heartbeats carry no health (the scheduler keeps what it has)
+    ecc_sbe_threshold: int = 100  # corrected ECC errors above which a GPU is DEGRADED
+    token: str = ""  # the agent's own credential (role `node`), sent on every call
+    tls: object | None = None  # phalanx.client.TLSConfig: TLS to the scheduler
     extra: dict = field(default_factory=dict)
 
     def resolved_state_dir(self) -> Path:
@@ -144,10 +146,9 @@ def backoff_delay(attempt: int, initial: float, cap: float) -> float:
 
 class NodeAgent:
     def _open_channel(self) -> grpc.aio.Channel:
-        from phalanx.client._channel import open_aio_channel
+        from phalanx.client import open_aio_channel
 
-        return open_aio_channel(self.scheduler, CHANNEL_OPTIONS, token=self.config.token,
-                                tls=self.config.tls)  # type: ignore[arg-type]
+        return open_aio_channel(self.scheduler, CHANNEL_OPTIONS, token=self.config.token, tls=self.config.tls)  # type: ignore[arg-type]
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -171,23 +172,33 @@ class NodeAgent:
         self._tasks: set[asyncio.Task] = set()
         self._reporter: asyncio.Task | None = None
         self._run_task: asyncio.Task | None = None
-        self._releases: set[asyncio.Future] = set()    # MIG instance releases in worker threads
+        self._releases: set[asyncio.Future] = set()  # MIG instance releases in worker threads
         self.nvml = config.nvml
         if self.nvml is None and config.topology.profile != "nvml" and config.mig_backend is None:
-            self.nvml = bind(host_for_topology(config.topology, self.state_dir / SIMULATED_STATE_FILE))
-        self.mig = MigManager(config.mig_backend or backend_for(config.topology, self.nvml), config.topology,
-                              created=self.state.mig_created,
-                              on_change=lambda records: setattr(self.state, "mig_created", records))
+            # A simulated host (--simulate, tests): only then are the simulated libraries loaded.
+            from phalanx.simhost.nvml import bind
+
+            from .simulated import STATE_FILE, host_for_topology
+
+            self.nvml = bind(host_for_topology(config.topology, self.state_dir / STATE_FILE))
+        self.mig = MigManager(
+            config.mig_backend or backend_for(config.topology, self.nvml),
+            config.topology,
+            created=self.state.mig_created,
+            on_change=lambda records: setattr(self.state, "mig_created", records),
+        )
         self._gpu_memory = {g.index: g.memory_mib for g in config.topology.gpus}
-        self._mig_switching: set[int] = set()           # GPUs whose MIG mode switch is under way
-        self._mig_switch_errors: dict[int, str] = {}    # GPU -> why its last switch failed
+        self._mig_switching: set[int] = set()  # GPUs whose MIG mode switch is under way
+        self._mig_switch_errors: dict[int, str] = {}  # GPU -> why its last switch failed
         # Fractional shares: one MPS control daemon per GPU that has shares (mps.py).
         mps_control = config.mps_control or (
-            MPS_CONTROL if config.topology.profile == "nvml" else write_fake_control(self.state_dir / "mps"))
-        self.mps = MpsManager(self.state_dir / "mps", mps_control, {g.index: g.uuid for g in config.topology.gpus},
-                              log=self.log)
+            MPS_CONTROL if config.topology.profile == "nvml" else write_fake_control(self.state_dir / "mps")
+        )
+        self.mps = MpsManager(
+            self.state_dir / "mps", mps_control, {g.index: g.uuid for g in config.topology.gpus}, log=self.log
+        )
         self._attempt = 0
-        self.registrations = 0                 # successful RegisterNode calls (for tests / introspection)
+        self.registrations = 0  # successful RegisterNode calls (for tests / introspection)
         self.heartbeat_interval_ms = config.default_heartbeat_ms
         # Health: the simulated source exists at once (tests inject into it); NVML's is opened in run().
         self.health_source = config.health_source
@@ -195,7 +206,7 @@ class NodeAgent:
             self.health_source = SimulatedHealthSource(self.state_dir / "health.json")
         self.health_monitor: HealthMonitor | None = None
         self.health = NodeHealth()
-        self._health_events: list = []          # events not yet carried by an answered heartbeat
+        self._health_events: list = []  # events not yet carried by an answered heartbeat
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -203,8 +214,14 @@ class NodeAgent:
         """Run until request_stop(); then kill ranks, flush reports and return."""
         self._run_task = asyncio.current_task()
         self._lock.acquire()
-        self.log.info("agent_starting", scheduler=self.config.scheduler, state_dir=str(self.state_dir),
-                      acked_revision=self.state.acked_revision, gpus=len(self.config.topology.gpus))
+        self.log.info(
+            "agent_starting",
+            scheduler=self.config.scheduler,
+            state_dir=str(self.state_dir),
+            acked_revision=self.state.acked_revision,
+            cluster_id=self.state.cluster_id or "unknown",
+            gpus=len(self.config.topology.gpus),
+        )
         try:
             await self._open_health()
             self._adopt()
@@ -269,11 +286,12 @@ class NodeAgent:
             except _StreamEnded:
                 self.log.warning("assignment_stream_ended", attempt=self._attempt)
             except grpc.aio.AioRpcError as exc:
-                self.log.warning("scheduler_unreachable", code=exc.code().name, detail=exc.details(),
-                                 attempt=self._attempt)
+                self.log.warning(
+                    "scheduler_unreachable", code=exc.code().name, detail=exc.details(), attempt=self._attempt
+                )
             except (OSError, grpc.RpcError) as exc:
                 self.log.warning("scheduler_connection_error", error=str(exc), attempt=self._attempt)
-            except Exception:  # noqa: BLE001 - a bug must not end the daemon; log it and reconnect
+            except Exception:  # a bug must not end the daemon; log it and reconnect
                 self.log.exception("agent_session_error", attempt=self._attempt)
             if self._stop.is_set():
                 break
@@ -306,8 +324,17 @@ class NodeAgent:
             self.registrations += 1
             self._attempt = 0
             self.heartbeat_interval_ms = resp.heartbeat_interval_ms or self.config.default_heartbeat_ms
-            self.log.info("registered", scheduler=self.scheduler, heartbeat_ms=self.heartbeat_interval_ms,
-                          scheduler_acked=resp.acked_revision, local_acked=self.state.acked_revision)
+            self.log.info(
+                "registered",
+                scheduler=self.scheduler,
+                heartbeat_ms=self.heartbeat_interval_ms,
+                scheduler_acked=resp.acked_revision,
+                local_acked=self.state.acked_revision,
+                cluster_id=resp.cluster_id or "unknown",
+            )
+            # Heartbeats from now on: killing another ledger's ranks (_check_ledger) may take a kill grace period.
+            tasks = [asyncio.create_task(self._heartbeat_loop(stub), name="heartbeat")]
+            await self._check_ledger(resp)
             if resp.acked_revision < self.state.acked_revision:
                 await stub.AckAssignments(
                     agent_pb2.AckAssignmentsRequest(node_name=self.node_name, revision=self.state.acked_revision),
@@ -316,8 +343,7 @@ class NodeAgent:
             self._stub = stub
             self._connected.set()
             self._reports_changed.set()
-            tasks = [
-                asyncio.create_task(self._heartbeat_loop(stub), name="heartbeat"),
+            tasks += [
                 asyncio.create_task(self._consume(stub), name="assignments"),
                 asyncio.create_task(self._stop.wait(), name="stop"),
             ]
@@ -335,6 +361,90 @@ class NodeAgent:
             await asyncio.gather(*tasks, return_exceptions=True)
             await channel.close(grace=None)
 
+    # ---------------------------------------------------------------- ledger identity
+
+    async def _check_ledger(self, resp: agent_pb2.RegisterNodeResponse) -> None:
+        """Is the saved state this ledger's? Its revisions count in one ledger only: state of another one (a new
+        database, the same node name) would make the agent skip every assignment of this one as already taken.
+
+        Another ledger: the saved cluster id differs from the one the scheduler returned; or, whatever the ids, the
+        saved acked revision is above the node's last revision in the ledger (the agent cannot have taken a revision
+        the ledger never wrote), which also covers state that has no cluster id (written by an older agent).
+        Either way the agent kills that state's ranks, forgets it and starts from revision 0. Then it keeps the
+        ledger's id. A scheduler that sends no id (an older one) leaves everything as it was."""
+        ledger_id, saved = resp.cluster_id, self.state.cluster_id
+        ledger_revision = resp.revision if resp.HasField("revision") else None
+        if ledger_id and saved and ledger_id != saved:
+            self.log.warning(
+                "agent_state_from_another_ledger",
+                saved_cluster_id=saved,
+                ledger_cluster_id=ledger_id,
+                saved_acked_revision=self.state.acked_revision,
+                ledger_revision=ledger_revision,
+                ranks=len(self.state.ranks),
+                state_file=str(self.state.path),
+                action="killing its ranks and starting clean",
+            )
+            await self._start_clean(f"the node's state belongs to another ledger (cluster {saved}, now {ledger_id})")
+        elif ledger_revision is not None and self.state.acked_revision > ledger_revision:
+            self.log.warning(
+                "agent_state_ahead_of_ledger",
+                saved_cluster_id=saved or "unknown",
+                ledger_cluster_id=ledger_id or "unknown",
+                saved_acked_revision=self.state.acked_revision,
+                ledger_revision=ledger_revision,
+                ranks=len(self.state.ranks),
+                state_file=str(self.state.path),
+                action="killing its ranks and starting clean",
+            )
+            await self._start_clean(
+                f"the node's saved state (revision {self.state.acked_revision}) is ahead of the "
+                f"ledger (revision {ledger_revision}): stale"
+            )
+        if ledger_id and self.state.cluster_id != ledger_id:
+            if not saved:
+                self.log.info("ledger_identity_saved", cluster_id=ledger_id)
+            self.state.cluster_id = ledger_id
+            self.state.save()
+
+    async def _start_clean(self, why: str) -> None:
+        """Forget another ledger's state: its ranks are killed (adopted processes included) and settled without a
+        report (that ledger is not this scheduler's), their status files removed, and the revision reset to 0. The
+        rank logs stay. MIG instances and MPS daemons the killed ranks used are released as usual."""
+        live = [r for r in self.state.ranks.values() if not r.final]
+        if live:
+            self.log.warning("killing_ranks_of_another_ledger", ranks=[r.key for r in live], reason=why)
+            await asyncio.gather(*(self._kill_rank(r, why) for r in live), return_exceptions=True)
+            monitors = [m for r in live if (m := self._monitors.get(r.key)) is not None]
+            if monitors:
+                await asyncio.wait(monitors, timeout=self.config.kill_grace_s + 2)
+            for rec in live:
+                if rec.final:
+                    continue
+                monitor = self._monitors.pop(rec.key, None)
+                if monitor is not None:
+                    monitor.cancel()
+                self._procs.pop(rec.key, None)
+                if self._alive(rec):
+                    self.log.error("rank_of_another_ledger_survives", rank=rec.key, pid=rec.wrapper_pid)
+                rec.state, rec.message = "lost", why
+                self._release_partial(rec)
+        for rec in self.state.ranks.values():
+            if rec.status_file:
+                Path(rec.status_file).unlink(missing_ok=True)
+        dropped = len(self.state.pending_reports)
+        forgotten = len(self.state.ranks)
+        self.state.ranks.clear()
+        self.state.killed_attempts.clear()
+        self.state.pending_reports.clear()
+        self.state.acked_revision = 0
+        self.state.save()
+        REPORTS_PENDING.set(0)
+        RANKS_RUNNING.set(0)
+        self.log.warning(
+            "agent_state_reset", reason=why, ranks_forgotten=forgotten, reports_dropped=dropped, acked_revision=0
+        )
+
     # ---------------------------------------------------------------- MIG mode (--mig-manage)
 
     _MODES = {0: agent_pb2.GpuInfo.MIG_MODE_DISABLED, 1: agent_pb2.GpuInfo.MIG_MODE_ENABLED}
@@ -343,8 +453,9 @@ class NodeAgent:
         """In a worker thread: every MIG-capable GPU's mode as NVML has it now, and the last switch's outcome."""
         out = []
         for gpu in self.mig.mig_gpus():
-            status = agent_pb2.MigModeStatus(gpu=gpu, error=self._mig_switch_errors.get(gpu, ""),
-                                             switching=gpu in self._mig_switching)
+            status = agent_pb2.MigModeStatus(
+                gpu=gpu, error=self._mig_switch_errors.get(gpu, ""), switching=gpu in self._mig_switching
+            )
             try:
                 current, pending = self.mig.backend.mode(gpu)
             except MigError as exc:
@@ -353,7 +464,7 @@ class NodeAgent:
                 continue
             status.current, status.pending = self._MODES.get(current, 0), self._MODES.get(pending, 0)
             if current != pending:
-                status.switching = True      # waits for a GPU reset
+                status.switching = True  # waits for a GPU reset
             self._note_mode(gpu, current)
             out.append(status)
         return out
@@ -404,8 +515,15 @@ class NodeAgent:
                 continue
             del g.mig_instances[:]
             for inst, managed in found[g.index]:
-                g.mig_instances.add(profile=inst.profile, start=inst.start, size=inst.size, uuid=inst.uuid,
-                                    managed=managed, gpu_instance_id=inst.gi_id, compute_instance_id=inst.ci_id)
+                g.mig_instances.add(
+                    profile=inst.profile,
+                    start=inst.start,
+                    size=inst.size,
+                    uuid=inst.uuid,
+                    managed=managed,
+                    gpu_instance_id=inst.gi_id,
+                    compute_instance_id=inst.ci_id,
+                )
         return topo
 
     async def _open_health(self) -> None:
@@ -413,8 +531,9 @@ class NodeAgent:
             return
         if self.health_source is None:
             self.health_source = await asyncio.to_thread(NvmlHealthSource)
-        self.health_monitor = HealthMonitor(self.health_source, len(self.config.topology.gpus),
-                                            sbe_threshold=self.config.ecc_sbe_threshold)
+        self.health_monitor = HealthMonitor(
+            self.health_source, len(self.config.topology.gpus), sbe_threshold=self.config.ecc_sbe_threshold
+        )
 
     async def check_health(self) -> None:
         """Poll the health source once; new events queue for the next heartbeat."""
@@ -422,7 +541,7 @@ class NodeAgent:
             return
         try:
             health, events = await asyncio.to_thread(self.health_monitor.check)
-        except Exception as exc:  # noqa: BLE001 - a broken monitor must not stop heartbeats
+        except Exception as exc:  # a broken monitor must not stop heartbeats
             self.log.warning("health_check_failed", error=repr(exc))
             return
         if health.signature() != self.health.signature():
@@ -444,7 +563,7 @@ class NodeAgent:
                 req.health.CopyFrom(health_to_proto(self.health))
                 req.events.extend(event_to_proto(e) for e in sent)
             resp = await stub.Heartbeat(req, timeout=self.config.rpc_timeout_s)
-            del self._health_events[:len(sent)]
+            del self._health_events[: len(sent)]
             if resp.reregister:
                 raise _Reregister()
 
@@ -472,8 +591,7 @@ class NodeAgent:
             self.log.warning("unknown_assignment", revision=a.revision)
         self.state.acked_revision = max(self.state.acked_revision, a.revision)
         self.state.save()  # durable before the ack
-        await self._start(started, a.launch.command if kind == "launch" else [],
-                          a.launch if kind == "launch" else None)
+        await self._start(started, a.launch.command if kind == "launch" else [], a.launch if kind == "launch" else None)
         if kind == "kill":
             for rec in self._ranks_of(a.kill.job_id, a.kill.attempt):
                 self._spawn_task(self._kill_rank(rec, a.kill.reason or "killed by the scheduler"))
@@ -495,8 +613,14 @@ class NodeAgent:
                 continue
             status, log_file = launcher.rank_paths(self.state_dir, launch.job_id, launch.attempt, r.rank)
             rec = RankRecord(
-                job_id=launch.job_id, attempt=launch.attempt, rank=r.rank, local_rank=r.local_rank,
-                gpus=list(r.gpus), replica=launch.replica, status_file=str(status), log_file=str(log_file),
+                job_id=launch.job_id,
+                attempt=launch.attempt,
+                rank=r.rank,
+                local_rank=r.local_rank,
+                gpus=list(r.gpus),
+                replica=launch.replica,
+                status_file=str(status),
+                log_file=str(log_file),
                 slices=[{"gpu": s.gpu, "profile": s.profile, "start": s.start, "size": s.size} for s in r.slices],
                 gpu_milli=r.gpu_milli,
             )
@@ -519,20 +643,22 @@ class NodeAgent:
                 env = await self._rank_env(rec, envs.get(rec.rank, {}))
             except MpsError as exc:  # the host's fault: the scheduler requeues the gang elsewhere or later
                 self.log.warning("rank_mps_failed", rank=rec.key, error=str(exc))
-                self._finish(rec, "failed", exit_code=127, message=f"cannot start its GPU's MPS daemon: {exc}",
-                             retryable=True)
+                self._finish(
+                    rec, "failed", exit_code=127, message=f"cannot start its GPU's MPS daemon: {exc}", retryable=True
+                )
                 continue
             except MigError as exc:  # the host's fault: requeued with backoff, this node struck
                 self.log.warning("rank_mig_failed", rank=rec.key, error=str(exc))
-                self._finish(rec, "failed", exit_code=127, message=f"cannot set up its MIG instance: {exc}",
-                             retryable=True)
+                self._finish(
+                    rec, "failed", exit_code=127, message=f"cannot set up its MIG instance: {exc}", retryable=True
+                )
                 self._roll_back_attempt(rec, records, f"rank {rec.rank}'s MIG instance could not be set up")
                 continue
             except ValueError as exc:
                 self.log.warning("rank_partial_gpu_failed", rank=rec.key, error=str(exc))
                 self._finish(rec, "failed", exit_code=127, message=f"cannot set up its GPU: {exc}")
                 continue
-            except Exception as exc:  # noqa: BLE001 - e.g. an NVML binding without a MIG call: fail the rank only
+            except Exception as exc:  # e.g. an NVML binding without a MIG call: fail the rank only
                 self.log.exception("rank_partial_gpu_error", rank=rec.key)
                 self._finish(rec, "failed", exit_code=127, message=f"cannot set up its GPU: {exc!r}")
                 continue
@@ -561,8 +687,12 @@ class NodeAgent:
         if rec.slices and rec.gpu_milli:
             raise ValueError("a rank gets MIG slices or a share of a GPU, not both")
         if rec.slices:
-            busy = {g: r.key for r in self.state.ranks.values()
-                    if not r.final and not r.slices and r.key != rec.key for g in r.gpus}
+            busy = {
+                g: r.key
+                for r in self.state.ranks.values()
+                if not r.final and not r.slices and r.key != rec.key
+                for g in r.gpus
+            }
             wanted = [{k: s[k] for k in ("gpu", "profile", "start", "size")} for s in rec.slices]
             fut = asyncio.get_running_loop().run_in_executor(None, self.mig.acquire, rec.key, wanted, busy)
             self._releases.add(fut)
@@ -577,8 +707,11 @@ class NodeAgent:
                 raise
             rec.slices = acquired
             self.state.save()
-            self.log.info("rank_mig_instances", rank=rec.key,
-                          instances=[f"GPU{s['gpu']}:{s['profile']}@{s['start']}={s['uuid']}" for s in acquired])
+            self.log.info(
+                "rank_mig_instances",
+                rank=rec.key,
+                instances=[f"GPU{s['gpu']}:{s['profile']}@{s['start']}={s['uuid']}" for s in acquired],
+            )
             return launcher.mig_env(env, [s["uuid"] for s in acquired])
         if rec.gpu_milli:
             if len(rec.gpus) != 1:
@@ -594,7 +727,8 @@ class NodeAgent:
                 client = await asyncio.shield(fut)
             except asyncio.CancelledError:
                 fut.add_done_callback(
-                    lambda f: f.cancelled() or f.exception() is not None or self._release_mps(rec.key))
+                    lambda f: f.cancelled() or f.exception() is not None or self._release_mps(rec.key)
+                )
                 raise
             return {**share, **client}
         return env
@@ -659,14 +793,20 @@ class NodeAgent:
     async def _log_mig_instances(self) -> None:
         try:
             found = await asyncio.to_thread(self.mig.describe)
-        except Exception as exc:  # noqa: BLE001 - only a log line
+        except Exception as exc:  # only a log line
             self.log.warning("mig_instances_unreadable", backend=self.mig.backend.kind, error=repr(exc))
             return
-        self.log.info("mig_instances", backend=self.mig.backend.kind, instances={
-            f"GPU{g}": [f"{i.profile}@{i.start}" + (f"={i.uuid}" if i.uuid else "") + ("" if ours else " (not ours)")
-                        for i, ours in items]
-            for g, items in found.items()
-        })
+        self.log.info(
+            "mig_instances",
+            backend=self.mig.backend.kind,
+            instances={
+                f"GPU{g}": [
+                    f"{i.profile}@{i.start}" + (f"={i.uuid}" if i.uuid else "") + ("" if ours else " (not ours)")
+                    for i, ours in items
+                ]
+                for g, items in found.items()
+            },
+        )
 
     def _prepare_kill(self, kill: agent_pb2.KillJob) -> None:
         self.state.killed_attempts.add(attempt_key(kill.job_id, kill.attempt))
@@ -711,11 +851,19 @@ class NodeAgent:
                         continue
                     rc = proc.returncode if proc is not None else -1
                     if rec.kill_requested:
-                        self._finish(rec, "killed", exit_code=launcher.exit_code_from_returncode(rc),
-                                     message="killed before it started")
+                        self._finish(
+                            rec,
+                            "killed",
+                            exit_code=launcher.exit_code_from_returncode(rc),
+                            message="killed before it started",
+                        )
                     else:
-                        self._finish(rec, "failed", exit_code=launcher.exit_code_from_returncode(rc),
-                                     message=f"rank wrapper exited with {rc} before starting the command")
+                        self._finish(
+                            rec,
+                            "failed",
+                            exit_code=launcher.exit_code_from_returncode(rc),
+                            message=f"rank wrapper exited with {rc} before starting the command",
+                        )
                     return
                 if time.monotonic() > deadline:
                     self.log.warning("rank_start_slow", rank=rec.key)
@@ -767,8 +915,9 @@ class NodeAgent:
                 await asyncio.sleep(self.config.poll_interval_s)
             self._finish(rec, "killed", message=reason)
 
-    def _finish(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "",
-                retryable: bool = False) -> None:
+    def _finish(
+        self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "", retryable: bool = False
+    ) -> None:
         if rec.final:
             return
         rec.state, rec.exit_code, rec.message, rec.retryable = state, exit_code, message, retryable
@@ -778,13 +927,21 @@ class NodeAgent:
         self._report(rec, state, exit_code=exit_code, message=message, retryable=retryable)
         self._release_partial(rec)
 
-    def _report(self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "",
-                retryable: bool = False) -> None:
-        self.state.pending_reports.append({
-            "job_id": rec.job_id, "attempt": rec.attempt, "rank": rec.rank, "state": state,
-            "exit_code": exit_code, "message": message, "pid": rec.child_pid or rec.wrapper_pid,
-            "retryable": retryable,
-        })
+    def _report(
+        self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "", retryable: bool = False
+    ) -> None:
+        self.state.pending_reports.append(
+            {
+                "job_id": rec.job_id,
+                "attempt": rec.attempt,
+                "rank": rec.rank,
+                "state": state,
+                "exit_code": exit_code,
+                "message": message,
+                "pid": rec.child_pid or rec.wrapper_pid,
+                "retryable": retryable,
+            }
+        )
         self.state.save()
         REPORTS_PENDING.set(len(self.state.pending_reports))
         RANKS_RUNNING.set(sum(1 for r in self.state.ranks.values() if r.state == "running"))
@@ -820,7 +977,9 @@ class NodeAgent:
                 if rec.kill_requested:
                     self._finish(rec, "killed", exit_code=code, message="killed")
                 else:
-                    self._finish(rec, "exited", exit_code=code, message=f"exited with code {code} while the agent was down")
+                    self._finish(
+                        rec, "exited", exit_code=code, message=f"exited with code {code} while the agent was down"
+                    )
             elif st.get("state") == "failed":
                 self._finish(rec, "failed", exit_code=127, message=st.get("error", "could not start"))
             elif rec.kill_requested:
@@ -862,30 +1021,49 @@ class NodeAgent:
                 continue
             item = self.state.pending_reports[0]
             req = agent_pb2.ReportRankStatusRequest(
-                node_name=self.node_name, job_id=item["job_id"], attempt=item["attempt"], rank=item["rank"],
-                state=_STATE_ENUM[item["state"]], exit_code=item["exit_code"], message=item["message"],
-                pid=item["pid"], retryable=bool(item.get("retryable", False)),
+                node_name=self.node_name,
+                job_id=item["job_id"],
+                attempt=item["attempt"],
+                rank=item["rank"],
+                state=_STATE_ENUM[item["state"]],
+                exit_code=item["exit_code"],
+                message=item["message"],
+                pid=item["pid"],
+                retryable=bool(item.get("retryable", False)),
             )
             try:
                 resp = await stub.ReportRankStatus(req, timeout=self.config.rpc_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _PERMANENT:
                     # Retrying cannot help (e.g. the scheduler has no such rank on this node): drop it, say so.
-                    self.log.warning("report_rejected", rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
-                                     state=item["state"], code=exc.code().name, detail=exc.details())
+                    self.log.warning(
+                        "report_rejected",
+                        rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
+                        state=item["state"],
+                        code=exc.code().name,
+                        detail=exc.details(),
+                    )
                     if self.state.pending_reports and self.state.pending_reports[0] is item:
                         self.state.pending_reports.pop(0)
                         self.state.save()
                     continue
-                self.log.info("report_retry", rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
-                              error=exc.code().name, attempt=attempt)
+                self.log.info(
+                    "report_retry",
+                    rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
+                    error=exc.code().name,
+                    attempt=attempt,
+                )
                 await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
                 attempt += 1
                 continue
-            except Exception as exc:  # noqa: BLE001 - any other failure: keep the report and retry
+            except Exception as exc:  # any other failure: keep the report and retry
                 detail = repr(exc)
-                self.log.info("report_retry", rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
-                              error=detail, attempt=attempt)
+                self.log.info(
+                    "report_retry",
+                    rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
+                    error=detail,
+                    attempt=attempt,
+                )
                 await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
                 attempt += 1
                 continue
@@ -914,7 +1092,7 @@ class NodeAgent:
                 req.health.CopyFrom(health_to_proto(self.health))
             await agent_pb2_grpc.NodeServiceStub(channel).Heartbeat(req, timeout=min(2.0, self.config.rpc_timeout_s))
             self.log.info("drain_announced")
-        except Exception as exc:  # noqa: BLE001 - the lease covers a scheduler we cannot reach
+        except Exception as exc:  # the lease covers a scheduler we cannot reach
             self.log.warning("drain_not_announced", error=repr(exc)[:200])
         finally:
             await channel.close(grace=None)
@@ -955,8 +1133,11 @@ class NodeAgent:
             self._stub = None
             await channel.close(grace=None)
             if self.state.pending_reports:
-                self.log.warning("reports_unsent", count=len(self.state.pending_reports),
-                                 note="kept in the state file; sent by the next agent start")
+                self.log.warning(
+                    "reports_unsent",
+                    count=len(self.state.pending_reports),
+                    note="kept in the state file; sent by the next agent start",
+                )
         if self._reporter is not None:
             self._reporter.cancel()
             await asyncio.gather(self._reporter, return_exceptions=True)

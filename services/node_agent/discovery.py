@@ -31,9 +31,9 @@ a message that says what to check.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
-import ctypes
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -58,7 +58,7 @@ class DiscoveryError(RuntimeError):
 
 
 def normalize_bus_id(bus_id: str | bytes) -> str:
-    """"0000:18:00.0" / "00000000:18:00.0" -> "00000000:18:00.0"."""
+    """ "0000:18:00.0" / "00000000:18:00.0" -> "00000000:18:00.0"."""
     if isinstance(bus_id, bytes):
         bus_id = bus_id.decode(errors="replace")
     bus_id = bus_id.strip().rstrip("\x00")
@@ -150,13 +150,13 @@ def pci_relation(a: PciDevice, b: PciDevice) -> str:
     Different roots: NODE when both are on the same (known) NUMA node, else SYS.
     """
     if a.chain and b.chain and a.chain[0] == b.chain[0]:
-        ba, bb = a.chain[:-1], b.chain[:-1]   # bridges above each device (root first)
+        ba, bb = a.chain[:-1], b.chain[:-1]  # bridges above each device (root first)
         k = 0
         while k < min(len(ba), len(bb)) and ba[k] == bb[k]:
             k += 1
         # k: common prefix (root, root port, ...). The path turns at ba[k-1].
         if k <= 2:
-            return "PHB"   # they meet at the root or the root port: through the host bridge
+            return "PHB"  # they meet at the root or the root port: through the host bridge
         crossed = _switches(ba, k - 1) | _switches(bb, k - 1)
         return "PIX" if len(crossed) <= 1 else "PXB"
     if a.numa >= 0 and a.numa == b.numa:
@@ -192,7 +192,7 @@ class Probes:
     """Optional NVML queries: a failure leaves the fact unknown and is logged once per probe, after discovery."""
 
     nv: object
-    failures: dict[str, dict] = field(default_factory=dict)   # probe -> {"error": str, "gpus": [..]}
+    failures: dict[str, dict] = field(default_factory=dict)  # probe -> {"error": str, "gpus": [..]}
 
     def call(self, probe: str, gpu: int | None, fn_name: str, *args, default=None):
         fn = getattr(self.nv, fn_name, None)
@@ -201,7 +201,7 @@ class Probes:
             return default
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - NVMLError or a binding fault: the fact stays unknown
+        except Exception as exc:  # NVMLError or a binding fault: the fact stays unknown
             self.failed(probe, gpu, _describe(self.nv, exc))
             return default
 
@@ -212,8 +212,13 @@ class Probes:
 
     def log(self) -> None:
         for probe, entry in self.failures.items():
-            log.warning("nvml_probe_failed", probe=probe, error=entry["error"], gpus=entry["gpus"],
-                        effect="left unknown; the node registers without it")
+            log.warning(
+                "nvml_probe_failed",
+                probe=probe,
+                error=entry["error"],
+                gpus=entry["gpus"],
+                effect="left unknown; the node registers without it",
+            )
 
 
 def _describe(nv, exc: BaseException) -> str:
@@ -226,7 +231,7 @@ def _core(nv, what: str, fn_name: str, *args):
     """A call discovery cannot do without: any failure is a DiscoveryError that says what to check."""
     try:
         return getattr(nv, fn_name)(*args)
-    except Exception as exc:  # noqa: BLE001 - every failure here ends discovery, with the reason
+    except Exception as exc:  # every failure here ends discovery, with the reason
         raise DiscoveryError(
             f"{what} failed ({_describe(nv, exc)}); check that the NVIDIA driver is loaded (nvidia-smi works), "
             "that this user may open /dev/nvidia*, and that libnvidia-ml.so.1 matches the driver"
@@ -245,7 +250,7 @@ def discover_topology(
     nv = nvml if nvml is not None else _load_pynvml()
     try:
         nv.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError (no driver, no library) or a binding fault
+    except Exception as exc:  # NVMLError (no driver, no library) or a binding fault
         raise DiscoveryError(
             f"cannot initialise NVML ({_describe(nv, exc)}): is the NVIDIA driver installed and loaded, and is "
             "libnvidia-ml.so.1 on the library path? Use --simulate PROFILE or --simulate-from DUMPFILE to run a "
@@ -258,7 +263,7 @@ def discover_topology(
         probes.log()
         try:
             nv.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - nothing left to do about it
+        except Exception:  # nothing left to do about it
             pass
 
 
@@ -269,7 +274,7 @@ def _mig(nv, probes: Probes, handle, index: int, name: str, memory_mib: int):
         return agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED, []
     try:
         mode = nv.nvmlDeviceGetMigMode(handle)
-    except Exception as exc:  # noqa: BLE001 - NotSupported is the normal answer of a GPU without MIG
+    except Exception as exc:  # NotSupported is the normal answer of a GPU without MIG
         if getattr(exc, "value", None) != getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
             probes.failed("mig_mode", index, _describe(nv, exc))
         return agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED, []
@@ -285,8 +290,14 @@ def _mig(nv, probes: Probes, handle, index: int, name: str, memory_mib: int):
         probes.failed("mig_instances", index, str(exc))
         found = []
     instances = [
-        agent_pb2.GpuInfo.MigInstance(profile=m.profile, start=m.start, size=m.size, uuid=m.uuid,
-                                      gpu_instance_id=m.gi_id, compute_instance_id=m.ci_id)
+        agent_pb2.GpuInfo.MigInstance(
+            profile=m.profile,
+            start=m.start,
+            size=m.size,
+            uuid=m.uuid,
+            gpu_instance_id=m.gi_id,
+            compute_instance_id=m.ci_id,
+        )
         for m in found
     ]
     return agent_pb2.GpuInfo.MIG_MODE_ENABLED, instances
@@ -306,13 +317,13 @@ def _nvlinks(nv, probes: Probes, handles: list, index_of_bus: dict[str, int]):
             try:
                 if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
                     continue
-            except Exception as exc:  # noqa: BLE001 - see below
+            except Exception as exc:  # see below
                 code = getattr(exc, "value", None)
                 if code == invalid:
-                    break       # past this GPU's last link
+                    break  # past this GPU's last link
                 if code != not_supported:
                     probes.failed("nvlink_state", i, _describe(nv, exc))
-                break           # no NVLink on this GPU (NotSupported), or the probe failed
+                break  # no NVLink on this GPU (NotSupported), or the probe failed
             remote = probes.call("nvlink_remote_pci_info", i, "nvmlDeviceGetNvLinkRemotePciInfo", h, link)
             if remote is None:
                 continue
@@ -331,8 +342,10 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path, probes: Probes) -> age
         raise DiscoveryError("NVML reports no GPUs on this host (nvidia-smi -L lists them; check the driver)")
     handles = [_core(nv, f"nvmlDeviceGetHandleByIndex({i})", "nvmlDeviceGetHandleByIndex", i) for i in range(count)]
     uuids = [_str(_core(nv, f"nvmlDeviceGetUUID(GPU {i})", "nvmlDeviceGetUUID", h)) for i, h in enumerate(handles)]
-    buses = [normalize_bus_id(_core(nv, f"nvmlDeviceGetPciInfo(GPU {i})", "nvmlDeviceGetPciInfo", h).busId)
-             for i, h in enumerate(handles)]
+    buses = [
+        normalize_bus_id(_core(nv, f"nvmlDeviceGetPciInfo(GPU {i})", "nvmlDeviceGetPciInfo", h).busId)
+        for i, h in enumerate(handles)
+    ]
     names = [_str(probes.call("name", i, "nvmlDeviceGetName", h, default="")) for i, h in enumerate(handles)]
     memory = []
     for i, h in enumerate(handles):
@@ -351,10 +364,11 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path, probes: Probes) -> age
             return f"NV{links}"
         if switch_links[i] and switch_links[j]:
             return f"NV{min(switch_links[i], switch_links[j])}"
-        level = probes.call("topology_common_ancestor", i, "nvmlDeviceGetTopologyCommonAncestor",
-                            handles[i], handles[j])
+        level = probes.call(
+            "topology_common_ancestor", i, "nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j]
+        )
         if level is None:
-            return pci_relation(gpu_pci[i], gpu_pci[j])   # sysfs knows the PCIe path too
+            return pci_relation(gpu_pci[i], gpu_pci[j])  # sysfs knows the PCIe path too
         return _ANCESTOR_WORDS.get(int(level), "SYS")
 
     gpus = [f"GPU{i}" for i in range(count)]
@@ -382,7 +396,7 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path, probes: Probes) -> age
     matrix = {a: {} for a in devices}
     for x, a in enumerate(devices):
         matrix[a][a] = "X"
-        for b in devices[x + 1:]:
+        for b in devices[x + 1 :]:
             matrix[a][b] = matrix.setdefault(b, {})[a] = cell(a, b)
     extras = {}
     for i, g in enumerate(gpus):
@@ -445,12 +459,12 @@ def gpu_fabric(nv, probes: Probes, index: int, handle) -> tuple[str, str, str]:
         candidate = nvmlGpuFabricInfo_v2_t(version=FABRIC_INFO_V2) if fn_name.endswith("V") else nvmlGpuFabricInfo_t()
         try:
             fn(handle, ctypes.byref(candidate))
-        except Exception as exc:  # noqa: BLE001 - NotSupported: no fabric; FunctionNotFound: an older driver
+        except Exception as exc:  # NotSupported: no fabric; FunctionNotFound: an older driver
             code = getattr(exc, "value", None)
             if code == not_supported:
                 return "", "", ""
             if code == getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13):
-                continue        # the driver lacks the V call: try the first version
+                continue  # the driver lacks the V call: try the first version
             probes.failed("gpu_fabric_info", index, _describe(nv, exc))
             return "", "", f"fabric info unavailable: {_describe(nv, exc)}"
         info = candidate
@@ -481,7 +495,11 @@ def host_fabric(fabrics: list[tuple[str, str, str]]) -> tuple[str, str, str]:
     if reasons:
         return "", "", "; ".join(reasons)
     if len(domains) == 1:
-        (cluster, clique), = domains
+        ((cluster, clique),) = domains
         return cluster, clique, ""
-    return "", "", "the GPUs of this host are in different fabric domains: " + ", ".join(
-        sorted(f"{c}/{q}" if c else "none" for c, q in domains))
+    return (
+        "",
+        "",
+        "the GPUs of this host are in different fabric domains: "
+        + ", ".join(sorted(f"{c}/{q}" if c else "none" for c, q in domains)),
+    )

@@ -25,7 +25,6 @@ removed. The scheduler follows the next heartbeat either way.
 from __future__ import annotations
 
 import ctypes
-
 import json
 import threading
 import time
@@ -124,8 +123,11 @@ def classify_fault(f: Fault, *, sbe_threshold: int = 100) -> tuple[str, str]:
     if f.kind == "ecc_dbe":
         return (FATAL, f"{f.code} uncorrectable (double-bit) ECC errors") if f.code > 0 else (HEALTHY, "")
     if f.kind == "ecc_sbe":
-        return ((DEGRADED, f"{f.code} corrected (single-bit) ECC errors (threshold {sbe_threshold})")
-                if f.code > sbe_threshold else (HEALTHY, ""))
+        return (
+            (DEGRADED, f"{f.code} corrected (single-bit) ECC errors (threshold {sbe_threshold})")
+            if f.code > sbe_threshold
+            else (HEALTHY, "")
+        )
     if f.kind == "gpu_lost":
         return FATAL, "GPU is lost (NVML_ERROR_GPU_IS_LOST)"
     if f.kind == "nvlink_down":
@@ -167,11 +169,14 @@ def classify(faults: Iterable[Fault], gpu_count: int, *, sbe_threshold: int = 10
     if gpu_count and all(gpus.get(i, GpuHealth()).state == FATAL for i in range(gpu_count)):
         state = FATAL
     parts = [r for _, r in node_reasons]
-    parts += [f"GPU {i}: {'; '.join(g.reasons)}" for i, g in sorted(gpus.items(), key=lambda kv: (-_RANK[kv[1].state], kv[0]))]
+    parts += [
+        f"GPU {i}: {'; '.join(g.reasons)}" for i, g in sorted(gpus.items(), key=lambda kv: (-_RANK[kv[1].state], kv[0]))
+    ]
     return NodeHealth(state, gpus, "; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------- sources
+
 
 class SimulatedHealthSource:
     """Faults injected by hand: `inject(Fault)` / `clear()` in process, or the JSON file `<state_dir>/health.json`
@@ -210,8 +215,9 @@ class SimulatedHealthSource:
                 if "xid" in e:
                     out.append(Fault(int(e.get("gpu", -1)), "xid", int(e["xid"]), str(e.get("detail", ""))))
                 elif "kind" in e:
-                    out.append(Fault(int(e.get("gpu", -1)), str(e["kind"]), int(e.get("code", 0)),
-                                     str(e.get("detail", ""))))
+                    out.append(
+                        Fault(int(e.get("gpu", -1)), str(e["kind"]), int(e.get("code", 0)), str(e.get("detail", "")))
+                    )
         return out
 
     def close(self) -> None:
@@ -236,7 +242,7 @@ class NvmlHealthSource:
 
     def __init__(self, nvml: Any = None, *, event_timeout_ms: int = 500, max_nvlinks: int = 18) -> None:
         if nvml is None:
-            import pynvml as nvml  # noqa: PLC0415 - only on real GPU hosts
+            import pynvml as nvml  # only on real GPU hosts
         self.nvml = nvml
         self.event_timeout_ms = event_timeout_ms
         self._handles: list[Any] = []
@@ -250,7 +256,7 @@ class NvmlHealthSource:
         self.max_nvlinks = max_nvlinks
         try:
             self._start()
-        except Exception as exc:  # noqa: BLE001 - report it as a node fault rather than crash the agent
+        except Exception as exc:  # report it as a node fault rather than crash the agent
             self._start_error = str(exc) or type(exc).__name__
 
     def _const(self, name: str, default: int) -> int:
@@ -266,7 +272,7 @@ class NvmlHealthSource:
                 try:
                     if n.nvmlDeviceGetNvLinkState(h, link):
                         up.append(link)
-                except Exception:  # noqa: BLE001 - no such link / no NVLink on this model
+                except Exception:  # no such link / no NVLink on this model
                     break
             self._links[i] = up
         try:
@@ -275,11 +281,11 @@ class NvmlHealthSource:
             for h in self._handles:
                 try:
                     n.nvmlDeviceRegisterEvents(h, xid_type, self._event_set)
-                except Exception:  # noqa: BLE001 - not supported on this GPU: polled faults still work
+                except Exception:  # not supported on this GPU: polled faults still work
                     pass
             self._thread = threading.Thread(target=self._wait_events, name="nvml-xid-events", daemon=True)
             self._thread.start()
-        except Exception:  # noqa: BLE001 - events unsupported (e.g. some vGPU): polling only
+        except Exception:  # events unsupported (e.g. some vGPU): polling only
             self._event_set = None
 
     def _index_of(self, handle: Any) -> int:
@@ -296,7 +302,7 @@ class NvmlHealthSource:
         while not self._stop.is_set():
             try:
                 data = n.nvmlEventSetWait(self._event_set, self.event_timeout_ms)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if _nvml_code(exc) != self._const("NVML_ERROR_TIMEOUT", NVML_ERROR_TIMEOUT):
                     self._stop.wait(self.event_timeout_ms / 1000)
                 continue
@@ -317,7 +323,7 @@ class NvmlHealthSource:
         for i, h in enumerate(self._handles):
             try:
                 faults += self._poll_gpu(i, h, uncorrected, corrected, volatile)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if _nvml_code(exc) == lost:
                     faults.append(Fault(i, "gpu_lost"))
                 else:
@@ -332,7 +338,7 @@ class NvmlHealthSource:
         def optional(fn, *args):
             try:
                 return fn(*args)
-            except Exception as exc:  # noqa: BLE001 - not supported: nothing to say; lost: re-raise
+            except Exception as exc:  # not supported: nothing to say; lost: re-raise
                 if _nvml_code(exc) == lost:
                     raise
                 return None
@@ -343,8 +349,9 @@ class NvmlHealthSource:
         sbe = optional(n.nvmlDeviceGetTotalEccErrors, h, corrected, volatile)
         if sbe:
             out.append(Fault(i, "ecc_sbe", int(sbe)))
-        get_reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            getattr(n, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        get_reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            n, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
         reasons = optional(get_reasons, h) if get_reasons else None
         mask = sum(THROTTLE_REASONS) if reasons else 0
         if reasons and int(reasons) & mask:
@@ -361,11 +368,12 @@ class NvmlHealthSource:
         if self._event_set is not None:
             try:
                 self.nvml.nvmlEventSetFree(self._event_set)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 
 # ---------------------------------------------------------------------------------------------- monitor
+
 
 class HealthMonitor:
     """Polls a source and turns faults into the node's health and the events since the previous check."""
@@ -386,10 +394,16 @@ class HealthMonitor:
             sev, reason = classify_fault(f, sbe_threshold=self.sbe_threshold)
             if sev != HEALTHY:
                 current.setdefault((f.gpu, reason), (sev, f))
-        events = [Event(f.gpu, sev, f.kind, f.code, reason, now)
-                  for (gpu, reason), (sev, f) in current.items() if (gpu, reason) not in self._seen]
-        events += [Event(gpu, HEALTHY, "recovered", 0, f"cleared: {reason}", now)
-                   for (gpu, reason), sev in self._seen.items() if (gpu, reason) not in current and sev != INFO]
+        events = [
+            Event(f.gpu, sev, f.kind, f.code, reason, now)
+            for (gpu, reason), (sev, f) in current.items()
+            if (gpu, reason) not in self._seen
+        ]
+        events += [
+            Event(gpu, HEALTHY, "recovered", 0, f"cleared: {reason}", now)
+            for (gpu, reason), sev in self._seen.items()
+            if (gpu, reason) not in current and sev != INFO
+        ]
         self._seen = {k: sev for k, (sev, _) in current.items()}
         self.health = health
         return health, events
@@ -400,13 +414,16 @@ class HealthMonitor:
 
 # ---------------------------------------------------------------------------------------------- protobuf
 
+
 def health_to_proto(health: NodeHealth):
     from phalanx.api.v1 import common_pb2
 
     return common_pb2.NodeHealth(
         state=_PB_STATE[health.state],
-        gpus=[common_pb2.GpuHealth(index=i, state=_PB_STATE[g.state], reasons=g.reasons)
-              for i, g in sorted(health.gpus.items())],
+        gpus=[
+            common_pb2.GpuHealth(index=i, state=_PB_STATE[g.state], reasons=g.reasons)
+            for i, g in sorted(health.gpus.items())
+        ],
         reason=health.reason,
     )
 
@@ -414,8 +431,9 @@ def health_to_proto(health: NodeHealth):
 def event_to_proto(e: Event):
     from phalanx.api.v1 import common_pb2
 
-    return common_pb2.HealthEvent(gpu=e.gpu, severity=_PB_STATE.get(e.severity, 0), kind=e.kind, code=e.code,
-                                  reason=e.reason, at=e.at)
+    return common_pb2.HealthEvent(
+        gpu=e.gpu, severity=_PB_STATE.get(e.severity, 0), kind=e.kind, code=e.code, reason=e.reason, at=e.at
+    )
 
 
 _PB_STATE = {HEALTHY: 1, DEGRADED: 2, FATAL: 3, INFO: 1}

@@ -29,15 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.api.v1 import agent_pb2
-from phalanx.profiles import UnknownProfile, list_profiles
+from phalanx.common.logging import configure_logging
 from phalanx.core.topo_dump import TopoParseError
-from services.common.logging import configure_logging
+from phalanx.profiles import UnknownProfile, list_profiles
 from services.common.metrics import serve_metrics
 
 from .discovery import DiscoveryError, discover_topology
-from .simulated import simulated_node
 from .topology import render_topology, topology_to_json
-
 
 CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "scheduler": ("scheduler", "PHALANX_SCHEDULER"),
@@ -98,58 +96,128 @@ def _default(file: dict[str, Any], key: str, fallback: Any = None) -> Any:
 def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     file = file or {}
     p = argparse.ArgumentParser(prog="phalanx-agent", description="Phalanx node agent")
-    p.add_argument("--config", metavar="FILE", default=os.environ.get("PHALANX_AGENT_CONFIG"),
-                   help="YAML configuration file with the flags' names as keys (env PHALANX_AGENT_CONFIG); "
-                        "flags override the environment, which overrides the file")
-    p.add_argument("--scheduler", default=_default(file, "scheduler"),
-                   help="scheduler address host:port, or several replicas' comma-separated (host1:port,host2:port: "
-                        "tried in turn when one is unreachable) (env PHALANX_SCHEDULER)")
-    p.add_argument("--node-name", default=_default(file, "node-name"),
-                   help="this node's name (env PHALANX_NODE_NAME; default: the host name)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=os.environ.get("PHALANX_AGENT_CONFIG"),
+        help="YAML configuration file with the flags' names as keys (env PHALANX_AGENT_CONFIG); "
+        "flags override the environment, which overrides the file",
+    )
+    p.add_argument(
+        "--scheduler",
+        default=_default(file, "scheduler"),
+        help="scheduler address host:port, or several replicas' comma-separated (host1:port,host2:port: "
+        "tried in turn when one is unreachable) (env PHALANX_SCHEDULER)",
+    )
+    p.add_argument(
+        "--node-name",
+        default=_default(file, "node-name"),
+        help="this node's name (env PHALANX_NODE_NAME; default: the host name)",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--simulate", metavar="PROFILE", default=_default(file, "simulate"),
-                     help=f"simulate a host from a shipped profile ({', '.join(list_profiles())})")
-    src.add_argument("--simulate-from", metavar="DUMPFILE", default=_default(file, "simulate-from"),
-                     help="simulate a host from a `nvidia-smi topo -m` dump or profile file")
-    p.add_argument("--address", default=_default(file, "address", "127.0.0.1"),
-                   help="address ranks use to reach this host (default 127.0.0.1)")
-    p.add_argument("--state-dir", default=_default(file, "state-dir"),
-                   help="state directory (env PHALANX_STATE_DIR; default $PHALANX_HOME/agents/<node-name>, PHALANX_HOME defaulting to .phalanx)")
-    p.add_argument("--metrics-port", type=int, default=_default(file, "metrics-port"),
-                   help="expose Prometheus /metrics on this port")
-    p.add_argument("--kill-grace", type=float, default=_default(file, "kill-grace", 5.0),
-                   help="seconds between SIGTERM and SIGKILL of a rank")
-    p.add_argument("--health", action=argparse.BooleanOptionalAction, default=_default(file, "health", True),
-                   help="monitor GPU health (XID events, ECC, lost GPUs, NVLinks, throttling) and send it with the "
-                        "heartbeats (default on; NVML on a real host, <state-dir>/health.json when simulated)")
-    p.add_argument("--ecc-sbe-threshold", type=int, default=_default(file, "ecc-sbe-threshold", 100), metavar="N",
-                   help="corrected (single-bit) volatile ECC errors above which a GPU is DEGRADED "
-                        "(env PHALANX_ECC_SBE_THRESHOLD; default 100)")
-    p.add_argument("--fabric-clique", default=_default(file, "fabric-clique", ""), metavar="ID",
-                   help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
-                        "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)")
-    p.add_argument("--token", default=_default(file, "token"), metavar="TOKEN",
-                   help="this agent's credential, a token of role `node` in the scheduler's tokens file "
-                        "(env PHALANX_AGENT_TOKEN; needed when the scheduler runs with --tokens)")
-    p.add_argument("--tls-ca", default=_default(file, "tls-ca"), metavar="PEM",
-                   help="reach the scheduler over TLS, trusting this CA (env PHALANX_TLS_CA)")
-    p.add_argument("--tls-cert", default=_default(file, "tls-cert"), metavar="PEM",
-                   help="the agent's client certificate, for mutual TLS (env PHALANX_TLS_CERT)")
-    p.add_argument("--tls-key", default=_default(file, "tls-key"), metavar="PEM",
-                   help="its private key (env PHALANX_TLS_KEY)")
-    p.add_argument("--mps-control", default=_default(file, "mps-control"), metavar="PATH",
-                   help="the MPS control program that runs one MPS control daemon per GPU with fractional shares "
-                        "(--gpu-milli) (env PHALANX_MPS_CONTROL; default: nvidia-cuda-mps-control on PATH, or on a "
-                        "simulated host a stand-in shipped with Phalanx)")
-    p.add_argument("--simulate-mig", default=_default(file, "simulate-mig", ""), metavar="GPUS",
-                   help="simulated hosts: the MIG-capable GPUs that are in MIG mode at start: 'all', 'none' or "
-                        "indexes like 6,7 (env PHALANX_SIMULATE_MIG; default none). A real host reports what NVML "
-                        "says")
-    p.add_argument("--mig-manage", action=argparse.BooleanOptionalAction,
-                   default=_truthy(_default(file, "mig-manage", False)),
-                   help="let the scheduler switch an idle GPU's MIG mode when its queue needs it (NVML "
-                        "nvmlDeviceSetMigMode, as root; a GPU reset where NVML cannot apply it at once) "
-                        "(env PHALANX_MIG_MANAGE; default off: MIG mode is the administrator's)")
+    src.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        default=_default(file, "simulate"),
+        help=f"simulate a host from a shipped profile ({', '.join(list_profiles())})",
+    )
+    src.add_argument(
+        "--simulate-from",
+        metavar="DUMPFILE",
+        default=_default(file, "simulate-from"),
+        help="simulate a host from a `nvidia-smi topo -m` dump or profile file",
+    )
+    p.add_argument(
+        "--address",
+        default=_default(file, "address", "127.0.0.1"),
+        help="address ranks use to reach this host (default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=_default(file, "state-dir"),
+        help="state directory (env PHALANX_STATE_DIR; default $PHALANX_HOME/agents/<node-name>, "
+        "PHALANX_HOME defaulting to .phalanx)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_default(file, "metrics-port"),
+        help="expose Prometheus /metrics on this port",
+    )
+    p.add_argument(
+        "--kill-grace",
+        type=float,
+        default=_default(file, "kill-grace", 5.0),
+        help="seconds between SIGTERM and SIGKILL of a rank",
+    )
+    p.add_argument(
+        "--health",
+        action=argparse.BooleanOptionalAction,
+        default=_default(file, "health", True),
+        help="monitor GPU health (XID events, ECC, lost GPUs, NVLinks, throttling) and send it with the "
+        "heartbeats (default on; NVML on a real host, <state-dir>/health.json when simulated)",
+    )
+    p.add_argument(
+        "--ecc-sbe-threshold",
+        type=int,
+        default=_default(file, "ecc-sbe-threshold", 100),
+        metavar="N",
+        help="corrected (single-bit) volatile ECC errors above which a GPU is DEGRADED "
+        "(env PHALANX_ECC_SBE_THRESHOLD; default 100)",
+    )
+    p.add_argument(
+        "--fabric-clique",
+        default=_default(file, "fabric-clique", ""),
+        metavar="ID",
+        help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
+        "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)",
+    )
+    p.add_argument(
+        "--token",
+        default=_default(file, "token"),
+        metavar="TOKEN",
+        help="this agent's credential, a token of role `node` in the scheduler's tokens file "
+        "(env PHALANX_AGENT_TOKEN; needed when the scheduler runs with --tokens)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=_default(file, "tls-ca"),
+        metavar="PEM",
+        help="reach the scheduler over TLS, trusting this CA (env PHALANX_TLS_CA)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=_default(file, "tls-cert"),
+        metavar="PEM",
+        help="the agent's client certificate, for mutual TLS (env PHALANX_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", default=_default(file, "tls-key"), metavar="PEM", help="its private key (env PHALANX_TLS_KEY)"
+    )
+    p.add_argument(
+        "--mps-control",
+        default=_default(file, "mps-control"),
+        metavar="PATH",
+        help="the MPS control program that runs one MPS control daemon per GPU with fractional shares "
+        "(--gpu-milli) (env PHALANX_MPS_CONTROL; default: nvidia-cuda-mps-control on PATH, or on a "
+        "simulated host a stand-in shipped with Phalanx)",
+    )
+    p.add_argument(
+        "--simulate-mig",
+        default=_default(file, "simulate-mig", ""),
+        metavar="GPUS",
+        help="simulated hosts: the MIG-capable GPUs that are in MIG mode at start: 'all', 'none' or "
+        "indexes like 6,7 (env PHALANX_SIMULATE_MIG; default none). A real host reports what NVML "
+        "says",
+    )
+    p.add_argument(
+        "--mig-manage",
+        action=argparse.BooleanOptionalAction,
+        default=_truthy(_default(file, "mig-manage", False)),
+        help="let the scheduler switch an idle GPU's MIG mode when its queue needs it (NVML "
+        "nvmlDeviceSetMigMode, as root; a GPU reset where NVML cannot apply it at once) "
+        "(env PHALANX_MIG_MANAGE; default off: MIG mode is the administrator's)",
+    )
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=_default(file, "log-level"))
@@ -182,13 +250,23 @@ def build_topology(args, node_name: str, state_dir: Path | None = None) -> tuple
     fabric = os.environ.get("PHALANX_FABRIC_CLUSTER", "")
     clique = args.fabric_clique
     if args.simulate or args.simulate_from:
-        node = simulated_node(node_name, profile=args.simulate or None, dump_file=args.simulate_from or None,
-                              fabric_cluster_uuid=fabric, fabric_clique=clique, mig_gpus=args.simulate_mig,
-                              state_dir=state_dir)
+        from .simulated import simulated_node  # only a simulated host loads the simulated libraries
+
+        node = simulated_node(
+            node_name,
+            profile=args.simulate or None,
+            dump_file=args.simulate_from or None,
+            fabric_cluster_uuid=fabric,
+            fabric_clique=clique,
+            mig_gpus=args.simulate_mig,
+            state_dir=state_dir,
+        )
         return node.topology, node.nvml
     if args.simulate_mig not in (None, "", "none"):
-        raise ValueError("--simulate-mig is for simulated hosts (--simulate or --simulate-from); a real GPU's MIG "
-                         "mode is set with nvidia-smi -mig, or by the scheduler under --mig-manage")
+        raise ValueError(
+            "--simulate-mig is for simulated hosts (--simulate or --simulate-from); a real GPU's MIG "
+            "mode is set with nvidia-smi -mig, or by the scheduler under --mig-manage"
+        )
     return discover_topology(node_name), None
 
 
@@ -218,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.scheduler:
         print("phalanx-agent: --scheduler (or PHALANX_SCHEDULER) is required", file=sys.stderr)
         return 2
+    from phalanx.client import resolve_tls
+
     from .agent import AgentConfig, NodeAgent
     from .state import StateDirLocked
-
-    from phalanx.client._channel import resolve_tls
 
     # The node credential is the agent's alone: ranks inherit the agent's environment, so it leaves it.
     os.environ.pop("PHALANX_AGENT_TOKEN", None)

@@ -78,8 +78,14 @@ class NvmlMigBackend:
 
     kind = "nvml"
 
-    def __init__(self, gpus: dict[int, tuple[str, int]] | None = None, nvml=None, *, initialised: bool = False,
-                 simulated: bool = False) -> None:
+    def __init__(
+        self,
+        gpus: dict[int, tuple[str, int]] | None = None,
+        nvml=None,
+        *,
+        initialised: bool = False,
+        simulated: bool = False,
+    ) -> None:
         self.gpus = dict(gpus or {})
         self._nv = nvml
         self._ready = initialised
@@ -131,8 +137,11 @@ class NvmlMigBackend:
                 raise MigError(f"GPU {gpu} does not support MIG") from exc
             raise MigError(f"cannot read the MIG mode of GPU {gpu}: {exc}") from exc
         if current != nv.NVML_DEVICE_MIG_ENABLE:
-            hint = ("it is pending: reset the GPU (nvidia-smi -i {g} -r) to apply it" if
-                    pending == nv.NVML_DEVICE_MIG_ENABLE else "enable it with `nvidia-smi -i {g} -mig 1`")
+            hint = (
+                "it is pending: reset the GPU (nvidia-smi -i {g} -r) to apply it"
+                if pending == nv.NVML_DEVICE_MIG_ENABLE
+                else "enable it with `nvidia-smi -i {g} -mig 1`"
+            )
             raise MigError(f"MIG mode is not enabled on GPU {gpu}; " + hint.format(g=gpu))
         return handle
 
@@ -188,9 +197,21 @@ class NvmlMigBackend:
                 gi_info = nv.nvmlGpuInstanceGetInfo(gi)
                 gi_id = int(gi_info.id)
                 ci_id = next((c for g, c in sorted(devices) if g == gi_id), -1)
-                out.append((MigInstance(gpu=gpu, profile=prof.name, start=int(gi_info.placement.start),
-                                        size=int(gi_info.placement.size), uuid=devices.get((gi_id, ci_id), ""),
-                                        gi_id=gi_id, ci_id=ci_id), gi, prof))
+                out.append(
+                    (
+                        MigInstance(
+                            gpu=gpu,
+                            profile=prof.name,
+                            start=int(gi_info.placement.start),
+                            size=int(gi_info.placement.size),
+                            uuid=devices.get((gi_id, ci_id), ""),
+                            gi_id=gi_id,
+                            ci_id=ci_id,
+                        ),
+                        gi,
+                        prof,
+                    )
+                )
         return sorted(out, key=lambda t: t[0].start)
 
     # ---------------------------------------------------------------- interface
@@ -219,8 +240,9 @@ class NvmlMigBackend:
         try:
             gi = nv.nvmlDeviceCreateGpuInstanceWithPlacement(handle, info.id, ctypes.byref(placement))
         except nv.NVMLError as exc:
-            raise MigError(f"cannot create MIG instance {profile} at slices {start}-{start + prof.size - 1} "
-                           f"of GPU {gpu}: {exc}") from exc
+            raise MigError(
+                f"cannot create MIG instance {profile} at slices {start}-{start + prof.size - 1} of GPU {gpu}: {exc}"
+            ) from exc
         try:
             gi_id = int(nv.nvmlGpuInstanceGetInfo(gi).id)
             ci = nv.nvmlGpuInstanceCreateComputeInstance(gi, self._ci_profile_info(nv, gi, prof).id)
@@ -232,25 +254,37 @@ class NvmlMigBackend:
             self._destroy(nv, gi)  # do not leave the GPU instance just made behind
             if isinstance(exc, MigError):
                 raise
-            raise MigError(f"cannot create the compute instance of MIG instance {profile} on GPU {gpu}: "
-                           f"{exc}") from exc
+            raise MigError(f"cannot create the compute instance of MIG instance {profile} on GPU {gpu}: {exc}") from exc
         log.info("mig_instance_created", gpu=gpu, profile=profile, start=start, size=prof.size, gi=gi_id, ci=ci_id)
-        return MigInstance(gpu=gpu, profile=prof.name, start=start, size=prof.size, uuid=mig_uuid, gi_id=gi_id,
-                           ci_id=ci_id)
+        return MigInstance(
+            gpu=gpu, profile=prof.name, start=start, size=prof.size, uuid=mig_uuid, gi_id=gi_id, ci_id=ci_id
+        )
 
     def _destroy(self, nv, gi) -> None:
-        for const in ("NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE", "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
-                      "NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE", "NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE",
-                      "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE", "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1"):
+        for const in (
+            "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE",
+            "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
+            "NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE",
+            "NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE",
+            "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE",
+            "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1",
+        ):
             if not hasattr(nv, const):
                 continue
             try:
                 info = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, getattr(nv, const), nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+                    gi, getattr(nv, const), nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
             except nv.NVMLError:
                 continue  # no such CI profile in this GPU instance
-            for ci in self._array(nv, nv.c_nvmlComputeInstance_t, int(info.instanceCount or 1),
-                                  nv.nvmlGpuInstanceGetComputeInstances, gi, info.id):
+            for ci in self._array(
+                nv,
+                nv.c_nvmlComputeInstance_t,
+                int(info.instanceCount or 1),
+                nv.nvmlGpuInstanceGetComputeInstances,
+                gi,
+                info.id,
+            ):
                 nv.nvmlComputeInstanceDestroy(ci)
         nv.nvmlGpuInstanceDestroy(gi)
 
@@ -265,10 +299,10 @@ class NvmlMigBackend:
                     log.info("mig_instance_destroyed", gpu=gpu, start=start, size=size, gi=gi_id)
                     return
         except nv.NVMLError as exc:
-            raise MigError(f"cannot destroy MIG instance {gi_id} at slices {start}-{start + size - 1} of GPU "
-                           f"{gpu}: {exc}") from exc
+            raise MigError(
+                f"cannot destroy MIG instance {gi_id} at slices {start}-{start + size - 1} of GPU {gpu}: {exc}"
+            ) from exc
         raise MigError(f"no MIG instance {gi_id} at slices {start}-{start + size - 1} of GPU {gpu}")
-
 
     def mode(self, gpu: int) -> tuple[int, int]:
         """(current, pending) MIG mode of `gpu` (NVML_DEVICE_MIG_DISABLE 0 / ENABLE 1)."""
@@ -284,11 +318,14 @@ class NvmlMigBackend:
         nv = self._lib()
         handle = self._call(f"GPU {gpu}", nv.nvmlDeviceGetHandleByIndex, gpu)
         mode = nv.NVML_DEVICE_MIG_ENABLE if enable else nv.NVML_DEVICE_MIG_DISABLE
-        status = self._call(f"cannot switch MIG {'on' if enable else 'off'} on GPU {gpu}", nv.nvmlDeviceSetMigMode,
-                            handle, mode)
+        status = self._call(
+            f"cannot switch MIG {'on' if enable else 'off'} on GPU {gpu}", nv.nvmlDeviceSetMigMode, handle, mode
+        )
         if status not in (nv.NVML_SUCCESS, getattr(nv, "NVML_ERROR_RESET_REQUIRED", 16)):
-            raise MigError(f"cannot switch MIG {'on' if enable else 'off'} on GPU {gpu}: activation failed "
-                           f"({nv.NVMLError(status)})")
+            raise MigError(
+                f"cannot switch MIG {'on' if enable else 'off'} on GPU {gpu}: activation failed "
+                f"({nv.NVMLError(status)})"
+            )
         return self.mode(gpu)
 
 
@@ -313,14 +350,19 @@ class MigManager:
     `created` is the agent's record of the instances it made ({gpu, profile, start, size, gi_id, ci_id, uuid}); the
     agent keeps it in its state file (AgentState.mig_created) and hands the same list back after a restart."""
 
-    def __init__(self, backend: NvmlMigBackend, topology: agent_pb2.HostTopology,
-                 created: list[dict] | None = None, on_change=None) -> None:
+    def __init__(
+        self,
+        backend: NvmlMigBackend,
+        topology: agent_pb2.HostTopology,
+        created: list[dict] | None = None,
+        on_change=None,
+    ) -> None:
         self.backend = backend
         self.gpus = _gpus_of(topology)
         self._lock = threading.RLock()
         self._users: dict[tuple[int, int, int], set[str]] = {}  # (gpu, start, size) -> rank keys
         self._created: list[dict] = list(created or [])
-        self._on_change = on_change   # called with the new record list whenever it changes (the agent's state)
+        self._on_change = on_change  # called with the new record list whenever it changes (the agent's state)
 
     @property
     def created(self) -> list[dict]:
@@ -360,14 +402,18 @@ class MigManager:
                 raise MigError(f"GPU {gpu} ({name}) does not support MIG")
             prof = resolve(str(s["profile"]), family)
             if prof is None:
-                raise MigError(f"GPU {gpu} ({name}, {family}) has no MIG profile {s['profile']!r}; "
-                               f"its profiles: {', '.join(family_table(family))}")
+                raise MigError(
+                    f"GPU {gpu} ({name}, {family}) has no MIG profile {s['profile']!r}; "
+                    f"its profiles: {', '.join(family_table(family))}"
+                )
             if size and size != prof.size:
                 raise MigError(f"MIG profile {prof.name} takes {prof.size} memory slices, not {size}")
             slices_total = family_slices(family)[1]
             if start not in prof.starts or start < 0 or start + prof.size > slices_total:
-                raise MigError(f"MIG profile {prof.name} cannot start at memory slice {start} "
-                               f"(valid starts {','.join(map(str, prof.starts))})")
+                raise MigError(
+                    f"MIG profile {prof.name} cannot start at memory slice {start} "
+                    f"(valid starts {','.join(map(str, prof.starts))})"
+                )
             out.append(prof)
         return out
 
@@ -394,42 +440,79 @@ class MigManager:
         existing = self.backend.list_instances(gpu)
         exact = next((i for i in existing if (i.start, i.size, i.profile) == (start, prof.size, prof.name)), None)
         if exact is not None and not self.owns(exact):
-            raise MigError(f"{prof.name} at slices {start}-{start + prof.size - 1} of GPU {gpu} is MIG instance "
-                           f"{exact.gi_id}, which this agent did not create (occupied by someone else)")
+            raise MigError(
+                f"{prof.name} at slices {start}-{start + prof.size - 1} of GPU {gpu} is MIG instance "
+                f"{exact.gi_id}, which this agent did not create (occupied by someone else)"
+            )
         if exact is None:
             if gpu in busy:
-                raise MigError(f"GPU {gpu} is in use by rank {busy[gpu]} (whole GPU or fractional share): its MIG "
-                               "geometry cannot change while a rank uses it")
+                raise MigError(
+                    f"GPU {gpu} is in use by rank {busy[gpu]} (whole GPU or fractional share): its MIG "
+                    "geometry cannot change while a rank uses it"
+                )
             overlapping = [i for i in existing if i.mask & mask]
             for inst in overlapping:
                 if not self.owns(inst):
-                    raise MigError(f"{prof.name} at slices {start}-{start + prof.size - 1} of GPU {gpu} overlaps "
-                                   f"MIG instance {inst.profile} at {inst.start}-{inst.start + inst.size - 1}, "
-                                   "which this agent did not create (occupied by someone else)")
+                    raise MigError(
+                        f"{prof.name} at slices {start}-{start + prof.size - 1} of GPU {gpu} overlaps "
+                        f"MIG instance {inst.profile} at {inst.start}-{inst.start + inst.size - 1}, "
+                        "which this agent did not create (occupied by someone else)"
+                    )
                 users = self._users.get(inst.key)
                 if users:
-                    raise MigError(f"{prof.name} at slices {start}-{start + prof.size - 1} of GPU {gpu} overlaps "
-                                   f"MIG instance {inst.profile} at {inst.start}-{inst.start + inst.size - 1}, "
-                                   f"in use by rank {sorted(users)[0]}")
+                    raise MigError(
+                        f"{prof.name} at slices {start}-{start + prof.size - 1} of GPU {gpu} overlaps "
+                        f"MIG instance {inst.profile} at {inst.start}-{inst.start + inst.size - 1}, "
+                        f"in use by rank {sorted(users)[0]}"
+                    )
             for inst in overlapping:  # ours, and no rank uses it: reconfigure
-                log.info("mig_reconfigure", gpu=gpu, destroy=inst.profile, start=inst.start,
-                         wanted=prof.name, wanted_start=start)
+                log.info(
+                    "mig_reconfigure",
+                    gpu=gpu,
+                    destroy=inst.profile,
+                    start=inst.start,
+                    wanted=prof.name,
+                    wanted_start=start,
+                )
                 self._destroy(inst)
             made = self.backend.create_instance(gpu, prof.name, start)
-            self.created = [*self.created, {"gpu": gpu, "profile": made.profile, "start": made.start,
-                                            "size": made.size, "gi_id": made.gi_id, "ci_id": made.ci_id,
-                                            "uuid": made.uuid}]
+            self.created = [
+                *self.created,
+                {
+                    "gpu": gpu,
+                    "profile": made.profile,
+                    "start": made.start,
+                    "size": made.size,
+                    "gi_id": made.gi_id,
+                    "ci_id": made.ci_id,
+                    "uuid": made.uuid,
+                },
+            ]
             inst = made
         else:
             inst = exact
             if self._users.get(key):
-                log.warning("mig_instance_shared", gpu=gpu, profile=prof.name, start=start, rank=rank,
-                            users=sorted(self._users[key]))
+                log.warning(
+                    "mig_instance_shared",
+                    gpu=gpu,
+                    profile=prof.name,
+                    start=start,
+                    rank=rank,
+                    users=sorted(self._users[key]),
+                )
         if not inst.uuid:
             raise MigError(f"MIG instance {prof.name} at slice {start} of GPU {gpu} has no compute instance")
         self._users.setdefault(key, set()).add(rank)
-        return {"gpu": gpu, "profile": prof.name, "start": start, "size": prof.size, "uuid": inst.uuid,
-                "gi_id": inst.gi_id, "ci_id": inst.ci_id, "created": True}
+        return {
+            "gpu": gpu,
+            "profile": prof.name,
+            "start": start,
+            "size": prof.size,
+            "uuid": inst.uuid,
+            "gi_id": inst.gi_id,
+            "ci_id": inst.ci_id,
+            "created": True,
+        }
 
     def _destroy(self, inst: MigInstance | dict) -> None:
         if isinstance(inst, dict):
@@ -465,9 +548,8 @@ class MigManager:
                 try:
                     self._destroy(rec)
                     destroyed.append(key)
-                except Exception as exc:  # noqa: BLE001 - a leftover of ours is cleaned up at the next start
-                    log.warning("mig_release_failed", gpu=key[0], start=key[1], size=key[2], rank=rank,
-                                error=str(exc))
+                except Exception as exc:  # a leftover of ours is cleaned up at the next start
+                    log.warning("mig_release_failed", gpu=key[0], start=key[1], size=key[2], rank=rank, error=str(exc))
         return destroyed
 
     def clean_up(self) -> list[tuple[int, int, int]]:
@@ -480,8 +562,10 @@ class MigManager:
                 if self._users.get(key):
                     continue
                 try:
-                    present = any(i.key == key and i.gi_id == int(rec.get("gi_id", -1))
-                                  for i in self.backend.list_instances(key[0]))
+                    present = any(
+                        i.key == key and i.gi_id == int(rec.get("gi_id", -1))
+                        for i in self.backend.list_instances(key[0])
+                    )
                     if present:
                         self._destroy(rec)
                         destroyed.append(key)
@@ -512,12 +596,19 @@ class MigManager:
             if current == 1:
                 for inst in self.backend.list_instances(gpu):
                     if not self.owns(inst):
-                        raise MigError(f"GPU {gpu} holds MIG instance {inst.profile} at {inst.start}, which this "
-                                       "agent did not create: its MIG mode is left on")
+                        raise MigError(
+                            f"GPU {gpu} holds MIG instance {inst.profile} at {inst.start}, which this "
+                            "agent did not create: its MIG mode is left on"
+                        )
                     self._destroy(inst)
             after = self.backend.set_mode(gpu, enable)
-            log.info("mig_mode_switched" if after[0] == want else "mig_mode_pending", gpu=gpu, enable=enable,
-                     current=after[0], pending=after[1])
+            log.info(
+                "mig_mode_switched" if after[0] == want else "mig_mode_pending",
+                gpu=gpu,
+                enable=enable,
+                current=after[0],
+                pending=after[1],
+            )
             return after
 
     def describe(self) -> dict[int, list[tuple[MigInstance, bool]]]:

@@ -86,7 +86,7 @@ def write_fake_control(directory: Path) -> str:
         f"# `touch {fail_file}` makes the next `-d` fail (see phalanx/simhost/mps_control.py).\n"
         f"PHALANX_FAKE_MPS_FAIL_FILE=${{PHALANX_FAKE_MPS_FAIL_FILE:-{shlex.quote(str(fail_file))}}}\n"
         "export PHALANX_FAKE_MPS_FAIL_FILE\n"
-        f"exec {shlex.quote(sys.executable)} -I {shlex.quote(str(Path(mps_control.__file__).resolve()))} \"$@\"\n"
+        f'exec {shlex.quote(sys.executable)} -I {shlex.quote(str(Path(mps_control.__file__).resolve()))} "$@"\n'
     )
     if not path.exists() or path.read_text() != text:
         tmp = path.with_name(path.name + ".tmp")
@@ -97,18 +97,26 @@ def write_fake_control(directory: Path) -> str:
 
 
 class MpsManager:
-    def __init__(self, root: Path, control: str, gpus: dict[int, str], *, start_timeout_s: float = 10.0,
-                 command_timeout_s: float = 10.0, log=None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        control: str,
+        gpus: dict[int, str],
+        *,
+        start_timeout_s: float = 10.0,
+        command_timeout_s: float = 10.0,
+        log=None,
+    ) -> None:
         self.root = Path(root)
         self.control = control
-        self.gpus = dict(gpus)                          # GPU index -> UUID
+        self.gpus = dict(gpus)  # GPU index -> UUID
         self.start_timeout_s = start_timeout_s
         self.command_timeout_s = command_timeout_s
         self.log = log
         self._meta = threading.Lock()
         self._gpu_locks: dict[int, threading.Lock] = {}
-        self._users: dict[int, set[str]] = {}           # GPU -> keys of the ranks using its daemon
-        self._gpu_of: dict[str, int] = {}               # rank key -> GPU
+        self._users: dict[int, set[str]] = {}  # GPU -> keys of the ranks using its daemon
+        self._gpu_of: dict[str, int] = {}  # rank key -> GPU
 
     # ---------------------------------------------------------------- paths and environments
 
@@ -211,8 +219,13 @@ class MpsManager:
         if pid:
             self._say("mps_daemon_adopted", gpu=gpu, pid=pid, rank=key)
         else:
-            self._say("mps_daemon_missing", gpu=gpu, rank=key, warn=True,
-                      note="an adopted share rank's MPS control daemon is gone")
+            self._say(
+                "mps_daemon_missing",
+                gpu=gpu,
+                rank=key,
+                warn=True,
+                note="an adopted share rank's MPS control daemon is gone",
+            )
         return pid
 
     def stop_unused(self) -> list[int]:
@@ -240,20 +253,34 @@ class MpsManager:
             if args == ["-d"]:
                 out_path = self.log_dir(gpu) / "start.out"
                 with open(out_path, "w+", encoding="utf-8") as out:
-                    rc = subprocess.run([self.control, "-d"], env=self._control_env(gpu), stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=subprocess.STDOUT, timeout=self.command_timeout_s,
-                                        start_new_session=True).returncode
+                    rc = subprocess.run(
+                        [self.control, "-d"],
+                        env=self._control_env(gpu),
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        timeout=self.command_timeout_s,
+                        start_new_session=True,
+                    ).returncode
                     out.seek(0)
                     return subprocess.CompletedProcess([self.control, "-d"], rc, "", out.read()[-2000:])
-            return subprocess.run([self.control, *args], input=stdin, env=self._control_env(gpu),
-                                  capture_output=True, text=True, timeout=self.command_timeout_s,
-                                  stdin=None if stdin is not None else subprocess.DEVNULL)
+            return subprocess.run(
+                [self.control, *args],
+                input=stdin,
+                env=self._control_env(gpu),
+                capture_output=True,
+                text=True,
+                timeout=self.command_timeout_s,
+                stdin=None if stdin is not None else subprocess.DEVNULL,
+            )
         except FileNotFoundError as exc:
-            raise MpsError(f"the MPS control program {self.control!r} was not found "
-                           f"(phalanx-agent --mps-control PATH)") from exc
+            raise MpsError(
+                f"the MPS control program {self.control!r} was not found (phalanx-agent --mps-control PATH)"
+            ) from exc
         except subprocess.TimeoutExpired as exc:
-            raise MpsError(f"{self.control} {' '.join(args) or stdin!r} did not return within "
-                           f"{self.command_timeout_s:g}s") from exc
+            raise MpsError(
+                f"{self.control} {' '.join(args) or stdin!r} did not return within {self.command_timeout_s:g}s"
+            ) from exc
         except OSError as exc:
             raise MpsError(f"cannot run {self.control}: {exc}") from exc
 
@@ -279,8 +306,10 @@ class MpsManager:
         if r.returncode != 0:
             detail = (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
             tail = self._log_tail(gpu)
-            raise MpsError(f"{self.control} -d failed for GPU {gpu} ({self.gpus[gpu]}): {detail}"
-                           + (f"; control.log: {tail}" if tail else ""))
+            raise MpsError(
+                f"{self.control} -d failed for GPU {gpu} ({self.gpus[gpu]}): {detail}"
+                + (f"; control.log: {tail}" if tail else "")
+            )
         deadline = t0 + self.start_timeout_s
         pid, answered, last = 0, False, ""
         while time.monotonic() < deadline:
@@ -299,15 +328,32 @@ class MpsManager:
             if pid and pid_alive(pid):
                 _signal(pid, signal.SIGKILL)
             tail = self._log_tail(gpu)
-            raise MpsError(f"the MPS control daemon of GPU {gpu} did not answer within {self.start_timeout_s:g}s"
-                           + (f" ({last})" if last else "") + (f"; control.log: {tail}" if tail else ""))
-        info = {"pid": pid, "start_time": proc_start_time(pid), "gpu": gpu, "uuid": self.gpus[gpu],
-                "pipe_dir": str(pipe), "log_dir": str(logs), "control": self.control, "started_at": time.time()}
+            raise MpsError(
+                f"the MPS control daemon of GPU {gpu} did not answer within {self.start_timeout_s:g}s"
+                + (f" ({last})" if last else "")
+                + (f"; control.log: {tail}" if tail else "")
+            )
+        info = {
+            "pid": pid,
+            "start_time": proc_start_time(pid),
+            "gpu": gpu,
+            "uuid": self.gpus[gpu],
+            "pipe_dir": str(pipe),
+            "log_dir": str(logs),
+            "control": self.control,
+            "started_at": time.time(),
+        }
         tmp = self.gpu_dir(gpu) / "daemon.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
         os.replace(tmp, self.gpu_dir(gpu) / "daemon.json")
-        self._say("mps_daemon_started", gpu=gpu, uuid=self.gpus[gpu], pid=pid, pipe_dir=str(pipe),
-                  seconds=round(time.monotonic() - t0, 3))
+        self._say(
+            "mps_daemon_started",
+            gpu=gpu,
+            uuid=self.gpus[gpu],
+            pid=pid,
+            pipe_dir=str(pipe),
+            seconds=round(time.monotonic() - t0, 3),
+        )
         return pid
 
     def _stop(self, gpu: int, reason: str) -> bool:

@@ -73,8 +73,9 @@ def _fabric_of(prof: HostProfile, cluster: str, clique: str) -> tuple[str, str]:
     return cluster, clique
 
 
-def _discover(node_name: str, host: SimulatedHost, nvml: Any, dump: TopoDump, profile_name: str,
-              sysfs_root: Path | None) -> agent_pb2.HostTopology:
+def _discover(
+    node_name: str, host: SimulatedHost, nvml: Any, dump: TopoDump, profile_name: str, sysfs_root: Path | None
+) -> agent_pb2.HostTopology:
     if sysfs_root is None:
         with tempfile.TemporaryDirectory(prefix="phalanx-sysfs-") as tmp:
             build_fake_sysfs(tmp, dump, host.pci_bus_ids)
@@ -107,10 +108,15 @@ def simulated_node(
     n = prof.gpu_count
     state = Path(state_dir) if state_dir is not None else None
     host = SimulatedHost.from_dump(
-        prof.dump, gpu_model=prof.gpu_model, memory_mib=prof.memory_mib,
+        prof.dump,
+        gpu_model=prof.gpu_model,
+        memory_mib=prof.memory_mib,
         uuids=[fake_gpu_uuid(node_name, int(g[3:])) for g in prof.dump.gpus],
-        pci_bus_ids=[fake_pci_bus_id(i, n) for i in range(n)], node_name=node_name,
-        mig_enabled=parse_mig_gpus(mig_gpus, n), fabric_cluster_uuid=cluster, fabric_clique=clique,
+        pci_bus_ids=[fake_pci_bus_id(i, n) for i in range(n)],
+        node_name=node_name,
+        mig_enabled=parse_mig_gpus(mig_gpus, n),
+        fabric_cluster_uuid=cluster,
+        fabric_clique=clique,
         state_file=state / STATE_FILE if state is not None else None,
     )
     nv = bind(host, nvml)
@@ -135,8 +141,15 @@ def simulated_topology(
     with _shared_lock:  # one private binding instance, rebound for each call
         if not _shared_bindings:
             _shared_bindings.append(load_bindings("pynvml_simulated_topology"))
-        return simulated_node(node_name, profile, dump_file, fabric_cluster_uuid=fabric_cluster_uuid,
-                              fabric_clique=fabric_clique, mig_gpus=mig_gpus, nvml=_shared_bindings[0]).topology
+        return simulated_node(
+            node_name,
+            profile,
+            dump_file,
+            fabric_cluster_uuid=fabric_cluster_uuid,
+            fabric_clique=fabric_clique,
+            mig_gpus=mig_gpus,
+            nvml=_shared_bindings[0],
+        ).topology
 
 
 def host_for_topology(topology: agent_pb2.HostTopology, state_file: str | Path | None = None) -> SimulatedHost:
@@ -146,9 +159,14 @@ def host_for_topology(topology: agent_pb2.HostTopology, state_file: str | Path |
     migs = {g.index for g in topology.gpus if g.mig_mode == agent_pb2.GpuInfo.MIG_MODE_ENABLED}
     gpu0 = topology.gpus[0] if topology.gpus else agent_pb2.GpuInfo()
     host = SimulatedHost.from_dump(
-        dump, gpu_model=gpu0.name, memory_mib=gpu0.memory_mib, uuids=[g.uuid for g in topology.gpus],
-        pci_bus_ids=[g.pci_bus_id for g in topology.gpus], mig_enabled=migs,
-        fabric_cluster_uuid=topology.fabric_cluster_uuid, fabric_clique=topology.fabric_clique,
+        dump,
+        gpu_model=gpu0.name,
+        memory_mib=gpu0.memory_mib,
+        uuids=[g.uuid for g in topology.gpus],
+        pci_bus_ids=[g.pci_bus_id for g in topology.gpus],
+        mig_enabled=migs,
+        fabric_cluster_uuid=topology.fabric_cluster_uuid,
+        fabric_clique=topology.fabric_clique,
         state_file=state_file,
     )
     for sim, g in zip(host.gpus, topology.gpus, strict=True):

@@ -1,8 +1,9 @@
-"""The agent's local state file: acked revision, launched ranks, killed attempts and unsent reports.
+"""The agent's local state file: the ledger it belongs to (cluster id), acked revision, launched ranks, killed attempts
+and unsent reports.
 
 One directory per node name (default `$PHALANX_HOME/agents/<node-name>/`, PHALANX_HOME being `.phalanx` under
-the working directory unless set), so several agents on one host never share a file. Written atomically (temp file, fsync, rename) before the agent acks an
-assignment, so a rank is never started twice, even across agent restarts.
+the working directory unless set), so several agents on one host never share a file. Written atomically (temp file,
+fsync, rename) before the agent acks an assignment, so a rank is never started twice, even across agent restarts.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ class RankRecord:
     # the instance is there. Fractional: the share of its one GPU in thousandths.
     slices: list[dict] = field(default_factory=list)
     gpu_milli: int = 0
-    state: str = "starting"          # starting | running | exited | failed | killed | lost
-    wrapper_pid: int = 0             # process-group leader (the rank wrapper)
-    wrapper_start: int = 0           # its /proc start time, to recognise it after an agent restart
-    child_pid: int = 0               # the rank command itself
+    state: str = "starting"  # starting | running | exited | failed | killed | lost
+    wrapper_pid: int = 0  # process-group leader (the rank wrapper)
+    wrapper_start: int = 0  # its /proc start time, to recognise it after an agent restart
+    child_pid: int = 0  # the rank command itself
     exit_code: int = 0
     message: str = ""
-    retryable: bool = False          # failed: the host kept it from starting (e.g. its MPS daemon), not the job
+    retryable: bool = False  # failed: the host kept it from starting (e.g. its MPS daemon), not the job
     kill_requested: bool = False
     status_file: str = ""
     log_file: str = ""
@@ -71,6 +72,9 @@ class RankRecord:
 class AgentState:
     path: Path
     node_name: str = ""
+    # The ledger this state belongs to (RegisterNodeResponse.cluster_id); "" unknown: state written before agents
+    # kept it, or never registered with a scheduler that sends it. `acked_revision` counts in that ledger's revisions.
+    cluster_id: str = ""
     acked_revision: int = 0
     ranks: dict[str, RankRecord] = field(default_factory=dict)
     killed_attempts: set[str] = field(default_factory=set)
@@ -88,6 +92,7 @@ class AgentState:
         return cls(
             path=path,
             node_name=data.get("node_name", node_name),
+            cluster_id=str(data.get("cluster_id") or ""),
             acked_revision=int(data.get("acked_revision", 0)),
             ranks={k: RankRecord(**v) for k, v in data.get("ranks", {}).items()},
             killed_attempts=set(data.get("killed_attempts", [])),
@@ -99,6 +104,7 @@ class AgentState:
         return {
             "version": STATE_VERSION,
             "node_name": self.node_name,
+            "cluster_id": self.cluster_id,
             "acked_revision": self.acked_revision,
             "ranks": {k: asdict(v) for k, v in self.ranks.items()},
             "killed_attempts": sorted(self.killed_attempts),

@@ -5,58 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from phalanx.api.v1 import agent_pb2
-from phalanx.core.topo_dump import TopoDump, link_rank, render_topo
+from phalanx.core.topo_dump import TopoDump, render_topo
 
 # A GPU's `nic` is a NIC at most this far from it (PIX or PXB: no host bridge on the way).
-_NIC_RANK = link_rank("PXB")
-
-
-def closest_nics(dump: TopoDump) -> dict[str, str]:
-    """GPU -> its closest NIC among the PIX/PXB ones (none when it has none).
-
-    Rails: GPUs with equally close NICs are matched to them one GPU per NIC, in order, where the layout allows
-    (DGX A100: GPU0 and GPU1 are PXB to NIC0 and NIC1 -> GPU0 gets NIC0, GPU1 NIC1); two GPUs may still share
-    a NIC when it is the only close one.
-    """
-    load = {n: 0 for n in dump.nics}
-    order = {n: i for i, n in enumerate(dump.nics)}
-    result: dict[str, str] = {}
-    for gpu in dump.gpus:
-        best_rank, best = _NIC_RANK - 1, []
-        for nic in dump.nics:
-            cell = dump.cell(gpu, nic)
-            if cell is None:
-                continue
-            r = link_rank(cell)
-            if r < _NIC_RANK:
-                continue
-            if r > best_rank:
-                best_rank, best = r, [nic]
-            elif r == best_rank:
-                best.append(nic)
-        if best:
-            pick = min(best, key=lambda n: (load[n], order[n]))
-            load[pick] += 1
-            result[gpu] = pick
-    return result
-
-
-def nearest_gpus(dump: TopoDump, picked: dict[str, str]) -> dict[str, str]:
-    """NIC -> the first GPU that took it as its `nic`, else its closest PIX/PXB GPU; none otherwise."""
-    result: dict[str, str] = {}
-    for gpu, nic in picked.items():
-        result.setdefault(nic, gpu)
-    for nic in dump.nics:
-        if nic in result:
-            continue
-        best_rank, best = _NIC_RANK - 1, None
-        for gpu in dump.gpus:
-            cell = dump.cell(nic, gpu)
-            if cell is not None and link_rank(cell) > best_rank:
-                best_rank, best = link_rank(cell), gpu
-        if best is not None:
-            result[nic] = best
-    return result
+NIC_FARTHEST = "PXB"
 
 
 def topology_from_dump(
@@ -76,13 +28,11 @@ def topology_from_dump(
 
     The matrix holds, for each device row in the dump, its cell to every other device (the diagonal is left out).
     """
-    nearest_nic = closest_nics(dump)
-    nearest_gpu = nearest_gpus(dump, nearest_nic)
+    nearest_nic = dump.nearest_nics(NIC_FARTHEST)
+    nearest_gpu = dump.nearest_gpus(NIC_FARTHEST)
     nic_numa = nic_numa or {}
     nic_pci_bus_ids = nic_pci_bus_ids or {}
-    topo = agent_pb2.HostTopology(
-        profile=profile, fabric_cluster_uuid=fabric_cluster_uuid, fabric_clique=fabric_clique
-    )
+    topo = agent_pb2.HostTopology(profile=profile, fabric_cluster_uuid=fabric_cluster_uuid, fabric_clique=fabric_clique)
     for i, gpu in enumerate(dump.gpus):
         topo.gpus.append(
             agent_pb2.GpuInfo(
@@ -98,8 +48,13 @@ def topology_from_dump(
     for nic in dump.nics:
         g = nearest_gpu.get(nic)
         topo.nics.append(
-            agent_pb2.NicInfo(name=nic, device=dump.nic_device(nic), nearest_gpu=int(g[3:]) if g else -1,
-                              numa_node=nic_numa.get(nic, -1), pci_bus_id=nic_pci_bus_ids.get(nic, ""))
+            agent_pb2.NicInfo(
+                name=nic,
+                device=dump.nic_device(nic),
+                nearest_gpu=int(g[3:]) if g else -1,
+                numa_node=nic_numa.get(nic, -1),
+                pci_bus_id=nic_pci_bus_ids.get(nic, ""),
+            )
         )
     for row in dump.devices:
         cells = {}
@@ -123,9 +78,7 @@ def topology_to_dump(topo: agent_pb2.HostTopology) -> TopoDump:
             continue
         cells = topo.matrix[row].cells
         matrix[row] = {col: ("X" if col == row else cells.get(col, "N/A")) for col in devices}
-    extras = {
-        f"GPU{g.index}": {"NUMA Affinity": str(g.numa_node) if g.numa_node >= 0 else "N/A"} for g in topo.gpus
-    }
+    extras = {f"GPU{g.index}": {"NUMA Affinity": str(g.numa_node) if g.numa_node >= 0 else "N/A"} for g in topo.gpus}
     return TopoDump(
         devices=devices,
         matrix=matrix,
@@ -141,7 +94,8 @@ def render_topology(topo: agent_pb2.HostTopology) -> str:
     mode_names = {agent_pb2.GpuInfo.MIG_MODE_ENABLED: " (MIG on)", agent_pb2.GpuInfo.MIG_MODE_DISABLED: " (MIG off)"}
     lines = [
         f"GPU {g.index}: {g.name} ({g.memory_mib} MiB) (UUID: {g.uuid}) (PCI: {g.pci_bus_id})"
-        + mode_names.get(g.mig_mode, "") for g in topo.gpus
+        + mode_names.get(g.mig_mode, "")
+        for g in topo.gpus
     ]
     if topo.fabric_cluster_uuid:
         lines.append(f"NVLink fabric: cluster {topo.fabric_cluster_uuid}, clique {topo.fabric_clique}")
@@ -166,8 +120,15 @@ def topology_to_json(topo: agent_pb2.HostTopology) -> dict:
                 "compute_capability": g.compute_capability,
                 "mig_mode": agent_pb2.GpuInfo.MigMode.Name(g.mig_mode).removeprefix("MIG_MODE_").lower(),
                 "mig_instances": [
-                    {"profile": m.profile, "start": m.start, "size": m.size, "uuid": m.uuid, "managed": m.managed,
-                     "gpu_instance_id": m.gpu_instance_id, "compute_instance_id": m.compute_instance_id}
+                    {
+                        "profile": m.profile,
+                        "start": m.start,
+                        "size": m.size,
+                        "uuid": m.uuid,
+                        "managed": m.managed,
+                        "gpu_instance_id": m.gpu_instance_id,
+                        "compute_instance_id": m.compute_instance_id,
+                    }
                     for m in g.mig_instances
                 ],
                 "fabric_cluster_uuid": g.fabric_cluster_uuid,
@@ -177,8 +138,13 @@ def topology_to_json(topo: agent_pb2.HostTopology) -> dict:
             for g in topo.gpus
         ],
         "nics": [
-            {"name": n.name, "device": n.device, "nearest_gpu": n.nearest_gpu, "numa_node": n.numa_node,
-             "pci_bus_id": n.pci_bus_id}
+            {
+                "name": n.name,
+                "device": n.device,
+                "nearest_gpu": n.nearest_gpu,
+                "numa_node": n.numa_node,
+                "pci_bus_id": n.pci_bus_id,
+            }
             for n in topo.nics
         ],
         "matrix": {row: dict(sorted(topo.matrix[row].cells.items())) for row in topo.matrix},

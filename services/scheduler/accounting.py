@@ -16,9 +16,18 @@ from .state import gpu_equivalents
 
 
 def attempt_times(rows: Sequence[Any]) -> list[AttemptTimes]:
-    return [AttemptTimes(attempt=r["attempt"], gpus=r["gpus"], reserved_at=r["reserved_at"], running_at=r["running_at"],
-                         ended_at=r["ended_at"], outcome=r["outcome"] or "", kept_until=r["kept_until"])
-            for r in rows]
+    return [
+        AttemptTimes(
+            attempt=r["attempt"],
+            gpus=r["gpus"],
+            reserved_at=r["reserved_at"],
+            running_at=r["running_at"],
+            ended_at=r["ended_at"],
+            outcome=r["outcome"] or "",
+            kept_until=r["kept_until"],
+        )
+        for r in rows
+    ]
 
 
 def job_goodput(job: Any, attempts: Sequence[Any], now: float) -> Goodput:
@@ -28,8 +37,15 @@ def job_goodput(job: Any, attempts: Sequence[Any], now: float) -> Goodput:
     return account_job(job["submitted_at"], gpus, attempt_times(attempts), now, finished_at=finished)
 
 
-def read_goodput(conn: Connection, now: float, *, job_ids: Sequence[str] | None = None, since: float = 0.0,
-                 limit: int = 100, tenant: str | None = None) -> tuple[Goodput, list[tuple[Any, Goodput, int]], int]:
+def read_goodput(
+    conn: Connection,
+    now: float,
+    *,
+    job_ids: Sequence[str] | None = None,
+    since: float = 0.0,
+    limit: int = 100,
+    tenant: str | None = None,
+) -> tuple[Goodput, list[tuple[Any, Goodput, int]], int]:
     """(the total over every job submitted since `since`, the newest `limit` of them with theirs and their attempt
     counts, how many jobs the total counts). `tenant`: only that tenant's jobs (the total too)."""
     stmt = select(*Job.__table__.c).where(Job.submitted_at >= since).order_by(Job.submitted_at.desc(), Job.id.desc())
@@ -52,5 +68,11 @@ def read_goodput(conn: Connection, now: float, *, job_ids: Sequence[str] | None 
 
 
 def to_proto(g: Goodput) -> common_pb2.Goodput:
-    return common_pb2.Goodput(allocated=g.allocated, productive=g.productive, rollback=g.rollback, restart=g.restart,
-                              waiting=g.waiting, ratio=g.ratio)
+    return common_pb2.Goodput(
+        allocated=g.allocated,
+        productive=g.productive,
+        rollback=g.rollback,
+        restart=g.restart,
+        waiting=g.waiting,
+        ratio=g.ratio,
+    )

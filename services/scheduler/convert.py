@@ -35,12 +35,22 @@ RANK_STATE_NAMES = {
 
 def _spec(j: Any) -> common_pb2.JobSpec:
     return common_pb2.JobSpec(
-        name=j["name"], replicas=j["replicas"], gpus_per_replica=j["gpus_per_replica"], priority=j["priority"],
-        procs_per_replica=j["procs_per_replica"], command=list(j["command"]), env=dict(j["env"] or {}),
-        required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
-        gpu_model=j.get("gpu_model") or "", mig_profile=j.get("mig_profile") or "", gpu_milli=j.get("gpu_milli") or 0,
-        max_restarts=j.get("max_restarts") or 0, time_limit_s=j.get("time_limit") or 0.0,
-        queue=j.get("queue") or "default", keep_checkpoints=j.get("keep_checkpoints") or 0,
+        name=j["name"],
+        replicas=j["replicas"],
+        gpus_per_replica=j["gpus_per_replica"],
+        priority=j["priority"],
+        procs_per_replica=j["procs_per_replica"],
+        command=list(j["command"]),
+        env=dict(j["env"] or {}),
+        required_tier=j["required_tier"] or "",
+        preferred_tier=j["preferred_tier"] or "",
+        gpu_model=j.get("gpu_model") or "",
+        mig_profile=j.get("mig_profile") or "",
+        gpu_milli=j.get("gpu_milli") or 0,
+        max_restarts=j.get("max_restarts") or 0,
+        time_limit_s=j.get("time_limit") or 0.0,
+        queue=j.get("queue") or "default",
+        keep_checkpoints=j.get("keep_checkpoints") or 0,
     )
 
 
@@ -66,14 +76,27 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
     state = JOB_STATES[j["state"]]
     if j["state"] == "RUNNING" and j.get("preempted_by"):
         state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
+    if j["state"] != "RUNNING":
+        allocations = ()  # only a running job holds GPUs; a requeued or finished one shows none (ledger.read_jobs)
     return common_pb2.Job(
-        id=j["id"], spec=_spec(j), state=state,
+        id=j["id"],
+        spec=_spec(j),
+        state=state,
         allocations=[allocation(r, n, g, partials.get(r)) for r, n, g in allocations],
-        attempt=j["attempt"], message=j["message"], submitted_at=j["submitted_at"], started_at=j["started_at"],
-        finished_at=j["finished_at"], placement=_placement(j["placement"] or {}), exit_code=j["exit_code"],
-        failures=j.get("failures") or 0, preemptions=j.get("preemptions") or 0, not_before=j.get("not_before") or 0.0,
-        preempted_by=j.get("preempted_by") or "", preempt_deadline=j.get("preempt_deadline") or 0.0,
-        tenant=j.get("tenant") or "", flavor=j.get("flavor") or "",
+        attempt=j["attempt"],
+        message=j["message"],
+        submitted_at=j["submitted_at"],
+        started_at=j["started_at"],
+        finished_at=j["finished_at"],
+        placement=_placement(j["placement"] or {}),
+        exit_code=j["exit_code"],
+        failures=j.get("failures") or 0,
+        preemptions=j.get("preemptions") or 0,
+        not_before=j.get("not_before") or 0.0,
+        preempted_by=j.get("preempted_by") or "",
+        preempt_deadline=j.get("preempt_deadline") or 0.0,
+        tenant=j.get("tenant") or "",
+        flavor=j.get("flavor") or "",
         struck_nodes=[str(n) for n in (j.get("struck_nodes") or ()) if isinstance(n, str)],
     )
 
@@ -88,9 +111,12 @@ _HEALTH = {"HEALTHY": 1, "DEGRADED": 2, "FATAL": 3}
 def node_health(n: Any) -> common_pb2.NodeHealth:
     detail = n.get("health_detail") or {}
     return common_pb2.NodeHealth(
-        state=_HEALTH.get(n.get("health") or "HEALTHY", 0), reason=detail.get("reason", ""),
-        gpus=[common_pb2.GpuHealth(index=int(i), state=_HEALTH.get(g.get("state", ""), 0), reasons=g.get("reasons", []))
-              for i, g in sorted((detail.get("gpus") or {}).items(), key=lambda kv: int(kv[0]))],
+        state=_HEALTH.get(n.get("health") or "HEALTHY", 0),
+        reason=detail.get("reason", ""),
+        gpus=[
+            common_pb2.GpuHealth(index=int(i), state=_HEALTH.get(g.get("state", ""), 0), reasons=g.get("reasons", []))
+            for i, g in sorted((detail.get("gpus") or {}).items(), key=lambda kv: int(kv[0]))
+        ],
     )
 
 
@@ -98,18 +124,28 @@ MIG_MODE_NAMES = {"ENABLED": "enabled", "DISABLED": "disabled", "UNSUPPORTED": "
 
 
 def node_gpu(g: dict[str, Any]) -> common_pb2.NodeGpu:
-    msg = common_pb2.NodeGpu(index=g["index"], uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"],
-                             mig_mode=MIG_MODE_NAMES.get(g["mig_mode"], "unsupported"),
-                             mig_mode_pending=MIG_MODE_NAMES.get(g.get("mig_mode_pending") or "", ""),
-                             mig_switching=bool(g.get("mig_switching")),
-                             mig_switch_error=g.get("mig_switch_error") or "")
+    msg = common_pb2.NodeGpu(
+        index=g["index"],
+        uuid=g["uuid"],
+        name=g["name"],
+        memory_mib=g["memory_mib"],
+        mig_mode=MIG_MODE_NAMES.get(g["mig_mode"], "unsupported"),
+        mig_mode_pending=MIG_MODE_NAMES.get(g.get("mig_mode_pending") or "", ""),
+        mig_switching=bool(g.get("mig_switching")),
+        mig_switch_error=g.get("mig_switch_error") or "",
+    )
     for i in g["mig_instances"]:
         if not isinstance(i, dict):
             continue
-        msg.mig_instances.add(profile=str(i.get("profile", "")), start=_int32(i.get("start")),
-                              size=_int32(i.get("size")), uuid=str(i.get("uuid", "")), managed=bool(i.get("managed")),
-                              gpu_instance_id=_int32(i.get("gpu_instance_id"), -1),
-                              compute_instance_id=_int32(i.get("compute_instance_id"), -1))
+        msg.mig_instances.add(
+            profile=str(i.get("profile", "")),
+            start=_int32(i.get("start")),
+            size=_int32(i.get("size")),
+            uuid=str(i.get("uuid", "")),
+            managed=bool(i.get("managed")),
+            gpu_instance_id=_int32(i.get("gpu_instance_id"), -1),
+            compute_instance_id=_int32(i.get("compute_instance_id"), -1),
+        )
     return msg
 
 
@@ -118,7 +154,7 @@ def _int32(value: Any, default: int = 0) -> int:
         v = int(value)
     except (TypeError, ValueError):
         return default
-    return v if -2**31 <= v < 2**31 else default
+    return v if -(2**31) <= v < 2**31 else default
 
 
 def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]] | None = None) -> common_pb2.Node:
@@ -127,10 +163,12 @@ def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]]
     health = node_health(n)
     fatal = sum(1 for g in health.gpus if g.state == common_pb2.HEALTH_STATE_FATAL)
     if gpus:
-        foreign = {g["index"] for g in gpus
-                   if any(isinstance(i, dict) and not i.get("managed") for i in g["mig_instances"])}
-        taken = {g["index"] for g in gpus if g["held"] or g["split"] or g["mig_mode"] == "ENABLED"
-                 or g.get("mig_switching")} | foreign
+        foreign = {
+            g["index"] for g in gpus if any(isinstance(i, dict) and not i.get("managed") for i in g["mig_instances"])
+        }
+        taken = {
+            g["index"] for g in gpus if g["held"] or g["split"] or g["mig_mode"] == "ENABLED" or g.get("mig_switching")
+        } | foreign
         used = max(used, len(taken))
         shared = len({g["index"] for g in gpus if g["split"]} | foreign)
     free = max(0, n["gpus"] - used) if n["state"] == "READY" else 0
@@ -138,10 +176,20 @@ def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]]
         free = 0  # UNKNOWN: back after it was lost, not used until it reports healthy
     elif fatal:  # a FATAL GPU is not free; it may also be one of the used ones (a gang still running on it)
         free = max(0, min(free, n["gpus"] - fatal))
-    return common_pb2.Node(health=health,
-        name=n["name"], state=NODE_STATES.get(n["state"], common_pb2.NODE_STATE_UNSPECIFIED), gpus=n["gpus"],
-        free_gpus=free, profile=n["profile"], gpu_model=n["gpu_model"], fabric_path=list(n["fabric_path"] or ()),
-        message=n["message"], last_heartbeat=n["last_heartbeat"], address=n["address"], shared_gpus=shared,
-        gpu_details=[node_gpu(g) for g in gpus or ()], strikes=n.get("strikes") or 0,
+    return common_pb2.Node(
+        health=health,
+        name=n["name"],
+        state=NODE_STATES.get(n["state"], common_pb2.NODE_STATE_UNSPECIFIED),
+        gpus=n["gpus"],
+        free_gpus=free,
+        profile=n["profile"],
+        gpu_model=n["gpu_model"],
+        fabric_path=list(n["fabric_path"] or ()),
+        message=n["message"],
+        last_heartbeat=n["last_heartbeat"],
+        address=n["address"],
+        shared_gpus=shared,
+        gpu_details=[node_gpu(g) for g in gpus or ()],
+        strikes=n.get("strikes") or 0,
         mig_manage=bool(n.get("mig_manage")),
     )

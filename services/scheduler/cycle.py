@@ -8,112 +8,48 @@ the service reloads the view from the ledger. A reservation runs inside a savepo
 
 from __future__ import annotations
 
-import hashlib
 import math
-import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from sqlalchemy import Connection, select
+from sqlalchemy import select
 
 from db.models import Job
-from phalanx.api.v1 import agent_pb2, common_pb2
+from phalanx.api.v1 import common_pb2
 from phalanx.core import mig
+from phalanx.core.backfill import BackfillResult, RunningEnd
+from phalanx.core.decide import AfterBlocked, decide
 from phalanx.core.model import Placement
-from phalanx.core.backfill import Reservation, RunningEnd, schedule_with_backfill
 from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, cluster_totals, usage_of
-from phalanx.core.preemption import NoPreemption, RunningGang, choose_victims
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 from . import ledger
 from .convert import job_from_record
-from .settings import SchedulerSettings
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState
+from .transitions import (  # noqa: F401  (re-exported: the cycle's public names)
+    ENDPOINT_TTL_S,
+    FINAL_STATES,
+    MASTER_PORTS,
+    Command,
+    Cycle,
+    checkpoint_endpoint,
+    launch_node,
+    launches,
+    master_port,
+    reload_state,
+    reserve,
+    retry_backoff,
+    set_job,
+    teardown,
+)
 
 log = structlog.get_logger()
 
 
-@dataclass
-class Cycle:
-    conn: Connection
-    state: SchedulerState
-    settings: SchedulerSettings
-    now: float
-    changed: dict[str, common_pb2.Job] = field(default_factory=dict)
-    woken_nodes: set[str] = field(default_factory=set)
-    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
-    resync_after: bool = False
-    heartbeats: dict[int, float] = field(default_factory=dict)
-    acks: dict[int, int] = field(default_factory=dict)
-    generation: int = 0
-    foreign_writes: bool = False
-    # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
-    new_jobs: list[JobRecord] = field(default_factory=list)
-    new_allocations: list[JobRecord] = field(default_factory=list)
-    outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
-    delivered: list[tuple[str, int, Any]] = field(default_factory=list)
-    handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
-    handover_to: set[str] = field(default_factory=set)  # the gangs those victims made way for: placed first
-    epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
-
-    def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
-        """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
-        self.outbox.append((node, job_id, attempt, kind, build))
-        self.woken_nodes.add(node.name)
-
-    def flush(self) -> None:
-        if self.outbox:
-            # The view may have been reloaded since an item was queued: revisions live on the current records.
-            items = [(self.state.nodes.get(n.name, n), *rest) for n, *rest in self.outbox]
-            self.delivered += ledger.append_assignments(self.conn, items, self.now)
-            self.outbox = []
-
-    @property
-    def needs_answers(self) -> bool:
-        """Whether the closing writes need their row counts (a partial GPU was reserved: see ledger._hold)."""
-        return any(job.partials for job in self.new_allocations)
-
-    def touched(self, job: JobRecord) -> None:
-        self.changed[job.id] = job_from_record(job)
-
-    def wake_at(self, when: float) -> None:
-        """Have the service run a cycle at `when` (a backoff ending, a grace period, a protection running out)."""
-        if when > self.now:
-            self.state.wake_at = min(self.state.wake_at, when)
-
-    def reload(self) -> None:
-        """Reload the view inside this transaction (it sees this cycle's own writes, not its unwritten jobs)."""
-        reload_state(self.conn, self.state, self.settings, self.now, initial=False)
-        for job in self.new_jobs:
-            self.state.jobs[job.id] = job
-
-
-def reload_state(conn: Connection, state: SchedulerState, settings: SchedulerSettings, now: float, *, initial: bool) -> None:
-    """Load the ledger into the view. Leases and launch deadlines are re-armed on the initial load."""
-    beats = {n.name: n.last_heartbeat for n in state.nodes.values()}
-    deadlines = {j.id: (j.attempt, j.launch_deadline) for j in state.jobs.values()}
-    ledger.load_state(conn, state, settings.fabric.path)
-    for node in state.nodes.values():
-        node.last_heartbeat = now if initial else max(node.last_heartbeat, beats.get(node.name, 0.0))
-    for job in state.jobs.values():
-        if job.state != "RUNNING" or all(r.state != "ASSIGNED" for r in job.ranks.values()):
-            continue
-        attempt, deadline = deadlines.get(job.id, (None, None))
-        if initial:
-            job.launch_deadline = now + settings.launch_timeout
-        elif attempt == job.attempt and deadline is not None:
-            job.launch_deadline = deadline
-        else:
-            job.launch_deadline = job.started_at + settings.launch_timeout
-
-
 # ---- commands ---------------------------------------------------------------------------------------------------
-
-class Command:
-    """A request to the cycle. Each kind has `execute(cycle)`, which raises ServiceError before writing anything
-    or returns a result; submissions are the exception, taken all at once by `submit_all`."""
 
 
 @dataclass
@@ -149,13 +85,28 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             continue
         spec = sub.spec
         job = JobRecord(
-            id=uuid.uuid4().hex[:12], name=spec.name, state="PENDING", priority=spec.priority,
-            replicas=spec.replicas, gpus_per_replica=spec.gpus_per_replica, procs_per_replica=spec.procs_per_replica,
-            command=list(spec.command), env=dict(spec.env), submitted_at=cycle.now, request_id=sub.request_id or None,
-            required_tier=spec.required_tier, preferred_tier=spec.preferred_tier, message="queued",
-            gpu_model=spec.gpu_model, mig_profile=spec.mig_profile.lower(), gpu_milli=spec.gpu_milli,
-            max_restarts=spec.max_restarts, tenant=sub.tenant, time_limit=spec.time_limit_s,
-            queue=spec.queue or DEFAULT_QUEUE, keep_checkpoints=spec.keep_checkpoints,
+            id=uuid.uuid4().hex[:12],
+            name=spec.name,
+            state="PENDING",
+            priority=spec.priority,
+            replicas=spec.replicas,
+            gpus_per_replica=spec.gpus_per_replica,
+            procs_per_replica=spec.procs_per_replica,
+            command=list(spec.command),
+            env=dict(spec.env),
+            submitted_at=cycle.now,
+            request_id=sub.request_id or None,
+            required_tier=spec.required_tier,
+            preferred_tier=spec.preferred_tier,
+            message="queued",
+            gpu_model=spec.gpu_model,
+            mig_profile=spec.mig_profile.lower(),
+            gpu_milli=spec.gpu_milli,
+            max_restarts=spec.max_restarts,
+            tenant=sub.tenant,
+            time_limit=spec.time_limit_s,
+            queue=spec.queue or DEFAULT_QUEUE,
+            keep_checkpoints=spec.keep_checkpoints,
         )
         new.append(job)
         results[i] = job
@@ -207,9 +158,7 @@ def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
     largest = cap.shape()[1]
     g, r = spec.gpus_per_replica, spec.replicas
     if g > largest:
-        raise FailedPrecondition(
-            f"each replica needs {g} GPUs on one node, but the largest node has {largest} GPUs"
-        )
+        raise FailedPrecondition(f"each replica needs {g} GPUs on one node, but the largest node has {largest} GPUs")
     total = cap.total_gpus()
     if g * r > total:
         raise FailedPrecondition(
@@ -231,20 +180,23 @@ def check_fits_model(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
         nodes = [n for n in nodes if spec.gpu_model.lower() in n.gpu_model.lower()]
         if not nodes:
             raise FailedPrecondition(
-                f"no known node has GPU model {spec.gpu_model!r}; models here: {', '.join(models) or 'none'}")
+                f"no known node has GPU model {spec.gpu_model!r}; models here: {', '.join(models) or 'none'}"
+            )
         if not (spec.mig_profile or spec.gpu_milli):
             fit = sum(n.total // spec.gpus_per_replica for n in nodes)
             if fit < spec.replicas:
                 raise FailedPrecondition(
                     f"the {len(nodes)} known node(s) with GPU model {spec.gpu_model!r} hold at most {fit} replicas "
-                    f"of {spec.gpus_per_replica} GPUs even when empty; the gang needs {spec.replicas}")
+                    f"of {spec.gpus_per_replica} GPUs even when empty; the gang needs {spec.replicas}"
+                )
     if spec.mig_profile:
         families = sorted({f for n in nodes if (f := mig.mig_family(n.gpu_model, n.memory_mib))})
         if not any(mig.resolve(spec.mig_profile, f) for f in families):
             offered = "; ".join(f"{f}: {', '.join(mig.family_profiles(f))}" for f in families)
             raise FailedPrecondition(
                 f"no known node's GPUs offer MIG profile {spec.mig_profile!r}"
-                + (f"; profiles here: {offered}" if offered else "; no node here has MIG-capable GPUs"))
+                + (f"; profiles here: {offered}" if offered else "; no node here has MIG-capable GPUs")
+            )
 
 
 def check_fits_required_tier(state: SchedulerState, spec: common_pb2.JobSpec, fabric_tiers: tuple[str, ...]) -> None:
@@ -300,8 +252,9 @@ class Cancel(Command):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
-            if not ledger.update_job(cycle.conn, job, state="CANCELLED", finished_at=cycle.now,
-                                     message="cancelled before it started"):
+            if not ledger.update_job(
+                cycle.conn, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
+            ):
                 cycle.resync_after = True
                 raise FailedPrecondition(f"job {job.id} changed while cancelling; try again")
             del cycle.state.jobs[job.id]
@@ -354,15 +307,32 @@ class Register(Command):
     def execute(self, cycle: Cycle) -> int:
         from .migmode import registered
 
-        gpus = [dict(index=g.index, uuid=g.uuid, name=g.name, memory_mib=g.memory_mib,
-                     mig_mode=MIG_MODES.get(g.mig_mode, "UNSUPPORTED"), mig_instances=mig_instances(g))
-                for g in self.topology.gpus]
+        gpus = [
+            dict(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_mib=g.memory_mib,
+                mig_mode=MIG_MODES.get(g.mig_mode, "UNSUPPORTED"),
+                mig_instances=mig_instances(g),
+            )
+            for g in self.topology.gpus
+        ]
         path = cycle.settings.fabric.node_path(
-            self.name, self.topology.fabric_cluster_uuid, self.topology.fabric_clique)
+            self.name, self.topology.fabric_cluster_uuid, self.topology.fabric_clique
+        )
         node_id, acked, revision = ledger.upsert_node(
-            cycle.conn, name=self.name, gpus=gpus, topology=self.topology_json, address=self.address,
-            agent_instance=self.agent_instance, profile=self.topology.profile,
-            gpu_model=gpus[0]["name"] if gpus else "", fabric_path=path, now=cycle.now, mig_manage=self.mig_manage,
+            cycle.conn,
+            name=self.name,
+            gpus=gpus,
+            topology=self.topology_json,
+            address=self.address,
+            agent_instance=self.agent_instance,
+            profile=self.topology.profile,
+            gpu_model=gpus[0]["name"] if gpus else "",
+            fabric_path=path,
+            now=cycle.now,
+            mig_manage=self.mig_manage,
         )
         state = cycle.state
         old = state.nodes.get(self.name)
@@ -371,11 +341,19 @@ class Register(Command):
         if cordoned:
             ledger.set_node_state(cycle.conn, node_id, "DRAINED", CORDON_MESSAGE)
         node = NodeRecord(
-            id=node_id, name=self.name, state="DRAINED" if cordoned else "READY", gpus=len(gpus),
+            id=node_id,
+            name=self.name,
+            state="DRAINED" if cordoned else "READY",
+            gpus=len(gpus),
             gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
-            gpu_model=gpus[0]["name"] if gpus else "", memory_mib=max((g["memory_mib"] for g in gpus), default=0),
-            path=path, address=self.address, last_heartbeat=cycle.now, persisted_heartbeat=cycle.now,
-            agent_instance=self.agent_instance, revision=revision,
+            gpu_model=gpus[0]["name"] if gpus else "",
+            memory_mib=max((g["memory_mib"] for g in gpus), default=0),
+            path=path,
+            address=self.address,
+            last_heartbeat=cycle.now,
+            persisted_heartbeat=cycle.now,
+            agent_instance=self.agent_instance,
+            revision=revision,
             closeness=ledger.node_closeness(self.topology_json),
             mig_gpus=frozenset(g["index"] for g in gpus if g["mig_mode"] == "ENABLED"),
             foreign={g["index"]: m for g in gpus if (m := ledger.foreign_mask(g["mig_instances"]))},
@@ -389,13 +367,21 @@ class Register(Command):
             node.health, node.health_reason = "UNKNOWN", "back after it was lost; waiting for a health report"
             ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
         state.nodes[self.name] = node
-        if old is None or old.gpus != node.gpus or old.closeness != node.closeness or old.path != node.path \
-                or node.gpu_health or old.mig_gpus != node.mig_gpus or old.foreign != node.foreign \
-                or switch_ended:
+        if (
+            old is None
+            or old.gpus != node.gpus
+            or old.closeness != node.closeness
+            or old.path != node.path
+            or node.gpu_health
+            or old.mig_gpus != node.mig_gpus
+            or old.foreign != node.foreign
+            or switch_ended
+        ):
             state.rebuild_capacity()  # a new path (another NVLink clique), or a GPU's MIG mode or instances changed
             if old is not None and old.mig_gpus != node.mig_gpus:
-                log.info("node_mig_mode_changed", node=self.name, mig_gpus=sorted(node.mig_gpus),
-                         was=sorted(old.mig_gpus))
+                log.info(
+                    "node_mig_mode_changed", node=self.name, mig_gpus=sorted(node.mig_gpus), was=sorted(old.mig_gpus)
+                )
         else:
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY" and not cordoned:
@@ -409,13 +395,22 @@ MAX_MIG_INSTANCES = 64  # per GPU, as stored (a GPU has at most 7 instances, plu
 
 def mig_instances(gpu: Any) -> list[dict[str, Any]]:
     """A registered GPU's MIG instances (phalanx.v1.GpuInfo.MigInstance) as the ledger stores them."""
+
     def clean(text: str, limit: int) -> str:
         return text.replace("\x00", "")[:limit]
 
-    return [dict(profile=clean(i.profile, 32), start=i.start, size=i.size, uuid=clean(i.uuid, 64),
-                 managed=bool(i.managed), gpu_instance_id=i.gpu_instance_id,
-                 compute_instance_id=i.compute_instance_id)
-            for i in list(gpu.mig_instances)[:MAX_MIG_INSTANCES]]
+    return [
+        dict(
+            profile=clean(i.profile, 32),
+            start=i.start,
+            size=i.size,
+            uuid=clean(i.uuid, 64),
+            managed=bool(i.managed),
+            gpu_instance_id=i.gpu_instance_id,
+            compute_instance_id=i.compute_instance_id,
+        )
+        for i in list(gpu.mig_instances)[:MAX_MIG_INSTANCES]
+    ]
 
 
 @dataclass
@@ -450,8 +445,18 @@ class RankReport(Command):
             raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
         if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
             return False
-        ledger.record_rank(cycle.conn, job.id, job.attempt, rank, node.id, state=self.state,
-                           exit_code=self.exit_code, pid=self.pid, message=self.message, now=cycle.now)
+        ledger.record_rank(
+            cycle.conn,
+            job.id,
+            job.attempt,
+            rank,
+            node.id,
+            state=self.state,
+            exit_code=self.exit_code,
+            pid=self.pid,
+            message=self.message,
+            now=cycle.now,
+        )
         rank.state, rank.exit_code = self.state, self.exit_code
         where = f"rank {self.rank} on {self.node}"
         if self.state == "RUNNING":
@@ -462,21 +467,34 @@ class RankReport(Command):
                     ledger.mark_attempt_running(cycle.conn, job, cycle.now)
                 cycle.touched(job)
         elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
-            teardown(cycle, job, cause="RANK_FAILED",
-                     message=f"{where} exited with code {self.exit_code} (restart {job.failures + 1} of "
-                             f"{job.max_restarts})")
+            teardown(
+                cycle,
+                job,
+                cause="RANK_FAILED",
+                message=f"{where} exited with code {self.exit_code} (restart {job.failures + 1} of {job.max_restarts})",
+            )
         elif self.state == "EXITED" and self.exit_code != 0:
-            teardown(cycle, job, final_state="FAILED", exit_code=self.exit_code,
-                     message=f"{where} exited with code {self.exit_code}"
-                             + (f" after {job.max_restarts} restart(s)" if job.max_restarts else ""))
+            teardown(
+                cycle,
+                job,
+                final_state="FAILED",
+                exit_code=self.exit_code,
+                message=f"{where} exited with code {self.exit_code}"
+                + (f" after {job.max_restarts} restart(s)" if job.max_restarts else ""),
+            )
         elif self.state == "EXITED":
             if all(r.state == "EXITED" and r.exit_code == 0 for r in job.ranks.values()):
                 teardown(cycle, job, final_state="SUCCEEDED", message="all ranks exited with code 0", kill=False)
         elif self.state == "FAILED_TO_START" and self.retryable:
             strike(cycle, job, node, f"rank {self.rank}", self.message)
         elif self.state == "FAILED_TO_START":
-            teardown(cycle, job, final_state="FAILED", exit_code=127,
-                     message=f"{where} failed to start: {self.message or 'unknown error'}")
+            teardown(
+                cycle,
+                job,
+                final_state="FAILED",
+                exit_code=127,
+                message=f"{where} failed to start: {self.message or 'unknown error'}",
+            )
         elif self.state in ("KILLED", "LOST"):
             teardown(cycle, job, cause="RANK_LOST", message=f"{where} was {self.state.lower()} by its agent")
         return False
@@ -492,13 +510,28 @@ def strike(cycle: Cycle, job: JobRecord, node: NodeRecord, where: str, message: 
         return
     strikes = ledger.strike_node(cycle.conn, node.id)
     what = message or "unknown error"
-    ledger.add_node_events(cycle.conn, node.id, [dict(
-        at=cycle.now, gpu=-1, severity="DEGRADED", kind="setup_failed", code=strikes,
-        reason=f"job {job.id} attempt {job.attempt}: {where} could not be set up: {what}"[:2000])])
+    ledger.add_node_events(
+        cycle.conn,
+        node.id,
+        [
+            dict(
+                at=cycle.now,
+                gpu=-1,
+                severity="DEGRADED",
+                kind="setup_failed",
+                code=strikes,
+                reason=f"job {job.id} attempt {job.attempt}: {where} could not be set up: {what}"[:2000],
+            )
+        ],
+    )
     log.warning("node_struck", node=node.name, job=job.id, attempt=job.attempt, strikes=strikes, reason=what)
-    teardown(cycle, job, cause="SETUP_FAILED",
-             message=f"{where} could not be set up on node {node.name} (a host-side failure, not the job's): {what}; "
-                     f"node {node.name} struck (strike {strikes} there), the gang avoids it while it fits elsewhere")
+    teardown(
+        cycle,
+        job,
+        cause="SETUP_FAILED",
+        message=f"{where} could not be set up on node {node.name} (a host-side failure, not the job's): {what}; "
+        f"node {node.name} struck (strike {strikes} there), the gang avoids it while it fits elsewhere",
+    )
 
 
 HEALTH_NAMES = {1: "HEALTHY", 2: "DEGRADED", 3: "FATAL"}
@@ -531,13 +564,22 @@ class HealthReport(Command):
             changed = True
         if self.health is not None and self.health.state in HEALTH_NAMES:
             health = HEALTH_NAMES[self.health.state]
-            gpus = {g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons)) for g in self.health.gpus
-                    if g.state in (2, 3)}
+            gpus = {
+                g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons))
+                for g in self.health.gpus
+                if g.state in (2, 3)
+            }
             reason = self.health.reason
             if (health, reason, gpus) != (node.health, node.health_reason, node.gpu_health):
                 ledger.set_node_health(cycle.conn, node.id, health, reason, gpus)
-                log.warning("node_health_changed", node=node.name, health=health, was=node.health, reason=reason,
-                            fatal_gpus=sorted(i for i, (h, _) in gpus.items() if h == "FATAL"))
+                log.warning(
+                    "node_health_changed",
+                    node=node.name,
+                    health=health,
+                    was=node.health,
+                    reason=reason,
+                    fatal_gpus=sorted(i for i, (h, _) in gpus.items() if h == "FATAL"),
+                )
                 was_fatal, was_unknown = node.fatal_gpus, node.health == "UNKNOWN"
                 node.health, node.health_reason, node.gpu_health = health, reason, gpus
                 if node.fatal_gpus != was_fatal or was_unknown:
@@ -546,8 +588,17 @@ class HealthReport(Command):
                     cycle.state.set_node_schedulable(node.name)
                 changed = True
                 tear_down_on_fatal(cycle, node)
-        events = [dict(at=e.at or cycle.now, gpu=e.gpu, severity=HEALTH_NAMES.get(e.severity, "HEALTHY"),
-                       kind=e.kind[:32], code=e.code, reason=e.reason) for e in self.events]
+        events = [
+            dict(
+                at=e.at or cycle.now,
+                gpu=e.gpu,
+                severity=HEALTH_NAMES.get(e.severity, "HEALTHY"),
+                kind=e.kind[:32],
+                code=e.code,
+                reason=e.reason,
+            )
+            for e in self.events
+        ]
         ledger.add_node_events(cycle.conn, node.id, events)
         return changed
 
@@ -557,11 +608,16 @@ def tear_down_on_fatal(cycle: Cycle, node: NodeRecord) -> None:
     FATAL); each requeues and restarts elsewhere from its last committed checkpoint."""
     fatal = node.fatal_gpus
     for job in cycle.state.running_on(node.name):
-        hit = sorted({g for _, n, gpus in job.allocations if n == node.name for g in gpus}
-                     & (set(range(node.gpus)) if node.health == "FATAL" else fatal))
+        hit = sorted(
+            {g for _, n, gpus in job.allocations if n == node.name for g in gpus}
+            & (set(range(node.gpus)) if node.health == "FATAL" else fatal)
+        )
         if hit:
-            what = f"node {node.name} is FATAL ({node.health_reason})" if node.health == "FATAL" else \
-                f"GPU(s) {hit} of {node.name} failed ({'; '.join(node.gpu_health[hit[0]][1]) or 'FATAL'})"
+            what = (
+                f"node {node.name} is FATAL ({node.health_reason})"
+                if node.health == "FATAL"
+                else f"GPU(s) {hit} of {node.name} failed ({'; '.join(node.gpu_health[hit[0]][1]) or 'FATAL'})"
+            )
             teardown(cycle, job, cause="GPU_FAILED", message=what)
 
 
@@ -629,8 +685,13 @@ class SetQueue(Command):
         ledger.upsert_queue(cycle.conn, self.spec, cycle.now)
         cycle.state.queues[self.spec.name] = self.spec
         cycle.state.no_preemption = None
-        log.info("queue_set", queue=self.spec.name, cohort=self.spec.cohort, weight=self.spec.weight,
-                 quotas={f: (q.gpus, q.borrow_limit, q.mig_slices) for f, q in self.spec.quotas.items()})
+        log.info(
+            "queue_set",
+            queue=self.spec.name,
+            cohort=self.spec.cohort,
+            weight=self.spec.weight,
+            quotas={f: (q.gpus, q.borrow_limit, q.mig_slices) for f, q in self.spec.quotas.items()},
+        )
         return self.spec.name
 
 
@@ -643,77 +704,13 @@ class DeleteQueue(Command):
             raise NotFound(f"no queue {self.name[:64]!r}")
         users = [j.id for j in cycle.state.jobs.values() if j.queue == self.name]
         if users:
-            raise FailedPrecondition(f"queue {self.name!r} still has {len(users)} pending or running job(s) "
-                                     f"({', '.join(users[:5])}); cancel them or let them finish first")
+            raise FailedPrecondition(
+                f"queue {self.name!r} still has {len(users)} pending or running job(s) "
+                f"({', '.join(users[:5])}); cancel them or let them finish first"
+            )
         ledger.delete_queue(cycle.conn, self.name)
         del cycle.state.queues[self.name]
         return self.name
-
-
-# ---- transitions ------------------------------------------------------------------------------------------------
-
-FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
-
-
-def teardown(cycle: Cycle, job: JobRecord, *, final_state: str | None = None, message: str, exit_code: int = 0,
-             kill: bool = True, cause: str = "") -> bool:
-    """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it.
-
-    `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
-    (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT,
-    SETUP_FAILED, and RANK_FAILED within the job's max_restarts) counts against `max_attempts` and waits out an
-    exponential backoff first.
-    """
-    s, now = cycle.settings, cycle.now
-    changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
-    if final_state is None and cause == "PREEMPTED":
-        changes.update(state="PENDING", preemptions=job.preemptions + 1, message=f"{message}; requeued")
-    elif final_state is None:
-        failures = job.failures + 1
-        changes.update(failures=failures)
-        if failures >= s.max_attempts:
-            final_state, message = "FAILED", f"{message}; gave up after {failures} failed attempts"
-        else:
-            delay = retry_backoff(s.retry_backoff_s, s.retry_backoff_max_s, failures)
-            changes.update(state="PENDING", not_before=now + delay,
-                           message=f"{message}; requeued (failure {failures} of at most {s.max_attempts}), "
-                                   f"retried after a {delay:g}s backoff")
-    if final_state:
-        changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
-    attempt = job.attempt
-    if not ledger.update_job(cycle.conn, job, **changes):
-        cycle.resync_after = True
-        return False
-    step, _ = ledger.end_attempt(cycle.conn, job, cause or final_state or "", message, now)
-    ledger.release_allocations(cycle.conn, job, now)
-    for rep in job.replica_placements():
-        cycle.state.capacity.release_replica(rep)
-    cycle.state.hold_fatal_gpus(job.nodes)
-    if kill:
-        for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
-            node = cycle.state.nodes.get(node_name)
-            if node is None:
-                continue
-            kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=job.message)
-            cycle.send(node, job.id, attempt, "kill",
-                       lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k))
-    job.launch_deadline = None
-    job.running_at = 0.0
-    if final_state:
-        cycle.state.jobs.pop(job.id, None)
-    else:
-        cycle.wake_at(job.not_before)
-    log.info("gang_torn_down", job=job.id, attempt=attempt, cause=cause or final_state, state=job.state,
-             committed_step=step, message=job.message)
-    cycle.touched(job)
-    return True
-
-
-def retry_backoff(base: float, cap: float, failures: int) -> float:
-    """base, 2 x base, 4 x base ... after the 1st, 2nd, 3rd failure, at most `cap`."""
-    if base <= 0:
-        return 0.0
-    return min(cap, base * 2 ** min(failures - 1, 30))
 
 
 def fire_timers(cycle: Cycle) -> None:
@@ -728,95 +725,59 @@ def fire_timers(cycle: Cycle) -> None:
             node.state = "LOST"
             cycle.state.set_node_schedulable(node.name)
             log.warning("node_lost", node=node.name, reason=msg)
-            ledger.add_node_events(cycle.conn, node.id, [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0,
-                                                              reason=msg)])
+            ledger.add_node_events(
+                cycle.conn, node.id, [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0, reason=msg)]
+            )
             for job in cycle.state.running_on(node.name):
                 teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
     for job in list(cycle.state.jobs.values()):
         if job.state == "RUNNING" and job.time_limit and now >= job.started_at + job.time_limit:
-            teardown(cycle, job, final_state="FAILED", cause="TIMEOUT",
-                     message=f"stopped at its time limit of {job.time_limit:g}s")
+            teardown(
+                cycle,
+                job,
+                final_state="FAILED",
+                cause="TIMEOUT",
+                message=f"stopped at its time limit of {job.time_limit:g}s",
+            )
             continue
         if job.state == "RUNNING" and job.launch_deadline is not None and now > job.launch_deadline:
             waiting = sorted(r.rank for r in job.ranks.values() if r.state == "ASSIGNED")
-            teardown(cycle, job, cause="LAUNCH_TIMEOUT",
-                     message=f"ranks {waiting[:8]} did not start within {s.launch_timeout:.0f}s")
+            teardown(
+                cycle,
+                job,
+                cause="LAUNCH_TIMEOUT",
+                message=f"ranks {waiting[:8]} did not start within {s.launch_timeout:.0f}s",
+            )
 
 
 def schedule(cycle: Cycle) -> None:
-    """Stop the victims whose time is up, then place pending gangs in order; if the head of the queue does not fit,
-    see whether preempting lower-priority gangs would make it fit. Victims stopped here free their GPUs in this
-    transaction, so the gang they make way for is reserved in the same commit (an atomic handover)."""
+    """The scheduling pass: snapshot the view, decide (phalanx.core.decide: stop the victims whose time is up, place
+    pending gangs in order, preempt for a blocked head), apply the plan in this transaction. Victims stopped here
+    free their GPUs in it, so the gang they make way for is reserved in the same commit (an atomic handover)."""
+    from .planning import apply_plan, snapshot_of
+
     state = cycle.state
     state.wake_at = math.inf
     for job in state.jobs.values():
         if job.state == "RUNNING" and job.time_limit:
-            cycle.wake_at(job.started_at + job.time_limit)
-    stop_victims(cycle)
-    for _ in range(2):  # a second pass only when a preemption with no grace period stopped victims at once
-        pending = []
-        for job in state.pending():
-            if job.not_before > cycle.now:
-                cycle.wake_at(job.not_before)  # retry backoff: it neither runs nor holds the queue until then
-            else:
-                pending.append(job)
-        if not pending:
-            return
-        # EASY backfill behind a blocked head, except while a preemption is under way (its plan counts on the
-        # GPUs that are free now).
-        backfill = cycle.settings.backfill and not any(j.preempting for j in state.jobs.values())
-        # A handover goes to the gang the stopped victims made way for, before anyone else (a victim that outranks
-        # it, requeued by a quota reclaim, would otherwise take its GPUs straight back).
-        first = [j for j in pending if j.id in cycle.handover_to]
-        cycle.handover_to.clear()
-        if first:
-            book = quota_book(state)
-            _reserve_placed(cycle, schedule_with_backfill(
-                state.capacity, [j.request() for j in first], state_tiers(cycle), now=cycle.now,
-                running=lambda: running_ends(state), unusable=_unusable(state), backfill=False, book=book,
-                queues={j.id: j.queue for j in first} if book else None))
-            pending = [j for j in pending if j.state == "PENDING"]
-        book = quota_book(state)
-        result = schedule_with_backfill(
-            state.capacity, [j.request() for j in pending], state_tiers(cycle), now=cycle.now,
-            running=lambda: running_ends(state), unusable=_unusable(state), backfill=backfill,
-            memo=state.reservation_memo, book=book, queues={j.id: j.queue for j in pending} if book else None)
-        _reserve_placed(cycle, result)
-        blocked = result.blocked
-        if blocked is None:
-            return
-        head = state.jobs[blocked.job_id]
-        # --mig-manage: a gang blocked only by the GPUs' MIG modes waits for switches rather than preempting.
-        from .migmode import after_pass
-
-        waits, note = after_pass(cycle, head, result, pending, backfill)
-        if waits is not None:
-            message, stopped = waits, False
-        else:
-            message, stopped = preempt_for(cycle, head, book)
-            message = message or f"waiting, holding no GPUs: {blocked.reason}" + _reserved(result.reservation) + note
-        if head.message != message and set_job(cycle, head, message=message):
-            cycle.touched(head)
-        if not stopped:
-            return
+            cycle.wake_at(job.started_at + job.time_limit)  # fire_timers stops it there
+    snapshot = snapshot_of(cycle)
+    plan = decide(snapshot, cycle.now, after_blocked=mig_hook(cycle))
+    state.no_preemption = snapshot.memo.no_preemption
+    apply_plan(cycle, plan)
 
 
-def _reserve_placed(cycle: Cycle, result) -> None:
-    """Reserve what a scheduling pass placed, and tell the quota-blocked why they wait."""
-    state = cycle.state
-    for job_id, why in result.quota_blocked.items():
-        job = state.jobs[job_id]
-        message = f"waiting for quota, holding no GPUs: {why}"
-        if job.message != message and set_job(cycle, job, message=message):
-            cycle.touched(job)
-    for placement in result.placements:
-        job = state.jobs[placement.job_id]
-        job.flavor = result.flavors.get(job.id, "")
-        if not reserve(cycle, job, placement):
-            state.capacity.release_placement(placement)
-            cycle.resync_after = True
-        elif placement.job_id in result.backfilled and result.reservation is not None:
-            log.info("backfilled", job=job.id, ahead_of=result.reservation.job_id)
+def mig_hook(cycle: Cycle) -> AfterBlocked | None:
+    """--mig-manage: a head blocked only by the GPUs' MIG modes waits for switches rather than preempting."""
+    if not any(n.mig_manage for n in cycle.state.nodes.values()):
+        return None
+    from .migmode import after_pass
+
+    def hook(head: str, result: BackfillResult, pending: Sequence[str], backfill: bool) -> tuple[str | None, str]:
+        jobs = cycle.state.jobs
+        return after_pass(cycle, jobs[head], result, [jobs[j] for j in pending if j in jobs], backfill)
+
+    return hook
 
 
 def quota_book(state: SchedulerState) -> QuotaBook | None:
@@ -825,273 +786,29 @@ def quota_book(state: SchedulerState) -> QuotaBook | None:
     if not state.queues:
         return None
     running = [(j.queue, j.flavor, j.request()) for j in state.jobs.values() if j.state == "RUNNING"]
-    return QuotaBook(state.queues, usage_of(running),
-                     cluster_totals((n.gpu_model, n.memory_mib, g in n.mig_gpus)
-                                    for n in state.nodes.values() for g in range(n.gpus)))
+    return QuotaBook(
+        state.queues,
+        usage_of(running),
+        cluster_totals(
+            (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
+        ),
+    )
 
 
 def running_ends(state: SchedulerState) -> list[RunningEnd]:
     """The running gangs with what they hold and when their time limits end them (inf: no limit), for backfill."""
-    return [RunningEnd(j.id, Placement(j.id, tuple(j.replica_placements()), "", 0, 0.0, ""),
-                       j.started_at + j.time_limit if j.time_limit else math.inf)
-            for j in state.jobs.values() if j.state == "RUNNING"]
+    return [
+        RunningEnd(
+            j.id,
+            Placement(j.id, tuple(j.replica_placements()), "", 0, 0.0, ""),
+            j.started_at + j.time_limit if j.time_limit else math.inf,
+        )
+        for j in state.jobs.values()
+        if j.state == "RUNNING"
+    ]
 
 
-def _unusable(state: SchedulerState) -> dict[str, set[int]]:
-    """GPUs out of placement besides what runs: FATAL ones and those switching MIG mode."""
-    return {n.name: held for n in state.nodes.values() if (held := n.held_gpus)}
-
-
-def _reserved(reservation: Reservation | None) -> str:
-    if reservation is None:
-        return ""
-    when = ("once a gang without a time limit ends" if math.isinf(reservation.start)
-            else f"by {_clock(reservation.start)} at the latest")
-    return (f"; it starts {when} on {len(reservation.placement.nodes)} node(s): {len(reservation.nodes)} node(s) "
-            "are kept from gangs that would outlive that (EASY backfill)")
-
-
-def stop_victims(cycle: Cycle) -> bool:
-    """Stop every victim whose checkpoint is committed (its request is cleared) or whose grace period is over; a
-    victim whose preemptor no longer waits (cancelled, or placed elsewhere) keeps running. True if any stopped."""
-    victims = [j for j in cycle.state.jobs.values() if j.preempting]
-    if not victims:
-        return False
-    waiting = ledger.outstanding_requests(cycle.conn, [v.id for v in victims])
-    stopped = False
-    for victim in victims:
-        by = cycle.state.jobs.get(victim.preempted_by)
-        if by is None or by.state != "PENDING":
-            if set_job(cycle, victim, preempted_by="", preempt_deadline=0.0,
-                       message=f"running; the preemption for job {victim.preempted_by} was called off (that job "
-                               "no longer waits)"):
-                cycle.touched(victim)
-            continue
-        why = (f"preempted by job {by.id} (priority {by.priority} > {victim.priority})" if by.priority > victim.priority
-               else f"preempted by job {by.id}: its queue {by.queue!r} reclaims the quota queue {victim.queue!r} "
-                    "borrowed")
-        if victim.id not in waiting:
-            done = teardown(cycle, victim, cause="PREEMPTED", message=f"{why}: its checkpoint is committed")
-        elif cycle.now >= victim.preempt_deadline:
-            done = teardown(cycle, victim, cause="PREEMPTED",
-                            message=f"{why}: stopped at the end of its {cycle.settings.preemption.grace_period_s:g}s "
-                                    "grace period without a new committed checkpoint")
-        else:
-            done = False
-            # The coordinator clears the request on commit without telling us: look again soon.
-            cycle.wake_at(min(victim.preempt_deadline, cycle.now + cycle.settings.preemption_poll_s))
-        if done:
-            stopped = True
-            cycle.handover_to.add(by.id)
-    cycle.handover |= stopped
-    return stopped
-
-
-def preempt_for(cycle: Cycle, head: JobRecord, book: QuotaBook | None = None) -> tuple[str | None, bool]:
-    """Start preempting for the blocked head of the queue when that would make it fit. Returns its message (None:
-    the usual "waiting" one) and whether victims were stopped already (a zero grace period)."""
-    state, now, policy = cycle.state, cycle.now, cycle.settings.preemption
-    running = [j for j in state.jobs.values() if j.state == "RUNNING"]
-    mine = [j for j in running if j.preempted_by == head.id]
-    if mine:
-        until = max(j.preempt_deadline for j in mine)
-        return (f"waiting for {len(mine)} preempted gang(s) ({', '.join(j.id for j in mine)}) to checkpoint and "
-                f"stop, by {_clock(until)} at the latest; they hold the GPUs this gang gets"), False
-    # Reclaim (quotas): a head within its queue's nominal quota may also evict, whatever their priority, gangs of
-    # other queues of its cohort that run on borrowed quota; they count as just below its priority.
-    # A head that could run only on borrowed quota preempts within its own queue (Kueue's borrowWithinCohort
-    # "Never"): else a reclaimed high-priority gang would evict its reclaimer, be reclaimed again, and so on.
-    reclaim: set[str] = set()
-    borrowing_head = False
-    if book is not None:
-        spec = book.spec(head.queue)
-        admitted = book.admit(head.queue, head.request())
-        flavors = [a.flavor for a in admitted if not a.borrowing] if isinstance(admitted, list) else []
-        borrowing_head = isinstance(admitted, list) and bool(admitted) and not flavors
-        if spec.cohort and flavors:
-            reclaim = {j.id for j in running if not j.preempting and j.queue != head.queue
-                       and book.spec(j.queue).cohort == spec.cohort and book.borrowing(j.queue, j.flavor)}
-    effective = {j.id: (min(j.priority, head.priority - 1) if j.id in reclaim else j.priority) for j in running}
-    lower = [j for j in running if not j.preempting and effective[j.id] < head.priority
-             and not (borrowing_head and j.queue != head.queue)]
-    if not lower:
-        return None, False
-    # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head that
-    # stays blocked does not pay for the search every cycle.
-    signature = (head.id, head.priority, frozenset((j.id, j.attempt) for j in lower), state.capacity.free_gpus(),
-                 frozenset(n.name for n in state.nodes.values() if n.schedulable))
-    memo = state.no_preemption
-    if memo is not None and memo[0] == signature and now < memo[1]:
-        if memo[1] != math.inf:
-            cycle.wake_at(memo[1])
-        return memo[2], False
-    commits = ledger.latest_commits(cycle.conn, [j.id for j in lower])
-    gangs = []
-    for job in lower:
-        since = job.running_at or job.started_at
-        step = commits.get(job.id)
-        if step is not None and step[1] == job.attempt:
-            since = max(since, step[2])
-        placement = Placement(job.id, tuple(job.replica_placements()), "", 0, 0.0, "")
-        gangs.append(RunningGang(job.id, effective[job.id], placement, job.started_at,
-                                 job.gpu_equivalents * max(0.0, now - since)))
-    unusable = _unusable(state)
-    result = choose_victims(state.capacity, head.request(), gangs, now, policy, state_tiers(cycle), unusable)
-    if isinstance(result, NoPreemption):
-        if result.retry_in is not None:
-            until = now + result.retry_in
-            cycle.wake_at(until)
-            message = (f"waiting, holding no GPUs: it could preempt lower-priority gangs once they pass their "
-                       f"minimum runtime of {policy.min_runtime_s:g}s (at {_clock(until)})")
-        else:
-            until, message = math.inf, None
-        state.no_preemption = (signature, until, message)
-        return message, False
-    state.no_preemption = None
-    deadline = now + policy.grace_period_s
-    reason = f"preemption: job {head.id} (priority {head.priority}) needs these GPUs"
-    for vid in result.victims:
-        victim = state.jobs[vid]
-        if not set_job(cycle, victim, preempted_by=head.id, preempt_deadline=deadline,
-                       message=f"preempting: job {head.id} (priority {head.priority}) needs its GPUs; asked to "
-                               f"checkpoint, stopped once it is committed or by {_clock(deadline)}"):
-            cycle.resync_after = True
-            return None, False
-        ledger.request_checkpoint(cycle.conn, vid, reason, now)
-        cycle.touched(victim)
-        log.info("preemption_started", preemptor=head.id, victim=vid, deadline=deadline)
-    cycle.wake_at(min(deadline, now + cycle.settings.preemption_poll_s))
-    stopped = policy.grace_period_s <= 0 and stop_victims(cycle)
-    return (f"preempting {len(result.victims)} lower-priority gang(s) ({', '.join(result.victims)}): they were asked "
-            f"to checkpoint and stop by {_clock(deadline)}; then {result.placement.reason}"), stopped
-
-
-def _clock(ts: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(ts)) + " UTC"
-
-
-def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> bool:
-    """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set."""
-    if job.version < 0:
-        for key, value in changes.items():
-            setattr(job, key, value)
-        return True
-    return ledger.update_job(cycle.conn, job, **changes)
-
-
-def state_tiers(cycle: Cycle) -> tuple[str, ...]:
-    return cycle.settings.fabric.tiers
-
-
-def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
-    """Write the whole gang's reservation (job state, allocations, ranks, launch assignments) in this transaction.
-
-    Cycles take turns on a fresh view (ledger.begin_cycle), so the ledger refusing a GPU here means a bug or a
-    writer outside the scheduler; the partial unique index then fails the whole transaction, nothing of it
-    commits, and the service reloads its view.
-    """
-    placement_info = dict(tier=placement.tier, domains=placement.domains, score=placement.score,
-                          reason=placement.reason, scheduler=cycle.settings.replica_id, epoch=cycle.epoch)
-    if not set_job(cycle, job, state="RUNNING", attempt=job.attempt + 1, started_at=cycle.now, finished_at=0.0,
-                   exit_code=0, placement=placement_info, message=f"reserved: {placement.reason}",
-                   flavor=job.flavor):
-        return False
-    job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
-    job.partials = {
-        r.replica: Partial(profile=r.mig_profile, start=r.mig_start, size=r.mig_size, milli=r.gpu_milli)
-        for r in placement.replicas if r.mig_profile or r.gpu_milli
-    }
-    job.ranks = layout_ranks(job)
-    job.running_at = 0.0
-    job.restored_step = -1
-    if job.attempt > 1:
-        job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
-    cycle.new_allocations.append(job)
-    for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
-        node = cycle.state.nodes[launch_node(job, launch.replica)]
-        cycle.send(node, job.id, job.attempt, "launch",
-                   lambda rev, l=launch: agent_pb2.Assignment(revision=rev, launch=l))
-    job.launch_deadline = cycle.now + cycle.settings.launch_timeout
-    cycle.reserved.append((job, cycle.now - job.submitted_at))
-    cycle.touched(job)
-    return True
-
-
-ENDPOINT_TTL_S = 10.0
-
-
-def checkpoint_endpoint(cycle: Cycle) -> tuple[str, str]:
-    """The checkpoint coordinator's address and directory for ranks: the scheduler's flags, else what the
-    coordinator recorded in the ledger at its start (looked up at most every ENDPOINT_TTL_S)."""
-    s, state = cycle.settings, cycle.state
-    if s.checkpoint_addr:
-        return s.checkpoint_addr, s.checkpoint_dir
-    if state.endpoint_expires <= cycle.now:
-        found = ledger.service_endpoint(cycle.conn, "checkpoint-coordinator")
-        state.endpoint = (found[0], str(found[1].get("checkpoint_dir", ""))) if found else ("", "")
-        state.endpoint_expires = cycle.now + ENDPOINT_TTL_S
-    addr, directory = state.endpoint
-    return addr, s.checkpoint_dir or directory
-
-
-def launch_node(job: JobRecord, replica: int) -> str:
-    return job.allocations[replica][1]
-
-
-# Rank 0's rendezvous port: below Linux's ephemeral range (32768-60999 by default), so that no outgoing connection
-# on the master's host already holds it (seen: EADDRINUSE from torch.distributed's TCPStore at 44224).
-MASTER_PORTS = range(20000, 32000)
-
-
-def master_port(job_id: str, attempt: int) -> int:
-    digest = hashlib.sha1(f"{job_id}:{attempt}".encode()).digest()
-    return MASTER_PORTS.start + int.from_bytes(digest[:4], "big") % len(MASTER_PORTS)
-
-
-def launches(job: JobRecord, nodes: dict[str, NodeRecord], settings: SchedulerSettings | None = None,
-             checkpoint: tuple[str, str] | None = None) -> list[agent_pb2.LaunchReplica]:
-    """The torchrun-style environment: shared per replica, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES per rank."""
-    master = nodes[job.allocations[0][1]].address or "127.0.0.1"
-    per_replica = 1 if job.procs_per_replica == 1 else job.gpus_per_replica
-    base = dict(job.env)
-    base.update(
-        WORLD_SIZE=str(len(job.ranks)), LOCAL_WORLD_SIZE=str(per_replica), MASTER_ADDR=master,
-        MASTER_PORT=str(master_port(job.id, job.attempt)), PHALANX_JOB_ID=job.id, PHALANX_ATTEMPT=str(job.attempt),
-        PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
-    )
-    # The checkpoint coordinator and store for phalanx.train, unless the job names its own.
-    addr, directory = checkpoint or ((settings.checkpoint_addr, settings.checkpoint_dir) if settings else ("", ""))
-    if addr:
-        base.setdefault("PHALANX_CHECKPOINT_ADDR", addr)
-    if directory:
-        base.setdefault("PHALANX_CHECKPOINT_DIR", directory)
-    by_replica: dict[int, list[RankRecord]] = {}
-    for r in job.ranks.values():
-        by_replica.setdefault(r.replica, []).append(r)
-    out = []
-    for replica, node, gpus in job.allocations:
-        ranks = []
-        for r in sorted(by_replica[replica], key=lambda r: r.rank):
-            rank_gpus = list(gpus) if job.procs_per_replica == 1 else [gpus[r.local_rank]]
-            launch = agent_pb2.RankLaunch(
-                rank=r.rank, local_rank=r.local_rank, gpus=rank_gpus,
-                env={"RANK": str(r.rank), "LOCAL_RANK": str(r.local_rank),
-                     "CUDA_VISIBLE_DEVICES": ",".join(map(str, rank_gpus))},
-            )
-            part = job.partials.get(replica)
-            if part is not None and part.profile:
-                launch.slices.add(gpu=gpus[0], profile=part.profile, start=part.start, size=part.size)
-            elif part is not None:
-                launch.gpu_milli = part.milli
-            ranks.append(launch)
-        env = dict(base, NODE_RANK=str(replica), PHALANX_REPLICA=str(replica), PHALANX_NODE=node)
-        out.append(agent_pb2.LaunchReplica(job_id=job.id, attempt=job.attempt, replica=replica,
-                                           command=job.command, ranks=ranks, env=env))
-    return out
-
-
-def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True, schedules: bool = True
-              ) -> list[Any]:
+def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True, schedules: bool = True) -> list[Any]:
     """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each.
 
     `schedules` False (a replica that does not lead): the commands only; timers and placement are the leader's."""

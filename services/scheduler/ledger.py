@@ -14,19 +14,31 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, and_, case, func, insert, or_, select, text, update
-from sqlalchemy.exc import IntegrityError
-
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
 
+from db.migrate import ensure_cluster_id as _ensure_cluster_id
+from db.migrate import read_cluster_id
+from db.models import (
+    Allocation,
+    Assignment,
+    Checkpoint,
+    CheckpointRequest,
+    CheckpointRestore,
+    Gpu,
+    Job,
+    JobAttempt,
+    LedgerClock,
+    Node,
+    NodeEvent,
+    Queue,
+    Rank,
+    ServiceEndpoint,
+)
 from phalanx.core import mig
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.quota import FlavorQuota, QueueSpec
-
-from db.models import (
-    Allocation, Assignment, Checkpoint, CheckpointRequest, CheckpointRestore, Gpu, Job, JobAttempt, LedgerClock, Node, NodeEvent, Rank,
-    Queue, ServiceEndpoint,
-)
 
 from .state import JobRecord, MigSwitch, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
 
@@ -55,10 +67,14 @@ def begin_cycle(conn: Connection) -> Clock:
     if conn.dialect.name == "postgresql":
         row = conn.exec_driver_sql(
             "SELECT generation, leader, leader_epoch, leader_until, extract(epoch FROM clock_timestamp())::float8 "
-            "FROM ledger_clock WHERE id = 1 FOR UPDATE").one()
+            "FROM ledger_clock WHERE id = 1 FOR UPDATE"
+        ).one()
         return Clock(int(row[0]), row[1] or "", int(row[2] or 0), float(row[3] or 0.0), float(row[4]))
-    row = conn.execute(select(LedgerClock.generation, LedgerClock.leader, LedgerClock.leader_epoch,
-                              LedgerClock.leader_until).where(LedgerClock.id == 1)).one()
+    row = conn.execute(
+        select(LedgerClock.generation, LedgerClock.leader, LedgerClock.leader_epoch, LedgerClock.leader_until).where(
+            LedgerClock.id == 1
+        )
+    ).one()
     return Clock(int(row[0]), row[1] or "", int(row[2] or 0), float(row[3] or 0.0), time.time())
 
 
@@ -72,16 +88,22 @@ def take_lease(conn: Connection, clock: Clock, replica: str, lease_s: float, *, 
     until = clock.now + lease_s
     if epoch is None:
         new_epoch = clock.epoch + 1
-        stmt = (update(LedgerClock)
-                .where(LedgerClock.id == 1, LedgerClock.leader_epoch == clock.epoch,
-                       or_(LedgerClock.leader == "", LedgerClock.leader == replica,
-                           LedgerClock.leader_until < clock.now))
-                .values(leader=replica, leader_epoch=new_epoch, leader_until=until))
+        stmt = (
+            update(LedgerClock)
+            .where(
+                LedgerClock.id == 1,
+                LedgerClock.leader_epoch == clock.epoch,
+                or_(LedgerClock.leader == "", LedgerClock.leader == replica, LedgerClock.leader_until < clock.now),
+            )
+            .values(leader=replica, leader_epoch=new_epoch, leader_until=until)
+        )
     else:
         new_epoch = epoch
-        stmt = (update(LedgerClock)
-                .where(LedgerClock.id == 1, LedgerClock.leader == replica, LedgerClock.leader_epoch == epoch)
-                .values(leader_until=until))
+        stmt = (
+            update(LedgerClock)
+            .where(LedgerClock.id == 1, LedgerClock.leader == replica, LedgerClock.leader_epoch == epoch)
+            .values(leader_until=until)
+        )
     if conn.execute(stmt).rowcount != 1:
         return None
     return clock._replace(leader=replica, epoch=new_epoch, until=until)
@@ -89,9 +111,14 @@ def take_lease(conn: Connection, clock: Clock, replica: str, lease_s: float, *, 
 
 def release_lease(conn: Connection, replica: str, epoch: int) -> bool:
     """Give the lease up (a graceful stop), so another replica leads at once instead of after the lease."""
-    return conn.execute(
-        update(LedgerClock).where(LedgerClock.id == 1, LedgerClock.leader == replica, LedgerClock.leader_epoch == epoch)
-        .values(leader="", leader_until=0.0)).rowcount == 1
+    return (
+        conn.execute(
+            update(LedgerClock)
+            .where(LedgerClock.id == 1, LedgerClock.leader == replica, LedgerClock.leader_epoch == epoch)
+            .values(leader="", leader_until=0.0)
+        ).rowcount
+        == 1
+    )
 
 
 def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | None = None) -> int:
@@ -101,8 +128,10 @@ def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | 
         body = json.dumps(notice, separators=(",", ":"))
         if len(body) > 7000:
             body = json.dumps({"replica": notice.get("replica"), "all": True})
-        conn.exec_driver_sql("UPDATE ledger_clock SET generation = %s WHERE id = 1 AND pg_notify(%s, %s) IS NOT NULL",
-                             (generation + 1, NOTIFY_CHANNEL, body))
+        conn.exec_driver_sql(
+            "UPDATE ledger_clock SET generation = %s WHERE id = 1 AND pg_notify(%s, %s) IS NOT NULL",
+            (generation + 1, NOTIFY_CHANNEL, body),
+        )
     else:
         conn.execute(update(LedgerClock).where(LedgerClock.id == 1).values(generation=generation + 1))
     return generation + 1
@@ -128,15 +157,20 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     mig_gpus: dict[int, set[int]] = {}
     foreign: dict[int, dict[int, int]] = {}
     switches: dict[int, tuple[dict, dict, dict]] = {}  # node id -> (switches, pending modes, switched at)
-    for row in conn.execute(select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances,
-                                   *MIG_SWITCH_COLUMNS)):
+    for row in conn.execute(
+        select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances, *MIG_SWITCH_COLUMNS)
+    ):
         gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
         if row.mig_switch_to or row.mig_mode_pending or row.mig_switched_at:
             mine = switches.setdefault(row.node_id, ({}, {}, {}))
             if row.mig_switch_to:
-                mine[0][row.index] = MigSwitch(row.mig_switch_to == "ENABLED", row.mig_switch_at or 0.0,
-                                               int(row.mig_switch_revision or 0), row.mig_switch_error or "",
-                                               row.mig_retry_after or 0.0)
+                mine[0][row.index] = MigSwitch(
+                    row.mig_switch_to == "ENABLED",
+                    row.mig_switch_at or 0.0,
+                    int(row.mig_switch_revision or 0),
+                    row.mig_switch_error or "",
+                    row.mig_retry_after or 0.0,
+                )
             if row.mig_mode_pending:
                 mine[1][row.index] = row.mig_mode_pending == "ENABLED"
             if row.mig_switched_at:
@@ -152,15 +186,27 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
         names[n["id"]] = n["name"]
         path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
         nodes[n["name"]] = NodeRecord(
-            id=n["id"], name=n["name"], state=n["state"], gpus=n["gpus"], gpu_ids=gpu_ids.get(n["id"], {}),
-            gpu_model=n["gpu_model"] or "", memory_mib=memory.get(n["id"], 0),
-            path=path, address=n["address"], last_heartbeat=n["last_heartbeat"],
-            persisted_heartbeat=n["last_heartbeat"], agent_instance=n["agent_instance"], revision=n["revision"],
+            id=n["id"],
+            name=n["name"],
+            state=n["state"],
+            gpus=n["gpus"],
+            gpu_ids=gpu_ids.get(n["id"], {}),
+            gpu_model=n["gpu_model"] or "",
+            memory_mib=memory.get(n["id"], 0),
+            path=path,
+            address=n["address"],
+            last_heartbeat=n["last_heartbeat"],
+            persisted_heartbeat=n["last_heartbeat"],
+            agent_instance=n["agent_instance"],
+            revision=n["revision"],
             closeness=node_closeness(n["topology"]),
-            health=n["health"] or "HEALTHY", health_reason=(n["health_detail"] or {}).get("reason", ""),
+            health=n["health"] or "HEALTHY",
+            health_reason=(n["health_detail"] or {}).get("reason", ""),
             gpu_health=gpu_health_from_detail(n["health_detail"]),
-            mig_gpus=frozenset(mig_gpus.get(n["id"], ())), foreign=foreign.get(n["id"], {}),
-            mig_manage=bool(n["mig_manage"]), acked_revision=int(n["acked_revision"] or 0),
+            mig_gpus=frozenset(mig_gpus.get(n["id"], ())),
+            foreign=foreign.get(n["id"], {}),
+            mig_manage=bool(n["mig_manage"]),
+            acked_revision=int(n["acked_revision"] or 0),
         )
         if n["id"] in switches:
             node = nodes[n["name"]]
@@ -170,8 +216,16 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     running = [j.id for j in jobs.values() if j.state == "RUNNING"]
     for chunk in _chunks(running, 500):
         rows = conn.execute(
-            select(Allocation.job_id, Allocation.replica, Allocation.node_id, Allocation.gpu_index,
-                   Allocation.kind, Allocation.unit, Allocation.profile, Allocation.gpu_milli)
+            select(
+                Allocation.job_id,
+                Allocation.replica,
+                Allocation.node_id,
+                Allocation.gpu_index,
+                Allocation.kind,
+                Allocation.unit,
+                Allocation.profile,
+                Allocation.gpu_milli,
+            )
             .join(Job, and_(Job.id == Allocation.job_id, Job.attempt == Allocation.attempt))
             .where(Allocation.job_id.in_(chunk), Allocation.kind != "hold")
             .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index, Allocation.unit)
@@ -181,7 +235,9 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             jobs[job_id].partials = partials
             jobs[job_id].ranks = layout_ranks(jobs[job_id])
         ranks = conn.execute(
-            select(*Rank.__table__.c).join(Job, and_(Job.id == Rank.job_id, Job.attempt == Rank.attempt)).where(Rank.job_id.in_(chunk))
+            select(*Rank.__table__.c)
+            .join(Job, and_(Job.id == Rank.job_id, Job.attempt == Rank.attempt))
+            .where(Rank.job_id.in_(chunk))
         ).mappings()
         for r in ranks:
             known = jobs[r["job_id"]].ranks.get(r["rank"])
@@ -195,10 +251,18 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
 def queue_spec(row: Any) -> QueueSpec:
     quotas = {}
     for flavor, q in (row["quotas"] or {}).items():
-        quotas[flavor] = FlavorQuota(gpus=float(q.get("gpus", 0)), mig_slices=int(q.get("mig_slices", 0)),
-                                     borrow_limit=None if q.get("borrow_limit") is None else float(q["borrow_limit"]))
-    return QueueSpec(row["name"], quotas, cohort=row["cohort"] or "", weight=float(row["weight"] or 1.0),
-                     tenants=frozenset(row["tenants"] or ()))
+        quotas[flavor] = FlavorQuota(
+            gpus=float(q.get("gpus", 0)),
+            mig_slices=int(q.get("mig_slices", 0)),
+            borrow_limit=None if q.get("borrow_limit") is None else float(q["borrow_limit"]),
+        )
+    return QueueSpec(
+        row["name"],
+        quotas,
+        cohort=row["cohort"] or "",
+        weight=float(row["weight"] or 1.0),
+        tenants=frozenset(row["tenants"] or ()),
+    )
 
 
 def load_queues(conn: Connection) -> dict[str, QueueSpec]:
@@ -206,12 +270,22 @@ def load_queues(conn: Connection) -> dict[str, QueueSpec]:
 
 
 def upsert_queue(conn: Connection, spec: QueueSpec, now: float) -> None:
-    values = dict(cohort=spec.cohort, weight=spec.weight, tenants=sorted(spec.tenants), updated_at=now,
-                  quotas={f: {"gpus": q.gpus, "mig_slices": q.mig_slices, "borrow_limit": q.borrow_limit}
-                          for f, q in spec.quotas.items()})
+    values = dict(
+        cohort=spec.cohort,
+        weight=spec.weight,
+        tenants=sorted(spec.tenants),
+        updated_at=now,
+        quotas={
+            f: {"gpus": q.gpus, "mig_slices": q.mig_slices, "borrow_limit": q.borrow_limit}
+            for f, q in spec.quotas.items()
+        },
+    )
     dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-    conn.execute(dialect_insert(Queue).values(name=spec.name, **values)
-                 .on_conflict_do_update(index_elements=["name"], set_=values))
+    conn.execute(
+        dialect_insert(Queue)
+        .values(name=spec.name, **values)
+        .on_conflict_do_update(index_elements=["name"], set_=values)
+    )
 
 
 def delete_queue(conn: Connection, name: str) -> None:
@@ -269,7 +343,7 @@ def insert_rows(conn: Connection, table, rows: list[dict[str, Any]]) -> None:
 
 def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]
 
 
 def _group_allocations(rows, names: dict[int, str]) -> dict[str, tuple[list, dict[int, Partial]]]:
@@ -296,17 +370,39 @@ def _group_allocations(rows, names: dict[int, str]) -> dict[str, tuple[list, dic
 
 def job_from_row(j) -> JobRecord:
     return JobRecord(
-        id=j["id"], name=j["name"], state=j["state"], priority=j["priority"], replicas=j["replicas"],
-        gpus_per_replica=j["gpus_per_replica"], procs_per_replica=j["procs_per_replica"], command=list(j["command"]),
-        env=dict(j["env"] or {}), submitted_at=j["submitted_at"], request_id=j["request_id"], attempt=j["attempt"],
-        message=j["message"], exit_code=j["exit_code"], placement=dict(j["placement"] or {}),
-        started_at=j["started_at"], finished_at=j["finished_at"], version=j["version"],
-        required_tier=j["required_tier"] or "", preferred_tier=j["preferred_tier"] or "",
-        gpu_model=j["gpu_model"] or "", mig_profile=j["mig_profile"] or "", gpu_milli=j["gpu_milli"] or 0,
-        failures=j["failures"] or 0, preemptions=j["preemptions"] or 0, not_before=j["not_before"] or 0.0,
-        preempted_by=j["preempted_by"] or "", preempt_deadline=j["preempt_deadline"] or 0.0,
-        max_restarts=j["max_restarts"] or 0, tenant=j["tenant"] or "", time_limit=j["time_limit"] or 0.0,
-        queue=j["queue"] or "default", flavor=j["flavor"] or "",
+        id=j["id"],
+        name=j["name"],
+        state=j["state"],
+        priority=j["priority"],
+        replicas=j["replicas"],
+        gpus_per_replica=j["gpus_per_replica"],
+        procs_per_replica=j["procs_per_replica"],
+        command=list(j["command"]),
+        env=dict(j["env"] or {}),
+        submitted_at=j["submitted_at"],
+        request_id=j["request_id"],
+        attempt=j["attempt"],
+        message=j["message"],
+        exit_code=j["exit_code"],
+        placement=dict(j["placement"] or {}),
+        started_at=j["started_at"],
+        finished_at=j["finished_at"],
+        version=j["version"],
+        required_tier=j["required_tier"] or "",
+        preferred_tier=j["preferred_tier"] or "",
+        gpu_model=j["gpu_model"] or "",
+        mig_profile=j["mig_profile"] or "",
+        gpu_milli=j["gpu_milli"] or 0,
+        failures=j["failures"] or 0,
+        preemptions=j["preemptions"] or 0,
+        not_before=j["not_before"] or 0.0,
+        preempted_by=j["preempted_by"] or "",
+        preempt_deadline=j["preempt_deadline"] or 0.0,
+        max_restarts=j["max_restarts"] or 0,
+        tenant=j["tenant"] or "",
+        time_limit=j["time_limit"] or 0.0,
+        queue=j["queue"] or "default",
+        flavor=j["flavor"] or "",
         struck_nodes=[str(n) for n in _json_list(j.get("struck_nodes"))],
         keep_checkpoints=j.get("keep_checkpoints") or 0,
     )
@@ -314,19 +410,45 @@ def job_from_row(j) -> JobRecord:
 
 def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
     insert_rows(
-        conn, Job,
+        conn,
+        Job,
         [
             dict(
-                id=j.id, request_id=j.request_id, name=j.name, state=j.state, priority=j.priority,
-                replicas=j.replicas, gpus_per_replica=j.gpus_per_replica, procs_per_replica=j.procs_per_replica,
-                command=j.command, env=j.env, attempt=j.attempt, message=j.message, exit_code=j.exit_code,
-                placement=j.placement, submitted_at=j.submitted_at, started_at=j.started_at,
-                finished_at=j.finished_at, version=j.version, required_tier=j.required_tier,
-                preferred_tier=j.preferred_tier, gpu_model=j.gpu_model, mig_profile=j.mig_profile,
-                gpu_milli=j.gpu_milli, failures=j.failures, preemptions=j.preemptions, not_before=j.not_before,
-                preempted_by=j.preempted_by, preempt_deadline=j.preempt_deadline, max_restarts=j.max_restarts,
-                tenant=j.tenant, time_limit=j.time_limit, queue=j.queue, flavor=j.flavor,
-                struck_nodes=list(j.struck_nodes), keep_checkpoints=j.keep_checkpoints,
+                id=j.id,
+                request_id=j.request_id,
+                name=j.name,
+                state=j.state,
+                priority=j.priority,
+                replicas=j.replicas,
+                gpus_per_replica=j.gpus_per_replica,
+                procs_per_replica=j.procs_per_replica,
+                command=j.command,
+                env=j.env,
+                attempt=j.attempt,
+                message=j.message,
+                exit_code=j.exit_code,
+                placement=j.placement,
+                submitted_at=j.submitted_at,
+                started_at=j.started_at,
+                finished_at=j.finished_at,
+                version=j.version,
+                required_tier=j.required_tier,
+                preferred_tier=j.preferred_tier,
+                gpu_model=j.gpu_model,
+                mig_profile=j.mig_profile,
+                gpu_milli=j.gpu_milli,
+                failures=j.failures,
+                preemptions=j.preemptions,
+                not_before=j.not_before,
+                preempted_by=j.preempted_by,
+                preempt_deadline=j.preempt_deadline,
+                max_restarts=j.max_restarts,
+                tenant=j.tenant,
+                time_limit=j.time_limit,
+                queue=j.queue,
+                flavor=j.flavor,
+                struck_nodes=list(j.struck_nodes),
+                keep_checkpoints=j.keep_checkpoints,
             )
             for j in jobs
         ],
@@ -343,9 +465,7 @@ def find_by_request_ids(conn: Connection, request_ids: Sequence[str]) -> dict[st
 def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
     """Compare-and-set on the job's version. Returns False (and changes nothing) when another writer got there."""
     result = conn.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.version == job.version)
-        .values(version=job.version + 1, **changes)
+        update(Job).where(Job.id == job.id, Job.version == job.version).values(version=job.version + 1, **changes)
     )
     if result.rowcount != 1:
         return False
@@ -364,86 +484,150 @@ def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[
         for replica, node, gpus in job.allocations:
             rec = nodes[node]
             part = job.partials.get(replica)
-            base = dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=rec.id, reserved_at=now,
-                        released_at=None)
+            base = dict(
+                job_id=job.id, attempt=job.attempt, replica=replica, node_id=rec.id, reserved_at=now, released_at=None
+            )
             if part is None:
-                rows += [dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="gpu", unit=-1, profile="", gpu_milli=0)
-                         for g in gpus]
+                rows += [
+                    dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="gpu", unit=-1, profile="", gpu_milli=0)
+                    for g in gpus
+                ]
                 continue
             (g,) = gpus
             split.append((job, replica, rec, g, part))
             if part.profile:
-                rows += [dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="mig", unit=u, profile=part.profile,
-                              gpu_milli=0) for u in range(part.start, part.start + part.size)]
+                rows += [
+                    dict(
+                        base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="mig", unit=u, profile=part.profile, gpu_milli=0
+                    )
+                    for u in range(part.start, part.start + part.size)
+                ]
             else:
-                rows.append(dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="share", unit=None, profile="",
-                                 gpu_milli=part.milli))
+                rows.append(
+                    dict(
+                        base,
+                        gpu_id=rec.gpu_ids[g],
+                        gpu_index=g,
+                        kind="share",
+                        unit=None,
+                        profile="",
+                        gpu_milli=part.milli,
+                    )
+                )
     insert_rows(conn, Allocation, rows)
     for job, replica, rec, g, part in split:
         _hold(conn, job, replica, rec, g, part, now)
 
 
-def _hold(conn: Connection, job: JobRecord, replica: int, node: NodeRecord, gpu: int, part: Partial,
-          now: float) -> None:
+def _hold(
+    conn: Connection, job: JobRecord, replica: int, node: NodeRecord, gpu: int, part: Partial, now: float
+) -> None:
     """Open the GPU's hold row if it has none (the unique index refuses it while a whole-GPU job holds the GPU),
     then add this part's use to it, guarded so a GPU never goes over 1000 thousandths nor mixes MIG and shares."""
     gpu_id = node.gpu_ids[gpu]
     mode = "mig" if part.profile else "milli"
     used = part.size * 125 if part.profile else part.milli
-    params = dict(job_id=job.id, attempt=job.attempt, replica=replica, node_id=node.id, gpu_id=gpu_id,
-                  gpu_index=gpu, now=now, mode=mode, used=used)
-    conn.execute(text(
-        "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, kind, unit, "
-        "profile, gpu_milli) SELECT :job_id, :attempt, :replica, :node_id, :gpu_id, :gpu_index, :now, 'hold', -1, "
-        ":mode, 0 WHERE NOT EXISTS (SELECT 1 FROM allocations WHERE gpu_id = :gpu_id AND kind = 'hold' "
-        "AND released_at IS NULL)"), params)
-    result = conn.execute(text(
-        "UPDATE allocations SET gpu_milli = gpu_milli + :used WHERE gpu_id = :gpu_id AND kind = 'hold' "
-        "AND released_at IS NULL AND profile = :mode AND gpu_milli + :used <= 1000"), params)
+    params = dict(
+        job_id=job.id,
+        attempt=job.attempt,
+        replica=replica,
+        node_id=node.id,
+        gpu_id=gpu_id,
+        gpu_index=gpu,
+        now=now,
+        mode=mode,
+        used=used,
+    )
+    conn.execute(
+        text(
+            "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, kind, unit, "
+            "profile, gpu_milli) SELECT :job_id, :attempt, :replica, :node_id, :gpu_id, :gpu_index, :now, 'hold', -1, "
+            ":mode, 0 WHERE NOT EXISTS (SELECT 1 FROM allocations WHERE gpu_id = :gpu_id AND kind = 'hold' "
+            "AND released_at IS NULL)"
+        ),
+        params,
+    )
+    result = conn.execute(
+        text(
+            "UPDATE allocations SET gpu_milli = gpu_milli + :used WHERE gpu_id = :gpu_id AND kind = 'hold' "
+            "AND released_at IS NULL AND profile = :mode AND gpu_milli + :used <= 1000"
+        ),
+        params,
+    )
     if result.rowcount != 1:
         raise IntegrityError(
-            "hold", params,
-            RuntimeError(f"GPU {gpu} of {node.name} cannot take {'MIG ' + part.profile if part.profile else str(part.milli) + '/1000'} "
-                         "now: it is used another way or has too little left"))
+            "hold",
+            params,
+            RuntimeError(
+                f"GPU {gpu} of {node.name} cannot take {'MIG ' + part.profile if part.profile else str(part.milli) + '/1000'} "
+                "now: it is used another way or has too little left"
+            ),
+        )
 
 
 def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
     """Release the job's rows; a split GPU's hold gives back their use and is released with its last part."""
     conn.execute(
         update(Allocation)
-        .where(Allocation.job_id == job.id, Allocation.attempt == job.attempt, Allocation.released_at.is_(None),
-               Allocation.kind != "hold")
+        .where(
+            Allocation.job_id == job.id,
+            Allocation.attempt == job.attempt,
+            Allocation.released_at.is_(None),
+            Allocation.kind != "hold",
+        )
         .values(released_at=now)
     )
     if not job.partials:
         return
-    for replica, node_name, gpus in job.allocations:
+    for replica, _node_name, _gpus in job.allocations:
         part = job.partials.get(replica)
         if part is None:
             continue
         used = part.size * 125 if part.profile else part.milli
-        conn.execute(text(
-            "UPDATE allocations SET gpu_milli = gpu_milli - :used, "
-            "released_at = CASE WHEN EXISTS (SELECT 1 FROM allocations a WHERE a.gpu_id = allocations.gpu_id "
-            "AND a.kind IN ('mig', 'share') AND a.released_at IS NULL) THEN NULL ELSE :now END "
-            "WHERE kind = 'hold' AND released_at IS NULL AND gpu_id = (SELECT gpu_id FROM allocations b "
-            "WHERE b.job_id = :job_id AND b.attempt = :attempt AND b.replica = :replica LIMIT 1)"),
-            dict(used=used, now=now, job_id=job.id, attempt=job.attempt, replica=replica))
+        conn.execute(
+            text(
+                "UPDATE allocations SET gpu_milli = gpu_milli - :used, "
+                "released_at = CASE WHEN EXISTS (SELECT 1 FROM allocations a WHERE a.gpu_id = allocations.gpu_id "
+                "AND a.kind IN ('mig', 'share') AND a.released_at IS NULL) THEN NULL ELSE :now END "
+                "WHERE kind = 'hold' AND released_at IS NULL AND gpu_id = (SELECT gpu_id FROM allocations b "
+                "WHERE b.job_id = :job_id AND b.attempt = :attempt AND b.replica = :replica LIMIT 1)"
+            ),
+            dict(used=used, now=now, job_id=job.id, attempt=job.attempt, replica=replica),
+        )
 
 
-def record_rank(conn: Connection, job_id: str, attempt: int, rank: RankRecord, node_id: int, *, state: str,
-                exit_code: int, pid: int, message: str, now: float) -> None:
+def record_rank(
+    conn: Connection,
+    job_id: str,
+    attempt: int,
+    rank: RankRecord,
+    node_id: int,
+    *,
+    state: str,
+    exit_code: int,
+    pid: int,
+    message: str,
+    now: float,
+) -> None:
     """Store what an agent reported about a rank. A rank has a row from its first report on; before that it is
     ASSIGNED, which the allocations already say (so reserving a gang writes no per-rank rows)."""
     values = dict(state=state, exit_code=exit_code, pid=pid, message=message, updated_at=now)
     dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-    stmt = dialect_insert(Rank).values(job_id=job_id, attempt=attempt, rank=rank.rank, replica=rank.replica,
-                                       local_rank=rank.local_rank, node_id=node_id, **values)
+    stmt = dialect_insert(Rank).values(
+        job_id=job_id,
+        attempt=attempt,
+        rank=rank.rank,
+        replica=rank.replica,
+        local_rank=rank.local_rank,
+        node_id=node_id,
+        **values,
+    )
     conn.execute(stmt.on_conflict_do_update(index_elements=["job_id", "attempt", "rank"], set_=values))
 
 
-def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, int, str, Any]], now: float
-                       ) -> list[tuple[str, int, Any]]:
+def append_assignments(
+    conn: Connection, items: Sequence[tuple[NodeRecord, str, int, str, Any]], now: float
+) -> list[tuple[str, int, Any]]:
     """Store assignments, each under its node's next revision. Returns (node name, revision, Assignment) each.
 
     Revisions come from the view: cycles hold the clock row and decide on a fresh view, so the next revision of a
@@ -458,8 +642,17 @@ def append_assignments(conn: Connection, items: Sequence[tuple[NodeRecord, str, 
         revision = node.revision
         message = build(revision)
         payload = message.SerializeToString()
-        rows.append(dict(node_id=node.id, revision=revision, job_id=job_id, attempt=attempt, kind=kind,
-                         payload=payload, created_at=now))
+        rows.append(
+            dict(
+                node_id=node.id,
+                revision=revision,
+                job_id=job_id,
+                attempt=attempt,
+                kind=kind,
+                payload=payload,
+                created_at=now,
+            )
+        )
         out.append((node.name, revision, message))
     insert_rows(conn, Assignment, rows)
     _raise_node_column(conn, "revision", "int8", {nid: n.revision for nid, n in touched.items()})
@@ -477,17 +670,38 @@ def assignments_after(conn: Connection, node_name: str, after: int, limit: int =
     return [(r.revision, bytes(r.payload)) for r in rows]
 
 
-def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topology: dict[str, Any], address: str,
-                agent_instance: str, profile: str, gpu_model: str, fabric_path: Sequence[str], now: float,
-                mig_manage: bool = False) -> tuple[int, int]:
+def upsert_node(
+    conn: Connection,
+    *,
+    name: str,
+    gpus: list[dict[str, Any]],
+    topology: dict[str, Any],
+    address: str,
+    agent_instance: str,
+    profile: str,
+    gpu_model: str,
+    fabric_path: Sequence[str],
+    now: float,
+    mig_manage: bool = False,
+) -> tuple[int, int]:
     """Insert or refresh a node and its GPU rows; the node becomes READY.
 
     Returns (node id, acked revision, last assignment revision).
     """
     row = conn.execute(select(Node.id, Node.acked_revision, Node.revision).where(Node.name == name)).first()
-    values = dict(state="READY", message="", gpus=len(gpus), gpu_model=gpu_model, profile=profile, address=address,
-                  topology=topology, fabric_path=list(fabric_path), agent_instance=agent_instance, last_heartbeat=now,
-                  mig_manage=mig_manage)
+    values = dict(
+        state="READY",
+        message="",
+        gpus=len(gpus),
+        gpu_model=gpu_model,
+        profile=profile,
+        address=address,
+        topology=topology,
+        fabric_path=list(fabric_path),
+        agent_instance=agent_instance,
+        last_heartbeat=now,
+        mig_manage=mig_manage,
+    )
     if row is None:
         node_id = conn.execute(
             insert(Node).values(name=name, registered_at=now, revision=0, acked_revision=0, **values).returning(Node.id)
@@ -500,11 +714,17 @@ def upsert_node(conn: Connection, *, name: str, gpus: list[dict[str, Any]], topo
     for g in gpus:
         mig = dict(mig_mode=g.get("mig_mode", "UNSUPPORTED"), mig_instances=list(g.get("mig_instances", ())))
         if g["index"] in known:
-            conn.execute(update(Gpu).where(Gpu.id == known[g["index"]]).values(
-                uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"], **mig))
+            conn.execute(
+                update(Gpu)
+                .where(Gpu.id == known[g["index"]])
+                .values(uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"], **mig)
+            )
         else:
-            conn.execute(insert(Gpu).values(node_id=node_id, index=g["index"], uuid=g["uuid"], name=g["name"],
-                                            memory_mib=g["memory_mib"], **mig))
+            conn.execute(
+                insert(Gpu).values(
+                    node_id=node_id, index=g["index"], uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"], **mig
+                )
+            )
     return node_id, acked, revision
 
 
@@ -537,8 +757,15 @@ def _json_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else []
 
 
-MIG_SWITCH_COLUMNS = (Gpu.mig_mode_pending, Gpu.mig_switch_to, Gpu.mig_switch_at, Gpu.mig_switch_revision,
-                      Gpu.mig_switch_error, Gpu.mig_retry_after, Gpu.mig_switched_at)
+MIG_SWITCH_COLUMNS = (
+    Gpu.mig_mode_pending,
+    Gpu.mig_switch_to,
+    Gpu.mig_switch_at,
+    Gpu.mig_switch_revision,
+    Gpu.mig_switch_error,
+    Gpu.mig_retry_after,
+    Gpu.mig_switched_at,
+)
 
 
 def set_gpu_mig(conn: Connection, gpu_id: int, **values: Any) -> None:
@@ -556,7 +783,9 @@ def gpu_ids(conn: Connection, node_id: int) -> dict[int, int]:
     return {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
 
 
-def set_node_state(conn: Connection, node_id: int, state: str, message: str, *, only_if_heartbeat_before: float | None = None) -> bool:
+def set_node_state(
+    conn: Connection, node_id: int, state: str, message: str, *, only_if_heartbeat_before: float | None = None
+) -> bool:
     stmt = update(Node).where(Node.id == node_id)
     if only_if_heartbeat_before is not None:
         stmt = stmt.where(Node.last_heartbeat < only_if_heartbeat_before, Node.state != state)
@@ -577,9 +806,13 @@ def gpu_health_from_detail(detail: dict[str, Any] | None) -> dict[int, tuple[str
     return {int(i): (g.get("state", "HEALTHY"), tuple(g.get("reasons", ()))) for i, g in gpus.items()}
 
 
-def set_node_health(conn: Connection, node_id: int, health: str, reason: str,
-                    gpus: dict[int, tuple[str, tuple[str, ...]]]) -> None:
-    detail = {"reason": reason, "gpus": {str(i): {"state": h, "reasons": list(r)} for i, (h, r) in sorted(gpus.items())}}
+def set_node_health(
+    conn: Connection, node_id: int, health: str, reason: str, gpus: dict[int, tuple[str, tuple[str, ...]]]
+) -> None:
+    detail = {
+        "reason": reason,
+        "gpus": {str(i): {"state": h, "reasons": list(r)} for i, (h, r) in sorted(gpus.items())},
+    }
     conn.execute(update(Node).where(Node.id == node_id).values(health=health, health_detail=detail))
 
 
@@ -590,9 +823,14 @@ def add_node_events(conn: Connection, node_id: int, events: list[dict[str, Any]]
 
 def read_node_events(conn: Connection, node_name: str | None = None, limit: int = 100) -> list[Any]:
     """The latest health events, newest first (with the node's name)."""
-    stmt = (select(Node.name, NodeEvent.at, NodeEvent.gpu, NodeEvent.severity, NodeEvent.kind, NodeEvent.code,
-                   NodeEvent.reason).join(Node, Node.id == NodeEvent.node_id)
-            .order_by(NodeEvent.at.desc(), NodeEvent.id.desc()).limit(limit))
+    stmt = (
+        select(
+            Node.name, NodeEvent.at, NodeEvent.gpu, NodeEvent.severity, NodeEvent.kind, NodeEvent.code, NodeEvent.reason
+        )
+        .join(Node, Node.id == NodeEvent.node_id)
+        .order_by(NodeEvent.at.desc(), NodeEvent.id.desc())
+        .limit(limit)
+    )
     if node_name is not None:
         stmt = stmt.where(Node.name == node_name)
     return list(conn.execute(stmt).mappings())
@@ -625,6 +863,7 @@ def _raise_node_column(conn: Connection, column: str, pg_type: str, values: dict
 
 # ---- attempts, checkpoints and preemption ---------------------------------------------------------------------
 
+
 def latest_commits(conn: Connection, job_ids: Sequence[str]) -> dict[str, tuple[int, int, float]]:
     """Each job's latest committed checkpoint (highest step) as (step, attempt, created_at: when the step was
     reached), for the jobs that have one."""
@@ -633,10 +872,15 @@ def latest_commits(conn: Connection, job_ids: Sequence[str]) -> dict[str, tuple[
     out: dict[str, tuple[int, int, float]] = {}
     for chunk in _chunks(list(job_ids), 500):
         ranked = (
-            select(Checkpoint.job_id, Checkpoint.step, Checkpoint.attempt, Checkpoint.created_at,
-                   func.row_number().over(partition_by=Checkpoint.job_id,
-                                          order_by=(Checkpoint.step.desc(), Checkpoint.committed_at.desc()))
-                   .label("n"))
+            select(
+                Checkpoint.job_id,
+                Checkpoint.step,
+                Checkpoint.attempt,
+                Checkpoint.created_at,
+                func.row_number()
+                .over(partition_by=Checkpoint.job_id, order_by=(Checkpoint.step.desc(), Checkpoint.committed_at.desc()))
+                .label("n"),
+            )
             .where(Checkpoint.job_id.in_(chunk), Checkpoint.state == "COMMITTED")
             .subquery()
         )
@@ -650,16 +894,34 @@ def insert_attempts(conn: Connection, jobs: Sequence[JobRecord], now: float) -> 
     reads here, see pipelined)."""
     if not jobs:
         return
-    insert_rows(conn, JobAttempt, [
-        dict(job_id=j.id, attempt=j.attempt, gpus=j.gpu_equivalents, reserved_at=now, running_at=None, ended_at=None,
-             outcome="", reason="", restored_step=j.restored_step, committed_step=-1, kept_until=None)
-        for j in jobs
-    ])
+    insert_rows(
+        conn,
+        JobAttempt,
+        [
+            dict(
+                job_id=j.id,
+                attempt=j.attempt,
+                gpus=j.gpu_equivalents,
+                reserved_at=now,
+                running_at=None,
+                ended_at=None,
+                outcome="",
+                reason="",
+                restored_step=j.restored_step,
+                committed_step=-1,
+                kept_until=None,
+            )
+            for j in jobs
+        ],
+    )
 
 
 def mark_attempt_running(conn: Connection, job: JobRecord, now: float) -> None:
-    conn.execute(update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt,
-                                          JobAttempt.running_at.is_(None)).values(running_at=now))
+    conn.execute(
+        update(JobAttempt)
+        .where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt, JobAttempt.running_at.is_(None))
+        .values(running_at=now)
+    )
 
 
 def end_attempt(conn: Connection, job: JobRecord, outcome: str, reason: str, now: float) -> tuple[int, float | None]:
@@ -668,8 +930,8 @@ def end_attempt(conn: Connection, job: JobRecord, outcome: str, reason: str, now
     step, attempt, created_at = latest_commits(conn, [job.id]).get(job.id, (-1, -1, 0.0))
     kept_until = created_at if step >= 0 and attempt == job.attempt else None
     conn.execute(
-        update(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt,
-                                 JobAttempt.ended_at.is_(None))
+        update(JobAttempt)
+        .where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt, JobAttempt.ended_at.is_(None))
         .values(ended_at=now, outcome=outcome, reason=reason[:2000], committed_step=step, kept_until=kept_until)
     )
     return step, kept_until
@@ -678,8 +940,9 @@ def end_attempt(conn: Connection, job: JobRecord, outcome: str, reason: str, now
 def request_checkpoint(conn: Connection, job_id: str, reason: str, now: float) -> tuple[str, float]:
     """Ask the job's ranks to checkpoint (the checkpoint coordinator answers their polls from this table and clears
     it when a checkpoint begun after it commits). An outstanding request is kept; returns (reason, requested_at)."""
-    row = conn.execute(select(CheckpointRequest.reason, CheckpointRequest.requested_at)
-                       .where(CheckpointRequest.job_id == job_id)).first()
+    row = conn.execute(
+        select(CheckpointRequest.reason, CheckpointRequest.requested_at).where(CheckpointRequest.job_id == job_id)
+    ).first()
     if row is not None:
         return row.reason, row.requested_at
     conn.execute(insert(CheckpointRequest).values(job_id=job_id, reason=reason, requested_at=now))
@@ -687,7 +950,9 @@ def request_checkpoint(conn: Connection, job_id: str, reason: str, now: float) -
 
 
 def service_endpoint(conn: Connection, name: str) -> tuple[str, dict[str, Any]] | None:
-    row = conn.execute(select(ServiceEndpoint.address, ServiceEndpoint.detail).where(ServiceEndpoint.name == name)).first()
+    row = conn.execute(
+        select(ServiceEndpoint.address, ServiceEndpoint.detail).where(ServiceEndpoint.name == name)
+    ).first()
     return None if row is None else (row.address, dict(row.detail or {}))
 
 
@@ -711,17 +976,51 @@ def read_attempts(conn: Connection, job_ids: Sequence[str] | None = None) -> dic
 
 # ---- reads (the API's consistent snapshots) --------------------------------------------------------------------
 
-def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states: Sequence[str] = (),
-              limit: int = 0, tenant: str | None = None
-              ) -> list[tuple[Any, list[tuple[int, str, list[int]]], dict[int, Partial]]]:
-    """Jobs with the allocations of their current (or last) attempt, newest first, from one statement: each as
-    (job row, [(replica, node, GPUs)], {replica: partial-GPU use}). `tenant`: only that tenant's jobs."""
+
+def cluster_id(conn: Connection) -> str:
+    """The ledger's identity (revision 0015, written by `phalanx db upgrade`), "" when it has none."""
+    return read_cluster_id(conn)
+
+
+def ensure_cluster_id(conn: Connection) -> str:
+    """The ledger's identity, written now (a random UUID) when its row is missing, e.g. after the tables were
+    emptied; every replica then reads the same one (db.migrate.ensure_cluster_id)."""
+    return _ensure_cluster_id(conn)
+
+
+def read_jobs(
+    conn: Connection,
+    *,
+    job_ids: Sequence[str] | None = None,
+    states: Sequence[str] = (),
+    limit: int = 0,
+    tenant: str | None = None,
+) -> list[tuple[Any, list[tuple[int, str, list[int]]], dict[int, Partial]]]:
+    """Jobs with the allocations they hold, newest first, from one statement: each as (job row, [(replica, node,
+    GPUs)], {replica: partial-GPU use}). Only a RUNNING job (PREEMPTING included) holds any: those of its current
+    attempt. A job that is not running shows none, not the GPUs an earlier attempt (or its last one) released: a
+    requeued gang waits holding nothing (those GPUs are in the allocations table, its history). `tenant`: only that
+    tenant's jobs."""
     stmt = (
-        select(*Job.__table__.c, Allocation.replica.label("a_replica"), Node.name.label("a_node"),
-               Allocation.gpu_index.label("a_gpu"), Allocation.kind.label("a_kind"), Allocation.unit.label("a_unit"),
-               Allocation.profile.label("a_profile"), Allocation.gpu_milli.label("a_milli"))
-        .outerjoin(Allocation, and_(Allocation.job_id == Job.id, Allocation.attempt == Job.attempt,
-                                    Allocation.kind != "hold"))
+        select(
+            *Job.__table__.c,
+            Allocation.replica.label("a_replica"),
+            Node.name.label("a_node"),
+            Allocation.gpu_index.label("a_gpu"),
+            Allocation.kind.label("a_kind"),
+            Allocation.unit.label("a_unit"),
+            Allocation.profile.label("a_profile"),
+            Allocation.gpu_milli.label("a_milli"),
+        )
+        .outerjoin(
+            Allocation,
+            and_(
+                Allocation.job_id == Job.id,
+                Allocation.attempt == Job.attempt,
+                Job.state == "RUNNING",
+                Allocation.kind != "hold",
+            ),
+        )
         .outerjoin(Node, Node.id == Allocation.node_id)
         .order_by(Job.submitted_at.desc(), Job.id.desc(), Allocation.replica, Allocation.gpu_index, Allocation.unit)
     )
@@ -749,26 +1048,37 @@ def read_jobs(conn: Connection, *, job_ids: Sequence[str] | None = None, states:
             gpus.append(row["a_gpu"])
         if row["a_kind"] == "mig":
             known = entry[2].get(replica)
-            entry[2][replica] = Partial(profile=row["a_profile"], start=row["a_unit"] if known is None else known.start,
-                                        size=1 if known is None else known.size + 1)
+            entry[2][replica] = Partial(
+                profile=row["a_profile"],
+                start=row["a_unit"] if known is None else known.start,
+                size=1 if known is None else known.size + 1,
+            )
         elif row["a_kind"] == "share":
             entry[2][replica] = Partial(milli=row["a_milli"])
-    return [(job, [(rep, node, gpus) for rep, (node, gpus) in sorted(allocs.items())], parts)
-            for job, allocs, parts in out.values()]
+    return [
+        (job, [(rep, node, gpus) for rep, (node, gpus) in sorted(allocs.items())], parts)
+        for job, allocs, parts in out.values()
+    ]
 
 
 def read_nodes(conn: Connection) -> list[tuple[Any, int, int]]:
     """Nodes with (GPUs held whole or split, GPUs split into MIG instances or shares)."""
     used = (
-        select(Allocation.node_id, func.count().label("used"),
-               func.sum(case((Allocation.kind == "hold", 1), else_=0)).label("shared"))
+        select(
+            Allocation.node_id,
+            func.count().label("used"),
+            func.sum(case((Allocation.kind == "hold", 1), else_=0)).label("shared"),
+        )
         .where(Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold")))
         .group_by(Allocation.node_id)
         .subquery()
     )
     rows = conn.execute(
-        select(*Node.__table__.c, func.coalesce(used.c.used, 0).label("used_gpus"),
-               func.coalesce(used.c.shared, 0).label("shared_gpus"))
+        select(
+            *Node.__table__.c,
+            func.coalesce(used.c.used, 0).label("used_gpus"),
+            func.coalesce(used.c.shared, 0).label("shared_gpus"),
+        )
         .outerjoin(used, used.c.node_id == Node.id)
         .order_by(Node.name)
     ).mappings()
@@ -779,20 +1089,43 @@ def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
     """Every node's GPUs in index order (by node id): index, uuid, name, memory, MIG mode and instances, and whether
     an active allocation holds the GPU whole (`held`) or split (`split`: a hold row of MIG instances or shares)."""
     held: dict[tuple[int, int], str] = {}
-    for row in conn.execute(select(Allocation.node_id, Allocation.gpu_index, Allocation.kind)
-                            .where(Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold")))):
+    for row in conn.execute(
+        select(Allocation.node_id, Allocation.gpu_index, Allocation.kind).where(
+            Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold"))
+        )
+    ):
         held[(row.node_id, row.gpu_index)] = row.kind
     out: dict[int, list[dict[str, Any]]] = {}
-    for row in conn.execute(select(Gpu.node_id, Gpu.index, Gpu.uuid, Gpu.name, Gpu.memory_mib, Gpu.mig_mode,
-                                   Gpu.mig_instances, Gpu.mig_mode_pending, Gpu.mig_switch_to, Gpu.mig_switch_error)
-                            .order_by(Gpu.node_id, Gpu.index)):
+    for row in conn.execute(
+        select(
+            Gpu.node_id,
+            Gpu.index,
+            Gpu.uuid,
+            Gpu.name,
+            Gpu.memory_mib,
+            Gpu.mig_mode,
+            Gpu.mig_instances,
+            Gpu.mig_mode_pending,
+            Gpu.mig_switch_to,
+            Gpu.mig_switch_error,
+        ).order_by(Gpu.node_id, Gpu.index)
+    ):
         kind = held.get((row.node_id, row.index))
-        out.setdefault(row.node_id, []).append(dict(
-            index=row.index, uuid=row.uuid or "", name=row.name or "", memory_mib=row.memory_mib or 0,
-            mig_mode=row.mig_mode or "UNSUPPORTED", mig_instances=_json_list(row.mig_instances),
-            held=kind == "gpu", split=kind == "hold", mig_mode_pending=row.mig_mode_pending or "",
-            mig_switching=bool(row.mig_switch_to) and not row.mig_switch_error,
-            mig_switch_error=row.mig_switch_error or ""))
+        out.setdefault(row.node_id, []).append(
+            dict(
+                index=row.index,
+                uuid=row.uuid or "",
+                name=row.name or "",
+                memory_mib=row.memory_mib or 0,
+                mig_mode=row.mig_mode or "UNSUPPORTED",
+                mig_instances=_json_list(row.mig_instances),
+                held=kind == "gpu",
+                split=kind == "hold",
+                mig_mode_pending=row.mig_mode_pending or "",
+                mig_switching=bool(row.mig_switch_to) and not row.mig_switch_error,
+                mig_switch_error=row.mig_switch_error or "",
+            )
+        )
     return out
 
 
@@ -802,8 +1135,11 @@ def restore_message(conn: Connection, job_id: str) -> str:
     attempt = conn.execute(select(Job.attempt).where(Job.id == job_id)).scalar()
     if attempt is None:
         return ""
-    rows = conn.execute(select(CheckpointRestore.checkpoint_id, CheckpointRestore.skipped, CheckpointRestore.message)
-                        .where(CheckpointRestore.job_id == job_id, CheckpointRestore.attempt == attempt)).all()
+    rows = conn.execute(
+        select(CheckpointRestore.checkpoint_id, CheckpointRestore.skipped, CheckpointRestore.message).where(
+            CheckpointRestore.job_id == job_id, CheckpointRestore.attempt == attempt
+        )
+    ).all()
     if not rows:
         return ""
     if len({r.checkpoint_id for r in rows}) > 1:

@@ -8,8 +8,10 @@ import os
 import signal
 import sys
 
-from db.engine import DEFAULT_DB_URL
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.common.defaults import DEFAULT_DB_URL
+from phalanx.common.logging import configure_logging
+from phalanx.common.tokens import TokenFileError, TokenStore
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
 from services.common.auth import (
@@ -17,12 +19,9 @@ from services.common.auth import (
     AuthInterceptor,
     ServerTLS,
     TenantLimits,
-    TokenFileError,
-    TokenStore,
     add_security_flags,
     security_from_args,
 )
-from services.common.logging import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
 
@@ -43,8 +42,13 @@ class RunningScheduler:
         await self.service.stop()
 
 
-async def serve(settings: SchedulerSettings, *, tokens: TokenStore | None = None, limits: TenantLimits | None = None,
-                tls: ServerTLS | None = None) -> RunningScheduler:
+async def serve(
+    settings: SchedulerSettings,
+    *,
+    tokens: TokenStore | None = None,
+    limits: TenantLimits | None = None,
+    tls: ServerTLS | None = None,
+) -> RunningScheduler:
     """Start a scheduler replica in this event loop. The database must be migrated (`phalanx db upgrade`).
 
     `tokens`: authentication on (services.common.auth); `limits`: per-tenant submission limits; `tls`: serve TLS.
@@ -70,59 +74,136 @@ async def serve(settings: SchedulerSettings, *, tokens: TokenStore | None = None
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx-scheduler", description="Run a Phalanx scheduler replica.")
-    p.add_argument("--db", default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL),
-                   help="ledger URL: sqlite:///path or postgresql://... (env PHALANX_DB)")
-    p.add_argument("--listen", default=os.environ.get("PHALANX_SCHEDULER_LISTEN", "127.0.0.1:50051"),
-                   help="gRPC address to serve on (port 0 picks a free one)")
+    p.add_argument(
+        "--db",
+        default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL),
+        help="ledger URL: sqlite:///path or postgresql://... (env PHALANX_DB)",
+    )
+    p.add_argument(
+        "--listen",
+        default=os.environ.get("PHALANX_SCHEDULER_LISTEN", "127.0.0.1:50051"),
+        help="gRPC address to serve on (port 0 picks a free one)",
+    )
     p.add_argument("--fabric", help="fabric description: Slurm topology.conf (tree syntax) or Phalanx YAML")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--lease-timeout", type=float, default=15.0, help="seconds without heartbeat before a node is lost")
     p.add_argument("--heartbeat-interval", type=float, default=2.0)
-    p.add_argument("--launch-timeout", type=float, default=60.0,
-                   help="seconds for every rank of a gang to start before it is torn down and requeued")
-    p.add_argument("--no-backfill", dest="backfill", action="store_false",
-                   help="strict queue order: nothing starts ahead of a blocked head (default: EASY backfill on "
-                        "declared time limits)")
-    p.add_argument("--max-attempts", type=int, default=5,
-                   help="failed attempts (node lost, GPU failed, rank lost, launch timeout) before a gang is FAILED; "
-                        "preemptions do not count")
-    p.add_argument("--retry-backoff", type=float, default=10.0, metavar="S",
-                   help="seconds a gang waits before its first retry after a failure; doubles per failure")
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for every rank of a gang to start before it is torn down and requeued",
+    )
+    p.add_argument(
+        "--no-backfill",
+        dest="backfill",
+        action="store_false",
+        help="strict queue order: nothing starts ahead of a blocked head (default: EASY backfill on "
+        "declared time limits)",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=5,
+        help="failed attempts (node lost, GPU failed, rank lost, launch timeout) before a gang is FAILED; "
+        "preemptions do not count",
+    )
+    p.add_argument(
+        "--retry-backoff",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a gang waits before its first retry after a failure; doubles per failure",
+    )
     p.add_argument("--retry-backoff-max", type=float, default=300.0, metavar="S", help="cap of the retry backoff")
-    p.add_argument("--min-runtime", type=float, default=PRODUCTION_POLICY.min_runtime_s, metavar="S",
-                   help="seconds after its start during which a gang cannot be preempted")
-    p.add_argument("--preemption-grace", type=float, default=PRODUCTION_POLICY.grace_period_s, metavar="S",
-                   help="seconds a preempted gang gets to commit a checkpoint before it is stopped")
-    p.add_argument("--checkpoint-coordinator", default=os.environ.get("PHALANX_CHECKPOINT_ADDR", ""),
-                   metavar="ADDR", help="host:port of the checkpoint coordinator, given to ranks as "
-                                        "PHALANX_CHECKPOINT_ADDR (default: $PHALANX_CHECKPOINT_ADDR; unset: none)")
-    p.add_argument("--checkpoint-dir", default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""), metavar="DIR",
-                   help="checkpoint store shared by the ranks, given to them as PHALANX_CHECKPOINT_DIR")
-    p.add_argument("--leader-lease", type=float, default=5.0, metavar="S",
-                   help="leadership lease: one replica schedules while it renews this lease (every third of it); "
-                        "another takes over once it runs out")
-    p.add_argument("--replica-id", default=os.environ.get("PHALANX_REPLICA_ID", ""), metavar="ID",
-                   help="this replica's name in the ledger's leadership row and logs (default: random; env "
-                        "PHALANX_REPLICA_ID). Every replica needs its own")
-    p.add_argument("--mig-switch-hold", type=float, default=60.0, metavar="S",
-                   help="agents started with --mig-manage: a GPU whose MIG mode changed less than S seconds ago is "
-                        "not switched again (no flapping between MIG and whole-GPU work)")
-    p.add_argument("--mig-switch-backoff", type=float, default=60.0, metavar="S",
-                   help="agents started with --mig-manage: a GPU whose MIG mode switch failed is not asked again "
-                        "for S seconds")
+    p.add_argument(
+        "--min-runtime",
+        type=float,
+        default=PRODUCTION_POLICY.min_runtime_s,
+        metavar="S",
+        help="seconds after its start during which a gang cannot be preempted",
+    )
+    p.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=PRODUCTION_POLICY.grace_period_s,
+        metavar="S",
+        help="seconds a preempted gang gets to commit a checkpoint before it is stopped",
+    )
+    p.add_argument(
+        "--checkpoint-coordinator",
+        default=os.environ.get("PHALANX_CHECKPOINT_ADDR", ""),
+        metavar="ADDR",
+        help="host:port of the checkpoint coordinator, given to ranks as "
+        "PHALANX_CHECKPOINT_ADDR (default: $PHALANX_CHECKPOINT_ADDR; unset: none)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""),
+        metavar="DIR",
+        help="checkpoint store shared by the ranks, given to them as PHALANX_CHECKPOINT_DIR",
+    )
+    p.add_argument(
+        "--leader-lease",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="leadership lease: one replica schedules while it renews this lease (every third of it); "
+        "another takes over once it runs out",
+    )
+    p.add_argument(
+        "--replica-id",
+        default=os.environ.get("PHALANX_REPLICA_ID", ""),
+        metavar="ID",
+        help="this replica's name in the ledger's leadership row and logs (default: random; env "
+        "PHALANX_REPLICA_ID). Every replica needs its own",
+    )
+    p.add_argument(
+        "--mig-switch-hold",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="agents started with --mig-manage: a GPU whose MIG mode changed less than S seconds ago is "
+        "not switched again (no flapping between MIG and whole-GPU work)",
+    )
+    p.add_argument(
+        "--mig-switch-backoff",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="agents started with --mig-manage: a GPU whose MIG mode switch failed is not asked again for S seconds",
+    )
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
     add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
-    p.add_argument("--rate-limit", type=float, default=None, metavar="N",
-                   help="per-tenant submissions per second (RESOURCE_EXHAUSTED beyond; default: off, or 100 with "
-                        "--tenant-limits); a tokens-file entry's rate_limit overrides it for its tenant")
-    p.add_argument("--rate-burst", type=float, default=None, metavar="N",
-                   help="submissions a tenant may send at once before the rate limit applies (default: 2 x rate)")
-    p.add_argument("--max-pending", type=int, default=None, metavar="N",
-                   help=f"per-tenant cap on PENDING jobs (default: off, or {DEFAULT_MAX_PENDING} with "
-                        "--tenant-limits); a tokens-file entry's max_pending overrides it for its tenant")
-    p.add_argument("--tenant-limits", action="store_true",
-                   help=f"turn on the per-tenant limits with generous defaults (100 submissions/s, bursts of 200, "
-                        f"{DEFAULT_MAX_PENDING} pending jobs)")
+    p.add_argument(
+        "--rate-limit",
+        type=float,
+        default=None,
+        metavar="N",
+        help="per-tenant submissions per second (RESOURCE_EXHAUSTED beyond; default: off, or 100 with "
+        "--tenant-limits); a tokens-file entry's rate_limit overrides it for its tenant",
+    )
+    p.add_argument(
+        "--rate-burst",
+        type=float,
+        default=None,
+        metavar="N",
+        help="submissions a tenant may send at once before the rate limit applies (default: 2 x rate)",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"per-tenant cap on PENDING jobs (default: off, or {DEFAULT_MAX_PENDING} with "
+        "--tenant-limits); a tokens-file entry's max_pending overrides it for its tenant",
+    )
+    p.add_argument(
+        "--tenant-limits",
+        action="store_true",
+        help=f"turn on the per-tenant limits with generous defaults (100 submissions/s, bursts of 200, "
+        f"{DEFAULT_MAX_PENDING} pending jobs)",
+    )
     return p
 
 
@@ -131,8 +212,11 @@ def limits_from_args(args: argparse.Namespace) -> TenantLimits:
     if args.tenant_limits:
         rate = 100.0 if rate is None else rate
         pending = DEFAULT_MAX_PENDING if pending is None else pending
-    if (rate is not None and not rate > 0) or (pending is not None and pending < 1) or \
-            (args.rate_burst is not None and args.rate_burst < 1):
+    if (
+        (rate is not None and not rate > 0)
+        or (pending is not None and pending < 1)
+        or (args.rate_burst is not None and args.rate_burst < 1)
+    ):
         raise ValueError("--rate-limit must be > 0, --rate-burst and --max-pending at least 1")
     burst = args.rate_burst if args.rate_burst is not None else (2 * rate if rate else None)
     return TenantLimits(rate=rate, burst=burst, max_pending=pending)
@@ -150,13 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not 0.1 <= args.leader_lease <= 3600 or len(args.replica_id) > 64:
-        print("error: --leader-lease must be within 0.1-3600 s and --replica-id at most 64 characters",
-              file=sys.stderr)
+        print("error: --leader-lease must be within 0.1-3600 s and --replica-id at most 64 characters", file=sys.stderr)
         return 2
-    if args.max_attempts < 1 or min(args.retry_backoff, args.retry_backoff_max, args.min_runtime,
-                                     args.preemption_grace) < 0:
-        print("error: --max-attempts must be >= 1; --retry-backoff, --retry-backoff-max, --min-runtime and "
-              "--preemption-grace must be >= 0", file=sys.stderr)
+    if (
+        args.max_attempts < 1
+        or min(args.retry_backoff, args.retry_backoff_max, args.min_runtime, args.preemption_grace) < 0
+    ):
+        print(
+            "error: --max-attempts must be >= 1; --retry-backoff, --retry-backoff-max, --min-runtime and "
+            "--preemption-grace must be >= 0",
+            file=sys.stderr,
+        )
         return 2
     if not (0 <= args.mig_switch_hold <= 86400 and 0 <= args.mig_switch_backoff <= 86400):
         print("error: --mig-switch-hold and --mig-switch-backoff must be within 0-86400 s", file=sys.stderr)
@@ -172,23 +260,38 @@ def main(argv: list[str] | None = None) -> int:
 
         upgrade(args.db)
     settings = SchedulerSettings(
-        db_url=args.db, listen=args.listen, fabric=fabric, lease_timeout=args.lease_timeout,
-        heartbeat_interval=args.heartbeat_interval, launch_timeout=args.launch_timeout,
-        max_attempts=args.max_attempts, metrics_port=args.metrics_port,
-        retry_backoff_s=args.retry_backoff, retry_backoff_max_s=args.retry_backoff_max,
+        db_url=args.db,
+        listen=args.listen,
+        fabric=fabric,
+        lease_timeout=args.lease_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+        launch_timeout=args.launch_timeout,
+        max_attempts=args.max_attempts,
+        metrics_port=args.metrics_port,
+        retry_backoff_s=args.retry_backoff,
+        retry_backoff_max_s=args.retry_backoff_max,
         backfill=args.backfill,
         preemption=PreemptionPolicy(min_runtime_s=args.min_runtime, grace_period_s=args.preemption_grace),
-        checkpoint_addr=args.checkpoint_coordinator, checkpoint_dir=args.checkpoint_dir,
-        leader_lease_s=args.leader_lease, replica_id=args.replica_id,
-        mig_switch_hold_s=args.mig_switch_hold, mig_switch_backoff_s=args.mig_switch_backoff,
+        checkpoint_addr=args.checkpoint_coordinator,
+        checkpoint_dir=args.checkpoint_dir,
+        leader_lease_s=args.leader_lease,
+        replica_id=args.replica_id,
+        mig_switch_hold_s=args.mig_switch_hold,
+        mig_switch_backoff_s=args.mig_switch_backoff,
     )
     serve_metrics(args.metrics_port)
 
     async def run() -> None:
         running = await serve(settings, tokens=tokens, limits=limits, tls=tls)
-        log.info("scheduler_listening", address=running.address, db=settings.db_url.split("@")[-1],
-                 authentication=tokens is not None, tls=tls is not None,
-                 replica=running.service.settings.replica_id, leader=running.service.leading)
+        log.info(
+            "scheduler_listening",
+            address=running.address,
+            db=settings.db_url.split("@")[-1],
+            authentication=tokens is not None,
+            tls=tls is not None,
+            replica=running.service.settings.replica_id,
+            leader=running.service.leading,
+        )
         print(f"scheduler at {running.address}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

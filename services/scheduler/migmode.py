@@ -46,8 +46,8 @@ from phalanx.core.mig_switch import SwitchPlan, plan_switches, wants_mig_mode
 from phalanx.core.model import Placement
 
 from . import ledger
-from .cycle import Command, Cycle, set_job
 from .state import JobRecord, MigSwitch, NodeRecord, SchedulerState
+from .transitions import Command, Cycle, set_job
 
 log = structlog.get_logger()
 
@@ -69,8 +69,12 @@ class MigStatus(NamedTuple):
 
 
 def statuses_from_proto(mig_modes: Iterable[Any]) -> dict[int, MigStatus]:
-    return {int(m.gpu): MigStatus(_MODES.get(m.current, ""), _MODES.get(m.pending, ""), bool(m.switching),
-                                  m.error.replace("\x00", "")[:2000]) for m in mig_modes}
+    return {
+        int(m.gpu): MigStatus(
+            _MODES.get(m.current, ""), _MODES.get(m.pending, ""), bool(m.switching), m.error.replace("\x00", "")[:2000]
+        )
+        for m in mig_modes
+    }
 
 
 class Change(NamedTuple):
@@ -151,8 +155,9 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
             continue
         if c.kind == "mode":
             sw = node.mig_switches.pop(c.gpu, None)
-            values: dict[str, Any] = dict(mig_mode=_mode(c.value), mig_switched_at=now, mig_switch_to="",
-                                          mig_switch_error="", mig_retry_after=0.0)
+            values: dict[str, Any] = dict(
+                mig_mode=_mode(c.value), mig_switched_at=now, mig_switch_to="", mig_switch_error="", mig_retry_after=0.0
+            )
             node.mig_gpus = node.mig_gpus | {c.gpu} if c.value else node.mig_gpus - {c.gpu}
             if not c.value:  # out of MIG mode: no instance is left on it
                 values["mig_instances"] = []
@@ -161,11 +166,17 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
             ledger.set_gpu_mig(conn, gpu_id, **values)
             asked = sw is not None and sw.active and sw.enable == c.value
             what = f"GPU {c.gpu} switched {'to' if c.value else 'out of'} MIG mode" + (
-                f", {now - sw.asked_at:.1f}s after the scheduler asked" if asked else " (not asked by the scheduler)")
-            log.info("node_mig_mode_changed", node=node.name, gpu=c.gpu, mig_mode=_mode(c.value), asked=asked,
-                     mig_gpus=sorted(node.mig_gpus))
-            events.append(dict(at=now, gpu=c.gpu, severity="HEALTHY", kind="mig_mode", code=int(c.value),
-                               reason=what))
+                f", {now - sw.asked_at:.1f}s after the scheduler asked" if asked else " (not asked by the scheduler)"
+            )
+            log.info(
+                "node_mig_mode_changed",
+                node=node.name,
+                gpu=c.gpu,
+                mig_mode=_mode(c.value),
+                asked=asked,
+                mig_gpus=sorted(node.mig_gpus),
+            )
+            events.append(dict(at=now, gpu=c.gpu, severity="HEALTHY", kind="mig_mode", code=int(c.value), reason=what))
             rebuild = True
         elif c.kind == "pending":
             if c.value is None:
@@ -174,13 +185,19 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
                 node.mig_pending[c.gpu] = c.value
             ledger.set_gpu_mig(conn, gpu_id, mig_mode_pending="" if c.value is None else _mode(c.value))
             if c.value is not None:
-                log.info("node_mig_mode_pending", node=node.name, gpu=c.gpu, pending=_mode(c.value),
-                         note="NVML applies it at the next GPU reset")
+                log.info(
+                    "node_mig_mode_pending",
+                    node=node.name,
+                    gpu=c.gpu,
+                    pending=_mode(c.value),
+                    note="NVML applies it at the next GPU reset",
+                )
         elif c.kind == "done":
             node.mig_switches.pop(c.gpu, None)
             node.mig_switched_at[c.gpu] = now
-            ledger.set_gpu_mig(conn, gpu_id, mig_switch_to="", mig_switch_error="", mig_retry_after=0.0,
-                               mig_switched_at=now)
+            ledger.set_gpu_mig(
+                conn, gpu_id, mig_switch_to="", mig_switch_error="", mig_retry_after=0.0, mig_switched_at=now
+            )
             rebuild = True
         elif c.kind == "failed":
             sw = node.mig_switches[c.gpu]
@@ -189,11 +206,25 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
             node.mig_switches[c.gpu] = dataclasses.replace(sw, error=error, retry_after=now + backoff)
             ledger.set_gpu_mig(conn, gpu_id, mig_switch_error=error, mig_retry_after=now + backoff)
             direction = "to" if sw.enable else "out of"
-            log.warning("mig_mode_switch_failed", node=node.name, gpu=c.gpu, mig_mode=_mode(sw.enable), error=error,
-                        retry_in_s=backoff)
-            events.append(dict(at=now, gpu=c.gpu, severity="DEGRADED", kind="mig_switch_failed", code=0,
-                               reason=f"GPU {c.gpu} could not switch {direction} MIG mode: {error}; not asked again "
-                                      f"for {backoff:g}s"[:2000]))
+            log.warning(
+                "mig_mode_switch_failed",
+                node=node.name,
+                gpu=c.gpu,
+                mig_mode=_mode(sw.enable),
+                error=error,
+                retry_in_s=backoff,
+            )
+            events.append(
+                dict(
+                    at=now,
+                    gpu=c.gpu,
+                    severity="DEGRADED",
+                    kind="mig_switch_failed",
+                    code=0,
+                    reason=f"GPU {c.gpu} could not switch {direction} MIG mode: {error}; not asked again "
+                    f"for {backoff:g}s"[:2000],
+                )
+            )
             cycle.wake_at(now + backoff)
             rebuild = True
     ledger.add_node_events(conn, node.id, events)
@@ -235,6 +266,7 @@ def registered(cycle: Cycle, old: NodeRecord | None, node: NodeRecord, mig_manag
 
 # ---- deciding --------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Candidates:
     """Per direction: GPUs that may switch now, and those a hold or a failed switch's backoff keeps from it (GPU,
@@ -269,8 +301,9 @@ def candidates(state: SchedulerState, now: float, hold_s: float) -> dict[bool, _
                 continue
             since = node.mig_switched_at.get(gpu, 0.0)
             if since and now < since + hold_s:
-                out[enable].later.append((key, since + hold_s, f"changed its MIG mode at {_clock(since)}",
-                                          "--mig-switch-hold"))
+                out[enable].later.append(
+                    (key, since + hold_s, f"changed its MIG mode at {_clock(since)}", "--mig-switch-hold")
+                )
                 continue
             out[enable].now.append(key)
     return out
@@ -281,23 +314,29 @@ def _fingerprint(state: SchedulerState) -> tuple:
     return (cap.free_gpus(), cap.unschedulable(), tuple(sorted((k, len(v)) for k, v in cap.shape_buckets().items())))
 
 
-def _plan(cycle: Cycle, job: JobRecord, cands: list[Gpu], switching: dict[Gpu, bool], hidden: frozenset[str],
-          taken: tuple[Placement, ...]) -> SwitchPlan | None:
+def _plan(
+    cycle: Cycle,
+    job: JobRecord,
+    cands: list[Gpu],
+    switching: dict[Gpu, bool],
+    hidden: frozenset[str],
+    taken: tuple[Placement, ...],
+) -> SwitchPlan | None:
     state, req = cycle.state, job.request()
     key = (req, tuple(cands), tuple(sorted(switching.items())), hidden, taken, _fingerprint(state))
     memo = state.mig_plans.get(job.id)
     if memo is not None and memo[0] == key and cycle.now < memo[1]:
         return memo[2]
-    plan = plan_switches(state.capacity, req, cands, switching, cycle.settings.fabric.tiers, hidden=hidden,
-                         taken=taken)
+    plan = plan_switches(state.capacity, req, cands, switching, cycle.settings.fabric.tiers, hidden=hidden, taken=taken)
     if len(state.mig_plans) > 1000:
         state.mig_plans.clear()
     state.mig_plans[job.id] = (key, cycle.now + PLAN_TTL_S, plan)
     return plan
 
 
-def after_pass(cycle: Cycle, head: JobRecord, result: Any, pending: Sequence[JobRecord], backfill: bool
-               ) -> tuple[str | None, str]:
+def after_pass(
+    cycle: Cycle, head: JobRecord, result: Any, pending: Sequence[JobRecord], backfill: bool
+) -> tuple[str | None, str]:
     """After a scheduling pass whose head is blocked: ask for the MIG mode switches that let it (or, with backfill,
     a gang behind it) fit. Returns the head's message while it waits for switches (None: it does not), and a note
     for its usual message otherwise (a hold or a failed switch keeps the GPUs it needs from switching now)."""
@@ -316,10 +355,21 @@ def after_pass(cycle: Cycle, head: JobRecord, result: Any, pending: Sequence[Job
     region = frozenset(result.reservation.nodes) if result.reservation is not None else frozenset()
     taken = (plan.placement,) if plan is not None else ()
     skip = set(result.quota_blocked)
-    behind = sorted((j for j in pending if j.state == "PENDING" and j is not head and j.id not in skip
-                     and (cands[bool(j.mig_profile)].now or bool(j.mig_profile) in switching.values()
-                          or j.message.startswith(WAITING))),
-                    key=lambda j: (-j.priority, j.submitted_at, j.id))
+    behind = sorted(
+        (
+            j
+            for j in pending
+            if j.state == "PENDING"
+            and j is not head
+            and j.id not in skip
+            and (
+                cands[bool(j.mig_profile)].now
+                or bool(j.mig_profile) in switching.values()
+                or j.message.startswith(WAITING)
+            )
+        ),
+        key=lambda j: (-j.priority, j.submitted_at, j.id),
+    )
     for job in behind[:MAX_BEHIND]:
         got, why = _serve(cycle, job, cands, switching, budget, region, taken)
         if why is DEFERRED:
@@ -336,16 +386,22 @@ def after_pass(cycle: Cycle, head: JobRecord, result: Any, pending: Sequence[Job
     return message, note
 
 
-def _serve(cycle: Cycle, job: JobRecord, cands: dict[bool, _Candidates], switching: dict[Gpu, bool],
-           budget: list[bool], hidden: frozenset[str], taken: tuple[Placement, ...]) -> tuple[SwitchPlan | None, str]:
+def _serve(
+    cycle: Cycle,
+    job: JobRecord,
+    cands: dict[bool, _Candidates],
+    switching: dict[Gpu, bool],
+    budget: list[bool],
+    hidden: frozenset[str],
+    taken: tuple[Placement, ...],
+) -> tuple[SwitchPlan | None, str]:
     """The switches `job` waits for (asking for them when the budget allows), or None, with a note on the GPUs that a
     hold or a backoff keeps from switching for it (DEFERRED: it needs switches, asked in a later cycle)."""
     enable = wants_mig_mode(job.request())
     mine = cands[enable]
     if not mine.now and enable not in switching.values() and not mine.later:
         return None, ""
-    plan = _plan(cycle, job, mine.now, switching, hidden, taken) if (mine.now or enable in switching.values()) \
-        else None
+    plan = _plan(cycle, job, mine.now, switching, hidden, taken) if (mine.now or enable in switching.values()) else None
     if plan is None:
         return None, _later_note(cycle, job, mine, switching, hidden, taken)
     if not plan.switch and not plan.waiting:
@@ -363,48 +419,79 @@ def _serve(cycle: Cycle, job: JobRecord, cands: dict[bool, _Candidates], switchi
     return plan, ""
 
 
-def _later_note(cycle: Cycle, job: JobRecord, mine: _Candidates, switching: dict[Gpu, bool],
-                hidden: frozenset[str], taken: tuple[Placement, ...]) -> str:
+def _later_note(
+    cycle: Cycle,
+    job: JobRecord,
+    mine: _Candidates,
+    switching: dict[Gpu, bool],
+    hidden: frozenset[str],
+    taken: tuple[Placement, ...],
+) -> str:
     """When GPUs kept back by a hold or a backoff would make the gang fit: which, and until when (a cycle runs
     then)."""
     if not mine.later:
         return ""
     later = {gpu: (until, why, flag) for gpu, until, why, flag in mine.later}
-    plan = plan_switches(cycle.state.capacity, job.request(), [*mine.now, *later], switching,
-                         cycle.settings.fabric.tiers, hidden=hidden, taken=taken)
+    plan = plan_switches(
+        cycle.state.capacity,
+        job.request(),
+        [*mine.now, *later],
+        switching,
+        cycle.settings.fabric.tiers,
+        hidden=hidden,
+        taken=taken,
+    )
     if plan is None:
         return ""
     kept = [gpu for gpu in plan.switch if gpu in later]
     if not kept:
         return ""
     cycle.wake_at(min(later[gpu][0] for gpu in kept))
-    parts = [f"GPU {g} of {n} {why}: not switched before {_clock(until)} ({flag})"
-             for n, g in kept for until, why, flag in (later[(n, g)],)]
+    parts = [
+        f"GPU {g} of {n} {why}: not switched before {_clock(until)} ({flag})"
+        for n, g in kept
+        for until, why, flag in (later[(n, g)],)
+    ]
     return "; " + "; ".join(parts)
 
 
 def _ask(cycle: Cycle, job: JobRecord, plan: SwitchPlan) -> None:
     """Send SetMigMode to the nodes (durable assignments) and hold the GPUs out of placement until they switched."""
     state, now = cycle.state, cycle.now
-    what = (f"{job.replicas} x {job.mig_profile}" if job.mig_profile else
-            f"{job.replicas} x {job.gpu_milli}/1000 GPU" if job.gpu_milli else
-            f"{job.replicas} x {job.gpus_per_replica} GPUs")
-    reason = (f"job {job.id} ({job.name[:64]}) needs {what}; no GPU {'in' if plan.enable else 'out of'} MIG mode "
-              "has room")
+    what = (
+        f"{job.replicas} x {job.mig_profile}"
+        if job.mig_profile
+        else f"{job.replicas} x {job.gpu_milli}/1000 GPU"
+        if job.gpu_milli
+        else f"{job.replicas} x {job.gpus_per_replica} GPUs"
+    )
+    reason = (
+        f"job {job.id} ({job.name[:64]}) needs {what}; no GPU {'in' if plan.enable else 'out of'} MIG mode has room"
+    )
     revisions: dict[Gpu, int] = {}
     for name, gpu in plan.switch:
+
         def build(rev: int, key: Gpu = (name, gpu)) -> agent_pb2.Assignment:
             revisions[key] = rev
-            return agent_pb2.Assignment(revision=rev, set_mig_mode=agent_pb2.SetMigMode(
-                gpu=key[1], enable=plan.enable, reason=reason))
+            return agent_pb2.Assignment(
+                revision=rev, set_mig_mode=agent_pb2.SetMigMode(gpu=key[1], enable=plan.enable, reason=reason)
+            )
+
         cycle.send(state.nodes[name], job.id, 0, "set_mig_mode", build)
     cycle.flush()  # the revisions, for the switch records
     for name, gpu in plan.switch:
         node = state.nodes[name]
         rev = revisions[(name, gpu)]
         node.mig_switches[gpu] = MigSwitch(plan.enable, now, rev)
-        ledger.set_gpu_mig(cycle.conn, node.gpu_ids[gpu], mig_switch_to=_mode(plan.enable), mig_switch_at=now,
-                           mig_switch_revision=rev, mig_switch_error="", mig_retry_after=0.0)
+        ledger.set_gpu_mig(
+            cycle.conn,
+            node.gpu_ids[gpu],
+            mig_switch_to=_mode(plan.enable),
+            mig_switch_at=now,
+            mig_switch_revision=rev,
+            mig_switch_error="",
+            mig_retry_after=0.0,
+        )
         state.capacity.take(name, [gpu])  # out of placement while it switches
         log.info("mig_mode_switch_asked", node=name, gpu=gpu, mig_mode=_mode(plan.enable), job=job.id, revision=rev)
     state.mig_plans.pop(job.id, None)
@@ -416,15 +503,19 @@ def _waiting(cycle: Cycle, plan: SwitchPlan) -> str:
     by_node: dict[str, list[int]] = {}
     for name, gpu in plan.gpus:
         by_node.setdefault(name, []).append(gpu)
-    where = " and ".join(f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, sorted(gpus)))} of {name}"
-                         for name, gpus in sorted(by_node.items()))
+    where = " and ".join(
+        f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, sorted(gpus)))} of {name}"
+        for name, gpus in sorted(by_node.items())
+    )
     asked = [nodes[n].mig_switches[g].asked_at for n, g in plan.gpus if n in nodes and g in nodes[n].mig_switches]
     ago = f" (asked {_ago(cycle.now - min(asked))} ago)" if asked else ""
     reset = [(n, g) for n, g in plan.gpus if n in nodes and nodes[n].mig_pending.get(g) == plan.enable]
     message = f"waiting for {where} to switch {'to' if plan.enable else 'out of'} MIG mode{ago}"
     if reset:
-        message += (f"; the new mode of {', '.join(f'GPU {g} of {n}' for n, g in reset)} is pending until a GPU "
-                    "reset applies it (nvidia-smi -r)")
+        message += (
+            f"; the new mode of {', '.join(f'GPU {g} of {n}' for n, g in reset)} is pending until a GPU "
+            "reset applies it (nvidia-smi -r)"
+        )
     return message + ", holding no GPUs"
 
 

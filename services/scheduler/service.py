@@ -30,6 +30,8 @@ from services.common.faults import fail_point
 from . import accounting, ledger, migmode
 from .convert import job_from_row, node_from_row
 from .cycle import HEALTH_NAMES, Command, Cycle, Drain, HealthReport, finish_cycle, reload_state, run_cycle
+from .fanout import FanOut
+from .leadership import Leadership
 from .settings import SchedulerSettings
 from .state import SchedulerState
 
@@ -43,8 +45,9 @@ class SchedulerService:
         self.settings = settings
         # A session idle inside a transaction this long is ended by PostgreSQL: a stopped leader cannot hold the
         # clock row (and so the others' takeover) much past its lease.
-        self.engine: Engine = make_engine(settings.db_url, pool_size=12,
-                                          idle_in_transaction_timeout_s=max(2.0, 2 * settings.leader_lease_s))
+        self.engine: Engine = make_engine(
+            settings.db_url, pool_size=12, idle_in_transaction_timeout_s=max(2.0, 2 * settings.leader_lease_s)
+        )
         self.state = SchedulerState()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
@@ -61,8 +64,7 @@ class SchedulerService:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
-        self._watchers: set[tuple[frozenset[str] | None, asyncio.Queue]] = set()
-        self._feeds: dict[str, set[asyncio.Queue]] = {}
+        self.fanout = FanOut()
         self._beats: dict[str, float] = {}
         self._acks: dict[str, int] = {}
         self._draining: set[str] = set()
@@ -74,18 +76,12 @@ class SchedulerService:
         self._mig_queued: dict[str, tuple] = {}
         self._next_timer_check = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Leadership (docs/design.md, "Leadership"): the epoch of the lease this replica holds, None when it does
-        # not lead; when the lease runs out (the database's clock); when to look at the lease next.
-        self._epoch: int | None = None
-        self._lease_until = 0.0
-        self._next_lease_tick = 0.0
-        self.leader_seen: tuple[str, int] = ("", 0)  # (leader, epoch) as the last cycle found them
-        metrics.SCHEDULER_LEADER.set(0)
+        self.leadership = Leadership(settings.replica_id, settings.leader_lease_s)
 
     @property
     def leading(self) -> bool:
         """Whether this replica holds the leadership lease (as of its last cycle): it alone schedules."""
-        return self._epoch is not None
+        return self.leadership.leading
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -96,8 +92,12 @@ class SchedulerService:
         if not is_sqlite(self.engine):
             self._listener = threading.Thread(target=self._listen, name="pg-listener", daemon=True)
             self._listener.start()
-        log.info("scheduler_started", replica=self.settings.replica_id, nodes=len(self.state.nodes),
-                 active_jobs=len(self.state.jobs))
+        log.info(
+            "scheduler_started",
+            replica=self.settings.replica_id,
+            nodes=len(self.state.nodes),
+            active_jobs=len(self.state.jobs),
+        )
 
     async def stop(self) -> None:
         self._stopping = True
@@ -106,14 +106,12 @@ class SchedulerService:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):
                 pass
         for _, fut in self._inbox:
             if not fut.done():
                 fut.set_exception(Unavailable("the scheduler is shutting down"))
-        for feeds in self._feeds.values():
-            for feed in feeds:
-                feed.put_nowait(None)
+        self.fanout.wake_all_nodes()
         self._writer.submit(self._release_leadership)
         self._writer.submit(self._close_writer_connection)
         self._writer.shutdown(wait=True)
@@ -148,7 +146,7 @@ class SchedulerService:
             commands = [c for c, _ in batch]
             try:
                 results, outcome = await loop.run_in_executor(self._writer, self._cycle_once, commands)
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            except Exception as exc:  # the loop must survive anything
                 log.error("cycle_failed", error=str(exc)[:500])
                 for _, fut in batch:
                     if not fut.done():
@@ -172,10 +170,7 @@ class SchedulerService:
         self._timers = now >= self._next_timer_check
         if self._timers:
             self._next_timer_check = now + 0.2
-        # Renew the lease (leader) or look whether it ran out (the others) every third of the lease.
-        lease_tick = now >= self._next_lease_tick
-        if lease_tick:
-            self._next_lease_tick = now + self.settings.leader_lease_s / 3
+        lease_tick = self.leadership.tick_due(now)
         timers = self._timers and self.leading and self._timers_due(now)
         if not commands and not self._resync and not periodic and not timers and not lease_tick:
             return [], None
@@ -227,7 +222,7 @@ class SchedulerService:
         with conn.begin() as trans:
             clock = ledger.begin_cycle(conn)
             generation = clock.generation
-            epoch, until, acquired = self._leadership(conn, clock)
+            epoch, until, acquired = self.leadership.decide(conn, clock)
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
             # lock must not stamp a reservation earlier than the release it builds on.
             now = max(now, time.time())
@@ -252,62 +247,18 @@ class SchedulerService:
         self._generation = cycle.generation
         self._initial = False
         self._resync = cycle.resync_after
-        if acquired:
-            log.warning("leadership_acquired", replica=self.settings.replica_id, epoch=epoch,
-                        previous=clock.leader or None, previous_epoch=clock.epoch,
-                        lease_expired_s=round(max(0.0, clock.now - clock.until), 3) if clock.leader else None)
-            metrics.LEADERSHIP_CHANGES.labels("acquired").inc()
-            self.leader_seen = (self.settings.replica_id, epoch)
-        self._epoch, self._lease_until = epoch, until
-        metrics.SCHEDULER_LEADER.set(1 if epoch is not None else 0)
-        metrics.SCHEDULER_LEADER_EPOCH.set(self.leader_seen[1])
+        self.leadership.committed(clock, epoch, until, acquired)
         return results, cycle
-
-    def _leadership(self, conn, clock: ledger.Clock) -> tuple[int | None, float, bool]:
-        """Decide, under the clock row lock, whether this cycle leads: (epoch or None, lease end, just acquired).
-
-        The lease columns change only under this lock, so the answer holds until this transaction commits. A
-        replica that believed it led and finds another leader or epoch steps down here, before writing anything
-        of a scheduling pass: the deposed leader's fencing."""
-        me, lease = self.settings.replica_id, self.settings.leader_lease_s
-        mine = self._epoch
-        self.leader_seen = (clock.leader, clock.epoch) if clock.until >= clock.now else ("", clock.epoch)
-        if mine is not None:
-            if clock.leader == me and clock.epoch == mine:
-                if clock.until - clock.now >= lease * 2 / 3:
-                    return mine, clock.until, False
-                renewed = ledger.take_lease(conn, clock, me, lease, epoch=mine)
-                if renewed is not None:
-                    return mine, renewed.until, False
-            # Deposed: another replica took the lease (ours ran out while we were stopped or cut off).
-            self._epoch = None
-            metrics.SCHEDULER_LEADER.set(0)
-            metrics.FENCED.inc()
-            metrics.LEADERSHIP_CHANGES.labels("lost").inc()
-            log.warning("leadership_lost", replica=me, epoch=mine, leader=clock.leader or None,
-                        leader_epoch=clock.epoch,
-                        note="the epoch check refused this replica's scheduling; it continues as a follower")
-            return None, 0.0, False
-        if not clock.leader or clock.until < clock.now or clock.leader == me:
-            taken = ledger.take_lease(conn, clock, me, lease, epoch=None)
-            if taken is not None:
-                return taken.epoch, taken.until, True
-        return None, 0.0, False
 
     def _release_leadership(self) -> None:
         """On a graceful stop, give the lease up so that another replica leads at once (writer thread)."""
-        if self._epoch is None:
-            return
-        try:
-            conn = self._writer_connection()
-            with conn.begin():
-                ledger.begin_cycle(conn)
-                ledger.release_lease(conn, self.settings.replica_id, self._epoch)
-            log.info("leadership_released", replica=self.settings.replica_id, epoch=self._epoch)
-        except Exception as exc:  # noqa: BLE001 - the lease runs out by itself
-            log.warning("leadership_release_failed", error=str(exc)[:200])
-        self._epoch = None
-        metrics.SCHEDULER_LEADER.set(0)
+        if self.leadership.leading:
+            try:
+                conn = self._writer_connection()
+            except Exception as exc:  # the lease runs out by itself
+                log.warning("leadership_release_failed", error=str(exc)[:200])
+                return
+            self.leadership.release(conn)
 
     def _close_writer_connection(self) -> None:
         if self._writer_conn is not None:
@@ -343,8 +294,13 @@ class SchedulerService:
         if node is None:
             return "UNKNOWN", True
         self._beats[name] = time.time()
-        if draining and node.state == "READY" and name not in self._draining and not self._stopping \
-                and self._loop is not None:
+        if (
+            draining
+            and node.state == "READY"
+            and name not in self._draining
+            and not self._stopping
+            and self._loop is not None
+        ):
             self._draining.add(name)
             fut = self._loop.create_future()
             fut.add_done_callback(lambda f, n=name: self._draining.discard(n))
@@ -352,8 +308,13 @@ class SchedulerService:
             self._wake.set()
         if node.state != "LOST" and (events or (health is not None and health.state in HEALTH_NAMES)):
             self._queue_health(node, health, list(events))
-        elif node.health == "UNKNOWN" and node.state == "READY" and not self._stopping and self._loop is not None \
-                and name not in self._health_queued:
+        elif (
+            node.health == "UNKNOWN"
+            and node.state == "READY"
+            and not self._stopping
+            and self._loop is not None
+            and name not in self._health_queued
+        ):
             # Back after it was lost, and its agent runs no health monitor: this heartbeat is its health report.
             self._health_queued[name] = ("HEALTHY", "", {})
             fut = self._loop.create_future()
@@ -397,9 +358,15 @@ class SchedulerService:
 
     def _queue_health(self, node, health, events: list) -> None:
         if health is not None and health.state in HEALTH_NAMES:
-            sig = (HEALTH_NAMES[health.state], health.reason,
-                   {g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons)) for g in health.gpus
-                    if g.state in (2, 3)})
+            sig = (
+                HEALTH_NAMES[health.state],
+                health.reason,
+                {
+                    g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons))
+                    for g in health.gpus
+                    if g.state in (2, 3)
+                },
+            )
         else:
             health, sig = None, None
         current = self._health_queued.get(node.name) or (node.health, node.health_reason, node.gpu_health)
@@ -432,20 +399,21 @@ class SchedulerService:
         s = self.settings
         if now >= self.state.wake_at:
             return True
-        if any(n.state in ("READY", "DRAINED") and now - n.last_heartbeat > s.lease_timeout
-               for n in self.state.nodes.values()):
+        if any(
+            n.state in ("READY", "DRAINED") and now - n.last_heartbeat > s.lease_timeout
+            for n in self.state.nodes.values()
+        ):
             return True
         return any(j.launch_deadline is not None and now > j.launch_deadline for j in self.state.jobs.values())
 
     def _after_commit(self, cycle: Cycle) -> None:
         for job in cycle.changed.values():
-            self._publish(job)
+            self.fanout.publish(job)
         for name, revision, message in cycle.delivered:
-            for feed in self._feeds.get(name, ()):
-                feed.put_nowait((revision, message))
+            self.fanout.deliver(name, revision, message)
         if cycle.foreign_writes:
-            self.wake_all_nodes()
-        for job, latency in cycle.reserved:
+            self.fanout.wake_all_nodes()
+        for _job, latency in cycle.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
         now = time.monotonic()
@@ -459,7 +427,7 @@ class SchedulerService:
     async def _update_goodput(self) -> None:
         try:
             total, _, _ = await self.read(accounting.read_goodput, time.time(), limit=0)
-        except Exception as exc:  # noqa: BLE001 - metrics must never hurt the scheduler
+        except Exception as exc:  # metrics must never hurt the scheduler
             log.warning("goodput_metrics_failed", error=str(exc)[:200])
             return
         for category, value in total.as_dict().items():
@@ -469,41 +437,9 @@ class SchedulerService:
     def _update_gauges(self) -> None:
         metrics.QUEUE_DEPTH.set(len(self.state.pending()))
         metrics.GPUS_FREE.set(self.state.capacity.free_gpus())
-        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in self.state.jobs.values() if j.state == "RUNNING"
-                                       for _, _, g in j.allocations))
-
-    # ---- fan-out -------------------------------------------------------------------------------------------------
-
-    def _publish(self, job: common_pb2.Job) -> None:
-        for ids, queue in list(self._watchers):
-            if ids is None or job.id in ids:
-                queue.put_nowait(job)
-
-    def subscribe(self, job_ids: frozenset[str] | None) -> tuple[frozenset[str] | None, asyncio.Queue]:
-        entry = (job_ids, asyncio.Queue())
-        self._watchers.add(entry)
-        return entry
-
-    def unsubscribe(self, entry) -> None:
-        self._watchers.discard(entry)
-
-    def open_feed(self, name: str) -> asyncio.Queue:
-        """A queue of (revision, Assignment) for assignments this replica commits for `name`; None means
-        "look at the ledger" (another process wrote, or the service is stopping)."""
-        feed: asyncio.Queue = asyncio.Queue()
-        self._feeds.setdefault(name, set()).add(feed)
-        return feed
-
-    def close_feed(self, name: str, feed: asyncio.Queue) -> None:
-        self._feeds.get(name, set()).discard(feed)
-
-    def wake_node(self, name: str) -> None:
-        for feed in self._feeds.get(name, ()):
-            feed.put_nowait(None)
-
-    def wake_all_nodes(self) -> None:
-        for name in list(self._feeds):
-            self.wake_node(name)
+        metrics.GPUS_ALLOCATED.set(
+            sum(len(g) for j in self.state.jobs.values() if j.state == "RUNNING" for _, _, g in j.allocations)
+        )
 
     # ---- cross-replica notifications (PostgreSQL) ----------------------------------------------------------------
 
@@ -518,7 +454,7 @@ class SchedulerService:
                     while not self._stopping:
                         for note in conn.notifies(timeout=1.0):
                             self._loop.call_soon_threadsafe(self._on_remote_change, note.payload)
-            except Exception as exc:  # noqa: BLE001 - keep listening across outages
+            except Exception as exc:  # keep listening across outages
                 if not self._stopping:
                     log.warning("listen_reconnect", error=str(exc)[:200])
                     time.sleep(1.0)
@@ -532,16 +468,17 @@ class SchedulerService:
             return
         self._resync = True
         self._wake.set()
-        nodes = list(self._feeds) if body.get("all") else body.get("nodes", [])
-        for name in nodes:
-            self.wake_node(name)
+        if body.get("all"):
+            self.fanout.wake_all_nodes()
+        for name in body.get("nodes", []):
+            self.fanout.wake_node(name)
         jobs = body.get("jobs", [])
-        if jobs and self._watchers:
+        if jobs and self.fanout.watched:
             asyncio.ensure_future(self._publish_from_ledger(jobs))
 
     async def _publish_from_ledger(self, job_ids: list[str]) -> None:
         for job in await self.read_jobs(job_ids=job_ids):
-            self._publish(job)
+            self.fanout.publish(job)
 
     # ---- reads (consistent snapshots straight from the ledger) ---------------------------------------------------
 

@@ -8,7 +8,9 @@ import re
 import time
 from collections.abc import Sequence
 
+import structlog
 from google.protobuf.json_format import MessageToDict
+from sqlalchemy.exc import SQLAlchemyError
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core import mig
@@ -33,6 +35,7 @@ MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _JOB_ID = re.compile(r"[0-9a-f]{12}\Z")
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+log = structlog.get_logger()
 
 
 def _clean(value: str, limit: int) -> str:
@@ -73,9 +76,7 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
     if spec.procs_per_replica < 0:
         problems.append(f"procs_per_replica must be 0 (one per GPU) or 1, got {spec.procs_per_replica}")
     elif spec.procs_per_replica > 1 and spec.procs_per_replica != spec.gpus_per_replica:
-        problems.append(
-            f"procs_per_replica must be 0 or 1 (or equal gpus_per_replica), got {spec.procs_per_replica}"
-        )
+        problems.append(f"procs_per_replica must be 0 or 1 (or equal gpus_per_replica), got {spec.procs_per_replica}")
     if not spec.command or not spec.command[0].strip():
         problems.append("command must not be empty")
     elif len(spec.command) > MAX_COMMAND_ARGS or sum(len(a) for a in spec.command) > MAX_COMMAND_BYTES:
@@ -101,14 +102,19 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
     if spec.mig_profile and spec.gpu_milli:
         problems.append("ask for a MIG profile (mig_profile) or a GPU share (gpu_milli), not both")
     if spec.mig_profile and not mig.known_profile(spec.mig_profile):
-        problems.append(f"mig_profile {spec.mig_profile[:40]!r} is not a MIG profile; valid profiles: "
-                        f"{', '.join(mig.all_profile_names())}")
+        problems.append(
+            f"mig_profile {spec.mig_profile[:40]!r} is not a MIG profile; valid profiles: "
+            f"{', '.join(mig.all_profile_names())}"
+        )
     if spec.gpu_milli and not 1 <= spec.gpu_milli <= 999:
-        problems.append(f"gpu_milli must be 1-999 thousandths of a GPU (use gpus_per_replica for whole GPUs), "
-                        f"got {spec.gpu_milli}")
+        problems.append(
+            f"gpu_milli must be 1-999 thousandths of a GPU (use gpus_per_replica for whole GPUs), got {spec.gpu_milli}"
+        )
     if (spec.mig_profile or spec.gpu_milli) and spec.gpus_per_replica != 1:
-        problems.append(f"a replica on a MIG instance or a GPU share uses one GPU: gpus_per_replica must be 1, "
-                        f"got {spec.gpus_per_replica}")
+        problems.append(
+            f"a replica on a MIG instance or a GPU share uses one GPU: gpus_per_replica must be 1, "
+            f"got {spec.gpus_per_replica}"
+        )
     if len(spec.queue) > 64 or any(not (c.isalnum() or c in "._-") for c in spec.queue):
         problems.append(f"queue {spec.queue[:80]!r} must be at most 64 letters, digits, '.', '_' or '-'")
     if not 0 <= spec.time_limit_s <= MAX_TIME_LIMIT_S:  # also refuses NaN
@@ -116,8 +122,10 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
     if not 0 <= spec.max_restarts <= MAX_RESTARTS:
         problems.append(f"max_restarts must be 0-{MAX_RESTARTS}, got {spec.max_restarts}")
     if not 0 <= spec.keep_checkpoints <= MAX_KEEP_CHECKPOINTS:
-        problems.append(f"keep_checkpoints must be 0 (the checkpoint coordinator's default) to "
-                        f"{MAX_KEEP_CHECKPOINTS}, got {spec.keep_checkpoints}")
+        problems.append(
+            f"keep_checkpoints must be 0 (the checkpoint coordinator's default) to "
+            f"{MAX_KEEP_CHECKPOINTS}, got {spec.keep_checkpoints}"
+        )
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
@@ -180,12 +188,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             pending = sum(1 for j in self.service.state.jobs.values() if j.state == "PENDING" and j.tenant == tenant)
             pending += self._inflight.get(tenant, 0)
             if pending >= cap:
-                raise ResourceExhausted(f"tenant {tenant!r} has {pending} pending jobs, the most it may have is "
-                                        f"{cap}; wait for some to start or cancel some")
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} has {pending} pending jobs, the most it may have is "
+                    f"{cap}; wait for some to start or cancel some"
+                )
         wait = self.limits.take(ident)
         if wait > 0:
-            raise ResourceExhausted(f"tenant {tenant!r} is submitting faster than its rate limit; retry in "
-                                    f"{wait:.2f}s")
+            raise ResourceExhausted(f"tenant {tenant!r} is submitting faster than its rate limit; retry in {wait:.2f}s")
 
     @unary
     async def SubmitJob(self, request, context):
@@ -196,8 +205,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._check_limits(tenant)
         self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
         try:
-            result = await self.service.execute(Submit(request.spec, scoped_request_id(tenant, request.request_id),
-                                                       tenant=tenant))
+            result = await self.service.execute(
+                Submit(request.spec, scoped_request_id(tenant, request.request_id), tenant=tenant)
+            )
         finally:
             left = self._inflight[tenant] - 1
             if left:
@@ -256,12 +266,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.since >= 0:
             raise InvalidArgument(f"since must be a unix time >= 0, got {request.since}")
         total, listed, count = await self.service.read(
-            accounting.read_goodput, time.time(), since=request.since, limit=request.limit or 100,
-            tenant=tenant_scope())
+            accounting.read_goodput, time.time(), since=request.since, limit=request.limit or 100, tenant=tenant_scope()
+        )
         return scheduler_pb2.GetGoodputResponse(
-            cluster=accounting.to_proto(total), job_count=count,
-            jobs=[scheduler_pb2.JobGoodput(job_id=j["id"], name=j["name"], state=_state(j), attempts=n,
-                                           goodput=accounting.to_proto(g)) for j, g, n in listed])
+            cluster=accounting.to_proto(total),
+            job_count=count,
+            jobs=[
+                scheduler_pb2.JobGoodput(
+                    job_id=j["id"], name=j["name"], state=_state(j), attempts=n, goodput=accounting.to_proto(g)
+                )
+                for j, g, n in listed
+            ],
+        )
 
     @unary
     async def CancelJob(self, request, context):
@@ -274,7 +290,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             for job_id in ids:
                 check_job_id(job_id)
         scope = tenant_scope()
-        entry = self.service.subscribe(ids)
+        entry = self.service.fanout.subscribe(ids)
         try:
             current = await self.service.read_jobs(job_ids=sorted(ids), tenant=scope) if ids is not None else []
             if ids is not None and len(current) != len(ids):
@@ -289,7 +305,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     continue  # watching every job: a user sees only its tenant's
                 yield scheduler_pb2.JobEvent(job=job)
         finally:
-            self.service.unsubscribe(entry)
+            self.service.fanout.unsubscribe(entry)
 
     @unary
     async def ListNodes(self, request, context):
@@ -341,6 +357,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
+        self._ledger_id: str | None = None  # the ledger's cluster id, once read
 
     @unary
     async def RegisterNode(self, request, context):
@@ -358,15 +375,53 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         if sorted(indices) != list(range(len(indices))):
             raise InvalidArgument(f"GPU indices must be 0..{len(indices) - 1}, got {sorted(indices)}")
         topology = MessageToDict(request.topology, preserving_proto_field_name=True)
+        cluster_id = await self._cluster_id()
         acked = await self.service.execute(
-            Register(name, request.topology, topology, request.address or "127.0.0.1", request.agent_instance,
-                     mig_manage=request.mig_manage)
+            Register(
+                name,
+                request.topology,
+                topology,
+                request.address or "127.0.0.1",
+                request.agent_instance,
+                mig_manage=request.mig_manage,
+            )
         )
         s = self.service.settings
-        return agent_pb2.RegisterNodeResponse(
-            heartbeat_interval_ms=int(s.heartbeat_interval * 1000), lease_timeout_ms=int(s.lease_timeout * 1000),
+        resp = agent_pb2.RegisterNodeResponse(
+            heartbeat_interval_ms=int(s.heartbeat_interval * 1000),
+            lease_timeout_ms=int(s.lease_timeout * 1000),
             acked_revision=acked,
+            cluster_id=cluster_id,
         )
+        node = self.service.state.nodes.get(name)
+        if node is not None:
+            # The node's last assignment revision as Register read it from the ledger (or later): an agent whose
+            # saved acked revision is above it holds another ledger's state (or one older than a restore).
+            resp.revision = node.revision
+        return resp
+
+    async def _cluster_id(self) -> str:
+        """The ledger's identity, read once (it never changes); written here if the ledger lost its row."""
+        if self._ledger_id is None:
+            try:
+                found = await self.service.read(ledger.cluster_id)
+                if not found:
+                    found = await asyncio.get_running_loop().run_in_executor(None, self._ensure_cluster_id)
+            except SQLAlchemyError as exc:  # a ledger from before revision 0015: agents treat the id as unknown
+                log.warning(
+                    "ledger_identity_unreadable",
+                    error=(str(exc).splitlines() or [""])[0][:200],
+                    hint="run `phalanx db upgrade`",
+                )
+                return ""  # asked again at the next registration
+            self._ledger_id = found
+            if found:
+                log.info("ledger_identity", cluster_id=found)
+        return self._ledger_id
+
+    def _ensure_cluster_id(self) -> str:
+        with self.service.engine.begin() as conn:
+            return ledger.ensure_cluster_id(conn)
 
     @unary
     async def Heartbeat(self, request, context):
@@ -378,8 +433,12 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             for g in request.health.gpus:
                 g.reasons[:] = [_clean(r, 2000) for r in g.reasons]
         state, reregister = self.service.heartbeat(
-            request.node_name, request.health if request.HasField("health") else None, request.events,
-            draining=request.draining, mig_modes=request.mig_modes)
+            request.node_name,
+            request.health if request.HasField("health") else None,
+            request.events,
+            draining=request.draining,
+            mig_modes=request.mig_modes,
+        )
         return agent_pb2.HeartbeatResponse(
             state=NODE_STATES.get(state, common_pb2.NODE_STATE_UNSPECIFIED), reregister=reregister
         )
@@ -391,7 +450,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             nodes = {n.name for n in await self.service.read_nodes()}
             if name not in nodes:
                 raise FailedPrecondition(f"node {name[:80]!r} is not registered; call RegisterNode first")
-        feed = self.service.open_feed(name)  # before the catch-up read, so nothing falls in between
+        feed = self.service.fanout.open_feed(name)  # before the catch-up read, so nothing falls in between
         last = request.after_revision
         try:
             need_read = True
@@ -414,7 +473,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 else:
                     need_read = False  # already sent
         finally:
-            self.service.close_feed(name, feed)
+            self.service.fanout.close_feed(name, feed)
 
     @unary
     async def AckAssignments(self, request, context):
@@ -433,8 +492,17 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("rank must be >= 0 and attempt >= 1")
         check_job_id(request.job_id)
         check_text("message", request.message[:2000], 2000)
-        stale = await self.service.execute(RankReport(
-            request.node_name, request.job_id, request.attempt, request.rank, state, request.exit_code,
-            request.message[:2000], request.pid, retryable=request.retryable,
-        ))
+        stale = await self.service.execute(
+            RankReport(
+                request.node_name,
+                request.job_id,
+                request.attempt,
+                request.rank,
+                state,
+                request.exit_code,
+                request.message[:2000],
+                request.pid,
+                retryable=request.retryable,
+            )
+        )
         return agent_pb2.ReportRankStatusResponse(stale=stale)

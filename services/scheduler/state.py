@@ -95,10 +95,20 @@ class JobRecord:
         return gpu_equivalents(self.replicas, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
 
     def request(self) -> GangRequest:
-        return GangRequest(self.id, self.replicas, self.gpus_per_replica, self.priority, self.submitted_at,
-                           required_tier=self.required_tier, preferred_tier=self.preferred_tier,
-                           gpu_model=self.gpu_model, mig_profile=self.mig_profile, gpu_milli=self.gpu_milli,
-                           time_limit=self.time_limit, avoid=frozenset(self.struck_nodes))
+        return GangRequest(
+            self.id,
+            self.replicas,
+            self.gpus_per_replica,
+            self.priority,
+            self.submitted_at,
+            required_tier=self.required_tier,
+            preferred_tier=self.preferred_tier,
+            gpu_model=self.gpu_model,
+            mig_profile=self.mig_profile,
+            gpu_milli=self.gpu_milli,
+            time_limit=self.time_limit,
+            avoid=frozenset(self.struck_nodes),
+        )
 
     def replica_placements(self) -> list[ReplicaPlacement]:
         """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
@@ -108,8 +118,17 @@ class JobRecord:
             if part is None:
                 out.append(ReplicaPlacement(replica, node, gpus))
             else:
-                out.append(ReplicaPlacement(replica, node, gpus, mig_profile=part.profile, mig_start=part.start,
-                                            mig_size=part.size, gpu_milli=part.milli))
+                out.append(
+                    ReplicaPlacement(
+                        replica,
+                        node,
+                        gpus,
+                        mig_profile=part.profile,
+                        mig_start=part.start,
+                        mig_size=part.size,
+                        gpu_milli=part.milli,
+                    )
+                )
         return out
 
     @property
@@ -166,8 +185,9 @@ class NodeRecord:
     agent_instance: str = ""
     revision: int = 0  # last assignment revision; exact while this replica holds the cycle lock on a fresh view
     closeness: GpuCloseness | None = None  # from the registered topology's GPU matrix; None when it has none
-    # Health from the agent's heartbeats: HEALTHY, DEGRADED, FATAL (or UNKNOWN, back from LOST), a summary, and the GPUs that are not HEALTHY
-    # (index -> (state, reasons)). FATAL GPUs are kept out of the capacity view; a FATAL node is unschedulable.
+    # Health from the agent's heartbeats: HEALTHY, DEGRADED, FATAL (or UNKNOWN, back from LOST), a summary, and the
+    # GPUs that are not HEALTHY (index -> (state, reasons)). FATAL GPUs are kept out of the capacity view; a FATAL
+    # node is unschedulable.
     health: str = "HEALTHY"
     health_reason: str = ""
     gpu_health: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
@@ -204,8 +224,11 @@ class NodeRecord:
         return self.state == "READY" and self.health not in ("FATAL", "UNKNOWN")
 
     def health_signature(self) -> tuple:
-        return (self.health, tuple(sorted((i, h, tuple(r)) for i, (h, r) in self.gpu_health.items())),
-                self.health_reason)
+        return (
+            self.health,
+            tuple(sorted((i, h, tuple(r)) for i, (h, r) in self.gpu_health.items())),
+            self.health_reason,
+        )
 
 
 class SchedulerState:
@@ -216,17 +239,28 @@ class SchedulerState:
         self.wake_at = float("inf")  # the next time a cycle must run although nothing happened (cycle.wake_at)
         self.endpoint: tuple[str, str] = ("", "")  # the checkpoint coordinator found in the ledger (address, dir)
         self.endpoint_expires = 0.0
-        self.no_preemption: tuple | None = None
-        self.reservation_memo: dict = {}
+        self.no_preemption: tuple | None = None  # (signature, valid until, message) of the last "no victims" answer
+        self.reservation_memo: dict = {}  # the blocked head's last reservation and what it was planned on
         self.mig_plans: dict = {}  # job id -> (signature, valid until, plan) of its last MIG mode switch plan
-        self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)  # the blocked head's last reservation and what it was planned on  # (signature, valid until, message) of the last "no victims" answer
+        self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)
 
     def rebuild_capacity(self) -> None:
         self.capacity = ClusterCapacity(
-            NodeCapacity(n.name, n.gpus, set(range(n.gpus)) - held, n.schedulable, n.path, n.closeness,
-                         n.gpu_model, n.memory_mib, mig={g: FULL_MIG_MASK for g in held & n.mig_gpus},
-                         mig_gpus=n.mig_gpus, foreign=dict(n.foreign))
-            for n in self.nodes.values() for held in (n.held_gpus,)
+            NodeCapacity(
+                n.name,
+                n.gpus,
+                set(range(n.gpus)) - held,
+                n.schedulable,
+                n.path,
+                n.closeness,
+                n.gpu_model,
+                n.memory_mib,
+                mig={g: FULL_MIG_MASK for g in held & n.mig_gpus},
+                mig_gpus=n.mig_gpus,
+                foreign=dict(n.foreign),
+            )
+            for n in self.nodes.values()
+            for held in (n.held_gpus,)
         )
         for job in self.jobs.values():
             if job.state == "RUNNING":

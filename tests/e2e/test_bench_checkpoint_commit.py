@@ -12,9 +12,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quick_run_prints_the_commit_latency_and_its_baseline_as_one_json_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "checkpoint_commit.py"), "--quick", "--ranks", "8", "--checkpoints",
-         "2", "--no-pg", "--no-ddp", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "checkpoint_commit.py"),
+            "--quick",
+            "--ranks",
+            "8",
+            "--checkpoints",
+            "2",
+            "--no-pg",
+            "--no-ddp",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
@@ -29,8 +43,15 @@ def test_quick_run_prints_the_commit_latency_and_its_baseline_as_one_json_line(t
     assert sqlite["durability"]["synchronous"] in ("NORMAL", "FULL", "EXTRA")
     eight = sqlite["8"]
     assert eight["checkpoints"] == 2
-    for key in ("commit_p50_ms", "commit_p99_ms", "commit_mean_ms", "checkpoint_p50_ms", "checkpoint_p99_ms",
-                "shards_per_s", "commit_p50_over_baseline"):
+    for key in (
+        "commit_p50_ms",
+        "commit_p99_ms",
+        "commit_mean_ms",
+        "checkpoint_p50_ms",
+        "checkpoint_p99_ms",
+        "shards_per_s",
+        "commit_p50_over_baseline",
+    ):
         assert eight[key] > 0, key
     assert eight["commit_p50_ms"] <= eight["commit_p99_ms"]
     assert eight["commit_p50_ms"] <= eight["checkpoint_p50_ms"]  # the last shard is part of the whole checkpoint

@@ -20,21 +20,76 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # The documented JSON shapes of `phalanx jobs --json` and `phalanx nodes --json` (README, Job/Node.to_dict).
 JOB_FIELDS = {
-    "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "env",
-    "allocations", "attempt", "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement",
-    "required_tier", "preferred_tier", "gpu_model", "mig_profile", "gpu_milli",
-    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
+    "id",
+    "name",
+    "state",
+    "replicas",
+    "gpus_per_replica",
+    "priority",
+    "procs_per_replica",
+    "command",
+    "env",
+    "allocations",
+    "attempt",
+    "message",
+    "exit_code",
+    "submitted_at",
+    "started_at",
+    "finished_at",
+    "placement",
+    "required_tier",
+    "preferred_tier",
+    "gpu_model",
+    "mig_profile",
+    "gpu_milli",
+    "failures",
+    "preemptions",
+    "not_before",
+    "preempted_by",
+    "preempt_deadline",
+    "goodput",
+    "max_restarts",
+    "time_limit",
+    "tenant",
+    "queue",
+    "flavor",
     "struck_nodes",
     "restore",
     "keep_checkpoints",
 }
 NODE_FIELDS = {
-    "name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message", "last_heartbeat",
-    "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus", "gpu_details", "strikes", "mig_manage",
+    "name",
+    "gpus",
+    "free_gpus",
+    "state",
+    "profile",
+    "gpu_model",
+    "fabric_path",
+    "message",
+    "last_heartbeat",
+    "address",
+    "shared_gpus",
+    "health",
+    "health_reason",
+    "unhealthy_gpus",
+    "gpu_details",
+    "strikes",
+    "mig_manage",
 }
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_NODE", "MASTER_ADDR",
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI",
-            "PHALANX_CHECKPOINT_ADDR", "PHALANX_CHECKPOINT_DIR")
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "CUDA_VISIBLE_DEVICES",
+    "PHALANX_NODE",
+    "MASTER_ADDR",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "PHALANX_GPU_MILLI",
+    "PHALANX_CHECKPOINT_ADDR",
+    "PHALANX_CHECKPOINT_DIR",
+)
 
 # A rank that saves a shard through phalanx.train, waits for the checkpoint to commit (every rank's shard in), and
 # writes what restore() returns.
@@ -70,6 +125,19 @@ def _cli_json(capsys, address: str, *argv: str):
     return json.loads(out)  # stdout is exactly one JSON document
 
 
+def _ledger_allocations(state_dir: Path, job_id: str) -> list[tuple]:
+    """The allocation rows of a job from the cluster's SQLite ledger, its history (a job that is not running shows
+    no allocations): (replica, node, GPU, kind, unit, profile, gpu_milli), the GPUs' hold rows left out."""
+    import sqlite3
+
+    with sqlite3.connect(state_dir / "phalanx.db") as conn:
+        return conn.execute(
+            "SELECT a.replica, n.name, a.gpu_index, a.kind, a.unit, a.profile, a.gpu_milli FROM allocations a "
+            "JOIN nodes n ON n.id = a.node_id WHERE a.job_id = ? AND a.kind != 'hold' ORDER BY a.replica, a.unit",
+            (job_id,),
+        ).fetchall()
+
+
 def _eventually(check, *, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     last = None
@@ -95,7 +163,7 @@ def _processes_of(state_dir: Path) -> list[str]:
             environ = (entry / "environ").read_bytes() if os.access(entry / "environ", os.R_OK) else b""
         except OSError:
             continue
-        if stat[stat.rfind(")") + 2:].startswith("Z"):
+        if stat[stat.rfind(")") + 2 :].startswith("Z"):
             continue
         if marker in cmdline or home in environ.split(b"\0"):
             shown = cmdline.replace(b"\0", b" ").decode(errors="replace")
@@ -126,7 +194,9 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
             job = client.submit("e2e-gang", 2, 8, [sys.executable, "-c", RANK_PROGRAM], env={"OUT_DIR": str(out_dir)})
             done = client.wait(job.id, timeout=60)
             assert done.state is JobState.SUCCEEDED, done
-            assert len(done.allocations) == 2 and len(set(done.nodes)) == 2
+            assert done.allocations == [] and done.nodes == ()  # finished: it holds no GPUs
+            placed = {rep: node for rep, node, *_ in _ledger_allocations(state_dir, job.id)}
+            assert len(placed) == 2 and len(set(placed.values())) == 2
 
         envs = [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(16)]
         assert sorted(int(e["RANK"]) for e in envs) == list(range(16))
@@ -134,15 +204,14 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
         by_node: dict[str, list[dict]] = {}
         for e in envs:
             by_node.setdefault(e["PHALANX_NODE"], []).append(e)
-        assert set(by_node) == set(done.nodes)
+        assert set(by_node) == set(placed.values())
         for node, ranks in by_node.items():
             assert len(ranks) == 8, node
             devices = [e["CUDA_VISIBLE_DEVICES"] for e in ranks]
             assert len(set(devices)) == 8, (node, devices)  # one distinct GPU per rank on each node
             assert sorted(int(e["LOCAL_RANK"]) for e in ranks) == list(range(8))
-        alloc_nodes = {a.replica: a.node for a in done.allocations}
         for e in envs:
-            assert alloc_nodes[int(e["NODE_RANK"])] == e["PHALANX_NODE"]
+            assert placed[int(e["NODE_RANK"])] == e["PHALANX_NODE"]
 
         # -- `phalanx jobs --json`: exactly a JSON array with the documented fields ------------------------------
         jobs = _cli_json(capsys, cluster.address, "jobs", "--json")
@@ -151,8 +220,7 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
         assert set(row) == JOB_FIELDS
         assert row["id"] == job.id and row["state"] == "SUCCEEDED" and row["exit_code"] == 0
         assert (row["replicas"], row["gpus_per_replica"]) == (2, 8)
-        assert sorted(a["replica"] for a in row["allocations"]) == [0, 1]
-        assert all(len(a["gpus"]) == 8 for a in row["allocations"])
+        assert row["allocations"] == []  # a finished job shows no allocations
 
         # -- partial GPUs on the simulated DGX H100s: a MIG instance and two quarter-GPU shares ---------------------
         with Client(cluster.address, timeout=10) as client:
@@ -165,15 +233,18 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
             mig_done = client.wait(mig_job.id, timeout=60)
             share_done = client.wait(share_job.id, timeout=60)
         assert mig_done.state is JobState.SUCCEEDED and share_done.state is JobState.SUCCEEDED, (mig_done, share_done)
-        (mig_slice,) = mig_done.allocations[0].slices
-        assert (mig_slice.profile, mig_slice.start, mig_slice.size) == ("3g.40gb", 4, 4)
+        mig_rows = _ledger_allocations(state_dir, mig_job.id)  # one row per memory slice of the instance
+        assert {(kind, profile) for _, _, _, kind, _, profile, _ in mig_rows} == {("mig", "3g.40gb")}
+        assert sorted(unit for *_, unit, _, _ in mig_rows) == [4, 5, 6, 7]  # start 4, size 4
         mig_env = json.loads((mig_dir / "rank-0.json").read_text())
         assert mig_env["CUDA_VISIBLE_DEVICES"].startswith("MIG-"), mig_env  # the instance's MIG device UUID
         share_envs = [json.loads((share_dir / f"rank-{r}.json").read_text()) for r in range(2)]
         for e in share_envs:
             assert (e["PHALANX_GPU_MILLI"], e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("250", "25"), e
             assert e["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M", e  # a quarter of 81,559 MiB
-        assert len({(a.node, a.gpus[0]) for a in share_done.allocations}) == 1  # both quarters on one GPU
+        share_rows = _ledger_allocations(state_dir, share_job.id)
+        assert [milli for *_, milli in share_rows] == [250, 250]
+        assert len({(node, gpu) for _, node, gpu, *_ in share_rows}) == 1  # both quarters on one GPU
 
         # -- phalanx.train through the local cluster: ranks find the coordinator and the store the scheduler gives --
         assert envs[0]["PHALANX_CHECKPOINT_ADDR"] == cluster.checkpoint_address
@@ -181,8 +252,9 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
         train_dir = tmp_path / "train"
         train_dir.mkdir()
         with Client(cluster.address, timeout=10) as client:
-            trained = client.submit("e2e-train", 1, 2, [sys.executable, "-c", TRAIN_PROGRAM],
-                                    env={"OUT_DIR": str(train_dir)})
+            trained = client.submit(
+                "e2e-train", 1, 2, [sys.executable, "-c", TRAIN_PROGRAM], env={"OUT_DIR": str(train_dir)}
+            )
             trained = client.wait(trained.id, timeout=60)
         assert trained.state is JobState.SUCCEEDED, trained
         for r in range(2):
@@ -190,7 +262,7 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
             assert (step, state) == (7, {"rank": r, "weights": [r] * 3})  # each rank gets its own shard back
 
         # -- SIGKILL one agent: a node failure, not the end of the cluster -------------------------------------
-        victim = next(n for n in cluster.node_names if n not in done.nodes)
+        victim = next(n for n in cluster.node_names if n not in placed.values())
         cluster.kill_agent(victim)
         _eventually(lambda: cluster.agents[victim].exit_code is not None, timeout=10, what="the monitor to notice")
         assert any(victim in m and "node failure" in m for m in messages), messages

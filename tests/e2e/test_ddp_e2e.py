@@ -17,21 +17,23 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed")
 
-from phalanx.cli.cluster import LocalCluster  # noqa: E402
-from phalanx.client import Client, JobState  # noqa: E402
-from phalanx.core.preemption import parse_priority  # noqa: E402
+from test_recovery_e2e import Ledger, _eventually
 
-from test_recovery_e2e import Ledger, _eventually  # noqa: E402
+from phalanx.cli.cluster import LocalCluster
+from phalanx.client import Client, JobState
+from phalanx.core.preemption import parse_priority
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local cluster processes")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local cluster processes"),
+]
 
 STEPS = 120
 STEP_TIME = 0.05  # 6 s or more of training: the preemption lands in the middle of it
@@ -39,8 +41,19 @@ ENV = {"PHALANX_CHECKPOINT_POLL_S": "0.2"}
 
 
 def _command(out: Path, step_time: float = STEP_TIME) -> list[str]:
-    return [sys.executable, "-m", "phalanx.examples.ddp_tiny", "--steps", str(STEPS), "--step-time", str(step_time),
-            "--out", str(out), "--timeout", "90"]
+    return [
+        sys.executable,
+        "-m",
+        "phalanx.examples.ddp_tiny",
+        "--steps",
+        str(STEPS),
+        "--step-time",
+        str(step_time),
+        "--out",
+        str(out),
+        "--timeout",
+        "90",
+    ]
 
 
 def _uninterrupted(out: Path, world: int = 4) -> set[str]:
@@ -51,8 +64,13 @@ def _uninterrupted(out: Path, world: int = 4) -> set[str]:
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank % 2),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(subprocess.Popen(_command(out, 0.0), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for rank, p in enumerate(procs):
         text, _ = p.communicate(timeout=150)
@@ -71,8 +89,17 @@ def test_ddp_gang_is_preempted_resumes_elsewhere_and_ends_bit_identical(tmp_path
     monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
     monkeypatch.delenv("PHALANX_DB", raising=False)
     out = tmp_path / "out"
-    cluster = LocalCluster(nodes=4, state_dir=tmp_path / "cluster", port=0, log=lambda _m: None, ready_timeout=60,
-                           restart_agents=False, mig_gpus=0, min_runtime=1.0, preemption_grace=60.0)
+    cluster = LocalCluster(
+        nodes=4,
+        state_dir=tmp_path / "cluster",
+        port=0,
+        log=lambda _m: None,
+        ready_timeout=60,
+        restart_agents=False,
+        mig_gpus=0,
+        min_runtime=1.0,
+        preemption_grace=60.0,
+    )
     cluster.start()
     try:
         ledger = Ledger(cluster)
@@ -85,13 +112,20 @@ def test_ddp_gang_is_preempted_resumes_elsewhere_and_ends_bit_identical(tmp_path
             trainer = client.submit("ddp-tiny", 2, 2, _command(out), priority=parse_priority("batch"), env=ENV)
             trainer = client.wait(trainer.id, ["RUNNING"], timeout=30)
             assert set(ledger.attempt_nodes(trainer.id, 1).values()) == set(first_nodes)
-            _eventually(lambda: len([e for e in _events(out, trainer.id) if e["event"] == "start"]) == 4,
-                        timeout=90, what="the trainer's four ranks to start training")
+            _eventually(
+                lambda: len([e for e in _events(out, trainer.id) if e["event"] == "start"]) == 4,
+                timeout=90,
+                what="the trainer's four ranks to start training",
+            )
 
-            critical = client.submit("critical", 2, 2, ["sleep", "600"], procs_per_replica=1,
-                                     priority=parse_priority("critical"))
-            _eventually(lambda: (a := ledger.attempts(trainer.id)) and a[0]["outcome"] == "PREEMPTED" and a,
-                        timeout=90, what="the trainer to checkpoint and stop")
+            critical = client.submit(
+                "critical", 2, 2, ["sleep", "600"], procs_per_replica=1, priority=parse_priority("critical")
+            )
+            _eventually(
+                lambda: (a := ledger.attempts(trainer.id)) and a[0]["outcome"] == "PREEMPTED" and a,
+                timeout=90,
+                what="the trainer to checkpoint and stop",
+            )
             client.wait(critical.id, ["RUNNING"], timeout=30)
             assert set(ledger.attempt_nodes(critical.id, 1).values()) == set(first_nodes)
             for name in spare:
@@ -108,12 +142,14 @@ def test_ddp_gang_is_preempted_resumes_elsewhere_and_ends_bit_identical(tmp_path
         committed = first["committed_step"]
         assert 0 < committed < STEPS, dict(first)
         # Every rank saved at the one agreed step, and the collective checkpoint has one shard per rank.
-        saves = sorted((e["rank"], e["step"]) for e in _events(out, trainer.id)
-                       if e["event"] == "checkpoint" and e["attempt"] == 1)
+        saves = sorted(
+            (e["rank"], e["step"]) for e in _events(out, trainer.id) if e["event"] == "checkpoint" and e["attempt"] == 1
+        )
         assert saves == [(r, committed) for r in range(4)], saves
         (ckpt,) = [c for c in ledger.committed(trainer.id, 1) if c["step"] == committed]
-        shards = ledger.rows("SELECT rank, uri FROM checkpoint_shards WHERE checkpoint_id = ? ORDER BY rank",
-                             ckpt["id"])
+        shards = ledger.rows(
+            "SELECT rank, uri FROM checkpoint_shards WHERE checkpoint_id = ? ORDER BY rank", ckpt["id"]
+        )
         assert [(s["rank"], s["uri"].rsplit("#", 1)[1]) for s in shards] == [(r, f"rank-{r}") for r in range(4)]
         # The second attempt ran on the other two nodes, restored the committed step on every rank, and its
         # parameters are bit-identical to the uninterrupted run's.
@@ -122,8 +158,9 @@ def test_ddp_gang_is_preempted_resumes_elsewhere_and_ends_bit_identical(tmp_path
         results = [json.loads((out / trainer.id / f"rank-{r}.json").read_text()) for r in range(4)]
         assert [(r["attempt"], r["restored_step"], r["step"]) for r in results] == [(2, committed, STEPS)] * 4
         assert {r["params_sha256"] for r in results} == baseline
-        starts = sorted((e["attempt"], e["rank"], e["restored_step"]) for e in _events(out, trainer.id)
-                        if e["event"] == "start")
+        starts = sorted(
+            (e["attempt"], e["rank"], e["restored_step"]) for e in _events(out, trainer.id) if e["event"] == "start"
+        )
         assert starts == [(1, r, -1) for r in range(4)] + [(2, r, committed) for r in range(4)], starts
     finally:
         cluster.stop()

@@ -25,15 +25,17 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed")
 
-from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
+from helpers.jobs import insert_job, set_attempt, set_world
+from torch.distributed.checkpoint import FileSystemReader
 
-from phalanx.train import torch_dcp  # noqa: E402
-from services.checkpoint_coordinator import serve  # noqa: E402
+from phalanx.train import torch_dcp
+from services.checkpoint_coordinator import serve
 
-from helpers.jobs import insert_job, set_attempt, set_world  # noqa: E402
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
-              pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available"),
+]
 
 JOB = "job-ddp-tiny"
 WORLD = 3  # odd: a float sum over three ranks changes with its order, so bit-identity tests the order too
@@ -45,24 +47,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _run_gang(out: Path, steps: int, *, attempt: int = 1, every: int = 0, coordinator: str = "",
-                    ckpt_dir: Path | None = None, world: int = WORLD) -> list[dict]:
+async def _run_gang(
+    out: Path,
+    steps: int,
+    *,
+    attempt: int = 1,
+    every: int = 0,
+    coordinator: str = "",
+    ckpt_dir: Path | None = None,
+    world: int = WORLD,
+) -> list[dict]:
     """Run the example as `world` rank processes of one attempt; return their rank-<r>.json results."""
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PHALANX_ATTEMPT=str(attempt), PHALANX_NODE=f"node-{rank}",
-                   PHALANX_CHECKPOINT_POLL_S="0.2")
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PHALANX_ATTEMPT=str(attempt),
+            PHALANX_NODE=f"node-{rank}",
+            PHALANX_CHECKPOINT_POLL_S="0.2",
+        )
         env.pop("PHALANX_CHECKPOINT_ADDR", None)
         if coordinator:
             env.update(PHALANX_JOB_ID=JOB, PHALANX_CHECKPOINT_ADDR=coordinator, PHALANX_CHECKPOINT_DIR=str(ckpt_dir))
         else:
             env.pop("PHALANX_JOB_ID", None)
-        cmd = [sys.executable, "-m", "phalanx.examples.ddp_tiny", "--steps", str(steps), "--every", str(every),
-               "--out", str(out), "--timeout", "60"]
-        procs.append(await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE,
-                                                          stderr=asyncio.subprocess.STDOUT))
+        cmd = [
+            sys.executable,
+            "-m",
+            "phalanx.examples.ddp_tiny",
+            "--steps",
+            str(steps),
+            "--every",
+            str(every),
+            "--out",
+            str(out),
+            "--timeout",
+            "60",
+        ]
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+        )
     try:
         outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), timeout=150)
     except TimeoutError:
@@ -70,8 +102,9 @@ async def _run_gang(out: Path, steps: int, *, attempt: int = 1, every: int = 0, 
             if p.returncode is None:
                 p.kill()
         texts = [(await p.stdout.read()).decode()[-2000:] for p in procs]
-        raise AssertionError("the gang did not finish in 150 s:\n" + "\n".join(
-            f"--- rank {r}:\n{t}" for r, t in enumerate(texts))) from None
+        raise AssertionError(
+            "the gang did not finish in 150 s:\n" + "\n".join(f"--- rank {r}:\n{t}" for r, t in enumerate(texts))
+        ) from None
     for rank, (p, (text, _)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{text.decode()[-3000:]}"
     job_dir = out / (JOB if coordinator else "local")
@@ -109,7 +142,9 @@ def _restore_state(srv):
         return stub.GetRestore(pb.GetRestoreRequest(job_id=JOB), timeout=10)
 
 
-async def test_collective_checkpoint_each_rank_writes_its_part_resumes_bit_identical_and_falls_back(coordinator, tmp_path):
+async def test_collective_checkpoint_each_rank_writes_its_part_resumes_bit_identical_and_falls_back(
+    coordinator, tmp_path
+):
     srv, url = coordinator
     ckpt = tmp_path / "ckpt"
     baseline = await _run_gang(tmp_path / "base", 20)

@@ -14,9 +14,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def test_demo_runs_every_job_and_the_preempted_trainer_resumes_exactly(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli.main", "demo", "--port", "0", "--state-dir", str(tmp_path / "demo"),
-         "--sleep", "1"],
-        capture_output=True, text=True, timeout=220,
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli.main",
+            "demo",
+            "--port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "demo"),
+            "--sleep",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -24,8 +36,11 @@ def test_demo_runs_every_job_and_the_preempted_trainer_resumes_exactly(tmp_path)
         assert "All 7 jobs SUCCEEDED." in out and "skips its DistributedDataParallel job" in out
     else:  # the eighth job: a real torch.distributed gang
         assert "All 8 jobs SUCCEEDED." in out
-        assert re.search(r"ddp-tiny: 4 ranks on node-\d+(, node-\d+)? checked an all-reduce, trained 60 steps and "
-                         r"saved 3 collective checkpoints .* every rank ends with the same parameters", out), out[-3000:]
+        assert re.search(
+            r"ddp-tiny: 4 ranks on node-\d+(, node-\d+)? checked an all-reduce, trained 60 steps and "
+            r"saved 3 collective checkpoints .* every rank ends with the same parameters",
+            out,
+        ), out[-3000:]
     assert "is PENDING and holds 0 GPUs" in out  # the whole-cluster gang waited holding nothing
     assert "train-batch PREEMPTING" in out and "minimum runtime" in out
     assert "both ranks counted [60, 60] of 60 steps" in out

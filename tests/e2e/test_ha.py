@@ -17,13 +17,12 @@ import uuid
 
 import grpc
 import pytest
+from helpers.procs import eventually, start_scheduler
 from sqlalchemy import create_engine, text
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client._channel import open_aio_channel
 from phalanx.testing.lite_agent import LiteAgent
-
-from helpers.procs import eventually, start_scheduler
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -42,8 +41,19 @@ def start_replicas(pg_url, tmp_path, n: int, metrics: bool = False):
     replicas = []
     for i in range(n):
         extra = ["--metrics-port", str(free_port())] if metrics else []
-        r = start_scheduler(pg_url, tmp_path / f"r{i}.log", "--replica-id", f"r{i}", "--leader-lease", str(LEASE),
-                            "--lease-timeout", "10", "--heartbeat-interval", "0.5", *extra)
+        r = start_scheduler(
+            pg_url,
+            tmp_path / f"r{i}.log",
+            "--replica-id",
+            f"r{i}",
+            "--leader-lease",
+            str(LEASE),
+            "--lease-timeout",
+            "10",
+            "--heartbeat-interval",
+            "0.5",
+            *extra,
+        )
         r.name, r.metrics = f"r{i}", (int(extra[1]) if extra else None)
         replicas.append(r)
     return replicas
@@ -72,7 +82,8 @@ class Ledger:
         """(job, attempt, scheduler, epoch, started_at) of every reservation in the ledger's jobs."""
         out = []
         for job_id, attempt, placement, started in self.rows(
-                "SELECT id, attempt, placement, started_at FROM jobs WHERE attempt > 0"):
+            "SELECT id, attempt, placement, started_at FROM jobs WHERE attempt > 0"
+        ):
             p = placement if isinstance(placement, dict) else json.loads(placement or "{}")
             out.append((job_id, attempt, p.get("scheduler", ""), int(p.get("epoch", 0)), float(started)))
         return out
@@ -81,10 +92,12 @@ class Ledger:
         double = self.rows(
             "SELECT a.gpu_id FROM allocations a JOIN allocations b ON a.gpu_id = b.gpu_id AND a.id < b.id "
             "AND a.reserved_at < COALESCE(b.released_at, 'infinity') "
-            "AND b.reserved_at < COALESCE(a.released_at, 'infinity')")
+            "AND b.reserved_at < COALESCE(a.released_at, 'infinity')"
+        )
         assert double == [], "a GPU was held by two allocations at once"
-        assert self.rows("SELECT job_id FROM job_attempts GROUP BY job_id HAVING count(*) > 1") == [], \
+        assert self.rows("SELECT job_id FROM job_attempts GROUP BY job_id HAVING count(*) > 1") == [], (
             "a job was placed twice"
+        )
 
     def close(self) -> None:
         self.engine.dispose()
@@ -108,12 +121,13 @@ async def submit(stub, job_spec, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            job = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=job_spec, request_id=request_id),
-                                       timeout=5)
+            job = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=job_spec, request_id=request_id), timeout=5)
             return job.id
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                    or time.monotonic() > deadline:
+            if (
+                exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                or time.monotonic() > deadline
+            ):
                 raise
             await asyncio.sleep(0.1)
 
@@ -141,8 +155,12 @@ async def test_one_leader_schedules_what_followers_accept(pg_url, tmp_path):
             await a.start()
         followers = [i for i, r in enumerate(replicas) if r.name != leader]
         ids = set(await asyncio.gather(*(submit(stubs[followers[i % 2]], spec(f"f-{i}")) for i in range(40))))
-        finished = await eventually(lambda: all_finished(stubs[followers[0]], ids), timeout=30, interval=0.2,
-                                    what="every job submitted to a follower finished")
+        finished = await eventually(
+            lambda: all_finished(stubs[followers[0]], ids),
+            timeout=30,
+            interval=0.2,
+            what="every job submitted to a follower finished",
+        )
         assert set(finished.values()) == {SUCCEEDED}
         placements = ledger.placements()
         assert {(p[2], p[3]) for p in placements} == {(leader, epoch)}, "only the leader reserved"
@@ -181,8 +199,11 @@ async def test_kill9_leader_under_load_a_follower_takes_over(pg_url, tmp_path):
                 await asyncio.sleep(0.03)
 
         load = [asyncio.create_task(stream(k)) for k in range(3)]
-        await eventually(lambda: _count(ledger, "SELECT count(*) FROM jobs WHERE state = 'SUCCEEDED'", 10),
-                         timeout=20, what="load under way")
+        await eventually(
+            lambda: _count(ledger, "SELECT count(*) FROM jobs WHERE state = 'SUCCEEDED'", 10),
+            timeout=20,
+            what="load under way",
+        )
         victim = next(r for r in replicas if r.name == leader)
         victim.kill9()
         killed_at = time.time()
@@ -195,8 +216,9 @@ async def test_kill9_leader_under_load_a_follower_takes_over(pg_url, tmp_path):
         ids = set(submitted)
         assert len(ids) == len(submitted) == 180
         alive = next(i for i, r in enumerate(replicas) if r.name == new_leader)
-        finished = await eventually(lambda: all_finished(stubs[alive], ids), timeout=45, interval=0.3,
-                                    what="every submitted job finished")
+        finished = await eventually(
+            lambda: all_finished(stubs[alive], ids), timeout=45, interval=0.3, what="every submitted job finished"
+        )
         assert set(finished.values()) == {SUCCEEDED}, {s for s in finished.values()}
         in_ledger = {r[0] for r in ledger.rows("SELECT id FROM jobs")}
         assert in_ledger == ids, "a job was lost or invented"
@@ -207,7 +229,7 @@ async def test_kill9_leader_under_load_a_follower_takes_over(pg_url, tmp_path):
         assert any(p[2] == new_leader for p in placements)
         # The dead leader reserved nothing after its death; no rank was launched twice.
         assert not [p for p in placements if p[2] == leader and p[4] > killed_at]
-        launches = [(l.job_id, l.attempt, l.replica) for a in agents for l in a.launched]
+        launches = [(launch.job_id, launch.attempt, launch.replica) for a in agents for launch in a.launched]
         assert len(launches) == len(set(launches))
         assert _count_now(ledger, "SELECT count(*) FROM allocations WHERE released_at IS NULL") == 0
     finally:
@@ -241,9 +263,15 @@ async def test_stopped_leader_is_fenced_when_it_resumes(pg_url, tmp_path):
         stopped_at = time.time()
         try:
             # A submission to the stopped leader waits in its socket; on resume it runs as a follower's command.
-            late = asyncio.create_task(_call(stubs[0].SubmitJob(
-                scheduler_pb2.SubmitJobRequest(spec=spec("sent-to-stopped-leader", 0.1), request_id="late-1"),
-                timeout=40, wait_for_ready=True)))
+            late = asyncio.create_task(
+                _call(
+                    stubs[0].SubmitJob(
+                        scheduler_pb2.SubmitJobRequest(spec=spec("sent-to-stopped-leader", 0.1), request_id="late-1"),
+                        timeout=40,
+                        wait_for_ready=True,
+                    )
+                )
+            )
             taken = await wait_leader(ledger, not_=old.name, timeout=15)
             takeover = time.time() - stopped_at
             print(f"takeover from a stopped leader: {takeover:.2f}s (lease {LEASE}s)")

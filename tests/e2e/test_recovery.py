@@ -5,11 +5,10 @@ from __future__ import annotations
 import socket
 
 import grpc
+from helpers.procs import eventually, start_scheduler
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.testing.lite_agent import LiteAgent
-
-from helpers.procs import eventually, start_scheduler
 
 RUNNING, PENDING, CANCELLED = common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_CANCELLED
 
@@ -24,7 +23,6 @@ async def test_kill9_scheduler_then_restart_loses_and_duplicates_nothing(db_url,
     port = free_port()
     args = ("--lease-timeout", "4", "--heartbeat-interval", "0.5")
     sched = start_scheduler(db_url, tmp_path / "s1.log", *args)
-    sched.proc.args  # started on port 0 first to learn nothing; restart below on a fixed port
     sched.terminate()
     sched = _start_on(db_url, tmp_path / "s2.log", port, *args)
     agents = [LiteAgent(sched.address, f"node-{i}") for i in range(3)]
@@ -35,8 +33,9 @@ async def test_kill9_scheduler_then_restart_loses_and_duplicates_nothing(db_url,
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
 
         def spec(name):
-            return scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(
-                name=name, replicas=2, gpus_per_replica=8, command=["run"]))
+            return scheduler_pb2.SubmitJobRequest(
+                spec=common_pb2.JobSpec(name=name, replicas=2, gpus_per_replica=8, command=["run"])
+            )
 
         running = await stub.SubmitJob(spec("running"))
         await eventually(lambda: _state(stub, running.id, RUNNING), what="first gang running")
@@ -56,7 +55,7 @@ async def test_kill9_scheduler_then_restart_loses_and_duplicates_nothing(db_url,
         await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=running.id))
         await eventually(lambda: _state(stub, queued.id, RUNNING), timeout=20, what="queued gang running")
         await eventually(lambda: _launched(agents, queued.id, 2), what="queued gang launched")
-        launches = [(l.job_id, l.attempt, l.replica) for a in agents for l in a.launched]
+        launches = [(launch.job_id, launch.attempt, launch.replica) for a in agents for launch in a.launched]
         assert len(launches) == len(set(launches)) == 4, launches  # no rank started twice
         assert (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=running.id))).attempt == 1
         await channel.close()
@@ -77,4 +76,4 @@ async def _state(stub, job_id, state):
 
 
 async def _launched(agents, job_id, n):
-    return sum(1 for a in agents for l in a.launched if l.job_id == job_id) >= n
+    return sum(1 for a in agents for launch in a.launched if launch.job_id == job_id) >= n

@@ -25,8 +25,11 @@ import pytest
 from phalanx.cli.cluster import LocalCluster
 from phalanx.client import Client, JobState
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(150),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc"),
+]
 
 EVERY = 10
 STEP_TIME = 0.1
@@ -34,8 +37,21 @@ ENV = {"PHALANX_CHECKPOINT_POLL_S": "0.2"}  # rank 0 sees a checkpoint request w
 
 
 def _command(steps: int, out: Path, every: int = EVERY) -> list[str]:
-    return [sys.executable, "-m", "phalanx.examples.count_steps", "--steps", str(steps), "--every", str(every),
-            "--step-time", str(STEP_TIME), "--out", str(out), "--sync-timeout", "120"]
+    return [
+        sys.executable,
+        "-m",
+        "phalanx.examples.count_steps",
+        "--steps",
+        str(steps),
+        "--every",
+        str(every),
+        "--step-time",
+        str(STEP_TIME),
+        "--out",
+        str(out),
+        "--sync-timeout",
+        "120",
+    ]
 
 
 def _eventually(check, *, timeout: float, what: str, interval: float = 0.1):
@@ -84,8 +100,12 @@ class Ledger:
         return self.rows("SELECT state FROM nodes WHERE name = ?", name)[0]["state"]
 
     def attempt_nodes(self, job_id: str, attempt: int) -> dict[int, str]:
-        rows = self.rows("SELECT DISTINCT a.replica, n.name FROM allocations a JOIN nodes n ON n.id = a.node_id "
-                         "WHERE a.job_id = ? AND a.attempt = ?", job_id, attempt)
+        rows = self.rows(
+            "SELECT DISTINCT a.replica, n.name FROM allocations a JOIN nodes n ON n.id = a.node_id "
+            "WHERE a.job_id = ? AND a.attempt = ?",
+            job_id,
+            attempt,
+        )
         return {r["replica"]: r["name"] for r in rows}
 
 
@@ -118,7 +138,7 @@ def _rank_processes(job_id: str, node: str) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if not stat[stat.rfind(")") + 2:].startswith("Z"):
+            if not stat[stat.rfind(")") + 2 :].startswith("Z"):
                 found.append(int(entry.name))
     return found
 
@@ -128,7 +148,7 @@ def _alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return not stat[stat.rfind(")") + 2:].startswith(("Z", "X"))
+    return not stat[stat.rfind(")") + 2 :].startswith(("Z", "X"))
 
 
 @pytest.fixture
@@ -140,8 +160,15 @@ def cluster_factory(tmp_path, monkeypatch):
 
     def make(nodes: int, **kw) -> LocalCluster:
         kw.setdefault("mig_gpus", 0)  # the gangs here need whole 8-GPU nodes, the last one too
-        cluster = LocalCluster(nodes=nodes, state_dir=tmp_path / "cluster", port=0, log=messages.append,
-                               ready_timeout=60, restart_agents=False, **kw)
+        cluster = LocalCluster(
+            nodes=nodes,
+            state_dir=tmp_path / "cluster",
+            port=0,
+            log=messages.append,
+            ready_timeout=60,
+            restart_agents=False,
+            **kw,
+        )
         started.append(cluster)
         cluster.start()
         return cluster
@@ -161,15 +188,19 @@ def test_node_kill_resumes_on_other_nodes_from_the_last_committed_step(cluster_f
         job = client.wait(job.id, ["RUNNING"], timeout=30)
         first_nodes = ledger.attempt_nodes(job.id, 1)
         assert len(set(first_nodes.values())) == 2, first_nodes
-        _eventually(lambda: ledger.latest_step(job.id) >= 20, timeout=40, what="a checkpoint >= step 20",
-                    interval=0.05)
+        _eventually(lambda: ledger.latest_step(job.id) >= 20, timeout=40, what="a checkpoint >= step 20", interval=0.05)
 
         # -- the node of rank 0 dies: its agent, then every rank process on it (wrapper and command) ---------------
         victim = first_nodes[0]
         cluster.kill_agent(victim)
         ranks_file = json.loads((cluster.agent_state_dir(victim) / "state.json").read_text())["ranks"]
-        recorded = {pid for r in ranks_file.values() if r["job_id"] == job.id
-                    for pid in (r["wrapper_pid"], r["child_pid"]) if pid}
+        recorded = {
+            pid
+            for r in ranks_file.values()
+            if r["job_id"] == job.id
+            for pid in (r["wrapper_pid"], r["child_pid"])
+            if pid
+        }
         killed = _rank_processes(job.id, victim)
         assert recorded and recorded <= set(killed), (recorded, killed)  # the agent's state names the same pids
         for pid in killed:
@@ -198,10 +229,10 @@ def test_node_kill_resumes_on_other_nodes_from_the_last_committed_step(cluster_f
     # -- the ranks: both restored that step and counted exactly `steps` ----------------------------------------
     results = _results(out, job.id, 2)
     for r, res in enumerate(results):
-        assert res == dict(rank=r, count=steps, step=steps, attempt=2, restored_step=last,
-                           node=second_nodes[r]), res
-    starts = sorted((e["attempt"], e["rank"], e["restored_step"]) for e in _events(out, job.id)
-                    if e["event"] == "start")
+        assert res == dict(rank=r, count=steps, step=steps, attempt=2, restored_step=last, node=second_nodes[r]), res
+    starts = sorted(
+        (e["attempt"], e["rank"], e["restored_step"]) for e in _events(out, job.id) if e["event"] == "start"
+    )
     assert starts == [(1, 0, -1), (1, 1, -1), (2, 0, last), (2, 1, last)], starts
 
 
@@ -216,8 +247,9 @@ def test_preempted_gang_checkpoints_and_resumes_without_losing_a_committed_step(
         low = client.submit("count-steps", 2, 8, _command(steps, out, every), procs_per_replica=1, env=ENV)
         low = client.wait(low.id, ["RUNNING"], timeout=30)
         # Past its minimum runtime (1 s) and with a periodic checkpoint committed; then a gang that needs its GPUs.
-        _eventually(lambda: ledger.latest_step(low.id) >= every, timeout=40, what="the first periodic checkpoint",
-                    interval=0.05)
+        _eventually(
+            lambda: ledger.latest_step(low.id) >= every, timeout=40, what="the first periodic checkpoint", interval=0.05
+        )
         periodic = ledger.latest_step(low.id)
         asked_at = time.time()
         high = client.submit("urgent", 1, 8, ["sleep", "2"], priority=100)
@@ -233,8 +265,11 @@ def test_preempted_gang_checkpoints_and_resumes_without_losing_a_committed_step(
         high_done = client.wait(high.id, timeout=60)
         assert high_done.state is JobState.SUCCEEDED, high_done
 
-    row = _eventually(lambda: (r := ledger.job(low.id))["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
-                      timeout=60, what="the victim to finish")
+    row = _eventually(
+        lambda: (r := ledger.job(low.id))["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
+        timeout=60,
+        what="the victim to finish",
+    )
     assert row["state"] == "SUCCEEDED", dict(row)
     assert (row["attempt"], row["preemptions"], row["failures"]) == (2, 1, 0), dict(row)
 
@@ -247,21 +282,27 @@ def test_preempted_gang_checkpoints_and_resumes_without_losing_a_committed_step(
     (ckpt,) = [c for c in ledger.committed(low.id, 1) if c["step"] == committed]
     assert ckpt["created_at"] >= asked_at, dict(ckpt)
     if committed % every:
-        assert any(e["event"] == "checkpoint" and e["attempt"] == 1 and e["step"] == committed and e["requested"]
-                   for e in _events(out, low.id))
+        assert any(
+            e["event"] == "checkpoint" and e["attempt"] == 1 and e["step"] == committed and e["requested"]
+            for e in _events(out, low.id)
+        )
     # The preemptor ran on the GPUs the victim gave up, between the victim's two attempts.
     assert first["ended_at"] <= high_done.started_at
     assert second["reserved_at"] >= high_done.finished_at - 0.5  # (clocks of one host; finished_at is the report)
     # No committed step lost: attempt 2 restarted from attempt 1's last committed step. (The coordinator fences on
     # jobs.attempt only, so ranks of a torn-down attempt can still commit until the next attempt is reserved; this
     # equality relies on them being stopped before their next periodic checkpoint.)
-    assert second["restored_step"] == committed, (dict(first), dict(second),
-                                                  [dict(c) for c in ledger.committed(low.id)])
+    assert second["restored_step"] == committed, (
+        dict(first),
+        dict(second),
+        [dict(c) for c in ledger.committed(low.id)],
+    )
     assert second["outcome"] == "SUCCEEDED"
 
     results = _results(out, low.id, 2)
-    for r, res in enumerate(results):
+    for res in results:
         assert (res["count"], res["step"], res["attempt"], res["restored_step"]) == (steps, steps, 2, committed), res
-    starts = sorted((e["attempt"], e["rank"], e["restored_step"]) for e in _events(out, low.id)
-                    if e["event"] == "start")
+    starts = sorted(
+        (e["attempt"], e["rank"], e["restored_step"]) for e in _events(out, low.id) if e["event"] == "start"
+    )
     assert starts == [(1, 0, -1), (1, 1, -1), (2, 0, committed), (2, 1, committed)], starts

@@ -7,12 +7,11 @@ import random
 
 import grpc
 import pytest
+from helpers.procs import eventually, start_scheduler
 from sqlalchemy import create_engine, text
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.testing.lite_agent import LiteAgent
-
-from helpers.procs import eventually, start_scheduler
 
 TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_CANCELLED, common_pb2.JOB_STATE_FAILED}
 pytestmark = pytest.mark.postgres
@@ -30,8 +29,9 @@ async def test_two_replicas_hundreds_of_gangs_random_cancels(pg_url, tmp_path):
 
         async def submit(i: int) -> str:
             r, g = rng.choice([(1, 1), (1, 4), (1, 8), (2, 8), (3, 8), (4, 8), (2, 4)])
-            spec = common_pb2.JobSpec(name=f"storm-{i}", replicas=r, gpus_per_replica=g,
-                                      command=["sleep", f"{rng.uniform(0.02, 0.25):.3f}"])
+            spec = common_pb2.JobSpec(
+                name=f"storm-{i}", replicas=r, gpus_per_replica=g, command=["sleep", f"{rng.uniform(0.02, 0.25):.3f}"]
+            )
             job = await stubs[i % 2].SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec), timeout=30)
             if rng.random() < 0.2:
                 await asyncio.sleep(rng.uniform(0, 0.3))
@@ -51,15 +51,21 @@ async def test_two_replicas_hundreds_of_gangs_random_cancels(pg_url, tmp_path):
 
         engine = create_engine(pg_url)
         with engine.connect() as conn:
-            double = conn.execute(text(
-                "SELECT a.gpu_id FROM allocations a JOIN allocations b ON a.gpu_id = b.gpu_id AND a.id < b.id "
-                "AND a.reserved_at < COALESCE(b.released_at, 'infinity') "
-                "AND b.reserved_at < COALESCE(a.released_at, 'infinity')")).all()
-            partial = conn.execute(text(
-                "SELECT a.job_id, a.attempt FROM allocations a JOIN jobs j ON j.id = a.job_id "
-                "GROUP BY a.job_id, a.attempt, j.replicas, j.gpus_per_replica "
-                "HAVING count(*) <> j.replicas * j.gpus_per_replica "
-                "OR count(DISTINCT a.released_at) > 1")).all()
+            double = conn.execute(
+                text(
+                    "SELECT a.gpu_id FROM allocations a JOIN allocations b ON a.gpu_id = b.gpu_id AND a.id < b.id "
+                    "AND a.reserved_at < COALESCE(b.released_at, 'infinity') "
+                    "AND b.reserved_at < COALESCE(a.released_at, 'infinity')"
+                )
+            ).all()
+            partial = conn.execute(
+                text(
+                    "SELECT a.job_id, a.attempt FROM allocations a JOIN jobs j ON j.id = a.job_id "
+                    "GROUP BY a.job_id, a.attempt, j.replicas, j.gpus_per_replica "
+                    "HAVING count(*) <> j.replicas * j.gpus_per_replica "
+                    "OR count(DISTINCT a.released_at) > 1"
+                )
+            ).all()
             active = conn.execute(text("SELECT count(*) FROM allocations WHERE released_at IS NULL")).scalar()
             ran = conn.execute(text("SELECT count(*) FROM jobs WHERE state = 'SUCCEEDED'")).scalar()
         engine.dispose()
@@ -68,7 +74,7 @@ async def test_two_replicas_hundreds_of_gangs_random_cancels(pg_url, tmp_path):
         assert active == 0
         assert ran > 100
         # Work reserved by either replica reached agents connected to the other.
-        reached = {a.name: {l.job_id for l in a.launched} for a in agents}
+        reached = {a.name: {launch.job_id for launch in a.launched} for a in agents}
         assert all(reached.values())
     finally:
         for a in agents:

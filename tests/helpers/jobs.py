@@ -14,9 +14,18 @@ from db.models import Job
 def insert_job(db_url: str, job_id: str, *, attempt: int = 1, replicas: int = 2, gpus_per_replica: int = 1) -> None:
     engine = make_engine(db_url)
     with engine.begin() as conn:
-        conn.execute(insert(Job).values(id=job_id, name=job_id, state="RUNNING", replicas=replicas,
-                                        gpus_per_replica=gpus_per_replica, command=["train"], attempt=attempt,
-                                        submitted_at=time.time()))
+        conn.execute(
+            insert(Job).values(
+                id=job_id,
+                name=job_id,
+                state="RUNNING",
+                replicas=replicas,
+                gpus_per_replica=gpus_per_replica,
+                command=["train"],
+                attempt=attempt,
+                submitted_at=time.time(),
+            )
+        )
     engine.dispose()
 
 
@@ -25,8 +34,9 @@ def set_world(db_url: str, job_id: str, ranks: int) -> None:
     from the ledger when the attempt has no allocations recorded."""
     engine = make_engine(db_url)
     with engine.begin() as conn:
-        conn.execute(update(Job).where(Job.id == job_id).values(replicas=ranks, gpus_per_replica=1,
-                                                                procs_per_replica=0))
+        conn.execute(
+            update(Job).where(Job.id == job_id).values(replicas=ranks, gpus_per_replica=1, procs_per_replica=0)
+        )
     engine.dispose()
 
 

@@ -47,8 +47,9 @@ class LiteCluster:
         await self.scheduler.stop()
 
     async def submit(self, name: str, replicas: int = 1, gpus: int = 1, command=None, **kw) -> common_pb2.Job:
-        spec = common_pb2.JobSpec(name=name, replicas=replicas, gpus_per_replica=gpus,
-                                  command=list(command or self.default_command), **kw)
+        spec = common_pb2.JobSpec(
+            name=name, replicas=replicas, gpus_per_replica=gpus, command=list(command or self.default_command), **kw
+        )
         return await self.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec, request_id=uuid.uuid4().hex))
 
     async def job(self, job_id: str) -> common_pb2.Job:
@@ -59,8 +60,8 @@ class LiteCluster:
         job = await self.job(job_id)
         return job if job.state == common_pb2.JOB_STATE_RUNNING else None
 
-    async def wait_running(self, job_id: str) -> common_pb2.Job:
-        return await eventually(lambda: self.running(job_id), what=f"job {job_id} RUNNING")
+    async def wait_running(self, job_id: str, timeout: float = 15.0) -> common_pb2.Job:
+        return await eventually(lambda: self.running(job_id), timeout=timeout, what=f"job {job_id} RUNNING")
 
     def sql(self, query: str, **params):
         return run_sql(self.db_url, query, **params)

@@ -23,8 +23,15 @@ CLUSTER = "4e1f3c2a-9b7d-4c11-8e2f-0a1b2c3d4e5f"
 
 def main() -> None:
     prof = load_profile("gb200-nvl72-tray")
-    host = SimulatedHost.from_dump(prof.dump, gpu_model=prof.gpu_model, memory_mib=prof.memory_mib, node_name="n1",
-                                   mig_enabled={0}, fabric_cluster_uuid=CLUSTER, fabric_clique=4)
+    host = SimulatedHost.from_dump(
+        prof.dump,
+        gpu_model=prof.gpu_model,
+        memory_mib=prof.memory_mib,
+        node_name="n1",
+        mig_enabled={0},
+        fabric_cluster_uuid=CLUSTER,
+        fabric_clique=4,
+    )
     nv = bind(host)
     with tempfile.TemporaryDirectory() as root, capture_logs() as logs:
         build_fake_sysfs(root, prof.dump, host.pci_bus_ids)
@@ -36,16 +43,21 @@ def main() -> None:
         mon = HealthMonitor(NvmlHealthSource(nv, event_timeout_ms=10), len(topo.gpus))
         health, _ = mon.check()
         mon.close()
-    print(json.dumps({
-        "binding": pynvml.__file__,
-        "topology": topology_to_json(topo),
-        "fabric": [topo.fabric_cluster_uuid, topo.fabric_clique],
-        "mig": listed,
-        "after_release": [i.start for i in m.backend.list_instances(0)],
-        "health": health.state,
-        "warnings": sorted(e["probe"] for e in logs if e.get("event") == "nvml_probe_failed"),
-        "errors": host.errors,
-    }, sort_keys=True))
+    print(
+        json.dumps(
+            {
+                "binding": pynvml.__file__,
+                "topology": topology_to_json(topo),
+                "fabric": [topo.fabric_cluster_uuid, topo.fabric_clique],
+                "mig": listed,
+                "after_release": [i.start for i in m.backend.list_instances(0)],
+                "health": health.state,
+                "warnings": sorted(e["probe"] for e in logs if e.get("event") == "nvml_probe_failed"),
+                "errors": host.errors,
+            },
+            sort_keys=True,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,13 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 class ServiceProcess:
     """A service started as `python -m MODULE ARGS`, whose stderr announces `<what> at HOST:PORT`."""
 
-    def __init__(self, module: str, args: list[str], log_path: Path, announce: str = "scheduler at",
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        log_path: Path,
+        announce: str = "scheduler at",
+        env: dict[str, str] | None = None,
+    ) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), PHALANX_LOG_LEVEL="INFO", **(env or {}))
         self.log_path = log_path
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self.log, stderr=self.log,
-                                     env=env, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=self.log, stderr=self.log, env=env, cwd=str(ROOT)
+        )
         self.address = self._wait_for(announce)
 
     def _wait_for(self, announce: str, timeout: float = 30.0) -> str:
@@ -60,8 +67,9 @@ def start_scheduler(db_url: str, log_path: Path, *extra: str) -> ServiceProcess:
     return ServiceProcess("services.scheduler.main", ["--db", db_url, "--listen", "127.0.0.1:0", *extra], log_path)
 
 
-async def eventually(check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.05,
-                     what: str = "condition") -> Any:
+async def eventually(
+    check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"
+) -> Any:
     """Poll an async check until it returns something truthy; fail with the last value after `timeout`."""
     deadline = time.monotonic() + timeout
     last: Any = None

@@ -24,7 +24,7 @@ from services.node_agent.simulated import simulated_node, simulated_topology
 from services.node_agent.state import AgentState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_node_agent import RANK_CMD, FakeNodeService, rank_env, start_server, starts, until  # noqa: E402
+from test_node_agent import RANK_CMD, FakeNodeService, rank_env, start_server, starts, until
 
 S = common_pb2
 H100 = ("NVIDIA H100 80GB HBM3", 81559)
@@ -33,8 +33,9 @@ H100_MEMORY = 81559
 
 def h100_host(mig=True, state_file=None, model=H100, gpus=8) -> SimulatedHost:
     dump = load_profile("dgx-h100").dump
-    host = SimulatedHost.from_dump(dump, gpu_model=model[0], memory_mib=model[1], mig_enabled=mig,
-                                   state_file=state_file)
+    host = SimulatedHost.from_dump(
+        dump, gpu_model=model[0], memory_mib=model[1], mig_enabled=mig, state_file=state_file
+    )
     del host.gpus[gpus:]
     return host
 
@@ -64,15 +65,18 @@ def used_mask(b: NvmlMigBackend, gpu: int) -> int:
 # ------------------------------------------------------------------------------------------------ NVML backend
 
 
-@pytest.mark.parametrize("profile,size,good,bad", [
-    ("1g.10gb", 1, [0, 1, 2, 3, 4, 5, 6], [7]),
-    ("1g.10gb+me", 1, [0, 3, 6], [7]),
-    ("1g.20gb", 2, [0, 2, 4, 6], [1, 3, 5]),
-    ("2g.20gb", 2, [0, 2, 4], [1, 6]),
-    ("3g.40gb", 4, [0, 4], [1, 2, 3]),
-    ("4g.40gb", 4, [0], [2, 4]),
-    ("7g.80gb", 8, [0], [1, 4]),
-])
+@pytest.mark.parametrize(
+    "profile,size,good,bad",
+    [
+        ("1g.10gb", 1, [0, 1, 2, 3, 4, 5, 6], [7]),
+        ("1g.10gb+me", 1, [0, 3, 6], [7]),
+        ("1g.20gb", 2, [0, 2, 4, 6], [1, 3, 5]),
+        ("2g.20gb", 2, [0, 2, 4], [1, 6]),
+        ("3g.40gb", 4, [0, 4], [1, 2, 3]),
+        ("4g.40gb", 4, [0], [2, 4]),
+        ("7g.80gb", 8, [0], [1, 4]),
+    ],
+)
 def test_valid_and_invalid_starts(profile, size, good, bad):
     for start in good:
         b = h100_backend()
@@ -256,8 +260,10 @@ def test_manager_adopt_and_clean_up_after_a_restart():
 # ------------------------------------------------------------------------------------------------ env helpers
 
 
-@pytest.mark.parametrize("milli,pct,mem", [(250, "25", "0=20389M"), (5, "1", "0=407M"), (15, "2", "0=1223M"),
-                                           (999, "100", "0=81477M"), (1, "1", "0=81M")])
+@pytest.mark.parametrize(
+    "milli,pct,mem",
+    [(250, "25", "0=20389M"), (5, "1", "0=407M"), (15, "2", "0=1223M"), (999, "100", "0=81477M"), (1, "1", "0=81M")],
+)
 def test_fractional_env(milli, pct, mem):
     env = launcher.fractional_env({"CUDA_VISIBLE_DEVICES": "3", "RANK": "0"}, 3, milli, H100_MEMORY)
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["RANK"] == "0"
@@ -284,16 +290,28 @@ async def fake():
 async def agents(tmp_path):
     started: list[tuple[NodeAgent, asyncio.Task]] = []
 
-    def start(port, *, backend=None, state_dir=None, profile="dgx-h100", node="node-a", mig="all",
-              mig_manage=False) -> NodeAgent:
+    def start(
+        port, *, backend=None, state_dir=None, profile="dgx-h100", node="node-a", mig="all", mig_manage=False
+    ) -> NodeAgent:
         state_dir = state_dir or tmp_path / "state"
         sim = simulated_node(node, profile, mig_gpus=mig, state_dir=state_dir)
-        agent = NodeAgent(AgentConfig(
-            scheduler=f"127.0.0.1:{port}", node_name=node, topology=sim.topology, nvml=sim.nvml,
-            state_dir=state_dir, kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3,
-            poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0, mig_backend=backend,
-            mig_manage=mig_manage,
-        ))
+        agent = NodeAgent(
+            AgentConfig(
+                scheduler=f"127.0.0.1:{port}",
+                node_name=node,
+                topology=sim.topology,
+                nvml=sim.nvml,
+                state_dir=state_dir,
+                kill_grace_s=0.5,
+                backoff_initial_s=0.05,
+                backoff_cap_s=0.3,
+                poll_interval_s=0.02,
+                rpc_timeout_s=2.0,
+                flush_timeout_s=2.0,
+                mig_backend=backend,
+                mig_manage=mig_manage,
+            )
+        )
         agent.sim = sim
         started.append((agent, asyncio.create_task(agent.run())))
         return agent
@@ -304,7 +322,7 @@ async def agents(tmp_path):
             agent.request_stop()
             try:
                 await asyncio.wait_for(task, 10)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 task.cancel()
 
 
@@ -312,10 +330,16 @@ def launch(fake: FakeNodeService, revision: int, job: str, attempt: int, ranks: 
     """ranks: {rank, gpus, env, slices: [(gpu, profile, start, size)], gpu_milli}."""
     msg = agent_pb2.LaunchReplica(job_id=job, attempt=attempt, replica=0, command=RANK_CMD)
     for r in ranks:
-        msg.ranks.append(agent_pb2.RankLaunch(
-            rank=r["rank"], local_rank=r["rank"], gpus=r["gpus"], env=r["env"], gpu_milli=r.get("gpu_milli", 0),
-            slices=[S.MigSlice(gpu=g, profile=p, start=s, size=z) for g, p, s, z in r.get("slices", [])],
-        ))
+        msg.ranks.append(
+            agent_pb2.RankLaunch(
+                rank=r["rank"],
+                local_rank=r["rank"],
+                gpus=r["gpus"],
+                env=r["env"],
+                gpu_milli=r.get("gpu_milli", 0),
+                slices=[S.MigSlice(gpu=g, profile=p, start=s, size=z) for g, p, s, z in r.get("slices", [])],
+            )
+        )
     fake.push(agent_pb2.Assignment(revision=revision, launch=msg))
 
 
@@ -332,16 +356,35 @@ def mig_uuids(agent: NodeAgent, gpu: int) -> dict[int, str]:
     return {i.start: i.uuid for i in agent.mig.backend.list_instances(gpu)}
 
 
+@pytest.mark.slow
 async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agents, tmp_path):
     a = agents(fake.port)
-    launch(fake, 1, "mig", 1, [
-        {"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "mig", 0, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=1.0),
-         "slices": [(2, "3g.40gb", 4, 4)]},
-        {"rank": 1, "gpus": [2], "env": rank_env(tmp_path, "mig", 1, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=1.0),
-         "slices": [(2, "1g.10gb", 0, 1)]},
-        {"rank": 2, "gpus": [5, 6], "env": rank_env(tmp_path, "mig", 2, 3, CUDA_VISIBLE_DEVICES="5,6", SLEEP=1.0),
-         "slices": [(5, "7g.80gb", 0, 8), (6, "2g.20gb", 2, 2)]},
-    ])
+    launch(
+        fake,
+        1,
+        "mig",
+        1,
+        [
+            {
+                "rank": 0,
+                "gpus": [2],
+                "env": rank_env(tmp_path, "mig", 0, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=1.0),
+                "slices": [(2, "3g.40gb", 4, 4)],
+            },
+            {
+                "rank": 1,
+                "gpus": [2],
+                "env": rank_env(tmp_path, "mig", 1, 3, CUDA_VISIBLE_DEVICES="2", SLEEP=1.0),
+                "slices": [(2, "1g.10gb", 0, 1)],
+            },
+            {
+                "rank": 2,
+                "gpus": [5, 6],
+                "env": rank_env(tmp_path, "mig", 2, 3, CUDA_VISIBLE_DEVICES="5,6", SLEEP=1.0),
+                "slices": [(5, "7g.80gb", 0, 8), (6, "2g.20gb", 2, 2)],
+            },
+        ],
+    )
     await until(lambda: all(fake.report("mig", r, S.RANK_STATE_RUNNING) for r in range(3)), what="RUNNING")
     on2, on5, on6 = mig_uuids(a, 2), mig_uuids(a, 5), mig_uuids(a, 6)
     assert set(on2) == {4, 0}
@@ -350,7 +393,8 @@ async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agen
     assert env_of(tmp_path, "mig", 1)["CUDA_VISIBLE_DEVICES"] == on2[0]
     assert env_of(tmp_path, "mig", 2)["CUDA_VISIBLE_DEVICES"] == ",".join([on5[0], on6[2]])
     assert env_of(tmp_path, "mig", 0)["RANK"] == "0" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env_of(
-        tmp_path, "mig", 0)
+        tmp_path, "mig", 0
+    )
     await until(lambda: not any(a.mig.backend.list_instances(g) for g in range(8)), what="instances destroyed")
     # the record of the instances the agent made is saved empty once the last release is done
     await until(lambda: AgentState.load(tmp_path / "state" / "state.json").mig_created == [], what="record saved")
@@ -360,14 +404,31 @@ async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agen
 
 async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_path):
     agents(fake.port, mig="none")
-    launch(fake, 1, "frac", 1, [
-        {"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "frac", 0, 2, CUDA_VISIBLE_DEVICES="3"), "gpu_milli": 250},
-        {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "frac", 1, 2, CUDA_VISIBLE_DEVICES="3"), "gpu_milli": 5},
-    ])
-    launch(fake, 2, "whole", 1, [{"rank": 0, "gpus": [4], "env": rank_env(tmp_path, "whole", 0,
-                                                                           CUDA_VISIBLE_DEVICES="4")}])
-    await until(lambda: all(fake.report("frac", r, S.RANK_STATE_EXITED) for r in range(2))
-                and fake.report("whole", 0, S.RANK_STATE_EXITED), what="EXITED")
+    launch(
+        fake,
+        1,
+        "frac",
+        1,
+        [
+            {
+                "rank": 0,
+                "gpus": [3],
+                "env": rank_env(tmp_path, "frac", 0, 2, CUDA_VISIBLE_DEVICES="3"),
+                "gpu_milli": 250,
+            },
+            {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "frac", 1, 2, CUDA_VISIBLE_DEVICES="3"), "gpu_milli": 5},
+        ],
+    )
+    launch(
+        fake, 2, "whole", 1, [{"rank": 0, "gpus": [4], "env": rank_env(tmp_path, "whole", 0, CUDA_VISIBLE_DEVICES="4")}]
+    )
+    await until(
+        lambda: (
+            all(fake.report("frac", r, S.RANK_STATE_EXITED) for r in range(2))
+            and fake.report("whole", 0, S.RANK_STATE_EXITED)
+        ),
+        what="EXITED",
+    )
     e0, e1 = env_of(tmp_path, "frac", 0), env_of(tmp_path, "frac", 1)
     assert e0["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert e0["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M" and e0["PHALANX_GPU_MILLI"] == "250"
@@ -379,14 +440,38 @@ async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_pat
 
 async def test_mig_failures_fail_the_start_retryably_not_the_agent(fake, agents, tmp_path):
     agents(fake.port, mig="0,2,3")
-    launch(fake, 1, "badstart", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "badstart", 0),
-                                     "slices": [(0, "3g.40gb", 2, 4)]}])
-    launch(fake, 2, "off", 1, [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "off", 0),
-                                "slices": [(1, "1g.10gb", 0, 1)]}])
-    launch(fake, 3, "both", 1, [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "both", 0), "gpu_milli": 500,
-                                 "slices": [(2, "1g.10gb", 0, 1)]}])
-    await until(lambda: failed(fake, "badstart") and failed(fake, "off") and failed(fake, "both"),
-                what="FAILED_TO_START")
+    launch(
+        fake,
+        1,
+        "badstart",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "badstart", 0), "slices": [(0, "3g.40gb", 2, 4)]}],
+    )
+    launch(
+        fake,
+        2,
+        "off",
+        1,
+        [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "off", 0), "slices": [(1, "1g.10gb", 0, 1)]}],
+    )
+    launch(
+        fake,
+        3,
+        "both",
+        1,
+        [
+            {
+                "rank": 0,
+                "gpus": [2],
+                "env": rank_env(tmp_path, "both", 0),
+                "gpu_milli": 500,
+                "slices": [(2, "1g.10gb", 0, 1)],
+            }
+        ],
+    )
+    await until(
+        lambda: failed(fake, "badstart") and failed(fake, "off") and failed(fake, "both"), what="FAILED_TO_START"
+    )
     assert "cannot start at memory slice 2" in failed(fake, "badstart").message
     assert "MIG mode is not enabled on GPU 1" in failed(fake, "off").message
     assert failed(fake, "badstart").retryable and failed(fake, "off").retryable
@@ -394,8 +479,13 @@ async def test_mig_failures_fail_the_start_retryably_not_the_agent(fake, agents,
     for job in ("badstart", "off", "both"):
         assert fake.states(job, 0) == [S.RANK_STATE_FAILED_TO_START] and starts(tmp_path, job, 0) == 0
     # the agent goes on
-    launch(fake, 4, "ok", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "ok", 0),
-                               "slices": [(0, "4g.40gb", 0, 4)]}])
+    launch(
+        fake,
+        4,
+        "ok",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "ok", 0), "slices": [(0, "4g.40gb", 0, 4)]}],
+    )
     await until(lambda: fake.report("ok", 0, S.RANK_STATE_EXITED), what="later MIG rank EXITED")
 
 
@@ -405,11 +495,22 @@ async def test_failed_create_rolls_back_the_attempts_instances(fake, agents, tmp
     a = agents(fake.port)
     host = a.sim.host
     host.add_mig_instance(3, "1g.10gb", 4)  # an administrator's, in the way of rank 1 (3g at 4)
-    launch(fake, 1, "gang", 1, [
-        {"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "gang", 0, 3, SLEEP=60), "slices": [(3, "3g.40gb", 0, 4)]},
-        {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "gang", 1, 3), "slices": [(3, "3g.40gb", 4, 4)]},
-        {"rank": 2, "gpus": [4], "env": rank_env(tmp_path, "gang", 2, 3), "slices": [(4, "7g.80gb", 0, 8)]},
-    ])
+    launch(
+        fake,
+        1,
+        "gang",
+        1,
+        [
+            {
+                "rank": 0,
+                "gpus": [3],
+                "env": rank_env(tmp_path, "gang", 0, 3, SLEEP=60),
+                "slices": [(3, "3g.40gb", 0, 4)],
+            },
+            {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "gang", 1, 3), "slices": [(3, "3g.40gb", 4, 4)]},
+            {"rank": 2, "gpus": [4], "env": rank_env(tmp_path, "gang", 2, 3), "slices": [(4, "7g.80gb", 0, 8)]},
+        ],
+    )
     await until(lambda: failed(fake, "gang", 1) and failed(fake, "gang", 2), what="FAILED_TO_START")
     assert "did not create" in failed(fake, "gang", 1).message and failed(fake, "gang", 1).retryable
     assert "not started" in failed(fake, "gang", 2).message and failed(fake, "gang", 2).retryable
@@ -420,8 +521,13 @@ async def test_failed_create_rolls_back_the_attempts_instances(fake, agents, tmp
 
 async def test_no_mig_on_non_mig_gpus(fake, agents, tmp_path):
     agents(fake.port, profile="pcie-2numa")  # L40S
-    launch(fake, 1, "l40s", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "l40s", 0),
-                                 "slices": [(0, "1g.10gb", 0, 1)]}])
+    launch(
+        fake,
+        1,
+        "l40s",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "l40s", 0), "slices": [(0, "1g.10gb", 0, 1)]}],
+    )
     await until(lambda: failed(fake, "l40s"), what="FAILED_TO_START")
     assert "does not support MIG" in failed(fake, "l40s").message
 
@@ -430,28 +536,55 @@ async def test_geometry_kept_while_ranks_use_the_gpu(fake, agents, tmp_path):
     a = agents(fake.port)
     backend = a.mig.backend
     launch(fake, 1, "whole", 1, [{"rank": 0, "gpus": [5], "env": rank_env(tmp_path, "whole", 0, SLEEP=60)}])
-    launch(fake, 2, "m4", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m4", 0, SLEEP=60),
-                               "slices": [(0, "4g.40gb", 0, 4)]}])
-    await until(lambda: fake.report("whole", 0, S.RANK_STATE_RUNNING) and fake.report("m4", 0, S.RANK_STATE_RUNNING),
-                what="RUNNING")
-    launch(fake, 3, "on-whole", 1, [{"rank": 0, "gpus": [5], "env": rank_env(tmp_path, "on-whole", 0),
-                                     "slices": [(5, "3g.40gb", 0, 4)]}])
-    launch(fake, 4, "m7", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m7", 0),
-                               "slices": [(0, "7g.80gb", 0, 8)]}])
+    launch(
+        fake,
+        2,
+        "m4",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m4", 0, SLEEP=60), "slices": [(0, "4g.40gb", 0, 4)]}],
+    )
+    await until(
+        lambda: fake.report("whole", 0, S.RANK_STATE_RUNNING) and fake.report("m4", 0, S.RANK_STATE_RUNNING),
+        what="RUNNING",
+    )
+    launch(
+        fake,
+        3,
+        "on-whole",
+        1,
+        [{"rank": 0, "gpus": [5], "env": rank_env(tmp_path, "on-whole", 0), "slices": [(5, "3g.40gb", 0, 4)]}],
+    )
+    launch(
+        fake,
+        4,
+        "m7",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m7", 0), "slices": [(0, "7g.80gb", 0, 8)]}],
+    )
     await until(lambda: failed(fake, "on-whole") and failed(fake, "m7"), what="FAILED_TO_START")
     assert "GPU 5 is in use by rank whole/1/0" in failed(fake, "on-whole").message
     assert "in use by rank m4/1/0" in failed(fake, "m7").message
     assert backend.list_instances(5) == [] and [i.profile for i in backend.list_instances(0)] == ["4g.40gb"]
     # 3g next to the running 4g is fine
-    launch(fake, 5, "m3", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m3", 0),
-                               "slices": [(0, "3g.40gb", 4, 4)]}])
+    launch(
+        fake,
+        5,
+        "m3",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m3", 0), "slices": [(0, "3g.40gb", 4, 4)]}],
+    )
     await until(lambda: fake.report("m3", 0, S.RANK_STATE_EXITED), what="m3 EXITED")
     fake.kill(6, "m4", 1)
     await until(lambda: fake.report("m4", 0, S.RANK_STATE_KILLED), what="m4 KILLED")
     await until(lambda: backend.list_instances(0) == [], what="4g destroyed after its rank")
     # now the whole GPU is free for a 7g
-    launch(fake, 7, "m7b", 1, [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m7b", 0),
-                                "slices": [(0, "7g.80gb", 0, 8)]}])
+    launch(
+        fake,
+        7,
+        "m7b",
+        1,
+        [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "m7b", 0), "slices": [(0, "7g.80gb", 0, 8)]}],
+    )
     await until(lambda: fake.report("m7b", 0, S.RANK_STATE_EXITED), what="7g rank EXITED")
 
 
@@ -474,15 +607,28 @@ async def test_redelivered_mig_launch_starts_once(fake, agents, tmp_path):
     await until(lambda: a.mig.backend.list_instances(1) == [], what="instance destroyed")
 
 
+@pytest.mark.slow
 async def test_restart_keeps_instances_of_adopted_ranks_and_leaves_others(fake, agents, tmp_path):
     state_dir = tmp_path / "state"
     a = agents(fake.port, state_dir=state_dir)  # the simulated GPUs' MIG state lives in the state dir
-    launch(fake, 1, "live", 1, [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "live", 0, SLEEP=60),
-                                 "slices": [(3, "3g.40gb", 0, 4)]}])
-    launch(fake, 2, "short", 1, [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "short", 0, SLEEP=0.3),
-                                  "slices": [(3, "3g.40gb", 4, 4)]}])
-    await until(lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
-                what="RUNNING")
+    launch(
+        fake,
+        1,
+        "live",
+        1,
+        [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "live", 0, SLEEP=60), "slices": [(3, "3g.40gb", 0, 4)]}],
+    )
+    launch(
+        fake,
+        2,
+        "short",
+        1,
+        [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "short", 0, SLEEP=0.3), "slices": [(3, "3g.40gb", 4, 4)]}],
+    )
+    await until(
+        lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
+        what="RUNNING",
+    )
     await until(lambda: 2 in fake.acks, what="acks")
     live_uuid = mig_uuids(a, 3)[0]
     await a.abort()  # crash: ranks keep running, instances stay
@@ -501,8 +647,13 @@ async def test_restart_keeps_instances_of_adopted_ranks_and_leaves_others(fake, 
     topo = b._current_topology()
     assert [(m.start, m.managed) for m in topo.gpus[7].mig_instances] == [(0, False)]
     assert [(m.start, m.managed) for m in topo.gpus[3].mig_instances] == [(0, True)]
-    launch(fake, 3, "clash", 1, [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "clash", 0),
-                                  "slices": [(3, "7g.80gb", 0, 8)]}])
+    launch(
+        fake,
+        3,
+        "clash",
+        1,
+        [{"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "clash", 0), "slices": [(3, "7g.80gb", 0, 8)]}],
+    )
     await until(lambda: failed(fake, "clash"), what="clash FAILED_TO_START")
     fake.kill(4, "live", 1)
     await until(lambda: fake.report("live", 0, S.RANK_STATE_KILLED), what="adopted rank KILLED")
@@ -513,14 +664,29 @@ async def test_restart_keeps_instances_of_adopted_ranks_and_leaves_others(fake, 
 async def test_agent_given_only_a_simulated_topology_runs_mig_through_nvml(fake, tmp_path):
     """An AgentConfig with a simulated topology and no bindings: the agent makes a simulated host from it."""
     topo = simulated_topology("node-b", "dgx-h100", mig_gpus="1")
-    agent = NodeAgent(AgentConfig(scheduler=f"127.0.0.1:{fake.port}", node_name="node-b", topology=topo,
-                                  state_dir=tmp_path / "b", kill_grace_s=0.5, backoff_initial_s=0.05,
-                                  poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0))
+    agent = NodeAgent(
+        AgentConfig(
+            scheduler=f"127.0.0.1:{fake.port}",
+            node_name="node-b",
+            topology=topo,
+            state_dir=tmp_path / "b",
+            kill_grace_s=0.5,
+            backoff_initial_s=0.05,
+            poll_interval_s=0.02,
+            rpc_timeout_s=2.0,
+            flush_timeout_s=2.0,
+        )
+    )
     assert agent.mig.backend.kind == "nvml-simulated"
     task = asyncio.create_task(agent.run())
     try:
-        launch(fake, 1, "m", 1, [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "m", 0),
-                                  "slices": [(1, "1g.10gb", 0, 1)]}])
+        launch(
+            fake,
+            1,
+            "m",
+            1,
+            [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "m", 0), "slices": [(1, "1g.10gb", 0, 1)]}],
+        )
         await until(lambda: fake.report("m", 0, S.RANK_STATE_EXITED), what="EXITED")
         assert env_of(tmp_path, "m", 0)["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
     finally:
@@ -539,8 +705,11 @@ def mode_of(fake: FakeNodeService, gpu: int):
 
 
 def switch(fake: FakeNodeService, revision: int, gpu: int, enable: bool) -> None:
-    fake.push(agent_pb2.Assignment(revision=revision, set_mig_mode=agent_pb2.SetMigMode(
-        gpu=gpu, enable=enable, reason="test")))
+    fake.push(
+        agent_pb2.Assignment(
+            revision=revision, set_mig_mode=agent_pb2.SetMigMode(gpu=gpu, enable=enable, reason="test")
+        )
+    )
 
 
 async def test_mig_manage_switches_idle_gpus_and_reports_through_heartbeats(fake, agents, tmp_path):
@@ -557,8 +726,9 @@ async def test_mig_manage_switches_idle_gpus_and_reports_through_heartbeats(fake
     assert "in use by rank whole/1/0" in mode_of(fake, 1).error and mode_of(fake, 1).current == D
     assert ("set_mig_mode", 2, 1) in a.sim.host.calls and ("set_mig_mode", 1, 1) not in a.sim.host.calls
     # the GPU now serves MIG ranks
-    launch(fake, 4, "m", 1, [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "m", 0),
-                              "slices": [(2, "1g.10gb", 0, 1)]}])
+    launch(
+        fake, 4, "m", 1, [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "m", 0), "slices": [(2, "1g.10gb", 0, 1)]}]
+    )
     await until(lambda: fake.report("m", 0, S.RANK_STATE_EXITED), what="MIG rank EXITED")
     await until(lambda: a.mig.backend.list_instances(2) == [], what="its instance destroyed")
     # back off again; a re-registration carries the mode NVML has now
@@ -588,14 +758,14 @@ async def test_without_mig_manage_a_switch_is_refused(fake, agents, tmp_path):
     await asyncio.sleep(0.3)
     assert a._mig_switch_errors == {2: "this agent was not started with --mig-manage"}
     assert ("set_mig_mode", 2, 1) not in a.sim.host.calls
-    assert not fake.last_heartbeat.mig_modes   # only --mig-manage agents send them
+    assert not fake.last_heartbeat.mig_modes  # only --mig-manage agents send them
 
 
 def test_switching_to_the_current_mode_cancels_a_pending_one():
     m = manager(h100_backend(mig=[False] * 8))
     host = m.backend.host
     host.mig_reset_required = True
-    assert m.switch_mode(2, True, {}) == (0, 1)          # pending: waits for a reset
-    assert m.switch_mode(2, False, {}) == (0, 0)         # asked back before the reset: nothing pending any more
+    assert m.switch_mode(2, True, {}) == (0, 1)  # pending: waits for a reset
+    assert m.switch_mode(2, False, {}) == (0, 0)  # asked back before the reset: nothing pending any more
     host.reset_gpu(2)
     assert host.gpus[2].mig_mode == [0, 0]

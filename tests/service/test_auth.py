@@ -10,19 +10,24 @@ import time
 
 import grpc
 import pytest
+from helpers.procs import eventually
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from phalanx.client import AsyncClient, NotFoundError, PermissionDeniedError, ResourceExhaustedError
-from phalanx.client import UnauthenticatedError
-from phalanx.client._channel import open_aio_channel
 from phalanx.cli.main import main as cli_main
+from phalanx.client import (
+    AsyncClient,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from phalanx.client._channel import open_aio_channel
+from phalanx.common.tokens import TokenStore, hash_token, parse_tokens
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
-from services.common.auth import TenantLimits, TokenStore, hash_token, parse_tokens
+from services.common.auth import TenantLimits
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
-
-from helpers.procs import eventually
 
 TOKENS = {
     "alice": ("tok-alice", "alice", "user"),
@@ -45,8 +50,13 @@ class AuthCluster:
         self.tokens_path = tmp_path / "tokens.yaml"
         write_tokens(self.tokens_path, TOKENS.values())
         self.names = [f"node-{i}" for i in range(nodes)]
-        self.settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(self.names),
-                                          lease_timeout=5.0, heartbeat_interval=0.2)
+        self.settings = SchedulerSettings(
+            db_url=db_url,
+            listen="127.0.0.1:0",
+            fabric=default_fabric(self.names),
+            lease_timeout=5.0,
+            heartbeat_interval=0.2,
+        )
         self.limits = limits
 
     async def __aenter__(self):
@@ -68,8 +78,12 @@ class AuthCluster:
 
 
 SCHEDULER_CALLS = [
-    ("SubmitJob", scheduler_pb2.SubmitJobRequest(spec=common_pb2.JobSpec(name="x", replicas=1, gpus_per_replica=1,
-                                                                          command=["run"]))),
+    (
+        "SubmitJob",
+        scheduler_pb2.SubmitJobRequest(
+            spec=common_pb2.JobSpec(name="x", replicas=1, gpus_per_replica=1, command=["run"])
+        ),
+    ),
     ("GetJob", scheduler_pb2.GetJobRequest(job_id="0123456789ab")),
     ("ListJobs", scheduler_pb2.ListJobsRequest()),
     ("CancelJob", scheduler_pb2.CancelJobRequest(job_id="0123456789ab")),
@@ -178,6 +192,7 @@ async def test_roles_node_credentials_cannot_use_the_job_api_and_clients_cannot_
         assert {n.name for n in await c.clients["admin"].nodes()} == set(c.names)
 
 
+@pytest.mark.slow
 async def test_admin_drains_and_undrains_a_node_and_the_drain_survives_reregistration(db_url, tmp_path):
     async with AuthCluster(db_url, tmp_path, nodes=2) as c:
         admin, alice = c.clients["admin"], c.clients["alice"]
@@ -263,8 +278,12 @@ def test_token_file_parsing_refuses_bad_entries(tmp_path):
     good = parse_tokens(f"- {{token_sha256: {hash_token('x')}, tenant: t, role: admin, max_pending: 5}}\n")
     ident = good[hash_token("x")]
     assert (ident.tenant, ident.role, ident.max_pending) == ("t", "admin", 5)
-    for text in ("- {token_sha256: abc, tenant: t, role: user}", f"- {{token_sha256: {hash_token('x')}, tenant: t, "
-                 "role: root}", "{a: 1}", f"- {{token_sha256: {hash_token('x')}, role: user}}"):
+    for text in (
+        "- {token_sha256: abc, tenant: t, role: user}",
+        f"- {{token_sha256: {hash_token('x')}, tenant: t, role: root}}",
+        "{a: 1}",
+        f"- {{token_sha256: {hash_token('x')}, role: user}}",
+    ):
         with pytest.raises(ValueError):
             parse_tokens(text)
 
@@ -284,11 +303,12 @@ def test_phalanx_token_new_prints_a_token_and_its_entry(capsys):
 
 def _json(out: str):
     """The CLI's JSON document (the in-process scheduler's log lines share the captured stdout)."""
-    return json.loads(out[out.index("{\n"):])
+    return json.loads(out[out.index("{\n") :])
 
 
 async def test_cli_node_drain_and_undrain(db_url, tmp_path, capsys):
     async with AuthCluster(db_url, tmp_path) as c:
+
         def run(*argv):
             return cli_main(["--scheduler", c.address, "--token", "tok-admin", *argv])
 
@@ -298,8 +318,9 @@ async def test_cli_node_drain_and_undrain(db_url, tmp_path, capsys):
         assert _json(capsys.readouterr().out)["state"] == "READY"
         assert await asyncio.to_thread(run, "node", "drain", "nope") == 1
         assert "NOT_FOUND" in capsys.readouterr().err
-        rc = await asyncio.to_thread(cli_main, ["--scheduler", c.address, "--token", "tok-alice", "node", "drain",
-                                                "node-1"])
+        rc = await asyncio.to_thread(
+            cli_main, ["--scheduler", c.address, "--token", "tok-alice", "node", "drain", "node-1"]
+        )
         assert rc == 1 and "PERMISSION_DENIED" in capsys.readouterr().err
         rc = await asyncio.to_thread(cli_main, ["--scheduler", c.address, "--token", "", "jobs"])
         assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err

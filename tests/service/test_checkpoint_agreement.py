@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.jobs import insert_job, set_attempt
 from sqlalchemy import select, update
 
 from db.engine import make_engine
@@ -29,12 +30,11 @@ from phalanx.train import _checkpointer
 from services.checkpoint_coordinator import serve, store
 from services.common.errors import FailedPrecondition, InvalidArgument
 
-from helpers.jobs import insert_job, set_attempt
-
 JOB = "job-agree-1"
 
 
 # -- the store ------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def engine(db_url):
@@ -46,13 +46,28 @@ def engine(db_url):
 
 def _agreement_rows(engine) -> tuple[list[tuple], list[tuple]]:
     with engine.connect() as conn:
-        requests = [tuple(r) for r in conn.execute(
-            select(CheckpointRequest.job_id, CheckpointRequest.requested_at, CheckpointRequest.target_attempt,
-                   CheckpointRequest.target_step))]
-        reports = [tuple(r) for r in conn.execute(
-            select(CheckpointStepReport.attempt, CheckpointStepReport.rank, CheckpointStepReport.step,
-                   CheckpointStepReport.requested_at)
-            .order_by(CheckpointStepReport.attempt, CheckpointStepReport.rank))]
+        requests = [
+            tuple(r)
+            for r in conn.execute(
+                select(
+                    CheckpointRequest.job_id,
+                    CheckpointRequest.requested_at,
+                    CheckpointRequest.target_attempt,
+                    CheckpointRequest.target_step,
+                )
+            )
+        ]
+        reports = [
+            tuple(r)
+            for r in conn.execute(
+                select(
+                    CheckpointStepReport.attempt,
+                    CheckpointStepReport.rank,
+                    CheckpointStepReport.step,
+                    CheckpointStepReport.requested_at,
+                ).order_by(CheckpointStepReport.attempt, CheckpointStepReport.rank)
+            )
+        ]
     return requests, reports
 
 
@@ -74,7 +89,9 @@ def test_the_target_is_the_highest_reported_step_plus_one_and_stable(engine):
     decided = _poll(engine, 3, 6)
     assert (decided.target_step, decided.ranks_reported, decided.decided) == (8, 4, True)  # max(6, 7, 6, 6) + 1
     assert _agreement_rows(engine) == (
-        [(JOB, 100.0, 1, 8)], [(1, 0, 6, 100.0), (1, 1, 7, 100.0), (1, 2, 6, 100.0), (1, 3, 6, 100.0)])
+        [(JOB, 100.0, 1, 8)],
+        [(1, 0, 6, 100.0), (1, 1, 7, 100.0), (1, 2, 6, 100.0), (1, 3, 6, 100.0)],
+    )
     # Stable: later polls (with steps at or before it, or none) get the same target and write nothing.
     before = _agreement_rows(engine)
     for rank, step in ((0, 7), (1, 8), (2, None), (3, 8)):
@@ -149,14 +166,16 @@ def test_the_commit_clears_the_request_and_its_reports(engine):
         target = _poll(engine, rank, 7).target_step
     assert target == 8
     for rank in range(4):
-        done = store.report_shard(engine, JOB, 1, target, 0, store.ShardRecord(rank, f"file:///c/{rank}", 1,
-                                                                                  f"sha256:{rank:064x}"))
+        done = store.report_shard(
+            engine, JOB, 1, target, 0, store.ShardRecord(rank, f"file:///c/{rank}", 1, f"sha256:{rank:064x}")
+        )
     assert done.state == store.COMMITTED
     assert _agreement_rows(engine) == ([], [])
     assert not _poll(engine, 0, 9).requested
 
 
 # -- real Checkpointers over gRPC -----------------------------------------------------------------------------------
+
 
 class Clock:
     """The Checkpointers' time: wall clock and monotonic alike, moved by the test (sleep moves it too)."""
@@ -187,8 +206,14 @@ async def _serve(db_url: str, world: int):
 
 
 def _env(address: str, tmp_path, rank: int, world: int, **extra) -> dict[str, str]:
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "1",
-           "PHALANX_CHECKPOINT_ADDR": address, "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "1",
+        "PHALANX_CHECKPOINT_ADDR": address,
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+    }
     env.update(extra)
     return env
 
@@ -197,8 +222,14 @@ class Gang:
     """Ranks driven one step per tick, in shuffled order, each starting at its own step: a rank saves when its
     should_checkpoint says so, as a training loop does."""
 
-    def __init__(self, ranks: list[train.Checkpointer], clock: Clock, seed: int, steps: list[int] | None = None,
-                 tick_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        ranks: list[train.Checkpointer],
+        clock: Clock,
+        seed: int,
+        steps: list[int] | None = None,
+        tick_s: float = 1.0,
+    ) -> None:
         self.ranks, self.clock, self.rng, self.tick_s = ranks, clock, random.Random(seed), tick_s
         self.steps = list(steps) if steps is not None else [0] * len(ranks)
         self.fired: list[list[int]] = [[] for _ in ranks]
@@ -237,17 +268,29 @@ def _ledger_checkpoints(db_url: str) -> list[tuple[int, str, list[int]]]:
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
-            rows = conn.execute(select(Checkpoint.id, Checkpoint.step, Checkpoint.state)
-                                .order_by(Checkpoint.step)).all()
-            return [(r.step, r.state, list(conn.scalars(select(CheckpointShard.rank)
-                                                        .where(CheckpointShard.checkpoint_id == r.id)
-                                                        .order_by(CheckpointShard.rank))))
-                    for r in rows]
+            rows = conn.execute(
+                select(Checkpoint.id, Checkpoint.step, Checkpoint.state).order_by(Checkpoint.step)
+            ).all()
+            return [
+                (
+                    r.step,
+                    r.state,
+                    list(
+                        conn.scalars(
+                            select(CheckpointShard.rank)
+                            .where(CheckpointShard.checkpoint_id == r.id)
+                            .order_by(CheckpointShard.rank)
+                        )
+                    ),
+                )
+                for r in rows
+            ]
     finally:
         engine.dispose()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.slow
 async def test_drifting_ranks_checkpoint_a_request_at_one_step(db_url, tmp_path, clock, seed):
     """8 ranks a step apart (odd ranks ahead), called in shuffled order; a RequestCheckpoint lands between two
     of them. Every rank returns True exactly once, at the same step, after the step every rank was at when the
@@ -256,8 +299,10 @@ async def test_drifting_ranks_checkpoint_a_request_at_one_step(db_url, tmp_path,
     srv = await _serve(db_url, world)
     ch = grpc.insecure_channel(srv.address)
     stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(ch)
-    ranks = [train.Checkpointer(_env(srv.address, tmp_path, r, world, PHALANX_CHECKPOINT_POLL_S="4"), channel=ch)
-             for r in range(world)]
+    ranks = [
+        train.Checkpointer(_env(srv.address, tmp_path, r, world, PHALANX_CHECKPOINT_POLL_S="4"), channel=ch)
+        for r in range(world)
+    ]
     gang = Gang(ranks, clock, seed, steps=[r % 2 for r in range(world)])
     seen: dict[str, list[int]] = {}
 
@@ -283,8 +328,9 @@ async def test_drifting_ranks_checkpoint_a_request_at_one_step(db_url, tmp_path,
         assert ticks <= 4 + 3  # within a poll slot (4 ticks), then about two steps
         assert [s.step for s in gang.committed] == [target]
         assert _ledger_checkpoints(db_url) == [(target, "COMMITTED", list(range(world)))]
-        state = await asyncio.to_thread(stub.GetCheckpointRequest, pb.GetCheckpointRequestRequest(job_id=JOB,
-                                                                                                   attempt=1))
+        state = await asyncio.to_thread(
+            stub.GetCheckpointRequest, pb.GetCheckpointRequestRequest(job_id=JOB, attempt=1)
+        )
         assert state.agreeing and not state.requested
     finally:
         for c in ranks:
@@ -293,6 +339,7 @@ async def test_drifting_ranks_checkpoint_a_request_at_one_step(db_url, tmp_path,
         await srv.stop(0)
 
 
+@pytest.mark.slow
 async def test_the_time_policy_leads_to_one_agreed_step(db_url, tmp_path, clock):
     """PHALANX_CHECKPOINT_INTERVAL_S=30 on 8 ranks started a second apart: the first whose interval passes asks
     the coordinator (reason "interval") instead of checkpointing alone, and every rank checkpoints at one step;
@@ -303,8 +350,14 @@ async def test_the_time_policy_leads_to_one_agreed_step(db_url, tmp_path, clock)
     stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(ch)
     ranks = []
     for r in range(world):
-        ranks.append(train.Checkpointer(_env(srv.address, tmp_path, r, world, PHALANX_CHECKPOINT_POLL_S="4",
-                                             PHALANX_CHECKPOINT_INTERVAL_S="30"), channel=ch))
+        ranks.append(
+            train.Checkpointer(
+                _env(
+                    srv.address, tmp_path, r, world, PHALANX_CHECKPOINT_POLL_S="4", PHALANX_CHECKPOINT_INTERVAL_S="30"
+                ),
+                channel=ch,
+            )
+        )
         clock.sleep(1.0)
     gang = Gang(ranks, clock, 7, steps=[r % 2 for r in range(world)])
     reasons: list[str] = []
@@ -351,6 +404,7 @@ class _Flaky:
             if self.failing:
                 raise _RpcError()
             return method(request, timeout=timeout)
+
         return call
 
 
@@ -369,8 +423,10 @@ async def test_a_rank_that_missed_the_agreed_step_gets_a_new_agreement(db_url, t
     srv = await _serve(db_url, 2)
     ch = grpc.insecure_channel(srv.address)
     stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(ch)
-    ranks = [train.Checkpointer(_env(srv.address, tmp_path, r, 2, PHALANX_CHECKPOINT_POLL_S="0"), channel=ch)
-             for r in range(2)]
+    ranks = [
+        train.Checkpointer(_env(srv.address, tmp_path, r, 2, PHALANX_CHECKPOINT_POLL_S="0"), channel=ch)
+        for r in range(2)
+    ]
     flaky = ranks[0]._stub = _Flaky(ranks[0]._stub)
 
     def step(rank: int, s: int) -> bool:
@@ -392,8 +448,14 @@ async def test_a_rank_that_missed_the_agreed_step_gets_a_new_agreement(db_url, t
         return got
 
     try:
-        assert await asyncio.to_thread(drive) == [(False, False), (False, False), (False, True), (False, False),
-                                                  (True, True), (False, False)]
+        assert await asyncio.to_thread(drive) == [
+            (False, False),
+            (False, False),
+            (False, True),
+            (False, False),
+            (True, True),
+            (False, False),
+        ]
         assert _ledger_checkpoints(db_url) == [(3, "PENDING", [1]), (5, "COMMITTED", [0, 1])]
     finally:
         for c in ranks:
@@ -409,8 +471,9 @@ class _OldCoordinator:
         self.requested = False
 
     def GetCheckpointRequest(self, request, timeout=None):
-        return pb.CheckpointRequestState(requested=self.requested, requested_at=5.0 if self.requested else 0.0,
-                                         interval_s=3600.0)
+        return pb.CheckpointRequestState(
+            requested=self.requested, requested_at=5.0 if self.requested else 0.0, interval_s=3600.0
+        )
 
     def BeginCheckpoint(self, request, timeout=None):
         return pb.Checkpoint(state="PENDING")
@@ -437,6 +500,7 @@ def test_an_older_coordinator_keeps_the_old_behaviour(tmp_path, clock):
 
 
 # -- 512 ranks, the default policy ----------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def scratch(tmp_path):
@@ -490,8 +554,12 @@ async def test_512_ranks_commit_one_checkpoint_with_the_default_policy(sqlite_te
         assert _ledger_checkpoints(db_url) == [(target, "COMMITTED", list(range(world)))]
         # One poll per rank to report step 1 (the first rank's twice: before and after it asks), one more by each
         # rank but the one whose report decided, to learn the step; one request; a begin and a shard per rank.
-        assert calls == {"GetCheckpointRequest": 2 * world, "RequestCheckpoint": 1, "BeginCheckpoint": world,
-                         "ReportShard": world}
+        assert calls == {
+            "GetCheckpointRequest": 2 * world,
+            "RequestCheckpoint": 1,
+            "BeginCheckpoint": world,
+            "ReportShard": world,
+        }
     finally:
         for c in ranks:
             c.close()

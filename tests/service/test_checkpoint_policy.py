@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.jobs import insert_job
 from sqlalchemy import insert
 
 from db.engine import make_engine
@@ -20,8 +21,6 @@ from phalanx.api.v1 import checkpoint_pb2_grpc
 from phalanx.core import checkpoint_policy as cp
 from services.checkpoint_coordinator import serve, store
 
-from helpers.jobs import insert_job
-
 JOB = "job-policy-1"
 OTHER = "job-policy-2"
 H = 3600.0
@@ -29,6 +28,7 @@ PRIOR_NODE_MTBF_S = 6000 * H
 
 
 # -- the formula and the prior (pure) ----------------------------------------------------------------------------
+
 
 def test_young_daly_interval_known_numbers():
     # cost 60 s, MTBF 6,000 h = 21.6e6 s: sqrt(2 x 21.6e6 x 60) = sqrt(2.592e9) ~ 50,912 s ~ 14.1 h
@@ -79,7 +79,8 @@ def test_job_mtbf_divides_by_the_nodes_it_spans():
     assert (policy.mtbf_source, policy.method, policy.nodes) == ("prior", "young", 4)
     # twice the nodes: 1/sqrt(2) of the interval
     assert cp.compute_policy(events=0, node_hours=0, nodes=8).interval_s == pytest.approx(
-        policy.interval_s / math.sqrt(2))
+        policy.interval_s / math.sqrt(2)
+    )
 
 
 def test_cost_estimate_job_then_cluster_then_prior():
@@ -93,32 +94,36 @@ def test_cost_estimate_job_then_cluster_then_prior():
     assert measured.interval_s == math.sqrt(2 * (12_010 / 5 * H) * 5)
 
 
-@pytest.mark.parametrize("call,needle", [
-    (lambda: cp.young_daly_interval(-1, 100), "cost_s must be > 0"),
-    (lambda: cp.young_daly_interval(0, 100), "cost_s must be > 0"),
-    (lambda: cp.young_daly_interval(float("nan"), 100), "cost_s must be finite"),
-    (lambda: cp.young_daly_interval(60, 0), "mtbf_s must be > 0"),
-    (lambda: cp.young_daly_interval(60, float("inf")), "mtbf_s must be finite"),
-    (lambda: cp.young_daly_interval("x", 100), "must be a number"),
-    (lambda: cp.daly_interval(60, -5), "mtbf_s must be > 0"),
-    (lambda: cp.interval(60, 100, method="fast"), "method must be one of young, daly"),
-    (lambda: cp.node_mtbf_s(-1, 0), "events must be >= 0"),
-    (lambda: cp.node_mtbf_s(0, float("nan")), "node_hours must be finite"),
-    (lambda: cp.job_mtbf_s(100, 0), "nodes must be an integer >= 1"),
-    (lambda: cp.job_mtbf_s(100, 1.5), "nodes must be an integer >= 1"),
-    (lambda: cp.FailurePrior(events=0), "prior events must be > 0"),
-    (lambda: cp.FailurePrior(node_hours=-1), "prior node_hours must be > 0"),
-    (lambda: cp.estimate_cost([-1], []), "checkpoint duration must be >= 0"),
-    (lambda: cp.estimate_cost([], [], prior_cost_s=0), "prior_cost_s must be > 0"),
-    (lambda: cp.compute_policy(events=-1, node_hours=0), "events must be an integer >= 0"),
-    (lambda: cp.compute_policy(events=0, node_hours=-2), "node_hours must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (lambda: cp.young_daly_interval(-1, 100), "cost_s must be > 0"),
+        (lambda: cp.young_daly_interval(0, 100), "cost_s must be > 0"),
+        (lambda: cp.young_daly_interval(float("nan"), 100), "cost_s must be finite"),
+        (lambda: cp.young_daly_interval(60, 0), "mtbf_s must be > 0"),
+        (lambda: cp.young_daly_interval(60, float("inf")), "mtbf_s must be finite"),
+        (lambda: cp.young_daly_interval("x", 100), "must be a number"),
+        (lambda: cp.daly_interval(60, -5), "mtbf_s must be > 0"),
+        (lambda: cp.interval(60, 100, method="fast"), "method must be one of young, daly"),
+        (lambda: cp.node_mtbf_s(-1, 0), "events must be >= 0"),
+        (lambda: cp.node_mtbf_s(0, float("nan")), "node_hours must be finite"),
+        (lambda: cp.job_mtbf_s(100, 0), "nodes must be an integer >= 1"),
+        (lambda: cp.job_mtbf_s(100, 1.5), "nodes must be an integer >= 1"),
+        (lambda: cp.FailurePrior(events=0), "prior events must be > 0"),
+        (lambda: cp.FailurePrior(node_hours=-1), "prior node_hours must be > 0"),
+        (lambda: cp.estimate_cost([-1], []), "checkpoint duration must be >= 0"),
+        (lambda: cp.estimate_cost([], [], prior_cost_s=0), "prior_cost_s must be > 0"),
+        (lambda: cp.compute_policy(events=-1, node_hours=0), "events must be an integer >= 0"),
+        (lambda: cp.compute_policy(events=0, node_hours=-2), "node_hours must be >= 0"),
+    ],
+)
 def test_invalid_inputs_raise_value_error(call, needle):
     with pytest.raises(ValueError, match=needle):
         call()
 
 
 # -- the coordinator's measured figures ---------------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def fresh_cluster_figures(monkeypatch):
@@ -151,8 +156,10 @@ def _write(db_url: str, *statements) -> None:
 
 
 def _nodes(spans: list[tuple[float, float]]) -> tuple:
-    return Node, [{"id": i + 1, "name": f"node-{i + 1}", "state": "READY", "gpus": 2, "registered_at": reg,
-                   "last_heartbeat": hb} for i, (reg, hb) in enumerate(spans)]
+    return Node, [
+        {"id": i + 1, "name": f"node-{i + 1}", "state": "READY", "gpus": 2, "registered_at": reg, "last_heartbeat": hb}
+        for i, (reg, hb) in enumerate(spans)
+    ]
 
 
 def _gpus(nodes: int) -> tuple:
@@ -160,19 +167,38 @@ def _gpus(nodes: int) -> tuple:
 
 
 def _events(*severities: str, node: int = 1) -> tuple:
-    return NodeEvent, [{"node_id": node, "at": 100.0 + i, "severity": s, "kind": "LOST" if s == "FATAL" else "XID"}
-                       for i, s in enumerate(severities)]
+    return NodeEvent, [
+        {"node_id": node, "at": 100.0 + i, "severity": s, "kind": "LOST" if s == "FATAL" else "XID"}
+        for i, s in enumerate(severities)
+    ]
 
 
-def _checkpoints(job: str, durations: list[float], *, state: str = "COMMITTED", start: float = 1000.0,
-                 attempt: int = 1, tag: str = "") -> tuple:
+def _checkpoints(
+    job: str,
+    durations: list[float],
+    *,
+    state: str = "COMMITTED",
+    start: float = 1000.0,
+    attempt: int = 1,
+    tag: str = "",
+) -> tuple:
     rows = []
     for i, d in enumerate(durations):
         created = start + 100 * i
-        rows.append({"id": f"{job[-1]}{tag}{state[0]}{i}", "job_id": job, "attempt": attempt, "step": i + 1,
-                     "state": state, "created_at": created,
-                     "committed_at": created + d if state == "COMMITTED" else None, "world_size": 1,
-                     "deadline_at": created + 600, "message": ""})
+        rows.append(
+            {
+                "id": f"{job[-1]}{tag}{state[0]}{i}",
+                "job_id": job,
+                "attempt": attempt,
+                "step": i + 1,
+                "state": state,
+                "created_at": created,
+                "committed_at": created + d if state == "COMMITTED" else None,
+                "world_size": 1,
+                "deadline_at": created + 600,
+                "message": "",
+            }
+        )
     return Checkpoint, rows
 
 
@@ -199,20 +225,63 @@ async def test_policy_measures_failures_nodes_and_cost(stub, db_url):
         _gpus(3),
         _events("FATAL", "WARNING", "FATAL", node=1),
         _events("FATAL", "DEGRADED", node=2),
-        (Allocation, [
-            # the job's current attempt (1): two GPUs on node 1, one on node 2 -> 2 nodes
-            {"job_id": JOB, "attempt": 1, "replica": 0, "node_id": 1, "gpu_id": 10, "gpu_index": 0,
-             "reserved_at": 1.0, "released_at": None},
-            {"job_id": JOB, "attempt": 1, "replica": 0, "node_id": 1, "gpu_id": 11, "gpu_index": 1,
-             "reserved_at": 1.0, "released_at": None},
-            {"job_id": JOB, "attempt": 1, "replica": 1, "node_id": 2, "gpu_id": 20, "gpu_index": 0,
-             "reserved_at": 1.0, "released_at": None},
-            # released, and of an old attempt: not counted
-            {"job_id": JOB, "attempt": 1, "replica": 1, "node_id": 3, "gpu_id": 30, "gpu_index": 0,
-             "reserved_at": 1.0, "released_at": 2.0},
-            {"job_id": JOB, "attempt": 0, "replica": 0, "node_id": 3, "gpu_id": 31, "gpu_index": 1,
-             "reserved_at": 0.5, "released_at": None},
-        ]),
+        (
+            Allocation,
+            [
+                # the job's current attempt (1): two GPUs on node 1, one on node 2 -> 2 nodes
+                {
+                    "job_id": JOB,
+                    "attempt": 1,
+                    "replica": 0,
+                    "node_id": 1,
+                    "gpu_id": 10,
+                    "gpu_index": 0,
+                    "reserved_at": 1.0,
+                    "released_at": None,
+                },
+                {
+                    "job_id": JOB,
+                    "attempt": 1,
+                    "replica": 0,
+                    "node_id": 1,
+                    "gpu_id": 11,
+                    "gpu_index": 1,
+                    "reserved_at": 1.0,
+                    "released_at": None,
+                },
+                {
+                    "job_id": JOB,
+                    "attempt": 1,
+                    "replica": 1,
+                    "node_id": 2,
+                    "gpu_id": 20,
+                    "gpu_index": 0,
+                    "reserved_at": 1.0,
+                    "released_at": None,
+                },
+                # released, and of an old attempt: not counted
+                {
+                    "job_id": JOB,
+                    "attempt": 1,
+                    "replica": 1,
+                    "node_id": 3,
+                    "gpu_id": 30,
+                    "gpu_index": 0,
+                    "reserved_at": 1.0,
+                    "released_at": 2.0,
+                },
+                {
+                    "job_id": JOB,
+                    "attempt": 0,
+                    "replica": 0,
+                    "node_id": 3,
+                    "gpu_id": 31,
+                    "gpu_index": 1,
+                    "reserved_at": 0.5,
+                    "released_at": None,
+                },
+            ],
+        ),
         # the job's committed checkpoints: 10 s and 20 s; a zero-length (RecordCheckpoint) one, a pending and an
         # aborted one, and another job's, are not its cost
         _checkpoints(JOB, [10.0, 20.0]),
@@ -246,8 +315,11 @@ async def test_policy_measures_failures_nodes_and_cost(stub, db_url):
 async def test_cost_uses_the_jobs_last_five_then_the_clusters_last_twenty(stub, db_url):
     # the job: durations 1..7 s, in commit order: the last five are 3..7 (mean 5)
     # the other job: 25 checkpoints, 1..25 s: the cluster's last twenty (of 32) are the other job's 6..25
-    _write(db_url, _checkpoints(JOB, [float(d) for d in range(1, 8)], start=0.0),
-           _checkpoints(OTHER, [float(d) for d in range(1, 26)], attempt=0, start=10_000.0))
+    _write(
+        db_url,
+        _checkpoints(JOB, [float(d) for d in range(1, 8)], start=0.0),
+        _checkpoints(OTHER, [float(d) for d in range(1, 26)], attempt=0, start=10_000.0),
+    )
     p = await stub.GetCheckpointPolicy(pb.GetCheckpointPolicyRequest(job_id=JOB))
     assert (p.cost_s, p.cost_source, p.cost_samples) == (pytest.approx(5.0), "job", 5)
     insert_job(db_url, "job-policy-3", attempt=0)  # no checkpoint of its own
@@ -272,10 +344,17 @@ async def test_policy_errors(stub):
 
 # -- the rank side: the automatic interval -------------------------------------------------------------------------
 
+
 def _env(server, tmp_path: Path, **extra) -> dict[str, str]:
-    env = {"RANK": "0", "WORLD_SIZE": "1", "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "1",
-           "PHALANX_CHECKPOINT_ADDR": server.address, "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-           "PHALANX_CHECKPOINT_POLL_S": "0"}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "1",
+        "PHALANX_CHECKPOINT_ADDR": server.address,
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "PHALANX_CHECKPOINT_POLL_S": "0",
+    }
     env.update(extra)
     return env
 
@@ -319,9 +398,15 @@ async def test_auto_interval_triggers_and_the_jobs_policy_wins(server, stub, db_
 
 
 def test_bad_policy_env_is_refused(tmp_path):
-    env = {"RANK": "0", "WORLD_SIZE": "1", "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "0",
-           "PHALANX_CHECKPOINT_ADDR": "127.0.0.1:1", "PHALANX_CHECKPOINT_DIR": str(tmp_path),
-           "PHALANX_CHECKPOINT_POLICY": "sometimes"}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "0",
+        "PHALANX_CHECKPOINT_ADDR": "127.0.0.1:1",
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path),
+        "PHALANX_CHECKPOINT_POLICY": "sometimes",
+    }
     with pytest.raises(train.CheckpointConfigError, match="PHALANX_CHECKPOINT_POLICY"):
         train.Checkpointer(env)
 
@@ -334,8 +419,9 @@ def test_cluster_figures_are_cached_for_every_poll_of_a_while(db_url, monkeypatc
         with engine.connect() as conn:
             first = store._cluster_figures(conn)
         with engine.begin() as conn:
-            conn.execute(insert(Node).values(name="n1", state="READY", gpus=8, registered_at=0.0,
-                                             last_heartbeat=3600.0))
+            conn.execute(
+                insert(Node).values(name="n1", state="READY", gpus=8, registered_at=0.0, last_heartbeat=3600.0)
+            )
         with engine.connect() as conn:
             assert store._cluster_figures(conn) == first  # within the TTL: the cached figures
         store._cluster_cache.clear()

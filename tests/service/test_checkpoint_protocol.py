@@ -7,6 +7,7 @@ import time
 
 import grpc
 import pytest
+from helpers.jobs import insert_job, set_attempt, set_world
 from sqlalchemy import func, select
 
 from db.engine import make_engine
@@ -14,8 +15,6 @@ from db.models import Checkpoint, CheckpointRequest, CheckpointShard, Job
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from services.checkpoint_coordinator import serve, store
-
-from helpers.jobs import insert_job, set_attempt, set_world
 
 JOB = "job-ckpt-1"
 
@@ -26,8 +25,12 @@ def _insert_job(db_url: str, job_id: str = JOB, attempt: int = 0) -> None:
 
 
 def _shard(rank: int, step: int = 10, tag: str = "") -> pb.Shard:
-    return pb.Shard(rank=rank, uri=f"file:///ckpt/{JOB}/{step}/rank-{rank}.pkl{tag}", size_bytes=10 + rank,
-                    checksum=f"sha256:{rank:064x}{tag}")
+    return pb.Shard(
+        rank=rank,
+        uri=f"file:///ckpt/{JOB}/{step}/rank-{rank}.pkl{tag}",
+        size_bytes=10 + rank,
+        checksum=f"sha256:{rank:064x}{tag}",
+    )
 
 
 def _report(rank: int, step: int = 10, world: int = 3, attempt: int = 0, **kw) -> pb.ReportShardRequest:
@@ -194,8 +197,10 @@ async def test_torn_down_attempt_is_fenced_before_the_relaunch(stub, db_url):
     with engine.begin() as conn:
         conn.execute(Job.__table__.update().where(Job.id == JOB).values(state="PENDING"))
     before = _rows(db_url)
-    for call in (stub.ReportShard(_report(1, world=2, attempt=1)),
-                 stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, attempt=1, step=12, world_size=2))):
+    for call in (
+        stub.ReportShard(_report(1, world=2, attempt=1)),
+        stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, attempt=1, step=12, world_size=2)),
+    ):
         code, details = await _code(call)
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "has ended (the job is PENDING)" in details
     assert _rows(db_url)[:2] == before[:2]
@@ -250,10 +255,12 @@ async def test_invalid_report_changes_nothing(stub, db_url, case):
 
 
 async def test_invalid_begin(stub, db_url):
-    for req in (pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=-1),
-                pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=1),  # the ledger has 2
-                pb.BeginCheckpointRequest(job_id=JOB, step=-1, world_size=1),
-                pb.BeginCheckpointRequest(job_id="", step=1, world_size=1)):
+    for req in (
+        pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=-1),
+        pb.BeginCheckpointRequest(job_id=JOB, step=1, world_size=1),  # the ledger has 2
+        pb.BeginCheckpointRequest(job_id=JOB, step=-1, world_size=1),
+        pb.BeginCheckpointRequest(job_id="", step=1, world_size=1),
+    ):
         code, _ = await _code(stub.BeginCheckpoint(req))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert _rows(db_url) == (0, 0, [])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.jobs import insert_job, set_attempt
 from sqlalchemy import select, update
 from structlog.testing import capture_logs
 
@@ -27,8 +28,6 @@ from services.checkpoint_coordinator import main as checkpointd
 from services.checkpoint_coordinator import retention, serve, store
 from services.checkpoint_coordinator.retention import ABORTED, COMMITTED, PENDING, Candidate, Retention
 
-from helpers.jobs import insert_job, set_attempt
-
 pytestmark = pytest.mark.timeout(30)
 
 JOB = "job-keep-1"
@@ -37,9 +36,16 @@ WORLD = 2
 
 # -- the policy ----------------------------------------------------------------------------------------------------
 
+
 def _c(cid: str, step: int, state: str = COMMITTED, complete: bool = True, at: float = 0.0) -> Candidate:
-    return Candidate(cid, step, state, committed_at=at or float(step), created_at=at or float(step),
-                     complete=complete and state == COMMITTED)
+    return Candidate(
+        cid,
+        step,
+        state,
+        committed_at=at or float(step),
+        created_at=at or float(step),
+        complete=complete and state == COMMITTED,
+    )
 
 
 def _ids(chosen) -> set[str]:
@@ -91,12 +97,17 @@ def test_policy_only_paths_inside_the_jobs_directory_under_the_root(tmp_path):
     assert path(ok.as_uri(), root, JOB) == (ok, "")
     gang = root / JOB / "5" / "attempt-1" / "gang.dcp"
     assert path(f"{gang.as_uri()}#rank-3", root, JOB) == (gang, "")  # the fragment names a rank, not a path
-    for uri in (outside.as_uri(),                                      # outside the root
-                link.as_uri(),                                         # a symlink out of it
-                f"file://{root}/{JOB}/5/../../other-job/5/rank-0.json",  # a '..' escape
-                (root / "other-job" / "1" / "rank-0.json").as_uri(),   # another job's directory
-                (root / JOB).as_uri(), root.as_uri(),                  # the job's directory, the root
-                f"s3://bucket/{JOB}/5/rank-0.json", "rank-0.json", f"file://host{ok}"):
+    for uri in (
+        outside.as_uri(),  # outside the root
+        link.as_uri(),  # a symlink out of it
+        f"file://{root}/{JOB}/5/../../other-job/5/rank-0.json",  # a '..' escape
+        (root / "other-job" / "1" / "rank-0.json").as_uri(),  # another job's directory
+        (root / JOB).as_uri(),
+        root.as_uri(),  # the job's directory, the root
+        f"s3://bucket/{JOB}/5/rank-0.json",
+        "rank-0.json",
+        f"file://host{ok}",
+    ):
         got, why = path(uri, root, JOB)
         assert got is None and why, uri
     assert path(ok.as_uri(), None, JOB)[0] is None  # no --checkpoint-dir: nothing is deleted
@@ -106,12 +117,13 @@ def test_policy_only_paths_inside_the_jobs_directory_under_the_root(tmp_path):
 def test_policy_a_referenced_path_is_protected(tmp_path):
     d = tmp_path / "job" / "5" / "attempt-1"
     assert retention.protected(d / "gang.dcp", [d / "gang.dcp"])
-    assert retention.protected(d, [d / "rank-0.json"])       # a directory holding a kept shard
+    assert retention.protected(d, [d / "rank-0.json"])  # a directory holding a kept shard
     assert retention.protected(d / "gang.dcp" / "x", [d / "gang.dcp"])
     assert not retention.protected(d / "rank-0.json", [d / "rank-1.json", tmp_path / "job" / "6"])
 
 
 # -- the coordinator -----------------------------------------------------------------------------------------------
+
 
 def _checksum(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
@@ -135,8 +147,9 @@ class Gang:
     async def commit(self, stub, step: int, shards: list[pb.Shard] | None = None) -> pb.Checkpoint:
         shards = shards or [self.shard(step, r) for r in range(self.world)]
         for s in shards:
-            done = await stub.ReportShard(pb.ReportShardRequest(job_id=self.job_id, attempt=self.attempt, step=step,
-                                                                shard=s))
+            done = await stub.ReportShard(
+                pb.ReportShardRequest(job_id=self.job_id, attempt=self.attempt, step=step, shard=s)
+            )
         assert done.state == "COMMITTED"
         return done
 
@@ -172,8 +185,12 @@ def _rows(db_url: str, job_id: str = JOB) -> dict[int, tuple[str, bool]]:
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
-            return {int(r.step): (r.state, r.deleted_at is not None) for r in conn.execute(
-                select(Checkpoint.step, Checkpoint.state, Checkpoint.deleted_at).where(Checkpoint.job_id == job_id))}
+            return {
+                int(r.step): (r.state, r.deleted_at is not None)
+                for r in conn.execute(
+                    select(Checkpoint.step, Checkpoint.state, Checkpoint.deleted_at).where(Checkpoint.job_id == job_id)
+                )
+            }
     finally:
         engine.dispose()
 
@@ -199,11 +216,18 @@ async def test_the_coordinator_keeps_the_newest_3_and_deletes_the_older_files(co
         assert not any(f.exists() for f in gang.files(step)), step
         assert not (root / JOB / str(step)).exists()  # the emptied attempt-1/ and <step>/ directories too
     assert (root / JOB).is_dir()
-    assert _rows(db_url) == {10: (COMMITTED, True), 20: (COMMITTED, True), 30: (COMMITTED, False),
-                             40: (COMMITTED, False), 50: (COMMITTED, False)}
+    assert _rows(db_url) == {
+        10: (COMMITTED, True),
+        20: (COMMITTED, True),
+        30: (COMMITTED, False),
+        40: (COMMITTED, False),
+        50: (COMMITTED, False),
+    }
     deleted = [e for e in logs if e["event"] == "checkpoint_deleted"]
-    assert [(e["job_id"], e["step"], e["files"], e["state"]) for e in deleted] == [(JOB, 10, 2, COMMITTED),
-                                                                                  (JOB, 20, 2, COMMITTED)]
+    assert [(e["job_id"], e["step"], e["files"], e["state"]) for e in deleted] == [
+        (JOB, 10, 2, COMMITTED),
+        (JOB, 20, 2, COMMITTED),
+    ]
     assert deleted[0]["bytes_freed"] == 2 * 110 and deleted[0]["checkpoint_id"]
 
 
@@ -217,15 +241,17 @@ async def test_a_jobs_keep_checkpoints_in_its_row_overrides_the_default(coordina
     assert [all(f.exists() for f in gang.files(s)) for s in (1, 2, 3)] == [False, False, True]
 
 
-async def test_record_checkpoint_prunes_too_and_a_pending_checkpoint_is_never_deleted(coordinator, stub, root,
-                                                                                      db_url):
+async def test_record_checkpoint_prunes_too_and_a_pending_checkpoint_is_never_deleted(coordinator, stub, root, db_url):
     _set_job(db_url, keep_checkpoints=1)
     gang = Gang(root)
     pending = gang.shard(99, 0)  # rank 0 of step 99 reported, rank 1 not yet
     await stub.ReportShard(pb.ReportShardRequest(job_id=JOB, attempt=1, step=99, shard=pending))
     for step in (1, 2):
-        await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=step,
-                                                               shards=[gang.shard(step, r) for r in range(WORLD)]))
+        await stub.RecordCheckpoint(
+            pb.RecordCheckpointRequest(
+                job_id=JOB, attempt=1, step=step, shards=[gang.shard(step, r) for r in range(WORLD)]
+            )
+        )
     await coordinator.settle()
     assert await _listed(stub) == [2]
     assert gang.files(99)[0].is_file() and _rows(db_url)[99] == (PENDING, False)
@@ -233,7 +259,8 @@ async def test_record_checkpoint_prunes_too_and_a_pending_checkpoint_is_never_de
 
 
 async def test_a_shard_outside_the_checkpoint_dir_is_left_on_disk_but_the_checkpoint_is_deleted(
-        coordinator, stub, root, db_url, tmp_path):
+    coordinator, stub, root, db_url, tmp_path
+):
     _set_job(db_url, keep_checkpoints=1)
     gang = Gang(root)
     elsewhere = tmp_path / "elsewhere"
@@ -245,8 +272,10 @@ async def test_a_shard_outside_the_checkpoint_dir_is_left_on_disk_but_the_checkp
     target = elsewhere / "rank-0.json"
     target.write_bytes(b"y" * 10)
     linked.symlink_to(target)
-    first = [pb.Shard(rank=0, uri=linked.as_uri(), size_bytes=10, checksum=_checksum(b"y" * 10)),
-             pb.Shard(rank=1, uri=outside.as_uri(), size_bytes=10, checksum=_checksum(b"x" * 10))]
+    first = [
+        pb.Shard(rank=0, uri=linked.as_uri(), size_bytes=10, checksum=_checksum(b"y" * 10)),
+        pb.Shard(rank=1, uri=outside.as_uri(), size_bytes=10, checksum=_checksum(b"x" * 10)),
+    ]
     with capture_logs() as logs:
         await gang.commit(stub, 1, first)
         await gang.commit(stub, 2)
@@ -265,8 +294,10 @@ async def test_a_path_a_kept_checkpoint_references_is_not_deleted(coordinator, s
     gang_dir.mkdir(parents=True)
     for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
         (gang_dir / name).write_bytes(b"z" * 8)
-    shards = [pb.Shard(rank=r, uri=f"{gang_dir.as_uri()}#rank-{r}", size_bytes=8, checksum=_checksum(b"%d" % r))
-              for r in range(WORLD)]
+    shards = [
+        pb.Shard(rank=r, uri=f"{gang_dir.as_uri()}#rank-{r}", size_bytes=8, checksum=_checksum(b"%d" % r))
+        for r in range(WORLD)
+    ]
     await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=5, shards=shards))
     await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=5, shards=shards))
     await coordinator.settle()
@@ -294,7 +325,8 @@ async def test_the_sweep_deletes_aborted_shards_through_the_coordinator(db_url, 
             await stub.ReportShard(pb.ReportShardRequest(job_id=JOB, attempt=1, step=2, shard=gang.shard(2, 0)))
             set_attempt(db_url, JOB, 2)  # relaunched: step 2 of attempt 1 never completes, the sweep aborts it
             deadline = time.monotonic() + 10
-            while gang.files(2)[0].exists() and time.monotonic() < deadline:
+            # The sweep deletes the shard's files, then their emptied directories: wait for both.
+            while (gang.files(2)[0].exists() or (root / JOB / "2").exists()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not gang.files(2)[0].exists() and not (root / JOB / "2").exists()
             assert _rows(db_url) == {1: (COMMITTED, False), 2: (ABORTED, True)}
@@ -306,9 +338,16 @@ async def test_the_sweep_deletes_aborted_shards_through_the_coordinator(db_url, 
 def _commit_rows(engine, gang: Gang, steps) -> None:
     """Committed through the store only (as if the coordinator crashed before its retention pass)."""
     for step in steps:
-        store.record_checkpoint(engine, gang.job_id, gang.attempt, step,
-                                [store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum)
-                                 for s in (gang.shard(step, r) for r in range(gang.world))])
+        store.record_checkpoint(
+            engine,
+            gang.job_id,
+            gang.attempt,
+            step,
+            [
+                store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum)
+                for s in (gang.shard(step, r) for r in range(gang.world))
+            ],
+        )
 
 
 def test_the_sweep_finds_committed_checkpoints_beyond_k_and_aborted_ones(db_url, root):
@@ -325,8 +364,11 @@ def test_the_sweep_finds_committed_checkpoints_beyond_k_and_aborted_ones(db_url,
         for f in gang.files(1):
             f.unlink()  # a crash after deleting some files and before marking them: no error, finished now
         deleted = Retention(str(root)).sweep(engine)
-        assert sorted((d.job_id, d.step, d.state) for d in deleted) == [(JOB, 1, COMMITTED), (JOB, 2, COMMITTED),
-                                                                       (JOB, 6, ABORTED)]
+        assert sorted((d.job_id, d.step, d.state) for d in deleted) == [
+            (JOB, 1, COMMITTED),
+            (JOB, 2, COMMITTED),
+            (JOB, 6, ABORTED),
+        ]
         assert [r.step for r in store.list_checkpoints(engine, JOB)[0]] == [5, 4, 3]
         assert not gang.files(6)[0].exists() and not any(f.exists() for f in gang.files(2))
         assert all(f.is_file() for s in (1, 2) for f in other.files(s))
@@ -343,8 +385,9 @@ def test_a_failed_delete_keeps_the_checkpoint_and_the_next_sweep_retries(db_url,
         _commit_rows(engine, gang, (1, 2))
         keeper = Retention(str(root), keep=1)
         real = retention.delete_path
-        monkeypatch.setattr(retention, "delete_path",
-                            lambda path, stop_at: retention.Removal(errors=[f"{path}: Permission denied"]))
+        monkeypatch.setattr(
+            retention, "delete_path", lambda path, stop_at: retention.Removal(errors=[f"{path}: Permission denied"])
+        )
         with capture_logs() as logs:
             assert keeper.sweep(engine) == [] and keeper.sweep(engine) == []
         assert [e["event"] for e in logs] == ["checkpoint_delete_failed"]  # warned once, retried silently
@@ -378,17 +421,19 @@ def test_finished_jobs_follow_the_finished_checkpoints_policy(db_url, root, poli
 
 
 async def test_keep_checkpoints_submitted_through_the_scheduler_is_obeyed(db_url, root):
+    from helpers.lite_cluster import LiteCluster
+
     from phalanx.core.fabric import default_fabric
     from phalanx.testing.lite_agent import LiteAgent
     from services.scheduler.settings import SchedulerSettings
 
-    from helpers.lite_cluster import LiteCluster
-
     coordinator = await serve(db_url, "127.0.0.1:0", sweep_interval=0, checkpoint_dir=str(root))
     settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["n0"]))
     try:
-        async with LiteCluster(settings, lambda addr: [LiteAgent(addr, "n0", gpus=8)]) as c, \
-                grpc.aio.insecure_channel(coordinator.address) as ch:
+        async with (
+            LiteCluster(settings, lambda addr: [LiteAgent(addr, "n0", gpus=8)]) as c,
+            grpc.aio.insecure_channel(coordinator.address) as ch,
+        ):
             for bad in (-1, 10_001):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await c.submit("bad", 1, 1, keep_checkpoints=bad)
@@ -411,6 +456,7 @@ async def test_keep_checkpoints_submitted_through_the_scheduler_is_obeyed(db_url
 
 # -- flags ---------------------------------------------------------------------------------------------------------
 
+
 def test_checkpointd_retention_flags(monkeypatch, capsys):
     monkeypatch.delenv("PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS", raising=False)
     monkeypatch.delenv("PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS", raising=False)
@@ -418,8 +464,12 @@ def test_checkpointd_retention_flags(monkeypatch, capsys):
     assert (args.keep_checkpoints, args.finished_checkpoints) == (3, "keep")
     args = checkpointd.parse_args(["--keep-checkpoints", "5", "--finished-checkpoints", "latest"])
     assert (args.keep_checkpoints, args.finished_checkpoints) == (5, "latest")
-    for argv in (["--keep-checkpoints", "0"], ["--keep-checkpoints", "-2"], ["--keep-checkpoints", "x"],
-                 ["--finished-checkpoints", "forever"]):
+    for argv in (
+        ["--keep-checkpoints", "0"],
+        ["--keep-checkpoints", "-2"],
+        ["--keep-checkpoints", "x"],
+        ["--finished-checkpoints", "forever"],
+    ):
         with pytest.raises(SystemExit) as exc:
             checkpointd.parse_args(argv)
         assert exc.value.code == 2, argv
@@ -455,8 +505,9 @@ def test_submit_spec_validation():
 
 
 def _fake_scheduler():
-    spec = importlib.util.spec_from_file_location("_phalanx_fake_scheduler_retention",
-                                                  Path(__file__).with_name("test_client.py"))
+    spec = importlib.util.spec_from_file_location(
+        "_phalanx_fake_scheduler_retention", Path(__file__).with_name("test_client.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.serve_fake
@@ -467,8 +518,19 @@ def test_cli_submit_keep_checkpoints(monkeypatch, capsys):
 
     monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
     with _fake_scheduler()() as (servicer, address):
-        base = ["--scheduler", address, "--timeout", "5", "submit", "--name", "t", "--replicas", "1",
-                "--gpus-per-replica", "1"]
+        base = [
+            "--scheduler",
+            address,
+            "--timeout",
+            "5",
+            "submit",
+            "--name",
+            "t",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "1",
+        ]
         for bad in ("0", "-1", "x", "10001"):
             code = main(base + ["--keep-checkpoints", bad, "--", "true"])
             out, err = capsys.readouterr()

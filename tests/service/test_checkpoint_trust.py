@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.jobs import insert_job, set_attempt
 from sqlalchemy import insert, select, update
 
 from db.engine import make_engine
@@ -23,8 +24,6 @@ from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from phalanx.train import state_format
 from services.checkpoint_coordinator import serve
-
-from helpers.jobs import insert_job, set_attempt
 
 JOB = "job-trust-1"
 WORLD = 4
@@ -45,13 +44,18 @@ async def stub(server):
 
 
 def _shard(rank: int, step: int = 10, tag: str = "") -> pb.Shard:
-    return pb.Shard(rank=rank, uri=f"file:///ckpt/{JOB}/{step}/rank-{rank}.json{tag}", size_bytes=10 + rank,
-                    checksum="sha256:" + hashlib.sha256(f"{step}/{rank}{tag}".encode()).hexdigest())
+    return pb.Shard(
+        rank=rank,
+        uri=f"file:///ckpt/{JOB}/{step}/rank-{rank}.json{tag}",
+        size_bytes=10 + rank,
+        checksum="sha256:" + hashlib.sha256(f"{step}/{rank}{tag}".encode()).hexdigest(),
+    )
 
 
 def _report(rank: int, step: int = 10, world: int = 0, attempt: int = 1, **kw) -> pb.ReportShardRequest:
-    return pb.ReportShardRequest(job_id=JOB, attempt=attempt, step=step, world_size=world,
-                                 shard=kw.pop("shard", _shard(rank, step)), **kw)
+    return pb.ReportShardRequest(
+        job_id=JOB, attempt=attempt, step=step, world_size=world, shard=kw.pop("shard", _shard(rank, step)), **kw
+    )
 
 
 async def _code(call) -> tuple[grpc.StatusCode, str]:
@@ -66,15 +70,41 @@ def _ledger(db_url: str) -> dict[str, list[tuple]]:
     try:
         with engine.connect() as conn:
             return {
-                "checkpoints": [tuple(r) for r in conn.execute(
-                    select(Checkpoint.id, Checkpoint.attempt, Checkpoint.step, Checkpoint.state, Checkpoint.world_size,
-                           Checkpoint.committed_at).order_by(Checkpoint.id))],
-                "shards": [tuple(r) for r in conn.execute(
-                    select(CheckpointShard.checkpoint_id, CheckpointShard.rank, CheckpointShard.uri,
-                           CheckpointShard.checksum).order_by(CheckpointShard.checkpoint_id, CheckpointShard.rank))],
-                "restores": [tuple(r) for r in conn.execute(
-                    select(CheckpointRestore.attempt, CheckpointRestore.rank, CheckpointRestore.checkpoint_id,
-                           CheckpointRestore.message).order_by(CheckpointRestore.attempt, CheckpointRestore.rank))],
+                "checkpoints": [
+                    tuple(r)
+                    for r in conn.execute(
+                        select(
+                            Checkpoint.id,
+                            Checkpoint.attempt,
+                            Checkpoint.step,
+                            Checkpoint.state,
+                            Checkpoint.world_size,
+                            Checkpoint.committed_at,
+                        ).order_by(Checkpoint.id)
+                    )
+                ],
+                "shards": [
+                    tuple(r)
+                    for r in conn.execute(
+                        select(
+                            CheckpointShard.checkpoint_id,
+                            CheckpointShard.rank,
+                            CheckpointShard.uri,
+                            CheckpointShard.checksum,
+                        ).order_by(CheckpointShard.checkpoint_id, CheckpointShard.rank)
+                    )
+                ],
+                "restores": [
+                    tuple(r)
+                    for r in conn.execute(
+                        select(
+                            CheckpointRestore.attempt,
+                            CheckpointRestore.rank,
+                            CheckpointRestore.checkpoint_id,
+                            CheckpointRestore.message,
+                        ).order_by(CheckpointRestore.attempt, CheckpointRestore.rank)
+                    )
+                ],
             }
     finally:
         engine.dispose()
@@ -94,14 +124,17 @@ async def _listed(stub) -> list[tuple[int, int]]:
 
 # -- the coordinator trusts no client number ---------------------------------------------------------------------
 
+
 async def test_a_single_shard_claiming_world_size_1_of_a_4_rank_gang_is_refused(stub, db_url):
     code, details = await _code(stub.ReportShard(_report(0, world=1)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the ledger has 4 ranks" in details, details
-    code, details = await _code(stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, attempt=1, step=10,
-                                                                               world_size=1)))
+    code, details = await _code(
+        stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, attempt=1, step=10, world_size=1))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "world_size 1 does not match" in details
-    code, details = await _code(stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=10,
-                                                                                 shards=[_shard(0)])))
+    code, details = await _code(
+        stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=10, shards=[_shard(0)]))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "has 4 ranks" in details and "got 1 shards" in details
     assert _ledger(db_url) == {"checkpoints": [], "shards": [], "restores": []}
     code, _ = await _code(stub.GetLatestCheckpoint(pb.GetLatestCheckpointRequest(job_id=JOB)))
@@ -112,27 +145,31 @@ async def test_a_single_shard_claiming_world_size_1_of_a_4_rank_gang_is_refused(
     assert (opened.state, opened.world_size) == ("PENDING", WORLD)
 
 
+@pytest.mark.slow
 async def test_the_world_size_is_the_attempts_ranks_in_the_ledger(db_url):
     """With the real scheduler: a gang of 2 replicas x 2 GPUs has 4 ranks (its allocations), one of 2 replicas x 2
     GPUs at one process per replica has 2."""
+    from helpers.lite_cluster import LiteCluster
+
     from phalanx.core.fabric import default_fabric
     from phalanx.testing.lite_agent import LiteAgent
     from services.scheduler.settings import SchedulerSettings
 
-    from helpers.lite_cluster import LiteCluster
-
     coordinator = await serve(db_url, "127.0.0.1:0", sweep_interval=0)
     settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["n0"]))
     try:
-        async with LiteCluster(settings, lambda addr: [LiteAgent(addr, "n0", gpus=8)]) as c, \
-                grpc.aio.insecure_channel(coordinator.address) as ch:
+        async with (
+            LiteCluster(settings, lambda addr: [LiteAgent(addr, "n0", gpus=8)]) as c,
+            grpc.aio.insecure_channel(coordinator.address) as ch,
+        ):
             stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(ch)
             per_gpu = await c.submit("per-gpu", 2, 2)
             per_replica = await c.submit("per-replica", 2, 2, procs_per_replica=1)
             for job, world in ((per_gpu, 4), (per_replica, 2)):
                 running = await c.wait_running(job.id)
-                req = pb.ReportShardRequest(job_id=job.id, attempt=running.attempt, step=1, world_size=1,
-                                            shard=_shard(0, 1))
+                req = pb.ReportShardRequest(
+                    job_id=job.id, attempt=running.attempt, step=1, world_size=1, shard=_shard(0, 1)
+                )
                 code, details = await _code(stub.ReportShard(req))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and f"the ledger has {world} ranks" in details
                 req.world_size = 0
@@ -145,8 +182,9 @@ async def test_the_world_size_is_the_attempts_ranks_in_the_ledger(db_url):
             attempt = (await c.job(per_gpu.id)).attempt
             latest = await stub.GetLatestCheckpoint(pb.GetLatestCheckpointRequest(job_id=per_gpu.id))
             for rank in range(4):
-                await stub.ReportRestore(pb.ReportRestoreRequest(job_id=per_gpu.id, attempt=attempt, rank=rank,
-                                                                 checkpoint_id=latest.id))
+                await stub.ReportRestore(
+                    pb.ReportRestoreRequest(job_id=per_gpu.id, attempt=attempt, rank=rank, checkpoint_id=latest.id)
+                )
             shown = await c.job(per_gpu.id)
             assert shown.restore == (await stub.GetRestore(pb.GetRestoreRequest(job_id=per_gpu.id))).message
             assert shown.restore.startswith("restored from step 1")
@@ -165,10 +203,14 @@ async def test_every_write_of_another_attempt_is_refused_and_changes_nothing(stu
             stub.BeginCheckpoint(pb.BeginCheckpointRequest(job_id=JOB, attempt=attempt, step=9)),
             stub.ReportShard(_report(1, 8, attempt=attempt)),
             stub.ReportShard(_report(0, 12, attempt=attempt)),
-            stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=attempt, step=100,
-                                                             shards=[_shard(r, 100) for r in range(WORLD)])),
-            stub.ReportRestore(pb.ReportRestoreRequest(job_id=JOB, attempt=attempt, rank=0,
-                                                       checkpoint_id=committed.id)),
+            stub.RecordCheckpoint(
+                pb.RecordCheckpointRequest(
+                    job_id=JOB, attempt=attempt, step=100, shards=[_shard(r, 100) for r in range(WORLD)]
+                )
+            ),
+            stub.ReportRestore(
+                pb.ReportRestoreRequest(job_id=JOB, attempt=attempt, rank=0, checkpoint_id=committed.id)
+            ),
         ):
             code, details = await _code(call)
             assert code == grpc.StatusCode.FAILED_PRECONDITION, details
@@ -181,8 +223,11 @@ async def test_every_write_of_another_attempt_is_refused_and_changes_nothing(stu
     with engine.begin() as conn:
         conn.execute(update(Job).where(Job.id == JOB).values(state="PENDING"))
     engine.dispose()
-    code, details = await _code(stub.RecordCheckpoint(pb.RecordCheckpointRequest(
-        job_id=JOB, attempt=2, step=100, shards=[_shard(r, 100) for r in range(WORLD)])))
+    code, details = await _code(
+        stub.RecordCheckpoint(
+            pb.RecordCheckpointRequest(job_id=JOB, attempt=2, step=100, shards=[_shard(r, 100) for r in range(WORLD)])
+        )
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "has ended" in details
     assert _ledger(db_url) == before
 
@@ -219,12 +264,16 @@ async def test_a_checkpoint_commits_only_with_ranks_0_to_n_minus_1(stub, db_url)
     # RecordCheckpoint: exactly ranks 0..3
     for ranks, needle in (((0, 1, 2, 3, 4), "got 5 shards"), ((0, 1, 2, 4), "missing [3]"), ((0, 1, 2), "got 3")):
         before = _ledger(db_url)
-        code, details = await _code(stub.RecordCheckpoint(pb.RecordCheckpointRequest(
-            job_id=JOB, attempt=1, step=20, shards=[_shard(r, 20) for r in ranks])))
+        code, details = await _code(
+            stub.RecordCheckpoint(
+                pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=20, shards=[_shard(r, 20) for r in ranks])
+            )
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, details
         assert _ledger(db_url) == before
-    whole = await stub.RecordCheckpoint(pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=20,
-                                                                   shards=[_shard(r, 20) for r in range(WORLD)]))
+    whole = await stub.RecordCheckpoint(
+        pb.RecordCheckpointRequest(job_id=JOB, attempt=1, step=20, shards=[_shard(r, 20) for r in range(WORLD)])
+    )
     assert (whole.state, whole.world_size) == ("COMMITTED", WORLD)
     assert await _listed(stub) == [(20, 1), (10, 1)]
 
@@ -236,10 +285,23 @@ async def test_an_incomplete_or_unfenced_commit_is_never_a_restore_point(stub, d
     engine = make_engine(db_url)
     with engine.begin() as conn:
         for cid, attempt, step, ranks in (("torn", 1, 50, (0, 1, 3)), ("future", 7, 60, (0, 1, 2, 3))):
-            conn.execute(insert(Checkpoint).values(id=cid, job_id=JOB, attempt=attempt, step=step, state="COMMITTED",
-                                                   created_at=1.0, committed_at=1.0, world_size=WORLD, message=""))
-            conn.execute(insert(CheckpointShard), [dict(checkpoint_id=cid, rank=r, uri=f"u{r}", size_bytes=1,
-                                                        checksum="sha256:0") for r in ranks])
+            conn.execute(
+                insert(Checkpoint).values(
+                    id=cid,
+                    job_id=JOB,
+                    attempt=attempt,
+                    step=step,
+                    state="COMMITTED",
+                    created_at=1.0,
+                    committed_at=1.0,
+                    world_size=WORLD,
+                    message="",
+                )
+            )
+            conn.execute(
+                insert(CheckpointShard),
+                [dict(checkpoint_id=cid, rank=r, uri=f"u{r}", size_bytes=1, checksum="sha256:0") for r in ranks],
+            )
     engine.dispose()
     assert (await stub.GetLatestCheckpoint(pb.GetLatestCheckpointRequest(job_id=JOB))).id == good.id
     assert await _listed(stub) == [(10, 1)]
@@ -251,13 +313,16 @@ async def test_list_checkpoints_pages_newest_first(stub):
     first = await stub.ListCheckpoints(pb.ListCheckpointsRequest(job_id=JOB, page_size=2))
     assert [c.step for c in first.checkpoints] == [9, 6] and first.next_page_token
     assert all(len(c.shards) == WORLD for c in first.checkpoints)
-    rest = await stub.ListCheckpoints(pb.ListCheckpointsRequest(job_id=JOB, page_size=2,
-                                                                page_token=first.next_page_token))
+    rest = await stub.ListCheckpoints(
+        pb.ListCheckpointsRequest(job_id=JOB, page_size=2, page_token=first.next_page_token)
+    )
     assert [c.step for c in rest.checkpoints] == [3] and rest.next_page_token == ""
-    for req, code in ((pb.ListCheckpointsRequest(job_id=JOB, page_token="x"), grpc.StatusCode.INVALID_ARGUMENT),
-                      (pb.ListCheckpointsRequest(job_id=JOB, page_size=-1), grpc.StatusCode.INVALID_ARGUMENT),
-                      (pb.ListCheckpointsRequest(job_id=JOB, page_size=5000), grpc.StatusCode.INVALID_ARGUMENT),
-                      (pb.ListCheckpointsRequest(job_id="nope"), grpc.StatusCode.NOT_FOUND)):
+    for req, code in (
+        (pb.ListCheckpointsRequest(job_id=JOB, page_token="x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.ListCheckpointsRequest(job_id=JOB, page_size=-1), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.ListCheckpointsRequest(job_id=JOB, page_size=5000), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.ListCheckpointsRequest(job_id="nope"), grpc.StatusCode.NOT_FOUND),
+    ):
         assert (await _code(stub.ListCheckpoints(req)))[0] == code
 
 
@@ -265,19 +330,27 @@ async def test_a_restore_report_is_checked_against_the_ledger(stub, db_url):
     old, new = await _commit(stub, 5), await _commit(stub, 9)
 
     def report(checkpoint_id: str, *skipped: str, rank: int = 0) -> pb.ReportRestoreRequest:
-        return pb.ReportRestoreRequest(job_id=JOB, attempt=1, rank=rank, checkpoint_id=checkpoint_id,
-                                       skipped=[pb.SkippedCheckpoint(checkpoint_id=s, reason="damaged")
-                                                for s in skipped])
+        return pb.ReportRestoreRequest(
+            job_id=JOB,
+            attempt=1,
+            rank=rank,
+            checkpoint_id=checkpoint_id,
+            skipped=[pb.SkippedCheckpoint(checkpoint_id=s, reason="damaged") for s in skipped],
+        )
 
     for req, needle in (
         (report("nope"), "not the newest"),
-        (report(old.id), "not the newest"),                     # leaves the intact step 9 out
-        (report(""), "neither restores nor skips"),              # starts from 0 with checkpoints left
+        (report(old.id), "not the newest"),  # leaves the intact step 9 out
+        (report(""), "neither restores nor skips"),  # starts from 0 with checkpoints left
         (report(new.id, old.id), "is not one of the 1 newest"),  # skips an older one
         (report(old.id, "nope"), "is not one of the 1 newest"),
         (report(new.id, rank=WORLD), "rank must be in 0..3"),
-        (pb.ReportRestoreRequest(job_id=JOB, attempt=1, checkpoint_id=old.id,
-                                 skipped=[pb.SkippedCheckpoint(checkpoint_id=new.id)]), "reason is required"),
+        (
+            pb.ReportRestoreRequest(
+                job_id=JOB, attempt=1, checkpoint_id=old.id, skipped=[pb.SkippedCheckpoint(checkpoint_id=new.id)]
+            ),
+            "reason is required",
+        ),
     ):
         code, details = await _code(stub.ReportRestore(req))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, (needle, details)
@@ -291,15 +364,27 @@ async def test_a_restore_report_is_checked_against_the_ledger(stub, db_url):
 
 # -- restore falls back ------------------------------------------------------------------------------------------
 
+
 def _ranks(server, tmp_path: Path, attempt: int = 1) -> list[train.Checkpointer]:
-    return [train.Checkpointer({"RANK": str(r), "WORLD_SIZE": str(WORLD), "PHALANX_JOB_ID": JOB,
-                                "PHALANX_ATTEMPT": str(attempt), "PHALANX_CHECKPOINT_ADDR": server.address,
-                                "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}) for r in range(WORLD)]
+    return [
+        train.Checkpointer(
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(WORLD),
+                "PHALANX_JOB_ID": JOB,
+                "PHALANX_ATTEMPT": str(attempt),
+                "PHALANX_CHECKPOINT_ADDR": server.address,
+                "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+            }
+        )
+        for r in range(WORLD)
+    ]
 
 
 async def _save_all(ranks, step: int) -> list[train.SaveResult]:
-    return [await asyncio.to_thread(c.save, step, {"step": step, "rank": c.rank, "w": [step * 0.5, c.rank]})
-            for c in ranks]
+    return [
+        await asyncio.to_thread(c.save, step, {"step": step, "rank": c.rank, "w": [step * 0.5, c.rank]}) for c in ranks
+    ]
 
 
 async def _restore_all(ranks, **kw):
@@ -358,7 +443,8 @@ async def test_restore_skips_a_missing_shard(server, stub, tmp_path, db_url):
     path.write_bytes(path.read_bytes()[:-3])
     assert (await asyncio.to_thread(ranks[0].restore))[0] == 5
     assert ranks[0].last_restore.message.startswith(
-        "restored from step 5 (step 12 was damaged: size mismatch in rank 3's shard: expected ")
+        "restored from step 5 (step 12 was damaged: size mismatch in rank 3's shard: expected "
+    )
     assert [s.step for s in ranks[0].last_restore.skipped] == [12, 9]
     for c in ranks:
         c.close()
@@ -370,8 +456,10 @@ async def test_restore_starts_from_zero_when_no_checkpoint_is_intact(server, stu
     old = tmp_path / "ckpt" / JOB / "5" / "attempt-1" / "rank-3.json"
     old.write_bytes(old.read_bytes().replace(b'"rank":3', b'"rank":0'))
     assert await _restore_all(ranks) == [None] * WORLD
-    want = ("started from step 0: no intact checkpoint (step 9 was damaged: size mismatch in rank 0's shard: "
-            f"expected {newest[0].size_bytes} bytes, found 7; step 5 was damaged: sha256 mismatch in rank 3's shard)")
+    want = (
+        "started from step 0: no intact checkpoint (step 9 was damaged: size mismatch in rank 0's shard: "
+        f"expected {newest[0].size_bytes} bytes, found 7; step 5 was damaged: sha256 mismatch in rank 3's shard)"
+    )
     state = await stub.GetRestore(pb.GetRestoreRequest(job_id=JOB))
     assert (state.step, state.fell_back_from, state.message, state.consistent) == (-1, 9, want, True)
     assert ranks[2].last_restore == train.RestoreResult(-1, "", ranks[2].last_restore.skipped, want)
@@ -390,6 +478,7 @@ async def test_a_job_without_checkpoints_reports_a_fresh_start(server, stub, tmp
 
 # -- no pickle from storage by default ---------------------------------------------------------------------------
 
+
 async def _legacy_pickle_checkpoint(stub, tmp_path: Path, step: int, payload_of) -> None:
     """A checkpoint as phalanx.train before issue 16 wrote it: one pickle per rank (`rank-<r>.pkl`)."""
     store = train.LocalStore(tmp_path / "ckpt")
@@ -398,8 +487,15 @@ async def _legacy_pickle_checkpoint(stub, tmp_path: Path, step: int, payload_of)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = pickle.dumps(payload_of(rank), protocol=pickle.HIGHEST_PROTOCOL)
         path.write_bytes(data)
-        await stub.ReportShard(_report(rank, step, shard=pb.Shard(rank=rank, uri=path.as_uri(), size_bytes=len(data),
-                                                                   checksum=train.sha256_checksum(data))))
+        await stub.ReportShard(
+            _report(
+                rank,
+                step,
+                shard=pb.Shard(
+                    rank=rank, uri=path.as_uri(), size_bytes=len(data), checksum=train.sha256_checksum(data)
+                ),
+            )
+        )
 
 
 class _Mkdir:
@@ -438,11 +534,19 @@ async def test_a_refused_pickle_is_never_unpickled(server, stub, tmp_path):
 
 # -- the JSON format ---------------------------------------------------------------------------------------------
 
+
 def test_state_format_round_trips_what_json_cannot_say():
     np = pytest.importorskip("numpy")
-    state = {"a": 1, "f": [1.5, float("inf"), float("-inf")], "t": (1, "x", None), 3: b"\x00\xff",
-             "$phx:tuple": "a user key that looks like a tag", "nested": {"k": [True, {"deep": 2**70}]},
-             "arr": np.arange(6, dtype=np.int16).reshape(2, 3), "scalar": np.float32(2.5)}
+    state = {
+        "a": 1,
+        "f": [1.5, float("inf"), float("-inf")],
+        "t": (1, "x", None),
+        3: b"\x00\xff",
+        "$phx:tuple": "a user key that looks like a tag",
+        "nested": {"k": [True, {"deep": 2**70}]},
+        "arr": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "scalar": np.float32(2.5),
+    }
     data = state_format.encode(state)
     assert state_format.is_state(data) and b"\n" in data
     back = state_format.decode(data)
@@ -463,10 +567,12 @@ def test_state_format_refuses_what_it_cannot_hold_and_bad_shards():
     loop.append(loop)
     with pytest.raises(train.CheckpointError, match="contains itself"):
         state_format.encode(loop)
-    for bad in (b"\x80\x05K\x01.",  # a pickle
-                b'{"format":"phalanx.train/state-v1","blobs":4,"state":1}\n',  # says 4 bytes follow, none do
-                b'{"format":"phalanx.train/state-v1","blobs":0,"state":{"$phx:ndarray":{"dtype":"O","shape":[1],'
-                b'"offset":0,"nbytes":0}}}\n',
-                b'{"format":"phalanx.train/state-v1","blobs":0,"state":{"$phx:eval":"1"}}\n'):
+    for bad in (
+        b"\x80\x05K\x01.",  # a pickle
+        b'{"format":"phalanx.train/state-v1","blobs":4,"state":1}\n',  # says 4 bytes follow, none do
+        b'{"format":"phalanx.train/state-v1","blobs":0,"state":{"$phx:ndarray":{"dtype":"O","shape":[1],'
+        b'"offset":0,"nbytes":0}}}\n',
+        b'{"format":"phalanx.train/state-v1","blobs":0,"state":{"$phx:eval":"1"}}\n',
+    ):
         with pytest.raises(train.CheckpointError):
             state_format.decode(bad)

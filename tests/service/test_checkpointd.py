@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers.jobs import set_attempt, set_world
 from sqlalchemy import func, insert, select
 
 from db.engine import make_engine
@@ -21,8 +22,6 @@ from db.models import Checkpoint, CheckpointShard, Job
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc, scheduler_pb2
 from services.checkpoint_coordinator import serve
-
-from helpers.jobs import set_attempt, set_world
 
 JOB = "job-ckpt-1"
 SERVICE = "phalanx.v1.CheckpointCoordinator"
@@ -33,7 +32,12 @@ def _insert_job(db_url: str, job_id: str = JOB) -> None:
     with engine.begin() as conn:
         conn.execute(
             insert(Job).values(
-                id=job_id, name=job_id, state="RUNNING", replicas=2, gpus_per_replica=8, command=["train"],
+                id=job_id,
+                name=job_id,
+                state="RUNNING",
+                replicas=2,
+                gpus_per_replica=8,
+                command=["train"],
                 submitted_at=time.time(),
             )
         )
@@ -52,7 +56,9 @@ def _counts(db_url: str) -> tuple[int, int]:
 
 
 def _shards(n: int) -> list[pb.Shard]:
-    return [pb.Shard(rank=r, uri=f"s3://ckpt/{r}.pt", size_bytes=100 + r, checksum=f"sha256:{r:064x}") for r in range(n)]
+    return [
+        pb.Shard(rank=r, uri=f"s3://ckpt/{r}.pt", size_bytes=100 + r, checksum=f"sha256:{r:064x}") for r in range(n)
+    ]
 
 
 @pytest.fixture
@@ -175,11 +181,21 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_process_stops_cleanly_on_signal(sqlite_url, sig):
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.checkpoint_coordinator.main", "--db", sqlite_url, "--listen", f"127.0.0.1:{port}"],
-        stderr=subprocess.PIPE, env={**os.environ, "PHALANX_LOG_LEVEL": "INFO"},
+        [
+            sys.executable,
+            "-m",
+            "services.checkpoint_coordinator.main",
+            "--db",
+            sqlite_url,
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PHALANX_LOG_LEVEL": "INFO"},
     )
     try:
         deadline = time.time() + 20
@@ -199,22 +215,24 @@ def test_process_stops_cleanly_on_signal(sqlite_url, sig):
 async def test_the_coordinator_advertises_itself_and_a_scheduler_without_flags_finds_it(db_url):
     """`phalanx-scheduler --db URL --listen ADDR` alone: ranks still get the coordinator and its directory, from
     the ledger; a scheduler flag wins over it."""
+    from helpers.lite_cluster import LiteCluster
+    from helpers.procs import eventually
+
     from phalanx.core.fabric import default_fabric
     from phalanx.testing.lite_agent import LiteAgent
     from services.scheduler.settings import SchedulerSettings
 
-    from helpers.lite_cluster import LiteCluster
-    from helpers.procs import eventually
-
     coordinator = await serve(db_url, "127.0.0.1:0", checkpoint_dir="/shared/ckpt")
     try:
-        for flags, want in (({}, (coordinator.address, "/shared/ckpt")),
-                            ({"checkpoint_addr": "elsewhere:1", "checkpoint_dir": "/other"}, ("elsewhere:1", "/other"))):
+        for flags, want in (
+            ({}, (coordinator.address, "/shared/ckpt")),
+            ({"checkpoint_addr": "elsewhere:1", "checkpoint_dir": "/other"}, ("elsewhere:1", "/other")),
+        ):
             settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["n0"]), **flags)
             async with LiteCluster(settings, lambda addr: [LiteAgent(addr, "n0")]) as c:
                 job = await c.submit("train", 1, 8)
                 await c.wait_running(job.id)
-                launch = await eventually(lambda: _launch_of(c.agents[0], job.id), what="launch")
+                launch = await eventually(lambda job=job: _launch_of(c.agents[0], job.id), what="launch")
                 assert (launch.env["PHALANX_CHECKPOINT_ADDR"], launch.env["PHALANX_CHECKPOINT_DIR"]) == want
                 await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id))
     finally:

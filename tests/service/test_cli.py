@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 
 from phalanx.api.v1 import common_pb2
 from phalanx.cli.main import GPU_SUBMIT_FLAGS, RESERVED_SUBMIT_FLAGS, TIER_SUBMIT_FLAGS, main
@@ -21,9 +23,6 @@ from phalanx.core.fabric import default_fabric
 from phalanx.core.preemption import PreemptionPolicy
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
-
-from helpers.lite_cluster import LiteCluster
-from helpers.procs import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,9 +60,35 @@ def cli(capsys, address, *argv):
 
 def test_submit_json_prints_only_the_job_object(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "train", "--replicas", "2", "--gpus-per-replica", "4",
-                         "--priority", "7", "--procs-per-replica", "1", "--env", "A=1", "B=x=y", "--env", "C=",
-                         "--json", "--", "torchrun", "--nproc", "4", "train.py", "--", "--lr", "3e-4")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "train",
+        "--replicas",
+        "2",
+        "--gpus-per-replica",
+        "4",
+        "--priority",
+        "7",
+        "--procs-per-replica",
+        "1",
+        "--env",
+        "A=1",
+        "B=x=y",
+        "--env",
+        "C=",
+        "--json",
+        "--",
+        "torchrun",
+        "--nproc",
+        "4",
+        "train.py",
+        "--",
+        "--lr",
+        "3e-4",
+    )
     assert code == 0, err
     assert err == ""
     job = json.loads(out)  # the whole of stdout is one JSON document
@@ -80,8 +105,9 @@ def test_submit_json_prints_only_the_job_object(fake, capsys):
 
 def test_submit_human_output_and_command_without_dashes(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "python", "x.py")
+    code, out, err = cli(
+        capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1", "python", "x.py"
+    )
     assert code == 0 and err == ""
     (job_id,) = servicer.jobs
     assert "id:" in out and job_id in out and "PENDING" in out and "python x.py" in out
@@ -90,8 +116,7 @@ def test_submit_human_output_and_command_without_dashes(fake, capsys):
 
 def test_submit_without_a_command_is_a_usage_error(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "--")
+    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1", "--")
     assert code == 2 and out == "" and err.startswith("error: a command is required")
     assert servicer.calls == {}
 
@@ -101,8 +126,21 @@ def test_submit_without_a_command_is_a_usage_error(fake, capsys):
 def test_reserved_submit_flags_are_rejected(fake, capsys, flag, with_value):
     servicer, address = fake
     extra = [flag, "x"] if with_value else [flag]
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         *extra, "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "1",
+        *extra,
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 2 and out == ""
     assert err == f"error: {flag} is not supported yet\n"
     assert servicer.calls == {}
@@ -118,22 +156,49 @@ def test_reserved_flag_names_are_exactly_the_contract():
 
 def test_submit_gpu_flags_reach_the_scheduler_and_the_json(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "2", "--mig", "3g.40gb",
-                         "--gpu-model", "H100", "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "2",
+        "--mig",
+        "3g.40gb",
+        "--gpu-model",
+        "H100",
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 0, err
     job = json.loads(out)
     spec = servicer.jobs[job["id"]].spec
     assert (spec.mig_profile, spec.gpu_model, spec.gpu_milli, spec.gpus_per_replica) == ("3g.40gb", "H100", 0, 1)
     assert (job["mig_profile"], job["gpu_model"], job["gpu_milli"]) == ("3g.40gb", "H100", 0)
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpu-milli", "250",
-                         "--json", "--", "true")
+    code, out, err = cli(
+        capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpu-milli", "250", "--json", "--", "true"
+    )
     assert code == 0, err
     spec = servicer.jobs[json.loads(out)["id"]].spec
     assert (spec.gpu_milli, spec.mig_profile, spec.gpus_per_replica) == (250, "", 1)
 
 
-@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400),
-                                           ("1:30", 90), ("1:30:00", 5400), ("2-00:00:00", 172800), ("0.5h", 1800)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("90", 90),
+        ("90s", 90),
+        ("30m", 1800),
+        ("2h", 7200),
+        ("1d", 86400),
+        ("1:30", 90),
+        ("1:30:00", 5400),
+        ("2-00:00:00", 172800),
+        ("0.5h", 1800),
+    ],
+)
 def test_time_limit_durations(text, seconds):
     from phalanx.cli.main import parse_duration
 
@@ -142,27 +207,81 @@ def test_time_limit_durations(text, seconds):
 
 def test_time_limit_reaches_the_scheduler_and_bad_ones_are_usage_errors(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "8",
-                         "--time-limit", "1:30:00", "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "8",
+        "--time-limit",
+        "1:30:00",
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 0, err
     job = json.loads(out)
     assert servicer.jobs[job["id"]].spec.time_limit_s == 5400 and job["time_limit"] == 5400
     for bad in ("soon", "0", "-5m", "1:2:3:4", "x-1:00"):
-        code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "8",
-                             "--time-limit", bad, "--", "true")
+        code, out, err = cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "t",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "8",
+            "--time-limit",
+            bad,
+            "--",
+            "true",
+        )
         assert code == 2 and out == "", (bad, err)
         assert bad == "-5m" or "is not a duration" in err or "more than 0" in err, (bad, err)
 
 
 def test_submit_max_restarts_reaches_the_scheduler_and_the_json(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "2", "--gpus-per-replica", "8",
-                         "--max-restarts", "3", "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "2",
+        "--gpus-per-replica",
+        "8",
+        "--max-restarts",
+        "3",
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 0, err
     job = json.loads(out)
     assert servicer.jobs[job["id"]].spec.max_restarts == 3 and job["max_restarts"] == 3
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "8",
-                         "--max-restarts", "x", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "8",
+        "--max-restarts",
+        "x",
+        "--",
+        "true",
+    )
     assert code == 2 and out == ""
 
 
@@ -176,16 +295,45 @@ def test_gpus_per_replica_is_required_for_whole_gpus(fake, capsys):
 @pytest.mark.parametrize("flag", ["--mig", "--gpu-milli", "--gpu-model"])
 def test_gpu_flag_without_a_value_is_a_usage_error(fake, capsys, flag):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "--json", flag, "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "1",
+        "--json",
+        flag,
+        "--",
+        "true",
+    )
     assert code == 2 and out == "" and flag in err
     assert servicer.calls == {}
 
 
 def test_submit_tier_flags_reach_the_scheduler_and_the_json(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "2", "--gpus-per-replica", "8",
-                         "--required-tier", "leaf", "--preferred-tier", "node", "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "2",
+        "--gpus-per-replica",
+        "8",
+        "--required-tier",
+        "leaf",
+        "--preferred-tier",
+        "node",
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 0, err
     job = json.loads(out)
     spec = servicer.jobs[job["id"]].spec
@@ -195,8 +343,9 @@ def test_submit_tier_flags_reach_the_scheduler_and_the_json(fake, capsys):
 
 def test_submit_without_tier_flags_sends_no_constraint(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "--json", "--", "true")
+    code, out, err = cli(
+        capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1", "--json", "--", "true"
+    )
     assert code == 0, err
     job = json.loads(out)
     spec = servicer.jobs[job["id"]].spec
@@ -207,20 +356,36 @@ def test_submit_without_tier_flags_sends_no_constraint(fake, capsys):
 @pytest.mark.parametrize("flag", TIER_SUBMIT_FLAGS)
 def test_tier_flag_without_a_value_is_a_usage_error(fake, capsys, flag):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "--json", flag, "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "1",
+        "--json",
+        flag,
+        "--",
+        "true",
+    )
     assert code == 2 and out == "" and "error:" in err and flag in err
     assert servicer.calls == {}
 
 
-@pytest.mark.parametrize("argv", [
-    ["submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1", "--env", "NOEQUALS", "--", "true"],
-    ["submit", "--name", "t", "--replicas", "two", "--gpus-per-replica", "1", "--", "true"],
-    ["submit", "--replicas", "1", "--gpus-per-replica", "1", "--", "true"],
-    ["jobs", "--state", "DONE"],
-    ["frobnicate"],
-    [],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1", "--env", "NOEQUALS", "--", "true"],
+        ["submit", "--name", "t", "--replicas", "two", "--gpus-per-replica", "1", "--", "true"],
+        ["submit", "--replicas", "1", "--gpus-per-replica", "1", "--", "true"],
+        ["jobs", "--state", "DONE"],
+        ["frobnicate"],
+        [],
+    ],
+)
 def test_usage_errors_exit_2_with_stderr_only(fake, capsys, argv):
     servicer, address = fake
     code, out, err = cli(capsys, address, *argv)
@@ -230,8 +395,9 @@ def test_usage_errors_exit_2_with_stderr_only(fake, capsys, argv):
 
 def test_server_rejection_is_exit_1_with_code_name(fake, capsys):
     _, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "0", "--gpus-per-replica", "1",
-                         "--json", "--", "true")
+    code, out, err = cli(
+        capsys, address, "submit", "--name", "t", "--replicas", "0", "--gpus-per-replica", "1", "--json", "--", "true"
+    )
     assert code == 1 and out == ""
     assert err == "error: INVALID_ARGUMENT: replicas and gpus_per_replica must be positive\n"
 
@@ -240,11 +406,25 @@ def test_server_rejection_is_exit_1_with_code_name(fake, capsys):
 
 
 def _seed(servicer):
-    a = servicer.add_job("alpha", 2, 4, state=common_pb2.JOB_STATE_SUCCEEDED, finished_at=time.time(),
-                         allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[0, 1, 2, 3]),
-                                      common_pb2.Allocation(replica=1, node="gpu-b", gpus=[0, 1, 2, 3])])
-    b = servicer.add_job("beta", 1, 8, state=common_pb2.JOB_STATE_RUNNING, priority=10,
-                         allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=list(range(8)))])
+    a = servicer.add_job(
+        "alpha",
+        2,
+        4,
+        state=common_pb2.JOB_STATE_SUCCEEDED,
+        finished_at=time.time(),
+        allocations=[
+            common_pb2.Allocation(replica=0, node="gpu-a", gpus=[0, 1, 2, 3]),
+            common_pb2.Allocation(replica=1, node="gpu-b", gpus=[0, 1, 2, 3]),
+        ],
+    )
+    b = servicer.add_job(
+        "beta",
+        1,
+        8,
+        state=common_pb2.JOB_STATE_RUNNING,
+        priority=10,
+        allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=list(range(8)))],
+    )
     c = servicer.add_job("gamma", 4, 8)
     return a, b, c
 
@@ -258,8 +438,10 @@ def test_jobs_json_is_one_array_newest_first_with_finished_jobs(fake, capsys):
     assert isinstance(jobs, list) and [j["id"] for j in jobs] == [c.id, b.id, a.id]
     assert all(JOB_KEYS <= set(j) for j in jobs)
     assert jobs[2]["state"] == "SUCCEEDED"
-    assert jobs[2]["allocations"] == [{"replica": 0, "node": "gpu-a", "gpus": [0, 1, 2, 3]},
-                                      {"replica": 1, "node": "gpu-b", "gpus": [0, 1, 2, 3]}]
+    assert jobs[2]["allocations"] == [
+        {"replica": 0, "node": "gpu-a", "gpus": [0, 1, 2, 3]},
+        {"replica": 1, "node": "gpu-b", "gpus": [0, 1, 2, 3]},
+    ]
     assert jobs[1]["priority"] == 10
 
 
@@ -286,7 +468,7 @@ def test_jobs_table_is_aligned(fake, capsys):
     for column in ("NAME", "STATE", "PRI", "GANG", "NODES", "AGE"):
         start = header.index(column)
         for row in lines[1:]:
-            assert row[start - 2:start] == "  " and row[start] != " ", (column, row)
+            assert row[start - 2 : start] == "  " and row[start] != " ", (column, row)
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows[a.id][1:6] == ["alpha", "SUCCEEDED", "0", "2x4", "gpu-a,gpu-b"]
     assert rows[b.id][1:6] == ["beta", "RUNNING", "10", "1x8", "gpu-a"]
@@ -326,7 +508,9 @@ def test_nodes_json_and_table(fake, capsys):
     assert code == 0 and err == ""
     nodes = json.loads(out)
     assert [(n["name"], n["gpus"], n["free_gpus"], n["state"]) for n in nodes] == [
-        ("gpu-a", 8, 6, "READY"), ("gpu-b", 8, 8, "DRAINED")]
+        ("gpu-a", 8, 6, "READY"),
+        ("gpu-b", 8, 8, "DRAINED"),
+    ]
     code, out, err = cli(capsys, address, "nodes")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:4] == ["NAME", "STATE", "GPUS", "FREE"]
@@ -377,8 +561,11 @@ def test_watch_prints_a_line_per_change_until_all_finish(fake, capsys):
 
     def drive():
         time.sleep(0.3)
-        servicer.update(j1.id, state=common_pb2.JOB_STATE_RUNNING,
-                        allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[0])])
+        servicer.update(
+            j1.id,
+            state=common_pb2.JOB_STATE_RUNNING,
+            allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[0])],
+        )
         time.sleep(0.1)
         servicer.update(j2.id, state=common_pb2.JOB_STATE_FAILED, exit_code=2, message="rank 0 exited 2")
         time.sleep(0.1)
@@ -391,8 +578,14 @@ def test_watch_prints_a_line_per_change_until_all_finish(fake, capsys):
     assert code == 0 and err == ""
     lines = out.splitlines()
     got = [(line.split()[1], line.split()[3]) for line in lines]
-    assert got == [(j1.id, "PENDING"), (j2.id, "RUNNING"), (done.id, "SUCCEEDED"),
-                   (j1.id, "RUNNING"), (j2.id, "FAILED"), (j1.id, "SUCCEEDED")]
+    assert got == [
+        (j1.id, "PENDING"),
+        (j2.id, "RUNNING"),
+        (done.id, "SUCCEEDED"),
+        (j1.id, "RUNNING"),
+        (j2.id, "FAILED"),
+        (j1.id, "SUCCEEDED"),
+    ]
     assert "rank 0 exited 2" in lines[4] and "exit_code=2" in lines[4] and "nodes=gpu-a" in lines[3]
 
 
@@ -409,6 +602,7 @@ def test_watch_json_lines(fake, capsys):
 # -- db upgrade / misc -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     from db.migrate import current
 
@@ -416,12 +610,15 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
-    assert json.loads(out) == {"db": url, "revision": "0014"}
-    assert current(url) == "0014"
-    code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent
-    assert code == 0 and "0014" in out
+    shown = json.loads(out)
+    assert shown == {"db": url, "revision": "0015", "cluster_id": shown["cluster_id"]}
+    assert len(shown["cluster_id"]) >= 32  # a UUID, the ledger's identity
+    assert current(url) == "0015"
+    code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent, and the identity stays
+    assert code == 0 and "0015" in out and shown["cluster_id"] in out
 
 
+@pytest.mark.slow
 def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     from db.migrate import current
 
@@ -429,9 +626,10 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0014"
+    assert current(url) == "0015"
 
 
+@pytest.mark.slow
 def test_db_upgrade_failure_is_one_error_line(tmp_path, capsys):
     code, out, err = run(capsys, "db", "upgrade", "--db", "nosuchdialect://x/y")
     assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1
@@ -442,15 +640,28 @@ def test_help_exits_0(capsys):
     assert code == 0 and "submit" in out and "nodes" in out
 
 
+@pytest.mark.slow
 def test_console_entry_point_in_a_subprocess(fake):
     _, address = fake
     env = {**os.environ, "PHALANX_SCHEDULER": address}
-    proc = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "nodes", "--json"], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=20)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli.main", "nodes", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=20,
+    )
     assert proc.returncode == 0, proc.stderr
     assert [n["name"] for n in json.loads(proc.stdout)] == ["gpu-a", "gpu-b"]
-    proc = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "job", "nope"], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=20)
+    proc = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli.main", "job", "nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=20,
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == "error: NOT_FOUND: job nope not found\n"
 
@@ -458,12 +669,25 @@ def test_console_entry_point_in_a_subprocess(fake):
 # -- priority classes, checkpoint and goodput (fake scheduler) -------------------------------------------------------
 
 
-@pytest.mark.parametrize("value,expected", [("high", 100), ("CRITICAL", 200), ("batch", -100), ("-5", -5),
-                                            ("42", 42)])
+@pytest.mark.parametrize("value,expected", [("high", 100), ("CRITICAL", 200), ("batch", -100), ("-5", -5), ("42", 42)])
 def test_submit_priority_takes_an_integer_or_a_class_name(fake, capsys, value, expected):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "--priority", value, "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "1",
+        "--priority",
+        value,
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 0, err
     job = json.loads(out)
     assert job["priority"] == expected and servicer.jobs[job["id"]].spec.priority == expected
@@ -471,22 +695,39 @@ def test_submit_priority_takes_an_integer_or_a_class_name(fake, capsys, value, e
 
 def test_bad_priority_is_a_usage_error_listing_the_classes(fake, capsys):
     servicer, address = fake
-    code, out, err = cli(capsys, address, "submit", "--name", "t", "--replicas", "1", "--gpus-per-replica", "1",
-                         "--priority", "urgent", "--json", "--", "true")
+    code, out, err = cli(
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "t",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "1",
+        "--priority",
+        "urgent",
+        "--json",
+        "--",
+        "true",
+    )
     assert code == 2 and out == "" and "error:" in err and "'urgent'" in err
     for name in ("best-effort", "batch", "default", "high", "critical"):
         assert name in err
     assert servicer.calls == {}
 
 
-@pytest.mark.parametrize("argv", [
-    ["goodput", "--since", "yesterday"],
-    ["goodput", "--since", "-1"],
-    ["goodput", "--limit", "-1"],
-    ["goodput", "--limit", "many"],
-    ["checkpoint"],
-    ["checkpoint", "job-0001", "--reason", ""],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["goodput", "--since", "yesterday"],
+        ["goodput", "--since", "-1"],
+        ["goodput", "--limit", "-1"],
+        ["goodput", "--limit", "many"],
+        ["checkpoint"],
+        ["checkpoint", "job-0001", "--reason", ""],
+    ],
+)
 def test_checkpoint_and_goodput_usage_errors(fake, capsys, argv):
     servicer, address = fake
     code, out, err = cli(capsys, address, *argv)
@@ -521,9 +762,19 @@ def test_goodput_table_and_json_against_the_fake(fake, capsys):
     assert lines[1].split() == ["ALLOCATED", "PRODUCTIVE", "ROLLBACK", "RESTART", "WAITING"]
     assert lines[2].split() == ["2.00", "1.50", "0.25", "0.25", "0.50"]
     header = next(i for i, line in enumerate(lines) if line.startswith("ID"))
-    assert lines[header].split() == ["ID", "NAME", "STATE", "ATTEMPTS", "ALLOCATED", "PRODUCTIVE", "ROLLBACK",
-                                     "RESTART", "WAITING", "GOODPUT"]
-    rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
+    assert lines[header].split() == [
+        "ID",
+        "NAME",
+        "STATE",
+        "ATTEMPTS",
+        "ALLOCATED",
+        "PRODUCTIVE",
+        "ROLLBACK",
+        "RESTART",
+        "WAITING",
+        "GOODPUT",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 :]}
     assert rows[b.id][1:4] == ["beta", "PREEMPTING", "1"] and rows[b.id][-1] == "75.0%"
     assert rows[a.id][1:3] == ["alpha", "SUCCEEDED"]
     code, out, err = cli(capsys, address, "goodput", "--json")
@@ -546,10 +797,19 @@ def test_checkpoint_errors_against_the_fake(fake, capsys):
 def test_job_detail_shows_recovery_preemption_and_goodput(fake, capsys):
     servicer, address = fake
     now = time.time()
-    victim = servicer.add_job("victim", 1, 8, state=common_pb2.JOB_STATE_PREEMPTING, failures=1, preemptions=2,
-                              preempted_by="abcdef012345", preempt_deadline=now + 60,
-                              goodput=common_pb2.Goodput(allocated=7200, productive=3600, rollback=1800,
-                                                         restart=1800, waiting=360, ratio=0.5))
+    victim = servicer.add_job(
+        "victim",
+        1,
+        8,
+        state=common_pb2.JOB_STATE_PREEMPTING,
+        failures=1,
+        preemptions=2,
+        preempted_by="abcdef012345",
+        preempt_deadline=now + 60,
+        goodput=common_pb2.Goodput(
+            allocated=7200, productive=3600, rollback=1800, restart=1800, waiting=360, ratio=0.5
+        ),
+    )
     retry = servicer.add_job("retry", failures=3, not_before=now + 30)
     code, out, err = cli(capsys, address, "job", victim.id)
     assert code == 0 and err == ""
@@ -561,10 +821,20 @@ def test_job_detail_shows_recovery_preemption_and_goodput(fake, capsys):
     code, out, err = cli(capsys, address, "job", victim.id, "--json")
     doc = json.loads(out)
     assert (doc["state"], doc["failures"], doc["preemptions"], doc["preempted_by"]) == (
-        "PREEMPTING", 1, 2, "abcdef012345")
+        "PREEMPTING",
+        1,
+        2,
+        "abcdef012345",
+    )
     assert doc["preempt_deadline"] == pytest.approx(now + 60)
-    assert doc["goodput"] == {"allocated": 7200.0, "productive": 3600.0, "rollback": 1800.0, "restart": 1800.0,
-                              "waiting": 360.0, "ratio": 0.5}
+    assert doc["goodput"] == {
+        "allocated": 7200.0,
+        "productive": 3600.0,
+        "rollback": 1800.0,
+        "restart": 1800.0,
+        "waiting": 360.0,
+        "ratio": 0.5,
+    }
     code, out, err = cli(capsys, address, "job", retry.id)
     assert code == 0 and "retry backoff:" in out and "failures:" in out and "preempting" not in out
     code, out, err = cli(capsys, address, "jobs", "--state", "preempting", "--json")
@@ -581,9 +851,14 @@ class _OneNode(LiteCluster):
 
     def __init__(self, db_url: str) -> None:
         super().__init__(
-            SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]),
-                              preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=60.0),
-                              preemption_poll_s=0.1, poll_interval=0.2),
+            SchedulerSettings(
+                db_url=db_url,
+                listen="127.0.0.1:0",
+                fabric=default_fabric(["node-0"]),
+                preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=60.0),
+                preemption_poll_s=0.1,
+                poll_interval=0.2,
+            ),
             lambda address: [LiteAgent(address, "node-0")],
         )
 
@@ -601,18 +876,45 @@ def _consistent(g: dict) -> None:
     assert all(g[k] >= 0 for k in g)
 
 
-async def test_checkpoint_goodput_and_priority_classes_against_the_real_scheduler(sqlite_url, capsys,
-                                                                                 logs_to_stderr):
+async def test_checkpoint_goodput_and_priority_classes_against_the_real_scheduler(sqlite_url, capsys, logs_to_stderr):
     async with _OneNode(sqlite_url) as c:
         address = c.scheduler.address
-        code, out, err = await _real_cli(capsys, address, "submit", "--name", "low", "--replicas", "1",
-                                         "--gpus-per-replica", "8", "--priority", "batch", "--json", "--", "run")
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "low",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "8",
+            "--priority",
+            "batch",
+            "--json",
+            "--",
+            "run",
+        )
         assert code == 0, err
         low = json.loads(out)
         assert low["priority"] == -100
         await c.wait_running(low["id"])
-        code, out, err = await _real_cli(capsys, address, "submit", "--name", "waits", "--replicas", "1",
-                                         "--gpus-per-replica", "8", "--priority", "-100", "--json", "--", "run")
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "waits",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "8",
+            "--priority",
+            "-100",
+            "--json",
+            "--",
+            "run",
+        )
         assert code == 0, err
         waits = json.loads(out)
 
@@ -649,13 +951,32 @@ async def test_checkpoint_goodput_and_priority_classes_against_the_real_schedule
         assert code == 0, err
         job = json.loads(out)
         assert JOB_KEYS <= set(job)
-        assert (job["failures"], job["preemptions"], job["not_before"], job["preempted_by"],
-                job["preempt_deadline"]) == (0, 0, 0.0, "", 0.0)
+        assert (
+            job["failures"],
+            job["preemptions"],
+            job["not_before"],
+            job["preempted_by"],
+            job["preempt_deadline"],
+        ) == (0, 0, 0.0, "", 0.0)
         _consistent(job["goodput"])
 
         # --priority high preempts the batch job: it is PREEMPTING (asked to checkpoint) while it holds the GPUs
-        code, out, err = await _real_cli(capsys, address, "submit", "--name", "urgent", "--replicas", "1",
-                                         "--gpus-per-replica", "8", "--priority", "high", "--json", "--", "run")
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "urgent",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "8",
+            "--priority",
+            "high",
+            "--json",
+            "--",
+            "run",
+        )
         assert code == 0, err
         urgent = json.loads(out)
         assert urgent["priority"] == 100
@@ -678,25 +999,71 @@ async def test_checkpoint_goodput_and_priority_classes_against_the_real_schedule
 async def test_queue_and_quota_verbs_against_the_real_scheduler(sqlite_url, capsys, logs_to_stderr):
     async with _OneNode(sqlite_url) as c:
         address = c.scheduler.address
-        code, out, err = await _real_cli(capsys, address, "quota", "set", "team-a", "--quota", "H100=8,borrow=0",
-                                         "--quota", "*=0,mig=7", "--weight", "2", "--json")
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "quota",
+            "set",
+            "team-a",
+            "--quota",
+            "H100=8,borrow=0",
+            "--quota",
+            "*=0,mig=7",
+            "--weight",
+            "2",
+            "--json",
+        )
         assert code == 0, err
         queue = json.loads(out)
-        assert queue["name"] == "team-a" and queue["weight"] == 2 and [q["flavor"] for q in queue["quotas"]] == [
-            "H100", "*"] and queue["quotas"][0]["borrow_limit"] == 0 and queue["quotas"][1]["mig_slices"] == 7
-        code, out, err = await _real_cli(capsys, address, "submit", "--name", "a", "--replicas", "1",
-                                         "--gpus-per-replica", "8", "--queue", "team-a", "--json", "--", "run")
+        assert (
+            queue["name"] == "team-a"
+            and queue["weight"] == 2
+            and [q["flavor"] for q in queue["quotas"]] == ["H100", "*"]
+            and queue["quotas"][0]["borrow_limit"] == 0
+            and queue["quotas"][1]["mig_slices"] == 7
+        )
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "a",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "8",
+            "--queue",
+            "team-a",
+            "--json",
+            "--",
+            "run",
+        )
         assert code == 0, err
         first = json.loads(out)
         await c.wait_running(first["id"])
-        code, out, err = await _real_cli(capsys, address, "submit", "--name", "b", "--replicas", "1",
-                                         "--gpus-per-replica", "4", "--queue", "team-a", "--json", "--", "run")
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "b",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "4",
+            "--queue",
+            "team-a",
+            "--json",
+            "--",
+            "run",
+        )
         second = json.loads(out)
         code, out, err = await _real_cli(capsys, address, "queue", "team-a", "--json")
         assert code == 0, err
         (shown,) = json.loads(out)
-        assert shown["running"] == 1 and shown["usage"] == [{"flavor": "H100", "gpus": 8.0, "mig_slices": 0,
-                                                             "borrowing": False}]
+        assert shown["running"] == 1 and shown["usage"] == [
+            {"flavor": "H100", "gpus": 8.0, "mig_slices": 0, "borrowing": False}
+        ]
         assert [(p["job_id"], p["position"]) for p in shown["pending"]] == [(second["id"], 1)]
         assert "over queue 'team-a'" in shown["pending"][0]["message"]
         code, out, err = await _real_cli(capsys, address, "queue")
@@ -708,6 +1075,19 @@ async def test_queue_and_quota_verbs_against_the_real_scheduler(sqlite_url, caps
             assert code == 2 and out == "", err
         code, out, err = await _real_cli(capsys, address, "quota", "delete", "team-a")
         assert code == 1 and "FAILED_PRECONDITION" in err
-        code, out, err = await _real_cli(capsys, address, "submit", "--name", "x", "--replicas", "1",
-                                         "--gpus-per-replica", "1", "--queue", "nope", "--", "run")
+        code, out, err = await _real_cli(
+            capsys,
+            address,
+            "submit",
+            "--name",
+            "x",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "1",
+            "--queue",
+            "nope",
+            "--",
+            "run",
+        )
         assert code == 1 and "no queue 'nope'" in err

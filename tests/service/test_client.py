@@ -14,6 +14,7 @@ from dataclasses import FrozenInstanceError
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client import (
@@ -43,14 +44,36 @@ from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
-from helpers.lite_cluster import LiteCluster
-
 pytestmark = pytest.mark.timeout(30)
 
 JOB_KEYS = {
-    "id", "name", "state", "replicas", "gpus_per_replica", "priority", "procs_per_replica", "command", "attempt",
-    "message", "exit_code", "submitted_at", "started_at", "finished_at", "placement", "allocations",
-    "failures", "preemptions", "not_before", "preempted_by", "preempt_deadline", "goodput", "max_restarts", "time_limit", "tenant", "queue", "flavor",
+    "id",
+    "name",
+    "state",
+    "replicas",
+    "gpus_per_replica",
+    "priority",
+    "procs_per_replica",
+    "command",
+    "attempt",
+    "message",
+    "exit_code",
+    "submitted_at",
+    "started_at",
+    "finished_at",
+    "placement",
+    "allocations",
+    "failures",
+    "preemptions",
+    "not_before",
+    "preempted_by",
+    "preempt_deadline",
+    "goodput",
+    "max_restarts",
+    "time_limit",
+    "tenant",
+    "queue",
+    "flavor",
 }
 GOODPUT_KEYS = {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
 
@@ -78,11 +101,20 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.checkpoints: dict[str, str] = {}  # job id -> the outstanding request's reason
         self.goodput_requests: list[tuple[float, int]] = []
         self.nodes = [
-            common_pb2.Node(name="gpu-a", state=common_pb2.NODE_STATE_READY, gpus=8, free_gpus=6, profile="dgx",
-                            gpu_model="H100", fabric_path=["leaf0", "spine0"], last_heartbeat=time.time(),
-                            address="10.0.0.1:7000"),
-            common_pb2.Node(name="gpu-b", state=common_pb2.NODE_STATE_DRAINED, gpus=8, free_gpus=8,
-                            message="maintenance"),
+            common_pb2.Node(
+                name="gpu-a",
+                state=common_pb2.NODE_STATE_READY,
+                gpus=8,
+                free_gpus=6,
+                profile="dgx",
+                gpu_model="H100",
+                fabric_path=["leaf0", "spine0"],
+                last_heartbeat=time.time(),
+                address="10.0.0.1:7000",
+            ),
+            common_pb2.Node(
+                name="gpu-b", state=common_pb2.NODE_STATE_DRAINED, gpus=8, free_gpus=8, message="maintenance"
+            ),
         ]
 
     def _enter(self, method: str, context) -> None:
@@ -105,9 +137,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.seq += 1
             job = common_pb2.Job(
                 id=f"job-{self.seq:04d}",
-                spec=common_pb2.JobSpec(name=name, replicas=replicas, gpus_per_replica=gpus,
-                                        command=kw.pop("command", ["true"]), priority=kw.pop("priority", 0)),
-                state=state, submitted_at=time.time() - 90 + self.seq, **kw,
+                spec=common_pb2.JobSpec(
+                    name=name,
+                    replicas=replicas,
+                    gpus_per_replica=gpus,
+                    command=kw.pop("command", ["true"]),
+                    priority=kw.pop("priority", 0),
+                ),
+                state=state,
+                submitted_at=time.time() - 90 + self.seq,
+                **kw,
             )
             self.jobs[job.id] = job
             self.cond.notify_all()
@@ -154,8 +193,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         job = self._job(request.job_id, context)
         if job.state in (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"job {job.id} already finished")
-        self.update(job.id, state=common_pb2.JOB_STATE_CANCELLED, message="cancelled by user",
-                    finished_at=time.time())
+        self.update(job.id, state=common_pb2.JOB_STATE_CANCELLED, message="cancelled by user", finished_at=time.time())
         return job
 
     def CheckpointJob(self, request, context):
@@ -171,15 +209,25 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self._enter("GetGoodput", context)
         self.goodput_requests.append((request.since, request.limit))
         per_job = dict(allocated=3600.0, productive=2700.0, rollback=450.0, restart=450.0, waiting=900.0)
-        jobs = sorted((j for j in self.jobs.values() if j.submitted_at >= request.since),
-                      key=lambda j: j.submitted_at, reverse=True)
+        jobs = sorted(
+            (j for j in self.jobs.values() if j.submitted_at >= request.since),
+            key=lambda j: j.submitted_at,
+            reverse=True,
+        )
         n = len(jobs)
         return scheduler_pb2.GetGoodputResponse(
             cluster=common_pb2.Goodput(**{k: v * n for k, v in per_job.items()}, ratio=0.75 if n else 1.0),
             job_count=n,
-            jobs=[scheduler_pb2.JobGoodput(job_id=j.id, name=j.spec.name, state=j.state, attempts=1,
-                                           goodput=common_pb2.Goodput(**per_job, ratio=0.75))
-                  for j in jobs[:request.limit or 100]],
+            jobs=[
+                scheduler_pb2.JobGoodput(
+                    job_id=j.id,
+                    name=j.spec.name,
+                    state=j.state,
+                    attempts=1,
+                    goodput=common_pb2.Goodput(**per_job, ratio=0.75),
+                )
+                for j in jobs[: request.limit or 100]
+            ],
         )
 
     def ListNodes(self, request, context):
@@ -192,10 +240,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         while context.is_active():
             with self.cond:
                 ids = list(request.job_ids) or list(self.jobs)
-                changed = [self.jobs[i] for i in ids
-                           if i in self.jobs and sent.get(i) != self.jobs[i].SerializeToString()]
-                snapshot = [(j.id, j.SerializeToString(), common_pb2.Job.FromString(j.SerializeToString()))
-                            for j in changed]
+                changed = [
+                    self.jobs[i] for i in ids if i in self.jobs and sent.get(i) != self.jobs[i].SerializeToString()
+                ]
+                snapshot = [
+                    (j.id, j.SerializeToString(), common_pb2.Job.FromString(j.SerializeToString())) for j in changed
+                ]
                 if not snapshot:
                     self.cond.wait(0.05)
             for job_id, raw, job in snapshot:
@@ -248,12 +298,25 @@ def later(delay: float, fn, *args, **kwargs) -> threading.Timer:
 def _full_job_proto() -> common_pb2.Job:
     return common_pb2.Job(
         id="j1",
-        spec=common_pb2.JobSpec(name="train", replicas=2, gpus_per_replica=4, priority=7, procs_per_replica=1,
-                                command=["python", "train.py"], env={"A": "1"}),
+        spec=common_pb2.JobSpec(
+            name="train",
+            replicas=2,
+            gpus_per_replica=4,
+            priority=7,
+            procs_per_replica=1,
+            command=["python", "train.py"],
+            env={"A": "1"},
+        ),
         state=common_pb2.JOB_STATE_RUNNING,
-        allocations=[common_pb2.Allocation(replica=0, node="n1", gpus=[0, 1, 2, 3]),
-                     common_pb2.Allocation(replica=1, node="n2", gpus=[4, 5, 6, 7])],
-        attempt=2, message="running", submitted_at=100.5, started_at=101.0, exit_code=0,
+        allocations=[
+            common_pb2.Allocation(replica=0, node="n1", gpus=[0, 1, 2, 3]),
+            common_pb2.Allocation(replica=1, node="n2", gpus=[4, 5, 6, 7]),
+        ],
+        attempt=2,
+        message="running",
+        submitted_at=100.5,
+        started_at=101.0,
+        exit_code=0,
         placement=common_pb2.PlacementInfo(tier="leaf", domains=2, score=1.5, reason="two nodes under leaf0"),
     )
 
@@ -269,16 +332,28 @@ def test_job_from_proto_is_typed_and_to_dict_is_the_cli_shape():
     d = job.to_dict()
     assert JOB_KEYS <= set(d)
     assert d["id"] == "j1" and d["state"] == "RUNNING" and d["priority"] == 7 and isinstance(d["priority"], int)
-    assert d["allocations"] == [{"replica": 0, "node": "n1", "gpus": [0, 1, 2, 3]},
-                                {"replica": 1, "node": "n2", "gpus": [4, 5, 6, 7]}]
+    assert d["allocations"] == [
+        {"replica": 0, "node": "n1", "gpus": [0, 1, 2, 3]},
+        {"replica": 1, "node": "n2", "gpus": [4, 5, 6, 7]},
+    ]
     assert d["command"] == ["python", "train.py"] and d["procs_per_replica"] == 1 and d["attempt"] == 2
     assert d["placement"] == {"tier": "leaf", "domains": 2, "score": 1.5, "reason": "two nodes under leaf0"}
     assert d["finished_at"] == 0.0 and d["started_at"] == 101.0
     assert json.loads(json.dumps(d)) == d
 
 
-@pytest.mark.parametrize("number,name", [(1, "PENDING"), (2, "RUNNING"), (3, "SUCCEEDED"), (4, "FAILED"),
-                                         (5, "CANCELLED"), (6, "PREEMPTED"), (7, "PREEMPTING")])
+@pytest.mark.parametrize(
+    "number,name",
+    [
+        (1, "PENDING"),
+        (2, "RUNNING"),
+        (3, "SUCCEEDED"),
+        (4, "FAILED"),
+        (5, "CANCELLED"),
+        (6, "PREEMPTED"),
+        (7, "PREEMPTING"),
+    ],
+)
 def test_every_proto_job_state_converts(number, name):
     assert common_pb2.JobState.Name(number) == f"JOB_STATE_{name}"
     job = Job.from_proto(common_pb2.Job(id="x", state=number))
@@ -289,23 +364,41 @@ def test_every_proto_job_state_converts(number, name):
 def test_recovery_preemption_and_goodput_fields():
     msg = _full_job_proto()
     job = Job.from_proto(msg)
-    assert (job.failures, job.preemptions, job.not_before, job.preempted_by, job.preempt_deadline) == (0, 0, 0.0, "",
-                                                                                                       0.0)
+    assert (job.failures, job.preemptions, job.not_before, job.preempted_by, job.preempt_deadline) == (
+        0,
+        0,
+        0.0,
+        "",
+        0.0,
+    )
     assert job.goodput is None and job.to_dict()["goodput"] is None  # ListJobs, SubmitJob, watch: not filled
     msg.state = common_pb2.JOB_STATE_PREEMPTING
     msg.failures, msg.preemptions, msg.not_before = 2, 1, 123.5
     msg.preempted_by, msg.preempt_deadline = "abcdef012345", 456.25
-    msg.goodput.CopyFrom(common_pb2.Goodput(allocated=100, productive=70, rollback=20, restart=10, waiting=5,
-                                            ratio=0.7))
+    msg.goodput.CopyFrom(
+        common_pb2.Goodput(allocated=100, productive=70, rollback=20, restart=10, waiting=5, ratio=0.7)
+    )
     job = Job.from_proto(msg)
     assert job.state is JobState.PREEMPTING and not job.terminal
     assert job.goodput == Goodput(100.0, 70.0, 20.0, 10.0, 5.0, 0.7)
     d = job.to_dict()
     assert JOB_KEYS <= set(d)
-    assert (d["state"], d["failures"], d["preemptions"], d["not_before"], d["preempted_by"], d["preempt_deadline"]) \
-        == ("PREEMPTING", 2, 1, 123.5, "abcdef012345", 456.25)
-    assert d["goodput"] == {"allocated": 100.0, "productive": 70.0, "rollback": 20.0, "restart": 10.0,
-                            "waiting": 5.0, "ratio": 0.7}
+    assert (d["state"], d["failures"], d["preemptions"], d["not_before"], d["preempted_by"], d["preempt_deadline"]) == (
+        "PREEMPTING",
+        2,
+        1,
+        123.5,
+        "abcdef012345",
+        456.25,
+    )
+    assert d["goodput"] == {
+        "allocated": 100.0,
+        "productive": 70.0,
+        "rollback": 20.0,
+        "restart": 10.0,
+        "waiting": 5.0,
+        "ratio": 0.7,
+    }
     assert json.loads(json.dumps(d)) == d
     # goodput grows while a job runs: it takes no part in equality (watch drops repeats by equality)
     msg.goodput.allocated = 200
@@ -323,28 +416,85 @@ def test_job_state_parse_accepts_any_spelling():
 
 
 def test_node_from_proto_and_to_dict():
-    node = Node.from_proto(common_pb2.Node(name="n1", state=common_pb2.NODE_STATE_LOST, gpus=8, free_gpus=0,
-                                           fabric_path=["leaf1", "spine0"], message="lease expired"))
+    node = Node.from_proto(
+        common_pb2.Node(
+            name="n1",
+            state=common_pb2.NODE_STATE_LOST,
+            gpus=8,
+            free_gpus=0,
+            fabric_path=["leaf1", "spine0"],
+            message="lease expired",
+        )
+    )
     assert node.state is NodeState.LOST
     d = node.to_dict()
     assert {"name", "gpus", "free_gpus", "state"} <= set(d)
-    assert d == {"name": "n1", "gpus": 8, "free_gpus": 0, "state": "LOST", "profile": "", "gpu_model": "",
-                 "fabric_path": ["leaf1", "spine0"], "message": "lease expired", "last_heartbeat": 0.0,
-                 "address": "", "shared_gpus": 0, "health": "UNSPECIFIED", "health_reason": "",
-                 "unhealthy_gpus": {}, "gpu_details": [], "strikes": 0, "mig_manage": False}
-    mig = Node.from_proto(common_pb2.Node(name="n2", gpus=2, strikes=3, mig_manage=True, gpu_details=[
-        common_pb2.NodeGpu(index=0, name="H100", mig_mode="disabled", mig_mode_pending="enabled", mig_switching=True),
-        common_pb2.NodeGpu(index=1, name="H100", mig_mode="enabled", mig_instances=[
-            common_pb2.NodeMigInstance(profile="3g.40gb", start=4, size=4, uuid="MIG-x", managed=False,
-                                       gpu_instance_id=2, compute_instance_id=0)])]))
+    assert d == {
+        "name": "n1",
+        "gpus": 8,
+        "free_gpus": 0,
+        "state": "LOST",
+        "profile": "",
+        "gpu_model": "",
+        "fabric_path": ["leaf1", "spine0"],
+        "message": "lease expired",
+        "last_heartbeat": 0.0,
+        "address": "",
+        "shared_gpus": 0,
+        "health": "UNSPECIFIED",
+        "health_reason": "",
+        "unhealthy_gpus": {},
+        "gpu_details": [],
+        "strikes": 0,
+        "mig_manage": False,
+    }
+    mig = Node.from_proto(
+        common_pb2.Node(
+            name="n2",
+            gpus=2,
+            strikes=3,
+            mig_manage=True,
+            gpu_details=[
+                common_pb2.NodeGpu(
+                    index=0, name="H100", mig_mode="disabled", mig_mode_pending="enabled", mig_switching=True
+                ),
+                common_pb2.NodeGpu(
+                    index=1,
+                    name="H100",
+                    mig_mode="enabled",
+                    mig_instances=[
+                        common_pb2.NodeMigInstance(
+                            profile="3g.40gb",
+                            start=4,
+                            size=4,
+                            uuid="MIG-x",
+                            managed=False,
+                            gpu_instance_id=2,
+                            compute_instance_id=0,
+                        )
+                    ],
+                ),
+            ],
+        )
+    )
     d = mig.to_dict()
     assert mig.mig_gpus == [1] and d["strikes"] == 3 and d["mig_manage"] is True
     assert [g["mig_mode"] for g in d["gpu_details"]] == ["disabled", "enabled"]
     assert [(g["mig_mode_pending"], g["mig_switching"], g["mig_switch_error"]) for g in d["gpu_details"]] == [
-        ("enabled", True, ""), ("", False, "")]
-    assert d["gpu_details"][1]["mig_instances"] == [{"profile": "3g.40gb", "start": 4, "size": 4, "uuid": "MIG-x",
-                                                     "managed": False, "gpu_instance_id": 2,
-                                                     "compute_instance_id": 0}]
+        ("enabled", True, ""),
+        ("", False, ""),
+    ]
+    assert d["gpu_details"][1]["mig_instances"] == [
+        {
+            "profile": "3g.40gb",
+            "start": 4,
+            "size": 4,
+            "uuid": "MIG-x",
+            "managed": False,
+            "gpu_instance_id": 2,
+            "compute_instance_id": 0,
+        }
+    ]
     assert json.loads(json.dumps(d)) == d
 
 
@@ -364,8 +514,15 @@ def test_target_defaults_to_env_then_localhost(monkeypatch):
 
 def test_submit_get_list_cancel_nodes(fake, client):
     servicer, _ = fake
-    job = client.submit("train", 2, 4, ["python", "train.py", "--lr", "3e-4"], priority=5, procs_per_replica=1,
-                        env={"NCCL_DEBUG": "INFO"})
+    job = client.submit(
+        "train",
+        2,
+        4,
+        ["python", "train.py", "--lr", "3e-4"],
+        priority=5,
+        procs_per_replica=1,
+        env={"NCCL_DEBUG": "INFO"},
+    )
     assert isinstance(job, Job) and job.state is JobState.PENDING
     assert (job.name, job.replicas, job.gpus_per_replica, job.priority, job.procs_per_replica) == ("train", 2, 4, 5, 1)
     assert job.command == ["python", "train.py", "--lr", "3e-4"] and job.env == {"NCCL_DEBUG": "INFO"}
@@ -384,8 +541,10 @@ def test_submit_get_list_cancel_nodes(fake, client):
     assert cancelled.state is JobState.CANCELLED and cancelled.message == "cancelled by user"
 
     nodes = client.nodes()
-    assert [(n.name, n.state, n.free_gpus) for n in nodes] == [("gpu-a", NodeState.READY, 6),
-                                                                 ("gpu-b", NodeState.DRAINED, 8)]
+    assert [(n.name, n.state, n.free_gpus) for n in nodes] == [
+        ("gpu-a", NodeState.READY, 6),
+        ("gpu-b", NodeState.DRAINED, 8),
+    ]
     assert nodes[0].fabric_path == ["leaf0", "spine0"]
 
 
@@ -408,12 +567,18 @@ def test_checkpoint_and_goodput(fake, client):
     assert isinstance(report, GoodputReport) and servicer.goodput_requests == [(0.0, 0)]
     assert report.job_count == 2 and report.cluster == Goodput(7200.0, 5400.0, 900.0, 900.0, 1800.0, 0.75)
     assert [j.job_id for j in report.jobs] == [pending.id, running.id]
-    assert report.jobs[1] == JobGoodput(running.id, "train", JobState.RUNNING,
-                                        Goodput(3600.0, 2700.0, 450.0, 450.0, 900.0, 0.75), 1)
+    assert report.jobs[1] == JobGoodput(
+        running.id, "train", JobState.RUNNING, Goodput(3600.0, 2700.0, 450.0, 450.0, 900.0, 0.75), 1
+    )
     d = report.to_dict()
     assert set(d) == {"cluster", "job_count", "jobs"} and set(d["cluster"]) == GOODPUT_KEYS
-    assert d["jobs"][1] == {"job_id": running.id, "name": "train", "state": "RUNNING", "attempts": 1,
-                            "goodput": report.jobs[1].goodput.to_dict()}
+    assert d["jobs"][1] == {
+        "job_id": running.id,
+        "name": "train",
+        "state": "RUNNING",
+        "attempts": 1,
+        "goodput": report.jobs[1].goodput.to_dict(),
+    }
     assert len(client.goodput(since=time.time() + 60).jobs) == 0
     assert [j.job_id for j in client.goodput(limit=1).jobs] == [pending.id]
     assert servicer.goodput_requests[-1] == (0.0, 1)
@@ -446,13 +611,16 @@ def test_invalid_argument_maps_and_is_not_retried(fake, client):
     assert fake[0].calls["SubmitJob"] == 1
 
 
-@pytest.mark.parametrize("code,cls", [
-    (grpc.StatusCode.FAILED_PRECONDITION, FailedPreconditionError),
-    (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError),
-    (grpc.StatusCode.UNAUTHENTICATED, UnauthenticatedError),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError),
-    (grpc.StatusCode.INTERNAL, RPCError),
-])
+@pytest.mark.parametrize(
+    "code,cls",
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, FailedPreconditionError),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError),
+        (grpc.StatusCode.UNAUTHENTICATED, UnauthenticatedError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError),
+        (grpc.StatusCode.INTERNAL, RPCError),
+    ],
+)
 def test_status_codes_map_to_exception_classes(fake, client, code, cls):
     fake[0].force["ListNodes"] = (code, "computer says no")
     with pytest.raises(cls) as info:
@@ -462,12 +630,15 @@ def test_status_codes_map_to_exception_classes(fake, client, code, cls):
     assert fake[0].calls["ListNodes"] == 1
 
 
-@pytest.mark.parametrize("method,call", [
-    ("GetJob", lambda c, jid: c.get_job(jid)),
-    ("ListJobs", lambda c, jid: c.list_jobs()),
-    ("CancelJob", lambda c, jid: c.cancel(jid)),
-    ("ListNodes", lambda c, jid: c.nodes()),
-])
+@pytest.mark.parametrize(
+    "method,call",
+    [
+        ("GetJob", lambda c, jid: c.get_job(jid)),
+        ("ListJobs", lambda c, jid: c.list_jobs()),
+        ("CancelJob", lambda c, jid: c.cancel(jid)),
+        ("ListNodes", lambda c, jid: c.nodes()),
+    ],
+)
 def test_unavailable_is_retried_for_idempotent_calls(fake, client, method, call):
     servicer, _ = fake
     job = servicer.add_job()
@@ -526,8 +697,13 @@ def test_deadline_exceeded(fake):
 def test_watch_streams_every_change(fake, client):
     servicer, _ = fake
     job = servicer.add_job("w")
-    later(0.2, servicer.update, job.id, state=common_pb2.JOB_STATE_RUNNING,
-          allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[3])])
+    later(
+        0.2,
+        servicer.update,
+        job.id,
+        state=common_pb2.JOB_STATE_RUNNING,
+        allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[3])],
+    )
     later(0.4, servicer.update, job.id, state=common_pb2.JOB_STATE_SUCCEEDED, exit_code=0)
     seen = []
     stream = client.watch(job.id, timeout=5)
@@ -612,7 +788,8 @@ async def test_async_client_parity(fake):
 
         other = servicer.add_job("w2")
         asyncio.get_running_loop().call_later(
-            0.2, lambda: servicer.update(other.id, state=common_pb2.JOB_STATE_CANCELLED))
+            0.2, lambda: servicer.update(other.id, state=common_pb2.JOB_STATE_CANCELLED)
+        )
         assert (await c.wait(other.id, timeout=5)).state is JobState.CANCELLED
         assert (await c.cancel(other.id)).state is JobState.CANCELLED
 
@@ -639,8 +816,9 @@ async def test_async_client_errors_and_deadline(fake):
 
 
 async def test_async_checkpoint_and_goodput_against_the_real_scheduler(sqlite_url, logs_to_stderr):
-    settings = SchedulerSettings(db_url=sqlite_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]),
-                                 poll_interval=0.2)
+    settings = SchedulerSettings(
+        db_url=sqlite_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]), poll_interval=0.2
+    )
     async with LiteCluster(settings, lambda address: [LiteAgent(address, "node-0")]) as cluster:
         async with AsyncClient(cluster.scheduler.address, timeout=10) as c:
             running = await c.submit("runs", 1, 8, ["run"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric
@@ -13,17 +15,15 @@ from phalanx.core.preemption import PreemptionPolicy
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
-from helpers.lite_cluster import LiteCluster
-from helpers.procs import eventually
-
 PENDING, RUNNING, FAILED = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_FAILED
 
 
 def cluster(db_url: str, nodes: int = 3, **settings) -> LiteCluster:
     names = [f"node-{i}" for i in range(nodes)]
     defaults = dict(lease_timeout=1.0, heartbeat_interval=0.2, retry_backoff_s=0.5, retry_backoff_max_s=5.0)
-    config = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names),
-                               **{**defaults, **settings})
+    config = SchedulerSettings(
+        db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names), **{**defaults, **settings}
+    )
     return LiteCluster(config, lambda addr: [LiteAgent(addr, n) for n in names])
 
 
@@ -43,6 +43,7 @@ async def nodes(c: LiteCluster) -> dict[str, common_pb2.Node]:
     return {n.name: n for n in (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes}
 
 
+@pytest.mark.slow
 async def test_lost_node_requeues_after_a_backoff_and_its_stale_ranks_die_when_it_returns(db_url):
     async with cluster(db_url) as c:
         job = await c.submit("train", 2, 8)
@@ -57,8 +58,9 @@ async def test_lost_node_requeues_after_a_backoff_and_its_stale_ranks_die_when_i
         assert second.started_at >= requeued.not_before - 0.01  # waited out its backoff
         assert lost not in {a.node for a in second.allocations}
         assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=job.id) == [("NODE_LOST",)]
-        events = c.sql("SELECT kind, severity FROM node_events e JOIN nodes n ON n.id = e.node_id WHERE n.name = :n",
-                       n=lost)
+        events = c.sql(
+            "SELECT kind, severity FROM node_events e JOIN nodes n ON n.id = e.node_id WHERE n.name = :n", n=lost
+        )
         assert ("LOST", "FATAL") in [tuple(r) for r in events]
 
         # The node comes back. Its ranks of attempt 1 are still "running" there: the queued kill stops them.
@@ -86,9 +88,16 @@ async def test_returning_node_is_not_used_before_its_first_health_report(db_url)
         await c.wait_running(job.id)  # after the first heartbeat (3 s)
 
 
+@pytest.mark.slow
 async def test_failures_stop_at_the_retry_limit_but_preemptions_do_not_count(db_url):
-    async with cluster(db_url, nodes=2, max_attempts=2, retry_backoff_s=0.1,
-                       preemption=PreemptionPolicy(min_runtime_s=0, grace_period_s=0), preemption_poll_s=0.1) as c:
+    async with cluster(
+        db_url,
+        nodes=2,
+        max_attempts=2,
+        retry_backoff_s=0.1,
+        preemption=PreemptionPolicy(min_runtime_s=0, grace_period_s=0),
+        preemption_poll_s=0.1,
+    ) as c:
         low = await c.submit("low", 1, 8, priority=0)
         await c.wait_running(low.id)
         for i in range(3):  # preempted three times: never FAILED for it
@@ -122,8 +131,10 @@ async def test_fatal_gpu_tears_down_only_the_gangs_on_it_and_they_restart_elsewh
         async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
             stub = agent_pb2_grpc.NodeServiceStub(ch)
             health = common_pb2.NodeHealth(
-                state=common_pb2.HEALTH_STATE_DEGRADED, reason=f"GPU {gpu}: XID 79",
-                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])])
+                state=common_pb2.HEALTH_STATE_DEGRADED,
+                reason=f"GPU {gpu}: XID 79",
+                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
+            )
             await stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=node, health=health))
         requeued = await attempt(c, big.id, 1, PENDING)
         assert requeued.failures == 1 and f"GPU(s) [{gpu}] of {node} failed" in requeued.message
@@ -134,8 +145,9 @@ async def test_fatal_gpu_tears_down_only_the_gangs_on_it_and_they_restart_elsewh
 
 
 async def _killed(a: LiteAgent, job_id: str, attempt: int) -> bool:
-    return any(k.job_id == job_id and k.attempt == attempt for k in a.killed) and \
-        not any(key[:2] == (job_id, attempt) and not t.done() for key, t in a.running.items())
+    return any(k.job_id == job_id and k.attempt == attempt for k in a.killed) and not any(
+        key[:2] == (job_id, attempt) and not t.done() for key, t in a.running.items()
+    )
 
 
 async def _healthy(c: LiteCluster, name: str):
@@ -147,6 +159,7 @@ async def _state(c: LiteCluster, name: str, state: int):
     return (await nodes(c))[name].state == state
 
 
+@pytest.mark.slow
 async def test_rank_failure_restarts_the_gang_up_to_max_restarts_then_fails(db_url):
     async with cluster(db_url, nodes=2, retry_backoff_s=0.1) as c:
         job = await c.submit("flaky", 2, 8, ("exit", "3"), max_restarts=2)

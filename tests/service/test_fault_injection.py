@@ -9,6 +9,9 @@ import socket
 
 import grpc
 import pytest
+from helpers.jobs import insert_job
+from helpers.lite_cluster import run_sql
+from helpers.procs import ServiceProcess, eventually
 
 from db.engine import make_engine
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -17,14 +20,13 @@ from phalanx.train import Checkpointer, CheckpointRejectedError
 from services.checkpoint_coordinator import store
 from services.common.faults import EXIT_CODE
 
-from helpers.jobs import insert_job
-from helpers.lite_cluster import run_sql
-from helpers.procs import ServiceProcess, eventually
-
 pytestmark = pytest.mark.slow
 
-PENDING, RUNNING, PREEMPTING = (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING,
-                                common_pb2.JOB_STATE_PREEMPTING)
+PENDING, RUNNING, PREEMPTING = (
+    common_pb2.JOB_STATE_PENDING,
+    common_pb2.JOB_STATE_RUNNING,
+    common_pb2.JOB_STATE_PREEMPTING,
+)
 
 
 def free_port() -> int:
@@ -34,8 +36,22 @@ def free_port() -> int:
 
 
 def scheduler(db_url: str, log, port: int, failpoints: str = "") -> ServiceProcess:
-    args = ["--db", db_url, "--listen", f"127.0.0.1:{port}", "--lease-timeout", "8", "--heartbeat-interval", "0.5",
-            "--min-runtime", "0", "--preemption-grace", "60", "--retry-backoff", "0.2"]
+    args = [
+        "--db",
+        db_url,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--lease-timeout",
+        "8",
+        "--heartbeat-interval",
+        "0.5",
+        "--min-runtime",
+        "0",
+        "--preemption-grace",
+        "60",
+        "--retry-backoff",
+        "0.2",
+    ]
     return ServiceProcess("services.scheduler.main", args, log, env={"PHALANX_FAILPOINTS": failpoints})
 
 
@@ -81,8 +97,11 @@ async def test_scheduler_killed_during_a_preemption_and_at_the_handover_recovers
         assert sched.proc.returncode == EXIT_CODE
         assert run_sql(db_url, "SELECT state, preempted_by FROM jobs WHERE id = :j", j=low.id) == [("RUNNING", high.id)]
         assert run_sql(db_url, "SELECT count(*) FROM allocations WHERE job_id = :j", j=high.id) == [(0,)]
-        assert run_sql(db_url, "SELECT count(*) FROM allocations WHERE job_id = :j AND released_at IS NULL "
-                               "AND kind = 'gpu'", j=low.id) == [(16,)]
+        assert run_sql(
+            db_url,
+            "SELECT count(*) FROM allocations WHERE job_id = :j AND released_at IS NULL AND kind = 'gpu'",
+            j=low.id,
+        ) == [(16,)]
 
         # 3. Restarted without the fail point: the handover happens once, whole.
         sched.terminate()
@@ -90,15 +109,23 @@ async def test_scheduler_killed_during_a_preemption_and_at_the_handover_recovers
         running = await eventually(lambda: state(high.id, RUNNING), timeout=20, what="preemptor running")
         requeued = await job(low.id)
         assert requeued.state == PENDING and requeued.preemptions == 1 and requeued.failures == 0
-        assert run_sql(db_url, "SELECT outcome, committed_step FROM job_attempts WHERE job_id = :j", j=low.id) == \
-            [("PREEMPTED", 42)]
-        active = run_sql(db_url, "SELECT gpu_id, count(*) FROM allocations WHERE released_at IS NULL AND kind = 'gpu' "
-                                 "GROUP BY gpu_id")
+        assert run_sql(db_url, "SELECT outcome, committed_step FROM job_attempts WHERE job_id = :j", j=low.id) == [
+            ("PREEMPTED", 42)
+        ]
+        active = run_sql(
+            db_url,
+            "SELECT gpu_id, count(*) FROM allocations WHERE released_at IS NULL AND kind = 'gpu' GROUP BY gpu_id",
+        )
         assert len(active) == 8 and all(n == 1 for _, n in active)
         assert running.attempt == 1
         await eventually(lambda: _launched(agents, high.id), what="preemptor launched")
         await asyncio.sleep(0.5)
-        launches = [(l.job_id, l.attempt, l.replica) for a in agents for l in a.launched if l.job_id == high.id]
+        launches = [
+            (launch.job_id, launch.attempt, launch.replica)
+            for a in agents
+            for launch in a.launched
+            if launch.job_id == high.id
+        ]
         assert launches == [(high.id, 1, 0)]  # launched once
         assert any(k.job_id == low.id and k.attempt == 1 for a in agents for k in a.killed)
     finally:
@@ -109,23 +136,33 @@ async def test_scheduler_killed_during_a_preemption_and_at_the_handover_recovers
 
 
 async def _launched(agents, job_id):
-    return any(l.job_id == job_id for a in agents for l in a.launched)
+    return any(launch.job_id == job_id for a in agents for launch in a.launched)
 
 
 async def test_coordinator_killed_in_the_commit_leaves_the_previous_checkpoint_and_the_retry_commits(
-        sqlite_url, tmp_path):
+    sqlite_url, tmp_path
+):
     insert_job(sqlite_url, "ckptfault001", attempt=1, replicas=2)
     port = free_port()
 
     def coordinator(log, failpoints=""):
-        return ServiceProcess("services.checkpoint_coordinator.main", ["--db", sqlite_url, "--listen",
-                                                                        f"127.0.0.1:{port}"],
-                              tmp_path / log, announce="checkpoint coordinator at",
-                              env={"PHALANX_FAILPOINTS": failpoints})
+        return ServiceProcess(
+            "services.checkpoint_coordinator.main",
+            ["--db", sqlite_url, "--listen", f"127.0.0.1:{port}"],
+            tmp_path / log,
+            announce="checkpoint coordinator at",
+            env={"PHALANX_FAILPOINTS": failpoints},
+        )
 
     def rank(r):
-        env = {"PHALANX_JOB_ID": "ckptfault001", "PHALANX_ATTEMPT": "1", "WORLD_SIZE": "2", "RANK": str(r),
-               "PHALANX_CHECKPOINT_ADDR": f"127.0.0.1:{port}", "PHALANX_CHECKPOINT_DIR": str(tmp_path / "store")}
+        env = {
+            "PHALANX_JOB_ID": "ckptfault001",
+            "PHALANX_ATTEMPT": "1",
+            "WORLD_SIZE": "2",
+            "RANK": str(r),
+            "PHALANX_CHECKPOINT_ADDR": f"127.0.0.1:{port}",
+            "PHALANX_CHECKPOINT_DIR": str(tmp_path / "store"),
+        }
         return Checkpointer(env, timeout=5.0)
 
     coord = coordinator("c1.log")
@@ -145,8 +182,11 @@ async def test_coordinator_killed_in_the_commit_leaves_the_previous_checkpoint_a
         assert coord.proc.returncode == EXIT_CODE
         engine = make_engine(sqlite_url)
         assert store.latest_checkpoint(engine, "ckptfault001").step == 5  # step 10 did not half-commit
-        rows = run_sql(sqlite_url, "SELECT c.state, count(s.rank) FROM checkpoints c LEFT JOIN checkpoint_shards s "
-                                   "ON s.checkpoint_id = c.id WHERE c.step = 10 GROUP BY c.id, c.state")
+        rows = run_sql(
+            sqlite_url,
+            "SELECT c.state, count(s.rank) FROM checkpoints c LEFT JOIN checkpoint_shards s "
+            "ON s.checkpoint_id = c.id WHERE c.step = 10 GROUP BY c.id, c.state",
+        )
         assert rows == [("PENDING", 1)]
         engine.dispose()
         coord.terminate()

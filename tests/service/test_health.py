@@ -12,6 +12,8 @@ import time
 
 import grpc
 import pytest
+from helpers.lite_cluster import run_sql
+from helpers.procs import eventually
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core.fabric import default_fabric
@@ -32,9 +34,6 @@ from services.node_agent.simulated import simulated_topology
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-from helpers.lite_cluster import run_sql
-from helpers.procs import eventually
-
 RUNNING, PENDING = common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_PENDING
 
 # Logs go to whatever stderr is now (an earlier test may have left structlog writing to a closed capture file).
@@ -43,27 +42,31 @@ pytestmark = pytest.mark.usefixtures("logs_to_stderr")
 
 # ---- the classifier ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fault, severity, text", [
-    (Fault(0, "xid", 79), FATAL, "XID 79: GPU has fallen off the bus"),
-    (Fault(0, "xid", 48), FATAL, "XID 48: double-bit"),
-    (Fault(0, "xid", 64), FATAL, "XID 64"),
-    (Fault(0, "xid", 74), FATAL, "NVLink error"),
-    (Fault(0, "xid", 95), FATAL, "uncontained"),
-    (Fault(0, "xid", 119), FATAL, "GSP"),
-    (Fault(0, "xid", 92), DEGRADED, "single-bit"),
-    (Fault(0, "xid", 62), DEGRADED, "micro-controller"),
-    (Fault(0, "xid", 13), "INFO", "application"),
-    (Fault(0, "xid", 43), "INFO", "application"),
-    (Fault(0, "xid", 9999), DEGRADED, "unclassified XID"),
-    (Fault(0, "ecc_dbe", 1), FATAL, "1 uncorrectable"),
-    (Fault(0, "ecc_dbe", 0), HEALTHY, ""),
-    (Fault(0, "ecc_sbe", 100), HEALTHY, ""),
-    (Fault(0, "ecc_sbe", 101), DEGRADED, "101 corrected"),
-    (Fault(0, "gpu_lost"), FATAL, "NVML_ERROR_GPU_IS_LOST"),
-    (Fault(0, "nvlink_down", 5), DEGRADED, "NVLink 5 is down"),
-    (Fault(0, "throttle", 0x40), DEGRADED, "HW thermal slowdown"),
-    (Fault(0, "throttle", 0x1), HEALTHY, ""),  # GPU idle: not a fault
-])
+
+@pytest.mark.parametrize(
+    "fault, severity, text",
+    [
+        (Fault(0, "xid", 79), FATAL, "XID 79: GPU has fallen off the bus"),
+        (Fault(0, "xid", 48), FATAL, "XID 48: double-bit"),
+        (Fault(0, "xid", 64), FATAL, "XID 64"),
+        (Fault(0, "xid", 74), FATAL, "NVLink error"),
+        (Fault(0, "xid", 95), FATAL, "uncontained"),
+        (Fault(0, "xid", 119), FATAL, "GSP"),
+        (Fault(0, "xid", 92), DEGRADED, "single-bit"),
+        (Fault(0, "xid", 62), DEGRADED, "micro-controller"),
+        (Fault(0, "xid", 13), "INFO", "application"),
+        (Fault(0, "xid", 43), "INFO", "application"),
+        (Fault(0, "xid", 9999), DEGRADED, "unclassified XID"),
+        (Fault(0, "ecc_dbe", 1), FATAL, "1 uncorrectable"),
+        (Fault(0, "ecc_dbe", 0), HEALTHY, ""),
+        (Fault(0, "ecc_sbe", 100), HEALTHY, ""),
+        (Fault(0, "ecc_sbe", 101), DEGRADED, "101 corrected"),
+        (Fault(0, "gpu_lost"), FATAL, "NVML_ERROR_GPU_IS_LOST"),
+        (Fault(0, "nvlink_down", 5), DEGRADED, "NVLink 5 is down"),
+        (Fault(0, "throttle", 0x40), DEGRADED, "HW thermal slowdown"),
+        (Fault(0, "throttle", 0x1), HEALTHY, ""),  # GPU idle: not a fault
+    ],
+)
 def test_fault_table(fault, severity, text):
     sev, reason = classify_fault(fault)
     assert sev == severity and text in reason
@@ -118,12 +121,12 @@ def simulated_nvml(profile: str = "dgx-h100"):
 def test_nvml_source_xid_ecc_throttle_lost_nvlink():
     host, nv = simulated_nvml()
     g3 = host.gpus[3]
-    g3.links[17] = (0, *g3.links[17][1:])                        # a link that was never up: not watched
+    g3.links[17] = (0, *g3.links[17][1:])  # a link that was never up: not watched
     src = NvmlHealthSource(nv, event_timeout_ms=20)
     mon = HealthMonitor(src, 8)
     try:
         assert mon.check()[0].state == HEALTHY
-        host.inject_xid(2, 79)                                   # an XID event, through nvmlEventSetWait
+        host.inject_xid(2, 79)  # an XID event, through nvmlEventSetWait
         health = None
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -132,27 +135,27 @@ def test_nvml_source_xid_ecc_throttle_lost_nvlink():
                 break
             time.sleep(0.02)
         assert health.fatal_gpus() == {2} and "XID 79" in health.gpus[2].reasons[0]
-        host.gpus[0].ecc[(1, 0)] = 2                             # double-bit (uncorrected, volatile) ECC -> fatal
-        host.gpus[1].clocks_event_reasons = 0x40                 # HW thermal slowdown -> degraded
-        g3.links[1] = (0, *g3.links[1][1:])                      # an NVLink that was up goes down -> degraded
-        g3.links[17] = (1, *g3.links[17][1:])                    # one that was never up: not watched
+        host.gpus[0].ecc[(1, 0)] = 2  # double-bit (uncorrected, volatile) ECC -> fatal
+        host.gpus[1].clocks_event_reasons = 0x40  # HW thermal slowdown -> degraded
+        g3.links[1] = (0, *g3.links[1][1:])  # an NVLink that was up goes down -> degraded
+        g3.links[17] = (1, *g3.links[17][1:])  # one that was never up: not watched
         health, events = mon.check()
         assert health.fatal_gpus() == {0, 2}
         assert health.gpus[1].state == DEGRADED and "HW thermal slowdown" in health.gpus[1].reasons[0]
         assert health.gpus[3].state == DEGRADED and health.gpus[3].reasons == ["NVLink 1 is down"]
         assert {(e.gpu, e.kind) for e in events} == {(0, "ecc_dbe"), (1, "throttle"), (3, "nvlink_down")}
-        host.gpus[1].lost = True                                 # NVML_ERROR_GPU_IS_LOST -> fatal
+        host.gpus[1].lost = True  # NVML_ERROR_GPU_IS_LOST -> fatal
         health, _ = mon.check()
         assert health.fatal_gpus() == {0, 1, 2} and "GPU is lost" in health.gpus[1].reasons[0]
-        assert health.state == DEGRADED                          # GPU 3 still works
+        assert health.state == DEGRADED  # GPU 3 still works
         host.gpus[1].lost = False
         host.gpus[0].ecc[(1, 0)] = 0
-        health, events = mon.check()                             # polled conditions clear; the XID stays
+        health, events = mon.check()  # polled conditions clear; the XID stays
         assert health.fatal_gpus() == {2} and any(e.kind == "recovered" and e.gpu == 0 for e in events)
     finally:
         mon.close()
     assert host.errors == []
-    assert not getattr(host, "_sets", {})                        # the event set was freed
+    assert not getattr(host, "_sets", {})  # the event set was freed
 
 
 def test_nvml_source_that_cannot_start_makes_the_node_fatal():
@@ -173,19 +176,35 @@ class HealthCluster:
 
     def __init__(self, db_url: str, tmp_path, heartbeat: float = 0.2) -> None:
         self.db_url = db_url
-        self.settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-a"]),
-                                          heartbeat_interval=heartbeat, lease_timeout=5.0, poll_interval=0.2)
+        self.settings = SchedulerSettings(
+            db_url=db_url,
+            listen="127.0.0.1:0",
+            fabric=default_fabric(["node-a"]),
+            heartbeat_interval=heartbeat,
+            lease_timeout=5.0,
+            poll_interval=0.2,
+        )
         self.source = SimulatedHealthSource()
         self.tmp_path = tmp_path
         self.heartbeat = heartbeat
 
     async def __aenter__(self):
         self.scheduler = await serve(self.settings)
-        self.agent = NodeAgent(AgentConfig(
-            scheduler=self.scheduler.address, node_name="node-a", topology=simulated_topology("node-a", "dgx-h100"),
-            state_dir=self.tmp_path / "agent", kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3,
-            poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0, health_source=self.source,
-        ))
+        self.agent = NodeAgent(
+            AgentConfig(
+                scheduler=self.scheduler.address,
+                node_name="node-a",
+                topology=simulated_topology("node-a", "dgx-h100"),
+                state_dir=self.tmp_path / "agent",
+                kill_grace_s=0.5,
+                backoff_initial_s=0.05,
+                backoff_cap_s=0.3,
+                poll_interval_s=0.02,
+                rpc_timeout_s=2.0,
+                flush_timeout_s=2.0,
+                health_source=self.source,
+            )
+        )
         self.task = asyncio.create_task(self.agent.run())
         self.channel = grpc.aio.insecure_channel(self.scheduler.address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
@@ -212,6 +231,7 @@ class HealthCluster:
         async def check():
             job = await self.job(job_id)
             return job if job.state == state else None
+
         return await eventually(check, what=f"job {job_id} {common_pb2.JobState.Name(state)}")
 
     async def cli_nodes_json(self) -> list[dict]:
@@ -227,6 +247,7 @@ class HealthCluster:
         return await asyncio.to_thread(run)  # the scheduler runs on this event loop
 
 
+@pytest.mark.slow
 async def test_fatal_gpu_leaves_placement_within_a_heartbeat_degraded_stays_and_recovery(db_url, tmp_path):
     async with HealthCluster(db_url, tmp_path) as c:
         # A thermally throttled GPU is DEGRADED: shown, still schedulable.
@@ -273,6 +294,7 @@ async def test_fatal_gpu_leaves_placement_within_a_heartbeat_degraded_stays_and_
         assert node.health.state == common_pb2.HEALTH_STATE_HEALTHY and not node.health.gpus
 
 
+@pytest.mark.slow
 async def test_fatal_node_is_unschedulable_and_healthy_beats_write_nothing(db_url, tmp_path):
     async with HealthCluster(db_url, tmp_path) as c:
         await asyncio.sleep(3 * c.heartbeat)
@@ -287,6 +309,7 @@ async def test_fatal_node_is_unschedulable_and_healthy_beats_write_nothing(db_ur
         await c.wait_job(one.id, RUNNING)
 
 
+@pytest.mark.slow
 async def test_health_survives_a_scheduler_reload(db_url, tmp_path):
     """The health is in the ledger: a view reloaded from it (a restart, another replica) keeps GPU 3 out."""
     async with HealthCluster(db_url, tmp_path) as c:
@@ -301,8 +324,14 @@ async def test_health_survives_a_scheduler_reload(db_url, tmp_path):
 
 
 async def test_lost_node_shows_why(db_url, capsys):
-    settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["n1"]),
-                                 heartbeat_interval=0.2, lease_timeout=1.0, poll_interval=0.2)
+    settings = SchedulerSettings(
+        db_url=db_url,
+        listen="127.0.0.1:0",
+        fabric=default_fabric(["n1"]),
+        heartbeat_interval=0.2,
+        lease_timeout=1.0,
+        poll_interval=0.2,
+    )
     scheduler = await serve(settings)
     agent = LiteAgent(scheduler.address, "n1")
     try:
@@ -317,8 +346,8 @@ async def test_lost_node_shows_why(db_url, capsys):
 
         node = await eventually(lost, what="node LOST", timeout=10)
         assert "no heartbeat for" in node.message and "lease 1s" in node.message
-        from phalanx.client import Node
         from phalanx.cli.render import nodes_table
+        from phalanx.client import Node
 
         table = nodes_table([Node.from_proto(node)])
         assert "LOST" in table and "no heartbeat for" in table
@@ -358,17 +387,25 @@ async def test_sigterm_drain_reports_and_the_node_takes_no_work(db_url, tmp_path
         requeued = await c.wait_job(job.id, PENDING)
         assert requeued.attempt == 1
 
-
         async def killed():  # the agent's report of its killed ranks may land just after the requeue
             return ("KILLED",) in run_sql(db_url, "SELECT state FROM ranks WHERE job_id = :j", j=job.id)
 
         await eventually(killed, what="the killed ranks reported")
         # A new agent process for the node: READY again, and the requeued gang runs.
-        c.agent = NodeAgent(AgentConfig(
-            scheduler=c.scheduler.address, node_name="node-a", topology=simulated_topology("node-a", "dgx-h100"),
-            state_dir=tmp_path / "agent", kill_grace_s=0.5, backoff_initial_s=0.05, poll_interval_s=0.02,
-            rpc_timeout_s=2.0, flush_timeout_s=2.0, health_source=c.source,
-        ))
+        c.agent = NodeAgent(
+            AgentConfig(
+                scheduler=c.scheduler.address,
+                node_name="node-a",
+                topology=simulated_topology("node-a", "dgx-h100"),
+                state_dir=tmp_path / "agent",
+                kill_grace_s=0.5,
+                backoff_initial_s=0.05,
+                poll_interval_s=0.02,
+                rpc_timeout_s=2.0,
+                flush_timeout_s=2.0,
+                health_source=c.source,
+            )
+        )
         c.task = asyncio.create_task(c.agent.run())
         await c.wait_job(job.id, RUNNING)
         assert (await c.node()).state == common_pb2.NODE_STATE_READY
@@ -381,23 +418,45 @@ async def _ranks_running(c: HealthCluster, job_id: str):
 
 # ---- phalanx-agent configuration: flags > environment > file > defaults --------------------------------------
 
+
 def test_agent_config_file_env_and_flags(tmp_path, monkeypatch):
     from services.node_agent.main import parse_args
 
-    for var in ("PHALANX_SCHEDULER", "PHALANX_NODE_NAME", "PHALANX_AGENT_ADDRESS", "PHALANX_STATE_DIR",
-                "PHALANX_AGENT_CONFIG", "PHALANX_ECC_SBE_THRESHOLD", "PHALANX_FABRIC_CLIQUE"):
+    for var in (
+        "PHALANX_SCHEDULER",
+        "PHALANX_NODE_NAME",
+        "PHALANX_AGENT_ADDRESS",
+        "PHALANX_STATE_DIR",
+        "PHALANX_AGENT_CONFIG",
+        "PHALANX_ECC_SBE_THRESHOLD",
+        "PHALANX_FABRIC_CLIQUE",
+    ):
         monkeypatch.delenv(var, raising=False)
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("scheduler: from-file:1\nnode_name: file-node\nkill-grace: 9\nhealth: false\n"
-                   "simulate: dgx-a100\necc-sbe-threshold: 7\n")
+    cfg.write_text(
+        "scheduler: from-file:1\nnode_name: file-node\nkill-grace: 9\nhealth: false\n"
+        "simulate: dgx-a100\necc-sbe-threshold: 7\n"
+    )
     args = parse_args(["--config", str(cfg)])
-    assert (args.scheduler, args.node_name, args.kill_grace, args.health, args.simulate, args.ecc_sbe_threshold,
-            args.address) == ("from-file:1", "file-node", 9, False, "dgx-a100", 7, "127.0.0.1")
+    assert (
+        args.scheduler,
+        args.node_name,
+        args.kill_grace,
+        args.health,
+        args.simulate,
+        args.ecc_sbe_threshold,
+        args.address,
+    ) == ("from-file:1", "file-node", 9, False, "dgx-a100", 7, "127.0.0.1")
     monkeypatch.setenv("PHALANX_SCHEDULER", "from-env:2")
     monkeypatch.setenv("PHALANX_AGENT_CONFIG", str(cfg))
     args = parse_args(["--kill-grace", "3", "--health", "--simulate-from", "x.txt"])
     assert (args.scheduler, args.kill_grace, args.health, args.simulate, args.simulate_from) == (
-        "from-env:2", 3.0, True, None, "x.txt")
+        "from-env:2",
+        3.0,
+        True,
+        None,
+        "x.txt",
+    )
     assert parse_args(["--scheduler", "flag:3"]).scheduler == "flag:3"
     monkeypatch.delenv("PHALANX_AGENT_CONFIG")
     assert parse_args([]).kill_grace == 5.0 and parse_args([]).health is True

@@ -20,6 +20,8 @@ import sys
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 from sqlalchemy import text
 
 from db.engine import make_engine
@@ -38,9 +40,6 @@ from services.scheduler.ledger import foreign_mask
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import NodeRecord, SchedulerState
 
-from helpers.lite_cluster import LiteCluster
-from helpers.procs import eventually
-
 H100 = ("NVIDIA H100 80GB HBM3", 81559)
 A100_40 = ("NVIDIA A100-SXM4-40GB", 40960)
 L40S = ("NVIDIA L40S", 46068)
@@ -48,8 +47,17 @@ PENDING, RUNNING, FAILED = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RU
 
 
 def node(name="a", gpus=8, mig=(), foreign=None, model=H100, free=None, path=("leaf0", "spine0")) -> NodeCapacity:
-    return NodeCapacity(name, gpus, set(range(gpus)) if free is None else set(free), True, path, None, *model,
-                        mig_gpus=frozenset(mig), foreign=dict(foreign or {}))
+    return NodeCapacity(
+        name,
+        gpus,
+        set(range(gpus)) if free is None else set(free),
+        True,
+        path,
+        None,
+        *model,
+        mig_gpus=frozenset(mig),
+        foreign=dict(foreign or {}),
+    )
 
 
 def request(kind: str, arg, replicas: int = 1, **kw) -> GangRequest:
@@ -110,16 +118,21 @@ def test_a_mig_request_says_no_gpu_is_in_mig_mode_even_on_mig_capable_gpus():
     assert "no GPU is in MIG mode" in place_gang(cap, request("mig", "3g.40gb")).reason
     assert isinstance(place_gang(cap, request("mig", "3g.20gb")), Placement)
     # a family without MIG keeps its own reason
-    assert "no node here has MIG-capable GPUs" in place_gang(
-        ClusterCapacity([node(model=L40S)]), request("mig", "1g.10gb")).reason
+    assert (
+        "no node here has MIG-capable GPUs"
+        in place_gang(ClusterCapacity([node(model=L40S)]), request("mig", "1g.10gb")).reason
+    )
 
 
-@pytest.mark.parametrize("mig_gpus, rep, words", [
-    ({7}, ReplicaPlacement(0, "a", (0,), mig_profile="1g.10gb", mig_start=0, mig_size=1), "not in MIG mode"),
-    ({7}, ReplicaPlacement(0, "a", (7,), gpu_milli=250), "no 250/1000 share free"),
-    ({7}, ReplicaPlacement(0, "a", (6, 7)), "not free"),
-    ((), ReplicaPlacement(0, "a", (3,), mig_profile="3g.40gb", mig_start=4, mig_size=4), "not in MIG mode"),
-])
+@pytest.mark.parametrize(
+    "mig_gpus, rep, words",
+    [
+        ({7}, ReplicaPlacement(0, "a", (0,), mig_profile="1g.10gb", mig_start=0, mig_size=1), "not in MIG mode"),
+        ({7}, ReplicaPlacement(0, "a", (7,), gpu_milli=250), "no 250/1000 share free"),
+        ({7}, ReplicaPlacement(0, "a", (6, 7)), "not free"),
+        ((), ReplicaPlacement(0, "a", (3,), mig_profile="3g.40gb", mig_start=4, mig_size=4), "not in MIG mode"),
+    ],
+)
 def test_reserve_refuses_a_replica_on_a_gpu_of_the_other_mode_and_changes_nothing(mig_gpus, rep, words):
     cap = ClusterCapacity([node(mig=mig_gpus)])
     before = (set(cap.nodes["a"].free), dict(cap.nodes["a"].mig), dict(cap.nodes["a"].milli))
@@ -151,8 +164,11 @@ def test_only_gpus_in_mig_mode_offer_mig_capacity():
     assert shape_key(n)[4] == ()
     cap = ClusterCapacity([n])
     assert isinstance(place_gang(cap, request("mig", "3g.40gb")), Unplaceable)
-    cap.release_placement(Placement("old", (ReplicaPlacement(0, "a", (0,), mig_profile="3g.40gb", mig_start=4,
-                                                             mig_size=4),), "node", 1, 0.0, ""))
+    cap.release_placement(
+        Placement(
+            "old", (ReplicaPlacement(0, "a", (0,), mig_profile="3g.40gb", mig_start=4, mig_size=4),), "node", 1, 0.0, ""
+        )
+    )
     assert cap.nodes["a"].free == {0, 1} and not cap.nodes["a"].mig  # back to a whole GPU
 
 
@@ -175,8 +191,16 @@ def test_foreign_instances_keep_their_slices_and_their_gpu_out_of_placement():
     cap.reserve(four)
     assert isinstance(place_gang(cap, request("mig", "1g.10gb")), Unplaceable)
     with pytest.raises(CapacityError):  # the foreign slices cannot be reserved
-        cap.reserve(Placement("x", (ReplicaPlacement(0, "a", (3,), mig_profile="1g.10gb", mig_start=5,
-                                                     mig_size=1),), "node", 1, 0.0, ""))
+        cap.reserve(
+            Placement(
+                "x",
+                (ReplicaPlacement(0, "a", (3,), mig_profile="1g.10gb", mig_start=5, mig_size=1),),
+                "node",
+                1,
+                0.0,
+                "",
+            )
+        )
     cap.release_placement(three)
     cap.release_placement(four)
     assert n.mig == {0: 0xFF, 2: 0, 3: slices(4, 4)} and n.free == {1}  # foreign slices stay used
@@ -189,8 +213,15 @@ def test_foreign_mask_of_registered_instances():
     assert foreign_mask([{"profile": "3g.40gb", "start": 4, "size": 4, "managed": False}]) == slices(4, 4)
     # managed instances are Phalanx's own allocations: not counted twice
     assert foreign_mask([{"profile": "4g.40gb", "start": 0, "size": 4, "managed": True}]) == 0
-    assert foreign_mask([{"profile": "1g.10gb", "start": 0, "size": 1, "managed": False},
-                         {"profile": "2g.20gb", "start": 2, "size": 2, "managed": False}]) == 0b1101
+    assert (
+        foreign_mask(
+            [
+                {"profile": "1g.10gb", "start": 0, "size": 1, "managed": False},
+                {"profile": "2g.20gb", "start": 2, "size": 2, "managed": False},
+            ]
+        )
+        == 0b1101
+    )
     # a +me instance also holds the GPU's one set of media engines
     me = {"profile": "1g.10gb+me", "start": 3, "size": 1, "managed": False}
     assert foreign_mask([me]) == slices(3, 1) | MEDIA_BIT
@@ -222,8 +253,17 @@ def test_a_gang_avoids_the_nodes_that_struck_it_while_it_fits_elsewhere():
 
 
 def _record(name, gpus=2, mig=(), health=None, model=H100) -> NodeRecord:
-    return NodeRecord(id=1, name=name, state="READY", gpus=gpus, gpu_ids={i: i + 1 for i in range(gpus)},
-                      gpu_model=model[0], memory_mib=model[1], mig_gpus=frozenset(mig), gpu_health=health or {})
+    return NodeRecord(
+        id=1,
+        name=name,
+        state="READY",
+        gpus=gpus,
+        gpu_ids={i: i + 1 for i in range(gpus)},
+        gpu_model=model[0],
+        memory_mib=model[1],
+        mig_gpus=frozenset(mig),
+        gpu_health=health or {},
+    )
 
 
 def test_a_fatal_gpu_in_mig_mode_takes_no_instance():
@@ -237,12 +277,15 @@ def test_a_fatal_gpu_in_mig_mode_takes_no_instance():
     assert isinstance(place_gang(state.capacity, request("mig", "1g.10gb")), Unplaceable)
 
 
-@pytest.mark.parametrize("gpus, totals", [
-    ([(H100[0], H100[1], False)] * 8, {"gpus": 8.0, "mig_slices": 0.0}),
-    ([(H100[0], H100[1], False)] * 7 + [(H100[0], H100[1], True)], {"gpus": 7.0, "mig_slices": 7.0}),
-    ([(A100_40[0], A100_40[1], True)] * 2, {"gpus": 0.0, "mig_slices": 14.0}),
-    ([(L40S[0], L40S[1], True), (L40S[0], L40S[1], False)], {"gpus": 1.0, "mig_slices": 0.0}),
-])
+@pytest.mark.parametrize(
+    "gpus, totals",
+    [
+        ([(H100[0], H100[1], False)] * 8, {"gpus": 8.0, "mig_slices": 0.0}),
+        ([(H100[0], H100[1], False)] * 7 + [(H100[0], H100[1], True)], {"gpus": 7.0, "mig_slices": 7.0}),
+        ([(A100_40[0], A100_40[1], True)] * 2, {"gpus": 0.0, "mig_slices": 14.0}),
+        ([(L40S[0], L40S[1], True), (L40S[0], L40S[1], False)], {"gpus": 1.0, "mig_slices": 0.0}),
+    ],
+)
 def test_quota_denominators_count_mig_slices_only_on_gpus_in_mig_mode(gpus, totals):
     assert cluster_totals(gpus) == totals
 
@@ -271,11 +314,13 @@ class Cluster(LiteCluster):
         names = [f"node-{i}" for i in range(len(agents))]
         self.specs = agents
         super().__init__(
-            SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names, nodes_per_leaf=4),
-                              **settings),
-            lambda address: [LiteAgent(address, n, gpus=gpus, model=model[0], memory_mib=model[1],
-                                       mig_gpus=tuple(mig), **extra)
-                             for n, (gpus, mig, model, extra) in zip(names, agents, strict=True)],
+            SchedulerSettings(
+                db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names, nodes_per_leaf=4), **settings
+            ),
+            lambda address: [
+                LiteAgent(address, n, gpus=gpus, model=model[0], memory_mib=model[1], mig_gpus=tuple(mig), **extra)
+                for n, (gpus, mig, model, extra) in zip(names, agents, strict=True)
+            ],
         )
 
     async def nodes(self) -> dict[str, common_pb2.Node]:
@@ -297,24 +342,49 @@ async def _cli_json(capsys, address: str, *argv: str):
 
 
 def _instance(profile, start, size, managed, uuid="", gi=-1, ci=-1):
-    return agent_pb2.GpuInfo.MigInstance(profile=profile, start=start, size=size, uuid=uuid, managed=managed,
-                                         gpu_instance_id=gi, compute_instance_id=ci)
+    return agent_pb2.GpuInfo.MigInstance(
+        profile=profile, start=start, size=size, uuid=uuid, managed=managed, gpu_instance_id=gi, compute_instance_id=ci
+    )
 
 
 async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_it(db_url, capsys, logs_to_stderr):
     async with Cluster(db_url, [(2, (1,), H100, {}), (2, (), L40S, {})]) as c:
-        rows = c.sql("SELECT n.name, g.\"index\", g.mig_mode FROM gpus g JOIN nodes n ON n.id = g.node_id "
-                     "ORDER BY n.name, g.\"index\"")
-        assert rows == [("node-0", 0, "DISABLED"), ("node-0", 1, "ENABLED"), ("node-1", 0, "UNSUPPORTED"),
-                        ("node-1", 1, "UNSUPPORTED")]
+        rows = c.sql(
+            'SELECT n.name, g."index", g.mig_mode FROM gpus g JOIN nodes n ON n.id = g.node_id '
+            'ORDER BY n.name, g."index"'
+        )
+        assert rows == [
+            ("node-0", 0, "DISABLED"),
+            ("node-0", 1, "ENABLED"),
+            ("node-1", 0, "UNSUPPORTED"),
+            ("node-1", 1, "UNSUPPORTED"),
+        ]
         nodes = await _cli_json(capsys, c.scheduler.address, "nodes", "--json")
         assert [n["name"] for n in nodes] == ["node-0", "node-1"]
         # every field of before is still there; gpu_details and strikes are new (mig_manage: --mig-manage)
-        assert {"name", "gpus", "free_gpus", "state", "profile", "gpu_model", "fabric_path", "message",
-                "last_heartbeat", "address", "shared_gpus", "health", "health_reason", "unhealthy_gpus",
-                "gpu_details", "strikes", "mig_manage"} == set(nodes[0])
+        assert {
+            "name",
+            "gpus",
+            "free_gpus",
+            "state",
+            "profile",
+            "gpu_model",
+            "fabric_path",
+            "message",
+            "last_heartbeat",
+            "address",
+            "shared_gpus",
+            "health",
+            "health_reason",
+            "unhealthy_gpus",
+            "gpu_details",
+            "strikes",
+            "mig_manage",
+        } == set(nodes[0])
         assert [[(g["index"], g["mig_mode"]) for g in n["gpu_details"]] for n in nodes] == [
-            [(0, "disabled"), (1, "enabled")], [(0, "unsupported"), (1, "unsupported")]]
+            [(0, "disabled"), (1, "enabled")],
+            [(0, "unsupported"), (1, "unsupported")],
+        ]
         assert (nodes[0]["free_gpus"], nodes[0]["shared_gpus"], nodes[0]["strikes"]) == (1, 0, 0)
         assert nodes[1]["free_gpus"] == 2
 
@@ -334,8 +404,10 @@ async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_i
         await agent.stop()
         agent.mig_gpus = (0,)
         await agent.start()
-        rows = c.sql("SELECT g.\"index\", g.mig_mode FROM gpus g JOIN nodes n ON n.id = g.node_id "
-                     "WHERE n.name = 'node-0' ORDER BY g.\"index\"")
+        rows = c.sql(
+            'SELECT g."index", g.mig_mode FROM gpus g JOIN nodes n ON n.id = g.node_id '
+            "WHERE n.name = 'node-0' ORDER BY g.\"index\""
+        )
         assert rows == [(0, "ENABLED"), (1, "DISABLED")]
         nodes = await c.nodes()
         assert [g.mig_mode for g in nodes["node-0"].gpu_details] == ["enabled", "disabled"]
@@ -365,11 +437,14 @@ async def test_a_mig_job_waits_when_no_gpu_is_in_mig_mode_and_is_refused_when_no
 
 
 async def test_foreign_instances_are_occupied_and_listed_and_managed_ones_are_not_counted_twice(
-        db_url, capsys, logs_to_stderr):
+    db_url, capsys, logs_to_stderr
+):
     instances = {
-        2: [_instance("3g.40gb", 4, 4, False, "MIG-foreign", 2, 0),    # someone else's
-            _instance("4g.40gb", 0, 4, True, "MIG-ours", 1, 0)],       # the agent's own, with no allocation now
-        0: [_instance("1g.10gb", 0, 1, False, "MIG-stray", 9, 0)],      # outside MIG mode: the GPU is taken
+        2: [
+            _instance("3g.40gb", 4, 4, False, "MIG-foreign", 2, 0),  # someone else's
+            _instance("4g.40gb", 0, 4, True, "MIG-ours", 1, 0),
+        ],  # the agent's own, with no allocation now
+        0: [_instance("1g.10gb", 0, 1, False, "MIG-stray", 9, 0)],  # outside MIG mode: the GPU is taken
     }
     async with Cluster(db_url, [(3, (2,), H100, {"mig_instances": instances})]) as c:
         (n,) = (await c.nodes()).values()
@@ -378,10 +453,25 @@ async def test_foreign_instances_are_occupied_and_listed_and_managed_ones_are_no
         gpus = shown[0]["gpu_details"]
         assert [g["mig_mode"] for g in gpus] == ["disabled", "disabled", "enabled"]
         assert gpus[2]["mig_instances"] == [
-            {"profile": "3g.40gb", "start": 4, "size": 4, "uuid": "MIG-foreign", "managed": False,
-             "gpu_instance_id": 2, "compute_instance_id": 0},
-            {"profile": "4g.40gb", "start": 0, "size": 4, "uuid": "MIG-ours", "managed": True,
-             "gpu_instance_id": 1, "compute_instance_id": 0}]
+            {
+                "profile": "3g.40gb",
+                "start": 4,
+                "size": 4,
+                "uuid": "MIG-foreign",
+                "managed": False,
+                "gpu_instance_id": 2,
+                "compute_instance_id": 0,
+            },
+            {
+                "profile": "4g.40gb",
+                "start": 0,
+                "size": 4,
+                "uuid": "MIG-ours",
+                "managed": True,
+                "gpu_instance_id": 1,
+                "compute_instance_id": 0,
+            },
+        ]
         assert [(i["uuid"], i["managed"]) for i in gpus[0]["mig_instances"]] == [("MIG-stray", False)]
         # The managed 4g (slices 0-3) is no allocation of Phalanx now: those slices are free. The foreign 3g keeps 4-7.
         three = await c.wait_running((await c.submit("three", mig_profile="3g.40gb")).id)
@@ -400,18 +490,25 @@ async def test_foreign_instances_are_occupied_and_listed_and_managed_ones_are_no
 
 async def test_a_retryable_launch_failure_requeues_with_backoff_and_strikes_the_node(db_url, capsys, logs_to_stderr):
     failure = "could not create MIG instance 3g.40gb on GPU 1: NVML_ERROR_INSUFFICIENT_RESOURCES"
-    async with Cluster(db_url, [(2, (), H100, {"setup_failure": failure}), (4, (), H100, {})],
-                       retry_backoff_s=1.0, retry_backoff_max_s=1.0) as c:
+    async with Cluster(
+        db_url,
+        [(2, (), H100, {"setup_failure": failure}), (4, (), H100, {})],
+        retry_backoff_s=1.0,
+        retry_backoff_max_s=1.0,
+    ) as c:
         job = await c.submit("gang", gpus=2)
         requeued = await c.until(job.id, lambda j: j.state == PENDING and j.failures == 1, "the gang requeued")
         assert "could not be set up on node node-0" in requeued.message and failure in requeued.message
         assert "requeued (failure 1 of at most 5), retried after a 1s backoff" in requeued.message
-        assert list(requeued.struck_nodes) == ["node-0"] and not requeued.allocations[0].node == "node-1"
+        assert list(requeued.struck_nodes) == ["node-0"] and not requeued.allocations  # it waits holding nothing
         done = await c.until(job.id, lambda j: j.state == RUNNING and j.attempt == 2, "the second attempt running")
         # the first attempt went to node-0 (best fit), which could not set its ranks up: struck, requeued
-        first = c.sql("SELECT a.attempt, n.name, a.outcome, a.reason FROM job_attempts a "
-                      "JOIN allocations al ON al.job_id = a.job_id AND al.attempt = a.attempt "
-                      "JOIN nodes n ON n.id = al.node_id WHERE a.job_id = :j ORDER BY a.attempt", j=job.id)
+        first = c.sql(
+            "SELECT a.attempt, n.name, a.outcome, a.reason FROM job_attempts a "
+            "JOIN allocations al ON al.job_id = a.job_id AND al.attempt = a.attempt "
+            "JOIN nodes n ON n.id = al.node_id WHERE a.job_id = :j ORDER BY a.attempt",
+            j=job.id,
+        )
         assert {(r[0], r[1], r[2]) for r in first} == {(1, "node-0", "SETUP_FAILED"), (2, "node-1", "")}
         reason = next(r[3] for r in first if r[0] == 1)
         assert failure in reason and "could not be set up on node node-0" in reason and "struck" in reason
@@ -421,8 +518,10 @@ async def test_a_retryable_launch_failure_requeues_with_backoff_and_strikes_the_
         assert c.sql("SELECT struck_nodes FROM jobs WHERE id = :j", j=job.id)[0][0] in (["node-0"], '["node-0"]')
         nodes = await _cli_json(capsys, c.scheduler.address, "nodes", "--json")
         assert {n["name"]: n["strikes"] for n in nodes} == {"node-0": 1, "node-1": 0}
-        events = c.sql("SELECT e.kind, e.code, e.reason FROM node_events e JOIN nodes n ON n.id = e.node_id "
-                       "WHERE n.name = 'node-0'")
+        events = c.sql(
+            "SELECT e.kind, e.code, e.reason FROM node_events e JOIN nodes n ON n.id = e.node_id "
+            "WHERE n.name = 'node-0'"
+        )
         assert [(k, code) for k, code, _ in events] == [("setup_failed", 1)] and failure in events[0][2]
         shown = await _cli_json(capsys, c.scheduler.address, "job", job.id, "--json")
         assert shown["struck_nodes"] == ["node-0"]
@@ -430,8 +529,13 @@ async def test_a_retryable_launch_failure_requeues_with_backoff_and_strikes_the_
 
 async def test_a_struck_node_is_used_when_nothing_else_fits_and_failures_count_against_max_attempts(db_url):
     failure = "MPS control daemon did not start"
-    async with Cluster(db_url, [(2, (), H100, {"setup_failure": failure}), (4, (), H100, {})],
-                       retry_backoff_s=0.2, retry_backoff_max_s=0.2, max_attempts=2) as c:
+    async with Cluster(
+        db_url,
+        [(2, (), H100, {"setup_failure": failure}), (4, (), H100, {})],
+        retry_backoff_s=0.2,
+        retry_backoff_max_s=0.2,
+        max_attempts=2,
+    ) as c:
         parked = await c.wait_running((await c.submit("parked", gpus=4)).id)  # node-1 is full: only node-0 is left
         assert {a.node for a in parked.allocations} == {"node-1"}
         job = await c.submit("gang", gpus=2)
@@ -441,12 +545,13 @@ async def test_a_struck_node_is_used_when_nothing_else_fits_and_failures_count_a
         assert "that struck it before" in done.placement.reason  # the second attempt went back to node-0
         assert (await c.nodes())["node-0"].strikes == 2
         assert c.sql("SELECT attempt, outcome FROM job_attempts WHERE job_id = :j ORDER BY attempt", j=job.id) == [
-            (1, "SETUP_FAILED"), (2, "SETUP_FAILED")]
+            (1, "SETUP_FAILED"),
+            (2, "SETUP_FAILED"),
+        ]
 
 
 async def test_a_launch_failure_that_is_not_retryable_still_fails_the_job(db_url):
-    async with Cluster(db_url, [(2, (), H100, {"start_failure": "exec: python9: not found"}),
-                                (4, (), H100, {})]) as c:
+    async with Cluster(db_url, [(2, (), H100, {"start_failure": "exec: python9: not found"}), (4, (), H100, {})]) as c:
         job = await c.submit("gang", gpus=2)
         done = await c.until(job.id, lambda j: j.state == FAILED, "the job to fail")
         assert done.attempt == 1 and done.exit_code == 127 and done.failures == 0
@@ -494,28 +599,40 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
     engine = make_engine(url)
     try:
         with engine.begin() as conn:  # a node with 2 GPUs and a pending job, as a 0009 scheduler wrote them
-            conn.execute(text(
-                "INSERT INTO nodes (id, name, state, message, gpus, gpu_model, profile, address, topology, "
-                "fabric_path, agent_instance, registered_at, last_heartbeat, revision, acked_revision) VALUES "
-                "(1, 'node-0', 'READY', '', 2, :model, 'lite', '127.0.0.1', '{}', '[]', 'x', 1, 1, 0, 0)"),
-                {"model": H100[0]})
+            conn.execute(
+                text(
+                    "INSERT INTO nodes (id, name, state, message, gpus, gpu_model, profile, address, topology, "
+                    "fabric_path, agent_instance, registered_at, last_heartbeat, revision, acked_revision) VALUES "
+                    "(1, 'node-0', 'READY', '', 2, :model, 'lite', '127.0.0.1', '{}', '[]', 'x', 1, 1, 0, 0)"
+                ),
+                {"model": H100[0]},
+            )
             for i in range(2):
-                conn.execute(text("INSERT INTO gpus (id, node_id, \"index\", uuid, name, memory_mib) "
-                                  "VALUES (:i, 1, :idx, :u, :m, 81559)"), {"i": i + 1, "idx": i, "u": f"GPU-{i}",
-                                                                           "m": H100[0]})
-            conn.execute(text(
-                "INSERT INTO jobs (id, request_id, name, state, priority, replicas, gpus_per_replica, "
-                "procs_per_replica, command, env, attempt, message, exit_code, placement, submitted_at, started_at, "
-                "finished_at, version) VALUES ('0123456789ab', NULL, 'old', 'PENDING', 0, 1, 1, 0, '[\"run\"]', '{}', "
-                "0, '', 0, '{}', 1.0, 0, 0, 0)"))
+                conn.execute(
+                    text(
+                        'INSERT INTO gpus (id, node_id, "index", uuid, name, memory_mib) '
+                        "VALUES (:i, 1, :idx, :u, :m, 81559)"
+                    ),
+                    {"i": i + 1, "idx": i, "u": f"GPU-{i}", "m": H100[0]},
+                )
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, request_id, name, state, priority, replicas, gpus_per_replica, "
+                    "procs_per_replica, command, env, attempt, message, exit_code, placement, submitted_at, started_at, "
+                    "finished_at, version) VALUES ('0123456789ab', NULL, 'old', 'PENDING', 0, 1, 1, 0, '[\"run\"]', '{}', "
+                    "0, '', 0, '{}', 1.0, 0, 0, 0)"
+                )
+            )
         upgrade(url)
-        assert current(url) == "0014"
+        assert current(url) == "0015"
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT \"index\", mig_mode FROM gpus ORDER BY \"index\"")).all() == [
-                (0, "UNSUPPORTED"), (1, "UNSUPPORTED")]
+            assert conn.execute(text('SELECT "index", mig_mode FROM gpus ORDER BY "index"')).all() == [
+                (0, "UNSUPPORTED"),
+                (1, "UNSUPPORTED"),
+            ]
             assert conn.execute(text("SELECT strikes FROM nodes")).all() == [(0,)]
-            (instances,), = conn.execute(text("SELECT mig_instances FROM gpus WHERE \"index\" = 0")).all()
-            (struck,), = conn.execute(text("SELECT struck_nodes FROM jobs")).all()
+            ((instances,),) = conn.execute(text('SELECT mig_instances FROM gpus WHERE "index" = 0')).all()
+            ((struck,),) = conn.execute(text("SELECT struck_nodes FROM jobs")).all()
             assert instances in ([], "[]") and struck in ([], "[]")
         # The scheduler reads the old ledger: no GPU in MIG mode, nothing struck
         from services.scheduler import ledger
@@ -531,12 +648,19 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
         assert current(url) == "0009"
         engine = make_engine(url)
         with engine.connect() as conn:
-            columns = {r[0] for r in conn.execute(text(
-                "SELECT name FROM pragma_table_info('gpus')" if url.startswith("sqlite") else
-                "SELECT column_name FROM information_schema.columns WHERE table_name = 'gpus'"))}
+            columns = {
+                r[0]
+                for r in conn.execute(
+                    text(
+                        "SELECT name FROM pragma_table_info('gpus')"
+                        if url.startswith("sqlite")
+                        else "SELECT column_name FROM information_schema.columns WHERE table_name = 'gpus'"
+                    )
+                )
+            }
         assert "mig_mode" not in columns and "memory_mib" in columns
         upgrade(url)
-        assert current(url) == "0014"
+        assert current(url) == "0015"
     finally:
         engine.dispose()
 
@@ -544,11 +668,20 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
 # ---- local clusters ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile, mig_gpus, expected", [
-    ("dgx-h100", None, [7]), ("dgx-h100", 2, [6, 7]), ("dgx-h100", 0, []), ("dgx-h100", 8, list(range(8))),
-    ("gb200-nvl72-tray", None, [3]), ("pcie-2numa", None, []), ("pcie-2numa", 0, []),
-    ("pcie-2numa", 1, "have no MIG"), ("dgx-h100", 9, "has 8 GPUs"),
-])
+@pytest.mark.parametrize(
+    "profile, mig_gpus, expected",
+    [
+        ("dgx-h100", None, [7]),
+        ("dgx-h100", 2, [6, 7]),
+        ("dgx-h100", 0, []),
+        ("dgx-h100", 8, list(range(8))),
+        ("gb200-nvl72-tray", None, [3]),
+        ("pcie-2numa", None, []),
+        ("pcie-2numa", 0, []),
+        ("pcie-2numa", 1, "have no MIG"),
+        ("dgx-h100", 9, "has 8 GPUs"),
+    ],
+)
 def test_local_cluster_puts_the_last_gpus_of_the_last_node_in_mig_mode(tmp_path, profile, mig_gpus, expected):
     cluster = LocalCluster(nodes=2, profile=profile, state_dir=tmp_path, mig_gpus=mig_gpus)
     if isinstance(expected, str):
@@ -559,8 +692,9 @@ def test_local_cluster_puts_the_last_gpus_of_the_last_node_in_mig_mode(tmp_path,
 
 
 def _agent_has_simulate_mig() -> bool:
-    proc = subprocess.run([sys.executable, "-m", "services.node_agent.main", "--help"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.node_agent.main", "--help"], capture_output=True, text=True, timeout=60
+    )
     return "--simulate-mig" in proc.stdout
 
 
@@ -572,14 +706,23 @@ def test_cluster_up_mig_gpus_reach_the_last_agent_and_mig_jobs_run_there(tmp_pat
     from phalanx.client import Client, JobState
 
     monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
-    with LocalCluster(nodes=2, state_dir=tmp_path / "c", port=0, log=lambda m: None, mig_gpus=2,
-                      ready_timeout=90) as cluster:
+    with LocalCluster(
+        nodes=2, state_dir=tmp_path / "c", port=0, log=lambda m: None, mig_gpus=2, ready_timeout=90
+    ) as cluster:
         with Client(cluster.address, timeout=10) as client:
             modes = {n.name: [g["mig_mode"] for g in n.gpu_details] for n in client.nodes()}
             assert modes == {"node-01": ["disabled"] * 8, "node-02": ["disabled"] * 6 + ["enabled"] * 2}
             job = client.submit("mig", 1, 1, [sys.executable, "-c", "pass"], mig_profile="3g.40gb")
             done = client.wait(job.id, timeout=60)
             assert done.state is JobState.SUCCEEDED, done
-            assert done.allocations[0].node == "node-02" and done.allocations[0].gpus[0] in (6, 7)
+            import sqlite3  # a finished job shows no allocations: where it ran is in the ledger's history
+
+            with sqlite3.connect(tmp_path / "c" / "phalanx.db") as conn:
+                ((node, gpu),) = conn.execute(
+                    "SELECT DISTINCT n.name, a.gpu_index FROM allocations a JOIN nodes n "
+                    "ON n.id = a.node_id WHERE a.job_id = ? AND a.kind = 'mig'",
+                    (job.id,),
+                ).fetchall()
+            assert not done.allocations and node == "node-02" and gpu in (6, 7)
         info = json.loads((tmp_path / "c" / "cluster.json").read_text())
         assert info["mig_gpus"] == {"node-02": [6, 7]}

@@ -10,7 +10,7 @@ from db.models import Allocation, Base, Gpu, Job, Node
 
 
 def test_upgrade_reaches_head_with_every_table(db_url):
-    assert current(db_url) == "0014"
+    assert current(db_url) == "0015"
     engine = make_engine(db_url)
     names = set(inspect(engine).get_table_names())
     engine.dispose()
@@ -18,20 +18,54 @@ def test_upgrade_reaches_head_with_every_table(db_url):
 
 
 def _seed(conn):
-    conn.execute(insert(Node).values(id=1, name="n1", state="READY", message="", gpus=1, gpu_model="", profile="",
-                                     address="", topology={}, fabric_path=[], agent_instance="", registered_at=0,
-                                     last_heartbeat=0, revision=0, acked_revision=0))
+    conn.execute(
+        insert(Node).values(
+            id=1,
+            name="n1",
+            state="READY",
+            message="",
+            gpus=1,
+            gpu_model="",
+            profile="",
+            address="",
+            topology={},
+            fabric_path=[],
+            agent_instance="",
+            registered_at=0,
+            last_heartbeat=0,
+            revision=0,
+            acked_revision=0,
+        )
+    )
     conn.execute(insert(Gpu).values(id=1, node_id=1, index=0, uuid="GPU-x", name="H100", memory_mib=1))
     for jid in ("a", "b"):
-        conn.execute(insert(Job).values(id=jid, name=jid, state="RUNNING", priority=0, replicas=1, gpus_per_replica=1,
-                                        procs_per_replica=0, command=["true"], env={}, attempt=1, message="",
-                                        exit_code=0, placement={}, submitted_at=0, started_at=0, finished_at=0,
-                                        version=0))
+        conn.execute(
+            insert(Job).values(
+                id=jid,
+                name=jid,
+                state="RUNNING",
+                priority=0,
+                replicas=1,
+                gpus_per_replica=1,
+                procs_per_replica=0,
+                command=["true"],
+                env={},
+                attempt=1,
+                message="",
+                exit_code=0,
+                placement={},
+                submitted_at=0,
+                started_at=0,
+                finished_at=0,
+                version=0,
+            )
+        )
 
 
 def _alloc(job_id, released_at=None):
-    return insert(Allocation).values(job_id=job_id, attempt=1, replica=0, node_id=1, gpu_id=1, gpu_index=0,
-                                     reserved_at=0, released_at=released_at)
+    return insert(Allocation).values(
+        job_id=job_id, attempt=1, replica=0, node_id=1, gpu_id=1, gpu_index=0, reserved_at=0, released_at=released_at
+    )
 
 
 def test_database_refuses_a_gpu_in_two_active_allocations(db_url):

@@ -30,7 +30,7 @@ from services.node_agent.simulated import fake_gpu_uuid, simulated_topology
 from services.node_agent.state import AgentState, RankRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_node_agent import RANK_CMD, FakeNodeService, rank_env, start_server, starts, until  # noqa: E402
+from test_node_agent import RANK_CMD, FakeNodeService, rank_env, start_server, starts, until
 
 S = common_pb2
 NODE = "node-a"
@@ -80,8 +80,12 @@ def reap_daemons(tmp_path):
 
 def test_stand_in_behaves_like_the_control_program(tmp_path):
     control = write_fake_control(tmp_path / "bin")
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
-           "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log"), "CUDA_VISIBLE_DEVICES": "GPU-1234"}
+    env = {
+        **os.environ,
+        "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log"),
+        "CUDA_VISIBLE_DEVICES": "GPU-1234",
+    }
 
     def run(*args, stdin=None):
         return subprocess.run([control, *args], input=stdin, env=env, capture_output=True, text=True, timeout=15)
@@ -93,9 +97,11 @@ def test_stand_in_behaves_like_the_control_program(tmp_path):
     assert alive(pid) and (tmp_path / "pipe" / "control").exists()
     again = run("-d")
     assert again.returncode == 1 and "already running" in again.stderr
-    r = run(stdin="get_default_active_thread_percentage\nset_default_active_thread_percentage 30\n"
-                  "get_default_active_thread_percentage\nset_default_device_pinned_mem_limit 0 2G\n"
-                  "get_default_device_pinned_mem_limit 0\nget_server_list\n")
+    r = run(
+        stdin="get_default_active_thread_percentage\nset_default_active_thread_percentage 30\n"
+        "get_default_active_thread_percentage\nset_default_device_pinned_mem_limit 0 2G\n"
+        "get_default_device_pinned_mem_limit 0\nget_server_list\n"
+    )
     assert r.returncode == 0 and r.stdout.split() == ["100.0", "30.0", "30.0", "2G"]
     assert run(stdin="set_default_device_pinned_mem_limit 0 lots\n").returncode == 1
     assert run(stdin="quit\n").returncode == 0
@@ -104,8 +110,10 @@ def test_stand_in_behaves_like_the_control_program(tmp_path):
         time.sleep(0.02)
     assert not alive(pid) and not (tmp_path / "pipe" / "control").exists()
     assert run(stdin="quit\n").returncode == 1  # no daemon any more
-    got = [(r["command"], r["ok"], r["daemon_pid"]) for r in map(json.loads, (tmp_path / "log" / "commands.jsonl")
-                                                                  .read_text().splitlines())]
+    got = [
+        (r["command"], r["ok"], r["daemon_pid"])
+        for r in map(json.loads, (tmp_path / "log" / "commands.jsonl").read_text().splitlines())
+    ]
     assert got[:3] == [("get_server_list", False, 0), ("start", True, pid), ("start", False, pid)]
     assert got[-2:] == [("quit", True, pid), ("quit", False, 0)]
     assert "Cmd:set_default_active_thread_percentage 30" in (tmp_path / "log" / "control.log").read_text()
@@ -125,8 +133,15 @@ def test_one_daemon_per_gpu_counted_and_quit_after_the_last_share(tmp_path):
     a = m.acquire("a/1/0", 3)
     b = m.acquire("b/1/0", 3)
     c = m.acquire("c/1/0", 5)
-    assert a == b == {"CUDA_VISIBLE_DEVICES": uuid(3), "CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe"),
-                      "CUDA_MPS_LOG_DIRECTORY": str(root / "gpu3" / "log")}
+    assert (
+        a
+        == b
+        == {
+            "CUDA_VISIBLE_DEVICES": uuid(3),
+            "CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(root / "gpu3" / "log"),
+        }
+    )
     assert c["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu5" / "pipe") and c["CUDA_VISIBLE_DEVICES"] == uuid(5)
     # One start per GPU (then the readiness query), each daemon seeing only its GPU, by UUID.
     assert commands(root, 3) == ["start", "get_server_list"] and commands(root, 5) == ["start", "get_server_list"]
@@ -213,11 +228,20 @@ async def agents(tmp_path):
     started: list[tuple[NodeAgent, asyncio.Task]] = []
 
     def start(port, state_dir=None) -> NodeAgent:
-        agent = NodeAgent(AgentConfig(
-            scheduler=f"127.0.0.1:{port}", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"),
-            state_dir=state_dir or tmp_path / "state", kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3,
-            poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0,
-        ))
+        agent = NodeAgent(
+            AgentConfig(
+                scheduler=f"127.0.0.1:{port}",
+                node_name=NODE,
+                topology=simulated_topology(NODE, "dgx-h100"),
+                state_dir=state_dir or tmp_path / "state",
+                kill_grace_s=0.5,
+                backoff_initial_s=0.05,
+                backoff_cap_s=0.3,
+                poll_interval_s=0.02,
+                rpc_timeout_s=2.0,
+                flush_timeout_s=2.0,
+            )
+        )
         started.append((agent, asyncio.create_task(agent.run())))
         return agent
 
@@ -227,19 +251,26 @@ async def agents(tmp_path):
             agent.request_stop()
             try:
                 await asyncio.wait_for(task, 10)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 task.cancel()
 
 
-def launch(fake: FakeNodeService, revision: int, job: str, ranks: list[dict], attempt: int = 1,
-           env: dict | None = None) -> None:
+def launch(
+    fake: FakeNodeService, revision: int, job: str, ranks: list[dict], attempt: int = 1, env: dict | None = None
+) -> None:
     """ranks: {rank, gpus, env, gpu_milli, slices: [(gpu, profile, start, size)]}."""
     msg = agent_pb2.LaunchReplica(job_id=job, attempt=attempt, replica=0, command=RANK_CMD, env=env or {})
     for r in ranks:
-        msg.ranks.append(agent_pb2.RankLaunch(
-            rank=r["rank"], local_rank=r["rank"], gpus=r["gpus"], env=r["env"], gpu_milli=r.get("gpu_milli", 0),
-            slices=[S.MigSlice(gpu=g, profile=p, start=s, size=z) for g, p, s, z in r.get("slices", [])],
-        ))
+        msg.ranks.append(
+            agent_pb2.RankLaunch(
+                rank=r["rank"],
+                local_rank=r["rank"],
+                gpus=r["gpus"],
+                env=r["env"],
+                gpu_milli=r.get("gpu_milli", 0),
+                slices=[S.MigSlice(gpu=g, profile=p, start=s, size=z) for g, p, s, z in r.get("slices", [])],
+            )
+        )
     fake.push(agent_pb2.Assignment(revision=revision, launch=msg))
 
 
@@ -251,27 +282,60 @@ def mps_vars(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
 
 
-async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last(fake, agents, tmp_path,
-                                                                                 monkeypatch):
+@pytest.mark.slow
+async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last(fake, agents, tmp_path, monkeypatch):
     # Whatever the agent's own environment says about MPS, no rank inherits it.
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "somebody-elses-mps"))
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "77")
     agent = agents(fake.port)
     root = tmp_path / "state" / "mps"
-    launch(fake, 1, "s", [
-        {"rank": 0, "gpus": [3], "env": rank_env(tmp_path, "s", 0, 2, CUDA_VISIBLE_DEVICES="3", SLEEP=0.2),
-         "gpu_milli": 250},
-        {"rank": 1, "gpus": [3], "env": rank_env(tmp_path, "s", 1, 2, CUDA_VISIBLE_DEVICES="3", SLEEP=2.5),
-         "gpu_milli": 500},
-    ])
-    launch(fake, 2, "t", [{"rank": 0, "gpus": [5], "env": rank_env(tmp_path, "t", 0, CUDA_VISIBLE_DEVICES="5"),
-                           "gpu_milli": 100}])
+    launch(
+        fake,
+        1,
+        "s",
+        [
+            {
+                "rank": 0,
+                "gpus": [3],
+                "env": rank_env(tmp_path, "s", 0, 2, CUDA_VISIBLE_DEVICES="3", SLEEP=0.2),
+                "gpu_milli": 250,
+            },
+            {
+                "rank": 1,
+                "gpus": [3],
+                "env": rank_env(tmp_path, "s", 1, 2, CUDA_VISIBLE_DEVICES="3", SLEEP=2.5),
+                "gpu_milli": 500,
+            },
+        ],
+    )
+    launch(
+        fake,
+        2,
+        "t",
+        [{"rank": 0, "gpus": [5], "env": rank_env(tmp_path, "t", 0, CUDA_VISIBLE_DEVICES="5"), "gpu_milli": 100}],
+    )
     # A whole-GPU rank whose launch even carries MPS variables.
-    launch(fake, 3, "w", [{"rank": 0, "gpus": [4], "env": rank_env(tmp_path, "w", 0, CUDA_VISIBLE_DEVICES="4",
-                                                                   CUDA_MPS_CLIENT_PRIORITY="1")}],
-           env={"CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe")})
-    await until(lambda: fake.report("s", 0, S.RANK_STATE_EXITED) and fake.report("t", 0, S.RANK_STATE_EXITED)
-                and fake.report("w", 0, S.RANK_STATE_EXITED), what="the short ranks EXITED")
+    launch(
+        fake,
+        3,
+        "w",
+        [
+            {
+                "rank": 0,
+                "gpus": [4],
+                "env": rank_env(tmp_path, "w", 0, CUDA_VISIBLE_DEVICES="4", CUDA_MPS_CLIENT_PRIORITY="1"),
+            }
+        ],
+        env={"CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe")},
+    )
+    await until(
+        lambda: (
+            fake.report("s", 0, S.RANK_STATE_EXITED)
+            and fake.report("t", 0, S.RANK_STATE_EXITED)
+            and fake.report("w", 0, S.RANK_STATE_EXITED)
+        ),
+        what="the short ranks EXITED",
+    )
     await until(lambda: not agent._releases, what="the ended shares released")  # their MPS releases ran
     # GPU 3: one daemon for both shares, started before them; still there while its second share runs.
     (start3,) = [r for r in records(root, 3) if r["command"] == "start"]
@@ -280,9 +344,12 @@ async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last
     assert "quit" not in commands(root, 3) and alive(start3["daemon_pid"])
     assert agent.mps.users(3) == {"s/1/1"}
     e0, e1 = env_of(tmp_path, "s", 0), env_of(tmp_path, "s", 1)
-    assert mps_vars(e0) == {"CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe"),
-                            "CUDA_MPS_LOG_DIRECTORY": str(root / "gpu3" / "log"),
-                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20389M"}
+    assert mps_vars(e0) == {
+        "CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(root / "gpu3" / "log"),
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20389M",
+    }
     assert e0["CUDA_VISIBLE_DEVICES"] == uuid(3) == e1["CUDA_VISIBLE_DEVICES"] and e0["PHALANX_GPU_MILLI"] == "250"
     assert (e1["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], e1["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == ("50", "0=40779M")
     assert e1["CUDA_MPS_PIPE_DIRECTORY"] == e0["CUDA_MPS_PIPE_DIRECTORY"]
@@ -303,13 +370,24 @@ async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last
 
 
 async def test_mig_rank_env_has_no_mps_variables(tmp_path):
-    agent = NodeAgent(AgentConfig(scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"),
-                                  state_dir=tmp_path / "state"))
+    agent = NodeAgent(
+        AgentConfig(
+            scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"), state_dir=tmp_path / "state"
+        )
+    )
     agent.mig.acquire = lambda key, wanted, *rest, **kw: [{**wanted[0], "uuid": "MIG-0123", "created": True}]
-    rec = RankRecord(job_id="m", attempt=1, rank=0, gpus=[6],
-                     slices=[{"gpu": 6, "profile": "3g.40gb", "start": 4, "size": 4}])
-    env = await agent._rank_env(rec, {"RANK": "0", "CUDA_VISIBLE_DEVICES": "6", "CUDA_MPS_PIPE_DIRECTORY": "/x",
-                                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"})
+    rec = RankRecord(
+        job_id="m", attempt=1, rank=0, gpus=[6], slices=[{"gpu": 6, "profile": "3g.40gb", "start": 4, "size": 4}]
+    )
+    env = await agent._rank_env(
+        rec,
+        {
+            "RANK": "0",
+            "CUDA_VISIBLE_DEVICES": "6",
+            "CUDA_MPS_PIPE_DIRECTORY": "/x",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10",
+        },
+    )
     assert env == {"RANK": "0", "CUDA_VISIBLE_DEVICES": "MIG-0123"}
     assert not (tmp_path / "state" / "mps" / "gpu6").exists()
 
@@ -320,11 +398,28 @@ async def test_agent_daemon_that_fails_gives_a_retryable_failed_to_start(fake, a
     root = tmp_path / "state" / "mps"
     launch(fake, 1, "bad", [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "bad", 0), "gpu_milli": 300}])
     launch(fake, 2, "good", [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "good", 0), "gpu_milli": 300}])
-    launch(fake, 3, "both", [{"rank": 0, "gpus": [0], "env": rank_env(tmp_path, "both", 0), "gpu_milli": 300,
-                              "slices": [(0, "1g.10gb", 0, 1)]}])
-    await until(lambda: fake.report("bad", 0, S.RANK_STATE_FAILED_TO_START)
-                and fake.report("good", 0, S.RANK_STATE_EXITED)
-                and fake.report("both", 0, S.RANK_STATE_FAILED_TO_START), what="reports")
+    launch(
+        fake,
+        3,
+        "both",
+        [
+            {
+                "rank": 0,
+                "gpus": [0],
+                "env": rank_env(tmp_path, "both", 0),
+                "gpu_milli": 300,
+                "slices": [(0, "1g.10gb", 0, 1)],
+            }
+        ],
+    )
+    await until(
+        lambda: (
+            fake.report("bad", 0, S.RANK_STATE_FAILED_TO_START)
+            and fake.report("good", 0, S.RANK_STATE_EXITED)
+            and fake.report("both", 0, S.RANK_STATE_FAILED_TO_START)
+        ),
+        what="reports",
+    )
     bad = fake.report("bad", 0, S.RANK_STATE_FAILED_TO_START)
     assert bad.retryable and "MPS" in bad.message and "failed to start" in bad.message
     assert fake.states("bad", 0) == [S.RANK_STATE_FAILED_TO_START] and starts(tmp_path, "bad", 0) == 0
@@ -333,30 +428,43 @@ async def test_agent_daemon_that_fails_gives_a_retryable_failed_to_start(fake, a
     assert not fake.report("good", 0, S.RANK_STATE_EXITED).retryable
     # the host is fixed: the next share on GPU 2 starts
     monkeypatch.delenv("PHALANX_FAKE_MPS_FAIL")
-    launch(fake, 4, "bad", [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "bad", 0), "gpu_milli": 300}],
-           attempt=2)
-    await until(lambda: any(r.job_id == "bad" and r.attempt == 2 and r.state == S.RANK_STATE_EXITED
-                            for r in fake.reports), what="attempt 2 EXITED")
+    launch(fake, 4, "bad", [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "bad", 0), "gpu_milli": 300}], attempt=2)
+    await until(
+        lambda: any(r.job_id == "bad" and r.attempt == 2 and r.state == S.RANK_STATE_EXITED for r in fake.reports),
+        what="attempt 2 EXITED",
+    )
     await until(lambda: commands(root, 2) == ["start", "get_server_list", "quit"], what="GPU 2's daemon came and went")
 
 
+@pytest.mark.slow
 async def test_restarted_agent_adopts_running_daemons_and_stops_unused_ones(fake, agents, tmp_path):
     state_dir = tmp_path / "state"
     root = state_dir / "mps"
     a = agents(fake.port, state_dir)
-    launch(fake, 1, "live", [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "live", 0, SLEEP=60),
-                              "gpu_milli": 400}])
-    launch(fake, 2, "short", [{"rank": 0, "gpus": [6], "env": rank_env(tmp_path, "short", 0, SLEEP=0.6),
-                               "gpu_milli": 400}])
-    await until(lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
-                what="RUNNING")
+    launch(
+        fake, 1, "live", [{"rank": 0, "gpus": [2], "env": rank_env(tmp_path, "live", 0, SLEEP=60), "gpu_milli": 400}]
+    )
+    launch(
+        fake, 2, "short", [{"rank": 0, "gpus": [6], "env": rank_env(tmp_path, "short", 0, SLEEP=0.6), "gpu_milli": 400}]
+    )
+    await until(
+        lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
+        what="RUNNING",
+    )
     await until(lambda: 2 in fake.acks, what="acks")
     pid2, pid6 = daemon_pid(root, 2), daemon_pid(root, 6)
     assert alive(pid2) and alive(pid6)
     await a.abort()  # a crash: ranks and daemons keep running
-    await until(lambda: (tmp_path / "short-r0.env.json").exists() and launcher.read_status(
-        AgentState.load(state_dir / "state.json").ranks["short/1/0"].status_file).get("state") == "exited",
-        what="the short share ended while no agent ran")
+    await until(
+        lambda: (
+            (tmp_path / "short-r0.env.json").exists()
+            and launcher.read_status(AgentState.load(state_dir / "state.json").ranks["short/1/0"].status_file).get(
+                "state"
+            )
+            == "exited"
+        ),
+        what="the short share ended while no agent ran",
+    )
     assert alive(pid6)  # nobody stopped it yet
     b = agents(fake.port, state_dir)
     await until(lambda: fake.report("short", 0, S.RANK_STATE_EXITED), what="short EXITED")
@@ -381,8 +489,9 @@ async def test_restarted_agent_adopts_running_daemons_and_stops_unused_ones(fake
 async def test_agent_shutdown_stops_the_daemons(fake, agents, tmp_path):
     agent = agents(fake.port)
     root = tmp_path / "state" / "mps"
-    launch(fake, 1, "long", [{"rank": 0, "gpus": [7], "env": rank_env(tmp_path, "long", 0, SLEEP=60),
-                              "gpu_milli": 200}])
+    launch(
+        fake, 1, "long", [{"rank": 0, "gpus": [7], "env": rank_env(tmp_path, "long", 0, SLEEP=60), "gpu_milli": 200}]
+    )
     await until(lambda: fake.report("long", 0, S.RANK_STATE_RUNNING), what="RUNNING")
     pid = daemon_pid(root, 7)
     assert alive(pid)
@@ -403,17 +512,35 @@ def test_cli_flag_and_environment(monkeypatch, tmp_path):
     assert parse_args(["--config", str(cfg)]).mps_control == "/srv/mps-control"
     assert parse_args([]).mps_control is None
     # The default: the stand-in, by path, for a simulated host; the real program for a discovered one.
-    sim = NodeAgent(AgentConfig(scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"),
-                                state_dir=tmp_path / "sim"))
+    sim = NodeAgent(
+        AgentConfig(
+            scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"), state_dir=tmp_path / "sim"
+        )
+    )
     assert sim.mps.control == str(tmp_path / "sim" / "mps" / "nvidia-cuda-mps-control")
     assert os.access(sim.mps.control, os.X_OK)
     nvml = simulated_topology(NODE, "dgx-h100")
     nvml.profile = "nvml"
-    real = NodeAgent(AgentConfig(scheduler="x:1", node_name=NODE, topology=nvml, state_dir=tmp_path / "real",
-                                 health_enabled=False, mig_backend=object()))
+    real = NodeAgent(
+        AgentConfig(
+            scheduler="x:1",
+            node_name=NODE,
+            topology=nvml,
+            state_dir=tmp_path / "real",
+            health_enabled=False,
+            mig_backend=object(),
+        )
+    )
     assert real.mps.control == "nvidia-cuda-mps-control"
-    given = NodeAgent(AgentConfig(scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"),
-                                  state_dir=tmp_path / "given", mps_control="/opt/mps"))
+    given = NodeAgent(
+        AgentConfig(
+            scheduler="x:1",
+            node_name=NODE,
+            topology=simulated_topology(NODE, "dgx-h100"),
+            state_dir=tmp_path / "given",
+            mps_control="/opt/mps",
+        )
+    )
     assert given.mps.control == "/opt/mps"
 
 
@@ -421,26 +548,49 @@ def test_cli_flag_and_environment(monkeypatch, tmp_path):
 
 
 async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path):
+    from phalanx.core.fabric import default_fabric
     from services.scheduler.main import serve
     from services.scheduler.settings import SchedulerSettings
 
-    from phalanx.core.fabric import default_fabric
-
-    scheduler = await serve(SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric([NODE]),
-                                              heartbeat_interval=0.2, lease_timeout=5.0, poll_interval=0.2))
-    agent = NodeAgent(AgentConfig(
-        scheduler=scheduler.address, node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"),
-        state_dir=tmp_path / "agent", kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3,
-        poll_interval_s=0.02, rpc_timeout_s=2.0, flush_timeout_s=2.0,
-    ))
+    scheduler = await serve(
+        SchedulerSettings(
+            db_url=db_url,
+            listen="127.0.0.1:0",
+            fabric=default_fabric([NODE]),
+            heartbeat_interval=0.2,
+            lease_timeout=5.0,
+            poll_interval=0.2,
+        )
+    )
+    agent = NodeAgent(
+        AgentConfig(
+            scheduler=scheduler.address,
+            node_name=NODE,
+            topology=simulated_topology(NODE, "dgx-h100"),
+            state_dir=tmp_path / "agent",
+            kill_grace_s=0.5,
+            backoff_initial_s=0.05,
+            backoff_cap_s=0.3,
+            poll_interval_s=0.02,
+            rpc_timeout_s=2.0,
+            flush_timeout_s=2.0,
+        )
+    )
     task = asyncio.create_task(agent.run())
     channel = grpc.aio.insecure_channel(scheduler.address)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     root = tmp_path / "agent" / "mps"
     try:
+
         async def submit(name: str) -> common_pb2.Job:
-            spec = common_pb2.JobSpec(name=name, replicas=1, gpus_per_replica=1, gpu_milli=400, command=RANK_CMD,
-                                      env={"OUT_FILE": str(tmp_path / f"{name}.env.json"), "SLEEP": "60"})
+            spec = common_pb2.JobSpec(
+                name=name,
+                replicas=1,
+                gpus_per_replica=1,
+                gpu_milli=400,
+                command=RANK_CMD,
+                env={"OUT_FILE": str(tmp_path / f"{name}.env.json"), "SLEEP": "60"},
+            )
             return await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))
 
         async def job_state(job_id: str) -> int:
@@ -463,8 +613,10 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
         gpus = {j.allocations[0].gpus[0] for j in jobs}
         assert len(gpus) == 1 and all(j.allocations[0].gpu_milli == 400 for j in jobs)  # packed onto one GPU
         (gpu,) = gpus
-        await until(lambda: (tmp_path / "one.env.json").exists() and (tmp_path / "two.env.json").exists(),
-                    what="the ranks' environments")
+        await until(
+            lambda: (tmp_path / "one.env.json").exists() and (tmp_path / "two.env.json").exists(),
+            what="the ranks' environments",
+        )
         for name in ("one", "two"):
             env = json.loads((tmp_path / f"{name}.env.json").read_text())
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root / f"gpu{gpu}" / "pipe")
@@ -475,8 +627,10 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
         pid = daemon_pid(root, gpu)
         # The first job ends: the daemon stays for the second; the second ends: it quits.
         await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=one.id))
-        await until(lambda: [r.final for r in agent.state.ranks.values() if r.job_id == one.id] == [True],
-                    what="job one's rank ended")
+        await until(
+            lambda: [r.final for r in agent.state.ranks.values() if r.job_id == one.id] == [True],
+            what="job one's rank ended",
+        )
         await until(lambda: len(agent.mps.users(gpu)) == 1 and not agent._releases, what="one share left")
         assert [k.split("/")[0] for k in agent.mps.users(gpu)] == [two.id]
         assert "quit" not in commands(root, gpu) and alive(pid)

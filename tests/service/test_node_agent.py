@@ -49,10 +49,10 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
         self.reports: list[agent_pb2.ReportRankStatusRequest] = []
         self.stream_requests: list[int] = []
         self.assignments: list[agent_pb2.Assignment] = []
-        self.replay_all = False            # ignore after_revision (re-deliver everything)
+        self.replay_all = False  # ignore after_revision (re-deliver everything)
         self.reregister_next = False
         self.stale: set[tuple[str, int]] = set()
-        self.reject: set[str] = set()     # job ids whose reports are refused with INVALID_ARGUMENT
+        self.reject: set[str] = set()  # job ids whose reports are refused with INVALID_ARGUMENT
         self._changed = asyncio.Event()
 
     def push(self, assignment: agent_pb2.Assignment) -> None:
@@ -62,13 +62,22 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
     def launch(self, revision: int, job_id: str, attempt: int, ranks: list[dict], command=None) -> None:
         msg = agent_pb2.LaunchReplica(job_id=job_id, attempt=attempt, replica=0, command=command or RANK_CMD)
         for r in ranks:
-            msg.ranks.append(agent_pb2.RankLaunch(rank=r["rank"], local_rank=r.get("local_rank", r["rank"]),
-                                                  gpus=r.get("gpus", [r["rank"]]), env=r["env"]))
+            msg.ranks.append(
+                agent_pb2.RankLaunch(
+                    rank=r["rank"],
+                    local_rank=r.get("local_rank", r["rank"]),
+                    gpus=r.get("gpus", [r["rank"]]),
+                    env=r["env"],
+                )
+            )
         self.push(agent_pb2.Assignment(revision=revision, launch=msg))
 
     def kill(self, revision: int, job_id: str, attempt: int) -> None:
-        self.push(agent_pb2.Assignment(revision=revision, kill=agent_pb2.KillJob(job_id=job_id, attempt=attempt,
-                                                                                 reason="test")))
+        self.push(
+            agent_pb2.Assignment(
+                revision=revision, kill=agent_pb2.KillJob(job_id=job_id, attempt=attempt, reason="test")
+            )
+        )
 
     def states(self, job_id: str, rank: int) -> list[int]:
         return [r.state for r in self.reports if r.job_id == job_id and r.rank == rank]
@@ -81,8 +90,9 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
 
     async def RegisterNode(self, request, context):
         self.registrations.append(request)
-        return agent_pb2.RegisterNodeResponse(heartbeat_interval_ms=self.heartbeat_ms, lease_timeout_ms=5000,
-                                              acked_revision=max(self.acks, default=0))
+        return agent_pb2.RegisterNodeResponse(
+            heartbeat_interval_ms=self.heartbeat_ms, lease_timeout_ms=5000, acked_revision=max(self.acks, default=0)
+        )
 
     async def Heartbeat(self, request, context):
         self.heartbeats += 1
@@ -133,10 +143,18 @@ async def until(pred, timeout: float = 8.0, what: str = "condition") -> None:
 
 def rank_env(tmp: Path, job: str, rank: int, world: int = 1, **extra) -> dict:
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-        "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": str(rank),
-        "PHALANX_JOB_ID": job, "OUT_FILE": str(tmp / f"{job}-r{rank}.env.json"),
-        "COUNT_FILE": str(tmp / f"{job}-r{rank}.count"), **{k: str(v) for k, v in extra.items()},
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "CUDA_VISIBLE_DEVICES": str(rank),
+        "PHALANX_JOB_ID": job,
+        "OUT_FILE": str(tmp / f"{job}-r{rank}.env.json"),
+        "COUNT_FILE": str(tmp / f"{job}-r{rank}.count"),
+        **{k: str(v) for k, v in extra.items()},
     }
 
 
@@ -155,11 +173,20 @@ async def fake():
 
 
 def make_agent(port: int, state_dir: Path, node: str = "node-a") -> NodeAgent:
-    return NodeAgent(AgentConfig(
-        scheduler=f"127.0.0.1:{port}", node_name=node, topology=simulated_topology(node, "dgx-h100"),
-        state_dir=state_dir, kill_grace_s=0.5, backoff_initial_s=0.05, backoff_cap_s=0.3, poll_interval_s=0.02,
-        rpc_timeout_s=2.0, flush_timeout_s=2.0,
-    ))
+    return NodeAgent(
+        AgentConfig(
+            scheduler=f"127.0.0.1:{port}",
+            node_name=node,
+            topology=simulated_topology(node, "dgx-h100"),
+            state_dir=state_dir,
+            kill_grace_s=0.5,
+            backoff_initial_s=0.05,
+            backoff_cap_s=0.3,
+            poll_interval_s=0.02,
+            rpc_timeout_s=2.0,
+            flush_timeout_s=2.0,
+        )
+    )
 
 
 @pytest.fixture
@@ -178,7 +205,7 @@ async def agent_factory(tmp_path):
             agent.request_stop()
             try:
                 await asyncio.wait_for(task, 10)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 task.cancel()
 
 
@@ -187,9 +214,21 @@ async def agent_factory(tmp_path):
 
 def test_discover_json_dgx_h100():
     out = subprocess.run(
-        [sys.executable, "-m", "services.node_agent.main", "--discover", "--simulate", "dgx-h100", "--json",
-         "--node-name", "n1"],
-        capture_output=True, text=True, cwd=ROOT, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "services.node_agent.main",
+            "--discover",
+            "--simulate",
+            "dgx-h100",
+            "--json",
+            "--node-name",
+            "n1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)  # stdout is pure JSON; logs went to stderr
@@ -209,14 +248,22 @@ def test_discover_json_dgx_h100():
     # table form
     table = subprocess.run(
         [sys.executable, "-m", "services.node_agent.main", "--discover", "--simulate", "dgx-h100"],
-        capture_output=True, text=True, cwd=ROOT, timeout=30,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
     )
     assert table.returncode == 0 and "GPU0" in table.stdout and "NV18" in table.stdout and "mlx5_7" in table.stdout
 
 
 def test_discover_without_gpu_fails_clearly():
-    out = subprocess.run([sys.executable, "-m", "services.node_agent.main", "--discover"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.node_agent.main", "--discover"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     if out.returncode == 0:
         pytest.skip("this host has NVIDIA GPUs; NVML discovery succeeded")
     assert out.returncode != 0
@@ -234,10 +281,19 @@ async def test_launch_env_running_exited(fake, agent_factory, tmp_path, monkeypa
     reg = fake.registrations[0]
     assert reg.node_name == "node-a" and reg.address == "127.0.0.1" and len(reg.topology.gpus) == 8
     assert reg.agent_instance == agent.instance
-    fake.launch(1, "job-1", 1, [{"rank": 0, "env": rank_env(tmp_path, "job-1", 0, 2, CODE=0)},
-                                {"rank": 1, "env": rank_env(tmp_path, "job-1", 1, 2, CODE=3)}])
-    await until(lambda: fake.report("job-1", 1, S.RANK_STATE_EXITED) and fake.report("job-1", 0, S.RANK_STATE_EXITED),
-                what="both ranks EXITED")
+    fake.launch(
+        1,
+        "job-1",
+        1,
+        [
+            {"rank": 0, "env": rank_env(tmp_path, "job-1", 0, 2, CODE=0)},
+            {"rank": 1, "env": rank_env(tmp_path, "job-1", 1, 2, CODE=3)},
+        ],
+    )
+    await until(
+        lambda: fake.report("job-1", 1, S.RANK_STATE_EXITED) and fake.report("job-1", 0, S.RANK_STATE_EXITED),
+        what="both ranks EXITED",
+    )
     assert 1 in fake.acks
     for rank, code in [(0, 0), (1, 3)]:
         assert fake.states("job-1", rank) == [S.RANK_STATE_RUNNING, S.RANK_STATE_EXITED]
@@ -257,10 +313,20 @@ async def test_launch_env_running_exited(fake, agent_factory, tmp_path, monkeypa
 
 async def test_signal_death_and_failed_to_start(fake, agent_factory, tmp_path):
     agent_factory(fake.port)
-    fake.launch(1, "sig", 1, [{"rank": 0, "env": rank_env(tmp_path, "sig", 0)}],
-                command=[sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
-    fake.launch(2, "nocmd", 1, [{"rank": 0, "env": rank_env(tmp_path, "nocmd", 0)}],
-                command=["/nonexistent/phalanx-no-such-binary", "--x"])
+    fake.launch(
+        1,
+        "sig",
+        1,
+        [{"rank": 0, "env": rank_env(tmp_path, "sig", 0)}],
+        command=[sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+    )
+    fake.launch(
+        2,
+        "nocmd",
+        1,
+        [{"rank": 0, "env": rank_env(tmp_path, "nocmd", 0)}],
+        command=["/nonexistent/phalanx-no-such-binary", "--x"],
+    )
     await until(lambda: fake.report("sig", 0, S.RANK_STATE_EXITED), what="EXITED after signal")
     assert fake.report("sig", 0, S.RANK_STATE_EXITED).exit_code == 128 + signal.SIGKILL
     await until(lambda: fake.report("nocmd", 0, S.RANK_STATE_FAILED_TO_START), what="FAILED_TO_START")
@@ -294,8 +360,9 @@ async def test_kill_and_stale(fake, agent_factory, tmp_path):
     # Stale: the scheduler answers the RUNNING report of attempt 2 with stale -> the agent kills it.
     fake.stale.add(("long", 2))
     fake.launch(4, "long", 2, [{"rank": 0, "env": rank_env(tmp_path, "long", 0, SLEEP=60)}])
-    await until(lambda: any(r.attempt == 2 and r.state == S.RANK_STATE_KILLED for r in fake.reports),
-                what="stale rank KILLED")
+    await until(
+        lambda: any(r.attempt == 2 and r.state == S.RANK_STATE_KILLED for r in fake.reports), what="stale rank KILLED"
+    )
     # the re-sent launch of the killed attempt 1 started nothing
     assert [r.state for r in fake.reports if r.attempt == 1] == [S.RANK_STATE_RUNNING, S.RANK_STATE_KILLED]
     assert starts(tmp_path, "long", 0) <= 2
@@ -303,11 +370,14 @@ async def test_kill_and_stale(fake, agent_factory, tmp_path):
 
 async def test_sigterm_ignoring_rank_gets_sigkill(fake, agent_factory, tmp_path):
     agent_factory(fake.port)
-    cmd = [sys.executable, "-c",
-           "import os, signal, time, json\n"
-           "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-           "json.dump({}, open(os.environ['OUT_FILE'], 'w'))\n"
-           "time.sleep(60)\n"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import os, signal, time, json\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "json.dump({}, open(os.environ['OUT_FILE'], 'w'))\n"
+        "time.sleep(60)\n",
+    ]
     fake.launch(1, "stubborn", 1, [{"rank": 0, "env": rank_env(tmp_path, "stubborn", 0)}], command=cmd)
     await until(lambda: (tmp_path / "stubborn-r0.env.json").exists(), what="rank up")
     await until(lambda: fake.report("stubborn", 0, S.RANK_STATE_RUNNING), what="RUNNING")
@@ -350,8 +420,10 @@ async def test_redelivery_after_reconnect_starts_nothing_twice(fake, agent_facto
     agent, _ = agent_factory(fake.port)
     ranks = [{"rank": r, "env": rank_env(tmp_path, "dup", r, 2, SLEEP=60)} for r in range(2)]
     fake.launch(1, "dup", 1, ranks)
-    await until(lambda: fake.report("dup", 0, S.RANK_STATE_RUNNING) and fake.report("dup", 1, S.RANK_STATE_RUNNING),
-                what="RUNNING")
+    await until(
+        lambda: fake.report("dup", 0, S.RANK_STATE_RUNNING) and fake.report("dup", 1, S.RANK_STATE_RUNNING),
+        what="RUNNING",
+    )
     port = fake.port
     await fake.server.stop(0)
     fake.replay_all = True  # a scheduler that re-sends everything, same revision and a new one
@@ -368,8 +440,9 @@ async def test_redelivery_after_reconnect_starts_nothing_twice(fake, agent_facto
     await asyncio.sleep(0.2)
     assert starts(tmp_path, "dup", 0) == 1
     fake.kill(3, "dup", 1)
-    await until(lambda: fake.report("dup", 1, S.RANK_STATE_KILLED) and fake.report("dup", 0, S.RANK_STATE_KILLED),
-                what="KILLED")
+    await until(
+        lambda: fake.report("dup", 1, S.RANK_STATE_KILLED) and fake.report("dup", 0, S.RANK_STATE_KILLED), what="KILLED"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ restarts
@@ -380,16 +453,25 @@ async def test_agent_restart_adopts_live_rank(fake, agent_factory, tmp_path):
     a, _ = agent_factory(fake.port, state_dir)
     fake.launch(1, "live", 1, [{"rank": 0, "env": rank_env(tmp_path, "live", 0, SLEEP=60)}])
     fake.launch(2, "short", 1, [{"rank": 0, "env": rank_env(tmp_path, "short", 0, SLEEP=0.3, CODE=5)}])
-    await until(lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
-                what="RUNNING")
+    await until(
+        lambda: fake.report("live", 0, S.RANK_STATE_RUNNING) and fake.report("short", 0, S.RANK_STATE_RUNNING),
+        what="RUNNING",
+    )
     await until(lambda: 2 in fake.acks, what="acks")
     await a.abort()  # crash: ranks keep running, nothing reported
     live_pid = fake.report("live", 0, S.RANK_STATE_RUNNING).pid
     assert launcher.pid_alive(live_pid)
     # a rank the dead agent had started whose process is gone without a trace -> LOST
     st = AgentState.load(state_dir / "state.json")
-    st.ranks["ghost/1/0"] = RankRecord(job_id="ghost", attempt=1, rank=0, state="running", wrapper_pid=2**22 - 7,
-                                       wrapper_start=1, status_file=str(tmp_path / "nope.json"))
+    st.ranks["ghost/1/0"] = RankRecord(
+        job_id="ghost",
+        attempt=1,
+        rank=0,
+        state="running",
+        wrapper_pid=2**22 - 7,
+        wrapper_start=1,
+        status_file=str(tmp_path / "nope.json"),
+    )
     st.save()
     await asyncio.sleep(0.6)  # "short" exits while no agent runs
     b, _ = agent_factory(fake.port, state_dir)
@@ -420,11 +502,19 @@ async def test_state_dir_is_exclusive(tmp_path):
 
 
 async def test_cli_sigterm_kills_ranks_and_exits_zero(fake, tmp_path):
-    env = {**os.environ, "PHALANX_SCHEDULER": f"127.0.0.1:{fake.port}", "PHALANX_NODE_NAME": "cli-node",
-           "PHALANX_STATE_DIR": str(tmp_path / "cli-state")}
-    proc = subprocess.Popen([sys.executable, "-m", "services.node_agent.main", "--simulate", "pcie-2numa",
-                             "--kill-grace", "0.5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "PHALANX_SCHEDULER": f"127.0.0.1:{fake.port}",
+        "PHALANX_NODE_NAME": "cli-node",
+        "PHALANX_STATE_DIR": str(tmp_path / "cli-state"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.node_agent.main", "--simulate", "pcie-2numa", "--kill-grace", "0.5"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         await until(lambda: fake.registrations, timeout=15, what="CLI agent registration")
         assert fake.registrations[0].node_name == "cli-node"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 
 from phalanx.api.v1 import scheduler_pb2
 from phalanx.cli.main import main as cli_main
@@ -32,9 +34,6 @@ from phalanx.profiles import list_profiles, load_profile
 from phalanx.testing.lite_agent import LiteAgent
 from services.node_agent.simulated import simulated_topology
 from services.scheduler.settings import SchedulerSettings
-
-from helpers.lite_cluster import LiteCluster
-from helpers.procs import eventually
 
 CLUSTER_UUID = "3f2a9c41-7d55-4e0b-9b1e-0c8d2f6a1b77"
 
@@ -77,7 +76,9 @@ def test_yaml_nvlink_auto_and_round_trips():
     assert parse_fabric_yaml("nvlink_domains: {}\nswitches: {leaf0: [n1]}").nvlink_domains == {}
     # `nvlink` in `tiers` is tolerated when it comes first
     assert parse_fabric_yaml("tiers: [nvlink, leaf]\nnvlink_domains: auto\nswitches: {leaf0: [n1]}").tiers == (
-        "nvlink", "leaf")
+        "nvlink",
+        "leaf",
+    )
     for fabric in (auto, parse_fabric_yaml(NVL72_YAML)):
         assert parse_fabric_yaml(fabric.to_yaml()) == fabric
     # domains only, no switches: the domain is the only tier
@@ -109,9 +110,9 @@ def test_plain_fabrics_are_unchanged():
         ('nvlink_domains: {a: ["n1", "n1"]}', "listed twice"),
         # a member the switches do not name
         ('nvlink_domains: {a: "x[1-2]"}\nswitches: {leaf0: [n1]}', "switches do not name"),
-        ('nvlink_domains: [n1, n2]', "auto` or a mapping"),
-        ('nvlink_domains: sometimes', "auto` or a mapping"),
-        ('nvlink_domains: {a: []}', "must list its nodes"),
+        ("nvlink_domains: [n1, n2]", "auto` or a mapping"),
+        ("nvlink_domains: sometimes", "auto` or a mapping"),
+        ("nvlink_domains: {a: []}", "must list its nodes"),
         ('nvlink_domains: {a: "n[3-1]"}', "bad range"),
         ('nvlink_domains: {n2: "n1"}\nswitches: {leaf0: ["n[1-2]"]}', "has the name of node"),
         # the tier name is reserved
@@ -176,9 +177,7 @@ def test_group_nvlink_domains_simulates_racks_per_leaf_and_keeps_declared_ones()
 
 
 def _capacity(fabric: Fabric, gpus: int = 4) -> ClusterCapacity:
-    return ClusterCapacity(
-        NodeCapacity(n, gpus, set(range(gpus)), True, fabric.path(n)) for n in sorted(fabric.paths)
-    )
+    return ClusterCapacity(NodeCapacity(n, gpus, set(range(gpus)), True, fabric.path(n)) for n in sorted(fabric.paths))
 
 
 def _domains(fabric: Fabric, placement) -> set[str]:
@@ -261,8 +260,15 @@ class _Scheduler(LiteCluster):
         super().__init__(
             SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=fabric),
             lambda address: [
-                LiteAgent(address, n, gpus=4, model="NVIDIA GB200", memory_mib=189471,
-                          fabric_cluster_uuid=CLUSTER_UUID if c else "", fabric_clique=c)
+                LiteAgent(
+                    address,
+                    n,
+                    gpus=4,
+                    model="NVIDIA GB200",
+                    memory_mib=189471,
+                    fabric_cluster_uuid=CLUSTER_UUID if c else "",
+                    fabric_clique=c,
+                )
                 for n, c in cliques.items()
             ],
         )
@@ -272,6 +278,7 @@ class _Scheduler(LiteCluster):
         return {n.name: tuple(n.fabric_path) for n in nodes.nodes}
 
 
+@pytest.mark.slow
 async def test_scheduler_places_a_required_nvlink_gang_inside_one_clique(db_url):
     # 9 trays under one leaf: t1-t4 report clique 0, t5-t8 clique 1, t9 reports none (its own domain); the fabric
     # declares t8 and t9 as a domain of their own, which wins over what t8 reports.
@@ -323,7 +330,10 @@ def test_place_cli_groups_gb200_trays_into_racks(tmp_path, capsys):
     # a plain Slurm tree of 36 trays under one leaf: the profile makes them 2 racks of 18
     tree = "SwitchName=leaf0 Nodes=gb[001-036]\nSwitchName=spine0 Switches=leaf0\n"
     lines = _place(
-        tmp_path, capsys, tree, "topology.conf",
+        tmp_path,
+        capsys,
+        tree,
+        "topology.conf",
         {"name": "small", "replicas": 4, "gpus_per_replica": 4},
         {"name": "rack", "replicas": 18, "gpus_per_replica": 4, "required_tier": "nvlink"},
         {"name": "too-wide", "replicas": 15, "gpus_per_replica": 4, "required_tier": "nvlink"},
@@ -356,7 +366,10 @@ nvlink_domains: {small: "gb[001-004]"}
 switches: {leaf0: ["gb[001-022]"]}
 """
     lines = _place(
-        tmp_path, capsys, yaml_text, "fabric.yaml",
+        tmp_path,
+        capsys,
+        yaml_text,
+        "fabric.yaml",
         {"name": "four", "replicas": 4, "gpus_per_replica": 4, "required_tier": "nvlink"},
         {"name": "rack", "replicas": 18, "gpus_per_replica": 4, "required_tier": "nvlink"},
         {"name": "more", "replicas": 1, "gpus_per_replica": 4, "required_tier": "nvlink"},
@@ -381,8 +394,9 @@ def test_local_cluster_of_gb200_trays_has_racks_of_18(tmp_path, monkeypatch):
     monkeypatch.delenv("PHALANX_FABRIC_CLIQUE", raising=False)
     state_dir = tmp_path / "cluster"
     messages: list[str] = []
-    with LocalCluster(nodes=19, profile="gb200-nvl72", state_dir=state_dir, port=0, log=messages.append,
-                      ready_timeout=90) as cluster:
+    with LocalCluster(
+        nodes=19, profile="gb200-nvl72", state_dir=state_dir, port=0, log=messages.append, ready_timeout=90
+    ) as cluster:
         fabric = load_fabric(state_dir / "topology.yaml")
         assert fabric.tiers == ("nvlink", "leaf", "spine") and fabric.nvlink_domains == {}
         assert not (state_dir / "topology.conf").exists()
@@ -398,4 +412,14 @@ def test_local_cluster_of_gb200_trays_has_racks_of_18(tmp_path, monkeypatch):
             done = client.wait(job.id, timeout=60)
             assert done.state is JobState.SUCCEEDED, done
             assert done.placement["tier"] == "nvlink"
-            assert len({domains[n] for n in done.nodes}) == 1
+            import sqlite3  # a finished job shows no allocations: where it ran is in the ledger's history
+
+            with sqlite3.connect(state_dir / "phalanx.db") as conn:
+                ran_on = {
+                    n
+                    for (n,) in conn.execute(
+                        "SELECT DISTINCT n.name FROM allocations a JOIN nodes n ON n.id = a.node_id WHERE a.job_id = ?",
+                        (job.id,),
+                    )
+                }
+            assert len(ran_on) == 2 and len({domains[n] for n in ran_on}) == 1

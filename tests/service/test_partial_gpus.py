@@ -12,6 +12,8 @@ import json
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
@@ -22,15 +24,12 @@ from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.cli.main import main as cli_main
 from phalanx.core import mig
 from phalanx.core.capacity import CapacityError, ClusterCapacity, shape_key
+from phalanx.core.fabric import default_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement
 from phalanx.core.placement import Unplaceable, place_gang
 from phalanx.core.shares import fragmentation
-from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
-
-from helpers.lite_cluster import LiteCluster
-from helpers.procs import eventually
 
 H100 = ("NVIDIA H100 80GB HBM3", 81559)
 A100_40 = ("NVIDIA A100-SXM4-40GB", 40960)
@@ -39,8 +38,9 @@ L40S = ("NVIDIA L40S", 46068)
 
 def node(name: str, model=H100, gpus: int = 8, free: set[int] | None = None, path=("leaf0", "spine0"), mig=()):
     """`mig`: the GPUs in MIG mode (only MIG instances go there; the others take whole-GPU jobs and shares)."""
-    return NodeCapacity(name, gpus, set(range(gpus)) if free is None else free, True, path, None, *model,
-                        mig_gpus=frozenset(mig))
+    return NodeCapacity(
+        name, gpus, set(range(gpus)) if free is None else free, True, path, None, *model, mig_gpus=frozenset(mig)
+    )
 
 
 def place(cap: ClusterCapacity, job: str, *, mig_profile: str = "", milli: int = 0, replicas: int = 1, model=""):
@@ -67,17 +67,20 @@ def test_profiles_follow_nvidias_placement_table():
     assert mig.resolve("1g.10gb", "A100-40GB").size == 2 and mig.resolve("1g.10gb", "A100-80GB").size == 1
 
 
-@pytest.mark.parametrize("model, memory, family", [
-    ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
-    ("NVIDIA H100 NVL", 95830, "H100-94GB"),
-    ("NVIDIA H200", 143771, "H200-141GB"),
-    ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"),
-    ("NVIDIA A100-SXM4-80GB", 81920, "A100-80GB"),
-    ("NVIDIA B200", 183359, "B200-180GB"),
-    ("NVIDIA GB200", 189471, "GB200-186GB"),
-    ("NVIDIA L40S", 46068, None),
-    ("Tesla V100-SXM2-32GB", 32768, None),
-])
+@pytest.mark.parametrize(
+    "model, memory, family",
+    [
+        ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
+        ("NVIDIA H100 NVL", 95830, "H100-94GB"),
+        ("NVIDIA H200", 143771, "H200-141GB"),
+        ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB", 81920, "A100-80GB"),
+        ("NVIDIA B200", 183359, "B200-180GB"),
+        ("NVIDIA GB200", 189471, "GB200-186GB"),
+        ("NVIDIA L40S", 46068, None),
+        ("Tesla V100-SXM2-32GB", 32768, None),
+    ],
+)
 def test_mig_family_from_the_nvml_name(model, memory, family):
     assert mig.mig_family(model, memory) == family
 
@@ -222,12 +225,16 @@ def test_nodes_of_one_shape_are_scored_once():
     assert fragmentation.cache_info().currsize <= 2 * (1 + 2 * 7)
 
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("mig"), st.sampled_from(list(mig.family_profiles("H100-80GB")))),
-    st.tuples(st.just("milli"), st.sampled_from([100, 250, 333, 500, 700])),
-    st.tuples(st.just("whole"), st.sampled_from([1, 2, 4])),
-    st.tuples(st.just("release"), st.integers(0, 50)),
-), min_size=1, max_size=40)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("mig"), st.sampled_from(list(mig.family_profiles("H100-80GB")))),
+        st.tuples(st.just("milli"), st.sampled_from([100, 250, 333, 500, 700])),
+        st.tuples(st.just("whole"), st.sampled_from([1, 2, 4])),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
@@ -240,8 +247,13 @@ def test_random_mixes_never_double_book_and_keep_the_index_true(ops):
             if held:
                 cap.release_placement(held.pop(arg % len(held)))
         else:
-            req = GangRequest(f"j{i}", 1, arg if kind == "whole" else 1, mig_profile=arg if kind == "mig" else "",
-                              gpu_milli=arg if kind == "milli" else 0)
+            req = GangRequest(
+                f"j{i}",
+                1,
+                arg if kind == "whole" else 1,
+                mig_profile=arg if kind == "mig" else "",
+                gpu_milli=arg if kind == "milli" else 0,
+            )
             p = place_gang(cap, req)
             if isinstance(p, Placement):
                 cap.reserve(p)
@@ -285,9 +297,17 @@ class Cluster(LiteCluster):
         names = [f"node-{i}" for i in range(len(models))]
         super().__init__(
             SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names, nodes_per_leaf=4)),
-            lambda address: [LiteAgent(address, n, gpus=gpus, model=m[0], memory_mib=m[1],
-                                       mig_gpus=tuple(mig_gpus) if mig.mig_family(*m) else ())
-                             for n, m in zip(names, models, strict=True)],
+            lambda address: [
+                LiteAgent(
+                    address,
+                    n,
+                    gpus=gpus,
+                    model=m[0],
+                    memory_mib=m[1],
+                    mig_gpus=tuple(mig_gpus) if mig.mig_family(*m) else (),
+                )
+                for n, m in zip(names, models, strict=True)
+            ],
         )
 
 
@@ -299,8 +319,9 @@ async def test_mig_job_end_to_end_with_slices_in_the_ledger_and_the_launch(db_ur
         (sl,) = alloc.slices
         assert (sl.profile, sl.start, sl.size) == ("3g.40gb", 4, 4) and list(alloc.gpus) == [sl.gpu]
         assert j.spec.mig_profile == "3g.40gb" and "3g.40gb" in j.placement.reason
-        rows = c.sql("SELECT kind, unit, profile, gpu_index FROM allocations WHERE released_at IS NULL "
-                     "ORDER BY kind, unit")
+        rows = c.sql(
+            "SELECT kind, unit, profile, gpu_index FROM allocations WHERE released_at IS NULL ORDER BY kind, unit"
+        )
         assert rows == [("hold", -1, "mig", sl.gpu), *(("mig", u, "3g.40gb", sl.gpu) for u in range(4, 8))]
         # The agent got the instance in the launch, for CUDA_VISIBLE_DEVICES.
         agent = c.agents[0]
@@ -340,7 +361,7 @@ async def test_shares_end_to_end_pack_one_gpu_and_release_it(db_url):
         gpus = {(r.allocations[0].node, r.allocations[0].gpus[0]) for r in running}
         assert len(gpus) == 1 and all(r.allocations[0].gpu_milli == 250 for r in running)
         assert c.sql("SELECT gpu_milli FROM allocations WHERE kind = 'hold' AND released_at IS NULL") == [(1000,)]
-        launches = [r for a in c.agents for l in a.launched for r in l.ranks]
+        launches = [r for a in c.agents for launch in a.launched for r in launch.ranks]
         assert sorted(r.gpu_milli for r in launches) == [250] * 4
         for j in jobs:
             await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=j.id))
@@ -358,29 +379,40 @@ async def test_the_ledger_refuses_overlapping_slices_and_whole_gpus_on_a_split_g
         try:
             for kind, unit in (("mig", 5), ("gpu", -1)):  # a slice the 3g holds; the whole GPU
                 with pytest.raises(IntegrityError), engine.begin() as conn:
-                    conn.execute(text(
-                        "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, "
-                        "kind, unit, profile, gpu_milli) VALUES (:job, 1, 0, :node, :gpu, :idx, 0, :kind, :unit, "
-                        "'x', 0)"), dict(job=j.id, node=node_id, gpu=gpu_id, idx=sl.gpu, kind=kind, unit=unit))
+                    conn.execute(
+                        text(
+                            "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, "
+                            "kind, unit, profile, gpu_milli) VALUES (:job, 1, 0, :node, :gpu, :idx, 0, :kind, :unit, "
+                            "'x', 0)"
+                        ),
+                        dict(job=j.id, node=node_id, gpu=gpu_id, idx=sl.gpu, kind=kind, unit=unit),
+                    )
             with engine.begin() as conn:  # a free slice is fine for the index (the scheduler never did this)
-                conn.execute(text(
-                    "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, "
-                    "kind, unit, profile, gpu_milli, released_at) VALUES (:job, 1, 0, :node, :gpu, :idx, 0, 'mig', 0, "
-                    "'x', 0, 1)"), dict(job=j.id, node=node_id, gpu=gpu_id, idx=sl.gpu))
+                conn.execute(
+                    text(
+                        "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, reserved_at, "
+                        "kind, unit, profile, gpu_milli, released_at) VALUES (:job, 1, 0, :node, :gpu, :idx, 0, 'mig', 0, "
+                        "'x', 0, 1)"
+                    ),
+                    dict(job=j.id, node=node_id, gpu=gpu_id, idx=sl.gpu),
+                )
         finally:
             engine.dispose()
 
 
-@pytest.mark.parametrize("spec, code, text_", [
-    (dict(mig_profile="3g.40gb", gpu_milli=100), grpc.StatusCode.INVALID_ARGUMENT, "not both"),
-    (dict(mig_profile="5g.50gb"), grpc.StatusCode.INVALID_ARGUMENT, "is not a MIG profile"),
-    (dict(gpu_milli=1000), grpc.StatusCode.INVALID_ARGUMENT, "gpu_milli must be 1-999"),
-    (dict(gpu_milli=-5), grpc.StatusCode.INVALID_ARGUMENT, "gpu_milli must be 1-999"),
-    (dict(mig_profile="1g.10gb", gpus=2), grpc.StatusCode.INVALID_ARGUMENT, "gpus_per_replica must be 1"),
-    (dict(mig_profile="1g.5gb"), grpc.StatusCode.FAILED_PRECONDITION, "no known node's GPUs offer MIG profile"),
-    (dict(gpu_model="B200"), grpc.StatusCode.FAILED_PRECONDITION, "no known node has GPU model 'B200'"),
-    (dict(gpu_model="H100", replicas=2, gpus=2), grpc.StatusCode.FAILED_PRECONDITION, "hold at most 1 replicas"),
-])
+@pytest.mark.parametrize(
+    "spec, code, text_",
+    [
+        (dict(mig_profile="3g.40gb", gpu_milli=100), grpc.StatusCode.INVALID_ARGUMENT, "not both"),
+        (dict(mig_profile="5g.50gb"), grpc.StatusCode.INVALID_ARGUMENT, "is not a MIG profile"),
+        (dict(gpu_milli=1000), grpc.StatusCode.INVALID_ARGUMENT, "gpu_milli must be 1-999"),
+        (dict(gpu_milli=-5), grpc.StatusCode.INVALID_ARGUMENT, "gpu_milli must be 1-999"),
+        (dict(mig_profile="1g.10gb", gpus=2), grpc.StatusCode.INVALID_ARGUMENT, "gpus_per_replica must be 1"),
+        (dict(mig_profile="1g.5gb"), grpc.StatusCode.FAILED_PRECONDITION, "no known node's GPUs offer MIG profile"),
+        (dict(gpu_model="B200"), grpc.StatusCode.FAILED_PRECONDITION, "no known node has GPU model 'B200'"),
+        (dict(gpu_model="H100", replicas=2, gpus=2), grpc.StatusCode.FAILED_PRECONDITION, "hold at most 1 replicas"),
+    ],
+)
 async def test_bad_partial_requests_are_refused_and_write_nothing(db_url, spec, code, text_):
     async with Cluster(db_url, models=(H100, L40S)) as c:
         spec = dict(spec)
@@ -402,12 +434,40 @@ async def _cli(capsys, *argv) -> tuple[int, str]:
 async def test_gpu_model_and_cli_flags_end_to_end(db_url, capsys, logs_to_stderr):
     async with Cluster(db_url, models=(H100, L40S)) as c:
         target = c.scheduler.address
-        _, out = await _cli(capsys, "--scheduler", target, "submit", "--name", "frac", "--replicas", "1",
-                            "--gpu-milli", "500", "--gpu-model", "l40s", "--json", "--", "run")
+        _, out = await _cli(
+            capsys,
+            "--scheduler",
+            target,
+            "submit",
+            "--name",
+            "frac",
+            "--replicas",
+            "1",
+            "--gpu-milli",
+            "500",
+            "--gpu-model",
+            "l40s",
+            "--json",
+            "--",
+            "run",
+        )
         job = await c.wait_running(json.loads(out)["id"])
         assert job.allocations[0].node == "node-1" and job.allocations[0].gpu_milli == 500
-        _, out = await _cli(capsys, "--scheduler", target, "submit", "--name", "mig", "--replicas", "1",
-                            "--mig", "1g.10gb", "--json", "--", "run")
+        _, out = await _cli(
+            capsys,
+            "--scheduler",
+            target,
+            "submit",
+            "--name",
+            "mig",
+            "--replicas",
+            "1",
+            "--mig",
+            "1g.10gb",
+            "--json",
+            "--",
+            "run",
+        )
         mig_id = json.loads(out)["id"]
         await c.wait_running(mig_id)
         _, out = await _cli(capsys, "--scheduler", target, "job", mig_id, "--json")
@@ -429,30 +489,50 @@ async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_
     upgrade(url, "0002")
     engine = make_engine(url)
     with engine.begin() as conn:  # a node with 2 GPUs and a job holding GPU 0, as a 0002 scheduler wrote them
-        conn.execute(text(
-            "INSERT INTO nodes (id, name, state, message, gpus, gpu_model, profile, address, topology, fabric_path, "
-            "agent_instance, registered_at, last_heartbeat, revision, acked_revision) VALUES (1, 'node-0', 'READY', "
-            "'', 2, :model, 'lite', '127.0.0.1', '{}', '[]', 'x', 1, 1, 0, 0)"), {"model": H100[0]})
+        conn.execute(
+            text(
+                "INSERT INTO nodes (id, name, state, message, gpus, gpu_model, profile, address, topology, fabric_path, "
+                "agent_instance, registered_at, last_heartbeat, revision, acked_revision) VALUES (1, 'node-0', 'READY', "
+                "'', 2, :model, 'lite', '127.0.0.1', '{}', '[]', 'x', 1, 1, 0, 0)"
+            ),
+            {"model": H100[0]},
+        )
         for i in range(2):
-            conn.execute(text("INSERT INTO gpus (id, node_id, \"index\", uuid, name, memory_mib) "
-                              "VALUES (:i, 1, :idx, :u, :m, 81559)"), {"i": i + 1, "idx": i, "u": f"GPU-{i}",
-                                                                       "m": H100[0]})
-        conn.execute(text(
-            "INSERT INTO jobs (id, request_id, name, state, priority, replicas, gpus_per_replica, procs_per_replica, "
-            "command, env, attempt, message, exit_code, placement, submitted_at, started_at, finished_at, version, "
-            "required_tier, preferred_tier) VALUES ('0123456789ab', NULL, 'old', 'RUNNING', 0, 1, 1, 0, '[\"run\"]', "
-            "'{}', 1, '', 0, '{}', 1.0, 2.0, 0, 1, '', '')"))
-        conn.execute(text("INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
-                          "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 2.0)"))
+            conn.execute(
+                text(
+                    'INSERT INTO gpus (id, node_id, "index", uuid, name, memory_mib) '
+                    "VALUES (:i, 1, :idx, :u, :m, 81559)"
+                ),
+                {"i": i + 1, "idx": i, "u": f"GPU-{i}", "m": H100[0]},
+            )
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, request_id, name, state, priority, replicas, gpus_per_replica, procs_per_replica, "
+                "command, env, attempt, message, exit_code, placement, submitted_at, started_at, finished_at, version, "
+                "required_tier, preferred_tier) VALUES ('0123456789ab', NULL, 'old', 'RUNNING', 0, 1, 1, 0, '[\"run\"]', "
+                "'{}', 1, '', 0, '{}', 1.0, 2.0, 0, 1, '', '')"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
+                "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 2.0)"
+            )
+        )
     upgrade(url)
-    assert current(url) == "0014"
+    assert current(url) == "0015"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT kind, unit, profile, gpu_milli FROM allocations")).all() == [
-            ("gpu", -1, "", 0)]
+            ("gpu", -1, "", 0)
+        ]
         assert conn.execute(text("SELECT gpu_model, mig_profile, gpu_milli FROM jobs")).all() == [("", "", 0)]
     with pytest.raises(IntegrityError), engine.begin() as conn:
-        conn.execute(text("INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
-                          "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 3.0)"))
+        conn.execute(
+            text(
+                "INSERT INTO allocations (job_id, attempt, replica, node_id, gpu_id, gpu_index, "
+                "reserved_at) VALUES ('0123456789ab', 1, 0, 1, 1, 0, 3.0)"
+            )
+        )
     engine.dispose()
     # The scheduler sees GPU 0 held: a share goes to GPU 1.
     async with Cluster(url, mig_gpus=()) as c:

@@ -4,6 +4,8 @@ grace period ends), hand their GPUs to the preemptor in the same commit, requeue
 from __future__ import annotations
 
 import pytest
+from helpers.lite_cluster import LiteCluster
+from helpers.procs import eventually
 
 from db.engine import make_engine
 from phalanx.api.v1 import common_pb2, scheduler_pb2
@@ -13,9 +15,6 @@ from phalanx.testing.lite_agent import LiteAgent
 from services.checkpoint_coordinator import store
 from services.scheduler.settings import SchedulerSettings
 
-from helpers.lite_cluster import LiteCluster
-from helpers.procs import eventually
-
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
 PREEMPTING = common_pb2.JOB_STATE_PREEMPTING
 
@@ -23,8 +22,12 @@ PREEMPTING = common_pb2.JOB_STATE_PREEMPTING
 def cluster(db_url: str, nodes: int = 2, *, min_runtime: float = 0.0, grace: float = 30.0) -> LiteCluster:
     names = [f"node-{i}" for i in range(nodes)]
     settings = SchedulerSettings(
-        db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names), retry_backoff_s=0.1,
-        preemption=PreemptionPolicy(min_runtime_s=min_runtime, grace_period_s=grace), preemption_poll_s=0.1,
+        db_url=db_url,
+        listen="127.0.0.1:0",
+        fabric=default_fabric(names),
+        retry_backoff_s=0.1,
+        preemption=PreemptionPolicy(min_runtime_s=min_runtime, grace_period_s=grace),
+        preemption_poll_s=0.1,
     )
     return LiteCluster(settings, lambda addr: [LiteAgent(addr, n) for n in names])
 
@@ -43,12 +46,19 @@ def commit_checkpoint(db_url: str, job_id: str, attempt: int, step: int, world: 
     engine = make_engine(db_url)
     try:
         for rank in range(world):
-            store.report_shard(engine, job_id, attempt, step, world,
-                               store.ShardRecord(rank, f"file:///ckpt/{job_id}/{step}/{rank}", 10, f"sha256:{rank}"))
+            store.report_shard(
+                engine,
+                job_id,
+                attempt,
+                step,
+                world,
+                store.ShardRecord(rank, f"file:///ckpt/{job_id}/{step}/{rank}", 10, f"sha256:{rank}"),
+            )
     finally:
         engine.dispose()
 
 
+@pytest.mark.slow
 async def test_victim_checkpoints_then_hands_its_gpus_over_in_one_commit_and_resumes_later(db_url):
     async with cluster(db_url) as c:
         low = await c.submit("low", 2, 8, priority=0)
@@ -60,8 +70,12 @@ async def test_victim_checkpoints_then_hands_its_gpus_over_in_one_commit_and_res
         waiting = await c.job(high.id)
         assert waiting.state == PENDING and low.id in waiting.message
         assert c.sql("SELECT count(*) FROM checkpoint_requests WHERE job_id = :j", j=low.id)[0][0] == 1
-        assert c.sql("SELECT count(*) FROM allocations WHERE job_id = :j AND released_at IS NULL "
-                     "AND kind = 'gpu'", j=low.id)[0][0] == 16  # still holds everything while it checkpoints
+        assert (
+            c.sql(
+                "SELECT count(*) FROM allocations WHERE job_id = :j AND released_at IS NULL AND kind = 'gpu'", j=low.id
+            )[0][0]
+            == 16
+        )  # still holds everything while it checkpoints
 
         commit_checkpoint(db_url, low.id, 1, 7, 16)
         await c.wait_running(high.id)
@@ -73,8 +87,11 @@ async def test_victim_checkpoints_then_hands_its_gpus_over_in_one_commit_and_res
         released = c.sql("SELECT DISTINCT released_at FROM allocations WHERE job_id = :j AND attempt = 1", j=low.id)
         reserved = c.sql("SELECT DISTINCT reserved_at FROM allocations WHERE job_id = :j", j=high.id)
         assert len(released) == len(reserved) == 1 and released[0][0] == reserved[0][0]
-        attempt = c.sql("SELECT outcome, committed_step, kept_until IS NOT NULL, reason FROM job_attempts "
-                        "WHERE job_id = :j AND attempt = 1", j=low.id)
+        attempt = c.sql(
+            "SELECT outcome, committed_step, kept_until IS NOT NULL, reason FROM job_attempts "
+            "WHERE job_id = :j AND attempt = 1",
+            j=low.id,
+        )
         assert [tuple(r[:3]) for r in attempt] == [("PREEMPTED", 7, True)]
         assert f"preempted by job {high.id}" in attempt[0][3] and "checkpoint is committed" in attempt[0][3]
         killed = {(k.job_id, k.attempt) for a in c.agents for k in a.killed}
@@ -98,8 +115,10 @@ async def test_victim_without_a_checkpoint_is_stopped_when_its_grace_period_ends
         assert requeued.state == PENDING and requeued.preemptions == 1
         assert "grace period" in c.sql("SELECT reason FROM job_attempts WHERE job_id = :j", j=low.id)[0][0]
         assert running.started_at >= victim.preempt_deadline - 0.01
-        assert c.sql("SELECT outcome, committed_step FROM job_attempts WHERE job_id = :j", j=low.id)[0] == \
-            ("PREEMPTED", -1)
+        assert c.sql("SELECT outcome, committed_step FROM job_attempts WHERE job_id = :j", j=low.id)[0] == (
+            "PREEMPTED",
+            -1,
+        )
 
 
 async def test_zero_grace_preempts_and_places_in_the_same_cycle(db_url):
@@ -124,16 +143,18 @@ async def test_equal_priority_never_preempts_and_lower_never_does(db_url):
         assert c.sql("SELECT count(*) FROM checkpoint_requests")[0][0] == 0
 
 
+@pytest.mark.slow
 async def test_gang_protected_by_its_minimum_runtime_is_not_preempted_until_it_ends(db_url):
-    async with cluster(db_url, min_runtime=1.5, grace=0.0) as c:
+    # The protection (4 s) is far longer than a submit and a read take, even on a loaded machine.
+    async with cluster(db_url, min_runtime=4.0, grace=0.0) as c:
         low = await c.submit("low", 2, 8, priority=0)
         started = (await c.wait_running(low.id)).started_at
         high = await c.submit("high", 1, 8, priority=100)
         waiting = await c.job(high.id)
         assert waiting.state == PENDING and "minimum runtime" in waiting.message
         assert (await c.job(low.id)).state == RUNNING
-        running = await c.wait_running(high.id)  # the scheduler wakes itself when the protection ends
-        assert running.started_at >= started + 1.5
+        running = await c.wait_running(high.id, timeout=20)  # the scheduler wakes itself when the protection ends
+        assert running.started_at >= started + 4.0
 
 
 async def test_cancelled_preemptor_calls_the_preemption_off(db_url):
@@ -147,6 +168,7 @@ async def test_cancelled_preemptor_calls_the_preemption_off(db_url):
         assert kept.attempt == 1 and kept.preemptions == 0 and "called off" in kept.message
 
 
+@pytest.mark.slow
 async def test_victims_are_whole_gangs_of_the_lowest_priority_first(db_url):
     async with cluster(db_url, nodes=3, grace=0.0) as c:
         batch = await c.submit("batch", 1, 8, priority=-100)

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric
@@ -14,22 +15,24 @@ from phalanx.core.preemption import PreemptionPolicy
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
-from helpers.lite_cluster import LiteCluster
-
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
 
 
 def cluster(db_url: str, nodes: int = 2) -> LiteCluster:
     names = [f"node-{i}" for i in range(nodes)]
-    config = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names),
-                               preemption=PreemptionPolicy(min_runtime_s=0, grace_period_s=0), preemption_poll_s=0.1)
+    config = SchedulerSettings(
+        db_url=db_url,
+        listen="127.0.0.1:0",
+        fabric=default_fabric(names),
+        preemption=PreemptionPolicy(min_runtime_s=0, grace_period_s=0),
+        preemption_poll_s=0.1,
+    )
     return LiteCluster(config, lambda addr: [LiteAgent(addr, n) for n in names])
 
 
 def queue(name, gpus, cohort="", borrow_limit=None, weight=1.0, flavor="*", tenants=()):
     spec = scheduler_pb2.QueueSpec(name=name, cohort=cohort, weight=weight, tenants=list(tenants))
-    spec.quotas.add(flavor=flavor, gpus=gpus, has_borrow_limit=borrow_limit is not None,
-                    borrow_limit=borrow_limit or 0)
+    spec.quotas.add(flavor=flavor, gpus=gpus, has_borrow_limit=borrow_limit is not None, borrow_limit=borrow_limit or 0)
     return scheduler_pb2.SetQueueRequest(spec=spec)
 
 
@@ -53,8 +56,9 @@ async def test_borrowing_then_reclaim_by_preemption(db_url):
         states = {j.id: (await c.job(j.id)) for j in (first, second)}
         reclaimed = [j for j in states.values() if j.state == PENDING]
         assert len(reclaimed) == 1 and reclaimed[0].preemptions == 1
-        assert "reclaims the quota" in c.sql("SELECT reason FROM job_attempts WHERE job_id = :j",
-                                             j=reclaimed[0].id)[0][0]
+        assert (
+            "reclaims the quota" in c.sql("SELECT reason FROM job_attempts WHERE job_id = :j", j=reclaimed[0].id)[0][0]
+        )
         assert (await c.job(owner.id)).flavor == "*"
 
 
@@ -64,8 +68,8 @@ async def test_quota_refusal_does_not_block_other_queues_and_positions_are_shown
         await c.stub.SetQueue(queue("big", 16))
         a = await c.submit("a", 1, 8, queue="small")
         await c.wait_running(a.id)
-        over = await c.submit("over", 1, 8, queue="small")   # over small's quota, no cohort
-        other = await c.submit("other", 1, 8, queue="big")   # another queue goes on
+        over = await c.submit("over", 1, 8, queue="small")  # over small's quota, no cohort
+        other = await c.submit("other", 1, 8, queue="big")  # another queue goes on
         await c.wait_running(other.id)
         assert (await c.job(over.id)).state == PENDING
         listing = {q.spec.name: q for q in (await c.stub.ListQueues(scheduler_pb2.ListQueuesRequest())).queues}
@@ -96,6 +100,7 @@ async def test_queue_validation_and_unknown_queues(db_url):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.slow
 async def test_a_reclaimed_gang_that_would_borrow_does_not_preempt_the_reclaimer(db_url):
     # Kueue's borrowWithinCohort "Never": a high-priority gang that could only run on borrowed quota may preempt
     # within its own queue, not the gang that reclaimed that quota (else the two would evict each other forever).

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers.procs import start_scheduler
 
 from db.engine import normalize_url
-from helpers.procs import start_scheduler
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
@@ -53,6 +53,7 @@ async def test_scheduler_serves_health_and_reflection(sqlite_url):
         await running.stop()
 
 
+@pytest.mark.slow
 def test_metrics_are_off_by_default_and_served_with_metrics_port(sqlite_url, tmp_path):
     import socket
 
@@ -62,8 +63,13 @@ def test_metrics_are_off_by_default_and_served_with_metrics_port(sqlite_url, tmp
     proc = start_scheduler(sqlite_url, tmp_path / "s.log", "--metrics-port", str(port))
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        for name in ("phalanx_queue_depth", "phalanx_gpus_free", "phalanx_gpus_allocated",
-                     "phalanx_reservation_latency_seconds", "phalanx_rpcs_total"):
+        for name in (
+            "phalanx_queue_depth",
+            "phalanx_gpus_free",
+            "phalanx_gpus_allocated",
+            "phalanx_reservation_latency_seconds",
+            "phalanx_rpcs_total",
+        ):
             assert name in body
     finally:
         proc.terminate()
@@ -73,8 +79,9 @@ def test_metrics_are_off_by_default_and_served_with_metrics_port(sqlite_url, tmp
 def test_pip_install_of_a_clean_checkout_ships_everything(tmp_path):
     """`pip wheel .` from a copy of the tracked files: generated protobuf code, migrations and profiles inside."""
     src = tmp_path / "src"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     for name in files:
         if name.startswith("phalanx/api/v1/") or not (ROOT / name).is_file():
             continue
@@ -82,13 +89,22 @@ def test_pip_install_of_a_clean_checkout_ships_everything(tmp_path):
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes((ROOT / name).read_bytes())
     out = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(src)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = out.glob("phalanx-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("phalanx/api/v1/scheduler_pb2.py", "phalanx/api/v1/agent_pb2_grpc.py",
-                     "migrations/env.py", "migrations/versions/0001_initial_ledger.py",
-                     "phalanx/profiles/dgx-h100.txt", "services/scheduler/main.py", "db/models.py"):
+    for expected in (
+        "phalanx/api/v1/scheduler_pb2.py",
+        "phalanx/api/v1/agent_pb2_grpc.py",
+        "migrations/env.py",
+        "migrations/versions/0001_initial_ledger.py",
+        "phalanx/profiles/dgx-h100.txt",
+        "services/scheduler/main.py",
+        "db/models.py",
+    ):
         assert expected in names, expected
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

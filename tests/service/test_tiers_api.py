@@ -13,6 +13,8 @@ import json
 
 import grpc
 import pytest
+from helpers.lite_cluster import LiteCluster, run_sql
+from helpers.procs import eventually
 from sqlalchemy import text
 
 from db.engine import make_engine
@@ -23,9 +25,6 @@ from phalanx.client import AsyncClient, FailedPreconditionError, InvalidArgument
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
-
-from helpers.lite_cluster import LiteCluster, run_sql
-from helpers.procs import eventually
 
 RUNNING = common_pb2.JOB_STATE_RUNNING
 
@@ -38,8 +37,9 @@ class Cluster(LiteCluster):
     def __init__(self, db_url: str, nodes: int = 8, nodes_per_leaf: int = 4) -> None:
         self.names = [f"node-{i}" for i in range(nodes)]
         super().__init__(
-            SchedulerSettings(db_url=db_url, listen="127.0.0.1:0",
-                              fabric=default_fabric(self.names, nodes_per_leaf=nodes_per_leaf)),
+            SchedulerSettings(
+                db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(self.names, nodes_per_leaf=nodes_per_leaf)
+            ),
             lambda address: [LiteAgent(address, n) for n in self.names],
         )
 
@@ -75,8 +75,7 @@ async def test_unknown_tier_is_invalid_argument_and_writes_nothing(db_url, field
 async def test_every_known_tier_name_is_accepted(db_url):
     async with Cluster(db_url) as c:
         for tier in ("node", "leaf", "spine", "cluster"):
-            job = await c.submit(f"ok-{tier}", 1, 8, command=("sleep", "0.1"), required_tier=tier,
-                                 preferred_tier=tier)
+            job = await c.submit(f"ok-{tier}", 1, 8, command=("sleep", "0.1"), required_tier=tier, preferred_tier=tier)
             assert (job.spec.required_tier, job.spec.preferred_tier) == (tier, tier)
         assert c.job_rows() == 4
 
@@ -166,9 +165,25 @@ async def test_cli_submit_and_job_json_show_the_tiers(db_url, capsys, logs_to_st
     async with Cluster(db_url) as c:
         capsys.readouterr()
         base = ("--scheduler", c.scheduler.address, "--timeout", "10")
-        code, out, err = await _cli(capsys, *base, "submit", "--name", "cli", "--replicas", "2",
-                                    "--gpus-per-replica", "8", "--required-tier", "leaf", "--preferred-tier", "node",
-                                    "--json", "--", "sleep", "30")
+        code, out, err = await _cli(
+            capsys,
+            *base,
+            "submit",
+            "--name",
+            "cli",
+            "--replicas",
+            "2",
+            "--gpus-per-replica",
+            "8",
+            "--required-tier",
+            "leaf",
+            "--preferred-tier",
+            "node",
+            "--json",
+            "--",
+            "sleep",
+            "30",
+        )
         assert code == 0, err
         submitted = json.loads(out)
         assert (submitted["required_tier"], submitted["preferred_tier"]) == ("leaf", "node")
@@ -180,11 +195,39 @@ async def test_cli_submit_and_job_json_show_the_tiers(db_url, capsys, logs_to_st
         assert code == 0, err
         assert [j["required_tier"] for j in json.loads(out)] == ["leaf"]
         # Refusals come back as the CLI's error lines, exit code 1, nothing on stdout.
-        code, out, err = await _cli(capsys, *base, "submit", "--name", "x", "--replicas", "1",
-                                    "--gpus-per-replica", "8", "--required-tier", "rack", "--json", "--", "true")
+        code, out, err = await _cli(
+            capsys,
+            *base,
+            "submit",
+            "--name",
+            "x",
+            "--replicas",
+            "1",
+            "--gpus-per-replica",
+            "8",
+            "--required-tier",
+            "rack",
+            "--json",
+            "--",
+            "true",
+        )
         assert code == 1 and out == "" and err.startswith("error: INVALID_ARGUMENT: ") and "valid tiers" in err
-        code, out, err = await _cli(capsys, *base, "submit", "--name", "x", "--replicas", "5",
-                                    "--gpus-per-replica", "8", "--required-tier", "leaf", "--json", "--", "true")
+        code, out, err = await _cli(
+            capsys,
+            *base,
+            "submit",
+            "--name",
+            "x",
+            "--replicas",
+            "5",
+            "--gpus-per-replica",
+            "8",
+            "--required-tier",
+            "leaf",
+            "--json",
+            "--",
+            "true",
+        )
         assert code == 1 and out == "" and err.startswith("error: FAILED_PRECONDITION: ")
         assert c.job_rows() == 1
 
@@ -205,21 +248,25 @@ async def test_sdk_submit_and_to_dict_carry_the_tiers(db_url):
 # -- migration 0001 -> 0002 on an existing ledger ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_migration_0002_keeps_existing_jobs_with_empty_tiers(empty_db_url):
     url = empty_db_url
     upgrade(url, "0001")
     assert current(url) == "0001"
     engine = make_engine(url)
     with engine.begin() as conn:  # a job written by a 0001 scheduler (plain SQL: the models are at head)
-        conn.execute(text(
-            "INSERT INTO jobs (id, request_id, name, state, priority, replicas, gpus_per_replica, procs_per_replica, "
-            "command, env, attempt, message, exit_code, placement, submitted_at, started_at, finished_at, version) "
-            "VALUES ('0123456789ab', NULL, 'old', 'SUCCEEDED', 0, 1, 8, 0, :command, '{}', 1, 'done', 0, '{}', "
-            "1.0, 2.0, 3.0, 2)"
-        ), {"command": json.dumps(["true"])})
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, request_id, name, state, priority, replicas, gpus_per_replica, procs_per_replica, "
+                "command, env, attempt, message, exit_code, placement, submitted_at, started_at, finished_at, version) "
+                "VALUES ('0123456789ab', NULL, 'old', 'SUCCEEDED', 0, 1, 8, 0, :command, '{}', 1, 'done', 0, '{}', "
+                "1.0, 2.0, 3.0, 2)"
+            ),
+            {"command": json.dumps(["true"])},
+        )
     engine.dispose()
     upgrade(url)
-    assert current(url) == "0014"
+    assert current(url) == "0015"
     assert run_sql(url, "SELECT name, required_tier, preferred_tier FROM jobs") == [("old", "", "")]
     # The scheduler reads the old row, and writes new ones with tiers next to it.
     async with Cluster(url) as c:

@@ -11,8 +11,9 @@ import pytest
 from phalanx.cli.certs import generate_local_pki
 from phalanx.cli.cluster import LocalCluster
 from phalanx.client import AsyncClient, Client, PhalanxError, UnauthenticatedError
+from phalanx.common.tokens import hash_token
 from phalanx.core.fabric import default_fabric
-from services.common.auth import ServerTLS, hash_token
+from services.common.auth import ServerTLS
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
@@ -24,8 +25,14 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(db_url, tmp_pat
     settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["n0"]))
     running = await serve(settings, tls=ServerTLS(str(pki.server_cert), str(pki.server_key), str(pki.ca)))
     try:
-        good = AsyncClient(running.address, retries=0, timeout=5, tls_ca=str(pki.ca), tls_cert=str(pki.client_cert),
-                           tls_key=str(pki.client_key))
+        good = AsyncClient(
+            running.address,
+            retries=0,
+            timeout=5,
+            tls_ca=str(pki.ca),
+            tls_cert=str(pki.client_cert),
+            tls_key=str(pki.client_key),
+        )
         assert await good.nodes() == []
         await good.close()
         for kw in ({"tls_ca": str(pki.ca)}, {}):  # TLS without a client certificate; plaintext
@@ -41,11 +48,21 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(db_url, tmp_pat
 @pytest.mark.timeout(180)
 def test_cluster_up_with_tokens_and_tls_runs_jobs_end_to_end(tmp_path):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(f"- {{token_sha256: {hash_token('alice-secret')}, tenant: alice, role: user}}\n"
-                      f"- {{token_sha256: {hash_token('bob-secret')}, tenant: bob, role: user}}\n")
+    tokens.write_text(
+        f"- {{token_sha256: {hash_token('alice-secret')}, tenant: alice, role: user}}\n"
+        f"- {{token_sha256: {hash_token('bob-secret')}, tenant: bob, role: user}}\n"
+    )
     messages: list[str] = []
-    cluster = LocalCluster(nodes=2, state_dir=tmp_path / "cluster", port=0, log=messages.append, ready_timeout=60,
-                           tokens=tokens, tls=True, mig_gpus=0)  # its 2 x 8 gang needs every GPU out of MIG mode
+    cluster = LocalCluster(
+        nodes=2,
+        state_dir=tmp_path / "cluster",
+        port=0,
+        log=messages.append,
+        ready_timeout=60,
+        tokens=tokens,
+        tls=True,
+        mig_gpus=0,
+    )  # its 2 x 8 gang needs every GPU out of MIG mode
     cluster.start()
     try:
         pki = cluster.pki
@@ -56,10 +73,23 @@ def test_cluster_up_with_tokens_and_tls_runs_jobs_end_to_end(tmp_path):
             with pytest.raises(UnauthenticatedError):
                 anonymous.list_jobs()
         out = tmp_path / "out"
-        command = [sys.executable, "-m", "phalanx.examples.count_steps", "--steps", "6", "--every", "2",
-                   "--step-time", "0.05", "--out", str(out)]
-        with Client(cluster.address, token="alice-secret", timeout=10, **tls) as alice, \
-                Client(cluster.address, token="bob-secret", timeout=10, **tls) as bob:
+        command = [
+            sys.executable,
+            "-m",
+            "phalanx.examples.count_steps",
+            "--steps",
+            "6",
+            "--every",
+            "2",
+            "--step-time",
+            "0.05",
+            "--out",
+            str(out),
+        ]
+        with (
+            Client(cluster.address, token="alice-secret", timeout=10, **tls) as alice,
+            Client(cluster.address, token="bob-secret", timeout=10, **tls) as bob,
+        ):
             # ranks checkpoint through the coordinator with the service credential the agents hand them
             job = alice.submit("count", 2, 8, command, procs_per_replica=1)
             done = alice.wait(job.id, timeout=90)
@@ -68,12 +98,22 @@ def test_cluster_up_with_tokens_and_tls_runs_jobs_end_to_end(tmp_path):
             counts = [json.loads(p.read_text())["count"] for p in sorted((out / job.id).glob("rank-*.json"))]
             assert counts == [6, 6]
         # the CLI, with the environment a user would export
-        env = {"PHALANX_SCHEDULER": cluster.address, "PHALANX_TOKEN": "alice-secret", "PHALANX_TLS_CA": str(pki.ca),
-               "PHALANX_TLS_CERT": str(pki.client_cert), "PHALANX_TLS_KEY": str(pki.client_key)}
+        env = {
+            "PHALANX_SCHEDULER": cluster.address,
+            "PHALANX_TOKEN": "alice-secret",
+            "PHALANX_TLS_CA": str(pki.ca),
+            "PHALANX_TLS_CERT": str(pki.client_cert),
+            "PHALANX_TLS_KEY": str(pki.client_key),
+        }
         import os
 
-        result = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "jobs", "--json"], capture_output=True,
-                                text=True, env={**os.environ, **env}, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "phalanx.cli.main", "jobs", "--json"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
         assert [j["id"] for j in json.loads(result.stdout)] == [job.id]
     finally:

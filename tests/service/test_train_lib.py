@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.jobs import insert_job, set_attempt, set_world
 from sqlalchemy import select
 
 from db.engine import make_engine
@@ -20,8 +21,6 @@ from phalanx import train
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from services.checkpoint_coordinator import serve
-
-from helpers.jobs import insert_job, set_attempt, set_world
 
 JOB = "job-train-1"
 
@@ -35,8 +34,14 @@ async def server(db_url):
 
 
 def _env(server, tmp_path: Path, rank: int, world: int = 2, attempt: int = 1, **extra) -> dict[str, str]:
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": str(attempt),
-           "PHALANX_CHECKPOINT_ADDR": server.address, "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": str(attempt),
+        "PHALANX_CHECKPOINT_ADDR": server.address,
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+    }
     env.update(extra)
     return env
 
@@ -97,17 +102,21 @@ async def test_a_rank_that_never_reports_aborts_the_checkpoint_and_restore_retur
         assert not partial.committed
         engine = make_engine(db_url)
         try:
+
             def states():
                 with engine.connect() as conn:
                     return dict(conn.execute(select(Checkpoint.step, Checkpoint.state)).all())
+
             deadline = time.monotonic() + 10
             while states().get(10) != "ABORTED" and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             assert states() == {5: "COMMITTED", 10: "ABORTED"}
         finally:
             engine.dispose()
-        assert [await asyncio.to_thread(c.restore) for c in ranks] == [(5, {"step": 5, "rank": 0}),
-                                                                        (5, {"step": 5, "rank": 1})]
+        assert [await asyncio.to_thread(c.restore) for c in ranks] == [
+            (5, {"step": 5, "rank": 0}),
+            (5, {"step": 5, "rank": 1}),
+        ]
         with pytest.raises(train.CheckpointRejectedError) as err:  # rank 1 wakes up too late
             await asyncio.to_thread(ranks[1].save, 10, {"step": 10, "rank": 1})
         assert err.value.code == "FAILED_PRECONDITION" and "aborted" in err.value.message
@@ -126,8 +135,11 @@ async def test_checksum_mismatch_on_restore_falls_back_on_every_rank(server, tmp
     path = Path(results[1].uri.removeprefix("file://"))
     path.write_bytes(path.read_bytes()[:-1] + b"X")
     assert [await asyncio.to_thread(c.restore) for c in ranks] == [None, None]
-    assert ranks[0].last_restore.message == ranks[1].last_restore.message == (
-        "started from step 0: no intact checkpoint (step 7 was damaged: sha256 mismatch in rank 1's shard)")
+    assert (
+        ranks[0].last_restore.message
+        == ranks[1].last_restore.message
+        == ("started from step 0: no intact checkpoint (step 7 was damaged: sha256 mismatch in rank 1's shard)")
+    )
     assert await asyncio.to_thread(ranks[0].restore, verify="rank") == (7, {"r": 0})
     for c in ranks:
         c.close()
@@ -194,31 +206,58 @@ def test_poll_failure_is_no_request(tmp_path, monkeypatch):
     from phalanx.train import _checkpointer
 
     monkeypatch.setattr(_checkpointer, "RETRIES", 2)  # UNAVAILABLE is retried ~5 s by default; twice shows it too
-    env = {"RANK": "0", "WORLD_SIZE": "1", "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "0",
-           "PHALANX_CHECKPOINT_ADDR": f"127.0.0.1:{_dead_port()}", "PHALANX_CHECKPOINT_DIR": str(tmp_path)}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "0",
+        "PHALANX_CHECKPOINT_ADDR": f"127.0.0.1:{_dead_port()}",
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path),
+    }
     with train.Checkpointer(env, timeout=1) as c:
         assert c.should_checkpoint(1) is False
         with pytest.raises(train.CheckpointRejectedError, match="UNAVAILABLE"):
             c.restore()
 
 
-@pytest.mark.parametrize("drop,needle", [("RANK", "RANK"), ("PHALANX_JOB_ID", "PHALANX_JOB_ID"),
-                                          ("PHALANX_CHECKPOINT_ADDR", "PHALANX_CHECKPOINT_ADDR"),
-                                          ("PHALANX_CHECKPOINT_DIR", "PHALANX_CHECKPOINT_DIR")])
+@pytest.mark.parametrize(
+    "drop,needle",
+    [
+        ("RANK", "RANK"),
+        ("PHALANX_JOB_ID", "PHALANX_JOB_ID"),
+        ("PHALANX_CHECKPOINT_ADDR", "PHALANX_CHECKPOINT_ADDR"),
+        ("PHALANX_CHECKPOINT_DIR", "PHALANX_CHECKPOINT_DIR"),
+    ],
+)
 def test_missing_env_names_the_variable(tmp_path, drop, needle):
-    env = {"RANK": "0", "WORLD_SIZE": "1", "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "0",
-           "PHALANX_CHECKPOINT_ADDR": "127.0.0.1:1", "PHALANX_CHECKPOINT_DIR": str(tmp_path)}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "0",
+        "PHALANX_CHECKPOINT_ADDR": "127.0.0.1:1",
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path),
+    }
     del env[drop]
     with pytest.raises(train.CheckpointConfigError, match=needle):
         train.Checkpointer(env)
 
 
 def test_bad_env_values(tmp_path):
-    base = {"RANK": "0", "WORLD_SIZE": "1", "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "0",
-            "PHALANX_CHECKPOINT_ADDR": "127.0.0.1:1", "PHALANX_CHECKPOINT_DIR": str(tmp_path)}
-    for bad, needle in (({"RANK": "2", "WORLD_SIZE": "2"}, "must be <"), ({"WORLD_SIZE": "x"}, "not an integer"),
-                        ({"PHALANX_CHECKPOINT_EVERY": "-1"}, ">= 0"),
-                        ({"PHALANX_CHECKPOINT_INTERVAL_S": "nan"}, ">= 0")):
+    base = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "0",
+        "PHALANX_CHECKPOINT_ADDR": "127.0.0.1:1",
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path),
+    }
+    for bad, needle in (
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "must be <"),
+        ({"WORLD_SIZE": "x"}, "not an integer"),
+        ({"PHALANX_CHECKPOINT_EVERY": "-1"}, ">= 0"),
+        ({"PHALANX_CHECKPOINT_INTERVAL_S": "nan"}, ">= 0"),
+    ):
         with pytest.raises(train.CheckpointConfigError, match=needle):
             train.Checkpointer({**base, **bad})
 

@@ -15,11 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from phalanx import train  # noqa: E402
-from phalanx.train import torch_dcp  # noqa: E402
-from services.checkpoint_coordinator import serve  # noqa: E402
+from helpers.jobs import insert_job, set_world
 
-from helpers.jobs import insert_job, set_world  # noqa: E402
+from phalanx import train
+from phalanx.train import torch_dcp
+from services.checkpoint_coordinator import serve
 
 pytestmark = pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available")
 
@@ -35,8 +35,14 @@ async def server(db_url):
 
 
 def _env(server, tmp_path: Path, rank: int, world: int = 2) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "PHALANX_JOB_ID": JOB, "PHALANX_ATTEMPT": "1",
-            "PHALANX_CHECKPOINT_ADDR": server.address, "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "PHALANX_JOB_ID": JOB,
+        "PHALANX_ATTEMPT": "1",
+        "PHALANX_CHECKPOINT_ADDR": server.address,
+        "PHALANX_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+    }
 
 
 def _ranks(server, tmp_path, world: int = 2) -> list[train.Checkpointer]:
@@ -95,7 +101,8 @@ async def test_corrupt_dcp_file_is_skipped_on_every_rank(server, tmp_path):
     data_file.write_bytes(bytes(raw))
     assert [await asyncio.to_thread(c.restore, _template()) for c in ranks] == [None, None]
     assert ranks[0].last_restore.message == (
-        "started from step 0: no intact checkpoint (step 5 was damaged: sha256 mismatch in rank 1's shard)")
+        "started from step 0: no intact checkpoint (step 5 was damaged: sha256 mismatch in rank 1's shard)"
+    )
     # checking only its own shard, rank 0 restores it (and rank 1 still cannot)
     assert (await asyncio.to_thread(ranks[0].restore, _template(), verify="rank"))[0] == 5
     (shard / "extra").write_bytes(b"")  # an added file is a mismatch too
@@ -118,8 +125,7 @@ async def test_dcp_restore_falls_back_to_the_older_intact_checkpoint(server, tmp
         step, state = await asyncio.to_thread(c.restore, _state(fresh, 0))
         assert step == 3 and state["optim"]["step_count"] == 3 and torch.equal(fresh.weight, model.weight)
         assert c.last_restore.skipped[0].step == 6
-        assert c.last_restore.message.startswith("restored from step 3 (step 6 was damaged: rank 0's shard is "
-                                                 "missing")
+        assert c.last_restore.message.startswith("restored from step 3 (step 6 was damaged: rank 0's shard is missing")
     for c in ranks:
         c.close()
 

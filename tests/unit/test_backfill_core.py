@@ -32,13 +32,15 @@ def start(cap, tiers, job, replicas, gpus, ends_at=math.inf) -> RunningEnd:
 
 def test_head_gets_a_whole_leaf_and_only_gangs_that_end_in_time_enter_it():
     cap, tiers = cluster(8, per_leaf=4)  # two leaves of 4 nodes
-    running = [start(cap, tiers, "a", 4, 8, ends_at=100.0),   # leaf0 busy until 100
-               start(cap, tiers, "b", 3, 8, ends_at=500.0)]   # 3 nodes of leaf1 until 500
+    running = [
+        start(cap, tiers, "a", 4, 8, ends_at=100.0),  # leaf0 busy until 100
+        start(cap, tiers, "b", 3, 8, ends_at=500.0),
+    ]  # 3 nodes of leaf1 until 500
     pending = [
-        GangRequest("head", 3, 8, submitted_at=1),           # 3 nodes: fits in leaf0 once "a" ends
-        GangRequest("short", 1, 8, submitted_at=2, time_limit=50),     # ends at 60 <= 100: may use leaf0... no room
-        GangRequest("long", 1, 8, submitted_at=3, time_limit=1000),    # outlives 100: only outside leaf0
-        GangRequest("unlimited", 1, 8, submitted_at=4),                  # never inside the region
+        GangRequest("head", 3, 8, submitted_at=1),  # 3 nodes: fits in leaf0 once "a" ends
+        GangRequest("short", 1, 8, submitted_at=2, time_limit=50),  # ends at 60 <= 100: may use leaf0... no room
+        GangRequest("long", 1, 8, submitted_at=3, time_limit=1000),  # outlives 100: only outside leaf0
+        GangRequest("unlimited", 1, 8, submitted_at=4),  # never inside the region
     ]
     result = schedule_with_backfill(cap, pending, tiers, now=10.0, running=lambda: running)
     assert result.blocked.job_id == "head"
@@ -52,9 +54,11 @@ def test_a_gang_ending_before_the_start_may_use_the_region_others_may_not():
     cap, tiers = cluster(8, per_leaf=4)
     running = [start(cap, tiers, "a", 2, 8, ends_at=100.0)]  # n000, n001; n002-n007 free
     running.append(start(cap, tiers, "filler", 4, 8))  # leaf1 fully busy, no limit
-    pending = [GangRequest("head", 4, 8, submitted_at=1),
-               GangRequest("long", 1, 8, submitted_at=2, time_limit=500),
-               GangRequest("short", 2, 8, submitted_at=3, time_limit=60)]
+    pending = [
+        GangRequest("head", 4, 8, submitted_at=1),
+        GangRequest("long", 1, 8, submitted_at=2, time_limit=500),
+        GangRequest("short", 2, 8, submitted_at=3, time_limit=60),
+    ]
     result = schedule_with_backfill(cap, pending, tiers, now=10.0, running=lambda: running)
     assert result.reservation.start == 100.0 and result.reservation.nodes == {"n000", "n001", "n002", "n003"}
     # "long" would outlive t=100 and the only free GPUs are in the region: it waits; "short" ends at 70: it runs.
@@ -67,9 +71,13 @@ def test_flat_cluster_reserves_just_the_nodes_and_strict_mode_stops_at_the_head(
     gang = start(cap, (), "a", 2, 8, ends_at=50.0)
     res = plan_reservation(cap, GangRequest("head", 3, 8), [gang], now=0.0)
     assert res.start == 50.0 and len(res.nodes) == 3 and res.nodes == set(res.placement.nodes)
-    strict = schedule_with_backfill(cap.copy(), [GangRequest("head", 3, 8, submitted_at=1),
-                                                 GangRequest("small", 1, 8, submitted_at=2, time_limit=1)],
-                                    now=0.0, running=lambda: [gang], backfill=False)
+    strict = schedule_with_backfill(
+        cap.copy(),
+        [GangRequest("head", 3, 8, submitted_at=1), GangRequest("small", 1, 8, submitted_at=2, time_limit=1)],
+        now=0.0,
+        running=lambda: [gang],
+        backfill=False,
+    )
     assert strict.placements == [] and strict.reservation is None
 
 
@@ -81,11 +89,18 @@ def test_no_reservation_when_it_cannot_fit_even_on_an_empty_cluster():
 
 def test_waiting_on_a_gang_without_a_limit_only_keeps_unlimited_gangs_out():
     cap, tiers = cluster(4, per_leaf=2)
-    forever = start(cap, tiers, "forever", 2, 8)          # leaf0, no limit
+    forever = start(cap, tiers, "forever", 2, 8)  # leaf0, no limit
     result = schedule_with_backfill(
-        cap, [GangRequest("head", 4, 8, submitted_at=1), GangRequest("unlimited", 1, 8, submitted_at=2),
-              GangRequest("limited", 1, 8, submitted_at=3, time_limit=30)],
-        tiers, now=0.0, running=lambda: [forever])
+        cap,
+        [
+            GangRequest("head", 4, 8, submitted_at=1),
+            GangRequest("unlimited", 1, 8, submitted_at=2),
+            GangRequest("limited", 1, 8, submitted_at=3, time_limit=30),
+        ],
+        tiers,
+        now=0.0,
+        running=lambda: [forever],
+    )
     assert math.isinf(result.reservation.start)
     # Region: both leaves (the head needs all 4 nodes). The unlimited gang may not enter; the limited one may.
     assert [p.job_id for p in result.placements] == ["limited"]
@@ -93,8 +108,16 @@ def test_waiting_on_a_gang_without_a_limit_only_keeps_unlimited_gangs_out():
 
 # ---- the starvation bound, replayed through the core ------------------------------------------------------------
 
-def simulate(policy: str, seed: int = 7, nodes: int = 96, per_leaf: int = 16, big_at: float = 200.0,
-             horizon: float = 1200.0, backlog: int = 30):
+
+def simulate(
+    policy: str,
+    seed: int = 7,
+    nodes: int = 96,
+    per_leaf: int = 16,
+    big_at: float = 200.0,
+    horizon: float = 1200.0,
+    backlog: int = 30,
+):
     """A discrete-event replay: small gangs (1x4, 1x8, 2x8, 4x8; limits 20-60 s, running 50-100% of them) keep
     arriving while fewer than `backlog` wait (users topping up the queue: the cluster stays saturated); at `big_at`
     a 64 x 8 = 512-GPU gang (limit 300 s) arrives. Returns the big gang's start, when it first became the head,
@@ -148,9 +171,14 @@ def simulate(policy: str, seed: int = 7, nodes: int = 96, per_leaf: int = 16, bi
                     placements.append(got)
             result_placements, reservation = placements, None
         else:
-            result = schedule_with_backfill(cap, pending, tiers, now=now,
-                                            running=lambda: [g for g, _ in running.values()],
-                                            backfill=(policy == "easy"))
+            result = schedule_with_backfill(
+                cap,
+                pending,
+                tiers,
+                now=now,
+                running=lambda: [g for g, _ in running.values()],
+                backfill=(policy == "easy"),
+            )
             result_placements, reservation = result.placements, result.reservation
             if reservation is not None and reservation.job_id == "big" and first_reservation is None:
                 first_reservation, head_at = reservation.start, now
@@ -186,5 +214,7 @@ def test_the_512_gpu_gang_starts_within_its_bound_and_backfill_keeps_gpus_busy()
     assert naive_start is None
     assert strict_start is not None
     assert easy_util > strict_util
-    print(f"EASY: head at {head_at:.1f}s, reserved {reserved:.1f}s, started {easy_start:.1f}s, utilisation while "
-          f"it waited {easy_util:.1%}; strict: started {strict_start:.1f}s, {strict_util:.1%}; naive: never")
+    print(
+        f"EASY: head at {head_at:.1f}s, reserved {reserved:.1f}s, started {easy_start:.1f}s, utilisation while "
+        f"it waited {easy_util:.1%}; strict: started {strict_start:.1f}s, {strict_util:.1%}; naive: never"
+    )

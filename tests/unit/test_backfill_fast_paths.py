@@ -22,11 +22,17 @@ def cluster(nodes: int, per_leaf: int, gpus: int = 8):
 def index_of(cap: ClusterCapacity):
     """Everything placement reads, as plain values (a rebuilt index must read the same)."""
     cap._ensure()
-    return ({n.name: (sorted(n.free), dict(n.mig), dict(n.milli), n.schedulable) for n in cap.nodes.values()},
-            [dict(h) for h in cap._hist], [list(b) for b in cap._by_free], dict(cap._effective),
-            [dict(d) for d in cap._dom_free], [set(s) for s in cap._leaves_with],
-            {k: [list(b) for b in v] for k, v in cap._tie_buckets.items()}, cap.unschedulable(),
-            [cap.domain_stats(lv, g) for lv in range(1, cap.levels() + 1) for g in (1, 2, 4, 8)])
+    return (
+        {n.name: (sorted(n.free), dict(n.mig), dict(n.milli), n.schedulable) for n in cap.nodes.values()},
+        [dict(h) for h in cap._hist],
+        [list(b) for b in cap._by_free],
+        dict(cap._effective),
+        [dict(d) for d in cap._dom_free],
+        [set(s) for s in cap._leaves_with],
+        {k: [list(b) for b in v] for k, v in cap._tie_buckets.items()},
+        cap.unschedulable(),
+        [cap.domain_stats(lv, g) for lv in range(1, cap.levels() + 1) for g in (1, 2, 4, 8)],
+    )
 
 
 def busy_cluster(seed: int, topology: bool = True):
@@ -52,8 +58,12 @@ def test_reservation_is_the_same_from_a_running_set_and_leaves_the_capacity_as_i
         for topology in (True, False):
             cap, tiers, running, rng = busy_cluster(seed, topology)
             before = index_of(cap)
-            for head in (GangRequest("h", 4, 8), GangRequest("h", 16, 4), GangRequest("h", 1, 8),
-                         GangRequest("h", 24, 8)):
+            for head in (
+                GangRequest("h", 4, 8),
+                GangRequest("h", 16, 4),
+                GangRequest("h", 1, 8),
+                GangRequest("h", 24, 8),
+            ):
                 shuffled = running[:]
                 rng.shuffle(shuffled)
                 plain = plan_reservation(cap.copy(), head, shuffled, 10.0, tiers)
@@ -67,12 +77,21 @@ def test_reservation_is_the_same_from_a_running_set_and_leaves_the_capacity_as_i
 def test_a_pass_decides_the_same_with_a_running_set_and_hides_the_region_only_while_needed():
     for seed in range(8):
         cap, tiers, running, rng = busy_cluster(seed)
-        pending = [GangRequest(f"p{i}", *rng.choice([(1, 1), (1, 4), (2, 8), (8, 8), (1, 8)]), submitted_at=i,
-                               time_limit=rng.choice([0, 30, 60, 500])) for i in range(60)]
+        pending = [
+            GangRequest(
+                f"p{i}",
+                *rng.choice([(1, 1), (1, 4), (2, 8), (8, 8), (1, 8)]),
+                submitted_at=i,
+                time_limit=rng.choice([0, 30, 60, 500]),
+            )
+            for i in range(60)
+        ]
         other = cap.copy()
-        plain = schedule_with_backfill(other, pending, tiers, now=10.0, running=lambda: running, memo={})
+        plain = schedule_with_backfill(
+            other, pending, tiers, now=10.0, running=lambda running=running: running, memo={}
+        )
         live = RunningSet(reversed(running))
-        fast = schedule_with_backfill(cap, pending, tiers, now=10.0, running=lambda: live, memo={})
+        fast = schedule_with_backfill(cap, pending, tiers, now=10.0, running=lambda live=live: live, memo={})
         assert fast == plain
         assert index_of(cap) == index_of(other)
         assert not cap.unschedulable() - other.unschedulable()  # every hidden node is shown again

@@ -15,7 +15,7 @@ from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import GangRequest, NodeCapacity
 from phalanx.core.placement import Unplaceable, pick_gpus, place_gang
-from phalanx.core.topo_dump import link_rank, matrix_from_pairs, TopoDump
+from phalanx.core.topo_dump import TopoDump, link_rank, matrix_from_pairs
 from phalanx.profiles import list_profiles, load_profile
 from services.node_agent.simulated import simulated_topology
 from services.scheduler import ledger
@@ -81,8 +81,9 @@ def test_from_topology_matches_the_dump_and_tolerates_missing_matrices():
     assert GpuCloseness.from_topology({"gpus": [{"index": 1}], "profile": "lite"}) is None
     assert GpuCloseness.from_topology({"matrix": {"NIC0": {"cells": {"NIC1": "SYS"}}}}) is None
     assert ledger.node_closeness("not json") is None
-    assert ledger.node_closeness(json.dumps({"matrix": {"GPU0": {"cells": {"GPU1": "NV4"}}}})).rank(0, 1) == \
-        link_rank("NV4")
+    assert ledger.node_closeness(json.dumps({"matrix": {"GPU0": {"cells": {"GPU1": "NV4"}}}})).rank(0, 1) == link_rank(
+        "NV4"
+    )
 
 
 def test_more_bonded_nvlinks_are_closer_then_pcie_order():
@@ -128,8 +129,8 @@ def test_pcie_2_and_4_gpu_jobs_stay_numa_local_whenever_a_local_set_is_free():
 
 def test_pcie_pair_never_crosses_numa_where_index_order_would():
     c = _closeness("pcie-2numa")
-    assert pick_gpus({3, 4, 6}, 2) == (3, 4)           # by index: contiguous, but GPU3-GPU4 is SYS
-    assert pick_gpus({3, 4, 6}, 2, c) == (4, 6)        # NODE, inside NUMA 1
+    assert pick_gpus({3, 4, 6}, 2) == (3, 4)  # by index: contiguous, but GPU3-GPU4 is SYS
+    assert pick_gpus({3, 4, 6}, 2, c) == (4, 6)  # NODE, inside NUMA 1
 
 
 def test_uniform_nvlink_box_keeps_todays_choice():
@@ -153,7 +154,7 @@ def test_a_gpu_with_its_nvlinks_down_is_not_paired_while_an_nvlinked_pair_is_fre
     dump = _nvlink_down_dump(2)
     c = GpuCloseness.from_dump(dump)
     assert not c.uniform and c.rank(2, 3) == link_rank("SYS") and c.rank(0, 1) == link_rank("NV18")
-    assert pick_gpus({2, 3, 4, 5}, 2) == (2, 3)        # by index it would take the broken GPU
+    assert pick_gpus({2, 3, 4, 5}, 2) == (2, 3)  # by index it would take the broken GPU
     assert pick_gpus({2, 3, 4, 5}, 2, c) == (4, 5)
     for free in map(set, itertools.chain.from_iterable(itertools.combinations(range(8), n) for n in range(3, 8))):
         nvlinked = free - {2}
@@ -213,8 +214,10 @@ def test_replicas_on_one_node_each_get_a_close_slice():
 
 def test_multi_node_gangs_keep_rail_aligned_indices():
     c = _closeness("pcie-2numa")
-    nodes = [NodeCapacity("a", 8, {3, 4, 6, 7}, True, ("leaf0",), c),
-             NodeCapacity("b", 8, {3, 4, 6, 7}, True, ("leaf0",), c)]
+    nodes = [
+        NodeCapacity("a", 8, {3, 4, 6, 7}, True, ("leaf0",), c),
+        NodeCapacity("b", 8, {3, 4, 6, 7}, True, ("leaf0",), c),
+    ]
     result = place_gang(ClusterCapacity(nodes), GangRequest("j", 2, 3))
     assert not isinstance(result, Unplaceable)
     assert {r.gpus for r in result.replicas} == {pick_gpus({3, 4, 6, 7}, 3)}
@@ -228,10 +231,30 @@ def test_scheduler_state_built_from_the_ledger_carries_closeness(sqlite_url):
     topo = MessageToDict(simulated_topology("n1", "pcie-2numa"), preserving_proto_field_name=True)
     gpus = [dict(index=i, uuid=f"GPU-{i}", name="NVIDIA L40S", memory_mib=46068) for i in range(8)]
     with engine.begin() as conn:
-        ledger.upsert_node(conn, name="n1", gpus=gpus, topology=topo, address="127.0.0.1", agent_instance="x",
-                           profile="pcie-2numa", gpu_model="NVIDIA L40S", fabric_path=["leaf0"], now=1.0)
-        ledger.upsert_node(conn, name="lite", gpus=gpus, topology={"profile": "lite"}, address="127.0.0.1",
-                           agent_instance="y", profile="lite", gpu_model="x", fabric_path=["leaf0"], now=1.0)
+        ledger.upsert_node(
+            conn,
+            name="n1",
+            gpus=gpus,
+            topology=topo,
+            address="127.0.0.1",
+            agent_instance="x",
+            profile="pcie-2numa",
+            gpu_model="NVIDIA L40S",
+            fabric_path=["leaf0"],
+            now=1.0,
+        )
+        ledger.upsert_node(
+            conn,
+            name="lite",
+            gpus=gpus,
+            topology={"profile": "lite"},
+            address="127.0.0.1",
+            agent_instance="y",
+            profile="lite",
+            gpu_model="x",
+            fabric_path=["leaf0"],
+            now=1.0,
+        )
     state = SchedulerState()
     with engine.connect() as conn:
         ledger.load_state(conn, state, lambda name: ())
@@ -264,8 +287,8 @@ def test_place_cli_with_the_pcie_profile_chooses_numa_local_gpus(capsys, tmp_pat
     assert main([*args, "--json"]) == 0
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     got = {line["name"]: line["allocations"][0]["gpus"] for line in out if line.get("placed")}
-    assert got["four"] == [0, 1, 2, 3]   # one NUMA node
-    assert got["pair"] == [4, 6]         # GPU3 + GPU4 would be contiguous by index but cross NUMA (SYS)
+    assert got["four"] == [0, 1, 2, 3]  # one NUMA node
+    assert got["pair"] == [4, 6]  # GPU3 + GPU4 would be contiguous by index but cross NUMA (SYS)
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "pair  PLACED  1 x 2 GPUs  n01:[4,6]" in text
@@ -284,8 +307,11 @@ async def test_a_node_registering_with_a_running_scheduler_brings_its_closeness(
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             stub = agent_pb2_grpc.NodeServiceStub(channel)
-            await stub.RegisterNode(agent_pb2.RegisterNodeRequest(
-                node_name="pcie-1", topology=simulated_topology("pcie-1", "pcie-2numa"), agent_instance="a"))
+            await stub.RegisterNode(
+                agent_pb2.RegisterNodeRequest(
+                    node_name="pcie-1", topology=simulated_topology("pcie-1", "pcie-2numa"), agent_instance="a"
+                )
+            )
         node = running.service.state.capacity.nodes["pcie-1"]
         assert node.closeness is not None and not node.closeness.uniform
     finally:

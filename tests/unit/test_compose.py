@@ -78,6 +78,7 @@ def test_command_is_an_installed_console_script(service):
 
 
 @pytest.mark.parametrize("service", PHALANX_SERVICES)
+@pytest.mark.slow
 def test_command_flags_are_accepted(service):
     """`<script> [subcommands] --help` must mention every flag the compose command passes."""
     args = argv(service)
@@ -210,6 +211,10 @@ def test_docker_compose_config():
     if probe.returncode != 0:
         pytest.skip(f"docker compose plugin unavailable: {(probe.stderr or probe.stdout).strip().splitlines()[0]}")
     result = subprocess.run(
-        [docker, "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [docker, "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr

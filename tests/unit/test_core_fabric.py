@@ -68,9 +68,14 @@ def test_bad_slurm_files_say_where(text, words):
 
 
 def test_deeper_trees_continue_with_numbered_tiers():
-    text = "\n".join([
-        "SwitchName=l0 Nodes=n1", "SwitchName=s0 Switches=l0", "SwitchName=c0 Switches=s0", "SwitchName=t0 Switches=c0",
-    ])
+    text = "\n".join(
+        [
+            "SwitchName=l0 Nodes=n1",
+            "SwitchName=s0 Switches=l0",
+            "SwitchName=c0 Switches=s0",
+            "SwitchName=t0 Switches=c0",
+        ]
+    )
     assert parse_slurm_tree(text).tiers == ("leaf", "spine", "core", "tier3")
 
 
@@ -83,10 +88,16 @@ switches:
     leaf1: ["dgx[03-04]"]
 """)
     flat = parse_fabric_yaml(tree.to_yaml())
-    assert dict(tree.paths) == dict(flat.paths) == {
-        "dgx01": ("leaf0", "spine0"), "dgx02": ("leaf0", "spine0"),
-        "dgx03": ("leaf1", "spine0"), "dgx04": ("leaf1", "spine0"),
-    }
+    assert (
+        dict(tree.paths)
+        == dict(flat.paths)
+        == {
+            "dgx01": ("leaf0", "spine0"),
+            "dgx02": ("leaf0", "spine0"),
+            "dgx03": ("leaf1", "spine0"),
+            "dgx04": ("leaf1", "spine0"),
+        }
+    )
     assert dict(parse_slurm_tree(to_slurm_tree(tree)).paths) == dict(tree.paths)
 
 

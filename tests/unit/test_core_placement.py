@@ -65,8 +65,8 @@ def test_crossing_the_cluster_it_weighs_the_leaves_below_the_spines():
     cluster on 2 spines either way; filling spine0 whole would take 3 leaves, n2 + one of spine0 takes 2."""
     fabric = default_fabric(["n0", "n1", "n2"], nodes_per_leaf=1, leaves_per_spine=2)
     cap = ClusterCapacity(
-        NodeCapacity(name, gpus, set(range(gpus)), True, fabric.path(name)) for name, gpus in (("n0", 4), ("n1", 4),
-                                                                                           ("n2", 8))
+        NodeCapacity(name, gpus, set(range(gpus)), True, fabric.path(name))
+        for name, gpus in (("n0", 4), ("n1", 4), ("n2", 8))
     )
     p = place_gang(cap, GangRequest("j", 3, 4), fabric.tiers)
     assert p.tier == "cluster" and p.domains == 2
@@ -184,8 +184,14 @@ def test_placements_never_double_book_and_hold_exactly_what_was_asked(nodes, per
 @given(
     nodes=st.integers(1, 10),
     per_leaf=st.integers(1, 4),
-    ops=st.lists(st.tuples(st.sampled_from(["take", "release", "drain", "undrain"]), st.integers(0, 9),
-                           st.sets(st.integers(0, 7), max_size=8)), max_size=40),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["take", "release", "drain", "undrain"]),
+            st.integers(0, 9),
+            st.sets(st.integers(0, 7), max_size=8),
+        ),
+        max_size=40,
+    ),
 )
 def test_the_free_capacity_index_always_matches_a_full_scan(nodes, per_leaf, ops):
     cap, _ = cluster(nodes=nodes, per_leaf=per_leaf)
@@ -217,9 +223,15 @@ def tightest_key(cap: ClusterCapacity, effective: dict[str, int], node: NodeCapa
     """The reference order of `tightest_node`, by scanning: fewest free GPUs, then (fragmentation) the fullest
     domain of the lowest switch tier that groups several nodes, then that domain's name, then the node's."""
     depth = cap.levels() - 1
-    tie = next((lv for lv in range(1, depth + 1)
-                if max(sum(1 for n in cap.nodes.values() if n.path[lv - 1] == m.path[lv - 1])
-                       for m in cap.nodes.values()) > 1), 0)
+    tie = next(
+        (
+            lv
+            for lv in range(1, depth + 1)
+            if max(sum(1 for n in cap.nodes.values() if n.path[lv - 1] == m.path[lv - 1]) for m in cap.nodes.values())
+            > 1
+        ),
+        0,
+    )
     if not tie:
         return (effective[node.name], node.name)
     domain = node.path[tie - 1]
@@ -321,8 +333,11 @@ take_cases = dict(
 
 def indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g) -> None:
     names = [f"n{i}" for i in range(nodes)]
-    fabric = (three_tiers(nodes, per_leaf, per_spine, per_core) if per_core
-              else default_fabric(names, nodes_per_leaf=per_leaf, leaves_per_spine=per_spine))
+    fabric = (
+        three_tiers(nodes, per_leaf, per_spine, per_core)
+        if per_core
+        else default_fabric(names, nodes_per_leaf=per_leaf, leaves_per_spine=per_spine)
+    )
     cap = ClusterCapacity(
         NodeCapacity(f"n{i}", 8, set(range(used[i], 8)), True, fabric.path(f"n{i}")) for i in range(nodes)
     )
@@ -339,7 +354,7 @@ def indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g) -> 
             assert all(c <= cap.nodes[n].slots(g) for n, c in scan)
             # the fewest children, whether the DP ran or not
             children = sorted((s for s, _ in cap.child_stats(level, key, g).values()), reverse=True)
-            fewest = next(i + 1 for i in range(len(children)) if sum(children[:i + 1]) >= replicas)
+            fewest = next(i + 1 for i in range(len(children)) if sum(children[: i + 1]) >= replicas)
             assert len({placement._key(cap.nodes[n], level - 1) for n, _ in scan}) == fewest
 
 
@@ -361,8 +376,7 @@ def test_the_greedy_fallback_is_consistent_too(nodes, per_leaf, per_spine, per_c
 def test_equal_nodes_are_decided_by_fragmentation_keeping_emptier_leaves_whole():
     # x1 (leaf0) and a1 (leaf1) both have exactly 4 free GPUs; by name a1 would win. leaf0 is the fuller leaf
     # (x2 is busy), so the job goes to x1 and leaf1 keeps a whole free node (a2) beside a1's 4 GPUs.
-    paths = {"x1": ("leaf0", "spine0"), "x2": ("leaf0", "spine0"), "a1": ("leaf1", "spine0"),
-             "a2": ("leaf1", "spine0")}
+    paths = {"x1": ("leaf0", "spine0"), "x2": ("leaf0", "spine0"), "a1": ("leaf1", "spine0"), "a2": ("leaf1", "spine0")}
     free = {"x1": {4, 5, 6, 7}, "x2": set(), "a1": {4, 5, 6, 7}, "a2": set(range(8))}
     cap = ClusterCapacity(NodeCapacity(n, 8, set(free[n]), True, paths[n]) for n in paths)
     p = place_gang(cap, GangRequest("j", 1, 4), ("leaf", "spine"))

@@ -33,7 +33,8 @@ async def test_channel_fails_over_to_the_next_address():
     try:
         channel = open_aio_channel(f"127.0.0.1:{dead_port},127.0.0.1:{port}")
         reply = await asyncio.wait_for(
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True), 10)
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True), 10
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         await channel.close()
     finally:

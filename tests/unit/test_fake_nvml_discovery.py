@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-
 from conftest import SHARED_DATA
+
 from phalanx.api.v1 import agent_pb2
 from phalanx.core.topo_dump import TopoDump, is_nvlink, parse_topo
 from phalanx.profiles import list_profiles, load_profile, load_profile_file
@@ -91,8 +91,13 @@ def check_round_trip(tmp_path: Path, dump: TopoDump, **fake) -> agent_pb2.HostTo
 # ------------------------------------------------------------------------------------------------ round trips
 
 
-_NO_DUMPS = pytest.param(None, id="no-dumps", marks=pytest.mark.skip(
-    reason=f"real topology dumps not found at {TOPOLOGIES} (set PHALANX_DATA to the shared data folder)"))
+_NO_DUMPS = pytest.param(
+    None,
+    id="no-dumps",
+    marks=pytest.mark.skip(
+        reason=f"real topology dumps not found at {TOPOLOGIES} (set PHALANX_DATA to the shared data folder)"
+    ),
+)
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.stem) for p in DUMP_FILES] or [_NO_DUMPS])
@@ -116,8 +121,7 @@ def test_profile_round_trips(tmp_path, name):
 FULL_DUMPS = [p for p in DUMP_FILES if "partial" not in p.name]
 
 
-@pytest.mark.parametrize("name", PROFILES + [str(p) for p in FULL_DUMPS],
-                         ids=PROFILES + [p.stem for p in FULL_DUMPS])
+@pytest.mark.parametrize("name", PROFILES + [str(p) for p in FULL_DUMPS], ids=PROFILES + [p.stem for p in FULL_DUMPS])
 def test_simulated_equals_discovered(tmp_path, name):
     """The simulated host (topology_from_dump) and discovery over the fake NVML/sysfs agree on every field both set.
 
@@ -128,9 +132,14 @@ def test_simulated_equals_discovered(tmp_path, name):
         prof, sim = load_profile_file(name), simulated_topology("n1", dump_file=name)
     n = prof.gpu_count
     found, names, _ = discover(
-        tmp_path, prof.dump, gpu_model=prof.gpu_model, memory_mib=prof.memory_mib,
-        uuids=[fake_gpu_uuid("n1", i) for i in range(n)], pci_bus_ids=[fake_pci_bus_id(i, n) for i in range(n)],
-        fabric_cluster_uuid=sim.fabric_cluster_uuid, fabric_clique=sim.fabric_clique,
+        tmp_path,
+        prof.dump,
+        gpu_model=prof.gpu_model,
+        memory_mib=prof.memory_mib,
+        uuids=[fake_gpu_uuid("n1", i) for i in range(n)],
+        pci_bus_ids=[fake_pci_bus_id(i, n) for i in range(n)],
+        fabric_cluster_uuid=sim.fabric_cluster_uuid,
+        fabric_clique=sim.fabric_clique,
     )
     assert all(names[k] == k for k in names)  # shipped profiles list NICs in device order
 
@@ -140,7 +149,8 @@ def test_simulated_equals_discovered(tmp_path, name):
     assert [gpu(g) for g in found.gpus] == [gpu(g) for g in sim.gpus]
     # A dump without a NIC Legend names no devices; the fake sysfs calls them mlx5_<k>.
     assert [(x.name, x.device, x.nearest_gpu) for x in found.nics] == [
-        (x.name, x.device or f"mlx5_{k}", x.nearest_gpu) for k, x in enumerate(sim.nics)]
+        (x.name, x.device or f"mlx5_{k}", x.nearest_gpu) for k, x in enumerate(sim.nics)
+    ]
     assert {r: dict(found.matrix[r].cells) for r in found.matrix} == {r: dict(sim.matrix[r].cells) for r in sim.matrix}
     assert (found.fabric_cluster_uuid, found.fabric_clique) == (sim.fabric_cluster_uuid, sim.fabric_clique)
 
@@ -174,8 +184,13 @@ def _with_cells(dump: TopoDump, gpu: str, cells: dict[str, str]) -> TopoDump:
     matrix = {r: dict(row) for r, row in dump.matrix.items()}
     for other, value in cells.items():
         matrix[gpu][other] = matrix[other][gpu] = value
-    return TopoDump(devices=list(dump.devices), matrix=matrix, extras=dump.extras,
-                    extra_columns=dump.extra_columns, nic_devices=dump.nic_devices)
+    return TopoDump(
+        devices=list(dump.devices),
+        matrix=matrix,
+        extras=dump.extras,
+        extra_columns=dump.extra_columns,
+        nic_devices=dump.nic_devices,
+    )
 
 
 def test_nvswitch_links_go_to_switches(tmp_path):
@@ -186,7 +201,8 @@ def test_nvswitch_links_go_to_switches(tmp_path):
     remotes = {nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId for link in range(18)}
     assert remotes.isdisjoint(nv.simulated_host.pci_bus_ids)  # NVSwitches, not GPUs
     assert {nv.nvmlDeviceGetNvLinkRemoteDeviceType(h, link) for link in range(18)} == {
-        nv.NVML_NVLINK_DEVICE_TYPE_SWITCH}
+        nv.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    }
     assert nv.nvmlDeviceGetNvLinkState(h, 17) == nv.NVML_FEATURE_ENABLED
     with pytest.raises(nv.NVMLError_InvalidArgument):
         nv.nvmlDeviceGetNvLinkState(h, 18)  # an H100 has 18 links
@@ -250,8 +266,14 @@ def test_pcie_only_gpus_have_no_nvlink():
 def test_compute_capability_and_fabric(tmp_path):
     prof = load_profile("gb200-nvl72-tray")
     cluster = "4e1f3c2a-9b7d-4c11-8e2f-0a1b2c3d4e5f"
-    topo, _, _ = discover(tmp_path, prof.dump, gpu_model=prof.gpu_model, memory_mib=prof.memory_mib,
-                          fabric_cluster_uuid=cluster, fabric_clique=3)
+    topo, _, _ = discover(
+        tmp_path,
+        prof.dump,
+        gpu_model=prof.gpu_model,
+        memory_mib=prof.memory_mib,
+        fabric_cluster_uuid=cluster,
+        fabric_clique=3,
+    )
     assert {g.compute_capability for g in topo.gpus} == {"10.0"}
     assert (topo.fabric_cluster_uuid, topo.fabric_clique) == (cluster, "3")
     assert topo.profile == "nvml"
@@ -277,7 +299,9 @@ def test_mig_instances_discovered_and_one_fake_serves_the_mig_backend(tmp_path):
     g0, g1 = topo.gpus[0], topo.gpus[1]
     assert g0.mig_mode == agent_pb2.GpuInfo.MIG_MODE_ENABLED and g1.mig_mode == agent_pb2.GpuInfo.MIG_MODE_DISABLED
     assert [(m.profile, m.start, m.size, m.uuid) for m in g0.mig_instances] == [
-        ("1g.10gb", 0, 1, ""), ("3g.40gb", 4, 4, uuid)]
+        ("1g.10gb", 0, 1, ""),
+        ("3g.40gb", 4, 4, uuid),
+    ]
     assert [(m.gpu_instance_id, m.compute_instance_id) for m in g0.mig_instances] == [(2, -1), (made.gi_id, 0)]
     assert uuid.startswith("MIG-") and not g1.mig_instances
 
@@ -313,7 +337,7 @@ def test_pci_relation_words():
 
     gpu = dev("rp1", "us", "ds1", "lus", "lds1", "gpu")
     assert pci_relation(gpu, dev("rp1", "us", "ds1", "lus", "lds2", "nic")) == "PIX"
-    assert pci_relation(gpu, dev("rp1", "us", "ds2", "nic")) == "PXB"      # upper switch + leaf switch
+    assert pci_relation(gpu, dev("rp1", "us", "ds2", "nic")) == "PXB"  # upper switch + leaf switch
     assert pci_relation(dev("rp1", "us", "ds1", "a"), dev("rp1", "us", "ds2", "b")) == "PIX"  # one switch
     assert pci_relation(gpu, dev("rp2", "nic")) == "PHB"
     other_root = PciDevice(bdf="nic", chain=("pci0000:80", "rp", "nic"), numa=0)
@@ -330,8 +354,11 @@ def test_discover_json_through_main(tmp_path, monkeypatch, capsys):
     dump = load_profile("dgx-a100").dump
     nv = fake_nvml(dump, gpu_model="NVIDIA A100-SXM4-80GB", memory_mib=81920)
     build_fake_sysfs(tmp_path, dump, nv.simulated_host.pci_bus_ids)
-    monkeypatch.setattr(agent_main, "discover_topology",
-                        functools.partial(discover_topology, nvml=nv, sysfs_root=tmp_path, use_nvidia_smi=False))
+    monkeypatch.setattr(
+        agent_main,
+        "discover_topology",
+        functools.partial(discover_topology, nvml=nv, sysfs_root=tmp_path, use_nvidia_smi=False),
+    )
     # main() would point structlog at the captured stderr, which is closed after this test.
     monkeypatch.setattr(agent_main, "configure_logging", lambda *a, **k: structlog.get_logger())
     assert agent_main.main(["--discover", "--json", "--node-name", "n1"]) == 0
@@ -343,8 +370,7 @@ def test_discover_json_through_main(tmp_path, monkeypatch, capsys):
         assert g["index"] == i and g["name"] == "NVIDIA A100-SXM4-80GB" and g["memory_mib"] == 81920
         assert g["numa_node"] == [3, 1, 7, 5][i // 2] and g["nic"] == f"NIC{i}"
         assert g["compute_capability"] == "8.0" and g["mig_mode"] == "disabled"
-    assert [(n["name"], n["nearest_gpu"]) for n in data["nics"]] == [(f"NIC{i}", i if i < 8 else -1)
-                                                                      for i in range(10)]
+    assert [(n["name"], n["nearest_gpu"]) for n in data["nics"]] == [(f"NIC{i}", i if i < 8 else -1) for i in range(10)]
     devices = [f"GPU{i}" for i in range(8)] + [f"NIC{i}" for i in range(10)]
     assert set(data["matrix"]) == set(devices)
     for row in devices:

@@ -79,17 +79,21 @@ def test_every_family_is_modelled():
 
 @pytest.mark.parametrize("family", sorted(TABLES))
 def test_family_table_matches_nvidias(family):
-    got = [(p.name, p.compute, p.size, p.starts, p.profile_id, p.max_count, p.nvml_gi_profile, p.nvml_ci_profile)
-           for p in mig.family_table(family).values()]
-    want = [(n, c, s, st, pid, cnt, f"NVML_GPU_INSTANCE_PROFILE_{gi}", f"NVML_COMPUTE_INSTANCE_PROFILE_{ci}")
-            for n, c, s, st, pid, cnt, gi, ci in TABLES[family]]
+    got = [
+        (p.name, p.compute, p.size, p.starts, p.profile_id, p.max_count, p.nvml_gi_profile, p.nvml_ci_profile)
+        for p in mig.family_table(family).values()
+    ]
+    want = [
+        (n, c, s, st, pid, cnt, f"NVML_GPU_INSTANCE_PROFILE_{gi}", f"NVML_COMPUTE_INSTANCE_PROFILE_{ci}")
+        for n, c, s, st, pid, cnt, gi, ci in TABLES[family]
+    ]
     assert got == want
     table = mig.family_table(family)
     assert [n for n, p in table.items() if p.media] == [n for n, *_ in TABLES[family] if n.endswith("+me")]
     # family_profiles keeps listing the base profiles only, in the same order.
     assert list(mig.family_profiles(family)) == [n for n, *_ in TABLES[family] if not n.endswith("+me")]
     # A +me profile has its base profile's slices and starts.
-    for name, p in table.items():
+    for p in table.values():
         if p.media:
             base = next(b for b in table.values() if not b.media and (b.compute, b.size) == (p.compute, p.size))
             assert (p.starts, p.memory_gb) == (base.starts, base.memory_gb) and p.max_count == 1
@@ -150,36 +154,51 @@ def test_resolve_and_known_names_cover_the_me_profiles():
     assert names[-1] == "7g.186gb"
 
 
-@pytest.mark.parametrize("model, memory, family", [
-    ("NVIDIA A30", 24576, "A30-24GB"),
-    ("NVIDIA GH200 480GB", 97871, "GH200-96GB"),
-    ("NVIDIA GH200 480GB", 0, "GH200-96GB"),
-    ("NVIDIA GH200 144G HBM3e", 146_432, "GH200-144GB"),
-    ("NVIDIA GH200 144G HBM3e", 0, "GH200-144GB"),
-    ("NVIDIA GH200", 146_432, "GH200-144GB"),  # no size in the name: the memory says
-    ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
-    ("NVIDIA H100 PCIe", 81559, "H100-80GB"),
-    ("NVIDIA H100 NVL", 95830, "H100-94GB"),
-    ("NVIDIA H200", 143771, "H200-141GB"),
-    ("NVIDIA H200 NVL", 143771, "H200-141GB"),
-    ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"),
-    ("NVIDIA A100-PCIE-40GB", 40960, "A100-40GB"),
-    ("NVIDIA A100-SXM4-80GB", 81920, "A100-80GB"),
-    ("NVIDIA B200", 183359, "B200-180GB"),
-    ("NVIDIA GB200", 189471, "GB200-186GB"),
-    ("NVIDIA A10", 23028, None),
-    ("NVIDIA L40S", 46068, None),
-    ("Tesla V100-SXM2-32GB", 32768, None),
-])
+@pytest.mark.parametrize(
+    "model, memory, family",
+    [
+        ("NVIDIA A30", 24576, "A30-24GB"),
+        ("NVIDIA GH200 480GB", 97871, "GH200-96GB"),
+        ("NVIDIA GH200 480GB", 0, "GH200-96GB"),
+        ("NVIDIA GH200 144G HBM3e", 146_432, "GH200-144GB"),
+        ("NVIDIA GH200 144G HBM3e", 0, "GH200-144GB"),
+        ("NVIDIA GH200", 146_432, "GH200-144GB"),  # no size in the name: the memory says
+        ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
+        ("NVIDIA H100 PCIe", 81559, "H100-80GB"),
+        ("NVIDIA H100 NVL", 95830, "H100-94GB"),
+        ("NVIDIA H200", 143771, "H200-141GB"),
+        ("NVIDIA H200 NVL", 143771, "H200-141GB"),
+        ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"),
+        ("NVIDIA A100-PCIE-40GB", 40960, "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB", 81920, "A100-80GB"),
+        ("NVIDIA B200", 183359, "B200-180GB"),
+        ("NVIDIA GB200", 189471, "GB200-186GB"),
+        ("NVIDIA A10", 23028, None),
+        ("NVIDIA L40S", 46068, None),
+        ("Tesla V100-SXM2-32GB", 32768, None),
+    ],
+)
 def test_mig_family_from_real_nvml_names(model, memory, family):
     assert mig.mig_family(model, memory) == family
 
 
 def test_shapes_of_the_workload_mix_per_family():
     assert [mig.shape_profile("H100-80GB", s).name for s in range(len(mig.SHAPES))] == [
-        "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+        "1g.10gb",
+        "1g.20gb",
+        "2g.20gb",
+        "3g.40gb",
+        "4g.40gb",
+        "7g.80gb",
+    ]
     assert [getattr(mig.shape_profile("A30-24GB", s), "name", None) for s in range(len(mig.SHAPES))] == [
-        "1g.6gb", None, "2g.12gb", None, "4g.24gb", None]
+        "1g.6gb",
+        None,
+        "2g.12gb",
+        None,
+        "4g.24gb",
+        None,
+    ]
     assert mig.shape_profile(None, 0) is None
 
 
@@ -240,8 +259,9 @@ def test_me_replicas_spread_one_per_gpu():
 
 def test_the_ledger_refuses_a_second_me_instance_on_a_gpu():
     cap = ClusterCapacity([mig_node("a", gpus=1)])
-    me = [ReplicaPlacement(i, "a", (0,), mig_profile="1g.10gb+me", mig_start=s, mig_size=1)
-          for i, s in enumerate((0, 3))]
+    me = [
+        ReplicaPlacement(i, "a", (0,), mig_profile="1g.10gb+me", mig_start=s, mig_size=1) for i, s in enumerate((0, 3))
+    ]
     with pytest.raises(CapacityError):
         cap.reserve(Placement("j", tuple(me), "node", 1, 0.0, ""))
     assert used(cap) == 0  # all or nothing
@@ -293,8 +313,11 @@ def test_the_ledger_keeps_a30_instances_inside_its_four_slices():
             cap.reserve(Placement("x", (rep,), "node", 1, 0.0, ""))
     # The same slices are fine on an 8-slice GPU.
     h100 = ClusterCapacity([mig_node("a", H100, gpus=1)])
-    h100.reserve(Placement("x", (ReplicaPlacement(0, "a", (0,), mig_profile="1g.10gb", mig_start=4, mig_size=1),),
-                           "node", 1, 0.0, ""))
+    h100.reserve(
+        Placement(
+            "x", (ReplicaPlacement(0, "a", (0,), mig_profile="1g.10gb", mig_start=4, mig_size=1),), "node", 1, 0.0, ""
+        )
+    )
 
 
 def test_a30_me_profiles_share_the_media_engines_in_placement():
@@ -321,13 +344,15 @@ def test_quota_counts_me_instances_by_their_compute_slices():
 def test_gpu_equivalents_count_a_gpus_own_compute_slices():
     from services.scheduler.state import gpu_equivalents
 
-    assert gpu_equivalents(1, 1, "2g.12gb") == 2 / 4           # A30: 4 compute slices
+    assert gpu_equivalents(1, 1, "2g.12gb") == 2 / 4  # A30: 4 compute slices
     assert gpu_equivalents(1, 1, "3g.40gb") == 3 / 7
     assert gpu_equivalents(2, 1, "1g.10gb+me") == 2 / 7
 
 
-@pytest.mark.parametrize("text,count,want", [("all", 4, {0, 1, 2, 3}), ("none", 8, set()), ("", 8, set()),
-                                             ("6, 7", 8, {6, 7}), ("0", 1, {0})])
+@pytest.mark.parametrize(
+    "text,count,want",
+    [("all", 4, {0, 1, 2, 3}), ("none", 8, set()), ("", 8, set()), ("6, 7", 8, {6, 7}), ("0", 1, {0})],
+)
 def test_parse_gpu_indexes(text, count, want):
     assert mig.parse_gpu_indexes(text, count) == frozenset(want)
 

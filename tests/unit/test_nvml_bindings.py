@@ -26,8 +26,8 @@ import pynvml
 import pytest
 from structlog.testing import capture_logs
 
-from phalanx.api.v1 import agent_pb2
 from phalanx import nvml_h
+from phalanx.api.v1 import agent_pb2
 from phalanx.profiles import load_profile
 from phalanx.simhost import nvml as sim
 from phalanx.simhost.nvml import SimulatedHost, bind, c_functions
@@ -67,7 +67,7 @@ def test_every_c_function_is_exercised_through_pynvml():
     pci = nv.nvmlDeviceGetPciInfo(h)
     assert pci.busId == g.bus_id and pci.bus == int(g.bus_id.split(":")[1], 16)
     assert nv.nvmlDeviceGetCudaComputeCapability(h) == (10, 0)
-    assert nv.nvmlDeviceGetNumaNodeId(h) == g.gpu_numa_id >= 0        # a Grace GPU's own memory node
+    assert nv.nvmlDeviceGetNumaNodeId(h) == g.gpu_numa_id >= 0  # a Grace GPU's own memory node
     assert nv.nvmlDeviceGetTopologyCommonAncestor(h, h) == nv.NVML_TOPOLOGY_INTERNAL
     assert nv.nvmlDeviceGetTopologyCommonAncestor(h, h1) == host.ancestors[(0, 1)]
     assert nv.nvmlDeviceGetNvLinkState(h, 0) == nv.NVML_FEATURE_ENABLED
@@ -91,7 +91,7 @@ def test_every_c_function_is_exercised_through_pynvml():
     placements = (nv.c_nvmlGpuInstancePlacement_t * 4)()
     nv.nvmlDeviceGetGpuInstancePossiblePlacements(h, 9, placements, ctypes.byref(count))
     assert [(placements[i].start, placements[i].size) for i in range(count.value)] == [(0, 4), (4, 4)]
-    gi_any = nv.nvmlDeviceCreateGpuInstance(h, 9)                                 # NVML picks the placement
+    gi_any = nv.nvmlDeviceCreateGpuInstance(h, 9)  # NVML picks the placement
     assert nv.nvmlGpuInstanceGetInfo(gi_any).placement.start == 0
     where = nv.c_nvmlGpuInstancePlacement_t()
     where.start, where.size = 4, 4
@@ -101,10 +101,12 @@ def test_every_c_function_is_exercised_through_pynvml():
     array = (nv.c_nvmlGpuInstance_t * 2)()
     nv.nvmlDeviceGetGpuInstances(h, 9, array, ctypes.byref(count))
     assert count.value == 2
-    ci_v2 = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
-                                                            nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-    ci_v1 = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
-                                                            nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, 1)
+    ci_v2 = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+    )
+    ci_v1 = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gi, nv.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, 1
+    )
     assert ci_v2.id == ci_v1.id == nv.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE and ci_v2.sliceCount == 3
     ci = nv.nvmlGpuInstanceCreateComputeInstance(gi, ci_v2.id)
     assert nv.nvmlComputeInstanceGetInfo(ci).id == 0
@@ -118,7 +120,7 @@ def test_every_c_function_is_exercised_through_pynvml():
     assert (nv.nvmlDeviceGetGpuInstanceId(mig), nv.nvmlDeviceGetComputeInstanceId(mig)) == (2, 0)
     assert nv.nvmlDeviceGetUUID(mig) == host.mig_device_uuid(0, 2, 0)
     with pytest.raises(nv.NVMLError_InUse):
-        nv.nvmlGpuInstanceDestroy(gi)                       # a compute instance is still in it
+        nv.nvmlGpuInstanceDestroy(gi)  # a compute instance is still in it
     nv.nvmlComputeInstanceDestroy(ci)
     nv.nvmlGpuInstanceDestroy(gi)
     nv.nvmlGpuInstanceDestroy(gi_any)
@@ -128,8 +130,10 @@ def test_every_c_function_is_exercised_through_pynvml():
     nv.nvmlDeviceRegisterEvents(h1, nv.nvmlEventTypeXidCriticalError, event_set)
     host.inject_xid(1, 79)
     data = nv.nvmlEventSetWait(event_set, 100)
-    assert data.eventData == 79 and ctypes.cast(data.device, ctypes.c_void_p).value == ctypes.cast(
-        h1, ctypes.c_void_p).value
+    assert (
+        data.eventData == 79
+        and ctypes.cast(data.device, ctypes.c_void_p).value == ctypes.cast(h1, ctypes.c_void_p).value
+    )
     with pytest.raises(nv.NVMLError_Timeout):
         nv.nvmlEventSetWait(event_set, 10)
     nv.nvmlEventSetFree(event_set)
@@ -137,7 +141,7 @@ def test_every_c_function_is_exercised_through_pynvml():
     assert nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC) == 3
     host.gpus[0].clocks_event_reasons = 0x40
     assert nv.nvmlDeviceGetCurrentClocksEventReasons(h) == nv.nvmlDeviceGetCurrentClocksThrottleReasons(h) == 0x40
-    assert str(nv.NVMLError(nv.NVML_ERROR_IN_USE)) == "In use by another client"     # nvmlErrorString
+    assert str(nv.NVMLError(nv.NVML_ERROR_IN_USE)) == "In use by another client"  # nvmlErrorString
     nv.nvmlShutdown()
     with pytest.raises(nv.NVMLError_Uninitialized):
         nv.nvmlDeviceGetCount()
@@ -150,11 +154,11 @@ def test_argument_types_are_checked_as_a_c_prototype_would():
     nv.nvmlInit()
     h = nv.nvmlDeviceGetHandleByIndex(0)
     placement = nv.c_nvmlGpuInstancePlacement_t()
-    with pytest.raises(ctypes.ArgumentError):   # a structure by value where nvml.h takes a pointer
+    with pytest.raises(ctypes.ArgumentError):  # a structure by value where nvml.h takes a pointer
         nv.nvmlLib.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, placement, None)
     with pytest.raises(TypeError, match="takes 4 argument"):  # too few arguments for the C function
         nv.nvmlLib.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, ctypes.byref(placement))
-    with pytest.raises(TypeError):              # the bug the agent had: the binding needs the struct argument
+    with pytest.raises(TypeError):  # the bug the agent had: the binding needs the struct argument
         nv.nvmlDeviceGetGpuFabricInfo(h)
 
 
@@ -181,15 +185,19 @@ def test_version_mismatch_as_nvml_answers_it():
 
 # nvml.h structure -> the installed binding's class of the same layout.
 BINDING_STRUCTS = {
-    "nvmlMemory_t": "c_nvmlMemory_t", "nvmlMemory_v2_t": "c_nvmlMemory_v2_t", "nvmlPciInfo_t": "nvmlPciInfo_t",
+    "nvmlMemory_t": "c_nvmlMemory_t",
+    "nvmlMemory_v2_t": "c_nvmlMemory_v2_t",
+    "nvmlPciInfo_t": "nvmlPciInfo_t",
     "nvmlGpuInstancePlacement_t": "c_nvmlGpuInstancePlacement_t",
     "nvmlGpuInstanceProfileInfo_t": "c_nvmlGpuInstanceProfileInfo_t",
     "nvmlGpuInstanceProfileInfo_v2_t": "c_nvmlGpuInstanceProfileInfo_v2_t",
     "nvmlGpuInstanceInfo_t": "c_nvmlGpuInstanceInfo_t",
     "nvmlComputeInstanceProfileInfo_t": "c_nvmlComputeInstanceProfileInfo_t",
     "nvmlComputeInstanceProfileInfo_v2_t": "c_nvmlComputeInstanceProfileInfo_v2_t",
-    "nvmlComputeInstanceInfo_t": "c_nvmlComputeInstanceInfo_t", "nvmlEventData_t": "c_nvmlEventData_t",
-    "nvmlGpuFabricInfo_t": "c_nvmlGpuFabricInfo_t", "nvmlGpuFabricInfo_v2_t": "c_nvmlGpuFabricInfoV_t",
+    "nvmlComputeInstanceInfo_t": "c_nvmlComputeInstanceInfo_t",
+    "nvmlEventData_t": "c_nvmlEventData_t",
+    "nvmlGpuFabricInfo_t": "c_nvmlGpuFabricInfo_t",
+    "nvmlGpuFabricInfo_v2_t": "c_nvmlGpuFabricInfoV_t",
 }
 
 
@@ -237,15 +245,29 @@ def nvml_calls(path: Path):
             continue
         if isinstance(node.func, ast.Attribute) and node.func.attr.startswith("nvml"):
             yield node.func.attr, len(node.args), [k.arg for k in node.keywords], node.lineno
-        if isinstance(node.func, ast.Attribute) and node.func.attr == "_call" and len(node.args) >= 2 \
-                and isinstance(node.args[1], ast.Attribute) and node.args[1].attr.startswith("nvml"):
-            yield node.args[1].attr, len(node.args) - 2, [], node.lineno   # MigBackend._call(what, nv.nvmlX, ...)
+        if (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr == "_call"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Attribute)
+            and node.args[1].attr.startswith("nvml")
+        ):
+            yield node.args[1].attr, len(node.args) - 2, [], node.lineno  # MigBackend._call(what, nv.nvmlX, ...)
         by_name = (isinstance(node.func, ast.Attribute) and node.func.attr == "call") or (
-            isinstance(node.func, ast.Name) and node.func.id == "_core")
-        if by_name and len(node.args) >= 3 and isinstance(node.args[2], ast.Constant) \
-                and str(node.args[2].value).startswith("nvml"):
-            yield node.args[2].value, len(node.args) - 3, [k.arg for k in node.keywords if k.arg != "default"], \
-                node.lineno
+            isinstance(node.func, ast.Name) and node.func.id == "_core"
+        )
+        if (
+            by_name
+            and len(node.args) >= 3
+            and isinstance(node.args[2], ast.Constant)
+            and str(node.args[2].value).startswith("nvml")
+        ):
+            yield (
+                node.args[2].value,
+                len(node.args) - 3,
+                [k.arg for k in node.keywords if k.arg != "default"],
+                node.lineno,
+            )
 
 
 def test_every_nvml_call_in_the_agent_has_the_bindings_signature():
@@ -265,15 +287,22 @@ def test_every_nvml_call_in_the_agent_has_the_bindings_signature():
             except TypeError as exc:
                 bad.append(f"{where}: {exc} (signature {inspect.signature(fn)})")
     assert not bad, "\n".join(bad)
-    assert {"nvmlDeviceGetNvLinkState", "nvmlDeviceCreateGpuInstanceWithPlacement", "nvmlEventSetWait",
-            "nvmlDeviceGetMigMode", "nvmlDeviceGetUUID", "nvmlDeviceGetNvLinkRemotePciInfo",
-            "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceSetMigMode"} <= seen
+    assert {
+        "nvmlDeviceGetNvLinkState",
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        "nvmlEventSetWait",
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetNvLinkRemotePciInfo",
+        "nvmlDeviceGetCudaComputeCapability",
+        "nvmlDeviceSetMigMode",
+    } <= seen
 
 
 def test_the_static_check_catches_the_old_fabric_call(tmp_path):
     bad = tmp_path / "old.py"
     bad.write_text("def f(nv, h):\n    return nv.nvmlDeviceGetGpuFabricInfo(h)\n")
-    (name, nargs, kwargs, _), = nvml_calls(bad)
+    ((name, nargs, kwargs, _),) = nvml_calls(bad)
     with pytest.raises(TypeError):
         inspect.signature(getattr(pynvml, name)).bind(*([None] * nargs), **dict.fromkeys(kwargs))
 
@@ -314,8 +343,14 @@ def test_discovery_mig_and_health_calls_bind_at_run_time(tmp_path):
     mon.check()
     mon.close()
     assert mismatches == [] and host.errors == []
-    assert {"nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceCreateGpuInstanceWithPlacement", "nvmlComputeInstanceGetInfo",
-            "nvmlGpuInstanceDestroy", "nvmlEventSetWait", "nvmlDeviceGetTotalEccErrors"} <= set(calls)
+    assert {
+        "nvmlDeviceGetGpuFabricInfoV",
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        "nvmlComputeInstanceGetInfo",
+        "nvmlGpuInstanceDestroy",
+        "nvmlEventSetWait",
+        "nvmlDeviceGetTotalEccErrors",
+    } <= set(calls)
 
 
 # ------------------------------------------------------------------------------------------------ probes
@@ -326,7 +361,7 @@ PROBE_FAILURES = [
     ("nvmlDeviceGetMemoryInfo", 3, "memory"),
     ("nvmlDeviceGetCudaComputeCapability", "missing", "compute_capability"),
     ("nvmlDeviceGetNvLinkState", 999, "nvlink_state"),
-    ("nvmlDeviceGetNvLinkState", 3, None),           # NotSupported: a GPU without NVLink
+    ("nvmlDeviceGetNvLinkState", 3, None),  # NotSupported: a GPU without NVLink
     ("nvmlDeviceGetNvLinkRemotePciInfo_v2", 999, "nvlink_remote_pci_info"),
     ("nvmlDeviceGetNvLinkRemoteDeviceType", "missing", "nvlink_remote_device_type"),
     ("nvmlDeviceGetTopologyCommonAncestor", 3, "topology_common_ancestor", "pcie-2numa"),
@@ -349,17 +384,17 @@ def test_a_failing_optional_probe_leaves_the_fact_unknown_and_warns_once(tmp_pat
     build_fake_sysfs(tmp_path, load_profile(profile).dump, host.pci_bus_ids)
     with capture_logs() as logs:
         topo = discover_topology("n1", use_nvidia_smi=False, nvml=bind(host), sysfs_root=tmp_path)
-    assert [g.uuid for g in topo.gpus] == [g.uuid for g in host.gpus]    # the node still registers
+    assert [g.uuid for g in topo.gpus] == [g.uuid for g in host.gpus]  # the node still registers
     warnings = [e for e in logs if e["event"] == "nvml_probe_failed"]
     if probe is None:
         assert warnings == []
     else:
-        assert [w["probe"] for w in warnings] == [probe]                  # once, however many GPUs failed it
+        assert [w["probe"] for w in warnings] == [probe]  # once, however many GPUs failed it
         assert warnings[0]["error"] and warnings[0]["log_level"] == "warning"
     if c_name == "nvmlDeviceGetName":
         assert {g.name for g in topo.gpus} == {""}
     if c_name == "nvmlDeviceGetGpuFabricInfoV" and how == "missing":
-        assert topo.fabric_cluster_uuid                                   # from nvmlDeviceGetGpuFabricInfo
+        assert topo.fabric_cluster_uuid  # from nvmlDeviceGetGpuFabricInfo
     if c_name == "nvmlDeviceGetMigMode":
         assert {g.mig_mode for g in topo.gpus} == {agent_pb2.GpuInfo.MIG_MODE_UNSUPPORTED}
 
@@ -379,8 +414,9 @@ def test_a_binding_fault_in_a_probe_is_logged_not_raised(tmp_path):
     assert w["probe"] == "compute_capability" and "TypeError" in w["error"] and w["gpus"] == list(range(8))
 
 
-@pytest.mark.parametrize("c_name", ["nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetUUID",
-                                    "nvmlDeviceGetPciInfo_v3"])
+@pytest.mark.parametrize(
+    "c_name", ["nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo_v3"]
+)
 def test_the_core_enumeration_is_fatal_with_what_to_check(tmp_path, c_name):
     host = host_of()
     host.fail[c_name] = 999
@@ -400,16 +436,20 @@ def test_init_failure_names_driver_library_and_simulation(tmp_path):
 CLUSTER = "4e1f3c2a-9b7d-4c11-8e2f-0a1b2c3d4e5f"
 
 
-@pytest.mark.parametrize("state,status,in_domain,reason", [
-    (sim.NVML_GPU_FABRIC_STATE_COMPLETED, 0, True, ""),
-    (sim.NVML_GPU_FABRIC_STATE_IN_PROGRESS, 0, False, "IN_PROGRESS, not COMPLETED"),
-    (sim.NVML_GPU_FABRIC_STATE_NOT_STARTED, 0, False, "NOT_STARTED, not COMPLETED"),
-    (sim.NVML_GPU_FABRIC_STATE_COMPLETED, sim.NVML_ERROR_UNKNOWN, False, "error status 999"),
-    (sim.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, 0, False, ""),
-])
+@pytest.mark.parametrize(
+    "state,status,in_domain,reason",
+    [
+        (sim.NVML_GPU_FABRIC_STATE_COMPLETED, 0, True, ""),
+        (sim.NVML_GPU_FABRIC_STATE_IN_PROGRESS, 0, False, "IN_PROGRESS, not COMPLETED"),
+        (sim.NVML_GPU_FABRIC_STATE_NOT_STARTED, 0, False, "NOT_STARTED, not COMPLETED"),
+        (sim.NVML_GPU_FABRIC_STATE_COMPLETED, sim.NVML_ERROR_UNKNOWN, False, "error status 999"),
+        (sim.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, 0, False, ""),
+    ],
+)
 def test_fabric_domain_only_when_completed_with_success(tmp_path, state, status, in_domain, reason):
-    host = host_of("gb200-nvl72-tray", fabric_cluster_uuid=CLUSTER, fabric_clique=7, fabric_state=state,
-                   fabric_status=status)
+    host = host_of(
+        "gb200-nvl72-tray", fabric_cluster_uuid=CLUSTER, fabric_clique=7, fabric_state=state, fabric_status=status
+    )
     topo = discover_topology("n1", nvml=bind(host), sysfs_root=tmp_path, use_nvidia_smi=False)
     if in_domain:
         assert (topo.fabric_cluster_uuid, topo.fabric_clique, topo.fabric_reason) == (CLUSTER, "7", "")
@@ -428,8 +468,10 @@ def test_one_gpu_not_completed_takes_the_host_out_of_the_domain(tmp_path):
     def gpu2_in_progress(handle, info):
         real_v(handle, info)
         ptr = ctypes.cast(info, ctypes.POINTER(sim.nvmlGpuFabricInfo_v2_t))
-        if ctypes.cast(handle, ctypes.c_void_p).value == ctypes.cast(nv.nvmlDeviceGetHandleByIndex(2),
-                                                                     ctypes.c_void_p).value:
+        if (
+            ctypes.cast(handle, ctypes.c_void_p).value
+            == ctypes.cast(nv.nvmlDeviceGetHandleByIndex(2), ctypes.c_void_p).value
+        ):
             ptr.contents.state = sim.NVML_GPU_FABRIC_STATE_IN_PROGRESS
 
     nv.nvmlDeviceGetGpuFabricInfoV = gpu2_in_progress
@@ -458,8 +500,14 @@ def run_scenario(pythonpath: str | None) -> dict:
     env = {**os.environ}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, str(ROOT)])
-    out = subprocess.run([sys.executable, str(HELPERS / "nvml_scenario.py")], capture_output=True, text=True,
-                         env=env, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(HELPERS / "nvml_scenario.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -472,6 +520,7 @@ def test_installed_binding_is_in_the_pinned_range():
     assert tuple(int(x) for x in oldest.split(".")) <= have < tuple(int(x) for x in below.split("."))
 
 
+@pytest.mark.slow
 def test_oldest_binding_in_the_range_gives_the_same_answers():
     oldest, _ = pinned_range()
     target = ROOT / ".venv" / f"nvidia-ml-py-{oldest}"

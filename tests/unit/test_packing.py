@@ -40,8 +40,11 @@ def test_fragmentation_matches_the_fgd_definition_worked_by_hand():
 
 
 def test_typical_mix_keeps_the_popular_shapes_and_ignores_memory():
-    tasks = [PackTask(4000, m, 1, 500) for m in (1, 2, 3, 4, 5, 6)] + [PackTask(8000, 0, 1, 1000)] * 3 + [
-        PackTask(1000, 0, 2, 1000)]
+    tasks = (
+        [PackTask(4000, m, 1, 500) for m in (1, 2, 3, 4, 5, 6)]
+        + [PackTask(8000, 0, 1, 1000)] * 3
+        + [PackTask(1000, 0, 2, 1000)]
+    )
     mix = TypicalMix.from_tasks(tasks, threshold=0.9)
     shapes = dict(mix.tasks)
     # Six half-GPU tasks differing only in memory are one shape (60%); with the whole-GPU shape that is 90%: the
@@ -71,13 +74,19 @@ def test_fgd_puts_a_share_where_it_strands_least():
 
 def test_equal_scores_go_to_the_first_node_unless_random_ties():
     mix = TypicalMix([(PackTask(1000, 0, 1, 1000), 1.0)])
-    picks = {Packer([node(str(i)) for i in range(6)], "fgd", mix).place(PackTask(1000, 0, 1, 1000))[0]
-             for _ in range(5)}
+    picks = {
+        Packer([node(str(i)) for i in range(6)], "fgd", mix).place(PackTask(1000, 0, 1, 1000))[0] for _ in range(5)
+    }
     assert picks == {0}
     import random
+
     rng = random.Random(3)
-    spread = {Packer([node(str(i)) for i in range(6)], "fgd", mix, rng=rng, random_ties=True)
-              .place(PackTask(1000, 0, 1, 1000))[0] for _ in range(40)}
+    spread = {
+        Packer([node(str(i)) for i in range(6)], "fgd", mix, rng=rng, random_ties=True).place(
+            PackTask(1000, 0, 1, 1000)
+        )[0]
+        for _ in range(40)
+    }
     assert len(spread) > 1
 
 

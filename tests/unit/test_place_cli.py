@@ -89,22 +89,39 @@ def test_json_lines_have_exactly_the_documented_shapes(capsys, tmp_path, tree):
 
 
 def test_one_pass_a_refused_request_is_not_retried_after_a_release(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(
-        tmp_path, req("all", 8, 8), req("late", 1, 8), {"release": "all"}, req("after", 1, 8),
-    ))
+    lines = place(
+        capsys,
+        tree,
+        write_requests(
+            tmp_path,
+            req("all", 8, 8),
+            req("late", 1, 8),
+            {"release": "all"},
+            req("after", 1, 8),
+        ),
+    )
     got = by_name(lines)
     assert got["all"]["placed"] is True
-    assert got["late"]["placed"] is False          # decided at its line, never retried
-    assert got["after"]["placed"] is True          # the release freed capacity for later lines
+    assert got["late"]["placed"] is False  # decided at its line, never retried
+    assert got["after"]["placed"] is True  # the release freed capacity for later lines
     assert [line.get("name") for line in lines[:-1]] == ["all", "late", None, "after"]
     assert lines[-1]["summary"] == {"requests": 3, "placed": 2, "not_placed": 1, "gpus_allocated": 72}
 
 
 def test_release_frees_exactly_the_released_gpus(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(
-        tmp_path, req("x", 4, 8), req("y", 4, 8), req("z", 1, 8), {"release": "x"}, req("z2", 4, 8),
-        req("z3", 1, 1),
-    ))
+    lines = place(
+        capsys,
+        tree,
+        write_requests(
+            tmp_path,
+            req("x", 4, 8),
+            req("y", 4, 8),
+            req("z", 1, 8),
+            {"release": "x"},
+            req("z2", 4, 8),
+            req("z3", 1, 1),
+        ),
+    )
     got = by_name(lines)
     assert got["x"]["placed"] and got["y"]["placed"] and not got["z"]["placed"]
     x_nodes = {a["node"] for a in got["x"]["allocations"]}
@@ -120,13 +137,17 @@ def test_releasing_an_unknown_name_is_a_no_op(capsys, tmp_path, tree):
 
 
 def test_required_tier_refuses_without_reserving_and_accepts_when_it_fits(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(
-        tmp_path,
-        req("wide", 4, 8, required_tier="leaf"),    # a leaf holds only 2 nodes
-        req("leafy", 2, 8, required_tier="leaf"),
-        req("spiny", 4, 8, required_tier="spine", preferred_tier="leaf"),
-        req("rest", 2, 8),                           # refusal reserved nothing: the last 2 nodes are free
-    ))
+    lines = place(
+        capsys,
+        tree,
+        write_requests(
+            tmp_path,
+            req("wide", 4, 8, required_tier="leaf"),  # a leaf holds only 2 nodes
+            req("leafy", 2, 8, required_tier="leaf"),
+            req("spiny", 4, 8, required_tier="spine", preferred_tier="leaf"),
+            req("rest", 2, 8),  # refusal reserved nothing: the last 2 nodes are free
+        ),
+    )
     got = by_name(lines)
     assert got["wide"]["placed"] is False and "required_tier leaf" in got["wide"]["reason"]
     assert got["wide"]["allocations"] == [] and got["wide"]["cost"] is None
@@ -150,10 +171,20 @@ def base(cost: dict) -> dict:
 
 
 def test_cost_counts_leaves_and_spine_crossings_of_the_ring(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(
-        tmp_path, req("one", 2, 4), {"release": "one"}, req("leaf", 2, 8), {"release": "leaf"},
-        req("spine", 4, 8), {"release": "spine"}, req("core", 6, 8),
-    ))
+    lines = place(
+        capsys,
+        tree,
+        write_requests(
+            tmp_path,
+            req("one", 2, 4),
+            {"release": "one"},
+            req("leaf", 2, 8),
+            {"release": "leaf"},
+            req("spine", 4, 8),
+            {"release": "spine"},
+            req("core", 6, 8),
+        ),
+    )
     got = by_name(lines)
     assert base(got["one"]["cost"]) == {"tier": "node", "leaves": 1, "spine_crossings": 0}
     assert base(got["leaf"]["cost"]) == {"tier": "leaf", "leaves": 1, "spine_crossings": 0}
@@ -172,8 +203,13 @@ def test_tree_and_yaml_fabrics_give_identical_json(capsys, tmp_path, tree):
     yaml_path = tmp_path / "fabric.yaml"
     yaml_path.write_text(YAML)
     requests = write_requests(
-        tmp_path, req("a", 3, 8), req("b", 2, 4, required_tier="leaf"), req("c", 4, 8), {"release": "a"},
-        req("d", 5, 8), req("e", 1, 2),
+        tmp_path,
+        req("a", 3, 8),
+        req("b", 2, 4, required_tier="leaf"),
+        req("c", 4, 8),
+        {"release": "a"},
+        req("d", 5, 8),
+        req("e", 1, 2),
     )
     from_tree = place(capsys, tree, requests)
     from_yaml = place(capsys, yaml_path, requests)
@@ -216,14 +252,19 @@ def test_a_malformed_line_is_refused_with_its_line_number_and_the_run_goes_on(ca
 
 
 def test_mig_and_gpu_milli_requests_are_placed_and_released(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(
-        tmp_path,
-        {"name": "m1", "replicas": 1, "mig": "3g.40gb"},
-        {"name": "m2", "replicas": 1, "mig": "4g.40gb", "gpus_per_replica": 1},
-        {"name": "s1", "replicas": 2, "gpu_milli": 500},
-        {"release": "m1"},
-        {"name": "m3", "replicas": 1, "mig": "3g.40gb"},
-    ), mig_gpus="7")
+    lines = place(
+        capsys,
+        tree,
+        write_requests(
+            tmp_path,
+            {"name": "m1", "replicas": 1, "mig": "3g.40gb"},
+            {"name": "m2", "replicas": 1, "mig": "4g.40gb", "gpus_per_replica": 1},
+            {"name": "s1", "replicas": 2, "gpu_milli": 500},
+            {"release": "m1"},
+            {"name": "m3", "replicas": 1, "mig": "3g.40gb"},
+        ),
+        mig_gpus="7",
+    )
     m1, m2, s1, _, m3, summary = lines
     assert m1["placed"] and m1["allocations"][0]["slices"] == [{"gpu": 7, "profile": "3g.40gb", "start": 4, "size": 4}]
     # the 4g goes next to the 3g on the same GPU (slices 0-3), not onto a fresh GPU
@@ -238,11 +279,14 @@ def test_mig_and_gpu_milli_requests_are_placed_and_released(capsys, tmp_path, tr
     assert "fragmentation" in m1["reason"] or m1["reason"] == ""
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"mig": "9g.99gb"}, "'mig' must be a MIG profile"),
-    ({"gpu_milli": 1000}, "'gpu_milli' must be an integer 1-999"),
-    ({"mig": "1g.10gb", "gpu_milli": 5}, "not both"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"mig": "9g.99gb"}, "'mig' must be a MIG profile"),
+        ({"gpu_milli": 1000}, "'gpu_milli' must be an integer 1-999"),
+        ({"mig": "1g.10gb", "gpu_milli": 5}, "not both"),
+    ],
+)
 def test_bad_partial_requests_are_refused_per_line(capsys, tmp_path, tree, extra, words):
     lines = place(capsys, tree, write_requests(tmp_path, req("m", 1, 1, **extra), req("ok", 1, 1)))
     assert lines[0]["placed"] is False and words in lines[0]["reason"] and lines[0]["reason"].startswith("line 1:")
@@ -256,27 +300,43 @@ def test_mig_requests_go_only_to_the_gpus_in_mig_mode(capsys, tmp_path, tree):
     m, w, _ = place(capsys, tree, requests, mig_gpus="6,7")
     assert m["placed"] and m["allocations"][0]["gpus"][0] in (6, 7)
     assert w["placed"] is False and "GPU(s) in MIG mode take only MIG instances" in w["reason"]  # 6 whole per node
-    code = main(["place", "--fabric", str(tree), "--profile", "dgx-h100", "--requests", str(requests),
-                 "--mig-gpus", "8"])
+    code = main(
+        ["place", "--fabric", str(tree), "--profile", "dgx-h100", "--requests", str(requests), "--mig-gpus", "8"]
+    )
     assert code == 2 and "is not a GPU index 0-7" in capsys.readouterr().err
 
 
 def test_mig_on_a_profile_without_mig_says_why(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}),
-                  profile="pcie-2numa")
+    lines = place(
+        capsys, tree, write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}), profile="pcie-2numa"
+    )
     assert lines[0]["placed"] is False and "no node here has MIG-capable GPUs" in lines[0]["reason"]
 
 
 def test_human_output_shows_mig_instances(capsys, tmp_path, tree):
-    code = main(["place", "--fabric", str(tree), "--profile", "dgx-h100", "--mig-gpus", "7", "--requests",
-                 str(write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"}))])
+    code = main(
+        [
+            "place",
+            "--fabric",
+            str(tree),
+            "--profile",
+            "dgx-h100",
+            "--mig-gpus",
+            "7",
+            "--requests",
+            str(write_requests(tmp_path, {"name": "m", "replicas": 1, "mig": "1g.10gb"})),
+        ]
+    )
     out = capsys.readouterr().out
-    assert code == 0 and "m  PLACED  1 x MIG 1g.10gb" in out and ":1g.10gb@6]" in out  # the end of the GPU: slices 0-5 stay whole for 2g-4g
+    assert (
+        code == 0 and "m  PLACED  1 x MIG 1g.10gb" in out and ":1g.10gb@6]" in out
+    )  # the end of the GPU: slices 0-5 stay whole for 2g-4g
 
 
 def test_a_name_that_holds_a_placement_cannot_be_placed_again(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(tmp_path, req("a", 1, 8), req("a", 1, 8), {"release": "a"},
-                                               req("a", 1, 8)))
+    lines = place(
+        capsys, tree, write_requests(tmp_path, req("a", 1, 8), req("a", 1, 8), {"release": "a"}, req("a", 1, 8))
+    )
     assert [line.get("placed") for line in lines[:-1]] == [True, False, None, True]
     assert "already holds" in lines[1]["reason"]
 
@@ -294,8 +354,9 @@ def test_an_empty_requests_file_is_valid(capsys, tmp_path, tree):
 
 
 def test_human_output_has_a_line_per_request_and_a_summary(capsys, tmp_path, tree):
-    out = place(capsys, tree, write_requests(tmp_path, req("a", 2, 4), req("b", 9, 8), {"release": "a"}),
-                as_json=False).splitlines()
+    out = place(
+        capsys, tree, write_requests(tmp_path, req("a", 2, 4), req("b", 9, 8), {"release": "a"}), as_json=False
+    ).splitlines()
     assert len(out) == 4
     assert out[0].startswith("a  PLACED") and "[0-3][4-7]" in out[0] and "tier=node" in out[0]
     assert "leaves=1" in out[0] and "spine_crossings=0" in out[0]
@@ -335,8 +396,9 @@ def test_command_errors_go_to_stderr_with_exit_code_2(capsys, tmp_path, tree, wh
         args["profile"] = "no-such-profile"
     else:
         args[which] = missing
-    code = main(["place", "--fabric", args["fabric"], "--profile", args["profile"], "--requests", args["requests"],
-                 "--json"])
+    code = main(
+        ["place", "--fabric", args["fabric"], "--profile", args["profile"], "--requests", args["requests"], "--json"]
+    )
     cap = capsys.readouterr()
     assert code == 2
     assert cap.out == ""

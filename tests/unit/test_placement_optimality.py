@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 
 cp_model = pytest.importorskip("ortools.sat.python.cp_model")
 
-from phalanx.core.capacity import ClusterCapacity  # noqa: E402
-from phalanx.core.fabric import Fabric, default_fabric, parse_slurm_tree, to_slurm_tree  # noqa: E402
-from phalanx.core.model import GangRequest, NodeCapacity, Placement  # noqa: E402
-from phalanx.core.placement import Unplaceable, place_gang, tier_names  # noqa: E402
+from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.fabric import Fabric, default_fabric, parse_slurm_tree, to_slurm_tree
+from phalanx.core.model import GangRequest, NodeCapacity, Placement
+from phalanx.core.placement import Unplaceable, place_gang, tier_names
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -327,6 +327,7 @@ def non_increasing_prefix(sequence: list[tuple[int, int]]) -> int:
 
 @settings(FAST, max_examples=150)
 @given(spec=specs(max_nodes=16), sequence=st.lists(gangs, min_size=5, max_size=15))
+@pytest.mark.slow
 def test_a_sequence_is_placed_optimally_step_by_step_and_loses_nothing_while_gangs_shrink(spec, sequence):
     """Every step: the exact lexicographic optimum (tier, then domains of every level below) for that step's state.
 
@@ -404,6 +405,7 @@ def slurm_twin(spec: Spec) -> tuple[ClusterCapacity, tuple[str, ...], ClusterCap
 
 @settings(FAST, max_examples=150)
 @given(spec=specs(), sequence=st.lists(gangs, min_size=1, max_size=10))
+@pytest.mark.slow
 def test_a_slurm_tree_of_the_same_fabric_gives_identical_placements(spec, sequence):
     cap, tiers, slurm_cap, slurm_tiers = slurm_twin(spec)
     for i, (replicas, g) in enumerate(sequence):
@@ -422,8 +424,9 @@ def test_a_slurm_tree_of_the_same_fabric_gives_identical_placements(spec, sequen
 # fullest first (spines tie on slots and free GPUs, spine0 wins by name) took spine0 whole (2 leaves) and the last
 # replica on n02: 3 leaves, where n02 + one of n00/n01 holds the gang on 2 leaves (still 2 spines). place_gang now
 # weighs the leaves (and nodes) below the spines it crosses and takes n02 + n00.
-LEAVES_ACROSS_SPINES = Spec(nodes=[(4, 0, False), (4, 0, False), (8, 0, False)], depth=2, per_leaf=1,
-                            leaves_per_spine=2)
+LEAVES_ACROSS_SPINES = Spec(
+    nodes=[(4, 0, False), (4, 0, False), (8, 0, False)], depth=2, per_leaf=1, leaves_per_spine=2
+)
 
 
 @settings(FAST, max_examples=150)

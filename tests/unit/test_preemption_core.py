@@ -117,8 +117,10 @@ def test_least_work_lost_goes_first_among_equal_priorities():
 
 def test_lowest_priority_goes_first_whatever_the_work_lost():
     cap, tiers = cluster(nodes=2, per_leaf=2)
-    running = [run(cap, "batch", 1, 8, -100, work=0.0, tiers=tiers),
-               run(cap, "scavenger", 1, 8, -200, work=10_000.0, tiers=tiers)]
+    running = [
+        run(cap, "batch", 1, 8, -100, work=0.0, tiers=tiers),
+        run(cap, "scavenger", 1, 8, -200, work=10_000.0, tiers=tiers),
+    ]
     got = choose_victims(cap, GangRequest("p", 1, 8, priority=0), running, NOW, POLICY, tiers)
     assert got.victims == ("scavenger",)
 
@@ -128,8 +130,12 @@ def test_victims_not_needed_are_spared_and_none_is_taken_off_the_preemptors_leaf
     Greedy order a, b, c first fits at a+b+c (leaf1 empty); pruning keeps c and b, and a (leaf0, which the
     preemptor does not use) is spared."""
     cap, tiers = cluster(nodes=4, per_leaf=2)
-    running = [on(cap, "a", "n0", range(8), -200, work=0), on(cap, "d", "n1", range(8), -100, work=5),
-               on(cap, "b", "n2", range(8), -200, work=1), on(cap, "c", "n3", range(8), -100, work=0)]
+    running = [
+        on(cap, "a", "n0", range(8), -200, work=0),
+        on(cap, "d", "n1", range(8), -100, work=5),
+        on(cap, "b", "n2", range(8), -200, work=1),
+        on(cap, "c", "n3", range(8), -100, work=0),
+    ]
     got = choose_victims(cap, GangRequest("p", 2, 8, priority=0, required_tier="leaf"), running, NOW, POLICY, tiers)
     assert isinstance(got, Preemption)
     assert got.victims == ("b", "c")
@@ -226,9 +232,11 @@ def test_a_gang_is_protected_for_its_minimum_runtime():
 
 def test_retry_in_is_when_enough_protected_gangs_are_free_to_take():
     cap, tiers = cluster(nodes=2, per_leaf=2)
-    running = [run(cap, "old", 1, 8, -100, tiers=tiers),  # unprotected, but not enough alone
-               on(cap, "young", "n1", range(4), -100, started=NOW - 9),
-               on(cap, "younger", "n1", range(4, 8), -100, started=NOW - 2)]
+    running = [
+        run(cap, "old", 1, 8, -100, tiers=tiers),  # unprotected, but not enough alone
+        on(cap, "young", "n1", range(4), -100, started=NOW - 9),
+        on(cap, "younger", "n1", range(4, 8), -100, started=NOW - 2),
+    ]
     got = choose_victims(cap, GangRequest("p", 2, 8, priority=0), running, NOW, POLICY, tiers)
     assert isinstance(got, NoPreemption) and got.retry_in == 8.0
     assert "evicting the 1 unprotected" in got.reason and "2 more are protected" in got.reason
@@ -270,16 +278,20 @@ def test_hundreds_of_running_gangs_need_few_placements():
         return real(*args, **kw)
 
     with patch.object(preemption, "place_gang", counting):
-        got = choose_victims(cap, GangRequest("p", 8, 8, priority=1, required_tier="leaf"), running, NOW, POLICY,
-                             tiers)
+        got = choose_victims(cap, GangRequest("p", 8, 8, priority=1, required_tier="leaf"), running, NOW, POLICY, tiers)
     assert isinstance(got, Preemption)
     assert len(calls) <= 2 + 12 + len(got.victims) * 8 + 40
 
 
 # ---- properties --------------------------------------------------------------------------------------------------
 
-gang = st.tuples(st.integers(1, 2), st.sampled_from((1, 2, 4)), st.integers(-2, 1), st.sampled_from((0.0, 500.0,
-                 995.0)), st.integers(0, 3))
+gang = st.tuples(
+    st.integers(1, 2),
+    st.sampled_from((1, 2, 4)),
+    st.integers(-2, 1),
+    st.sampled_from((0.0, 500.0, 995.0)),
+    st.integers(0, 3),
+)
 
 
 @settings(max_examples=250, deadline=None)
@@ -287,8 +299,12 @@ gang = st.tuples(st.integers(1, 2), st.sampled_from((1, 2, 4)), st.integers(-2, 
     nodes=st.integers(1, 8),
     per_leaf=st.integers(1, 4),
     gangs=st.lists(gang, max_size=20),
-    pending=st.tuples(st.integers(1, 4), st.sampled_from((2, 4, 8)), st.integers(-1, 2),
-                      st.sampled_from(("", "node", "leaf", "spine"))),
+    pending=st.tuples(
+        st.integers(1, 4),
+        st.sampled_from((2, 4, 8)),
+        st.integers(-1, 2),
+        st.sampled_from(("", "node", "leaf", "spine")),
+    ),
     seed=st.integers(0, 3),
     fill=st.lists(st.tuples(st.integers(-2, 1), st.sampled_from((0.0, 995.0))), max_size=8),
 )
@@ -312,10 +328,14 @@ def test_preemption_properties(nodes, per_leaf, gangs, pending, seed, fill):
 @given(
     nodes=st.integers(2, 6),
     per_leaf=st.integers(1, 3),
-    chunks=st.lists(st.tuples(st.sampled_from((1, 2, 3)), st.integers(-3, 0), st.sampled_from((0.0, 995.0)),
-                              st.integers(0, 9)), min_size=4, max_size=40),
-    pending=st.tuples(st.integers(1, 4), st.sampled_from((4, 8)), st.integers(0, 2),
-                      st.sampled_from(("", "node", "leaf", "spine"))),
+    chunks=st.lists(
+        st.tuples(st.sampled_from((1, 2, 3)), st.integers(-3, 0), st.sampled_from((0.0, 995.0)), st.integers(0, 9)),
+        min_size=4,
+        max_size=40,
+    ),
+    pending=st.tuples(
+        st.integers(1, 4), st.sampled_from((4, 8)), st.integers(0, 2), st.sampled_from(("", "node", "leaf", "spine"))
+    ),
     seed=st.integers(0, 3),
 )
 def test_preemption_properties_on_a_full_cluster_of_small_gangs(nodes, per_leaf, chunks, pending, seed):
@@ -344,8 +364,10 @@ def check(cap, tiers, running, request, seed):
     random.Random(seed).shuffle(shuffled)
     assert choose_victims(cap, request, shuffled, NOW, POLICY, tiers) == got
 
-    admissible = sorted((x for x in running if x.priority < prio and NOW - x.started_at >= POLICY.min_runtime_s),
-                        key=lambda x: (x.priority, x.work_since_checkpoint, x.job_id))
+    admissible = sorted(
+        (x for x in running if x.priority < prio and NOW - x.started_at >= POLICY.min_runtime_s),
+        key=lambda x: (x.priority, x.work_since_checkpoint, x.job_id),
+    )
     ids = [x.job_id for x in admissible]
     if isinstance(got, NoPreemption):
         if "fits without" in got.reason:
@@ -374,14 +396,18 @@ def check(cap, tiers, running, request, seed):
     assert len(got.placement.replicas) == r and all(len(x.gpus) == g for x in got.placement.replicas)
     if required:
         names = ["node", *tiers]
-        assert tier_level(cap, got.placement.tier, tiers) <= tier_level(cap, required, tiers) or \
-            names.index(got.placement.tier) <= names.index(required)
+        assert tier_level(cap, got.placement.tier, tiers) <= tier_level(cap, required, tiers) or names.index(
+            got.placement.tier
+        ) <= names.index(required)
     # Minimal: no victim can be spared.
     for v in got.victims:
         rest = [x for x in got.victims if x != v]
         assert isinstance(place_gang(released(cap, running, rest), request, tiers), Unplaceable)
     # Victims come from the shortest prefix of the order that makes the gang fit (lowest priority, least work first).
-    k = next(k for k in range(1, len(ids) + 1)
-             if isinstance(place_gang(released(cap, running, ids[:k]), request, tiers), Placement))
+    k = next(
+        k
+        for k in range(1, len(ids) + 1)
+        if isinstance(place_gang(released(cap, running, ids[:k]), request, tiers), Placement)
+    )
     assert set(got.victims) <= set(ids[:k])
     assert list(got.victims) == [i for i in ids if i in got.victims]

@@ -11,7 +11,9 @@ from phalanx.core.topo_dump import parse_topo, render_topo
 from phalanx.profiles import UnknownProfile, list_profiles, load_profile, load_profile_file
 from services.node_agent.simulated import fake_gpu_uuid, simulated_topology
 
-TOPOLOGIES = Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")) / "topologies"
+TOPOLOGIES = (
+    Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")) / "topologies"
+)
 needs_dumps = pytest.mark.skipif(not TOPOLOGIES.is_dir(), reason=f"real topology dumps not found at {TOPOLOGIES}")
 
 

@@ -44,8 +44,7 @@ def test_within_nominal_then_borrowing_from_the_cohort_then_refused():
 
 
 def test_flavors_in_order_and_a_model_filter_picks_one():
-    q = book([QueueSpec("t", {"H100": FlavorQuota(gpus=8), "A100": FlavorQuota(gpus=16)})],
-             {"t": {"H100": (8.0, 0)}})
+    q = book([QueueSpec("t", {"H100": FlavorQuota(gpus=8), "A100": FlavorQuota(gpus=16)})], {"t": {"H100": (8.0, 0)}})
     assert [a.flavor for a in q.admit("t", job("x"))] == ["A100"]  # H100 full; A100 within nominal
     q2 = book([QueueSpec("t", {"H100": FlavorQuota(gpus=8), "A100": FlavorQuota(gpus=16)})])
     assert [a.flavor for a in q2.admit("t", job("x"))] == ["H100", "A100"]
@@ -56,7 +55,7 @@ def test_flavors_in_order_and_a_model_filter_picks_one():
 
 def test_mig_quota_counts_slices():
     q = book([QueueSpec("m", {"*": FlavorQuota(gpus=0, mig_slices=7)})])
-    assert q.admit("m", job("x", 2, 1, mig_profile="3g.40gb"))[0].flavor == "*"   # 6 of 7 slices
+    assert q.admit("m", job("x", 2, 1, mig_profile="3g.40gb"))[0].flavor == "*"  # 6 of 7 slices
     assert isinstance(q.admit("m", job("y", 3, 1, mig_profile="3g.40gb")), Refusal)
 
 
@@ -70,8 +69,9 @@ def test_invalid_quotas_are_refused():
 
 
 def test_fair_order_interleaves_queues_by_weighted_dominant_share():
-    q = book([QueueSpec("a", {"*": FlavorQuota(gpus=64)}, weight=1), QueueSpec("b", {"*": FlavorQuota(gpus=64)},
-                                                                              weight=2)])
+    q = book(
+        [QueueSpec("a", {"*": FlavorQuota(gpus=64)}, weight=1), QueueSpec("b", {"*": FlavorQuota(gpus=64)}, weight=2)]
+    )
     pending = [("a", job(f"a{i}", t=i)) for i in range(6)] + [("b", job(f"b{i}", t=i + 0.5)) for i in range(6)]
     picked = []
     for queue, request in fair_order(pending, q):
@@ -89,14 +89,17 @@ def test_fair_order_interleaves_queues_by_weighted_dominant_share():
 def cluster(models: list[str], per_leaf: int = 4):
     names = [f"n{i}" for i in range(len(models))]
     fabric = default_fabric(names, nodes_per_leaf=per_leaf)
-    return ClusterCapacity(NodeCapacity(n, 8, set(range(8)), True, fabric.path(n), None, m)
-                           for n, m in zip(names, models)), fabric.tiers
+    return ClusterCapacity(
+        NodeCapacity(n, 8, set(range(8)), True, fabric.path(n), None, m) for n, m in zip(names, models)
+    ), fabric.tiers
 
 
 def test_a_pass_skips_what_its_quota_refuses_and_charges_the_flavor_it_used():
     cap, tiers = cluster([H100] * 2 + [A100] * 2)
-    queues = [QueueSpec("small", {"H100": FlavorQuota(gpus=8), "A100": FlavorQuota(gpus=8)}),
-              QueueSpec("other", {"*": FlavorQuota(gpus=32)})]
+    queues = [
+        QueueSpec("small", {"H100": FlavorQuota(gpus=8), "A100": FlavorQuota(gpus=8)}),
+        QueueSpec("other", {"*": FlavorQuota(gpus=32)}),
+    ]
     q = book(queues, gpus=32)
     pending = [job("s1", t=1), job("s2", t=2), job("s3", t=3), job("o1", 2, 8, t=4)]
     owner = {"s1": "small", "s2": "small", "s3": "small", "o1": "other"}

@@ -27,8 +27,9 @@ switches:
 
 def capacity(fabric, used: dict[str, set[int]] | None = None) -> ClusterCapacity:
     used = used or {}
-    return ClusterCapacity(NodeCapacity(n, 8, set(range(8)) - used.get(n, set()), True, fabric.path(n))
-                           for n in sorted(fabric.paths))
+    return ClusterCapacity(
+        NodeCapacity(n, 8, set(range(8)) - used.get(n, set()), True, fabric.path(n)) for n in sorted(fabric.paths)
+    )
 
 
 def gang(*reps: tuple[str, tuple[int, ...]], tier: str = "leaf") -> Placement:
@@ -60,8 +61,9 @@ def test_aligned_hops_stay_on_their_rails_and_misaligned_ones_change_rail():
 
 def test_ring_hops_between_units_cross_leaves_not_rails():
     fabric = parse_fabric_yaml(RAIL_YAML)
-    cost = ring_cost(gang(("n0", tuple(range(8))), ("n1", tuple(range(8))), ("n4", tuple(range(8))),
-                          tier="spine"), fabric)
+    cost = ring_cost(
+        gang(("n0", tuple(range(8))), ("n1", tuple(range(8))), ("n4", tuple(range(8))), tier="spine"), fabric
+    )
     assert (cost.leaves, cost.leaf_crossings, cost.spine_crossings, cost.rail_changes) == (2, 2, 0, 0)
 
 
@@ -89,13 +91,27 @@ def test_phalanx_place_reports_rails_on_a_rail_optimized_fabric(tmp_path, capsys
     from phalanx.cli.main import main
 
     (tmp_path / "fabric.yaml").write_text(RAIL_YAML)
-    (tmp_path / "req.jsonl").write_text(json.dumps({"name": "g", "replicas": 2, "gpus_per_replica": 8,
-                                                    "required_tier": "leaf"}) + "\n")
-    argv = ["place", "--fabric", str(tmp_path / "fabric.yaml"), "--profile", "dgx-h100",
-            "--requests", str(tmp_path / "req.jsonl")]
+    (tmp_path / "req.jsonl").write_text(
+        json.dumps({"name": "g", "replicas": 2, "gpus_per_replica": 8, "required_tier": "leaf"}) + "\n"
+    )
+    argv = [
+        "place",
+        "--fabric",
+        str(tmp_path / "fabric.yaml"),
+        "--profile",
+        "dgx-h100",
+        "--requests",
+        str(tmp_path / "req.jsonl"),
+    ]
     assert main([*argv, "--json"]) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert first["cost"] == {"tier": "leaf", "leaves": 1, "leaf_crossings": 0, "spine_crossings": 0,
-                             "rails": list(range(8)), "rail_changes": 0}
+    assert first["cost"] == {
+        "tier": "leaf",
+        "leaves": 1,
+        "leaf_crossings": 0,
+        "spine_crossings": 0,
+        "rails": list(range(8)),
+        "rail_changes": 0,
+    }
     assert main(argv) == 0
     assert "rails=0,1,2,3,4,5,6,7 rail_changes=0" in capsys.readouterr().out

@@ -66,7 +66,7 @@ def test_fractional_gpus_pack_small_jobs_under_topo_mig():
     whole = simulate(jobs, ClusterSpec.parse("1x8"), "topo").metrics
     shared = simulate(jobs, ClusterSpec.parse("1x8"), "topo-mig").metrics
     assert whole["makespan_h"] == pytest.approx(4 * 100 / 3600)  # 32 jobs, 8 at a time
-    assert shared["makespan_h"] == pytest.approx(100 / 3600)     # all 32 at once, 4 per GPU
+    assert shared["makespan_h"] == pytest.approx(100 / 3600)  # all 32 at once, 4 per GPU
 
 
 def test_cluster_specs_and_policies_are_validated():
@@ -127,8 +127,7 @@ class T:
 def test_quotas_and_fair_share_keep_a_flooding_tenant_from_starving_the_others():
     from phalanx.sim.engine import equal_quotas
 
-    jobs = [T(f"f{i}", 0, 1, 8, 100, "flood") for i in range(40)] + [T(f"l{i}", 1, 1, 8, 100, "late")
-                                                                     for i in range(4)]
+    jobs = [T(f"f{i}", 0, 1, 8, 100, "flood") for i in range(40)] + [T(f"l{i}", 1, 1, 8, 100, "late") for i in range(4)]
     cluster = ClusterSpec.parse("4x8,leaf=4")
     fifo = simulate(jobs, cluster, "topo").metrics["tenants"]
     fair = simulate(jobs, cluster, "topo", quotas=equal_quotas(jobs, 32)).metrics["tenants"]
@@ -199,8 +198,11 @@ def test_quota_reclaim_evicts_a_gang_running_on_borrowed_quota():
     # borrowed from "owner"); at 1,000 "owner" submits a gang within its nominal quota, of the same priority: it
     # reclaims one node (checkpoint, handover at 1,060, done at 1,560), and the victim resumes then, ending at
     # 1,560 + 4,000.
-    jobs = [P("b0", 0, 1, 8, 5000, tenant="borrow"), P("b1", 0, 1, 8, 5000, tenant="borrow"),
-            P("o", 1000, 1, 8, 500, tenant="owner")]
+    jobs = [
+        P("b0", 0, 1, 8, 5000, tenant="borrow"),
+        P("b1", 0, 1, 8, 5000, tenant="borrow"),
+        P("o", 1000, 1, 8, 500, tenant="owner"),
+    ]
     cluster = ClusterSpec.parse("2x8")
     quotas = equal_quotas(jobs, 16)
     r = simulate(jobs, cluster, "topo-preempt", quotas=quotas, checkpoint_cost_s=60)
@@ -232,13 +234,15 @@ def test_entitlement_and_jain_index():
 
     # Equal weights over 12 GPUs: one tenant wants only 2, the other two split the rest.
     assert _entitlement({"a": 2, "b": 10, "c": 10}, {"a": 1, "b": 1, "c": 1}, 12) == pytest.approx(
-        {"a": 2, "b": 5, "c": 5})
+        {"a": 2, "b": 5, "c": 5}
+    )
     assert _entitlement({"a": 0, "b": 10}, {"a": 0.5, "b": 0.5}, 8) == pytest.approx({"a": 0, "b": 8})
     assert _entitlement({"a": 10, "b": 10}, {"a": 0.75, "b": 0.25}, 8) == pytest.approx({"a": 6, "b": 2})
     assert _jain([1.0, 1.0, 1.0]) == pytest.approx(1.0)
     assert _jain([1.0, 0.0]) == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_the_multi_tenant_mix_trace():
     from collections import Counter
 
@@ -279,10 +283,25 @@ def test_a_head_on_borrowed_quota_preempts_only_its_own_queue_unless_borrowers_m
     # Kueue's borrowWithinCohort: Never) it may preempt only in its own queue, so it waits for C's gangs (5,000).
     # With borrower_preempts it preempts one of C's gangs (handover at 1,060, done at 3,060; the victim resumes
     # and ends at 7,060).
-    jobs = [P("c0", 0, 1, 8, 5000, tenant="C"), P("c1", 0, 1, 8, 5000, tenant="C"), P("b", 0, 1, 1, 1, tenant="B"),
-            P("a0", 1000, 2, 8, 2000, priority=10, tenant="A")]
+    jobs = [
+        P("c0", 0, 1, 8, 5000, tenant="C"),
+        P("c1", 0, 1, 8, 5000, tenant="C"),
+        P("b", 0, 1, 1, 1, tenant="B"),
+        P("a0", 1000, 2, 8, 2000, priority=10, tenant="A"),
+    ]
     cluster, quotas = ClusterSpec.parse("3x8"), equal_quotas(jobs, 24)
     loose = simulate(jobs, cluster, "topo-preempt", quotas=quotas, checkpoint_cost_s=60, borrower_preempts=True)
     assert loose.jct == pytest.approx([1.0, 2060.0, 5000.0, 7060.0]) and loose.metrics["preemptions"] == 1
     kueue = simulate(jobs, cluster, "topo-preempt", quotas=quotas, checkpoint_cost_s=60)
     assert kueue.jct == pytest.approx([1.0, 5000.0, 5000.0, 6000.0]) and kueue.metrics["preemptions"] == 0
+
+
+def test_a_preemption_whose_preemptor_found_room_elsewhere_is_called_off_as_in_the_cycle():
+    # Two nodes. "lo" (priority -1) runs on one, "x" (priority 0, ends at 1,030) on the other. "hi" (priority 10)
+    # arrives at 1,000 and asks "lo" to checkpoint (grace 60 s). At 1,030 "x" ends and "hi" starts there; at the
+    # grace's end the decision calls the preemption off (phalanx.core.decide `CallOff`, the cycle's rule): "lo" goes
+    # on with its GPUs, having lost only the 60 s it stood still, and is never torn down.
+    jobs = [P("lo", 0, 1, 8, 3000, priority=-1), P("x", 0, 1, 8, 1030), P("hi", 1000, 1, 8, 1000, priority=10)]
+    result = simulate(jobs, ClusterSpec.parse("2x8"), "topo-preempt", checkpoint_cost_s=60)
+    assert result.metrics["preemptions"] == 0
+    assert result.jct == pytest.approx([1030.0, 1030.0, 3060.0])  # x, hi (starts at 1,030), lo (3,000 + 60)

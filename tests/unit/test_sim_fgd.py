@@ -34,8 +34,9 @@ def test_workload_is_shuffled_then_tuned_to_130_percent():
 @pytest.mark.slow
 def test_fgd_experiment_reproduces_the_paper_and_phalanx_beats_fgd(data, tmp_path, capsys):
     out = tmp_path / "fgd"
-    code = main(["sim", "fgd", "--out", str(out), "--lists", "default", "--seeds", "42", "--jobs", "1",
-                 "--data", str(data)])
+    code = main(
+        ["sim", "fgd", "--out", str(out), "--lists", "default", "--seeds", "42", "--jobs", "1", "--data", str(data)]
+    )
     stdout, stderr = capsys.readouterr()
     assert code == 0, stderr
     assert "[fgd] 3/3" in stderr  # progress, one line a run
@@ -55,11 +56,14 @@ def test_fgd_experiment_reproduces_the_paper_and_phalanx_beats_fgd(data, tmp_pat
     assert len(load_tasks(str(data), "default")) == 8152
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--policies", "worstfit"], "unknown worstfit"),
-    (["--seeds", "x-y"], "42-51"),
-    (["--jobs", "0"], "--jobs must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--policies", "worstfit"], "unknown worstfit"),
+        (["--seeds", "x-y"], "42-51"),
+        (["--jobs", "0"], "--jobs must be >= 1"),
+    ],
+)
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, argv, words):
     try:
         code = main(["sim", "fgd", "--out", str(tmp_path / "x"), *argv])

@@ -39,8 +39,10 @@ def gang(job_id: str, nodes: list[str], gpus: int = 8) -> Placement:
 def two_leaves(oversubscription: float = 4.0) -> tuple[Fabric, NetworkSpec]:
     """8 DGX H100 nodes, 4 per leaf (leaf0: n0-n3, leaf1: n4-n7), one spine. With 4:1, a leaf's uplink carries
     4 nodes x 8 rails x 50 GB/s / 4 = 400 GB/s."""
-    return (default_fabric([f"n{i}" for i in range(8)], nodes_per_leaf=4),
-            NetworkSpec(oversubscription=oversubscription))
+    return (
+        default_fabric([f"n{i}" for i in range(8)], nodes_per_leaf=4),
+        NetworkSpec(oversubscription=oversubscription),
+    )
 
 
 def capacity(fabric: Fabric) -> ClusterCapacity:
@@ -48,6 +50,7 @@ def capacity(fabric: Fabric) -> ClusterCapacity:
 
 
 # ---- the formula ------------------------------------------------------------------------------------------------
+
 
 def test_allreduce_time_is_nccl_ring_formula():
     # 2(n-1)/n x S / B: 8 ranks, 1 GB at 450 GB/s -> 1.75 GB / 450 GB/s
@@ -81,6 +84,7 @@ def test_spec_defaults_and_uplink_capacity():
 
 # ---- bottlenecks ------------------------------------------------------------------------------------------------
 
+
 def test_single_node_gang_uses_nvlink_and_beats_a_two_node_one():
     fabric, spec = two_leaves(oversubscription=1.0)
     cap = capacity(fabric)
@@ -97,8 +101,9 @@ def test_single_node_gang_uses_nvlink_and_beats_a_two_node_one():
     assert t1 < t2
     # A small gang split over two nodes has one NIC per node: 50 GB/s against 450 GB/s on NVLink, 9x slower.
     local = gang("local", ["n0"], gpus=2)
-    split = Placement("split", (ReplicaPlacement(0, "n0", (0,)), ReplicaPlacement(1, "n1", (0,))),
-                      "leaf", 2, 0.0, "test")
+    split = Placement(
+        "split", (ReplicaPlacement(0, "n0", (0,)), ReplicaPlacement(1, "n1", (0,))), "leaf", 2, 0.0, "test"
+    )
     bl, bs = bottleneck(local, fabric, spec), bottleneck(split, fabric, spec)
     assert (bl.link, bl.bandwidth) == (NVLINK, 450e9) and (bs.link, bs.bandwidth) == (IB, 50e9)
     assert allreduce_time(S, 2, bs.bandwidth) == pytest.approx(9 * allreduce_time(S, 2, bl.bandwidth))
@@ -156,6 +161,7 @@ def test_rail_changes_go_up_on_rail_optimized_fabrics():
 
 # ---- contention -------------------------------------------------------------------------------------------------
 
+
 def test_two_jobs_share_an_oversubscribed_uplink():
     fabric, spec = two_leaves(oversubscription=4.0)
     up = Uplink(0, "leaf", "leaf0")
@@ -206,9 +212,11 @@ def test_max_min_fairness_three_jobs():
 
 def test_max_min_fair_progressive_filling_on_two_links():
     # x crosses both links, y only L1, z only L2: L1 = 10 fills first (x = y = 5); z takes the rest of L2.
-    alloc = max_min_fair({"L1": 10.0, "L2": 30.0},
-                         {"x": {"L1": 1, "L2": 1}, "y": {"L1": 1}, "z": {"L2": 1}},
-                         {"x": 100.0, "y": 100.0, "z": 100.0})
+    alloc = max_min_fair(
+        {"L1": 10.0, "L2": 30.0},
+        {"x": {"L1": 1, "L2": 1}, "y": {"L1": 1}, "z": {"L2": 1}},
+        {"x": 100.0, "y": 100.0, "z": 100.0},
+    )
     assert alloc.rates == pytest.approx({"x": 5.0, "y": 5.0, "z": 25.0})
     assert alloc.limits == {"x": "L1", "y": "L1", "z": "L2"}
     # a flow that crosses a link twice gets half of what a single crossing would

@@ -22,8 +22,8 @@ def _locate() -> Path | None:
 
 DATA = _locate()
 needs_data = pytest.mark.skipif(
-    DATA is None,
-    reason=f"trace data folder not found (set {T.ENV_VAR} or provide ../shared/data next to the repo)")
+    DATA is None, reason=f"trace data folder not found (set {T.ENV_VAR} or provide ../shared/data next to the repo)"
+)
 
 
 # --------------------------------------------------------------------------------------------- no data needed
@@ -55,7 +55,8 @@ def _fake_root(tmp_path: Path, name: str = "d") -> Path:
         "a-0,5,cifar10,2,256\n"
         "bad-1,x,cifar10,2,256\n"
         "b-2,1,imagenet,16,800\n"
-        "c-3,3,nosuchapp,1,1\n")
+        "c-3,3,nosuchapp,1,1\n"
+    )
     return root
 
 
@@ -68,10 +69,10 @@ def test_find_data_order(tmp_path, monkeypatch):
     (cwd_data / T.ALIBABA_DIR).mkdir(parents=True)
 
     monkeypatch.setenv(T.ENV_VAR, str(env))
-    assert T.find_data(str(explicit), cwd=work) == explicit.resolve()   # --data first
-    assert T.find_data(None, cwd=work) == env.resolve()                 # then PHALANX_DATA
+    assert T.find_data(str(explicit), cwd=work) == explicit.resolve()  # --data first
+    assert T.find_data(None, cwd=work) == env.resolve()  # then PHALANX_DATA
     monkeypatch.delenv(T.ENV_VAR)
-    assert T.find_data(None, cwd=work) == cwd_data.resolve()            # then ../shared/data
+    assert T.find_data(None, cwd=work) == cwd_data.resolve()  # then ../shared/data
     monkeypatch.chdir(work)
     assert T.find_data() == cwd_data.resolve()
 
@@ -130,8 +131,19 @@ def test_tracejob_is_frozen():
         j.replicas = 2  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("spec", ["", "nosuch", "nosuch:x", "philly:limit=x", "philly:colour=red",
-                                  "alibaba:a,b", "pollux:workload-1,variant=weird", "philly:,"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "nosuch",
+        "nosuch:x",
+        "philly:limit=x",
+        "philly:colour=red",
+        "alibaba:a,b",
+        "pollux:workload-1,variant=weird",
+        "philly:,",
+    ],
+)
 def test_bad_spec(spec, tmp_path):
     with pytest.raises(ValueError) as e:
         T.load_trace(spec, _fake_root(tmp_path))
@@ -166,8 +178,9 @@ def test_philly_counts_and_fields():
 @needs_data
 def test_philly_duration_rank_preserved_and_exact_override():
     t = T.load_philly(DATA, teams=["6214e9"])
-    grp = sorted((j for j in t if j.model == "ResNet-18 (batch size 32)" and j.total_gpus == 1),
-                 key=lambda j: j.total_steps)
+    grp = sorted(
+        (j for j in t if j.model == "ResNet-18 (batch size 32)" and j.total_gpus == 1), key=lambda j: j.total_steps
+    )
     assert len(grp) > 10
     assert [j.duration_s for j in grp] == sorted(j.duration_s for j in grp)
     exact = T.load_philly(DATA, teams="6214e9", steps_per_s={"ResNet-18 (batch size 32)": 10.0})

@@ -19,7 +19,9 @@ from phalanx.core.topo_dump import (
     sort_by_closeness,
 )
 
-TOPOLOGIES = Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")) / "topologies"
+TOPOLOGIES = (
+    Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")) / "topologies"
+)
 
 TABBED = (
     "# a comment\n"
@@ -64,16 +66,26 @@ def test_not_a_dump_is_rejected():
 
 def test_closeness_ranking():
     assert link_rank("X") > link_rank("NV18") > link_rank("NV12") > link_rank("NV4") > link_rank("NV1")
-    assert link_rank("NV1") > link_rank("PIX") > link_rank("PXB") > link_rank("PHB") > link_rank("NODE") > link_rank("SYS")
+    assert (
+        link_rank("NV1") > link_rank("PIX") > link_rank("PXB") > link_rank("PHB") > link_rank("NODE") > link_rank("SYS")
+    )
     assert sort_by_closeness(["SYS", "NV2", "PIX", "NODE", "NV18", "PHB", "PXB"]) == [
-        "NV18", "NV2", "PIX", "PXB", "PHB", "NODE", "SYS",
+        "NV18",
+        "NV2",
+        "PIX",
+        "PXB",
+        "PHB",
+        "NODE",
+        "SYS",
     ]
 
 
 def test_nearest_nic_ties_are_spread():
     # Two GPUs that both see two NICs as PXB (DGX A100 layout) get one NIC each.
     devices = ["GPU0", "GPU1", "NIC0", "NIC1"]
-    d = TopoDump(devices=devices, matrix=matrix_from_pairs(devices, lambda a, b: "NV12" if a[:3] == b[:3] == "GPU" else "PXB"))
+    d = TopoDump(
+        devices=devices, matrix=matrix_from_pairs(devices, lambda a, b: "NV12" if a[:3] == b[:3] == "GPU" else "PXB")
+    )
     assert d.nearest_nics() == {"GPU0": "NIC0", "GPU1": "NIC1"}
 
 
@@ -153,8 +165,10 @@ def test_round_trip_property(n_gpu, n_nic, data, tabs):
     )
     text = render_topo(d)
     if tabs:
-        text = "\n".join("\t".join(line.split("  ")) if not line.startswith(" ") or "GPU0" in line else line
-                         for line in text.splitlines())
+        text = "\n".join(
+            "\t".join(line.split("  ")) if not line.startswith(" ") or "GPU0" in line else line
+            for line in text.splitlines()
+        )
     parsed = parse_topo(text)
     assert parsed.matrix == d.matrix
     assert parse_topo(render_topo(parsed)).matrix == parsed.matrix

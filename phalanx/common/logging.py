@@ -7,6 +7,7 @@ import os
 import sys
 
 import structlog
+from structlog.typing import Processor
 
 
 def configure_logging(service: str, level: str | None = None) -> structlog.stdlib.BoundLogger:
@@ -16,13 +17,13 @@ def configure_logging(service: str, level: str | None = None) -> structlog.stdli
     """
     level_name = (level or os.environ.get("PHALANX_LOG_LEVEL", "INFO")).upper()
     numeric = getattr(logging, level_name, logging.INFO)
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if sys.stderr.isatty():
-        renderer: list = [structlog.dev.ConsoleRenderer()]
+        renderer: list[Processor] = [structlog.dev.ConsoleRenderer()]
     else:
         renderer = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     structlog.configure(
@@ -32,4 +33,7 @@ def configure_logging(service: str, level: str | None = None) -> structlog.stdli
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
-    return structlog.get_logger(service=service)
+    # structlog.get_logger is typed Any (the logger class depends on the configuration); the caller gets it as the
+    # BoundLogger interface, as this function has always declared.
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger(service=service)
+    return logger

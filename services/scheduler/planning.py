@@ -1,0 +1,191 @@
+"""The cycle's side of the one decision (phalanx.core.decide): the snapshot from the view, and the plan applied.
+
+`snapshot_of` reads the in-memory view (the ledger as this cycle loaded it) into a `decide.Snapshot`; the only
+ledger reads are the victims' outstanding checkpoint requests (only while a preemption is under way) and, lazily,
+the running gangs' last committed checkpoints (only when a preemption search runs). `apply_plan` writes the plan in
+the cycle's transaction, step by step, with the writes the cycle has always made (`reserve`, `teardown`, `set_job`,
+checkpoint requests), and queues the agents' assignments; `finish_cycle` flushes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import structlog
+
+from phalanx.core.decide import (
+    AskCheckpoint,
+    CallOff,
+    DecideConfig,
+    Memo,
+    PendingJob,
+    Plan,
+    Reserve,
+    RunningJob,
+    Snapshot,
+    Stop,
+    Wait,
+    WakeAt,
+)
+from phalanx.core.model import Placement
+from phalanx.core.quota import cluster_totals
+
+from . import ledger
+from .state import JobRecord, SchedulerState
+from .transitions import Cycle, reserve, set_job, teardown
+
+log = structlog.get_logger()
+
+
+class _Lazy(Mapping):
+    """A mapping built on first use (the running gangs, their last commits): a cycle that needs neither pays
+    nothing for them."""
+
+    def __init__(self, build: Callable[[], dict[str, Any]]) -> None:
+        self._build: Callable[[], dict[str, Any]] = build
+        self._data: dict[str, Any] | None = None
+
+    def _get(self) -> dict[str, Any]:
+        if self._data is None:
+            self._data = self._build()
+        return self._data
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+def running_job(job: JobRecord) -> RunningJob:
+    return RunningJob(
+        job.request(),
+        Placement(job.id, tuple(job.replica_placements()), "", 0, 0.0, ""),
+        job.started_at,
+        job.queue,
+        job.flavor,
+        job.attempt,
+        job.running_at or job.started_at,
+        job.gpu_equivalents,
+        job.preempted_by,
+        job.preempt_deadline,
+        True,
+    )
+
+
+def snapshot_of(cycle: Cycle) -> Snapshot:
+    """This cycle's view as the decision's input."""
+    state, s = cycle.state, cycle.settings
+    jobs = state.jobs
+    victims = [j for j in jobs.values() if j.preempting]
+    waiting = ledger.outstanding_requests(cycle.conn, [v.id for v in victims]) if victims else set()
+
+    def running() -> dict[str, RunningJob]:
+        out = {}
+        for j in jobs.values():
+            if j.state == "RUNNING":
+                r = running_job(j)
+                if j.preempted_by and j.id not in waiting:
+                    r = RunningJob(
+                        r.request,
+                        r.placement,
+                        r.started_at,
+                        r.queue,
+                        r.flavor,
+                        r.attempt,
+                        r.progress_since,
+                        r.gpus,
+                        r.preempted_by,
+                        r.deadline,
+                        False,
+                    )
+                out[j.id] = r
+        return out
+
+    def saved_at() -> dict[str, float]:
+        ids = [j.id for j in jobs.values() if j.state == "RUNNING"]
+        commits = ledger.latest_commits(cycle.conn, ids)
+        return {i: c[2] for i, c in commits.items() if i in jobs and c[1] == jobs[i].attempt}
+
+    totals = (
+        cluster_totals(
+            (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
+        )
+        if state.queues
+        else {}
+    )
+    config = DecideConfig(
+        tiers=s.fabric.tiers, backfill=s.backfill, preemption=s.preemption, poll_s=s.preemption_poll_s
+    )
+    return Snapshot(
+        capacity=state.capacity,
+        pending=[PendingJob(j.request(), j.queue, j.not_before) for j in state.pending()],
+        running=_Lazy(running),
+        config=config,
+        unusable=unusable(state),
+        queues=state.queues,
+        totals=totals,
+        saved_at=_Lazy(saved_at),
+        preempting=[v.id for v in victims],
+        memo=Memo(state.reservation_memo, state.no_preemption),
+    )
+
+
+def unusable(state: SchedulerState) -> dict[str, set[int]]:
+    """GPUs out of placement besides what runs: FATAL ones and those switching MIG mode."""
+    return {n.name: held for n in state.nodes.values() if (held := n.held_gpus)}
+
+
+def apply_plan(cycle: Cycle, plan: Plan) -> None:
+    """Write the plan in this cycle's transaction, in order. A step the ledger refuses (another writer changed the
+    job) is skipped, with what depends on it, and the view is reloaded after the cycle."""
+    state = cycle.state
+    called_off: set[str] = set()  # preemptors whose victims could not all be asked: the rest is not asked either
+    for step in plan:
+        if isinstance(step, Reserve):
+            placed = state.jobs[step.job]
+            placed.flavor = step.flavor
+            if not reserve(cycle, placed, step.placement):
+                state.capacity.release_placement(step.placement)
+                cycle.resync_after = True
+            elif step.ahead_of:
+                log.info("backfilled", job=placed.id, ahead_of=step.ahead_of)
+        elif isinstance(step, AskCheckpoint):
+            victim = state.jobs.get(step.job)
+            if step.by in called_off or victim is None:
+                continue
+            if not set_job(cycle, victim, preempted_by=step.by, preempt_deadline=step.deadline, message=step.message):
+                cycle.resync_after = True
+                called_off.add(step.by)
+                continue
+            ledger.request_checkpoint(cycle.conn, victim.id, step.request, cycle.now)
+            cycle.touched(victim)
+            log.info("preemption_started", preemptor=step.by, victim=victim.id, deadline=step.deadline)
+        elif isinstance(step, Stop):
+            victim = state.jobs.get(step.job)
+            if victim is None or step.by in called_off:
+                cycle.resync_after = True  # the index already gave its GPUs back
+                continue
+            if teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True):
+                cycle.handover = True
+        elif isinstance(step, CallOff):
+            victim = state.jobs.get(step.job)
+            if victim is not None and set_job(
+                cycle, victim, preempted_by="", preempt_deadline=0.0, message=step.reason
+            ):
+                cycle.touched(victim)
+        elif isinstance(step, Wait):
+            job = state.jobs.get(step.job)
+            if (
+                job is not None
+                and job.message != step.status.reason
+                and set_job(cycle, job, message=step.status.reason)
+            ):
+                cycle.touched(job)
+        elif isinstance(step, WakeAt) and step.t < math.inf:
+            cycle.wake_at(step.t)

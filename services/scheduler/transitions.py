@@ -1,0 +1,339 @@
+"""The cycle's state (`Cycle`) and the state transitions every command and the plan share: reserve a gang,
+tear it down, change a job; the launch assignments a reservation sends.
+
+They write the ledger in the cycle's transaction and keep the in-memory view in step with it (see cycle.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from sqlalchemy import Connection
+
+from phalanx.api.v1 import agent_pb2, common_pb2
+from phalanx.core.model import Placement
+
+from . import ledger
+from .convert import job_from_record
+from .settings import SchedulerSettings
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Cycle:
+    conn: Connection
+    state: SchedulerState
+    settings: SchedulerSettings
+    now: float
+    changed: dict[str, common_pb2.Job] = field(default_factory=dict)
+    woken_nodes: set[str] = field(default_factory=set)
+    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
+    resync_after: bool = False
+    heartbeats: dict[int, float] = field(default_factory=dict)
+    acks: dict[int, int] = field(default_factory=dict)
+    generation: int = 0
+    foreign_writes: bool = False
+    # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
+    new_jobs: list[JobRecord] = field(default_factory=list)
+    new_allocations: list[JobRecord] = field(default_factory=list)
+    outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
+    delivered: list[tuple[str, int, Any]] = field(default_factory=list)
+    handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
+    epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
+
+    def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
+        """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
+        self.outbox.append((node, job_id, attempt, kind, build))
+        self.woken_nodes.add(node.name)
+
+    def flush(self) -> None:
+        if self.outbox:
+            # The view may have been reloaded since an item was queued: revisions live on the current records.
+            items = [(self.state.nodes.get(n.name, n), *rest) for n, *rest in self.outbox]
+            self.delivered += ledger.append_assignments(self.conn, items, self.now)
+            self.outbox = []
+
+    @property
+    def needs_answers(self) -> bool:
+        """Whether the closing writes need their row counts (a partial GPU was reserved: see ledger._hold)."""
+        return any(job.partials for job in self.new_allocations)
+
+    def touched(self, job: JobRecord) -> None:
+        self.changed[job.id] = job_from_record(job)
+
+    def wake_at(self, when: float) -> None:
+        """Have the service run a cycle at `when` (a backoff ending, a grace period, a protection running out)."""
+        if when > self.now:
+            self.state.wake_at = min(self.state.wake_at, when)
+
+    def reload(self) -> None:
+        """Reload the view inside this transaction (it sees this cycle's own writes, not its unwritten jobs)."""
+        reload_state(self.conn, self.state, self.settings, self.now, initial=False)
+        for job in self.new_jobs:
+            self.state.jobs[job.id] = job
+
+
+def reload_state(
+    conn: Connection, state: SchedulerState, settings: SchedulerSettings, now: float, *, initial: bool
+) -> None:
+    """Load the ledger into the view. Leases and launch deadlines are re-armed on the initial load."""
+    beats = {n.name: n.last_heartbeat for n in state.nodes.values()}
+    deadlines = {j.id: (j.attempt, j.launch_deadline) for j in state.jobs.values()}
+    ledger.load_state(conn, state, settings.fabric.path)
+    for node in state.nodes.values():
+        node.last_heartbeat = now if initial else max(node.last_heartbeat, beats.get(node.name, 0.0))
+    for job in state.jobs.values():
+        if job.state != "RUNNING" or all(r.state != "ASSIGNED" for r in job.ranks.values()):
+            continue
+        attempt, deadline = deadlines.get(job.id, (None, None))
+        if initial:
+            job.launch_deadline = now + settings.launch_timeout
+        elif attempt == job.attempt and deadline is not None:
+            job.launch_deadline = deadline
+        else:
+            job.launch_deadline = job.started_at + settings.launch_timeout
+
+
+class Command:
+    """A request to the cycle. Each kind has `execute(cycle)`, which raises ServiceError before writing anything
+    or returns a result; submissions are the exception, taken all at once by `submit_all`."""
+
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def teardown(
+    cycle: Cycle,
+    job: JobRecord,
+    *,
+    final_state: str | None = None,
+    message: str,
+    exit_code: int = 0,
+    kill: bool = True,
+    cause: str = "",
+    released: bool = False,
+) -> bool:
+    """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it.
+
+    `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
+    (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT,
+    SETUP_FAILED, and RANK_FAILED within the job's max_restarts) counts against `max_attempts` and waits out an
+    exponential backoff first. `released`: the decision gave its GPUs back in the capacity view already (a
+    preemption's `Stop`, see phalanx.core.decide).
+    """
+    s, now = cycle.settings, cycle.now
+    changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
+    if final_state is None and cause == "PREEMPTED":
+        changes.update(state="PENDING", preemptions=job.preemptions + 1, message=f"{message}; requeued")
+    elif final_state is None:
+        failures = job.failures + 1
+        changes.update(failures=failures)
+        if failures >= s.max_attempts:
+            final_state, message = "FAILED", f"{message}; gave up after {failures} failed attempts"
+        else:
+            delay = retry_backoff(s.retry_backoff_s, s.retry_backoff_max_s, failures)
+            changes.update(
+                state="PENDING",
+                not_before=now + delay,
+                message=f"{message}; requeued (failure {failures} of at most {s.max_attempts}), "
+                f"retried after a {delay:g}s backoff",
+            )
+    if final_state:
+        changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
+    attempt = job.attempt
+    if not ledger.update_job(cycle.conn, job, **changes):
+        cycle.resync_after = True
+        return False
+    step, _ = ledger.end_attempt(cycle.conn, job, cause or final_state or "", message, now)
+    ledger.release_allocations(cycle.conn, job, now)
+    if not released:
+        for rep in job.replica_placements():
+            cycle.state.capacity.release_replica(rep)
+        cycle.state.hold_fatal_gpus(job.nodes)
+    if kill:
+        for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
+            node = cycle.state.nodes.get(node_name)
+            if node is None:
+                continue
+            kill_msg = agent_pb2.KillJob(job_id=job.id, attempt=attempt, reason=job.message)
+            cycle.send(
+                node, job.id, attempt, "kill", lambda rev, k=kill_msg: agent_pb2.Assignment(revision=rev, kill=k)
+            )
+    job.launch_deadline = None
+    job.running_at = 0.0
+    if final_state:
+        cycle.state.jobs.pop(job.id, None)
+    else:
+        cycle.wake_at(job.not_before)
+    log.info(
+        "gang_torn_down",
+        job=job.id,
+        attempt=attempt,
+        cause=cause or final_state,
+        state=job.state,
+        committed_step=step,
+        message=job.message,
+    )
+    cycle.touched(job)
+    return True
+
+
+def retry_backoff(base: float, cap: float, failures: int) -> float:
+    """base, 2 x base, 4 x base ... after the 1st, 2nd, 3rd failure, at most `cap`."""
+    if base <= 0:
+        return 0.0
+    return min(cap, base * 2 ** min(failures - 1, 30))
+
+
+def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> bool:
+    """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set."""
+    if job.version < 0:
+        for key, value in changes.items():
+            setattr(job, key, value)
+        return True
+    return ledger.update_job(cycle.conn, job, **changes)
+
+
+def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
+    """Write the whole gang's reservation (job state, allocations, ranks, launch assignments) in this transaction.
+
+    Cycles take turns on a fresh view (ledger.begin_cycle), so the ledger refusing a GPU here means a bug or a
+    writer outside the scheduler; the partial unique index then fails the whole transaction, nothing of it
+    commits, and the service reloads its view.
+    """
+    placement_info = dict(
+        tier=placement.tier,
+        domains=placement.domains,
+        score=placement.score,
+        reason=placement.reason,
+        scheduler=cycle.settings.replica_id,
+        epoch=cycle.epoch,
+    )
+    if not set_job(
+        cycle,
+        job,
+        state="RUNNING",
+        attempt=job.attempt + 1,
+        started_at=cycle.now,
+        finished_at=0.0,
+        exit_code=0,
+        placement=placement_info,
+        message=f"reserved: {placement.reason}",
+        flavor=job.flavor,
+    ):
+        return False
+    job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
+    job.partials = {
+        r.replica: Partial(profile=r.mig_profile, start=r.mig_start, size=r.mig_size, milli=r.gpu_milli)
+        for r in placement.replicas
+        if r.mig_profile or r.gpu_milli
+    }
+    job.ranks = layout_ranks(job)
+    job.running_at = 0.0
+    job.restored_step = -1
+    if job.attempt > 1:
+        job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
+    cycle.new_allocations.append(job)
+    for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
+        node = cycle.state.nodes[launch_node(job, launch.replica)]
+        cycle.send(
+            node, job.id, job.attempt, "launch", lambda rev, one=launch: agent_pb2.Assignment(revision=rev, launch=one)
+        )
+    job.launch_deadline = cycle.now + cycle.settings.launch_timeout
+    cycle.reserved.append((job, cycle.now - job.submitted_at))
+    cycle.touched(job)
+    return True
+
+
+ENDPOINT_TTL_S = 10.0
+
+
+def checkpoint_endpoint(cycle: Cycle) -> tuple[str, str]:
+    """The checkpoint coordinator's address and directory for ranks: the scheduler's flags, else what the
+    coordinator recorded in the ledger at its start (looked up at most every ENDPOINT_TTL_S)."""
+    s, state = cycle.settings, cycle.state
+    if s.checkpoint_addr:
+        return s.checkpoint_addr, s.checkpoint_dir
+    if state.endpoint_expires <= cycle.now:
+        found = ledger.service_endpoint(cycle.conn, "checkpoint-coordinator")
+        state.endpoint = (found[0], str(found[1].get("checkpoint_dir", ""))) if found else ("", "")
+        state.endpoint_expires = cycle.now + ENDPOINT_TTL_S
+    addr, directory = state.endpoint
+    return addr, s.checkpoint_dir or directory
+
+
+def launch_node(job: JobRecord, replica: int) -> str:
+    return job.allocations[replica][1]
+
+
+# Rank 0's rendezvous port: below Linux's ephemeral range (32768-60999 by default), so that no outgoing connection
+# on the master's host already holds it (seen: EADDRINUSE from torch.distributed's TCPStore at 44224).
+MASTER_PORTS = range(20000, 32000)
+
+
+def master_port(job_id: str, attempt: int) -> int:
+    digest = hashlib.sha1(f"{job_id}:{attempt}".encode()).digest()
+    return MASTER_PORTS.start + int.from_bytes(digest[:4], "big") % len(MASTER_PORTS)
+
+
+def launches(
+    job: JobRecord,
+    nodes: dict[str, NodeRecord],
+    settings: SchedulerSettings | None = None,
+    checkpoint: tuple[str, str] | None = None,
+) -> list[agent_pb2.LaunchReplica]:
+    """The torchrun-style environment: shared per replica, and RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES per rank."""
+    master = nodes[job.allocations[0][1]].address or "127.0.0.1"
+    per_replica = 1 if job.procs_per_replica == 1 else job.gpus_per_replica
+    base = dict(job.env)
+    base.update(
+        WORLD_SIZE=str(len(job.ranks)),
+        LOCAL_WORLD_SIZE=str(per_replica),
+        MASTER_ADDR=master,
+        MASTER_PORT=str(master_port(job.id, job.attempt)),
+        PHALANX_JOB_ID=job.id,
+        PHALANX_ATTEMPT=str(job.attempt),
+        PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
+    )
+    # The checkpoint coordinator and store for phalanx.train, unless the job names its own.
+    addr, directory = checkpoint or ((settings.checkpoint_addr, settings.checkpoint_dir) if settings else ("", ""))
+    if addr:
+        base.setdefault("PHALANX_CHECKPOINT_ADDR", addr)
+    if directory:
+        base.setdefault("PHALANX_CHECKPOINT_DIR", directory)
+    by_replica: dict[int, list[RankRecord]] = {}
+    for r in job.ranks.values():
+        by_replica.setdefault(r.replica, []).append(r)
+    out = []
+    for replica, node, gpus in job.allocations:
+        ranks = []
+        for r in sorted(by_replica[replica], key=lambda r: r.rank):
+            rank_gpus = list(gpus) if job.procs_per_replica == 1 else [gpus[r.local_rank]]
+            launch = agent_pb2.RankLaunch(
+                rank=r.rank,
+                local_rank=r.local_rank,
+                gpus=rank_gpus,
+                env={
+                    "RANK": str(r.rank),
+                    "LOCAL_RANK": str(r.local_rank),
+                    "CUDA_VISIBLE_DEVICES": ",".join(map(str, rank_gpus)),
+                },
+            )
+            part = job.partials.get(replica)
+            if part is not None and part.profile:
+                launch.slices.add(gpu=gpus[0], profile=part.profile, start=part.start, size=part.size)
+            elif part is not None:
+                launch.gpu_milli = part.milli
+            ranks.append(launch)
+        env = dict(base, NODE_RANK=str(replica), PHALANX_REPLICA=str(replica), PHALANX_NODE=node)
+        out.append(
+            agent_pb2.LaunchReplica(
+                job_id=job.id, attempt=job.attempt, replica=replica, command=job.command, ranks=ranks, env=env
+            )
+        )
+    return out
