@@ -361,11 +361,12 @@ def _env(server, tmp_path: Path, **extra) -> dict[str, str]:
 
 async def test_auto_interval_triggers_and_the_jobs_policy_wins(server, stub, db_url, tmp_path):
     # A failure-prone cluster and a near-free checkpoint make the suggestion short: 9,998 failures in no
-    # node-hours give a node MTBF of 12,000 / 10,000 h = 4,320 s, and a 10 us checkpoint sqrt(2 x 4320 x 1e-5) s.
-    _write(db_url, _nodes([(0.0, 0.0)]), _events(*["FATAL"] * 9998), _checkpoints(JOB, [1e-5], start=1000.0))
+    # node-hours give a node MTBF of 12,000 / 10,000 h = 4,320 s, and a 250 us checkpoint sqrt(2 x 4320 x 2.5e-4)
+    # = 1.47 s: long enough that five Checkpointers are set up and polled before it passes, even on a loaded machine.
+    _write(db_url, _nodes([(0.0, 0.0)]), _events(*["FATAL"] * 9998), _checkpoints(JOB, [2.5e-4], start=1000.0))
     policy = await stub.GetCheckpointPolicy(pb.GetCheckpointPolicyRequest(job_id=JOB))
-    assert policy.interval_s == pytest.approx(math.sqrt(2 * 4320 * 1e-5), rel=1e-6)
-    assert 0.2 < policy.interval_s < 0.4
+    assert policy.interval_s == pytest.approx(math.sqrt(2 * 4320 * 2.5e-4), rel=1e-6)
+    assert 1.2 < policy.interval_s < 1.8
 
     auto = train.Checkpointer(_env(server, tmp_path))
     explicit_auto = train.Checkpointer(_env(server, tmp_path, PHALANX_CHECKPOINT_POLICY="AUTO"))

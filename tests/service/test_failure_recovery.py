@@ -161,7 +161,9 @@ async def _state(c: LiteCluster, name: str, state: int):
 
 @pytest.mark.slow
 async def test_rank_failure_restarts_the_gang_up_to_max_restarts_then_fails(db_url):
-    async with cluster(db_url, nodes=2, retry_backoff_s=0.1) as c:
+    # A lease of 3 s, not 1 s: this test is about rank failures, and a node lost to a loaded machine's stall would
+    # count as a failure of its own.
+    async with cluster(db_url, nodes=2, retry_backoff_s=0.1, lease_timeout=3.0) as c:
         job = await c.submit("flaky", 2, 8, ("exit", "3"), max_restarts=2)
         failed = await attempt(c, job.id, 3, FAILED)
         assert failed.failures == 2 and failed.exit_code == 3 and "after 2 restart(s)" in failed.message

@@ -44,7 +44,8 @@ from phalanx.sim.engine import ClusterSpec, simulate
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
-SCALE = 0.03  # real seconds per trace second
+SCALE = 0.05  # real seconds per trace second (the live run's slack before a time limit is duration x SCALE)
+PREEMPTION_SCALE = 0.08  # the preemption trace's gangs are few and long: more slack for a loaded machine
 CLUSTER = ClusterSpec(nodes=8, gpus=8, per_leaf=4)  # 8 nodes of 8 GPUs, 2 leaves of 4 under one spine
 MIN_GAP_S = 20.0  # trace seconds between two ends the live run must tell apart
 JITTER_S = 8.0  # trace seconds: the simulator's answer must not move when every duration is jittered this much
@@ -195,7 +196,9 @@ class LiveRun:
     ended: list[str]  # the gangs the test let end, in order
 
 
-async def live_run(db_url: str, jobs: list[TraceJob], policy: PreemptionPolicy | None = None) -> LiveRun:
+async def live_run(
+    db_url: str, jobs: list[TraceJob], policy: PreemptionPolicy | None = None, scale: float = SCALE
+) -> LiveRun:
     """The trace through the scheduler (its default settings; `policy`: another preemption policy, in real seconds),
     event by event, until every job has arrived and none is pending."""
     gates: dict[str, asyncio.Event] = {}
@@ -214,9 +217,9 @@ async def live_run(db_url: str, jobs: list[TraceJob], policy: PreemptionPolicy |
             if not arrivals and not any(j.state == PENDING for j in live.values()):
                 break
             # The next event: a gang's end (its start plus its duration) or an arrival, arrivals first at a tie.
-            events = [(j.started_at + SCALE * duration[n], 1, n) for n, j in live.items() if j.state == RUNNING]
+            events = [(j.started_at + scale * duration[n], 1, n) for n, j in live.items() if j.state == RUNNING]
             if arrivals:
-                events.append((t0 + SCALE * arrivals[0].submit_s, 0, arrivals[0].job_id))
+                events.append((t0 + scale * arrivals[0].submit_s, 0, arrivals[0].job_id))
             due, kind, name = min(events)
             if due > time.time():
                 await asyncio.sleep(min(due - time.time(), 0.05))  # and look again: the scheduler may act meanwhile
@@ -229,7 +232,7 @@ async def live_run(db_url: str, jobs: list[TraceJob], policy: PreemptionPolicy |
                     j.gpus_per_replica,
                     ("gated",),
                     priority=j.priority,
-                    time_limit_s=SCALE * 2 * max(j.duration_s, 1.0),
+                    time_limit_s=scale * 2 * max(j.duration_s, 1.0),
                 )
                 ids[j.job_id] = submitted.id
             else:
@@ -244,7 +247,7 @@ async def live_run(db_url: str, jobs: list[TraceJob], policy: PreemptionPolicy |
     at: dict[tuple[str, int], float] = {}
     for job, attempt, replica, node, gpu, reserved_at in rows:
         gpus[(job, attempt)][(replica, node)].append(gpu)
-        at[(job, attempt)] = (reserved_at - t0) / SCALE
+        at[(job, attempt)] = (reserved_at - t0) / scale
     starts = [
         (at[key], *key, tuple((r, n, tuple(sorted(g))) for (r, n), g in reps.items())) for key, reps in gpus.items()
     ]
@@ -295,11 +298,13 @@ def test_the_burst_is_decided_by_the_policy_not_by_the_clock():
     assert sorted(rank, key=lambda n: (first[n], rank[n])) != [j.job_id for j in burst]  # not FIFO
 
 
+@pytest.mark.slow
 async def test_the_simulator_starts_every_job_where_and_when_the_scheduler_does(db_url):
     live = await live_run(db_url, BURST)
     assert_same_starts(live, replay(BURST), BURST)
 
 
+@pytest.mark.slow
 async def test_the_simulator_preempts_what_the_scheduler_preempts(db_url):
     sim = replay(PREEMPTION, PREEMPTION_POLICY, scale=1.0)
     assert sim.preemptions == 1  # low-a only: the preemptor takes its leaf after the grace, and low-a goes back there
@@ -311,7 +316,8 @@ async def test_the_simulator_preempts_what_the_scheduler_preempts(db_url):
         (120.0, "low-a", 2),
     ]
     live_policy = PreemptionPolicy(
-        min_runtime_s=SCALE * PREEMPTION_POLICY.min_runtime_s, grace_period_s=SCALE * PREEMPTION_POLICY.grace_period_s
+        min_runtime_s=PREEMPTION_SCALE * PREEMPTION_POLICY.min_runtime_s,
+        grace_period_s=PREEMPTION_SCALE * PREEMPTION_POLICY.grace_period_s,
     )
-    live = await live_run(db_url, PREEMPTION, live_policy)
+    live = await live_run(db_url, PREEMPTION, live_policy, scale=PREEMPTION_SCALE)
     assert_same_starts(live, sim, PREEMPTION)
