@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,7 +141,7 @@ def _pyplot():
 def plots_unavailable() -> str:
     """Why the report will have no plots ("" when it will): matplotlib is missing, and how to install it."""
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError as exc:
         return f"matplotlib is not installed ({exc}); for the plots: {PLOTS_EXTRA}"
     if _pyplot() is None:

@@ -23,7 +23,7 @@ from .store import CheckpointStore, LocalStore, sha256_checksum
 
 log = logging.getLogger("phalanx.train")
 
-# Set by the scheduler for every rank (services/scheduler/cycle.py launches()).
+# Set by the scheduler for every rank (services/scheduler/transitions.py launches()).
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_JOB_ID = "PHALANX_JOB_ID"

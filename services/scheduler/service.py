@@ -28,12 +28,14 @@ from services.common.errors import ServiceError, Unavailable
 from services.common.faults import fail_point
 
 from . import accounting, ledger, migmode
+from .commands import HEALTH_NAMES, Drain, HealthReport
 from .convert import job_from_row, node_from_row
-from .cycle import HEALTH_NAMES, Command, Cycle, Drain, HealthReport, finish_cycle, reload_state, run_cycle
+from .cycle import finish_cycle, run_cycle
 from .fanout import FanOut
 from .leadership import Leadership
 from .settings import SchedulerSettings
 from .state import SchedulerState
+from .transitions import Command, Cycle, reload_state
 
 log = structlog.get_logger()
 

@@ -19,8 +19,8 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.rpc import stream, unary
 
 from . import accounting, ledger, queues
+from .commands import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES
-from .cycle import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
 from .service import SchedulerService
 
 MAX_NAME = 253

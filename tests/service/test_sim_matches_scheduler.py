@@ -205,7 +205,10 @@ async def live_run(
     fabric = CLUSTER.fabric()  # the simulator's own fabric and node names: nothing to map
     kw = {"preemption": policy} if policy is not None else {}
     settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=fabric, **kw)
-    agents = lambda addr: [GatedAgent(addr, n, gpus=CLUSTER.gpus, gates=gates) for n in fabric.paths]  # noqa: E731
+
+    def agents(addr: str) -> list[GatedAgent]:
+        return [GatedAgent(addr, n, gpus=CLUSTER.gpus, gates=gates) for n in fabric.paths]
+
     duration = {j.job_id: j.duration_s for j in jobs}
     arrivals = sorted(jobs, key=lambda j: j.submit_s)
     ids: dict[str, str] = {}

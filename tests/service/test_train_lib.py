@@ -162,9 +162,10 @@ async def test_should_checkpoint_every_n_steps(server, tmp_path):
 
 async def test_should_checkpoint_time_interval(server, tmp_path):
     """A time policy fires on each rank at its own moment; the ranks agree one step through the coordinator."""
-    ranks = _ranks(server, tmp_path, PHALANX_CHECKPOINT_INTERVAL_S="0.2", PHALANX_CHECKPOINT_POLL_S="0")
+    # 1.5 s: long enough that steps 2-5 run well inside one interval after the checkpoint, even on a loaded machine.
+    ranks = _ranks(server, tmp_path, PHALANX_CHECKPOINT_INTERVAL_S="1.5", PHALANX_CHECKPOINT_POLL_S="0")
     assert not any([await asyncio.to_thread(c.should_checkpoint, 1) for c in ranks])
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(1.6)
     fired: dict[int, list[int]] = {c.rank: [] for c in ranks}
     for step in range(2, 6):
         for c in ranks:

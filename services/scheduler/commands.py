@@ -1,0 +1,691 @@
+"""The commands a scheduling cycle applies: submissions, cancels, checkpoint requests, node registrations, rank and
+health reports, drains and cordons, queue changes. Each validates before it writes, so a refused command changes
+nothing (services/scheduler/cycle.py runs them, one transaction per cycle)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from sqlalchemy import select
+
+from db.models import Job
+from phalanx.api.v1 import common_pb2
+from phalanx.core import mig
+from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+from . import ledger
+from .convert import job_from_record
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState
+from .transitions import (
+    Command,
+    Cycle,
+    set_job,
+    teardown,
+)
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Submit(Command):
+    spec: common_pb2.JobSpec
+    request_id: str
+    tenant: str = ""  # the caller's tenant (authentication on), stamped on the job
+
+
+def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
+    """Accept every valid submission into the view; `write_new_jobs` inserts them all in one statement.
+
+    Repeated request ids return the first job.
+    """
+    results: dict[int, Any] = {}
+    existing = ledger.find_by_request_ids(cycle.conn, [s.request_id for s in submits if s.request_id])
+    new: list[JobRecord] = []
+    by_request: dict[str, JobRecord] = {}
+    for i, sub in enumerate(submits):
+        if sub.request_id and sub.request_id in existing:
+            results[i] = ("existing", existing[sub.request_id])
+            continue
+        if sub.request_id and sub.request_id in by_request:
+            results[i] = by_request[sub.request_id]
+            continue
+        try:
+            check_fits_ever(cycle.state, sub.spec)
+            check_fits_model(cycle.state, sub.spec)
+            check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
+            check_queue(cycle.state, sub.spec, sub.tenant)
+        except (FailedPrecondition, PermissionDenied) as exc:
+            results[i] = exc
+            continue
+        spec = sub.spec
+        job = JobRecord(
+            id=uuid.uuid4().hex[:12],
+            name=spec.name,
+            state="PENDING",
+            priority=spec.priority,
+            replicas=spec.replicas,
+            gpus_per_replica=spec.gpus_per_replica,
+            procs_per_replica=spec.procs_per_replica,
+            command=list(spec.command),
+            env=dict(spec.env),
+            submitted_at=cycle.now,
+            request_id=sub.request_id or None,
+            required_tier=spec.required_tier,
+            preferred_tier=spec.preferred_tier,
+            message="queued",
+            gpu_model=spec.gpu_model,
+            mig_profile=spec.mig_profile.lower(),
+            gpu_milli=spec.gpu_milli,
+            max_restarts=spec.max_restarts,
+            tenant=sub.tenant,
+            time_limit=spec.time_limit_s,
+            queue=spec.queue or DEFAULT_QUEUE,
+            keep_checkpoints=spec.keep_checkpoints,
+        )
+        new.append(job)
+        results[i] = job
+        if sub.request_id:
+            by_request[sub.request_id] = job
+    for job in new:
+        job.version = -1  # not in the ledger yet
+        cycle.state.jobs[job.id] = job
+        cycle.new_jobs.append(job)
+    for i, value in list(results.items()):
+        if isinstance(value, tuple):
+            job = cycle.state.jobs.get(value[1])
+            results[i] = job if job else ("read", value[1])
+    return results
+
+
+def write_new_jobs(cycle: Cycle) -> None:
+    """Insert this cycle's new jobs as they are now, then every reservation's allocations, in bulk."""
+    if cycle.new_jobs:
+        for job in cycle.new_jobs:
+            job.version = 0
+        ledger.insert_jobs(cycle.conn, cycle.new_jobs)
+        for job in cycle.new_jobs:
+            cycle.touched(job)
+    if cycle.new_allocations:
+        ledger.insert_allocations(cycle.conn, cycle.new_allocations, cycle.state.nodes, cycle.now)
+        ledger.insert_attempts(cycle.conn, cycle.new_allocations, cycle.now)
+
+
+def check_queue(state: SchedulerState, spec: common_pb2.JobSpec, tenant: str) -> None:
+    """The queue must exist (except "default", which always does) and take this tenant."""
+    name = spec.queue or DEFAULT_QUEUE
+    queue = state.queues.get(name)
+    if queue is None:
+        if name != DEFAULT_QUEUE:
+            known = ", ".join(sorted({DEFAULT_QUEUE, *state.queues}))
+            raise FailedPrecondition(f"no queue {name[:64]!r}; queues: {known}")
+        return
+    if queue.tenants and tenant and tenant not in queue.tenants:
+        raise PermissionDenied(f"tenant {tenant!r} may not submit to queue {name!r}")
+
+
+def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
+    """Refuse a gang that no state of this cluster could hold (drained and lost nodes count as capacity)."""
+    cap = state.capacity
+    if not cap.nodes:
+        raise FailedPrecondition("no nodes have registered yet, so no gang can be placed; start node agents first")
+    nodes = cap.nodes
+    largest = cap.shape()[1]
+    g, r = spec.gpus_per_replica, spec.replicas
+    if g > largest:
+        raise FailedPrecondition(f"each replica needs {g} GPUs on one node, but the largest node has {largest} GPUs")
+    total = cap.total_gpus()
+    if g * r > total:
+        raise FailedPrecondition(
+            f"the gang needs {r} x {g} = {g * r} GPUs, but all {len(nodes)} known nodes have {total} GPUs in total"
+        )
+    fit = state.capacity.max_replicas_ever(g)
+    if fit < r:
+        raise FailedPrecondition(
+            f"the gang needs {r} replicas of {g} GPUs, each on one node, but the {len(nodes)} known nodes can hold "
+            f"at most {fit} such replicas even when empty"
+        )
+
+
+def check_fits_model(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
+    """Refuse a GPU model or MIG profile that no known node has (drained and lost nodes count)."""
+    nodes = list(state.capacity.nodes.values())
+    if spec.gpu_model:
+        models = sorted({n.gpu_model for n in nodes if n.gpu_model})
+        nodes = [n for n in nodes if spec.gpu_model.lower() in n.gpu_model.lower()]
+        if not nodes:
+            raise FailedPrecondition(
+                f"no known node has GPU model {spec.gpu_model!r}; models here: {', '.join(models) or 'none'}"
+            )
+        if not (spec.mig_profile or spec.gpu_milli):
+            fit = sum(n.total // spec.gpus_per_replica for n in nodes)
+            if fit < spec.replicas:
+                raise FailedPrecondition(
+                    f"the {len(nodes)} known node(s) with GPU model {spec.gpu_model!r} hold at most {fit} replicas "
+                    f"of {spec.gpus_per_replica} GPUs even when empty; the gang needs {spec.replicas}"
+                )
+    if spec.mig_profile:
+        families = sorted({f for n in nodes if (f := mig.mig_family(n.gpu_model, n.memory_mib))})
+        if not any(mig.resolve(spec.mig_profile, f) for f in families):
+            offered = "; ".join(f"{f}: {', '.join(mig.family_profiles(f))}" for f in families)
+            raise FailedPrecondition(
+                f"no known node's GPUs offer MIG profile {spec.mig_profile!r}"
+                + (f"; profiles here: {offered}" if offered else "; no node here has MIG-capable GPUs")
+            )
+
+
+def check_fits_required_tier(state: SchedulerState, spec: common_pb2.JobSpec, fabric_tiers: tuple[str, ...]) -> None:
+    """Refuse a gang that no single domain of its required tier could ever hold.
+
+    From the static structure only: every known node counts at its full size (drained and lost ones too), and a
+    node's domain at a fabric tier is its switch of that tier, as placement sees it (nodes without one share the
+    cluster root). "cluster" is check_fits_ever's business; the servicer has already checked the name.
+    """
+    tier = spec.required_tier
+    if not tier or tier == "cluster":
+        return
+    g, r = spec.gpus_per_replica, spec.replicas
+    nodes = list(state.capacity.nodes.values())
+    if not nodes or g < 1:
+        return
+    if tier == "node":
+        best = max(nodes, key=lambda n: (n.total // g, n.name))
+        fit = best.total // g
+        if fit < r:
+            raise FailedPrecondition(
+                f"required_tier=node: the gang needs {r} replicas of {g} GPUs on one node, but the largest node "
+                f"({best.name}, {best.total} GPUs) holds at most {fit} such replica(s)"
+            )
+        return
+    if tier not in fabric_tiers:
+        return
+    index = fabric_tiers.index(tier)
+    domains: dict[str, list[int]] = {}
+    for n in nodes:
+        key = n.path[index] if index < len(n.path) else ""
+        entry = domains.setdefault(key, [0, 0])
+        entry[0] += n.total // g
+        entry[1] += 1
+    key, (fit, count) = max(domains.items(), key=lambda kv: (kv[1][0], kv[0]))
+    if fit < r:
+        where = key or f"the nodes outside any {tier}"
+        raise FailedPrecondition(
+            f"required_tier={tier}: the gang needs {r} replicas of {g} GPUs under one {tier}, but the largest "
+            f"{tier} ({where}, {count} node(s)) holds at most {fit} such replica(s) even when empty"
+        )
+
+
+@dataclass
+class Cancel(Command):
+    job_id: str
+    tenant: str | None = None  # a user's tenant: another tenant's job is NOT_FOUND (None: any job)
+
+    def execute(self, cycle: Cycle) -> Any:
+        job = lookup_job(cycle, self.job_id)
+        if job is None:
+            return ("read", self.job_id)  # already finished: cancelling again is a no-op (the servicer scopes it)
+        if self.tenant is not None and job.tenant != self.tenant:
+            raise NotFound(f"no job with id {self.job_id!r}")
+        if job.state == "PENDING":
+            if not ledger.update_job(
+                cycle.conn, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
+            ):
+                cycle.resync_after = True
+                raise FailedPrecondition(f"job {job.id} changed while cancelling; try again")
+            del cycle.state.jobs[job.id]
+            cycle.touched(job)
+        else:
+            teardown(cycle, job, final_state="CANCELLED", message="cancelled while running")
+        return job_from_record(job)
+
+
+@dataclass
+class RequestCheckpoint(Command):
+    """A user asks a running job to checkpoint now (`phalanx checkpoint JOB`)."""
+
+    job_id: str
+    reason: str
+
+    def execute(self, cycle: Cycle) -> Any:
+        job = lookup_job(cycle, self.job_id)
+        if job is None or job.state != "RUNNING":
+            state = "PENDING" if job is not None else "finished"
+            raise FailedPrecondition(f"job {self.job_id} is {state}, not running: only a running job can checkpoint")
+        reason, at = ledger.request_checkpoint(cycle.conn, job.id, self.reason, cycle.now)
+        log.info("checkpoint_requested", job=job.id, reason=reason)
+        return job, reason, at
+
+
+def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
+    """The active job `job_id`; None when it exists but has finished; NotFound when the ledger has no such job."""
+    job = cycle.state.jobs.get(job_id)
+    if job is not None:
+        return job
+    row = cycle.conn.execute(select(Job.state).where(Job.id == job_id)).first()
+    if row is None:
+        raise NotFound(f"no job with id {job_id!r}")
+    if row.state in ("PENDING", "RUNNING"):
+        cycle.reload()  # another replica created or changed it since our last look
+        return cycle.state.jobs.get(job_id)
+    return None
+
+
+@dataclass
+class Register(Command):
+    name: str
+    topology: Any  # agent_pb2.HostTopology
+    topology_json: dict[str, Any]
+    address: str
+    agent_instance: str
+    mig_manage: bool = False  # started with --mig-manage: the scheduler may switch idle GPUs' MIG mode (migmode.py)
+
+    def execute(self, cycle: Cycle) -> int:
+        from .migmode import registered
+
+        gpus = [
+            dict(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_mib=g.memory_mib,
+                mig_mode=MIG_MODES.get(g.mig_mode, "UNSUPPORTED"),
+                mig_instances=mig_instances(g),
+            )
+            for g in self.topology.gpus
+        ]
+        path = cycle.settings.fabric.node_path(
+            self.name, self.topology.fabric_cluster_uuid, self.topology.fabric_clique
+        )
+        node_id, acked, revision = ledger.upsert_node(
+            cycle.conn,
+            name=self.name,
+            gpus=gpus,
+            topology=self.topology_json,
+            address=self.address,
+            agent_instance=self.agent_instance,
+            profile=self.topology.profile,
+            gpu_model=gpus[0]["name"] if gpus else "",
+            fabric_path=path,
+            now=cycle.now,
+            mig_manage=self.mig_manage,
+        )
+        state = cycle.state
+        old = state.nodes.get(self.name)
+        # An admin drained it (`phalanx node drain`): it stays DRAINED, out of placement, until undrained.
+        cordoned = ledger.node_cordoned(cycle.conn, node_id)
+        if cordoned:
+            ledger.set_node_state(cycle.conn, node_id, "DRAINED", CORDON_MESSAGE)
+        node = NodeRecord(
+            id=node_id,
+            name=self.name,
+            state="DRAINED" if cordoned else "READY",
+            gpus=len(gpus),
+            gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
+            gpu_model=gpus[0]["name"] if gpus else "",
+            memory_mib=max((g["memory_mib"] for g in gpus), default=0),
+            path=path,
+            address=self.address,
+            last_heartbeat=cycle.now,
+            persisted_heartbeat=cycle.now,
+            agent_instance=self.agent_instance,
+            revision=revision,
+            closeness=ledger.node_closeness(self.topology_json),
+            mig_gpus=frozenset(g["index"] for g in gpus if g["mig_mode"] == "ENABLED"),
+            foreign={g["index"]: m for g in gpus if (m := ledger.foreign_mask(g["mig_instances"]))},
+            acked_revision=acked,
+        )
+        switch_ended = registered(cycle, old, node, self.mig_manage)
+        if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
+            node.health, node.health_reason, node.gpu_health = old.health, old.health_reason, old.gpu_health
+        if old is not None and old.state == "LOST":
+            # Back after it was lost: not used again until a heartbeat of this agent reports it healthy.
+            node.health, node.health_reason = "UNKNOWN", "back after it was lost; waiting for a health report"
+            ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
+        state.nodes[self.name] = node
+        if (
+            old is None
+            or old.gpus != node.gpus
+            or old.closeness != node.closeness
+            or old.path != node.path
+            or node.gpu_health
+            or old.mig_gpus != node.mig_gpus
+            or old.foreign != node.foreign
+            or switch_ended
+        ):
+            state.rebuild_capacity()  # a new path (another NVLink clique), or a GPU's MIG mode or instances changed
+            if old is not None and old.mig_gpus != node.mig_gpus:
+                log.info(
+                    "node_mig_mode_changed", node=self.name, mig_gpus=sorted(node.mig_gpus), was=sorted(old.mig_gpus)
+                )
+        else:
+            state.set_node_schedulable(self.name)
+        if old is not None and old.state != "READY" and not cordoned:
+            log.info("node_ready_again", node=self.name, was=old.state)
+        return acked
+
+
+MIG_MODES = {0: "UNSUPPORTED", 1: "DISABLED", 2: "ENABLED"}  # phalanx.v1.GpuInfo.MigMode; unknown: UNSUPPORTED
+MAX_MIG_INSTANCES = 64  # per GPU, as stored (a GPU has at most 7 instances, plus a compute-less one or two)
+
+
+def mig_instances(gpu: Any) -> list[dict[str, Any]]:
+    """A registered GPU's MIG instances (phalanx.v1.GpuInfo.MigInstance) as the ledger stores them."""
+
+    def clean(text: str, limit: int) -> str:
+        return text.replace("\x00", "")[:limit]
+
+    return [
+        dict(
+            profile=clean(i.profile, 32),
+            start=i.start,
+            size=i.size,
+            uuid=clean(i.uuid, 64),
+            managed=bool(i.managed),
+            gpu_instance_id=i.gpu_instance_id,
+            compute_instance_id=i.compute_instance_id,
+        )
+        for i in list(gpu.mig_instances)[:MAX_MIG_INSTANCES]
+    ]
+
+
+@dataclass
+class RankReport(Command):
+    node: str
+    job_id: str
+    attempt: int
+    rank: int
+    state: str
+    exit_code: int
+    message: str
+    pid: int
+    # With FAILED_TO_START: the host could not set the rank up (a MIG instance, the MPS daemon), not the job's
+    # fault: the gang is requeued with the failure backoff and the node struck instead of the job failing.
+    retryable: bool = False
+
+    def execute(self, cycle: Cycle) -> bool:
+        """Apply a rank's status. Returns True when the report is stale and the agent must kill the rank."""
+        node = cycle.state.nodes.get(self.node)
+        if node is None:
+            raise NotFound(f"node {self.node!r} is not registered")
+        job = cycle.state.jobs.get(self.job_id)
+        if job is None or job.attempt != self.attempt:
+            exists = cycle.conn.execute(select(Job.state, Job.attempt).where(Job.id == self.job_id)).first()
+            if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:
+                cycle.reload()
+                job = cycle.state.jobs.get(self.job_id)
+        if job is None or job.state != "RUNNING" or job.attempt != self.attempt:
+            return self.state == "RUNNING"  # a superseded attempt: the agent must stop it; history keeps the rest
+        rank = job.ranks.get(self.rank)
+        if rank is None or rank.node != self.node:
+            raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
+        if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
+            return False
+        ledger.record_rank(
+            cycle.conn,
+            job.id,
+            job.attempt,
+            rank,
+            node.id,
+            state=self.state,
+            exit_code=self.exit_code,
+            pid=self.pid,
+            message=self.message,
+            now=cycle.now,
+        )
+        rank.state, rank.exit_code = self.state, self.exit_code
+        where = f"rank {self.rank} on {self.node}"
+        if self.state == "RUNNING":
+            if all(r.state != "ASSIGNED" for r in job.ranks.values()):
+                job.launch_deadline = None
+                if not job.running_at:
+                    job.running_at = cycle.now
+                    ledger.mark_attempt_running(cycle.conn, job, cycle.now)
+                cycle.touched(job)
+        elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
+            teardown(
+                cycle,
+                job,
+                cause="RANK_FAILED",
+                message=f"{where} exited with code {self.exit_code} (restart {job.failures + 1} of {job.max_restarts})",
+            )
+        elif self.state == "EXITED" and self.exit_code != 0:
+            teardown(
+                cycle,
+                job,
+                final_state="FAILED",
+                exit_code=self.exit_code,
+                message=f"{where} exited with code {self.exit_code}"
+                + (f" after {job.max_restarts} restart(s)" if job.max_restarts else ""),
+            )
+        elif self.state == "EXITED":
+            if all(r.state == "EXITED" and r.exit_code == 0 for r in job.ranks.values()):
+                teardown(cycle, job, final_state="SUCCEEDED", message="all ranks exited with code 0", kill=False)
+        elif self.state == "FAILED_TO_START" and self.retryable:
+            strike(cycle, job, node, f"rank {self.rank}", self.message)
+        elif self.state == "FAILED_TO_START":
+            teardown(
+                cycle,
+                job,
+                final_state="FAILED",
+                exit_code=127,
+                message=f"{where} failed to start: {self.message or 'unknown error'}",
+            )
+        elif self.state in ("KILLED", "LOST"):
+            teardown(cycle, job, cause="RANK_LOST", message=f"{where} was {self.state.lower()} by its agent")
+        return False
+
+
+def strike(cycle: Cycle, job: JobRecord, node: NodeRecord, where: str, message: str) -> None:
+    """A rank's host could not set it up (a retryable FAILED_TO_START): strike the node (counted on the node, and
+    kept on the job, whose next placements avoid it while it fits elsewhere), and tear the gang down to requeue it
+    with the failure backoff (SETUP_FAILED counts against max_attempts like any failure)."""
+    struck = sorted({*job.struck_nodes, node.name})
+    if not set_job(cycle, job, struck_nodes=struck):
+        cycle.resync_after = True
+        return
+    strikes = ledger.strike_node(cycle.conn, node.id)
+    what = message or "unknown error"
+    ledger.add_node_events(
+        cycle.conn,
+        node.id,
+        [
+            dict(
+                at=cycle.now,
+                gpu=-1,
+                severity="DEGRADED",
+                kind="setup_failed",
+                code=strikes,
+                reason=f"job {job.id} attempt {job.attempt}: {where} could not be set up: {what}"[:2000],
+            )
+        ],
+    )
+    log.warning("node_struck", node=node.name, job=job.id, attempt=job.attempt, strikes=strikes, reason=what)
+    teardown(
+        cycle,
+        job,
+        cause="SETUP_FAILED",
+        message=f"{where} could not be set up on node {node.name} (a host-side failure, not the job's): {what}; "
+        f"node {node.name} struck (strike {strikes} there), the gang avoids it while it fits elsewhere",
+    )
+
+
+HEALTH_NAMES = {1: "HEALTHY", 2: "DEGRADED", 3: "FATAL"}
+
+
+@dataclass
+class HealthReport(Command):
+    """A node's health changed, or it reported health events (from a heartbeat; see SchedulerService.heartbeat).
+
+    FATAL GPUs leave the capacity view at once (the next placement in this very cycle cannot use them) and a FATAL
+    node becomes unschedulable; DEGRADED is recorded and shown only. Running gangs are left alone (tearing them
+    down is the fault-tolerance work). Recovery is the same path: a HEALTHY report puts the GPUs back."""
+
+    name: str
+    health: Any  # common_pb2.NodeHealth, or None when the heartbeat carried only events
+    events: list[Any]
+    # A heartbeat without health (the agent runs no monitor) from a node back after it was lost: take it as healthy.
+    alive: bool = False
+
+    def execute(self, cycle: Cycle) -> bool:
+        node = cycle.state.nodes.get(self.name)
+        if node is None:
+            return False
+        changed = False
+        if self.alive and self.health is None and node.health == "UNKNOWN":
+            ledger.set_node_health(cycle.conn, node.id, "HEALTHY", "", {})
+            node.health, node.health_reason, node.gpu_health = "HEALTHY", "", {}
+            cycle.state.rebuild_capacity()
+            log.info("node_healthy_again", node=node.name)
+            changed = True
+        if self.health is not None and self.health.state in HEALTH_NAMES:
+            health = HEALTH_NAMES[self.health.state]
+            gpus = {
+                g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons))
+                for g in self.health.gpus
+                if g.state in (2, 3)
+            }
+            reason = self.health.reason
+            if (health, reason, gpus) != (node.health, node.health_reason, node.gpu_health):
+                ledger.set_node_health(cycle.conn, node.id, health, reason, gpus)
+                log.warning(
+                    "node_health_changed",
+                    node=node.name,
+                    health=health,
+                    was=node.health,
+                    reason=reason,
+                    fatal_gpus=sorted(i for i, (h, _) in gpus.items() if h == "FATAL"),
+                )
+                was_fatal, was_unknown = node.fatal_gpus, node.health == "UNKNOWN"
+                node.health, node.health_reason, node.gpu_health = health, reason, gpus
+                if node.fatal_gpus != was_fatal or was_unknown:
+                    cycle.state.rebuild_capacity()
+                else:
+                    cycle.state.set_node_schedulable(node.name)
+                changed = True
+                tear_down_on_fatal(cycle, node)
+        events = [
+            dict(
+                at=e.at or cycle.now,
+                gpu=e.gpu,
+                severity=HEALTH_NAMES.get(e.severity, "HEALTHY"),
+                kind=e.kind[:32],
+                code=e.code,
+                reason=e.reason,
+            )
+            for e in self.events
+        ]
+        ledger.add_node_events(cycle.conn, node.id, events)
+        return changed
+
+
+def tear_down_on_fatal(cycle: Cycle, node: NodeRecord) -> None:
+    """Tear down, whole, every gang with a rank on a FATAL GPU of `node` (or anywhere on it, when the node is
+    FATAL); each requeues and restarts elsewhere from its last committed checkpoint."""
+    fatal = node.fatal_gpus
+    for job in cycle.state.running_on(node.name):
+        hit = sorted(
+            {g for _, n, gpus in job.allocations if n == node.name for g in gpus}
+            & (set(range(node.gpus)) if node.health == "FATAL" else fatal)
+        )
+        if hit:
+            what = (
+                f"node {node.name} is FATAL ({node.health_reason})"
+                if node.health == "FATAL"
+                else f"GPU(s) {hit} of {node.name} failed ({'; '.join(node.gpu_health[hit[0]][1]) or 'FATAL'})"
+            )
+            teardown(cycle, job, cause="GPU_FAILED", message=what)
+
+
+@dataclass
+class Drain(Command):
+    """The node's agent is stopping (SIGTERM): DRAINED, out of placement at once. Its ranks are killed and
+    reported by the agent (and requeued here as usual); registering again makes the node READY. If the agent never
+    comes back, the lease still expires and the node becomes LOST."""
+
+    name: str
+    message: str
+
+    def execute(self, cycle: Cycle) -> bool:
+        node = cycle.state.nodes.get(self.name)
+        if node is None or node.state != "READY":
+            return False
+        ledger.set_node_state(cycle.conn, node.id, "DRAINED", self.message)
+        node.state = "DRAINED"
+        cycle.state.set_node_schedulable(node.name)
+        log.info("node_drained", node=node.name, reason=self.message)
+        return True
+
+
+CORDON_MESSAGE = "drained by an admin (phalanx node undrain puts it back)"
+
+
+@dataclass
+class CordonNode(Command):
+    """An admin drains a node (`phalanx node drain`): DRAINED and cordoned, so registering again keeps it DRAINED;
+    running gangs are left alone. `cordon=False` undoes it (`phalanx node undrain`): READY again when its agent is
+    alive (heartbeats within the lease), else it stays as it is until the agent registers. NotFound: no such node."""
+
+    name: str
+    cordon: bool
+    reason: str = ""
+
+    def execute(self, cycle: Cycle) -> str:
+        node = cycle.state.nodes.get(self.name)
+        if node is None:
+            raise NotFound(f"no node named {self.name[:80]!r}")
+        ledger.set_node_cordoned(cycle.conn, node.id, self.cordon)
+        if self.cordon:
+            if node.state in ("READY", "DRAINED"):
+                message = f"drained by an admin: {self.reason}" if self.reason else CORDON_MESSAGE
+                ledger.set_node_state(cycle.conn, node.id, "DRAINED", message)
+                node.state = "DRAINED"
+                cycle.state.set_node_schedulable(node.name)
+            log.info("node_cordoned", node=node.name, reason=self.reason, state=node.state)
+        elif node.state == "DRAINED" and cycle.now - node.last_heartbeat <= cycle.settings.lease_timeout:
+            ledger.set_node_state(cycle.conn, node.id, "READY", "")
+            node.state = "READY"
+            cycle.state.set_node_schedulable(node.name)
+            log.info("node_uncordoned", node=node.name)
+        cycle.woken_nodes.add(node.name)  # other replicas reload (the generation moves) and see the change
+        return node.state
+
+
+@dataclass
+class SetQueue(Command):
+    """An admin creates or replaces a queue (`phalanx quota set`); it applies from this very cycle's pass."""
+
+    spec: QueueSpec
+
+    def execute(self, cycle: Cycle) -> str:
+        ledger.upsert_queue(cycle.conn, self.spec, cycle.now)
+        cycle.state.queues[self.spec.name] = self.spec
+        cycle.state.no_preemption = None
+        log.info(
+            "queue_set",
+            queue=self.spec.name,
+            cohort=self.spec.cohort,
+            weight=self.spec.weight,
+            quotas={f: (q.gpus, q.borrow_limit, q.mig_slices) for f, q in self.spec.quotas.items()},
+        )
+        return self.spec.name
+
+
+@dataclass
+class DeleteQueue(Command):
+    name: str
+
+    def execute(self, cycle: Cycle) -> str:
+        if self.name not in cycle.state.queues:
+            raise NotFound(f"no queue {self.name[:64]!r}")
+        users = [j.id for j in cycle.state.jobs.values() if j.queue == self.name]
+        if users:
+            raise FailedPrecondition(
+                f"queue {self.name!r} still has {len(users)} pending or running job(s) "
+                f"({', '.join(users[:5])}); cancel them or let them finish first"
+            )
+        ledger.delete_queue(cycle.conn, self.name)
+        del cycle.state.queues[self.name]
+        return self.name
