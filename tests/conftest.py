@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import structlog
+from helpers.pg import create_database, drop_database, scratch_database
 from sqlalchemy import create_engine, text
 
 from db.engine import normalize_url
@@ -64,23 +64,10 @@ def pg_session_url():
         if os.environ.get("PHALANX_REQUIRE_PG") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    name = f"phalanx_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    engine = create_engine(admin, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    base, _, _ = admin.rpartition("/")
-    url = f"{base}/{name}"
+    url = create_database(admin, f"phalanx_test_{os.getpid()}")
     upgrade(url)
     yield url
-    with engine.connect() as conn:
-        conn.execute(
-            text(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n AND pid <> pg_backend_pid()"
-            ),
-            {"n": name},
-        )
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-    engine.dispose()
+    drop_database(url, admin)
 
 
 @pytest.fixture(scope="session")
@@ -167,22 +154,5 @@ def empty_db_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'old.db'}"
         return
-    session_url = request.getfixturevalue("pg_session_url")
-    name = f"phalanx_mig_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(session_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    base, _, _ = session_url.rpartition("/")
-    try:
-        yield f"{base}/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(
-                text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = :n AND pid <> pg_backend_pid()"
-                ),
-                {"n": name},
-            )
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
+    with scratch_database(request.getfixturevalue("pg_session_url"), "phalanx_mig") as url:
+        yield url

@@ -15,11 +15,11 @@ import random
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import grpc
 import pytest
+from helpers.pg import create_database, drop_database
 from helpers.procs import ROOT, eventually, start_scheduler
 from sqlalchemy import create_engine, text
 
@@ -48,30 +48,6 @@ TIMERS = [
     "--retry-backoff-max",
     "1",
 ]
-
-
-def _fresh_ledger(session_url: str) -> tuple[str, object, str]:
-    """A new, empty PostgreSQL database beside the session's, migrated to head."""
-    name = f"phalanx_storm_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(session_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    base, _, _ = session_url.rpartition("/")
-    url = f"{base}/{name}"
-    upgrade(url)
-    return url, admin, name
-
-
-def _drop(admin, name: str) -> None:
-    with admin.connect() as conn:
-        conn.execute(
-            text(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n AND pid <> pg_backend_pid()"
-            ),
-            {"n": name},
-        )
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-    admin.dispose()
 
 
 def _start_agents(target: str, state: Path, logs: Path) -> list[subprocess.Popen]:
@@ -189,7 +165,8 @@ async def test_storm_through_two_replicas_with_agents_from_an_earlier_ledger(pg_
     assert all((state / name).is_dir() for name in NODES)
 
     # A new ledger, the same node names and state directories.
-    url, admin, name = _fresh_ledger(pg_url)
+    url = create_database(pg_url, "phalanx_storm")  # a fresh ledger beside the session's
+    upgrade(url)
     replicas = [start_scheduler(url, logs / f"second-{i}.log", *TIMERS) for i in range(2)]
     agents = _start_agents(",".join(r.address for r in replicas), state, logs)
     channels = [grpc.aio.insecure_channel(r.address) for r in replicas]
@@ -256,4 +233,4 @@ async def test_storm_through_two_replicas_with_agents_from_an_earlier_ledger(pg_
             await ch.close()
         for r in replicas:
             r.terminate()
-        _drop(admin, name)
+        drop_database(url, pg_url)
