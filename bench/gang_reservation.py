@@ -11,8 +11,14 @@ measures:
 Baselines from the same run: the durable commit floor (one INSERT + COMMIT on the same server) and a naive
 one-transaction-per-submit writer with 8 threads, which is what a scheduler without group commit can reach.
 
-Run: .venv/bin/python bench/gang_reservation.py [--nodes 256,512] [--quick]
-The last line of output is one JSON object with every figure.
+Targets (issue 18), as ratios to the baselines of the same run, at every cluster size (exit status 1 when one is
+missed; --no-targets only prints):
+- a 1-GPU gang from SubmitJob to its RUNNING event in at most 8x the commit floor at p50, a 64-GPU gang in 12x;
+- at least 0.45x the naive writer's rate with 8 SDK clients;
+- a freed slot refilled (release-to-reserve) in under 5 ms at p50.
+
+Run: .venv/bin/python bench/gang_reservation.py [--nodes 256,512] [--quick] [--no-targets]
+The last line of output is one JSON object with every figure (and `targets_missed`).
 """
 
 from __future__ import annotations
@@ -321,11 +327,36 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=8, help="submissions each client keeps in flight")
     p.add_argument("--release-samples", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="small sample counts, for a smoke run")
+    p.add_argument("--no-targets", action="store_true", help="print the figures; do not check the targets")
     args = p.parse_args()
     if args.quick:
         args.samples, args.rounds, args.release_samples = 10, 1, 3
     results = asyncio.run(run(args))
+    missed = check_targets(results, args.nodes)
+    for line in missed:
+        say(("target missed: " if not args.no_targets else "below target: ") + line)
+    results["targets_missed"] = missed
     print(json.dumps(results))
+    sys.exit(1 if missed and not args.no_targets else 0)
+
+
+def check_targets(r: dict, sizes: list[int]) -> list[str]:
+    floor, naive = r["commit_floor_ms"], r["naive_txn_per_submit_per_s"]
+    missed = []
+    for n in sizes:
+        for gpus, bound in ((1, 8), (64, 12)):
+            ratio = r[f"n{n}_g{gpus}_p50_ms"] / floor
+            r[f"n{n}_g{gpus}_p50_over_floor"] = round(ratio, 2)
+            if ratio > bound:
+                missed.append(f"{n} nodes: {gpus}-GPU gang p50 is {ratio:.1f}x the commit floor, target <= {bound}x")
+        rate = r[f"n{n}_throughput_gangs_per_s"] / naive
+        r[f"n{n}_throughput_over_naive"] = round(rate, 3)
+        if rate < 0.45:
+            missed.append(f"{n} nodes: {rate:.2f}x the naive writer's rate, target >= 0.45x")
+        refill = r[f"n{n}_release_to_reserve_p50_ms"]
+        if refill >= 5:
+            missed.append(f"{n} nodes: a freed slot refilled in {refill} ms at p50, target < 5 ms")
+    return missed
 
 
 if __name__ == "__main__":

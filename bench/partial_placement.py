@@ -18,8 +18,11 @@ departures, no retries, in order) until their GPUs add up to 130% of the cluster
 nodes left when the arrived load reaches 50% (what a large gang needs), the share of GPUs allocated at the first
 refusal and at the end, and the refusals. Baselines: first fit, and Kubernetes' default LeastAllocated spreading.
 
-Run: .venv/bin/python bench/partial_placement.py [--decisions 6000] [--naive-decisions 600] [--seed 7]
-Human lines go to stderr; the last line on stdout is one JSON object with every figure.
+Target: the naive placer makes the same choice as `phalanx` on every decision it replays.
+
+Run: .venv/bin/python bench/partial_placement.py [--decisions 6000] [--naive-decisions 600] [--seed 7] [--no-targets]
+Human lines go to stderr; the last line on stdout is one JSON object with every figure; exit 1 when the target is
+missed (--no-targets: only print).
 """
 
 from __future__ import annotations
@@ -298,6 +301,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=NODES)
     ap.add_argument("--packing-nodes", type=int, default=256)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--no-targets", action="store_true", help="only print the target; exit 0 even when missed")
     args = ap.parse_args()
 
     arrivals = list(stream(args.decisions, args.seed))
@@ -333,6 +337,7 @@ def main() -> None:
         "phalanx": {**speed(ours), "wall_s": round(ours_wall, 2)},
         "naive": speed(naive),
         "naive_agrees": f"{agree}/{len(naive['choices'])}",
+        "targets": {"naive_agrees": [agree, len(naive["choices"]), agree == len(naive["choices"])]},
         "packing_nodes": args.packing_nodes,
         "packing": {
             name: dict(
@@ -362,7 +367,12 @@ def main() -> None:
             f"{pk['allocated_at_first_refusal']:.1%} of GPUs at the first refusal, {pk['allocated_at_end']:.1%} at "
             f"the end; refused: whole-GPU {pk['whole_failed']}/{pk['whole_tried']}, partial {pk['partial_failed']}"
         )
+    missed = [name for name, (_, _, ok) in out["targets"].items() if not ok]
+    for name, (got, want, ok) in out["targets"].items():
+        say(f"target {name}: {got} vs {want}: {'met' if ok else 'MISSED'}")
     print(json.dumps(out))
+    if missed and not args.no_targets:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ Checks, on every case (each count must be 0):
 - choose_victims never evicts more gangs than the baseline.
 
 Run: .venv/bin/python bench/preemption_decision.py [--cases 1000] [--states 4] [--nodes 512] [--repeat 3] [--quick]
-Progress goes to stderr; the figures to stdout, whose last line is one JSON object with every figure.
+     [--no-targets]
+Progress goes to stderr; the figures to stdout, whose last line is one JSON object with every figure. Exit 1 when a
+check fails (--no-targets: only print).
 """
 
 from __future__ import annotations
@@ -249,6 +251,7 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 states, 200 cases, 1 timing")
+    ap.add_argument("--no-targets", action="store_true", help="only print the checks; exit 0 even when one fails")
     args = ap.parse_args()
     if args.quick:
         args.states, args.cases, args.repeat = 2, 200, 1
@@ -419,7 +422,7 @@ def main() -> None:
     for v in violations[:20]:
         print(f"  VIOLATION {v}")
     print(json.dumps(result), flush=True)
-    if mismatches or violations:
+    if (mismatches or violations) and not args.no_targets:
         sys.exit(1)
 
 

@@ -130,7 +130,16 @@ class Job(Base):
     __table_args__ = (
         Index(None, "state", "priority", "submitted_at"),
         Index(None, "submitted_at"),
+        Index(None, "submitted_at", "id"),  # ListJobs' pages (revision 0017; services/scheduler/paging.py)
         Index(None, "tenant", "submitted_at"),
+        Index(None, "state", "finished_at"),  # the finished jobs due for the archive (revision 0016)
+        # The jobs not accounted (revision 0016): the goodput total reads these, whatever the number of finished ones.
+        Index(
+            "ix_jobs_unaccounted_submitted_at",
+            "submitted_at",
+            sqlite_where=text("accounted = 0"),
+            postgresql_where=text("NOT accounted"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -182,6 +191,10 @@ class Job(Base):
     # Checkpoint retention (revision 0014): the checkpoint coordinator keeps this many of its newest complete
     # committed checkpoints (JobSpec.keep_checkpoints); 0: the coordinator's --keep-checkpoints.
     keep_checkpoints: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Goodput (revision 0016): finished, and its figures and count are in goodput_totals, added in the transaction
+    # that finished it (services/scheduler/accounting.py account_finished); the goodput total reads from `jobs`
+    # only the jobs not accounted.
+    accounted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Queue(Base):
@@ -298,7 +311,7 @@ class Assignment(Base):
     """The outbox of a node's assignment stream: a serialized phalanx.v1.Assignment per revision."""
 
     __tablename__ = "assignments"
-    __table_args__ = (UniqueConstraint("node_id", "revision"),)
+    __table_args__ = (UniqueConstraint("node_id", "revision"), Index(None, "job_id"))  # job_id: revision 0016
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
@@ -427,6 +440,81 @@ class LedgerIdentity(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cluster_id: Mapped[str] = mapped_column(String(36))
     created_at: Mapped[float] = mapped_column()
+
+
+class LedgerChange(Base):
+    """What the scheduling transaction that made `generation` changed in the rows the replicas' views hold
+    (revision 0018; services.scheduler.ledger.Changes as JSON): another replica reloads only those rows. Rows
+    older than ten minutes are deleted by the leader."""
+
+    __tablename__ = "ledger_changes"
+
+    generation: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    replica: Mapped[str] = mapped_column(String(64))
+    at: Mapped[float] = mapped_column(index=True)
+    body: Mapped[str] = mapped_column(Text)
+
+
+class JobArchive(Base):
+    """A finished job moved out of `jobs` by retention (revision 0016, services/scheduler/retention.py): one compact
+    row per job, written in the transaction that deletes the job and its dependent rows. The goodput figures are the
+    job's as computed when it was archived (phalanx.core.goodput; GPU-seconds); `attempts` counts its job_attempts
+    rows; `detail` keeps the rest worth keeping: command, tiers, placement, failures, preemptions, flavor, the
+    request id, and each attempt's number, outcome and reason. `phalanx db prune` deletes rows (after exporting them);
+    their figures stay in goodput_totals."""
+
+    __tablename__ = "job_archive"
+    __table_args__ = (
+        Index(None, "submitted_at", "id"),
+        Index(None, "tenant", "submitted_at"),
+        Index(None, "finished_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(253))
+    tenant: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    queue: Mapped[str] = mapped_column(String(64), default="default", server_default="default")
+    state: Mapped[str] = mapped_column(String(16))  # SUCCEEDED, FAILED, CANCELLED
+    priority: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    replicas: Mapped[int] = mapped_column(Integer)
+    gpus_per_replica: Mapped[int] = mapped_column(Integer)
+    mig_profile: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    gpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    submitted_at: Mapped[float] = mapped_column()
+    started_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    finished_at: Mapped[float] = mapped_column()
+    exit_code: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    message: Mapped[str] = mapped_column(Text, default="", server_default="")
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    allocated: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    productive: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    rollback: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    restart: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    waiting: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    archived_at: Mapped[float] = mapped_column()
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class GoodputTotals(Base):
+    """The summed goodput figures (GPU-seconds) and count of the archived jobs of one tenant and queue submitted on
+    one UTC day (`day`: that day's start, unix seconds) (revision 0016). Added to in the transaction that archives
+    the jobs, never subtracted from: `phalanx db prune` leaves these rows alone, so a cluster's goodput counts every
+    job it ever ran. The scheduler's goodput (services/scheduler/accounting.py) is these sums plus the jobs still in
+    `jobs`."""
+
+    __tablename__ = "goodput_totals"
+    __table_args__ = (Index(None, "day"),)
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    queue: Mapped[str] = mapped_column(String(64), primary_key=True)
+    day: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    jobs: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    allocated: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    productive: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    rollback: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    restart: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    waiting: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    updated_at: Mapped[float] = mapped_column()
 
 
 ACTIVE_JOB_STATES = ("PENDING", "RUNNING")

@@ -167,8 +167,9 @@ def _parse_states(values: Sequence[str] | None) -> list[JobState]:
 _priority = _arg_type(parse_priority)  # ``--priority``: an integer or a class name
 
 
-def _parse_since(value: str | None) -> float:
-    """``--since``: unix seconds, or an ISO 8601 time (UTC unless it says otherwise); None or "" is 0 (all)."""
+def _parse_since(value: str | None, flag: str = "--since") -> float:
+    """``--since`` (or `flag`): unix seconds, or an ISO 8601 time (UTC unless it says otherwise); None or "" is 0
+    (all)."""
     if value is None or not value.strip():
         return 0.0
     text = value.strip()
@@ -178,12 +179,12 @@ def _parse_since(value: str | None) -> float:
         try:
             when = datetime.fromisoformat(text)  # 3.11: any ISO 8601 form, "Z" included
         except ValueError:
-            raise UsageError(f"--since expects unix seconds or an ISO 8601 time, got {value!r}") from None
+            raise UsageError(f"{flag} expects unix seconds or an ISO 8601 time, got {value!r}") from None
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)
         since = when.timestamp()
     if not math.isfinite(since) or since < 0:
-        raise UsageError(f"--since must be a time at or after 1970-01-01, got {value!r}")
+        raise UsageError(f"{flag} must be a time at or after 1970-01-01, got {value!r}")
     return since
 
 
@@ -231,15 +232,62 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+JOBS_PAGE_MAX = 1000  # the scheduler's largest ListJobs page (services/scheduler/paging.py)
+ALL_PAGE_SIZE = 1000  # `phalanx jobs --all` asks for pages this large
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
-    """``phalanx jobs``: every job, newest first; ``--json`` prints one array."""
+    """``phalanx jobs``: one page of jobs, newest first (the newest 100, ``--limit N`` of them, ``--page-token T``
+    the page a previous one named), or every page (``--all``, printed as each arrives). The table ends with
+    ``next page: phalanx jobs ... --page-token T`` when more follow; ``--json`` prints one object
+    ``{"jobs": [...], "next_page_token": "..."}`` ("" on the last page, and with ``--all``)."""
     states = _parse_states(args.state)
+    if args.all and args.limit is not None:
+        raise UsageError("--limit and --all cannot be used together: --all lists every page")
+    if args.limit is not None and not 1 <= args.limit <= JOBS_PAGE_MAX:
+        raise UsageError(f"--limit must be 1 to {JOBS_PAGE_MAX}, got {args.limit}")
+    token = args.page_token or ""
     with _client(args) as client:
-        jobs = client.list_jobs(states or None)
+        if args.all:
+            return _all_jobs(client, states, token, args.json)
+        jobs, token = client.list_jobs_page(states or None, page_size=args.limit or 0, page_token=token)
     if args.json:
-        _print(render.to_json([j.to_dict() for j in jobs]))
-    else:
-        _print(render.jobs_table(jobs))
+        _print(render.to_json({"jobs": [j.to_dict() for j in jobs], "next_page_token": token}))
+        return EXIT_OK
+    _print(render.jobs_table(jobs))
+    if token:
+        command = ["phalanx", "jobs"]
+        if states:
+            command += ["--state", *dict.fromkeys(s.value for s in states)]
+        if args.limit is not None:
+            command += ["--limit", str(args.limit)]
+        _print(render.next_page_hint(" ".join(command), token))
+    return EXIT_OK
+
+
+def _all_jobs(client: Client, states: list[JobState], token: str, as_json: bool) -> int:
+    """``phalanx jobs --all``: follow every page from `token`, printing each page as it arrives (an error midway
+    leaves the pages printed so far, and exits 1)."""
+
+    def pages():
+        nonlocal token
+        while True:
+            jobs, token = client.list_jobs_page(states or None, page_size=ALL_PAGE_SIZE, page_token=token)
+            yield jobs
+            if not token:
+                return
+
+    out = _out()
+    if as_json:
+        for chunk in render.jobs_json_stream(pages()):
+            out.write(chunk)
+            out.flush()
+        return EXIT_OK
+    table = render.JobsTableStream()
+    for jobs in pages():
+        text = table.page(jobs)
+        if text:
+            _print(text)
     return EXIT_OK
 
 
@@ -275,8 +323,12 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     since = _parse_since(args.since)
     if args.limit is not None and args.limit < 0:
         raise UsageError(f"--limit must not be negative, got {args.limit}")
+    if args.page_size is not None and args.page_size < 0:
+        raise UsageError(f"--page-size must not be negative, got {args.page_size}")
     with _client(args) as client:
-        report = client.goodput(since=since, limit=args.limit or 0)
+        report = client.goodput(
+            since=since, limit=args.limit or 0, page_size=args.page_size or 0, page_token=args.page_token or ""
+        )
     _print(render.to_json(report.to_dict()) if args.json else render.goodput_report(report))
     return EXIT_OK
 
@@ -445,6 +497,58 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_db_prune(args: argparse.Namespace) -> int:
+    """``phalanx db prune --before DATE --export FILE.jsonl``: write every finished job that finished before DATE
+    (still in the jobs table, with its attempts, or archived) to FILE as one JSON line each, fsync it, then delete
+    them; goodput totals keep their figures. ``--no-export`` deletes without a copy. Refused (usage error, nothing
+    changed): no --export nor --no-export, both, a bad or future DATE, an existing FILE.
+
+    Like ``db upgrade``, the ledger's side runs in a process of its own (``python -m services.scheduler.retention
+    prune``).
+    """
+    if args.export is None and not args.no_export:
+        raise UsageError(
+            "--export FILE.jsonl is required: every pruned job is written there before it is deleted "
+            "(--no-export deletes them without a copy)"
+        )
+    if args.export is not None and args.no_export:
+        raise UsageError("give --export FILE.jsonl or --no-export, not both")
+    if not args.before.strip():
+        raise UsageError("--before expects unix seconds or an ISO 8601 time, got ''")
+    before = _parse_since(args.before, "--before")
+    if before > datetime.now(UTC).timestamp():
+        raise UsageError(f"--before {args.before!r} is in the future: only jobs that finished before now can be pruned")
+    if args.export is not None and (not args.export.strip() or os.path.exists(args.export)):
+        raise UsageError(f"--export {args.export!r}: give a new file (prune never overwrites one)")
+    where = ["--export", args.export] if args.export is not None else ["--no-export"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.scheduler.retention", "prune", "--db", args.db, "--before", repr(before)]
+        + where,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        message = errors[-1][len("error: ") :] if errors else (proc.stderr.strip().splitlines() or [""])[-1]
+        _error(message or f"prune exited {proc.returncode}")
+        return EXIT_USAGE if proc.returncode == EXIT_USAGE else EXIT_ERROR
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if args.json:
+        _print(render.to_json({"exported": result["exported"], "deleted": result["deleted"], "file": result["file"]}))
+    elif args.export is not None:
+        _print(
+            f"exported {result['exported']} finished jobs to {result['file']}; deleted {result['deleted']} "
+            f"(finished before {render.format_time(before)}; goodput totals keep their figures)"
+        )
+    else:
+        _print(
+            f"deleted {result['deleted']} finished jobs (finished before {render.format_time(before)}; no export; "
+            "goodput totals keep their figures)"
+        )
+    return EXIT_OK
+
+
 # -- parser ----------------------------------------------------------------------------------------------------
 
 
@@ -592,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs="*", metavar="CMD", help="the command, after --")
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("jobs", help="list jobs, newest first (finished ones included)")
+    p = sub.add_parser("jobs", help="list jobs, newest first (finished ones included), a page at a time")
     p.add_argument(
         "--state",
         action="extend",
@@ -600,6 +704,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STATE",
         help="only these states: " + ", ".join(s.value for s in JobState if s.value != "UNSPECIFIED"),
     )
+    p.add_argument(
+        "--limit", type=int, default=None, metavar="N", help=f"jobs per page, 1 to {JOBS_PAGE_MAX} (default 100)"
+    )
+    p.add_argument(
+        "--page-token",
+        default=None,
+        metavar="T",
+        help="print the page that a previous page's 'next page:' line (or next_page_token) names",
+    )
+    p.add_argument("--all", action="store_true", help="every page, each printed as it arrives (not with --limit)")
     json_flag(p)
     p.set_defaults(func=cmd_jobs)
 
@@ -632,6 +746,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="at most N jobs listed, newest first (default: the scheduler's, 100); the totals count all",
+    )
+    p.add_argument("--page-size", type=int, default=None, metavar="N", help="jobs per page (default: --limit)")
+    p.add_argument(
+        "--page-token", default=None, metavar="TOKEN", help="the next page of jobs: the token the previous page gave"
     )
     json_flag(p)
     p.set_defaults(func=cmd_goodput)
@@ -717,6 +835,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     json_flag(up)
     up.set_defaults(func=cmd_db_upgrade)
+    pr = db_sub.add_parser(
+        "prune", help="export finished jobs that finished before DATE to a JSON-lines file, then delete them"
+    )
+    pr.add_argument(
+        "--before",
+        required=True,
+        metavar="DATE",
+        help="jobs that finished before this time: unix seconds or ISO 8601 (UTC by default); not in the future",
+    )
+    pr.add_argument(
+        "--export", default=None, metavar="FILE.jsonl", help="write every pruned job here first (a new file; fsynced)"
+    )
+    pr.add_argument("--no-export", action="store_true", help="delete without writing them anywhere")
+    pr.add_argument(
+        "--db", default=None, metavar="URL", help="database URL (default: $PHALANX_DB, else the local SQLite file)"
+    )
+    json_flag(pr)
+    pr.set_defaults(func=cmd_db_prune)
 
     try:  # POSIX only (fcntl, process groups)
         from . import cluster, demo
@@ -768,7 +904,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _error("give the command after -- only")
             return EXIT_USAGE
         args.command = command
-    if getattr(args, "func", None) is cmd_db_upgrade and args.db is None:
+    if getattr(args, "func", None) in (cmd_db_upgrade, cmd_db_prune) and args.db is None:
         args.db = _default_db_url()
     if args.verbose:
         from phalanx.common.logging import configure_logging

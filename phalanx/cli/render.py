@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +17,9 @@ __all__ = [
     "format_time",
     "job_nodes",
     "jobs_table",
+    "JobsTableStream",
+    "next_page_hint",
+    "jobs_json_stream",
     "nodes_table",
     "job_detail",
     "goodput_unit",
@@ -80,10 +84,12 @@ def job_nodes(job: Job, limit: int = 3) -> str:
     return shown if len(nodes) <= limit else f"{shown},+{len(nodes) - limit}"
 
 
-def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
-    """The ``phalanx jobs`` table: ID NAME STATE PRI GANG NODES AGE (GANG is ``replicas x gpus``)."""
+JOB_COLUMNS = ("ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE")
+
+
+def _job_rows(jobs: Sequence[Job], now: float | None) -> list[tuple[Any, ...]]:
     now = time.time() if now is None else now
-    rows = [
+    return [
         (
             j.id,
             j.name,
@@ -99,7 +105,52 @@ def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
         )
         for j in jobs
     ]
-    return table(["ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE"], rows)
+
+
+def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
+    """The ``phalanx jobs`` table: ID NAME STATE PRI GANG NODES AGE (GANG is ``replicas x gpus``)."""
+    return table(JOB_COLUMNS, _job_rows(jobs, now))
+
+
+class JobsTableStream:
+    """The ``phalanx jobs --all`` table, a page at a time as the pages arrive: the header with the first page, and
+    columns that only widen (a later page's wider cell widens its column from there on)."""
+
+    def __init__(self) -> None:
+        self.widths = [0] * len(JOB_COLUMNS)
+        self.started = False
+
+    def page(self, jobs: Sequence[Job], now: float | None = None) -> str:
+        """The page's lines (the header first, on the first page), without a final newline; "" for an empty
+        page after the first."""
+        cells = [["" if c is None else str(c) for c in row] for row in _job_rows(jobs, now)]
+        if not self.started:
+            cells.insert(0, list(JOB_COLUMNS))
+            self.started = True
+        for row in cells:
+            self.widths = [max(w, len(c)) for w, c in zip(self.widths, row)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, self.widths)).rstrip() for row in cells)
+
+
+def next_page_hint(command: str, token: str) -> str:
+    """The last line of a page of ``phalanx jobs`` when more follow: the command that prints the next page."""
+    return f"next page: {command} --page-token {token}"
+
+
+def jobs_json_stream(pages: Iterable[Sequence[Job]]) -> Iterator[str]:
+    """``phalanx jobs --all --json`` a page at a time: chunks that together are exactly
+    ``to_json({"jobs": [every job's to_dict()], "next_page_token": ""})``, each page's jobs as soon as it arrives
+    (nothing before the first page has arrived, so that a first call that fails prints nothing)."""
+    it = iter(pages)
+    head = next(it, ())
+    yield '{\n  "jobs": ['
+    first = True
+    for jobs in itertools.chain([head], it):
+        for job in jobs:
+            text = to_json(job.to_dict()).replace("\n", "\n    ")
+            yield ("\n    " if first else ",\n    ") + text
+            first = False
+    yield ("]" if first else "\n  ]") + ',\n  "next_page_token": ""\n}\n'
 
 
 def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
@@ -279,6 +330,26 @@ def goodput_report(report: GoodputReport) -> str:
             [[format_gpu_time(getattr(c, name), unit) for name in GOODPUT_CATEGORIES]],
         ).splitlines()
     )
+    for title, groups in (("TENANT", report.tenants), ("QUEUE", report.queues)):
+        if not groups:
+            continue
+        out.append("")
+        out.append(f"by {title.lower()}:")
+        out.extend(
+            "  " + line
+            for line in table(
+                [title, "JOBS", *(name.upper() for name in GOODPUT_CATEGORIES), "GOODPUT"],
+                [
+                    (
+                        g.name or "-",
+                        g.job_count,
+                        *(format_gpu_time(getattr(g.goodput, name), unit) for name in GOODPUT_CATEGORIES),
+                        format_ratio(g.goodput),
+                    )
+                    for g in groups
+                ],
+            ).splitlines()
+        )
     if report.jobs:
         out.append("")
         out.append(
@@ -297,7 +368,9 @@ def goodput_report(report: GoodputReport) -> str:
                 ],
             )
         )
-        if len(report.jobs) < report.job_count:
+        if report.next_page_token:
+            out.append(f"(more jobs: --page-token {report.next_page_token}, with the same --since)")
+        elif len(report.jobs) < report.job_count:
             out.append(f"({len(report.jobs)} of {report.job_count} jobs listed; --limit N for more)")
     return "\n".join(out)
 

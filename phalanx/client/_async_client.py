@@ -20,6 +20,7 @@ from ._client import (
     DEFAULT_TIMEOUT,
     backoff_delay,
     build_submit_request,
+    list_jobs_request,
     queue_request,
     resolve_target,
     scheduler_stub,
@@ -211,11 +212,11 @@ class AsyncClient:
     async def list_jobs(
         self, states: Iterable[str | JobState] | str | JobState | None = None, *, limit: int = 0
     ) -> list[Job]:
-        """List jobs, finished ones included, newest first.
+        """List jobs, finished ones included, newest first: one page (see :meth:`iter_jobs` for every job).
 
         Args:
             states: Only jobs in these states; None: all.
-            limit: At most this many; 0: no limit.
+            limit: At most this many; 0: the scheduler's first page (the newest 100).
 
         Returns:
             The jobs in the scheduler's order.
@@ -224,6 +225,37 @@ class AsyncClient:
             states=[job_state_to_proto(s) for s in parse_states(states)], limit=int(limit)
         )
         return [Job.from_proto(j) for j in (await self._call("ListJobs", request)).jobs]
+
+    async def list_jobs_page(
+        self,
+        states: Iterable[str | JobState] | str | JobState | None = None,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[Job], str]:
+        """One page of jobs, newest first; see :meth:`Client.list_jobs_page`.
+
+        Returns:
+            (the jobs, the next page's token: "" on the last page).
+        """
+        response = await self._call("ListJobs", list_jobs_request(states, page_size, page_token))
+        return [Job.from_proto(j) for j in response.jobs], response.next_page_token
+
+    async def iter_jobs(
+        self, states: Iterable[str | JobState] | str | JobState | None = None, *, page_size: int = 100
+    ) -> AsyncGenerator[Job, None]:
+        """Every job (in these states), newest first, a page at a time; see :meth:`Client.iter_jobs`.
+
+        Yields:
+            The jobs, in the scheduler's order.
+        """
+        token = ""
+        while True:
+            jobs, token = await self.list_jobs_page(states, page_size=page_size, page_token=token)
+            for job in jobs:
+                yield job
+            if not token:
+                return
 
     async def cancel(self, job_id: str) -> Job:
         """Cancel a job.
@@ -256,26 +288,57 @@ class AsyncClient:
         request = scheduler_pb2.CheckpointJobRequest(job_id=job_id, reason=reason)
         return CheckpointResult.from_proto(await self._call("CheckpointJob", request))
 
-    async def goodput(self, since: float = 0.0, limit: int = 0) -> GoodputReport:
+    async def goodput(
+        self, since: float = 0.0, limit: int = 0, *, page_size: int = 0, page_token: str = ""
+    ) -> GoodputReport:
         """GPU-time accounting of the cluster and of each job; see :meth:`Client.goodput`.
 
         Args:
             since: Only jobs submitted at or after this unix time (0: all).
             limit: At most this many jobs listed, newest first (0: the scheduler's default).
+            page_size: Jobs per page (0: ``limit``, or 100; at most 1000).
+            page_token: ``next_page_token`` of the previous page ("" for the first).
 
         Returns:
-            The cluster total, the number of jobs it counts, and the listed jobs.
+            The cluster total, the number of jobs it counts, its parts by tenant and by queue, the listed jobs, and
+            the token of the next page.
         """
-        request = scheduler_pb2.GetGoodputRequest(since=float(since), limit=int(limit))
+        request = scheduler_pb2.GetGoodputRequest(
+            since=float(since), limit=int(limit), page_size=int(page_size), page_token=page_token
+        )
         return GoodputReport.from_proto(await self._call("GetGoodput", request))
 
     async def nodes(self) -> list[Node]:
-        """List the cluster's nodes.
+        """List the cluster's nodes, by name (following every page).
 
         Returns:
             Every node the scheduler knows.
         """
-        return [Node.from_proto(n) for n in (await self._call("ListNodes", scheduler_pb2.ListNodesRequest())).nodes]
+        return [n async for n in self.iter_nodes()]
+
+    async def list_nodes_page(self, *, page_size: int = 0, page_token: str = "") -> tuple[list[Node], str]:
+        """One page of nodes, by name; see :meth:`Client.list_nodes_page`.
+
+        Returns:
+            (the nodes, the next page's token: "" on the last page).
+        """
+        request = scheduler_pb2.ListNodesRequest(page_size=int(page_size), page_token=page_token)
+        response = await self._call("ListNodes", request)
+        return [Node.from_proto(n) for n in response.nodes], response.next_page_token
+
+    async def iter_nodes(self, *, page_size: int = 0) -> AsyncGenerator[Node, None]:
+        """Every node, by name, a page at a time (0: the scheduler's default page, 1000).
+
+        Yields:
+            The nodes.
+        """
+        token = ""
+        while True:
+            nodes, token = await self.list_nodes_page(page_size=page_size, page_token=token)
+            for node in nodes:
+                yield node
+            if not token:
+                return
 
     async def drain_node(self, name: str, reason: str = "") -> Node:
         """Drain a node (admin); see :meth:`Client.drain_node`."""

@@ -75,6 +75,15 @@ def backoff_delay(attempt: int, initial: float = BACKOFF_INITIAL, cap: float = B
     return min(cap, initial * growth) * random.uniform(0.5, 1.0)
 
 
+def list_jobs_request(
+    states: Iterable[str | JobState] | str | JobState | None, page_size: int, page_token: str
+) -> scheduler_pb2.ListJobsRequest:
+    """The ListJobsRequest of one page (Client and AsyncClient)."""
+    return scheduler_pb2.ListJobsRequest(
+        states=[job_state_to_proto(s) for s in parse_states(states)], page_size=int(page_size), page_token=page_token
+    )
+
+
 def build_submit_request(
     name: str,
     replicas: int,
@@ -329,11 +338,11 @@ class Client:
     def list_jobs(
         self, states: Iterable[str | JobState] | str | JobState | None = None, *, limit: int = 0
     ) -> list[Job]:
-        """List jobs, finished ones included, newest first.
+        """List jobs, finished ones included, newest first: one page (see :meth:`iter_jobs` for every job).
 
         Args:
             states: Only jobs in these states (names or :class:`JobState`); None: all.
-            limit: At most this many jobs; 0: no limit.
+            limit: At most this many jobs; 0: the scheduler's first page (the newest 100).
 
         Returns:
             The jobs, in the scheduler's order (newest first).
@@ -342,6 +351,51 @@ class Client:
             states=[job_state_to_proto(s) for s in parse_states(states)], limit=int(limit)
         )
         return [Job.from_proto(j) for j in self._call(self._stub.ListJobs, request).jobs]
+
+    def list_jobs_page(
+        self,
+        states: Iterable[str | JobState] | str | JobState | None = None,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[Job], str]:
+        """One page of jobs, newest first (filters apply before paging).
+
+        Args:
+            states: Only jobs in these states; None: all.
+            page_size: At most this many (0: the scheduler's default, 100; at most 1000). A page may hold fewer
+                when the jobs are large (the scheduler's 8 MiB page budget): follow the token, not the count.
+            page_token: "" for the first page, else the token a previous page returned (with the same states).
+
+        Returns:
+            (the jobs, the next page's token: "" on the last page).
+
+        Raises:
+            InvalidArgumentError: A bad page size or page token.
+        """
+        request = list_jobs_request(states, page_size, page_token)
+        response = self._call(self._stub.ListJobs, request)
+        return [Job.from_proto(j) for j in response.jobs], response.next_page_token
+
+    def iter_jobs(
+        self, states: Iterable[str | JobState] | str | JobState | None = None, *, page_size: int = 100
+    ) -> Generator[Job, None, None]:
+        """Every job (in these states), newest first, a page at a time: one call per page. A job submitted while
+        iterating is not listed (it is newer than the first page) and never makes an older one repeat or go missing.
+
+        Args:
+            states: Only jobs in these states; None: all.
+            page_size: Jobs per call (at most 1000).
+
+        Yields:
+            The jobs, in the scheduler's order.
+        """
+        token = ""
+        while True:
+            jobs, token = self.list_jobs_page(states, page_size=page_size, page_token=token)
+            yield from jobs
+            if not token:
+                return
 
     def cancel(self, job_id: str) -> Job:
         """Cancel a job (idempotent: cancelling a finished job returns it as it is, or the server's error).
@@ -378,31 +432,68 @@ class Client:
         request = scheduler_pb2.CheckpointJobRequest(job_id=job_id, reason=reason)
         return CheckpointResult.from_proto(self._call(self._stub.CheckpointJob, request))
 
-    def goodput(self, since: float = 0.0, limit: int = 0) -> GoodputReport:
+    def goodput(self, since: float = 0.0, limit: int = 0, *, page_size: int = 0, page_token: str = "") -> GoodputReport:
         """GPU-time accounting of the cluster and of each job: allocated, productive, rollback, restart and waiting
         GPU-seconds, and the ratio productive / allocated.
 
         Args:
-            since: Only jobs submitted at or after this unix time (0: all).
+            since: Only jobs submitted at or after this unix time (0: all). Archived jobs (finished longer than the
+                scheduler's --retain-finished ago) count in the totals by the UTC day they were submitted: a
+                ``since`` inside a day counts all of that day's archived jobs.
             limit: At most this many jobs listed, newest first (0: the scheduler's default, 100); the cluster total
                 counts every job since ``since``.
+            page_size: Jobs per page (0: ``limit``, or 100; at most 1000).
+            page_token: ``next_page_token`` of the previous page, with the same ``since`` ("" for the first).
 
         Returns:
-            The cluster total, the number of jobs it counts, and the listed jobs.
+            The cluster total, the number of jobs it counts, its parts by tenant and by queue, the listed jobs, and
+            the token of the next page ("" on the last).
 
         Raises:
-            InvalidArgumentError: A negative ``since`` or ``limit``.
+            InvalidArgumentError: A negative ``since``, ``limit`` or ``page_size``, or a bad page token.
         """
-        request = scheduler_pb2.GetGoodputRequest(since=float(since), limit=int(limit))
+        request = scheduler_pb2.GetGoodputRequest(
+            since=float(since), limit=int(limit), page_size=int(page_size), page_token=page_token
+        )
         return GoodputReport.from_proto(self._call(self._stub.GetGoodput, request))
 
     def nodes(self) -> list[Node]:
-        """List the cluster's nodes.
+        """List the cluster's nodes, by name (following every page).
 
         Returns:
             Every node the scheduler knows, READY, DRAINED or LOST.
         """
-        return [Node.from_proto(n) for n in self._call(self._stub.ListNodes, scheduler_pb2.ListNodesRequest()).nodes]
+        return list(self.iter_nodes())
+
+    def list_nodes_page(self, *, page_size: int = 0, page_token: str = "") -> tuple[list[Node], str]:
+        """One page of nodes, by name.
+
+        Args:
+            page_size: At most this many (0: the scheduler's default, 1000; at most 5000).
+            page_token: "" for the first page, else the token a previous page returned.
+
+        Returns:
+            (the nodes, the next page's token: "" on the last page).
+
+        Raises:
+            InvalidArgumentError: A bad page size or page token.
+        """
+        request = scheduler_pb2.ListNodesRequest(page_size=int(page_size), page_token=page_token)
+        response = self._call(self._stub.ListNodes, request)
+        return [Node.from_proto(n) for n in response.nodes], response.next_page_token
+
+    def iter_nodes(self, *, page_size: int = 0) -> Generator[Node, None, None]:
+        """Every node, by name, a page at a time (0: the scheduler's default page, 1000).
+
+        Yields:
+            The nodes.
+        """
+        token = ""
+        while True:
+            nodes, token = self.list_nodes_page(page_size=page_size, page_token=token)
+            yield from nodes
+            if not token:
+                return
 
     def drain_node(self, name: str, reason: str = "") -> Node:
         """Drain a node (admin): it takes no new work, and stays DRAINED when its agent registers again, until

@@ -16,6 +16,7 @@ __all__ = [
     "Goodput",
     "Job",
     "JobGoodput",
+    "GroupGoodput",
     "GoodputReport",
     "CheckpointResult",
     "Node",
@@ -381,12 +382,35 @@ class JobGoodput:
 
 
 @dataclass(frozen=True, eq=True)
+class GroupGoodput:
+    """One tenant's or one queue's part of :meth:`Client.goodput`'s cluster total, over ``job_count`` jobs."""
+
+    name: str
+    goodput: Goodput
+    job_count: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: scheduler_pb2.GroupGoodput) -> GroupGoodput:
+        """Build from a ``phalanx.v1.GroupGoodput`` message."""
+        return cls(name=msg.name, goodput=Goodput.from_proto(msg.goodput), job_count=int(msg.job_count))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape: ``{"name", "job_count", "goodput": {...}}``."""
+        return {"name": self.name, "job_count": self.job_count, "goodput": self.goodput.to_dict()}
+
+
+@dataclass(frozen=True, eq=True)
 class GoodputReport:
-    """The result of :meth:`Client.goodput`: the cluster total over ``job_count`` jobs, and the newest jobs."""
+    """The result of :meth:`Client.goodput`: the cluster total over ``job_count`` jobs, its parts by tenant and by
+    queue, and a page of the newest jobs (``next_page_token``: pass it as ``page_token`` for the next page; "" on the
+    last)."""
 
     cluster: Goodput
     jobs: list[JobGoodput] = field(default_factory=list)
     job_count: int = 0
+    tenants: list[GroupGoodput] = field(default_factory=list)
+    queues: list[GroupGoodput] = field(default_factory=list)
+    next_page_token: str = ""
 
     @classmethod
     def from_proto(cls, msg: scheduler_pb2.GetGoodputResponse) -> GoodputReport:
@@ -395,14 +419,21 @@ class GoodputReport:
             cluster=Goodput.from_proto(msg.cluster),
             jobs=[JobGoodput.from_proto(j) for j in msg.jobs],
             job_count=int(msg.job_count),
+            tenants=[GroupGoodput.from_proto(t) for t in msg.tenants],
+            queues=[GroupGoodput.from_proto(q) for q in msg.queues],
+            next_page_token=msg.next_page_token,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape printed by ``phalanx goodput --json``: ``{"cluster", "job_count", "jobs"}``."""
+        """The JSON shape printed by ``phalanx goodput --json``: ``{"cluster", "job_count", "jobs", "tenants",
+        "queues", "next_page_token"}``."""
         return {
             "cluster": self.cluster.to_dict(),
             "job_count": self.job_count,
             "jobs": [j.to_dict() for j in self.jobs],
+            "tenants": [t.to_dict() for t in self.tenants],
+            "queues": [q.to_dict() for q in self.queues],
+            "next_page_token": self.next_page_token,
         }
 
 

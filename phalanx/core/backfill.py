@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -423,6 +424,7 @@ def schedule_with_backfill(
     book: QuotaBook | None = None,
     queues: Mapping[str, str] | None = None,
     depth: int | None = None,
+    budget_s: float = 0.0,
 ) -> BackfillResult:
     """Serve `pending` in queue order, each gang all at once; the first that does not fit is the head and gets a
     reservation; later gangs backfill where they do not delay it. Reserves each placement in `capacity` as it
@@ -435,7 +437,8 @@ def schedule_with_backfill(
     placed under the first of its admissible flavors that has room, and charged to it.
 
     `depth`: look at no more than this many gangs behind the head (Slurm's bf_max_job_test): a long queue then
-    costs a bounded pass; the rest wait for the next one."""
+    costs a bounded pass; the rest wait for the next one. `budget_s` (> 0): stop trying gangs behind the head once
+    the pass has taken this long (perf_counter; so only callers that accept a machine-dependent cut pass it)."""
     placements: list[Placement] = []
     ends: dict[str, float] = {}
     head: Unplaceable | None = None
@@ -451,6 +454,7 @@ def schedule_with_backfill(
         order = fair_order((((queues or {}).get(r.job_id, DEFAULT_QUEUE), r) for r in pending), book)
     hidden: list[str] = []  # the head's region, while hidden from the gangs that may not enter it
     hidden_region = False
+    deadline = time.perf_counter() + budget_s if budget_s > 0 else math.inf
     try:
         for queue, request in order:
             if book is not None:
@@ -520,6 +524,8 @@ def schedule_with_backfill(
                     depth -= 1
                     if depth < 0:
                         break
+                if deadline < math.inf and time.perf_counter() > deadline:
+                    break
                 # The region is hidden while the gangs tried may not enter it; it stays hidden from one such gang
                 # to the next (each placement sees what it would see were the region hidden and shown around it).
                 if hide and not hidden_region:

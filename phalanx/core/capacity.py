@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_left, insort
 from collections.abc import Iterable
+from operator import mul
 
 from .mig import MEDIA_BIT, family_slices, full_mask, mig_family
 from .model import FULL_MIG_MASK, NodeCapacity, Placement, ReplicaPlacement
@@ -33,9 +34,15 @@ def domain_key(node: NodeCapacity, level: int, top: int) -> str:
     return node.path[level - 1] if level - 1 < len(node.path) else ""
 
 
+# The time budget of the exact placement search, in ms (0: none); see placement.place_gang and README.md.
+PLACEMENT_BUDGET_MS = 50.0
+
+
 class ClusterCapacity:
-    def __init__(self, nodes: Iterable[NodeCapacity] = ()) -> None:
+    def __init__(self, nodes: Iterable[NodeCapacity] = (), *, placement_budget_ms: float = PLACEMENT_BUDGET_MS) -> None:
         self.nodes: dict[str, NodeCapacity] = {n.name: n for n in nodes}
+        # What place_gang's exact search may spend on a placement in this view (decide sets it from DecideConfig).
+        self.placement_budget_ms = placement_budget_ms
         self._built = False
         # Views over the nodes of one GPU model (see `restricted`), kept up to date with this one.
         self._subs: dict[str, ClusterCapacity] = {}
@@ -50,8 +57,11 @@ class ClusterCapacity:
     def copy(self) -> ClusterCapacity:
         """A view over copies of the nodes: changing it leaves this one (and its nodes) alone."""
         return ClusterCapacity(
-            dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli), foreign=dict(n.foreign))
-            for n in self.nodes.values()
+            (
+                dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli), foreign=dict(n.foreign))
+                for n in self.nodes.values()
+            ),
+            placement_budget_ms=self.placement_budget_ms,
         )
 
     def restricted(self, gpu_model: str) -> ClusterCapacity:
@@ -60,7 +70,10 @@ class ClusterCapacity:
         key = gpu_model.lower()
         sub = self._subs.get(key)
         if sub is None:
-            sub = self._subs[key] = ClusterCapacity(n for n in self.nodes.values() if key in n.gpu_model.lower())
+            sub = self._subs[key] = ClusterCapacity(
+                (n for n in self.nodes.values() if key in n.gpu_model.lower()),
+                placement_budget_ms=self.placement_budget_ms,
+            )
         return sub
 
     def _build(self) -> None:
@@ -75,6 +88,7 @@ class ClusterCapacity:
         self._effective: dict[str, int] = {}
         self._pos: dict[str, int] = {node.name: i for i, node in enumerate(nodes)}  # order of the members lists
         self._stats: dict[tuple[int, int], dict[str, tuple[int, int]]] = {}  # domain_stats, until a count changes
+        self._weights: dict[int, list[int]] = {}  # `_slot_weights` (g), `_room_weights` (-g)
         # Child domains (keys of level - 1) of every domain of level >= 2, and whether the domains form a tree
         # (every child domain under exactly one parent); placement walks down the index only on a tree.
         self._children: list[dict[str, list[str]]] = [{} for _ in range(self.top + 1)]
@@ -100,13 +114,6 @@ class ClusterCapacity:
                         self._children[level][key].append(child)
         for bucket in self._by_free:
             bucket.sort()
-        # Each node's (histogram, domain key) per level 1..top, so an update needs no key computation.
-        self._cells: dict[str, list[tuple[list[int], str]]] = {
-            node.name: [
-                (self._hist[lv][k], k) for lv in range(1, self.top + 1) for k in (domain_key(node, lv, self.top),)
-            ]
-            for node in nodes
-        }
         self.most_nodes = [1] + [
             max((len(m) for m in self._members[lv].values()), default=0) for lv in range(1, self.top + 1)
         ]
@@ -116,6 +123,15 @@ class ClusterCapacity:
         for level in range(1, self.top + 1):
             for key, hist in self._hist[level].items():
                 self._dom_free[level][key] = sum(f * c for f, c in enumerate(hist))
+        # Each node's (histogram, free totals, domain key) per level 1..top, so an update needs no key computation.
+        self._cells: dict[str, list[tuple[list[int], dict[str, int], str]]] = {
+            node.name: [
+                (self._hist[lv][k], self._dom_free[lv], k)
+                for lv in range(1, self.top + 1)
+                for k in (domain_key(node, lv, self.top),)
+            ]
+            for node in nodes
+        }
         # The tie-break's tier: the lowest switch tier whose domains group nodes (an NVLink tier of single-node
         # domains says nothing), below the cluster root; 0 when there is none.
         self._tie_level = next((lv for lv in range(1, self.top) if self.most_nodes[lv] > 1), 0)
@@ -136,6 +152,10 @@ class ClusterCapacity:
                 for f, count in enumerate(hist):
                     if count:
                         self._leaves_with[f].add(key)
+        # Each node's tie-tier (histogram, key, free-count buckets), for `_changed`.
+        self._tie_cell: dict[str, tuple[list[int], str, list[list[str]]]] = {
+            name: (self._hist[self._tie_level][key], key, self._tie_buckets[key]) for name, key in self._tie_key.items()
+        }
         self._built = True
         self._total = sum(n.total for n in nodes)
         self.mig_mode_gpus = sum(len(n.mig_gpus) for n in nodes)  # GPUs in MIG mode (they take only MIG instances)
@@ -163,6 +183,57 @@ class ClusterCapacity:
             if node.name in sub.nodes:
                 sub._touch(node)
 
+    def _changed_many(self, nodes: list[NodeCapacity]) -> None:
+        """`_changed` for many distinct nodes at once (a large gang's reservation): the same index afterwards, with
+        each free-count bucket they leave or join edited once instead of once per node."""
+        if len(nodes) < _BATCH or not self._built:
+            for node in nodes:
+                self._changed(node)
+            return
+        largest, effective, cells, dirty, down = self.largest, self._effective, self._cells, self._dirty, self._down
+        moved: list[tuple[str, int, int]] = []
+        for node in nodes:
+            name = node.name
+            dirty.add(name)
+            schedulable = node.schedulable
+            if schedulable:
+                if name in down:
+                    down.discard(name)
+                    self._down_frozen = None
+            elif name not in down:
+                down.add(name)
+                self._down_frozen = None
+            new = min(len(node.free), largest) if schedulable else 0
+            old = effective[name]
+            if new == old:
+                continue
+            effective[name] = new
+            delta = new - old
+            for hist, free, key in cells[name]:
+                hist[old] -= 1
+                hist[new] += 1
+                free[key] += delta
+            moved.append((name, old, new))
+        if not moved:
+            return
+        if self._stats:
+            self._stats.clear()
+        _move(self._by_free, moved)
+        if self._tie_level:
+            by_key: dict[str, list[tuple[str, int, int]]] = {}
+            tie_cell = self._tie_cell
+            for move in moved:
+                by_key.setdefault(tie_cell[move[0]][1], []).append(move)
+            leaves_with = self._leaves_with
+            for key, moves in by_key.items():
+                hist, _, buckets = tie_cell[moves[0][0]]
+                _move(buckets, moves)
+                for f in {f for _, old, new in moves for f in (old, new)}:
+                    if hist[f]:
+                        leaves_with[f].add(key)
+                    else:
+                        leaves_with[f].discard(key)
+
     def _changed(self, node: NodeCapacity) -> None:
         """Move a node to the histogram buckets of its current effective free count."""
         if not self._built:
@@ -187,23 +258,20 @@ class ClusterCapacity:
         if self._stats:
             self._stats.clear()
         delta = new - old
-        tie = self._tie_level
-        dom_free = self._dom_free
-        # Per level: (histogram, free total) of the node's domain, precomputed by _build.
-        for level, (hist, key) in enumerate(self._cells[name], 1):
+        # Per level: the histogram and free totals of the node's domain, precomputed by _build.
+        for hist, free, key in self._cells[name]:
             hist[old] -= 1
             hist[new] += 1
-            dom_free[level][key] += delta
-            if level == tie:
-                if not hist[old]:
-                    self._leaves_with[old].discard(key)
-                if hist[new] == 1:
-                    self._leaves_with[new].add(key)
+            free[key] += delta
         bucket = self._by_free[old]
         del bucket[bisect_left(bucket, name)]
         insort(self._by_free[new], name)
-        if tie:
-            buckets = self._tie_buckets[self._tie_key[name]]
+        if self._tie_level:
+            hist, key, buckets = self._tie_cell[name]
+            if not hist[old]:
+                self._leaves_with[old].discard(key)
+            if hist[new] == 1:
+                self._leaves_with[new].add(key)
             bucket = buckets[old]
             del bucket[bisect_left(bucket, name)]
             insort(buckets[new], name)
@@ -227,17 +295,25 @@ class ClusterCapacity:
         got = self._stats.get((level, g))
         if got is not None:
             return dict(got)
-        out = {}
-        for key, hist in self._hist[level].items():
-            slots = free = 0
-            for f in range(1, len(hist)):
-                count = hist[f]
-                if count:
-                    free += f * count
-                    slots += (f // g) * count
-            out[key] = (slots, free)
+        weights = self._slot_weights(g)
+        free = self._dom_free[level]
+        out = {key: (sum(map(mul, hist, weights)), free[key]) for key, hist in self._hist[level].items()}
         self._stats[(level, g)] = out
         return dict(out)
+
+    def _slot_weights(self, g: int) -> list[int]:
+        """Per free count f (0..largest): the replicas of `g` GPUs a node with f free holds, f // g."""
+        got = self._weights.get(g)
+        if got is None:
+            got = self._weights[g] = [f // g for f in range(self.largest + 1)] if g > 0 else [0] * (self.largest + 1)
+        return got
+
+    def _room_weights(self, g: int) -> list[int]:
+        """Per free count f: the free GPUs of a node with f free if it holds a replica of `g` GPUs, else 0."""
+        got = self._weights.get(-g)
+        if got is None:
+            got = self._weights[-g] = [f if f >= g else 0 for f in range(self.largest + 1)]
+        return got
 
     def members(self, level: int, key: str) -> list[NodeCapacity]:
         self._ensure()
@@ -319,16 +395,12 @@ class ClusterCapacity:
                     out[node.name] = (f // g, f)
             return out
         hists = self._hist[level - 1]
+        slot_w, room_w = self._slot_weights(g), self._room_weights(g)
         for child in self._children[level].get(key, ()):
             hist = hists[child]
-            slots = free = 0
-            for f in range(g, len(hist)):
-                count = hist[f]
-                if count:
-                    free += f * count
-                    slots += (f // g) * count
+            slots = sum(map(mul, hist, slot_w))
             if slots:
-                out[child] = (slots, free)
+                out[child] = (slots, sum(map(mul, hist, room_w)))
         return out
 
     def shape_buckets(self) -> dict[NodeShape, list[str]]:
@@ -405,23 +477,35 @@ class ClusterCapacity:
 
     def reserve(self, placement: Placement) -> None:
         """Take every GPU (or part of one) of the placement, or none (raises CapacityError and changes nothing)."""
-        wanted: dict[str, set[int]] = {}
+        wanted: dict[str, tuple[NodeCapacity, set[int]]] = {}
         partial = [rep for rep in placement.replicas if rep.mig_profile or rep.gpu_milli]
         if partial:
             self._check_partial(partial)
+        nodes = self.nodes
         for rep in placement.replicas:
             if rep.mig_profile or rep.gpu_milli:
                 continue
-            node = self.nodes.get(rep.node)
+            node = nodes.get(rep.node)
             if node is None:
                 raise CapacityError(f"unknown node {rep.node!r}")
             gpus = set(rep.gpus)
-            taken = wanted.setdefault(rep.node, set())
-            if not gpus <= node.free or gpus & taken:
+            seen = wanted.get(rep.node)
+            if not gpus <= node.free or (seen is not None and gpus & seen[1]):
                 raise CapacityError(f"GPUs {sorted(gpus)} of {rep.node} are not free")
-            taken |= gpus
-        for name, gpus in wanted.items():
-            self.take(name, gpus)
+            if seen is None:
+                wanted[rep.node] = node, gpus
+            else:
+                seen[1].update(gpus)
+        if len(wanted) < _BATCH or self._subs or not self._built:
+            for node, gpus in wanted.values():
+                self._take(node, gpus)
+        else:  # a large gang: the index updated once for all its nodes
+            for node, gpus in wanted.values():
+                node.free -= gpus
+                if node.mig_gpus and gpus & node.mig_gpus:
+                    for gpu in gpus & node.mig_gpus:
+                        node.mig[gpu] = FULL_MIG_MASK
+            self._changed_many([node for node, _ in wanted.values()])
         for rep in partial:
             self.take_partial(rep)
 
@@ -508,7 +592,9 @@ class ClusterCapacity:
         n = self.nodes.get(node)
         if n is None:
             return
-        gpus = set(gpus)
+        self._take(n, set(gpus))
+
+    def _take(self, n: NodeCapacity, gpus: set[int]) -> None:
         n.free -= gpus
         if n.mig_gpus and gpus & n.mig_gpus:  # a GPU in MIG mode held whole (FATAL, or a whole-GPU job of old)
             for gpu in gpus & n.mig_gpus:
@@ -539,6 +625,34 @@ class ClusterCapacity:
             return
         n.schedulable = schedulable
         self._touch(n)
+
+
+_BATCH = 8  # nodes from which an update edits each free-count bucket once (`_changed_many`)
+
+
+def _move(buckets: list[list[str]], moves: list[tuple[str, int, int]]) -> None:
+    """Move names between sorted free-count buckets: (name, old count, new count) each, names distinct."""
+    out: dict[int, list[str]] = {}
+    into: dict[int, list[str]] = {}
+    for name, old, new in moves:
+        out.setdefault(old, []).append(name)
+        into.setdefault(new, []).append(name)
+    for f, names in out.items():
+        bucket = buckets[f]
+        if len(names) <= _BATCH:
+            for name in names:
+                del bucket[bisect_left(bucket, name)]
+        else:
+            gone = set(names)
+            bucket[:] = [name for name in bucket if name not in gone]
+    for f, names in into.items():
+        bucket = buckets[f]
+        if len(names) <= _BATCH:
+            for name in names:
+                insort(bucket, name)
+        else:
+            bucket += names
+            bucket.sort()  # two sorted runs, or one run and a few: a linear merge
 
 
 def shape_key(node: NodeCapacity) -> NodeShape | None:

@@ -1,4 +1,5 @@
-"""One pure scheduling decision: `decide(snapshot, now) -> Plan`. No I/O, no clock, no logging.
+"""One pure scheduling decision: `decide(snapshot, now) -> Plan`. No I/O, no wall clock (only the budgets a config
+may set), no logging.
 
 The policy of a scheduling cycle lives here and only here; the scheduler's cycle (services/scheduler/cycle.py) and
 the trace simulator (phalanx/sim/engine.py) both take a `Snapshot`, call `decide`, and apply the `Plan` their own
@@ -39,7 +40,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
-from .capacity import ClusterCapacity
+from .capacity import PLACEMENT_BUDGET_MS, ClusterCapacity
 from .model import GangRequest, Placement
 from .preemption import NoPreemption, PreemptionPolicy, RunningGang, choose_victims
 from .quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, usage_of
@@ -124,7 +125,8 @@ class DecideConfig:
     """The policy's settings. `preemption` None: never preempt. `poll_s`: how soon to look again at a victim
     that is writing its checkpoint (the service is not told when it commits; inf: at its deadline only).
     `borrower_preempts`: a head that would run on borrowed quota may preempt other queues' lower-priority gangs too
-    (off: only its own queue's, Kueue's borrowWithinCohort "Never"; the simulator's what-if)."""
+    (off: only its own queue's, Kueue's borrowWithinCohort "Never"; the simulator's what-if).
+    `placement_budget_ms`: the time budget of each placement's exact search (0: none; see placement.place_gang)."""
 
     tiers: tuple[str, ...] = ()
     backfill: bool = True
@@ -132,6 +134,8 @@ class DecideConfig:
     preemption: PreemptionPolicy | None = None
     poll_s: float = math.inf
     borrower_preempts: bool = False
+    placement_budget_ms: float = PLACEMENT_BUDGET_MS
+    backfill_budget_ms: float = 0.0
 
 
 @dataclass
@@ -306,6 +310,7 @@ class _Decision:
     def __init__(self, snapshot: Snapshot, now: float) -> None:
         self.snap, self.now, self.config, self.memo = snapshot, now, snapshot.config, snapshot.memo
         self.cap = snapshot.capacity
+        self.cap.placement_budget_ms = self.config.placement_budget_ms
         # The running gangs: the snapshot's, overlaid with this decision's changes (no copy of a large mapping).
         self.added: dict[str, RunningJob] = {}
         self.removed: set[str] = set()
@@ -470,6 +475,7 @@ class _Decision:
             memo=memo,
             book=book,
             depth=depth,
+            budget_s=self.config.backfill_budget_ms / 1000 if backfill else 0.0,
             queues={p.job_id: p.queue for p in pending} if book is not None else None,
         )
         for job_id, why in result.quota_blocked.items():

@@ -17,7 +17,8 @@ The algorithm:
    and the remainder into the tightest child that holds it, when that meets a lower bound at every level (always
    when the children are atoms: leaves over nodes, or whenever no node holds two replicas); else a small exact
    knapsack over the children's cost functions (`_select`, see the comment above `_EXACT_CELLS`), with a greedy
-   fallback only where that would be too big; recursively down to nodes.
+   fallback only past the search's bounds (a deterministic work bound in DP cells, and a time budget,
+   `placement_budget_ms`); recursively down to nodes. A placement whose search hit a bound says so in its reason.
 4. Ranks follow the switch order of their nodes, so ring neighbours share the closest switch.
 """
 
@@ -26,7 +27,13 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from heapq import heapify, heappop
+from math import inf
+from time import perf_counter
 from typing import Generic, Protocol, TypeVar, cast
+
+import numpy as np
+from numpy.typing import NDArray
 
 from .capacity import ClusterCapacity
 from .closeness import GpuCloseness, closest_sets
@@ -76,9 +83,18 @@ def tier_level(capacity: ClusterCapacity, tier: str, fabric_tiers: Sequence[str]
 
 
 def place_gang(
-    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str] = ()
+    capacity: ClusterCapacity,
+    request: GangRequest,
+    fabric_tiers: Sequence[str] = (),
+    *,
+    budget_ms: float | None = None,
+    cells: int | None = None,
 ) -> Placement | Unplaceable:
     """Place all replicas of `request` at once, or say why not. Does not change `capacity`.
+
+    `budget_ms`: the time budget of the exact search (None: `capacity.placement_budget_ms`; 0: none). `cells`: its
+    deterministic work bound per knapsack (None: `_EXACT_CELLS`). See the comment above `_EXACT_CELLS`: past
+    either, the search keeps its heuristic fill there and the reason says so.
 
     `request.required_tier`: only domains of that tier or below are tried; when no single domain of it holds the
     gang the answer is Unplaceable (never a placement that crosses a higher tier). `request.preferred_tier` is best
@@ -89,19 +105,20 @@ def place_gang(
     `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
     else is it placed as if they were not struck.
     """
+    bounds = (capacity.placement_budget_ms if budget_ms is None else budget_ms, cells)
     if request.avoid:
         hidden = [n for n in request.avoid if n in capacity.nodes and capacity.nodes[n].schedulable]
         if hidden:
             for name in hidden:
                 capacity.set_schedulable(name, False)
             try:
-                got = _place_gang(capacity, request, fabric_tiers)
+                got = _place_gang(capacity, request, fabric_tiers, bounds)
             finally:
                 for name in hidden:
                     capacity.set_schedulable(name, True)
             if isinstance(got, Placement):
                 return got
-        got = _place_gang(capacity, request, fabric_tiers)
+        got = _place_gang(capacity, request, fabric_tiers, bounds)
         if isinstance(got, Placement) and set(got.nodes) & request.avoid:
             struck = sorted(set(got.nodes) & request.avoid)
             got = replace(
@@ -109,11 +126,11 @@ def place_gang(
                 reason=f"{got.reason}; on node(s) {', '.join(struck)} that struck it before: it fits nowhere else now",
             )
         return got
-    return _place_gang(capacity, request, fabric_tiers)
+    return _place_gang(capacity, request, fabric_tiers, bounds)
 
 
 def _place_gang(
-    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str] = ()
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
 ) -> Placement | Unplaceable:
     if request.partial:
         result = place_partial(capacity, request, tier_names(capacity, fabric_tiers))
@@ -157,17 +174,21 @@ def _place_gang(
         # Among the domains of this tier that hold the gang: fewest children spanned first, then fewest domains of
         # each level below, then best fit (least free GPUs), global within the tier; all read from the index.
         stats = capacity.domain_stats(level, g)
-        fitting = sorted((free, k) for k, (slots, free) in stats.items() if slots >= need)
+        fitting = [(free, k) for k, (slots, free) in stats.items() if slots >= need]
         if not fitting:
             continue
-        objective = _Objective(_IndexView(capacity, g), need)
+        budget = _Budget(*bounds)  # the search starts here (a gang on one node needs none)
+        objective = _Objective(_IndexView(capacity, g), need, budget)
         best = _fewest_children(capacity, level, fitting, need, g, most_nodes, largest, objective)
         if capacity.is_tree or level == 1:
             takes = _take_indexed(capacity, level, best[1], need, g, objective)
         else:
             members = [n for n in capacity.members(level, best[1]) if n.schedulable and len(n.free) >= g]
-            takes = _take(members, need, g, level)
-        return _preferred(request, _build(request, takes, names, level), names, fabric_tiers, capacity)
+            takes = _take(members, need, g, level, budget)
+        placement = _build(request, takes, names, level)
+        if budget.stopped or budget.capped:
+            placement = replace(placement, reason=f"{placement.reason} {budget.note()}")
+        return _preferred(request, placement, names, fabric_tiers, capacity)
     if limit < top:
         tier = names[limit]
         if limit == 0:
@@ -192,7 +213,7 @@ def _fewest_children(
     largest: int,
     objective: _Objective[str] | None = None,
 ) -> tuple[int, str]:
-    """The fitting domain (given as (free, key), best fit first) whose best placement is cheapest (`_Objective`:
+    """The fitting domain (given as (free, key), in any order) whose best placement is cheapest (`_Objective`:
     fewest children, then fewest domains of each level below, down to nodes); ties keep best fit, then the key.
 
     Leaves: the cost is the fewest nodes, read from the index; stops at the first leaf that reaches the lower bound
@@ -202,12 +223,15 @@ def _fewest_children(
     cannot beat the best found.
     """
     if len(fitting) == 1 or (level > 1 and not capacity.is_tree):
-        return fitting[0]  # child statistics need a tree; a switch under two parents keeps plain best fit
+        return min(fitting)  # child statistics need a tree; a switch under two parents keeps plain best fit
     objective = objective or _Objective(_IndexView(capacity, g), need)
     if level == 1:
         bound = -(-need // max(1, largest // g))
         best: tuple[int, int, str] | None = None
-        for free, key in fitting:
+        heap = list(fitting)  # best fit first, popped one by one: the loop mostly stops at the first
+        heapify(heap)
+        while heap:
+            free, key = heappop(heap)
             cost = _domain_cost(objective, 1, key)
             if best is None or cost < best[0]:
                 best = (cost, free, key)
@@ -276,12 +300,14 @@ def _take_indexed(
         return [(capacity.nodes[key], need)]
     out: list[tuple[NodeCapacity, int]] = []
     objective = objective or _Objective(_IndexView(capacity, g), need)
-    objective.left = _TAKE_CELLS
+    objective.left = objective.budget.take_cells
     _plan(objective, level, key, need, out)
     return out
 
 
-def _take(nodes: list[NodeCapacity], need: int, g: int, level: int) -> list[tuple[NodeCapacity, int]]:
+def _take(
+    nodes: list[NodeCapacity], need: int, g: int, level: int, budget: _Budget | None = None
+) -> list[tuple[NodeCapacity, int]]:
     """Choose `need` replica slots among `nodes` (all inside one domain of `level`): the cheapest placement of
     `_Objective` (fewest children, then fewest domains of each level below), best fit among equals.
 
@@ -291,13 +317,13 @@ def _take(nodes: list[NodeCapacity], need: int, g: int, level: int) -> list[tupl
         (node,) = nodes
         return [(node, need)]
     out: list[tuple[NodeCapacity, int]] = []
-    _plan(_Objective(_ScanView(g), need), level, _Group(nodes), need, out)
+    _plan(_Objective(_ScanView(g), need, budget), level, _Group(nodes), need, out)
     return out
 
 
-def _scan_cost(nodes: list[NodeCapacity], need: int, g: int, level: int) -> int:
+def _scan_cost(nodes: list[NodeCapacity], need: int, g: int, level: int, budget: _Budget | None = None) -> int:
     """What `_fewest_children` ranks a domain by (the cost of its cheapest placement), from its member nodes."""
-    return _domain_cost(_Objective(_ScanView(g), need), level, _Group(nodes))
+    return _domain_cost(_Objective(_ScanView(g), need, budget), level, _Group(nodes))
 
 
 # ---- the objective inside a domain ---------------------------------------------------------------------------
@@ -320,18 +346,30 @@ def _scan_cost(nodes: list[NodeCapacity], need: int, g: int, level: int) -> int:
 #   offered at most m times, m the fewest children that hold k.
 # - A cheapest placement uses exactly m children, so only children that can be one of m that hold k take part,
 #   and each only with breakpoints of at least k minus what the m-1 largest others hold.
-# - Budgets, in DP cells as if nothing were memoised (pure functions of the shapes, so the indexed and the scan
-#   take decide alike): no DP with its F tables over _EXACT_CELLS, and no more than _TAKE_CELLS for one take. Past
-#   them (many replicas and many distinct children, e.g. thousands of 1-GPU replicas across a 4,096-node fabric)
-#   the greedy is kept: F is the greedy fill's, the take `_order_and_pick`'s. Both still use the fewest children;
-#   only the lower levels may then be above the optimum. The tests' clusters stay far below the limits.
+# - Bounds (`_Budget`). Work, in DP cells as if nothing were memoised (pure functions of the shapes, so the indexed
+#   and the scan take decide alike, and a placement is reproducible): no DP with its F tables over _EXACT_CELLS,
+#   and no more than _TAKE_CELLS for one take. Time: `placement_budget_ms` (ClusterCapacity, set by decide from
+#   DecideConfig; the scheduler's --placement-budget-ms), read every _CLOCK_EVERY cells of a DP, so a search ends
+#   within about a millisecond of its budget, plus the work outside the DPs (index reads, the greedy, building the
+#   placement: linear in the nodes the gang uses). Past either the greedy is kept: F is the greedy fill's, the
+#   take `_order_and_pick`'s. Both still use the fewest children (and the tier is read from the index); only the
+#   lower levels may then be above the optimum, and the placement's reason says which bound stopped the search.
+#   The work bound is where the gap to the unbounded search closes in bench/placement_optimality.py (2,048 nodes,
+#   large gangs: 0 of 44 placed worse at 2,000,000 cells, 5 at 200,000, 10 at the old 20,000); the time budget is
+#   a safety net several times above what that search takes, so it rarely decides (see README.md, Benchmarks).
+#   The tests' clusters stay far below both.
 # Best fit among placements of equal cost: the domain with the least free GPUs (`_fewest_children`); inside one,
 # where the greedy is optimal, its rule (fullest whole, the remainder into the tightest child that holds it); where
 # the DP runs, the least total free GPUs on the children used (its last digit).
 
-_EXACT_CELLS = 20_000
+_EXACT_CELLS = 2_000_000
 _TAKE_CELLS = 3 * _EXACT_CELLS
+_CLOCK_EVERY = 20_000  # DP cells between two looks at the clock (a few hundred microseconds of work)
 _NEVER = float("inf")
+_INT_NEVER = 1 << 62  # `_cover_array`'s unreachable state: finite costs stay below it, sums of two below 2**63
+_NUMPY_FROM = 96  # replicas from which `_cover` runs on arrays
+# A stage of `_cover`: the least cost per state, a list (inf: unreachable) or an int64 array.
+_Stage = list[float] | NDArray[np.int64]
 
 # A domain as a view hands it out: its key on `_IndexView`, its member nodes (`_Group`) on `_ScanView`.
 _H = TypeVar("_H")
@@ -427,12 +465,50 @@ class _ScanView:
         return node
 
 
+class _Budget:
+    """What one placement's exact search may spend: DP cells per knapsack (`cells`, deterministic) and per take
+    (`take_cells`), and time (`budget_ms`, 0: none; the clock is read once per _CLOCK_EVERY cells, so it costs
+    nothing measurable). `stopped`: the time ran out (every DP after that keeps the greedy fill); `capped`: a DP
+    was refused by the cell bounds (a greedy fill kept where it might not be optimal)."""
+
+    __slots__ = ("budget_ms", "cells", "take_cells", "deadline", "timed", "left", "stopped", "capped", "spent")
+
+    def __init__(self, budget_ms: float = 0.0, cells: int | None = None) -> None:
+        self.budget_ms = budget_ms
+        self.cells = _EXACT_CELLS if cells is None else cells
+        self.take_cells = _TAKE_CELLS if cells is None else 3 * cells
+        self.deadline = perf_counter() + budget_ms / 1e3 if budget_ms > 0 else inf
+        self.timed = self if budget_ms > 0 else None  # what `_cover` is handed: None, no clock to read
+        self.left = _CLOCK_EVERY
+        self.stopped = self.capped = False
+        self.spent = 0  # DP cells actually computed (memoised work not counted twice)
+
+    def spend(self, cells: int) -> bool:
+        """Count `cells` of DP work; False once the time budget is spent (then `stopped` stays set)."""
+        self.left -= cells
+        if self.left > 0:
+            return True
+        self.left = _CLOCK_EVERY
+        if perf_counter() > self.deadline:
+            self.stopped = True
+        return not self.stopped
+
+    def note(self) -> str:
+        """What the reason says of a search that kept its heuristic somewhere."""
+        if self.stopped:
+            why = f"stopped at its {self.budget_ms:g} ms budget"
+        else:
+            why = f"past its bound of {self.cells:,} DP cells"
+        return f"(exact search {why}: heuristic fill, may span more switches or nodes than needed)"
+
+
 class _Objective(Generic[_H]):
     """Memos for one gang size on one view: signatures, F tables and domain costs (pure functions of shape)."""
 
-    def __init__(self, view: _View[_H], need: int) -> None:
+    def __init__(self, view: _View[_H], need: int, budget: _Budget | None = None) -> None:
         self.view, self.need, self.w = view, need, need + 1
-        self.left = _TAKE_CELLS  # what one take may still spend on DPs (`_plan`)
+        self.budget = budget or _Budget()
+        self.left = self.budget.take_cells  # what one take may still spend on DPs (`_plan`)
         self.sigs: dict[tuple[int, int, _H], _Sig] = {}  # (lo, level, handle) -> shape
         self.fns: dict[tuple[int, int, _Sig], tuple[list[int], int]] = {}  # (lo, level, shape) -> (F table, work)
         self.costs: dict[tuple[int, int, _Sig], int] = {}  # (lo, level, shape) -> cheapest cost
@@ -492,12 +568,23 @@ def _steps(table: list[int], unit: int, least: int = 1) -> list[tuple[int, int]]
     return [(b, unit + table[b]) for b in range(max(1, least), last + 1) if b == last or table[b + 1] != table[b]]
 
 
-def _cover(options: list[list[tuple[int, int]]], n: int) -> list[list[float]]:
+def _cover(
+    options: list[list[tuple[int, int]]], n: int, clock: _Budget | None = None, keep: bool = True
+) -> list[_Stage] | None:
     """Covering DP: stage i, state s = the least cost of holding s replicas (or more) with the first i children,
-    each taking at most one of its (replicas, cost) options. Returns every stage (for the backtrack)."""
+    each taking at most one of its (replicas, cost) options. Returns every stage (for the backtrack; `keep` False:
+    only the last); None when `clock` (a time budget) ran out on the way.
+
+    Large ones run on numpy int64 arrays (exact: every finite cost, a sum of at most one option per child, is below
+    the sentinel, itself far from overflow), small ones on lists, where numpy's per-call cost would dominate; both
+    compute the same integers."""
+    if n >= _NUMPY_FROM and sum(max(w for _, w in opts) for opts in options if opts) < _INT_NEVER:
+        return _cover_array(options, n, clock, keep)
     a: list[float] = [0] + [_NEVER] * n
-    stages = [a]
+    stages: list[_Stage] = [a]
     for opts in options:
+        if clock is not None and not clock.spend((n + 1) * len(opts)):
+            return None
         b = a[:]
         for took, w in opts:
             # Every stage is non-decreasing in s, so the states an option improves are a suffix of each range.
@@ -510,8 +597,42 @@ def _cover(options: list[list[tuple[int, int]]], n: int) -> list[list[float]]:
                 if start <= n:
                     b[start:] = [x if x <= (y := z + w) else y for x, z in zip(b[start:], a[start - took :])]
         a = b
-        stages.append(a)
-    return stages
+        if keep:
+            stages.append(a)
+    return stages if keep else [a]
+
+
+def _cover_array(
+    options: list[list[tuple[int, int]]], n: int, clock: _Budget | None, keep: bool
+) -> list[_Stage] | None:
+    """`_cover` on int64 arrays, `_INT_NEVER` for unreachable states."""
+    a = np.full(n + 1, _INT_NEVER, dtype=np.int64)
+    a[0] = 0
+    stages: list[_Stage] = [a]
+    minimum = np.minimum
+    for opts in options:
+        if clock is not None and not clock.spend((n + 1) * len(opts)):
+            return None
+        b = a.copy()
+        for took, w in opts:
+            took = min(took, n)
+            head = b[1 : took + 1]  # from state 0: states 1..took at cost w
+            minimum(head, w, out=head)
+            if took < n:  # from states s - took >= 1
+                tail = b[took + 1 :]
+                minimum(tail, a[1 : n + 1 - took] + w, out=tail)
+        a = b
+        if keep:
+            stages.append(a)
+    return stages if keep else [a]
+
+
+def _ints(stage: _Stage) -> list[int]:
+    """A stage of `_cover` (every state reachable) as a list of ints."""
+    if isinstance(stage, np.ndarray):
+        got: list[int] = stage.tolist()
+        return got
+    return [int(x) for x in stage]
 
 
 def _fn(objective: _Objective[_H], level: int, sig: _Sig, lo: int) -> tuple[list[int], int]:
@@ -563,20 +684,29 @@ def _fn(objective: _Objective[_H], level: int, sig: _Sig, lo: int) -> tuple[list
         return table, work
     m = _fewest([_size(objective, c) for c in kinds for _ in range(kinds[c])], n)
     copies = sum(min(count, m) for count in kinds.values())
-    if (n + 1) * copies <= _EXACT_CELLS:  # else too big whatever the tables say (at least one option a child)
+    budget = objective.budget
+    limit = budget.cells
+    exact = False
+    if (n + 1) * copies <= limit and not budget.stopped:  # else too big whatever the tables say
         options = []
         for child, count in kinds.items():
             if child not in tables:
                 tables[child], cost = _fn(objective, level - 1, child, lo)
                 work += cost
-                if work > _EXACT_CELLS:
+                if work > limit:
                     break
             options += [_steps(tables[child], unit)] * min(count, m)
         cells = (n + 1) * sum(map(len, options))
-        if len(tables) == len(kinds) and work + cells <= _EXACT_CELLS:
-            table = [int(x) for x in _cover(options, n)[-1]]
+        if len(tables) == len(kinds) and work + cells <= limit:
+            stages = _cover(options, n, budget.timed, keep=False)
+            if stages is not None:
+                table = _ints(stages[-1])
+                budget.spent += cells
+                exact = True
             work += cells
-    objective.fns[memo] = table, work  # the DP's, or (too big) the greedy fill's: an upper bound of F
+    if not exact and not budget.stopped:
+        budget.capped = True
+    objective.fns[memo] = table, work  # the DP's, or (too big, or out of time) the greedy fill's: an upper bound
     return table, work
 
 
@@ -630,10 +760,14 @@ def _select(
 
     `tie`: best fit among equal costs, the least free GPUs on the children used (a last digit of the cost; the
     DP tries the tightest children first, so with equal costs the tightest one also takes the remainder)."""
+    budget = objective.budget
+    if budget.stopped:
+        return None
     unit = objective.unit(level - 1)
     m, eligible = _eligible(sorted(kids, key=lambda kid: (kid[2], kid[0])) if tie else kids, need)
-    limit = min(_EXACT_CELLS, objective.left) if tie else _EXACT_CELLS
+    limit = min(budget.cells, objective.left) if tie else budget.cells
     if (need + 1) * len(eligible) > limit:
+        budget.capped = True
         return None  # at least one option a child: too big whatever the tables say
     chosen: list[tuple[_Shaped, list[tuple[int, int]]]] = []  # (kid, its (replicas, cost) options)
     seen: dict[_Sig | tuple[_Sig, int], int] = {}  # kind of child (shape; with tie, (shape, free)) -> offered
@@ -652,17 +786,24 @@ def _select(
                 charged.add(kid[4])
                 work += cost
                 if work > limit:
+                    budget.capped |= not budget.stopped
                     return None
             opts = _steps(table, unit, least)
         chosen.append((kid, opts))
     scale = sum(kid[2] for kid, _ in chosen) + 1 if tie else 1
     options = [[(b, w * scale + (kid[2] if tie else 0)) for b, w in opts] for kid, opts in chosen]
-    work += (need + 1) * sum(map(len, options))
+    cells = (need + 1) * sum(map(len, options))
+    work += cells
     if work > limit:
+        budget.capped |= not budget.stopped
         return None
     if tie:
         objective.left -= work
-    stages = _cover(options, need)
+    got = _cover(options, need, budget.timed)
+    if got is None:
+        return None  # out of time
+    budget.spent += cells
+    stages = got
     scaled = stages[-1][need]
     picks: list[tuple[_Shaped, int]] = []
     s = need
@@ -831,27 +972,45 @@ def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: l
     every node (one rail per local rank) matter more for its traffic than the links inside each node.
     """
     g = request.gpus_per_replica
-    ordered = sorted(takes, key=lambda t: (tuple(reversed(t[0].path)), t[0].name))
-    common: set[int] | None = None
-    if len(ordered) > 1:
-        for node, _ in ordered:
-            common = set(node.free) if common is None else common & node.free
-    replicas: list[ReplicaPlacement] = []
+    ordered = sorted(takes, key=_switch_order)
     single = len(ordered) == 1
+    common: set[int] | None = None
+    if not single:
+        common = set(ordered[0][0].free)
+        for node, _ in ordered:
+            common &= node.free
+            if not common:
+                break
+    common_picks: dict[int, tuple[int, ...]] = {}  # k -> pick_gpus(common, k): the same for every node
+    replicas: list[ReplicaPlacement] = []
+    append = replicas.append
     for node, count in ordered:
         k = count * g
-        closeness = node.closeness if single else None
-        if k == len(node.free):
-            gpus = tuple(sorted(node.free))
+        free = node.free
+        if k == len(free):
+            gpus = tuple(sorted(free))
         elif common is not None and len(common) >= k:
-            gpus = pick_gpus(common, k)
+            got = common_picks.get(k)
+            if got is None:
+                got = common_picks[k] = pick_gpus(common, k)
+            gpus = got
         else:
-            gpus = pick_gpus(node.free, k, closeness)
-        if closeness is not None and not closeness.uniform and count > 1 and g > 1:
-            gpus = _split_close(gpus, count, g, closeness)
-        for i in range(count):
-            replicas.append(ReplicaPlacement(len(replicas), node.name, gpus[i * g : (i + 1) * g]))
-    spanned = len({_key(node, level - 1) for node, _ in takes}) if level > 0 else 1
+            gpus = pick_gpus(free, k, node.closeness if single else None)
+        if single and node.closeness is not None and not node.closeness.uniform and count > 1 and g > 1:
+            gpus = _split_close(gpus, count, g, node.closeness)
+        name = node.name
+        if count == 1:
+            append(ReplicaPlacement(len(replicas), name, gpus))
+        else:
+            for i in range(count):
+                append(ReplicaPlacement(len(replicas), name, gpus[i * g : (i + 1) * g]))
+    if level == 0:
+        spanned = 1
+    elif level == 1:
+        spanned = len({node.name for node, _ in takes})
+    else:
+        at = level - 2  # the switch tier of level - 1 in each node's path
+        spanned = len({node.path[at] if at < len(node.path) else "" for node, _ in takes})
     tier = names[level]
     child = names[level - 1] if level > 0 else "node"
     if level == 0:
@@ -859,6 +1018,12 @@ def _build(request: GangRequest, takes: list[tuple[NodeCapacity, int]], names: l
     else:
         reason = f"{request.replicas} x {g} GPUs on {len(takes)} nodes under one {tier}, spanning {spanned} {child}(s)"
     return Placement(request.job_id, tuple(replicas), tier, spanned, float(level * 1000 + spanned), reason)
+
+
+def _switch_order(take: tuple[NodeCapacity, int]) -> tuple[tuple[str, ...], str]:
+    """Ring order: by switch path from the top down, then by name."""
+    node = take[0]
+    return node.path[::-1], node.name
 
 
 def place_replicas_one_by_one(

@@ -279,7 +279,12 @@ class _Replay:
             depth=depth,
             preemption=preemption if policy in PREEMPTING else None,
             borrower_preempts=borrower_preempts,
+            # No time budget: a replay is a function of its inputs alone, whatever the machine or its load (the
+            # deterministic work bound of the exact search still holds); the scheduler differs only where its
+            # budget stops a search, and its placement reason says so.
+            placement_budget_ms=0.0,
         )
+        self.cap.placement_budget_ms = 0.0  # for the per-pod baseline's own place_gang calls too
         self.total = cluster.nodes * cluster.gpus
         self.totals = {"gpus": float(self.total)}
         self.states: dict[str, _State] = {}

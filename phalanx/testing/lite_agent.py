@@ -88,11 +88,13 @@ class LiteAgent:
     mig_instances: dict[int, list[agent_pb2.GpuInfo.MigInstance]] = field(default_factory=dict)
     setup_failure: str = ""  # non-empty: every rank reports FAILED_TO_START, retryable, with this message
     start_failure: str = ""  # non-empty: every rank reports FAILED_TO_START, not retryable
+    # A channel shared with other agents (benchmarks run thousands in one process); None: one of its own
+    shared_channel: grpc.aio.Channel | None = None
 
     async def start(self) -> None:
         from phalanx.client import open_aio_channel
 
-        self.channel = open_aio_channel(self.target, token=self.token)
+        self.channel = self.shared_channel or open_aio_channel(self.target, token=self.token)
         self.stub = agent_pb2_grpc.NodeServiceStub(self.channel)
         self.instance = uuid.uuid4().hex
         resp = await self.stub.RegisterNode(
@@ -118,7 +120,8 @@ class LiteAgent:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        await self.channel.close()
+        if self.shared_channel is None:
+            await self.channel.close()
 
     async def partition(self) -> None:
         """Go silent as a cut network would: no heartbeats, no stream; the "ranks" keep running."""

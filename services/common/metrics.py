@@ -21,6 +21,17 @@ GOODPUT = Gauge(
     ["category"],
 )
 GOODPUT_RATIO = Gauge("phalanx_goodput_ratio", "Productive over allocated GPU time, whole cluster")
+CYCLE_SECONDS = Histogram(
+    "phalanx_scheduler_cycle_seconds",
+    "Time of one scheduling cycle (its commands, timers and scheduling pass, in one transaction, commit included)",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
+)
+VIEW_RELOADS = Counter(
+    "phalanx_scheduler_view_reloads_total",
+    "Reloads of the in-memory view from the ledger: full (start, leadership, a failed cycle) or delta (the rows "
+    "another replica's cycles changed)",
+    ["kind"],
+)
 RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
 RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
 

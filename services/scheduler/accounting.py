@@ -1,17 +1,28 @@
-"""Goodput from the ledger: job_attempts rows through phalanx.core.goodput, per job and for the cluster."""
+"""Goodput from the ledger: job_attempts rows through phalanx.core.goodput, per job and for the cluster.
+
+The cluster's total is kept incrementally: a job's figures enter goodput_totals (by tenant, queue and UTC day of
+submission) in the transaction that finishes it (account_finished, from the scheduling cycle; jobs.accounted marks
+it), or, for a job that finished before revision 0016, when retention archives it or account_backlog reaches it
+(retention.py). The total is then those sums plus the live figures of the jobs not accounted (the active ones): no
+read loads the finished jobs. The listed jobs are exact per job, from `jobs` (their attempts) or job_archive."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, Table, and_, false, func, literal, or_, select, union_all, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from db.models import Job
-from phalanx.api.v1 import common_pb2
-from phalanx.core.goodput import AttemptTimes, Goodput, account_job
+from db.models import TERMINAL_JOB_STATES, GoodputTotals, Job, JobArchive, JobAttempt
+from phalanx.api.v1 import common_pb2, scheduler_pb2
+from phalanx.core.goodput import CATEGORIES, AttemptTimes, Goodput, account_job
+from services.common.errors import InvalidArgument
 
-from . import ledger
+from . import ledger, paging
 from .state import gpu_equivalents
 
 
@@ -31,10 +42,343 @@ def attempt_times(rows: Sequence[Any]) -> list[AttemptTimes]:
 
 
 def job_goodput(job: Any, attempts: Sequence[Any], now: float) -> Goodput:
-    """`job`: a jobs row (mapping); `attempts`: its job_attempts rows in order."""
+    """`job`: a jobs row (mapping); `attempts`: its job_attempts rows in order. A finished job is accounted as of its
+    end (`now` no later than its finished_at): its figures do not change after it finished, so the archive keeps
+    exactly what the live ledger showed (retention.py)."""
     gpus = gpu_equivalents(job["replicas"], job["gpus_per_replica"], job["mig_profile"] or "", job["gpu_milli"] or 0)
-    finished = job["finished_at"] if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") else None
+    finished = job["finished_at"] if job["state"] in TERMINAL_JOB_STATES else None
+    if finished:
+        now = min(now, finished)
     return account_job(job["submitted_at"], gpus, attempt_times(attempts), now, finished_at=finished)
+
+
+DAY_S = 86400
+UPSERT_ROWS = 500  # goodput_totals rows per upsert statement (bound parameters stay far below any store's limit)
+
+
+def day_of(t: float) -> int:
+    """The start (unix seconds) of the UTC day holding `t`: the bucket of goodput_totals an accounted job counts in
+    (its submission's day). Times beyond any day a job can have (an infinite `since`) map past every bucket."""
+    if not t < 1e15:  # also inf and nan; kept within a BIGINT
+        return 1 << 62
+    if t < -1e15:  # before every bucket
+        return -(1 << 62)
+    return int(math.floor(t / DAY_S)) * DAY_S
+
+
+# ---- the aggregates: finished jobs into goodput_totals ---------------------------------------------------------------
+
+
+def _unaccounted(table: Any) -> Any:
+    """`accounted = false`, rendered as the partial index ix_jobs_unaccounted_submitted_at's predicate matches it
+    (a literal, not a bound parameter: SQLite's planner uses the index only so)."""
+    return table.c.accounted == false()
+
+
+def add_totals(conn: Connection, rows: Iterable[Mapping[str, Any]], now: float) -> None:
+    """Add figures and a count of one per row (mappings with tenant, queue, submitted_at and the goodput
+    categories) into goodput_totals, by (tenant, queue, UTC day of submission): one multi-row upsert (per
+    UPSERT_ROWS groups), whatever the number of rows."""
+    groups: dict[tuple[str, str, int], list[float]] = {}
+    for r in rows:
+        key = (r["tenant"] or "", r["queue"] or "default", day_of(r["submitted_at"]))
+        acc = groups.setdefault(key, [0.0] * (len(CATEGORIES) + 1))
+        acc[0] += 1
+        for i, c in enumerate(CATEGORIES, start=1):
+            acc[i] += r[c]
+    if not groups:
+        return
+    table = cast(Table, GoodputTotals.__table__)
+    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    values = [  # sorted: two writers lock the rows in one order
+        dict(tenant=tenant, queue=queue, day=day, jobs=int(acc[0]), updated_at=now, **dict(zip(CATEGORIES, acc[1:])))
+        for (tenant, queue, day), acc in sorted(groups.items())
+    ]
+    for start in range(0, len(values), UPSERT_ROWS):
+        stmt = dialect_insert(table).values(values[start : start + UPSERT_ROWS])
+        added = {c: table.c[c] + stmt.excluded[c] for c in ("jobs", *CATEGORIES)}
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["tenant", "queue", "day"], set_={**added, "updated_at": stmt.excluded.updated_at}
+            )
+        )
+
+
+def mark_accounted(conn: Connection, job_ids: Sequence[str]) -> set[str]:
+    """Set `accounted` on those of the finished jobs `job_ids` still in `jobs` and not accounted yet; returns their
+    ids: the jobs whose figures the caller (and no other writer) must add to goodput_totals in this transaction.
+
+    The guard makes every writer count a job at most once: a job is accounted by whichever transaction flips its flag
+    (PostgreSQL: the UPDATE waits for a transaction that locked the row, then re-checks the row as committed: flagged
+    or deleted by it, the job is not returned), and rolled back whole with it."""
+    if not job_ids:
+        return set()
+    jobs = cast(Table, Job.__table__)
+    stmt = (
+        update(jobs)
+        .where(jobs.c.id.in_(list(job_ids)), _unaccounted(jobs), jobs.c.state.in_(TERMINAL_JOB_STATES))
+        .values(accounted=True)
+        .returning(jobs.c.id)
+    )
+    return set(conn.execute(stmt).scalars())
+
+
+def account_finished(conn: Connection, job_ids: Iterable[str], now: float) -> int:
+    """Add the goodput of the jobs among `job_ids` that are finished (SUCCEEDED, FAILED, CANCELLED) and not accounted
+    into goodput_totals, and mark them accounted, inside the caller's transaction (the scheduling cycle that finished
+    them: finish_cycle). Others (active, accounted, archived, unknown) are left alone, so a second call is a no-op.
+
+    A constant number of statements however many jobs: one read of the jobs, one of their attempts (IN), the guarded
+    UPDATE (mark_accounted), and the upsert (add_totals). Each job's figures are job_goodput's as of its end, exactly
+    what the archive would record for it. Returns how many jobs it accounted."""
+    ids = sorted(set(job_ids))
+    if not ids:
+        return 0
+    jobs = Job.__table__
+    rows = list(
+        conn.execute(
+            select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(
+                jobs.c.id.in_(ids), jobs.c.state.in_(TERMINAL_JOB_STATES), _unaccounted(jobs)
+            )
+        ).mappings()
+    )
+    if not rows:
+        return 0
+    attempts = ledger.read_attempts(conn, [r["id"] for r in rows])
+    marked = mark_accounted(conn, [r["id"] for r in rows])
+    add_totals(
+        conn,
+        ({**r, **job_goodput(r, attempts.get(r["id"], []), now).as_dict()} for r in rows if r["id"] in marked),
+        now,
+    )
+    return len(marked)
+
+
+@dataclass
+class GoodputRead:
+    """What read_goodput_report found. `listed`: (a mapping with id, name, state, preempted_by, submitted_at; its
+    goodput; its attempt count), newest first; `after`: the (submitted_at, id) key of the last listed job when more
+    follow, else None. `tenants` / `queues`: name -> (goodput, job count), over the same jobs as `total`."""
+
+    total: Goodput = field(default_factory=Goodput)
+    job_count: int = 0
+    listed: list[tuple[Any, Goodput, int]] = field(default_factory=list)
+    after: tuple[float, str] | None = None
+    tenants: dict[str, tuple[Goodput, int]] = field(default_factory=dict)
+    queues: dict[str, tuple[Goodput, int]] = field(default_factory=dict)
+
+    def add(self, tenant: str, queue: str, g: Goodput, jobs: int) -> None:
+        self.total += g
+        self.job_count += jobs
+        for groups, name in ((self.tenants, tenant), (self.queues, queue)):
+            have, n = groups.get(name, (Goodput(), 0))
+            groups[name] = (have + g, n + jobs)
+
+
+_LIVE_COLUMNS = (
+    "id",
+    "state",
+    "submitted_at",
+    "finished_at",
+    "replicas",
+    "gpus_per_replica",
+    "mig_profile",
+    "gpu_milli",
+    "tenant",
+    "queue",
+)
+
+
+def _job_filter(table: Any, since: float, tenant: str | None, job_ids: Sequence[str] | None) -> list[Any]:
+    where = [table.c.submitted_at >= since]
+    if tenant is not None:
+        where.append(table.c.tenant == tenant)
+    if job_ids is not None:
+        where.append(table.c.id.in_(list(job_ids)))
+    return where
+
+
+def _older_than(table: Any, after: tuple[float, str] | None) -> list[Any]:
+    if after is None:
+        return []
+    at, job_id = after
+    return [or_(table.c.submitted_at < at, and_(table.c.submitted_at == at, table.c.id < job_id))]
+
+
+def _live_attempts(conn: Connection, where: list[Any]) -> dict[str, list[Any]]:
+    """job_attempts rows by job, in attempt order, of the jobs in `jobs` matching `where`."""
+    jobs = Job.__table__
+    stmt = (
+        select(*JobAttempt.__table__.c)
+        .join(jobs, jobs.c.id == JobAttempt.job_id)
+        .where(*where)
+        .order_by(JobAttempt.job_id, JobAttempt.attempt)
+    )
+    out: dict[str, list[Any]] = {}
+    for row in conn.execute(stmt).mappings():
+        out.setdefault(row["job_id"], []).append(row)
+    return out
+
+
+def _archived_goodput(row: Any) -> Goodput:
+    return Goodput(
+        allocated=row["allocated"],
+        productive=row["productive"],
+        rollback=row["rollback"],
+        restart=row["restart"],
+        waiting=row["waiting"],
+    )
+
+
+def _read_totals(conn: Connection, now: float, since: float, tenant: str | None, out: GoodputRead) -> None:
+    """The total (and its parts): goodput_totals' sums plus the live figures of the jobs not accounted.
+
+    Three statements, in this order: (1) the jobs not accounted, (2) their attempts, (3) the sums together with the
+    ids of the jobs not accounted as of (3). A job read in (1) counts from its live figures only when (3) still finds
+    it not accounted. Why this counts every job once, on PostgreSQL too (READ COMMITTED: each statement reads as of
+    its own start, and a job may be accounted or archived between them; SQLite reads the whole transaction as of its
+    first statement, where nothing below can happen):
+    - every writer moves a job out of "not accounted" and adds its figures to the sums in one transaction
+      (account_finished; the archive and prune, retention.py, through mark_accounted), nothing makes a job not
+      accounted again, and the sums only grow;
+    - so as of (3) each job is either in the sums or in (3)'s ids, never both: a job of (1) accounted or archived
+      since is not among (3)'s ids and counts once, from the sums; one still among them counts once, live;
+    - a job not in (1) was accounted already (then it is in the sums of (3), which hold at least what they held
+      then) or did not exist yet (submitted during this read: it counts from the sums if it was accounted by (3),
+      else not at all, as if the read had come first).
+    The reverse order (sums first) would miss a job accounted between the reads; (1) and (3) alone, without (3)'s
+    ids, would count it twice."""
+    jobs, t = Job.__table__, GoodputTotals.__table__
+    first_day = day_of(since)
+    live_where = [_unaccounted(jobs), jobs.c.submitted_at >= since]
+    if tenant is not None:
+        live_where.append(jobs.c.tenant == tenant)
+    rows = list(conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*live_where)).mappings())  # (1)
+    attempts = _live_attempts(conn, live_where) if rows else {}  # (2)
+    sums = select(
+        literal("sum").label("kind"),
+        t.c.tenant,
+        t.c.queue,
+        literal("").label("id"),
+        func.sum(t.c.jobs).label("jobs"),
+        *(func.sum(t.c[c]).label(c) for c in CATEGORIES),
+    ).where(t.c.day >= first_day)
+    if tenant is not None:
+        sums = sums.where(t.c.tenant == tenant)
+    sums = sums.group_by(t.c.tenant, t.c.queue)
+    stmt: Any = sums
+    if rows:
+        still = select(
+            literal("live").label("kind"),
+            jobs.c.tenant,
+            jobs.c.queue,
+            jobs.c.id,
+            literal(0).label("jobs"),
+            *(literal(0.0).label(c) for c in CATEGORIES),
+        ).where(*live_where)
+        stmt = union_all(sums, still)
+    unaccounted: set[str] = set()
+    for row in conn.execute(stmt).mappings():  # (3)
+        if row["kind"] == "live":
+            unaccounted.add(row["id"])
+        else:
+            out.add(row["tenant"], row["queue"], _archived_goodput(row), int(row["jobs"] or 0))
+    for job in rows:
+        if job["id"] in unaccounted:
+            out.add(job["tenant"], job["queue"], job_goodput(job, attempts.get(job["id"], []), now), 1)
+
+
+def read_goodput_report(
+    conn: Connection,
+    now: float,
+    *,
+    since: float = 0.0,
+    limit: int = 100,
+    tenant: str | None = None,
+    after: tuple[float, str] | None = None,
+    job_ids: Sequence[str] | None = None,
+) -> GoodputRead:
+    """Goodput without loading the job history: the total (and its per-tenant and per-queue parts) is the sums of
+    goodput_totals (every finished job accounted: account_finished, the archive) plus the live figures of the jobs
+    not accounted (the active ones, and jobs that finished before revision 0016 until they are accounted), read
+    through a partial index whatever the number of finished jobs (see _read_totals). The listed jobs are the newest
+    `limit` of `jobs` and job_archive together (keyset `after`, newest first), read with LIMIT queries, and only
+    their attempts are read.
+
+    `since`: the jobs not accounted (active) and the listed jobs are filtered exactly (submitted at or after
+    `since`). Finished jobs, accounted or archived, count by the UTC day they were submitted (goodput_totals'
+    bucket): a bucket counts when its day starts at or after `since` rounded down to its UTC day, so a `since`
+    inside a day counts all of that day's finished jobs (at a day's start the rule is exact), and a job submitted
+    earlier that day that is left out of the total while it runs counts once it finished. `tenant`: only that
+    tenant's jobs. `job_ids`: only those jobs, from `jobs` and job_archive, with exact figures and the exact `since`
+    (no buckets)."""
+    out = GoodputRead()
+    jobs, archive = Job.__table__, JobArchive.__table__
+    live_where = _job_filter(jobs, since, tenant, job_ids)
+    if job_ids is None:
+        _read_totals(conn, now, since, tenant, out)
+    else:
+        # Those jobs exactly: from `jobs` (attempts first: a job archived between the two reads is then simply not
+        # found), then from the archive, read last: a job found in both (archived since the first read) counts once,
+        # from the archive.
+        attempts = _live_attempts(conn, live_where)
+        live = list(conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*live_where)).mappings())
+        archived: set[str] = set()
+        for row in conn.execute(select(archive).where(*_job_filter(archive, since, tenant, job_ids))).mappings():
+            archived.add(row["id"])
+            out.add(row["tenant"], row["queue"], _archived_goodput(row), 1)
+        for job in live:
+            if job["id"] not in archived:
+                out.add(job["tenant"], job["queue"], job_goodput(job, attempts.get(job["id"], []), now), 1)
+    if limit <= 0:
+        return out
+    # The listed jobs: the newest `limit` + 1 of each table (the extra one tells whether more follow), merged. The
+    # archive is read last: a job archived since `newest` (or since its attempts) was read is listed from it, once.
+    order = (jobs.c.submitted_at.desc(), jobs.c.id.desc())
+    newest = list(
+        conn.execute(
+            select(*(jobs.c[c] for c in (*_LIVE_COLUMNS, "name", "preempted_by")))
+            .where(*live_where, *_older_than(jobs, after))
+            .order_by(*order)
+            .limit(limit + 1)
+        )
+        .mappings()
+        .all()
+    )
+    listed_attempts = ledger.read_attempts(conn, [j["id"] for j in newest]) if newest else {}
+    old = list(
+        conn.execute(
+            select(archive)
+            .where(*_job_filter(archive, since, tenant, job_ids), *_older_than(archive, after))
+            .order_by(archive.c.submitted_at.desc(), archive.c.id.desc())
+            .limit(limit + 1)
+        )
+        .mappings()
+        .all()
+    )
+    merged: list[tuple[Any, Goodput, int]] = []
+    archived_ids = {row["id"] for row in old}
+    for job in newest:
+        if job["id"] in archived_ids:  # archived between the two reads: listed once, from the archive
+            continue
+        rows = listed_attempts.get(job["id"], [])
+        merged.append((job, job_goodput(job, rows, now), len(rows)))
+    for row in old:
+        shown = {
+            "id": row["id"],
+            "name": row["name"],
+            "state": row["state"],
+            "preempted_by": "",
+            "submitted_at": row["submitted_at"],
+            "archived": True,
+        }
+        merged.append((shown, _archived_goodput(row), int(row["attempts"] or 0)))
+    merged.sort(key=lambda item: (item[0]["submitted_at"], item[0]["id"]), reverse=True)
+    out.listed = merged[:limit]
+    if len(merged) > limit:
+        last = out.listed[-1][0]
+        out.after = (float(last["submitted_at"]), str(last["id"]))
+    return out
 
 
 def read_goodput(
@@ -47,24 +391,10 @@ def read_goodput(
     tenant: str | None = None,
 ) -> tuple[Goodput, list[tuple[Any, Goodput, int]], int]:
     """(the total over every job submitted since `since`, the newest `limit` of them with theirs and their attempt
-    counts, how many jobs the total counts). `tenant`: only that tenant's jobs (the total too)."""
-    stmt = select(*Job.__table__.c).where(Job.submitted_at >= since).order_by(Job.submitted_at.desc(), Job.id.desc())
-    if job_ids is not None:
-        stmt = stmt.where(Job.id.in_(list(job_ids)))
-    if tenant is not None:
-        stmt = stmt.where(Job.tenant == tenant)
-    jobs = list(conn.execute(stmt).mappings())
-    if tenant is not None and job_ids is None:
-        job_ids = [j["id"] for j in jobs]
-    attempts = ledger.read_attempts(conn, None if job_ids is None else list(job_ids))
-    total, listed = Goodput(), []
-    for i, job in enumerate(jobs):
-        rows = attempts.get(job["id"], [])
-        g = job_goodput(job, rows, now)
-        total += g
-        if i < limit:
-            listed.append((job, g, len(rows)))
-    return total, listed, len(jobs)
+    counts, how many jobs the total counts). `tenant`: only that tenant's jobs (the total too). Finished jobs count
+    through goodput_totals, by their UTC day of submission (see read_goodput_report, which this wraps)."""
+    got = read_goodput_report(conn, now, since=since, limit=limit, tenant=tenant, job_ids=job_ids)
+    return got.total, got.listed, got.job_count
 
 
 def to_proto(g: Goodput) -> common_pb2.Goodput:
@@ -76,3 +406,41 @@ def to_proto(g: Goodput) -> common_pb2.Goodput:
         waiting=g.waiting,
         ratio=g.ratio,
     )
+
+
+# ---- pages of the goodput job list (GetGoodput; tokens as services/scheduler/paging.py makes them) ------------------
+
+
+def page_digest(since: float, tenant: str | None) -> str:
+    """What a goodput page token is bound to: the `since` of the first page and the caller's tenant scope."""
+    return paging.filter_digest("goodput", float(since), tenant)
+
+
+def page_token(after: tuple[float, str] | None, digest: str) -> str:
+    """The token of the page after the job keyed `after` ("" when no page follows)."""
+    return "" if after is None else paging.encode("goodput", digest, t=after[0], id=after[1])
+
+
+def page_after(token: str, digest: str) -> tuple[float, str] | None:
+    """The (submitted_at, id) key a goodput page token carries (None for ""); INVALID_ARGUMENT for anything else."""
+    if not token:
+        return None
+    doc = paging.decode(token, "goodput", digest)
+    at, job_id = doc.get("t"), doc.get("id")
+    if (
+        isinstance(at, bool)
+        or not isinstance(at, (int, float))
+        or not math.isfinite(at)
+        or not isinstance(job_id, str)
+        or not 0 < len(job_id) <= 32
+    ):
+        raise InvalidArgument("invalid page token: its position is malformed")
+    return float(at), job_id
+
+
+def group_protos(groups: dict[str, tuple[Goodput, int]]) -> list[scheduler_pb2.GroupGoodput]:
+    """GetGoodputResponse.tenants / queues, by name."""
+    return [
+        scheduler_pb2.GroupGoodput(name=name, goodput=to_proto(g), job_count=n)
+        for name, (g, n) in sorted(groups.items())
+    ]

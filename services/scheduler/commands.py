@@ -4,6 +4,7 @@ nothing (services/scheduler/cycle.py runs them, one transaction per cycle)."""
 
 from __future__ import annotations
 
+import copy
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,20 @@ class Submit(Command):
     spec: common_pb2.JobSpec
     request_id: str
     tenant: str = ""  # the caller's tenant (authentication on), stamped on the job
+
+
+def register_all(cycle: Cycle, registers: list[Register]) -> dict[int, Any]:
+    """Registrations of one cycle: every node's rows written at once (ledger.upsert_nodes), then each applied to
+    the view in order. A node registering twice in the cycle takes the second one by itself."""
+    first: dict[str, int] = {}
+    for i, reg in enumerate(registers):
+        first.setdefault(reg.name, i)
+    batch = [registers[i] for i in first.values()]
+    written = ledger.upsert_nodes(cycle.conn, [r.ledger_row(cycle) for r in batch])
+    results: dict[int, Any] = {}
+    for i, reg in enumerate(registers):
+        results[i] = reg.execute(cycle, written[reg.name] if first[reg.name] == i else None)
+    return results
 
 
 def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
@@ -94,6 +109,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
         job.version = -1  # not in the ledger yet
         cycle.state.jobs[job.id] = job
         cycle.new_jobs.append(job)
+    if new:
+        cycle.state.pass_due = True
     for i, value in list(results.items()):
         if isinstance(value, tuple):
             job = cycle.state.jobs.get(value[1])
@@ -236,6 +253,7 @@ class Cancel(Command):
                 cycle.resync_after = True
                 raise FailedPrecondition(f"job {job.id} changed while cancelling; try again")
             del cycle.state.jobs[job.id]
+            cycle.finished.append(job.id)
             cycle.touched(job)
         else:
             teardown(cycle, job, final_state="CANCELLED", message="cancelled while running")
@@ -282,9 +300,8 @@ class Register(Command):
     agent_instance: str
     mig_manage: bool = False  # started with --mig-manage: the scheduler may switch idle GPUs' MIG mode (migmode.py)
 
-    def execute(self, cycle: Cycle) -> int:
-        from .migmode import registered
-
+    def ledger_row(self, cycle: Cycle) -> dict[str, Any]:
+        """The node's row as ledger.upsert_nodes takes it."""
         gpus = [
             dict(
                 index=g.index,
@@ -299,8 +316,7 @@ class Register(Command):
         path = cycle.settings.fabric.node_path(
             self.name, self.topology.fabric_cluster_uuid, self.topology.fabric_clique
         )
-        node_id, acked, revision = ledger.upsert_node(
-            cycle.conn,
+        return dict(
             name=self.name,
             gpus=gpus,
             topology=self.topology_json,
@@ -312,10 +328,19 @@ class Register(Command):
             now=cycle.now,
             mig_manage=self.mig_manage,
         )
+
+    def execute(self, cycle: Cycle, rows: ledger.Registered | None = None) -> int:
+        """`rows`: what register_all already wrote for this node (else it is written here)."""
+        from .migmode import registered
+
+        row = self.ledger_row(cycle)
+        gpus, path = row["gpus"], row["fabric_path"]
+        if rows is None:
+            rows = ledger.upsert_nodes(cycle.conn, [row])[self.name]
+        node_id, acked, revision, cordoned, gpu_ids = rows
         state = cycle.state
         old = state.nodes.get(self.name)
         # An admin drained it (`phalanx node drain`): it stays DRAINED, out of placement, until undrained.
-        cordoned = ledger.node_cordoned(cycle.conn, node_id)
         if cordoned:
             ledger.set_node_state(cycle.conn, node_id, "DRAINED", CORDON_MESSAGE)
         node = NodeRecord(
@@ -323,7 +348,7 @@ class Register(Command):
             name=self.name,
             state="DRAINED" if cordoned else "READY",
             gpus=len(gpus),
-            gpu_ids=ledger.gpu_ids(cycle.conn, node_id),
+            gpu_ids=gpu_ids,
             gpu_model=gpus[0]["name"] if gpus else "",
             memory_mib=max((g["memory_mib"] for g in gpus), default=0),
             path=path,
@@ -423,17 +448,20 @@ class RankReport(Command):
             raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
         if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
             return False
-        ledger.record_rank(
-            cycle.conn,
-            job.id,
-            job.attempt,
-            rank,
-            node.id,
-            state=self.state,
-            exit_code=self.exit_code,
-            pid=self.pid,
-            message=self.message,
-            now=cycle.now,
+        cycle.rank_rows.append(
+            dict(
+                job_id=job.id,
+                attempt=job.attempt,
+                rank=rank.rank,
+                replica=rank.replica,
+                local_rank=rank.local_rank,
+                node_id=node.id,
+                state=self.state,
+                exit_code=self.exit_code,
+                pid=self.pid,
+                message=self.message,
+                updated_at=cycle.now,
+            )
         )
         rank.state, rank.exit_code = self.state, self.exit_code
         where = f"rank {self.rank} on {self.node}"
@@ -442,7 +470,7 @@ class RankReport(Command):
                 job.launch_deadline = None
                 if not job.running_at:
                     job.running_at = cycle.now
-                    ledger.mark_attempt_running(cycle.conn, job, cycle.now)
+                    cycle.later(ledger.mark_attempt_running, copy.copy(job), cycle.now)
                 cycle.touched(job)
         elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
             teardown(

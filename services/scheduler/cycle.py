@@ -19,8 +19,8 @@ from phalanx.core.decide import AfterBlocked, decide
 from phalanx.core.model import Placement
 from phalanx.core.quota import QuotaBook, cluster_totals, usage_of
 
-from . import ledger
-from .commands import Submit, submit_all, write_new_jobs
+from . import accounting, ledger
+from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
 from .state import JobRecord, SchedulerState
 from .transitions import (
@@ -76,14 +76,21 @@ def schedule(cycle: Cycle) -> None:
     from .planning import apply_plan, snapshot_of
 
     state = cycle.state
+    changes = cycle.changes
+    if not (state.pass_due or (changes is not None and changes.sched) or cycle.now >= state.wake_at):
+        return  # nothing the pass decides on changed since the last one: it would decide the same
+    state.pass_due = False
     state.wake_at = math.inf
-    for job in state.jobs.values():
+    # With nothing waiting and no victim, there is nothing to decide (nor a capacity index to build: a registration
+    # storm on an idle cluster builds it once, when the first gang arrives).
+    if any(j.state == "PENDING" or j.preempted_by for j in state.jobs.values()):
+        snapshot = snapshot_of(cycle)
+        plan = decide(snapshot, cycle.now, after_blocked=mig_hook(cycle))
+        state.no_preemption = snapshot.memo.no_preemption
+        apply_plan(cycle, plan)
+    for job in state.jobs.values():  # after the plan: the gangs it reserved have their limits too
         if job.state == "RUNNING" and job.time_limit:
             cycle.wake_at(job.started_at + job.time_limit)  # fire_timers stops it there
-    snapshot = snapshot_of(cycle)
-    plan = decide(snapshot, cycle.now, after_blocked=mig_hook(cycle))
-    state.no_preemption = snapshot.memo.no_preemption
-    apply_plan(cycle, plan)
 
 
 def mig_hook(cycle: Cycle) -> AfterBlocked | None:
@@ -138,8 +145,13 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
             results[i] = value
     from services.common.errors import ServiceError
 
+    registers = [(i, c) for i, c in enumerate(commands) if isinstance(c, Register)]
+    if len(registers) > 1:
+        for (i, _), value in zip(registers, register_all(cycle, [c for _, c in registers]).values(), strict=True):
+            results[i] = value
+    batched = len(registers) > 1
     for i, command in enumerate(commands):
-        if isinstance(command, Submit):
+        if isinstance(command, Submit) or (batched and isinstance(command, Register)):
             continue
         try:
             results[i] = command.execute(cycle)
@@ -153,14 +165,25 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
     return results
 
 
+def account_finished(cycle: Cycle) -> None:
+    """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It reads them (and their
+    attempts), so the caller runs it before the pipelined closing writes."""
+    if cycle.finished:
+        accounting.account_finished(cycle.conn, cycle.finished, cycle.now)
+
+
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
     """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
     cycle.flush()
+    cycle.flush_ranks()
     ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
     ledger.persist_acks(cycle.conn, cycle.acks)
-    if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats:
+    changes = cycle.changes
+    if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats or (changes is not None and changes.any):
         cycle.generation = ledger.bump_generation(cycle.conn, cycle.generation, notice(cycle))
+        if changes is not None:
+            ledger.record_changes(cycle.conn, cycle.generation, cycle.settings.replica_id, changes, cycle.now)
     for i, value in enumerate(results):
         if isinstance(value, JobRecord):
             results[i] = job_from_record(value)

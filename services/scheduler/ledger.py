@@ -11,9 +11,9 @@ import contextlib
 import json
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
-from sqlalchemy import Connection, and_, case, func, insert, or_, select, text, update
+from sqlalchemy import Connection, Table, and_, bindparam, case, func, insert, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -40,9 +40,109 @@ from phalanx.core import mig
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.quota import FlavorQuota, QueueSpec
 
-from .state import JobRecord, MigSwitch, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
+from .state import JobRecord, MigSwitch, NodeRecord, Partial, SchedulerState, layout_ranks
 
+T = TypeVar("T")
 NOTIFY_CHANNEL = "phalanx_events"
+CHANGES = "phalanx_changes"  # Connection.info key of the transaction's Changes (see track_changes)
+
+
+class Changes:
+    """What one scheduling transaction changed in the rows the replicas' views hold, recorded by the writes below
+    and stored with the generation it made (ledger_changes), so another replica reloads only these rows.
+
+    `jobs`: job ids whose job, allocation or rank rows changed; `nodes`, `gpus`: ids of node and GPU rows changed
+    in what a view holds (state, health, topology, MIG); `beats`, `acks`, `revisions`: node id -> the new value of
+    a monotonic column (applied as it is, no reload); `queues`: a queue changed; `assigned`: nodes given
+    assignments (their streams wake)."""
+
+    __slots__ = ("acks", "assigned", "beats", "gpus", "jobs", "nodes", "queues", "revisions", "sched")
+
+    def __init__(self) -> None:
+        self.jobs: set[str] = set()
+        self.nodes: set[int] = set()
+        self.gpus: set[int] = set()
+        self.beats: dict[int, float] = {}
+        self.acks: dict[int, int] = {}
+        self.revisions: dict[int, int] = {}
+        self.queues = False
+        self.assigned: set[str] = set()
+        # Whether a write changed what a scheduling pass decides on (a job's state, allocations, a node, a GPU, a
+        # queue); rank reports, heartbeats and acks do not: a cycle without such a write need not pass again.
+        self.sched = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.jobs or self.nodes or self.gpus or self.beats or self.acks or self.revisions or self.queues)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "jobs": sorted(self.jobs),
+                "nodes": sorted(self.nodes),
+                "gpus": sorted(self.gpus),
+                "beats": self.beats,
+                "acks": self.acks,
+                "revisions": self.revisions,
+                "queues": self.queues,
+                "assigned": sorted(self.assigned),
+                "sched": self.sched,
+            },
+            separators=(",", ":"),
+        )
+
+    def merge_json(self, body: str) -> None:
+        d = json.loads(body)
+        self.jobs.update(d["jobs"])
+        self.nodes.update(d["nodes"])
+        self.gpus.update(d["gpus"])
+        for mine, theirs in ((self.beats, d["beats"]), (self.acks, d["acks"]), (self.revisions, d["revisions"])):
+            for key, value in theirs.items():
+                if value > mine.get(int(key), value - 1):
+                    mine[int(key)] = value
+        self.queues = self.queues or d["queues"]
+        self.assigned.update(d["assigned"])
+        self.sched = self.sched or d["sched"]
+
+
+def track_changes(conn: Connection) -> Changes:
+    """Record what this transaction writes to the view's rows (until untrack_changes)."""
+    changes = conn.info[CHANGES] = Changes()
+    return changes
+
+
+def untrack_changes(conn: Connection) -> None:
+    conn.info.pop(CHANGES, None)
+
+
+def _changed_jobs(conn: Connection, *job_ids: str, sched: bool = True) -> None:
+    changes = conn.info.get(CHANGES)
+    if changes is not None:
+        changes.jobs.update(job_ids)
+        changes.sched = changes.sched or sched
+
+
+def _changed_nodes(conn: Connection, *node_ids: int) -> None:
+    changes = conn.info.get(CHANGES)
+    if changes is not None:
+        changes.nodes.update(node_ids)
+        changes.sched = True
+
+
+def _changed_queues(conn: Connection) -> None:
+    changes = conn.info.get(CHANGES)
+    if changes is not None:
+        changes.queues = changes.sched = True
+
+
+def _raised(conn: Connection, column: str, values: dict[int, Any]) -> None:
+    changes = conn.info.get(CHANGES)
+    if changes is None:
+        return
+    mine = {"last_heartbeat": changes.beats, "acked_revision": changes.acks, "revision": changes.revisions}[column]
+    for key, value in values.items():
+        if value > mine.get(key, value - 1):
+            mine[key] = value
 
 
 class Clock(NamedTuple):
@@ -137,6 +237,38 @@ def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | 
     return generation + 1
 
 
+CHANGES_KEPT_S = 600.0  # ledger_changes rows older than this are deleted: a replica further behind reloads whole
+
+
+def record_changes(conn: Connection, generation: int, replica: str, changes: Changes, now: float) -> None:
+    """Store what the transaction that made `generation` changed (the caller holds the clock row)."""
+    conn.execute(
+        text("INSERT INTO ledger_changes (generation, replica, at, body) VALUES (:g, :r, :at, :body)"),
+        dict(g=generation, r=replica, at=now, body=changes.to_json()),
+    )
+
+
+def read_changes(conn: Connection, after: int, upto: int) -> Changes | None:
+    """What the transactions that made generations after+1 .. upto changed, merged; None when a row is missing
+    (pruned, or written by a version that did not record changes): the caller reloads its whole view."""
+    if upto - after > 100_000:
+        return None
+    rows = conn.execute(
+        text("SELECT generation, body FROM ledger_changes WHERE generation > :a AND generation <= :u"),
+        dict(a=after, u=upto),
+    ).all()
+    if len(rows) != upto - after:
+        return None
+    merged = Changes()
+    for _, body in sorted(rows):
+        merged.merge_json(body)
+    return merged
+
+
+def prune_changes(conn: Connection, before: float) -> None:
+    conn.execute(text("DELETE FROM ledger_changes WHERE at < :t"), dict(t=before))
+
+
 @contextlib.contextmanager
 def pipelined(conn: Connection, enabled: bool = True):
     """On PostgreSQL, send the statements issued inside without waiting for each reply (psycopg pipeline mode):
@@ -150,16 +282,32 @@ def pipelined(conn: Connection, enabled: bool = True):
 
 def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     """Replace the in-memory view with what the ledger holds now (built aside, then swapped in at once)."""
+    nodes = read_node_records(conn, fabric_path)
+    jobs = read_job_records(conn, {n.id: n.name for n in nodes.values()})
+    state.nodes, state.jobs = nodes, jobs
+    state.queues = load_queues(conn)
+    state.rebuild_capacity()
+
+
+def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | None = None) -> dict[str, NodeRecord]:
+    """The nodes (all, or those of `node_ids`) as view records, with their GPUs' ids, MIG modes and switches."""
+    wanted = None if node_ids is None else sorted(set(node_ids))
     nodes: dict[str, NodeRecord] = {}
-    jobs: dict[str, JobRecord] = {}
+    if wanted is not None and not wanted:
+        return nodes
     gpu_ids: dict[int, dict[int, int]] = {}
     memory: dict[int, int] = {}
     mig_gpus: dict[int, set[int]] = {}
     foreign: dict[int, dict[int, int]] = {}
     switches: dict[int, tuple[dict, dict, dict]] = {}  # node id -> (switches, pending modes, switched at)
-    for row in conn.execute(
-        select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances, *MIG_SWITCH_COLUMNS)
-    ):
+    gpu_stmt = select(
+        Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances, *MIG_SWITCH_COLUMNS
+    )
+    node_stmt = select(*Node.__table__.c)
+    if wanted is not None:
+        gpu_stmt = gpu_stmt.where(Gpu.node_id.in_(wanted))
+        node_stmt = node_stmt.where(Node.id.in_(wanted))
+    for row in conn.execute(gpu_stmt):
         gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
         if row.mig_switch_to or row.mig_mode_pending or row.mig_switched_at:
             mine = switches.setdefault(row.node_id, ({}, {}, {}))
@@ -181,9 +329,7 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
         mask = foreign_mask(_json_list(row.mig_instances))
         if mask:
             foreign.setdefault(row.node_id, {})[row.index] = mask
-    names: dict[int, str] = {}
-    for n in conn.execute(select(*Node.__table__.c)).mappings():
-        names[n["id"]] = n["name"]
+    for n in conn.execute(node_stmt).mappings():
         path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
         nodes[n["name"]] = NodeRecord(
             id=n["id"],
@@ -211,8 +357,23 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
         if n["id"] in switches:
             node = nodes[n["name"]]
             node.mig_switches, node.mig_pending, node.mig_switched_at = switches[n["id"]]
-    for j in conn.execute(select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))).mappings():
-        jobs[j["id"]] = job_from_row(j)
+    return nodes
+
+
+def read_job_records(
+    conn: Connection, names: dict[int, str], job_ids: Iterable[str] | None = None
+) -> dict[str, JobRecord]:
+    """The active (PENDING and RUNNING) jobs, all or those of `job_ids`, with the current attempt's allocations
+    and ranks. `names`: node id -> name."""
+    jobs: dict[str, JobRecord] = {}
+    stmt = select(*Job.__table__.c).where(Job.state.in_(("PENDING", "RUNNING")))
+    if job_ids is None:
+        for j in conn.execute(stmt).mappings():
+            jobs[j["id"]] = job_from_row(j)
+    else:
+        for chunk in _chunks(sorted(set(job_ids)), 500):
+            for j in conn.execute(stmt.where(Job.id.in_(chunk))).mappings():
+                jobs[j["id"]] = job_from_row(j)
     running = [j.id for j in jobs.values() if j.state == "RUNNING"]
     for chunk in _chunks(running, 500):
         rows = conn.execute(
@@ -243,9 +404,14 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
             known = jobs[r["job_id"]].ranks.get(r["rank"])
             if known is not None:
                 known.state, known.exit_code = r["state"], r["exit_code"]
-    state.nodes, state.jobs = nodes, jobs
-    state.queues = load_queues(conn)
-    state.rebuild_capacity()
+    return jobs
+
+
+def nodes_of_gpus(conn: Connection, gpu_ids: Iterable[int]) -> set[int]:
+    wanted = sorted(set(gpu_ids))
+    if not wanted:
+        return set()
+    return {r.node_id for r in conn.execute(select(Gpu.node_id).where(Gpu.id.in_(wanted)))}
 
 
 def queue_spec(row: Any) -> QueueSpec:
@@ -280,6 +446,7 @@ def upsert_queue(conn: Connection, spec: QueueSpec, now: float) -> None:
             for f, q in spec.quotas.items()
         },
     )
+    _changed_queues(conn)
     dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     conn.execute(
         dialect_insert(Queue)
@@ -289,6 +456,7 @@ def upsert_queue(conn: Connection, spec: QueueSpec, now: float) -> None:
 
 
 def delete_queue(conn: Connection, name: str) -> None:
+    _changed_queues(conn)
     conn.execute(Queue.__table__.delete().where(Queue.name == name))
 
 
@@ -341,7 +509,7 @@ def insert_rows(conn: Connection, table, rows: list[dict[str, Any]]) -> None:
     conn.exec_driver_sql(sql, (json.dumps(rows, separators=(",", ":")),))
 
 
-def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
+def _chunks(items: Sequence[T], size: int) -> Iterable[Sequence[T]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
 
@@ -409,6 +577,7 @@ def job_from_row(j) -> JobRecord:
 
 
 def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
+    _changed_jobs(conn, *(j.id for j in jobs))
     insert_rows(
         conn,
         Job,
@@ -469,6 +638,7 @@ def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
     )
     if result.rowcount != 1:
         return False
+    _changed_jobs(conn, job.id)
     job.version += 1
     for key, value in changes.items():
         setattr(job, key, value)
@@ -480,6 +650,7 @@ def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[
     of split GPUs (see db.models.Allocation)."""
     rows = []
     split: list[tuple[JobRecord, int, NodeRecord, int, Partial]] = []
+    _changed_jobs(conn, *(j.id for j in jobs))
     for job in jobs:
         for replica, node, gpus in job.allocations:
             rec = nodes[node]
@@ -567,6 +738,7 @@ def _hold(
 
 def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
     """Release the job's rows; a split GPU's hold gives back their use and is released with its last part."""
+    _changed_jobs(conn, job.id)
     conn.execute(
         update(Allocation)
         .where(
@@ -596,33 +768,21 @@ def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
         )
 
 
-def record_rank(
-    conn: Connection,
-    job_id: str,
-    attempt: int,
-    rank: RankRecord,
-    node_id: int,
-    *,
-    state: str,
-    exit_code: int,
-    pid: int,
-    message: str,
-    now: float,
-) -> None:
-    """Store what an agent reported about a rank. A rank has a row from its first report on; before that it is
-    ASSIGNED, which the allocations already say (so reserving a gang writes no per-rank rows)."""
-    values = dict(state=state, exit_code=exit_code, pid=pid, message=message, updated_at=now)
-    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-    stmt = dialect_insert(Rank).values(
-        job_id=job_id,
-        attempt=attempt,
-        rank=rank.rank,
-        replica=rank.replica,
-        local_rank=rank.local_rank,
-        node_id=node_id,
-        **values,
+RANK_VALUES = ("state", "exit_code", "pid", "message", "updated_at")
+
+
+def record_ranks(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """`record_rank` for many reports in one statement; each row has the Rank columns. The last row of a rank
+    wins (one statement may not update a row twice)."""
+    last = {(r["job_id"], r["attempt"], r["rank"]): r for r in rows}
+    if not last:
+        return
+    _changed_jobs(conn, *{k[0] for k in last}, sched=False)
+    stmt = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(Rank)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["job_id", "attempt", "rank"], set_={c: stmt.excluded[c] for c in RANK_VALUES}
     )
-    conn.execute(stmt.on_conflict_do_update(index_elements=["job_id", "attempt", "rank"], set_=values))
+    conn.execute(stmt, list(last.values()))
 
 
 def append_assignments(
@@ -656,6 +816,9 @@ def append_assignments(
         out.append((node.name, revision, message))
     insert_rows(conn, Assignment, rows)
     _raise_node_column(conn, "revision", "int8", {nid: n.revision for nid, n in touched.items()})
+    changes = conn.info.get(CHANGES)
+    if changes is not None:
+        changes.assigned.update(n.name for n in touched.values())
     return out
 
 
@@ -668,6 +831,17 @@ def assignments_after(conn: Connection, node_name: str, after: int, limit: int =
         .limit(limit)
     )
     return [(r.revision, bytes(r.payload)) for r in rows]
+
+
+class Registered(NamedTuple):
+    """A node's rows after its registration: ids, the acked and last assignment revisions, whether an admin
+    drained it, and its GPUs' row ids by index."""
+
+    node_id: int
+    acked: int
+    revision: int
+    cordoned: bool
+    gpu_ids: dict[int, int]
 
 
 def upsert_node(
@@ -683,49 +857,123 @@ def upsert_node(
     fabric_path: Sequence[str],
     now: float,
     mig_manage: bool = False,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Insert or refresh a node and its GPU rows; the node becomes READY.
 
     Returns (node id, acked revision, last assignment revision).
     """
-    row = conn.execute(select(Node.id, Node.acked_revision, Node.revision).where(Node.name == name)).first()
-    values = dict(
-        state="READY",
-        message="",
-        gpus=len(gpus),
-        gpu_model=gpu_model,
-        profile=profile,
-        address=address,
-        topology=topology,
-        fabric_path=list(fabric_path),
-        agent_instance=agent_instance,
-        last_heartbeat=now,
-        mig_manage=mig_manage,
-    )
-    if row is None:
-        node_id = conn.execute(
-            insert(Node).values(name=name, registered_at=now, revision=0, acked_revision=0, **values).returning(Node.id)
-        ).scalar_one()
-        acked = revision = 0
-    else:
-        node_id, acked, revision = row
-        conn.execute(update(Node).where(Node.id == node_id).values(**values))
-    known = {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
-    for g in gpus:
-        mig = dict(mig_mode=g.get("mig_mode", "UNSUPPORTED"), mig_instances=list(g.get("mig_instances", ())))
-        if g["index"] in known:
-            conn.execute(
-                update(Gpu)
-                .where(Gpu.id == known[g["index"]])
-                .values(uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"], **mig)
+    got = upsert_nodes(
+        conn,
+        [
+            dict(
+                name=name,
+                gpus=gpus,
+                topology=topology,
+                address=address,
+                agent_instance=agent_instance,
+                profile=profile,
+                gpu_model=gpu_model,
+                fabric_path=fabric_path,
+                now=now,
+                mig_manage=mig_manage,
             )
-        else:
-            conn.execute(
-                insert(Gpu).values(
-                    node_id=node_id, index=g["index"], uuid=g["uuid"], name=g["name"], memory_mib=g["memory_mib"], **mig
-                )
+        ],
+    )[name]
+    return got.node_id, got.acked, got.revision
+
+
+_GPU_COLUMNS = ("uuid", "name", "memory_mib", "mig_mode", "mig_instances")
+
+
+def upsert_nodes(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, Registered]:
+    """Insert or refresh many nodes and their GPU rows at once (a registration storm costs a handful of
+    statements per cycle, not a handful per node); every node becomes READY. `rows`: upsert_node's arguments each,
+    names distinct."""
+    if not rows:
+        return {}
+    names = [r["name"] for r in rows]
+    assert len(set(names)) == len(names), "one registration per node per call"
+    found: dict[str, Any] = {}
+    for chunk in _chunks(names, 500):
+        for hit in conn.execute(
+            select(Node.id, Node.name, Node.acked_revision, Node.revision, Node.cordoned).where(Node.name.in_(chunk))
+        ):
+            found[hit.name] = hit
+    nodes_t, gpus_t = cast(Table, Node.__table__), cast(Table, Gpu.__table__)
+
+    def values(r: dict[str, Any]) -> dict[str, Any]:
+        return dict(
+            state="READY",
+            message="",
+            gpus=len(r["gpus"]),
+            gpu_model=r["gpu_model"],
+            profile=r["profile"],
+            address=r["address"],
+            topology=r["topology"],
+            fabric_path=list(r["fabric_path"]),
+            agent_instance=r["agent_instance"],
+            last_heartbeat=r["now"],
+            mig_manage=r.get("mig_manage", False),
+        )
+
+    new = [r for r in rows if r["name"] not in found]
+    old = [r for r in rows if r["name"] in found]
+    ids: dict[str, int] = {name: found[name].id for name in found}
+    if new:
+        inserted = conn.execute(
+            insert(nodes_t).returning(nodes_t.c.id, nodes_t.c.name),
+            [dict(values(r), name=r["name"], registered_at=r["now"], revision=0, acked_revision=0) for r in new],
+        )
+        ids.update({row.name: row.id for row in inserted})
+    if old:
+        cols = list(values(old[0]))
+        conn.execute(
+            update(nodes_t).where(nodes_t.c.id == bindparam("node_id")).values({c: bindparam(c) for c in cols}),
+            [dict(values(r), node_id=ids[r["name"]]) for r in old],
+        )
+    known: dict[int, dict[int, int]] = {}
+    old_ids = [ids[r["name"]] for r in old]
+    for id_chunk in _chunks(old_ids, 500):
+        for node_id, index, gpu_id in conn.execute(
+            select(Gpu.node_id, Gpu.index, Gpu.id).where(Gpu.node_id.in_(id_chunk))
+        ):
+            known.setdefault(node_id, {})[index] = gpu_id
+    updates, inserts = [], []
+    for reg in rows:
+        node_id = ids[reg["name"]]
+        mine = known.get(node_id, {})
+        for g in reg["gpus"]:
+            gpu = dict(
+                uuid=g["uuid"],
+                name=g["name"],
+                memory_mib=g["memory_mib"],
+                mig_mode=g.get("mig_mode", "UNSUPPORTED"),
+                mig_instances=list(g.get("mig_instances", ())),
             )
-    return node_id, acked, revision
+            if g["index"] in mine:
+                updates.append(dict(gpu, gpu_id=mine[g["index"]]))
+            else:
+                inserts.append(dict(gpu, node_id=node_id, index=g["index"]))
+    if updates:
+        conn.execute(
+            update(gpus_t).where(gpus_t.c.id == bindparam("gpu_id")).values({c: bindparam(c) for c in _GPU_COLUMNS}),
+            updates,
+        )
+    if inserts:
+        made = conn.execute(insert(gpus_t).returning(gpus_t.c.node_id, gpus_t.c.index, gpus_t.c.id), inserts)
+        for node_id, index, gpu_id in made:
+            known.setdefault(node_id, {})[index] = gpu_id
+    _changed_nodes(conn, *ids.values())
+    return {
+        r["name"]: Registered(
+            ids[r["name"]],
+            int(found[r["name"]].acked_revision or 0) if r["name"] in found else 0,
+            int(found[r["name"]].revision or 0) if r["name"] in found else 0,
+            bool(found[r["name"]].cordoned) if r["name"] in found else False,
+            dict(known.get(ids[r["name"]], {})),
+        )
+        for r in rows
+    }
 
 
 def foreign_mask(instances: Iterable[Any]) -> int:
@@ -771,6 +1019,10 @@ MIG_SWITCH_COLUMNS = (
 def set_gpu_mig(conn: Connection, gpu_id: int, **values: Any) -> None:
     """Update a GPU row's MIG mode or switch columns (mig_mode, mig_instances, mig_mode_pending, mig_switch_*, ...)."""
     conn.execute(update(Gpu).where(Gpu.id == gpu_id).values(**values))
+    changes = conn.info.get(CHANGES)
+    if changes is not None:
+        changes.gpus.add(gpu_id)
+        changes.sched = True
 
 
 def strike_node(conn: Connection, node_id: int) -> int:
@@ -789,6 +1041,7 @@ def set_node_state(
     stmt = update(Node).where(Node.id == node_id)
     if only_if_heartbeat_before is not None:
         stmt = stmt.where(Node.last_heartbeat < only_if_heartbeat_before, Node.state != state)
+    _changed_nodes(conn, node_id)
     return conn.execute(stmt.values(state=state, message=message)).rowcount == 1
 
 
@@ -798,6 +1051,7 @@ def node_cordoned(conn: Connection, node_id: int) -> bool:
 
 
 def set_node_cordoned(conn: Connection, node_id: int, cordoned: bool) -> None:
+    _changed_nodes(conn, node_id)
     conn.execute(update(Node).where(Node.id == node_id).values(cordoned=cordoned))
 
 
@@ -813,6 +1067,7 @@ def set_node_health(
         "reason": reason,
         "gpus": {str(i): {"state": h, "reasons": list(r)} for i, (h, r) in sorted(gpus.items())},
     }
+    _changed_nodes(conn, node_id)
     conn.execute(update(Node).where(Node.id == node_id).values(health=health, health_detail=detail))
 
 
@@ -848,6 +1103,7 @@ def _raise_node_column(conn: Connection, column: str, pg_type: str, values: dict
     """Raise a monotonic node column to new values for many nodes in one statement."""
     if not values:
         return
+    _raised(conn, column, values)
     if conn.dialect.name == "postgresql":
         conn.exec_driver_sql(
             f"UPDATE nodes SET {column} = v.x FROM unnest(%s::int4[], %s::{pg_type}[]) AS v(id, x) "
@@ -924,17 +1180,35 @@ def mark_attempt_running(conn: Connection, job: JobRecord, now: float) -> None:
     )
 
 
-def end_attempt(conn: Connection, job: JobRecord, outcome: str, reason: str, now: float) -> tuple[int, float | None]:
+def end_attempt(
+    conn: Connection, job: JobRecord, outcome: str, reason: str, now: float, answer: bool = True
+) -> tuple[int, float | None]:
     """Close the job's current attempt: its end, and the committed step the next attempt restarts from with when
     this attempt reached it (None when the latest committed checkpoint is not this attempt's). Returns those two."""
-    step, attempt, created_at = latest_commits(conn, [job.id]).get(job.id, (-1, -1, 0.0))
-    kept_until = created_at if step >= 0 and attempt == job.attempt else None
-    conn.execute(
+    # One statement (a teardown is on the cycle's path): the latest commit is read by the update itself.
+    latest = (
+        select(Checkpoint.step, Checkpoint.attempt, Checkpoint.created_at)
+        .where(Checkpoint.job_id == job.id, Checkpoint.state == "COMMITTED")
+        .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc())
+        .limit(1)
+    )
+    step = func.coalesce(latest.with_only_columns(Checkpoint.step).scalar_subquery(), -1)
+    kept = latest.with_only_columns(
+        case((Checkpoint.attempt == job.attempt, Checkpoint.created_at), else_=None)
+    ).scalar_subquery()
+    stmt = (
         update(JobAttempt)
         .where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt, JobAttempt.ended_at.is_(None))
-        .values(ended_at=now, outcome=outcome, reason=reason[:2000], committed_step=step, kept_until=kept_until)
+        .values(ended_at=now, outcome=outcome, reason=reason[:2000], committed_step=step, kept_until=kept)
     )
-    return step, kept_until
+    if not answer:  # a deferred write, sent pipelined: nothing to read back
+        conn.execute(stmt)
+        return -1, None
+    row = conn.execute(stmt.returning(JobAttempt.committed_step, JobAttempt.kept_until)).first()
+    if row is None:  # no open attempt (already ended): nothing written
+        got = latest_commits(conn, [job.id]).get(job.id, (-1, -1, 0.0))
+        return got[0], got[2] if got[0] >= 0 and got[1] == job.attempt else None
+    return int(row[0]), None if row[1] is None else float(row[1])
 
 
 def request_checkpoint(conn: Connection, job_id: str, reason: str, now: float) -> tuple[str, float]:
@@ -995,12 +1269,17 @@ def read_jobs(
     states: Sequence[str] = (),
     limit: int = 0,
     tenant: str | None = None,
+    after: tuple[float, str] | None = None,
 ) -> list[tuple[Any, list[tuple[int, str, list[int]]], dict[int, Partial]]]:
     """Jobs with the allocations they hold, newest first, from one statement: each as (job row, [(replica, node,
     GPUs)], {replica: partial-GPU use}). Only a RUNNING job (PREEMPTING included) holds any: those of its current
     attempt. A job that is not running shows none, not the GPUs an earlier attempt (or its last one) released: a
     requeued gang waits holding nothing (those GPUs are in the allocations table, its history). `tenant`: only that
-    tenant's jobs."""
+    tenant's jobs.
+
+    `states` may name the pseudo-state PREEMPTING: a RUNNING job with a preemptor (RUNNING includes those). Paging
+    (ListJobs, paging.py): `after` (submitted_at, id) keeps only the jobs after it in this order, and `limit` the
+    first that many; both apply after the filters, with the (submitted_at, id) index."""
     stmt = (
         select(
             *Job.__table__.c,
@@ -1024,19 +1303,26 @@ def read_jobs(
         .outerjoin(Node, Node.id == Allocation.node_id)
         .order_by(Job.submitted_at.desc(), Job.id.desc(), Allocation.replica, Allocation.gpu_index, Allocation.unit)
     )
+    where: list[Any] = []
     if job_ids is not None:
-        stmt = stmt.where(Job.id.in_(list(job_ids)))
+        where.append(Job.id.in_(list(job_ids)))
     if states:
-        stmt = stmt.where(Job.state.in_(list(states)))
+        plain = [s for s in states if s != "PREEMPTING"]
+        wanted: list[Any] = [Job.state.in_(plain)] if plain else []
+        if "PREEMPTING" in states and "RUNNING" not in plain:
+            wanted.append(and_(Job.state == "RUNNING", Job.preempted_by != ""))
+        where.append(or_(*wanted))
     if tenant is not None:
-        stmt = stmt.where(Job.tenant == tenant)
+        where.append(Job.tenant == tenant)
+    if after is not None:
+        at, last_id = after
+        # `submitted_at <= at` bounds the index scan; the OR only drops the ties at `at` up to `last_id`.
+        where.append(and_(Job.submitted_at <= at, or_(Job.submitted_at < at, Job.id < last_id)))
     if limit:
-        newest = select(Job.id).order_by(Job.submitted_at.desc(), Job.id.desc()).limit(limit)
-        if states:
-            newest = newest.where(Job.state.in_(list(states)))
-        if tenant is not None:
-            newest = newest.where(Job.tenant == tenant)
+        newest = select(Job.id).where(*where).order_by(Job.submitted_at.desc(), Job.id.desc()).limit(limit)
         stmt = stmt.where(Job.id.in_(newest.scalar_subquery()))
+    elif where:
+        stmt = stmt.where(*where)
     out: dict[str, tuple[Any, dict[int, tuple[str, list[int]]], dict[int, Partial]]] = {}
     for row in conn.execute(stmt).mappings():
         entry = out.setdefault(row["id"], (row, {}, {}))
@@ -1061,43 +1347,58 @@ def read_jobs(
     ]
 
 
-def read_nodes(conn: Connection) -> list[tuple[Any, int, int]]:
-    """Nodes with (GPUs held whole or split, GPUs split into MIG instances or shares)."""
+def read_nodes(conn: Connection, *, after: str | None = None, limit: int = 0) -> list[tuple[Any, int, int]]:
+    """Nodes by name with (GPUs held whole or split, GPUs split into MIG instances or shares). Paging (ListNodes,
+    paging.py): only the nodes named after `after`, the first `limit` of them (0: all); the allocations counted are
+    those of these nodes only."""
+    nodes = select(*Node.__table__.c).order_by(Node.name)
+    if after is not None:
+        nodes = nodes.where(Node.name > after)
+    if limit:
+        nodes = nodes.limit(limit)
+    page = nodes.subquery()
     used = (
         select(
             Allocation.node_id,
             func.count().label("used"),
             func.sum(case((Allocation.kind == "hold", 1), else_=0)).label("shared"),
         )
-        .where(Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold")))
+        .where(
+            Allocation.released_at.is_(None),
+            Allocation.kind.in_(("gpu", "hold")),
+            Allocation.node_id.in_(select(page.c.id)),
+        )
         .group_by(Allocation.node_id)
         .subquery()
     )
     rows = conn.execute(
         select(
-            *Node.__table__.c,
+            *page.c,
             func.coalesce(used.c.used, 0).label("used_gpus"),
             func.coalesce(used.c.shared, 0).label("shared_gpus"),
         )
-        .outerjoin(used, used.c.node_id == Node.id)
-        .order_by(Node.name)
+        .outerjoin(used, used.c.node_id == page.c.id)
+        .order_by(page.c.name)
     ).mappings()
     return [(r, int(r["used_gpus"]), int(r["shared_gpus"])) for r in rows]
 
 
-def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
-    """Every node's GPUs in index order (by node id): index, uuid, name, memory, MIG mode and instances, and whether
-    an active allocation holds the GPU whole (`held`) or split (`split`: a hold row of MIG instances or shares)."""
+def read_node_gpus(conn: Connection, node_ids: Sequence[int] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Every node's GPUs in index order (by node id), or those of `node_ids` only (a page of ListNodes): index,
+    uuid, name, memory, MIG mode and instances, and whether an active allocation holds the GPU whole (`held`) or
+    split (`split`: a hold row of MIG instances or shares)."""
+    if node_ids is None:
+        scopes: list[Any] = [None]
+    else:
+        ids = list(dict.fromkeys(node_ids))
+        scopes = [ids[i : i + 500] for i in range(0, len(ids), 500)]
     held: dict[tuple[int, int], str] = {}
-    for row in conn.execute(
-        select(Allocation.node_id, Allocation.gpu_index, Allocation.kind).where(
+    out: dict[int, list[dict[str, Any]]] = {}
+    for scope in scopes:
+        held_stmt = select(Allocation.node_id, Allocation.gpu_index, Allocation.kind).where(
             Allocation.released_at.is_(None), Allocation.kind.in_(("gpu", "hold"))
         )
-    ):
-        held[(row.node_id, row.gpu_index)] = row.kind
-    out: dict[int, list[dict[str, Any]]] = {}
-    for row in conn.execute(
-        select(
+        gpu_stmt = select(
             Gpu.node_id,
             Gpu.index,
             Gpu.uuid,
@@ -1109,7 +1410,17 @@ def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
             Gpu.mig_switch_to,
             Gpu.mig_switch_error,
         ).order_by(Gpu.node_id, Gpu.index)
-    ):
+        if scope is not None:
+            held_stmt = held_stmt.where(Allocation.node_id.in_(scope))
+            gpu_stmt = gpu_stmt.where(Gpu.node_id.in_(scope))
+        for row in conn.execute(held_stmt):
+            held[(row.node_id, row.gpu_index)] = row.kind
+        _gpu_rows(conn.execute(gpu_stmt), held, out)
+    return out
+
+
+def _gpu_rows(rows: Iterable[Any], held: dict[tuple[int, int], str], out: dict[int, list[dict[str, Any]]]) -> None:
+    for row in rows:
         kind = held.get((row.node_id, row.index))
         out.setdefault(row.node_id, []).append(
             dict(
@@ -1126,7 +1437,6 @@ def read_node_gpus(conn: Connection) -> dict[int, list[dict[str, Any]]]:
                 mig_switch_error=row.mig_switch_error or "",
             )
         )
-    return out
 
 
 def restore_message(conn: Connection, job_id: str) -> str:

@@ -12,6 +12,7 @@ from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_p
 from phalanx.common.defaults import DEFAULT_DB_URL
 from phalanx.common.logging import configure_logging
 from phalanx.common.tokens import TokenFileError, TokenStore
+from phalanx.core.capacity import PLACEMENT_BUDGET_MS
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
 from services.common.auth import (
@@ -25,6 +26,7 @@ from services.common.auth import (
 from services.common.metrics import serve_metrics
 from services.common.server import AioServer
 
+from .retention import DEFAULT_RETAIN_FINISHED_S, parse_retain
 from .service import SchedulerService
 from .servicer import NodeServicer, SchedulerServicer
 from .settings import SchedulerSettings
@@ -72,6 +74,13 @@ async def serve(
     return RunningScheduler(service, server)
 
 
+def _retain_finished(text: str) -> float:
+    try:
+        return parse_retain(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx-scheduler", description="Run a Phalanx scheduler replica.")
     p.add_argument(
@@ -100,6 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="strict queue order: nothing starts ahead of a blocked head (default: EASY backfill on "
         "declared time limits)",
+    )
+    p.add_argument(
+        "--backfill-depth",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="try at most N gangs behind a blocked head in one pass (Slurm's bf_max_job_test; 0: no limit; "
+        "default 1000)",
+    )
+    p.add_argument(
+        "--backfill-budget-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="stop trying gangs behind a blocked head after MS milliseconds of a pass (0: no limit; default 50)",
+    )
+    p.add_argument(
+        "--placement-budget-ms",
+        type=float,
+        default=PLACEMENT_BUDGET_MS,
+        metavar="MS",
+        help="time budget of each gang placement's exact search; past it the heuristic fill, said in the "
+        f"placement reason (0: none; default {PLACEMENT_BUDGET_MS:g})",
     )
     p.add_argument(
         "--max-attempts",
@@ -172,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="S",
         help="agents started with --mig-manage: a GPU whose MIG mode switch failed is not asked again for S seconds",
+    )
+    p.add_argument(
+        "--retain-finished",
+        type=_retain_finished,
+        default=DEFAULT_RETAIN_FINISHED_S,
+        metavar="DURATION",
+        help="keep finished jobs in the ledger's jobs table this long after they finished (seconds, or 30d, 12h, "
+        "90m), then move them to job_archive with their goodput (README, Retention); 0 or forever: keep them "
+        "there (default 30d)",
     )
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
     add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
@@ -271,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         retry_backoff_s=args.retry_backoff,
         retry_backoff_max_s=args.retry_backoff_max,
         backfill=args.backfill,
+        backfill_depth=args.backfill_depth,
+        backfill_budget_ms=args.backfill_budget_ms,
+        placement_budget_ms=args.placement_budget_ms,
         preemption=PreemptionPolicy(min_runtime_s=args.min_runtime, grace_period_s=args.preemption_grace),
         checkpoint_addr=args.checkpoint_coordinator,
         checkpoint_dir=args.checkpoint_dir,
@@ -278,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_id=args.replica_id,
         mig_switch_hold_s=args.mig_switch_hold,
         mig_switch_backoff_s=args.mig_switch_backoff,
+        retain_finished_s=args.retain_finished,
     )
     serve_metrics(args.metrics_port)
 

@@ -62,7 +62,45 @@ class _Lazy(Mapping):
         return len(self._get())
 
 
+def pending_job(job: JobRecord) -> PendingJob:
+    key = (
+        job.version,
+        job.state,
+        job.attempt,
+        job.priority,
+        job.not_before,
+        job.queue,
+        job.time_limit,
+        len(job.struck_nodes),
+    )
+    cached = job.snapshot_cache.get("pending")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    entry = PendingJob(job.request(), job.queue, job.not_before)
+    job.snapshot_cache["pending"] = (key, entry)
+    return entry
+
+
 def running_job(job: JobRecord) -> RunningJob:
+    key = (
+        job.version,
+        job.attempt,
+        job.started_at,
+        job.running_at,
+        job.flavor,
+        job.preempted_by,
+        job.preempt_deadline,
+        len(job.allocations),
+    )
+    cached = job.snapshot_cache.get("running")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    entry = _running_job(job)
+    job.snapshot_cache["running"] = (key, entry)
+    return entry
+
+
+def _running_job(job: JobRecord) -> RunningJob:
     return RunningJob(
         job.request(),
         Placement(job.id, tuple(job.replica_placements()), "", 0, 0.0, ""),
@@ -120,11 +158,17 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         else {}
     )
     config = DecideConfig(
-        tiers=s.fabric.tiers, backfill=s.backfill, preemption=s.preemption, poll_s=s.preemption_poll_s
+        tiers=s.fabric.tiers,
+        backfill=s.backfill,
+        preemption=s.preemption,
+        poll_s=s.preemption_poll_s,
+        placement_budget_ms=s.placement_budget_ms,
+        depth=s.backfill_depth or None,
+        backfill_budget_ms=s.backfill_budget_ms,
     )
     return Snapshot(
         capacity=state.capacity,
-        pending=[PendingJob(j.request(), j.queue, j.not_before) for j in state.pending()],
+        pending=[pending_job(j) for j in state.pending()],
         running=_Lazy(running),
         config=config,
         unusable=unusable(state),
@@ -138,7 +182,8 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
 
 def unusable(state: SchedulerState) -> dict[str, set[int]]:
     """GPUs out of placement besides what runs: FATAL ones and those switching MIG mode."""
-    return {n.name: held for n in state.nodes.values() if (held := n.held_gpus)}
+    # Only a node with a GPU health report or a MIG switch can hold any: the others cost an attribute test.
+    return {n.name: held for n in state.nodes.values() if (n.gpu_health or n.mig_switches) and (held := n.held_gpus)}
 
 
 def apply_plan(cycle: Cycle, plan: Plan) -> None:

@@ -27,17 +27,18 @@ from services.common import metrics
 from services.common.errors import ServiceError, Unavailable
 from services.common.faults import fail_point
 
-from . import accounting, ledger, migmode
+from . import accounting, ledger, migmode, retention
 from .commands import HEALTH_NAMES, Drain, HealthReport
 from .convert import job_from_row, node_from_row
-from .cycle import finish_cycle, run_cycle
+from .cycle import account_finished, finish_cycle, run_cycle
 from .fanout import FanOut
 from .leadership import Leadership
 from .settings import SchedulerSettings
 from .state import SchedulerState
-from .transitions import Command, Cycle, reload_state
+from .transitions import Command, Cycle, apply_changes, reload_state
 
 log = structlog.get_logger()
+SLOW_CYCLE_S = 0.25  # a cycle longer than this logs where its time went (cycle_slow)
 
 
 class SchedulerService:
@@ -50,6 +51,9 @@ class SchedulerService:
         self.engine: Engine = make_engine(
             settings.db_url, pool_size=12, idle_in_transaction_timeout_s=max(2.0, 2 * settings.leader_lease_s)
         )
+        # Reads (lists, goodput, assignment streams) take no lock the others wait for: a long one on a busy replica
+        # must not be ended by that timeout.
+        self.read_engine: Engine = make_engine(settings.db_url, pool_size=8)
         self.state = SchedulerState()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
@@ -63,6 +67,7 @@ class SchedulerService:
         self._acks_persisted = 0.0
         self._next_gauges = 0.0
         self._next_goodput = 0.0
+        self._next_retention = 0.0  # --retain-finished: the next archive run (_archive_finished)
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -77,6 +82,8 @@ class SchedulerService:
         self._acked_at_beat: dict[str, int] = {}
         self._mig_queued: dict[str, tuple] = {}
         self._next_timer_check = 0.0
+        self._next_changes_prune = 0.0
+        self.view_reloads = {"full": 0, "delta": 0}  # this replica's (phalanx_scheduler_view_reloads_total)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.leadership = Leadership(settings.replica_id, settings.leader_lease_s)
 
@@ -119,6 +126,7 @@ class SchedulerService:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=False)
         self.engine.dispose()
+        self.read_engine.dispose()
 
     # ---- commands ------------------------------------------------------------------------------------------------
 
@@ -212,8 +220,11 @@ class SchedulerService:
 
     def _transaction(self, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
         conn = self._writer_connection()
+        started = time.perf_counter()
         try:
-            return self._transaction_on(conn, commands, now, resync=resync)
+            out = self._transaction_on(conn, commands, now, resync=resync)
+            metrics.CYCLE_SECONDS.observe(time.perf_counter() - started)
+            return out
         except Exception:
             with contextlib.suppress(Exception):
                 conn.invalidate()
@@ -221,8 +232,10 @@ class SchedulerService:
             raise
 
     def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
+        t0 = time.perf_counter()
         with conn.begin() as trans:
             clock = ledger.begin_cycle(conn)
+            t_lock = time.perf_counter()
             generation = clock.generation
             epoch, until, acquired = self.leadership.decide(conn, clock)
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
@@ -231,14 +244,34 @@ class SchedulerService:
             cycle = Cycle(conn, self.state, self.settings, now)
             self._last_sync = now
             cycle.foreign_writes = self._generation is not None and generation != self._generation
-            if resync or generation != self._generation or acquired:
+            changes = None
+            if cycle.foreign_writes and not resync and not acquired:
+                changes = ledger.read_changes(conn, self._generation or 0, generation)
+            if changes is not None:
+                # Other replicas wrote: reload only what they changed (their cycles recorded it).
+                apply_changes(conn, self.state, self.settings, changes)
+                cycle.foreign_assigned = changes.assigned
+                metrics.VIEW_RELOADS.labels("delta").inc()
+                self.view_reloads["delta"] += 1
+            elif resync or generation != self._generation or acquired:
                 # A new leader gives every node a full lease and every launch its timeout from now, as a restart
                 # does: heartbeats that reached the old leader last may not be in the ledger yet.
                 reload_state(conn, self.state, self.settings, now, initial=self._initial or acquired)
+                cycle.foreign_assigned = None  # unknown: every stream looks
+                metrics.VIEW_RELOADS.labels("full").inc()
+                self.view_reloads["full"] += 1
+            t_view = time.perf_counter()
+            cycle.changes = ledger.track_changes(conn)
             self._take_beats_and_acks(cycle)
             cycle.generation = generation
             cycle.epoch = epoch or 0
             results = run_cycle(cycle, commands, timers_due=self._timers, schedules=epoch is not None)
+            t_run = time.perf_counter()
+            cycle.write_deferred()
+            account_finished(cycle)
+            if self.leading and now >= self._next_changes_prune:
+                self._next_changes_prune = now + 30.0
+                ledger.prune_changes(conn, now - ledger.CHANGES_KEPT_S)
             # Closing writes and the commit: one round trip on PostgreSQL. Not when a MIG instance or share was
             # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
             with ledger.pipelined(conn, enabled=not cycle.needs_answers):
@@ -246,6 +279,19 @@ class SchedulerService:
                 if cycle.handover:
                     fail_point("scheduler.handover")
                 trans.commit()
+        done = time.perf_counter()
+        if done - t0 > SLOW_CYCLE_S:
+            log.info(
+                "cycle_slow",
+                ms=round((done - t0) * 1000, 1),
+                lock_ms=round((t_lock - t0) * 1000, 1),
+                view_ms=round((t_view - t_lock) * 1000, 1),
+                run_ms=round((t_run - t_view) * 1000, 1),
+                commit_ms=round((done - t_run) * 1000, 1),
+                commands=len(commands),
+                view="delta" if changes is not None else ("full" if cycle.foreign_assigned is None else "kept"),
+                reserved=len(cycle.reserved),
+            )
         self._generation = cycle.generation
         self._initial = False
         self._resync = cycle.resync_after
@@ -390,6 +436,12 @@ class SchedulerService:
         self._inbox.append((HealthReport(node.name, health, events), fut))
         self._wake.set()
 
+    def revision_of(self, name: str) -> float:
+        """The node's last assignment revision as this replica's view has it; inf when the view does not know
+        the node (or is being reloaded): the caller reads the ledger."""
+        node = self.state.nodes.get(name)
+        return float("inf") if node is None or self._resync else node.revision
+
     def ack(self, name: str, revision: int) -> bool:
         if name not in self.state.nodes:
             return False
@@ -414,7 +466,11 @@ class SchedulerService:
         for name, revision, message in cycle.delivered:
             self.fanout.deliver(name, revision, message)
         if cycle.foreign_writes:
-            self.fanout.wake_all_nodes()
+            if cycle.foreign_assigned is None:
+                self.fanout.wake_all_nodes()
+            else:
+                for name in cycle.foreign_assigned:
+                    self.fanout.wake_node(name)
         for _job, latency in cycle.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
@@ -422,9 +478,23 @@ class SchedulerService:
         if now >= self._next_gauges:  # whole-cluster gauges are O(nodes): refresh them twice a second at most
             self._next_gauges = now + 0.5
             asyncio.get_running_loop().call_soon(self._update_gauges)
-        if self.settings.metrics_port and now >= self._next_goodput:  # O(jobs in the ledger): every 10 s at most
+        if self.settings.metrics_port and now >= self._next_goodput:  # O(active jobs + sums): every 10 s at most
             self._next_goodput = now + 10.0
             asyncio.ensure_future(self._update_goodput())
+        if self.settings.retain_finished_s > 0 and now >= self._next_retention and self.leading:
+            self._next_retention = now + retention.CHECK_INTERVAL_S
+            asyncio.ensure_future(self._archive_finished())
+
+    async def _archive_finished(self) -> None:
+        """--retain-finished: the leader moves finished jobs past the retention into job_archive (retention.py) on a
+        reader thread, in transactions of their own (never the cycle's), a batch at a time."""
+        before = time.time() - self.settings.retain_finished_s
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._readers, retention.archive_finished, self.engine, before
+            )
+        except Exception as exc:  # retention must never hurt the scheduler; the next run tries again
+            log.warning("finished_jobs_archive_failed", error=str(exc)[:200])
 
     async def _update_goodput(self) -> None:
         try:
@@ -468,10 +538,9 @@ class SchedulerService:
             return
         if body.get("replica") == self.settings.replica_id:
             return
-        self._resync = True
+        # The next cycle sees the generation move and reads what changed from ledger_changes (no full reload);
+        # the streams of the nodes named wake now, those of a notice too large to name them after that cycle.
         self._wake.set()
-        if body.get("all"):
-            self.fanout.wake_all_nodes()
         for name in body.get("nodes", []):
             self.fanout.wake_node(name)
         jobs = body.get("jobs", [])
@@ -486,7 +555,7 @@ class SchedulerService:
 
     async def read(self, fn, *args, **kwargs):
         def run():
-            with self.engine.connect().execution_options(readonly=True) as conn:
+            with self.read_engine.connect().execution_options(readonly=True) as conn:
                 with conn.begin():
                     return fn(conn, *args, **kwargs)
 

@@ -18,14 +18,17 @@ from services.common.auth import TenantLimits, current_identity, tenant_scope
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.rpc import stream, unary
 
-from . import accounting, ledger, queues
+from . import accounting, ledger, paging, queues, retention
 from .commands import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
-from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES
+from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, node_from_row
 from .service import SchedulerService
 
 MAX_NAME = 253
 MAX_COMMAND_ARGS = 4096
 MAX_COMMAND_BYTES = 256 * 1024
+# The environment is bounded like the command, so that a Job message stays small (the pages of ListJobs: paging.py).
+MAX_ENV_VARS = 4096
+MAX_ENV_BYTES = 256 * 1024
 MAX_REPLICAS = 100_000
 MAX_GPUS_PER_REPLICA = 1024
 MAX_RESTARTS = 1000
@@ -83,6 +86,8 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
         problems.append("command is too long")
     elif any("\x00" in a for a in spec.command):
         problems.append("command arguments must not contain NUL characters")
+    if len(spec.env) > MAX_ENV_VARS or sum(len(k) + len(v) for k, v in spec.env.items()) > MAX_ENV_BYTES:
+        problems.append(f"env is too large: at most {MAX_ENV_VARS} variables and {MAX_ENV_BYTES // 1024} KiB")
     for key, value in spec.env.items():
         if not _ENV_KEY.match(key):
             problems.append(f"env name {key!r} is not a valid variable name")
@@ -220,8 +225,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetJob(self, request, context):
         job_id = check_job_id(request.job_id)
         jobs = await self.service.read_jobs(job_ids=[job_id], tenant=tenant_scope())
-        if not jobs:
-            raise NotFound(f"no job with id {request.job_id!r}")
+        if not jobs:  # finished past --retain-finished: from job_archive (retention.py), else none
+            archived = await self.service.read(retention.read_archived_job, job_id, tenant_scope())
+            if archived is None:
+                raise NotFound(f"no job with id {request.job_id!r}")
+            return archived
         job = jobs[0]
         _, listed, _ = await self.service.read(accounting.read_goodput, time.time(), job_ids=[job_id])
         if listed:
@@ -231,23 +239,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def ListJobs(self, request, context):
+        """A page of jobs, newest first (paging.py: sizes, byte budget, tokens). The filters are SQL, before paging:
+        PREEMPTING is a RUNNING job with a preemptor (ledger.read_jobs)."""
         states = []
-        preempting = False
         for s in request.states:
             if s == common_pb2.JOB_STATE_PREEMPTING:
-                preempting = True  # a RUNNING job with a preemptor: filtered below
-                states.append("RUNNING")
+                states.append("PREEMPTING")
                 continue
             if s not in JOB_STATE_NAMES:
                 raise InvalidArgument(f"unknown job state {s}")
             states.append(JOB_STATE_NAMES[s])
-        if request.limit < 0:
-            raise InvalidArgument(f"limit must not be negative, got {request.limit}")
-        jobs = await self.service.read_jobs(states=states, limit=request.limit, tenant=tenant_scope())
-        if preempting:
-            wanted = set(request.states)
-            jobs = [j for j in jobs if j.state in wanted]
-        return scheduler_pb2.ListJobsResponse(jobs=jobs)
+        size = paging.job_page_size(request.page_size, request.limit)
+        scope = tenant_scope()
+        digest = paging.filter_digest(sorted(set(states)), scope)
+        after = paging.decode_job_token(request.page_token, digest) if request.page_token else None
+        jobs = await self.service.read_jobs(states=states, limit=size + 1, tenant=scope, after=after)
+        page, more = paging.fit(jobs, size)
+        token = paging.job_token(page[-1], digest) if more else ""
+        return scheduler_pb2.ListJobsResponse(jobs=page, next_page_token=token)
 
     @unary
     async def CheckpointJob(self, request, context):
@@ -265,18 +274,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise InvalidArgument(f"limit must not be negative, got {request.limit}")
         if not request.since >= 0:
             raise InvalidArgument(f"since must be a unix time >= 0, got {request.since}")
-        total, listed, count = await self.service.read(
-            accounting.read_goodput, time.time(), since=request.since, limit=request.limit or 100, tenant=tenant_scope()
+        # Totals from goodput_totals and the live ledger; a page of jobs by key (accounting.read_goodput_report).
+        size, scope = paging.job_page_size(request.page_size, request.limit), tenant_scope()
+        digest = accounting.page_digest(request.since, scope)
+        after = accounting.page_after(request.page_token, digest)
+        got = await self.service.read(
+            accounting.read_goodput_report, time.time(), since=request.since, limit=size, tenant=scope, after=after
         )
         return scheduler_pb2.GetGoodputResponse(
-            cluster=accounting.to_proto(total),
-            job_count=count,
+            cluster=accounting.to_proto(got.total),
+            job_count=got.job_count,
             jobs=[
                 scheduler_pb2.JobGoodput(
                     job_id=j["id"], name=j["name"], state=_state(j), attempts=n, goodput=accounting.to_proto(g)
                 )
-                for j, g, n in listed
+                for j, g, n in got.listed
             ],
+            next_page_token=accounting.page_token(got.after, digest),
+            tenants=accounting.group_protos(got.tenants),
+            queues=accounting.group_protos(got.queues),
         )
 
     @unary
@@ -309,7 +325,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def ListNodes(self, request, context):
-        return scheduler_pb2.ListNodesResponse(nodes=await self.service.read_nodes())
+        """A page of nodes by name: only that page's nodes, allocations and GPUs are read (paging.py)."""
+        size = paging.page_size(request.page_size, paging.DEFAULT_NODE_PAGE, paging.MAX_NODE_PAGE)
+        after = paging.decode_node_token(request.page_token) if request.page_token else None
+
+        def read(conn):
+            rows = ledger.read_nodes(conn, after=after, limit=size + 1)
+            return rows, ledger.read_node_gpus(conn, [n["id"] for n, _, _ in rows])
+
+        rows, gpus = await self.service.read(read)
+        nodes = [node_from_row(n, used, shared, gpus.get(n["id"], [])) for n, used, shared in rows]
+        page, more = paging.fit(nodes, size)
+        return scheduler_pb2.ListNodesResponse(nodes=page, next_page_token=paging.node_token(page[-1]) if more else "")
 
     async def _cordon(self, name: str, cordon: bool, reason: str = "") -> common_pb2.Node:
         if not name or len(name) > MAX_NAME:
@@ -455,7 +482,10 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         try:
             need_read = True
             while not self.service._stopping:
-                if need_read:
+                # The view knows each node's last assignment revision (this replica's commits, and what other
+                # replicas recorded in ledger_changes): the ledger is read only when it holds something newer,
+                # so 4,096 idle streams cost no queries.
+                if need_read and self.service.revision_of(name) > last:
                     for revision, payload in await self.service.assignments_after(name, last):
                         last = revision
                         yield agent_pb2.Assignment.FromString(payload)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phalanx.core.capacity import PLACEMENT_BUDGET_MS
 from phalanx.core.fabric import Fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
 
@@ -31,6 +32,12 @@ class SchedulerSettings:
     preemption_poll_s: float = 0.5
     # EASY backfill behind a blocked head of the queue (phalanx.core.backfill); False: strict order.
     backfill: bool = True
+    # Bounds of one backfill pass behind a blocked head: at most this many gangs tried (Slurm's bf_max_job_test;
+    # 0: no limit) and this much time (ms; 0: none). The gangs not tried wait for a pass whose inputs changed.
+    backfill_depth: int = 1000
+    backfill_budget_ms: float = 50.0
+    # Time budget of each placement's exact search (ms; 0: none); past it the heuristic fill, said in the reason.
+    placement_budget_ms: float = PLACEMENT_BUDGET_MS
     # Heartbeats live in memory; the ledger sees them at most this often (other replicas read leases from it).
     heartbeat_persist_interval: float = 5.0
     # Without LISTEN/NOTIFY (SQLite), look at the ledger for other processes' changes this often.
@@ -51,3 +58,6 @@ class SchedulerSettings:
     # mig_switch_backoff_s.
     mig_switch_hold_s: float = 60.0
     mig_switch_backoff_s: float = 60.0
+    # Retention (services/scheduler/retention.py): finished jobs stay in `jobs` this long after they finished, then the
+    # leader moves them to job_archive (their goodput into goodput_totals); 0: never (--retain-finished).
+    retain_finished_s: float = 30 * 86400.0

@@ -1,7 +1,8 @@
 """The scheduler replica's in-memory view of the ledger: active jobs, nodes, and free capacity.
 
-It is a cache. The ledger is the truth: a cycle that fails to commit, or a change made by another replica,
-triggers a full reload (`ledger.load_state`). Only the scheduling cycle (one thread at a time) touches it.
+It is a cache. The ledger is the truth: a cycle that fails to commit triggers a full reload (`ledger.load_state`);
+what another replica changed is read back row by row (`transitions.apply_changes`, from ledger_changes). Only the
+scheduling cycle (one thread at a time) touches it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class JobRecord:
     restored_step: int = -1  # the committed step the current attempt restarts from (-1: none)
     # Nodes whose host could not set up one of its ranks (a retryable FAILED_TO_START): avoided while it fits elsewhere
     struck_nodes: list[str] = field(default_factory=list)
+    # The decision's inputs built from this record last time, with the fields they were built from
+    # (planning.pending_job / running_job): a pass over 10,000 pending gangs rebuilds only those that changed.
+    snapshot_cache: dict[str, tuple[tuple, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def preempting(self) -> bool:
@@ -235,7 +239,11 @@ class SchedulerState:
     def __init__(self) -> None:
         self.jobs: dict[str, JobRecord] = {}  # PENDING and RUNNING jobs only
         self.nodes: dict[str, NodeRecord] = {}
-        self.capacity = ClusterCapacity()
+        self._capacity = ClusterCapacity()
+        self._capacity_stale = False
+        # A scheduling pass is due although this cycle's writes changed nothing it decides on: the view was
+        # (re)loaded, jobs were submitted, capacity changed in memory. Cleared by the pass (cycle.schedule).
+        self.pass_due = True
         self.wake_at = float("inf")  # the next time a cycle must run although nothing happened (cycle.wake_at)
         self.endpoint: tuple[str, str] = ("", "")  # the checkpoint coordinator found in the ledger (address, dir)
         self.endpoint_expires = 0.0
@@ -244,8 +252,22 @@ class SchedulerState:
         self.mig_plans: dict = {}  # job id -> (signature, valid until, plan) of its last MIG mode switch plan
         self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)
 
+    @property
+    def capacity(self) -> ClusterCapacity:
+        """The free-capacity index, rebuilt on first use after `rebuild_capacity` (so a cycle that registers a
+        thousand nodes builds it once, not a thousand times)."""
+        if self._capacity_stale:
+            self._build_capacity()
+        return self._capacity
+
     def rebuild_capacity(self) -> None:
-        self.capacity = ClusterCapacity(
+        """Rebuild the index from the nodes and the running jobs, when it is next used."""
+        self._capacity_stale = True
+        self.pass_due = True
+
+    def _build_capacity(self) -> None:
+        self._capacity_stale = False
+        self._capacity = ClusterCapacity(
             NodeCapacity(
                 n.name,
                 n.gpus,
@@ -262,16 +284,18 @@ class SchedulerState:
             for n in self.nodes.values()
             for held in (n.held_gpus,)
         )
+        capacity = self._capacity
         for job in self.jobs.values():
             if job.state == "RUNNING":
                 for rep in job.replica_placements():
                     if rep.mig_profile or rep.gpu_milli:
-                        self.capacity.take_partial(rep)
+                        capacity.take_partial(rep)
                     else:
-                        self.capacity.take(rep.node, rep.gpus)
+                        capacity.take(rep.node, rep.gpus)
 
     def set_node_schedulable(self, name: str) -> None:
         self.capacity.set_schedulable(name, self.nodes[name].schedulable)
+        self.pass_due = True
 
     def hold_fatal_gpus(self, names) -> None:
         """Keep FATAL GPUs out of the free view after a release gave them back (a job on them ended)."""

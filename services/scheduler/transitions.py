@@ -6,6 +6,7 @@ They write the ledger in the cycle's transaction and keep the in-memory view in 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,18 @@ class Cycle:
     delivered: list[tuple[str, int, Any]] = field(default_factory=list)
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
     epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
+    # Rank reports to store (ledger.record_ranks), written together before the commit or a reload
+    rank_rows: list[dict[str, Any]] = field(default_factory=list)
+    # Writes nothing in the cycle reads back or needs an answer from (an attempt's end, its running mark, a
+    # teardown's released allocations): sent together, pipelined, before the closing reads (write_deferred)
+    deferred: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
+    # Jobs that reached a final state in this cycle: their goodput enters goodput_totals in its commit
+    # (cycle.account_finished, before the closing writes)
+    finished: list[str] = field(default_factory=list)
+    # What this cycle's writes changed (ledger.track_changes), stored with its generation for the other replicas
+    changes: ledger.Changes | None = None
+    # Nodes other replicas gave assignments since this replica's last cycle (None: unknown, after a full reload)
+    foreign_assigned: set[str] | None = field(default_factory=set)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
@@ -71,8 +84,26 @@ class Cycle:
         if when > self.now:
             self.state.wake_at = min(self.state.wake_at, when)
 
+    def later(self, write, *args: Any) -> None:
+        """Queue `write(conn, *args)` for write_deferred (args are taken now: pass copies of what may change)."""
+        self.deferred.append((write, args))
+
+    def write_deferred(self) -> None:
+        if self.deferred:
+            items, self.deferred = self.deferred, []
+            with ledger.pipelined(self.conn):
+                for write, args in items:
+                    write(self.conn, *args)
+
+    def flush_ranks(self) -> None:
+        if self.rank_rows:
+            ledger.record_ranks(self.conn, self.rank_rows)
+            self.rank_rows = []
+
     def reload(self) -> None:
         """Reload the view inside this transaction (it sees this cycle's own writes, not its unwritten jobs)."""
+        self.write_deferred()
+        self.flush_ranks()
         reload_state(self.conn, self.state, self.settings, self.now, initial=False)
         for job in self.new_jobs:
             self.state.jobs[job.id] = job
@@ -97,6 +128,89 @@ def reload_state(
             job.launch_deadline = deadline
         else:
             job.launch_deadline = job.started_at + settings.launch_timeout
+
+
+def apply_changes(
+    conn: Connection, state: SchedulerState, settings: SchedulerSettings, changes: ledger.Changes
+) -> None:
+    """Bring the view up to date with what other replicas' cycles changed (ledger_changes), reading only those
+    rows: the jobs and nodes named, the monotonic node columns as they are. The capacity index follows: the old
+    placement of a changed job is given back and its new one taken; a node whose GPUs, topology or MIG layout
+    changed rebuilds the index (in memory)."""
+    node_ids = set(changes.nodes) | ledger.nodes_of_gpus(conn, changes.gpus)
+    rebuild = False
+    changed_nodes: list[str] = []
+    for name, new in ledger.read_node_records(conn, settings.fabric.path, node_ids).items():
+        old = state.nodes.get(name)
+        if old is None or _capacity_shape(old) != _capacity_shape(new):
+            rebuild = True
+        if old is not None:
+            new.last_heartbeat = max(new.last_heartbeat, old.last_heartbeat)
+            new.persisted_heartbeat = max(new.persisted_heartbeat, old.persisted_heartbeat)
+        state.nodes[name] = new
+        changed_nodes.append(name)
+    if changes.beats or changes.acks or changes.revisions:
+        by_id = {n.id: n for n in state.nodes.values()}
+        for node_id, ts in changes.beats.items():
+            if (node := by_id.get(node_id)) is not None:
+                node.last_heartbeat = max(node.last_heartbeat, ts)
+                node.persisted_heartbeat = max(node.persisted_heartbeat, ts)
+        for node_id, acked in changes.acks.items():
+            if (node := by_id.get(node_id)) is not None:
+                node.acked_revision = max(node.acked_revision, acked)
+        for node_id, revision in changes.revisions.items():
+            if (node := by_id.get(node_id)) is not None:
+                node.revision = max(node.revision, revision)
+    if changes.jobs:
+        names = {n.id: n.name for n in state.nodes.values()}
+        fresh = ledger.read_job_records(conn, names, changes.jobs)
+        touched_nodes: set[str] = set()
+        for job_id in changes.jobs:
+            old_job = state.jobs.pop(job_id, None)
+            if old_job is not None and old_job.state == "RUNNING" and not rebuild:
+                for rep in old_job.replica_placements():
+                    state.capacity.release_replica(rep)
+                touched_nodes.update(old_job.nodes)
+            job = fresh.get(job_id)
+            if job is None:
+                continue
+            if job.state == "RUNNING" and any(r.state == "ASSIGNED" for r in job.ranks.values()):
+                same = old_job is not None and old_job.attempt == job.attempt and old_job.launch_deadline is not None
+                job.launch_deadline = (
+                    old_job.launch_deadline if same and old_job else job.started_at + settings.launch_timeout
+                )
+            state.jobs[job_id] = job
+            if job.state == "RUNNING" and not rebuild:
+                for rep in job.replica_placements():
+                    if rep.mig_profile or rep.gpu_milli:
+                        state.capacity.take_partial(rep)
+                    else:
+                        state.capacity.take(rep.node, rep.gpus)
+        if not rebuild:
+            state.hold_fatal_gpus(touched_nodes)
+    if changes.queues:
+        state.queues = ledger.load_queues(conn)
+    if changes.sched:
+        state.pass_due = True
+    if rebuild:
+        state.rebuild_capacity()
+    else:
+        for name in changed_nodes:
+            state.set_node_schedulable(name)
+
+
+def _capacity_shape(node: NodeRecord) -> tuple:
+    """What the capacity index holds of a node besides its use: a change rebuilds the index."""
+    return (
+        node.gpus,
+        node.path,
+        node.closeness,
+        node.gpu_model,
+        node.memory_mib,
+        node.mig_gpus,
+        tuple(sorted(node.foreign.items())),
+        frozenset(node.held_gpus),
+    )
 
 
 class Command:
@@ -149,8 +263,11 @@ def teardown(
     if not ledger.update_job(cycle.conn, job, **changes):
         cycle.resync_after = True
         return False
-    step, _ = ledger.end_attempt(cycle.conn, job, cause or final_state or "", message, now)
-    ledger.release_allocations(cycle.conn, job, now)
+    # Neither needs an answer: written with the cycle's deferred writes (copies: a requeued job may be reserved
+    # again in this very cycle, with a new attempt and allocations).
+    ended = copy.copy(job)
+    cycle.later(ledger.end_attempt, ended, cause or final_state or "", message, now, False)
+    cycle.later(ledger.release_allocations, ended, now)
     if not released:
         for rep in job.replica_placements():
             cycle.state.capacity.release_replica(rep)
@@ -168,6 +285,7 @@ def teardown(
     job.running_at = 0.0
     if final_state:
         cycle.state.jobs.pop(job.id, None)
+        cycle.finished.append(job.id)
     else:
         cycle.wake_at(job.not_before)
     log.info(
@@ -176,7 +294,6 @@ def teardown(
         attempt=attempt,
         cause=cause or final_state,
         state=job.state,
-        committed_step=step,
         message=job.message,
     )
     cycle.touched(job)

@@ -213,8 +213,10 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
         for e in envs:
             assert placed[int(e["NODE_RANK"])] == e["PHALANX_NODE"]
 
-        # -- `phalanx jobs --json`: exactly a JSON array with the documented fields ------------------------------
-        jobs = _cli_json(capsys, cluster.address, "jobs", "--json")
+        # -- `phalanx jobs --json`: one page object, its jobs with the documented fields ---------------------------
+        page = _cli_json(capsys, cluster.address, "jobs", "--json")
+        assert set(page) == {"jobs", "next_page_token"} and page["next_page_token"] == ""
+        jobs = page["jobs"]
         assert isinstance(jobs, list) and len(jobs) == 1  # (the partial-GPU jobs come after this check)
         (row,) = jobs
         assert set(row) == JOB_FIELDS

@@ -133,7 +133,7 @@ async def submit(stub, job_spec, timeout: float = 30.0) -> str:
 
 
 async def all_finished(stub, ids: set[str]):
-    jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
+    jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000), timeout=10)).jobs
     done = {j.id: j.state for j in jobs if j.id in ids and j.state in TERMINAL}
     return done if len(done) == len(ids) else None
 

@@ -46,7 +46,7 @@ async def test_kill9_scheduler_then_restart_loses_and_duplicates_nothing(db_url,
         sched = _start_on(db_url, tmp_path / "s3.log", port, *args)
 
         # Agents reconnect on their own; the lease grace keeps their nodes READY meanwhile.
-        jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest())).jobs
+        jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))).jobs
         assert sorted(j.id for j in jobs) == sorted([running.id, queued.id])
         assert {j.id: j.state for j in jobs} == {running.id: RUNNING, queued.id: PENDING}
         nodes = (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes

@@ -42,11 +42,11 @@ async def test_two_replicas_hundreds_of_gangs_random_cancels(pg_url, tmp_path):
         assert len(set(ids)) == 240
 
         async def all_done():
-            jobs = (await stubs[0].ListJobs(scheduler_pb2.ListJobsRequest())).jobs
+            jobs = (await stubs[0].ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))).jobs
             return len(jobs) == 240 and all(j.state in TERMINAL for j in jobs)
 
         await eventually(all_done, timeout=120, interval=0.5, what="every job in an end state")
-        jobs = (await stubs[1].ListJobs(scheduler_pb2.ListJobsRequest())).jobs
+        jobs = (await stubs[1].ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))).jobs
         assert not [j for j in jobs if j.state == common_pb2.JOB_STATE_FAILED]
 
         engine = create_engine(pg_url)

@@ -152,7 +152,7 @@ async def test_storm_through_two_replicas_with_agents_from_an_earlier_ledger(pg_
         ids = await _run_jobs(stubs, 40, rng, cancel_share=0.0)
 
         async def first_done():
-            jobs = (await stubs[0].ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
+            jobs = (await stubs[0].ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000), timeout=10)).jobs
             return all(j.state in TERMINAL for j in jobs if j.id in set(ids))
 
         await eventually(first_done, timeout=90, interval=0.5, what="the first ledger's jobs done")
@@ -180,7 +180,7 @@ async def test_storm_through_two_replicas_with_agents_from_an_earlier_ledger(pg_
         while not stop_sampling.is_set():
             stub = stubs[samples % 2]
             try:
-                jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
+                jobs = (await stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000), timeout=10)).jobs
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(0.2)
                 continue
@@ -196,7 +196,7 @@ async def test_storm_through_two_replicas_with_agents_from_an_earlier_ledger(pg_
         assert len(set(ids)) == GANGS
 
         async def all_done():
-            jobs = (await stubs[1].ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
+            jobs = (await stubs[1].ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000), timeout=10)).jobs
             return len(jobs) == GANGS and all(j.state in TERMINAL for j in jobs)
 
         await eventually(all_done, timeout=STORM_BOUND_S, interval=0.5, what="every gang in an end state")
@@ -208,7 +208,7 @@ async def test_storm_through_two_replicas_with_agents_from_an_earlier_ledger(pg_
         )
         assert samples >= 10
         assert not problems, problems[:10]
-        jobs = (await stubs[0].ListJobs(scheduler_pb2.ListJobsRequest(), timeout=10)).jobs
+        jobs = (await stubs[0].ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000), timeout=10)).jobs
         assert not [j.id for j in jobs if j.state == common_pb2.JOB_STATE_FAILED]
         assert sum(j.state == common_pb2.JOB_STATE_SUCCEEDED for j in jobs) > GANGS // 2
 

@@ -429,12 +429,14 @@ def _seed(servicer):
     return a, b, c
 
 
-def test_jobs_json_is_one_array_newest_first_with_finished_jobs(fake, capsys):
+def test_jobs_json_is_one_page_object_newest_first_with_finished_jobs(fake, capsys):
     servicer, address = fake
     a, b, c = _seed(servicer)
     code, out, err = cli(capsys, address, "jobs", "--json")
     assert code == 0 and err == ""
-    jobs = json.loads(out)
+    doc = json.loads(out)
+    assert set(doc) == {"jobs", "next_page_token"} and doc["next_page_token"] == ""  # the last (only) page
+    jobs = doc["jobs"]
     assert isinstance(jobs, list) and [j["id"] for j in jobs] == [c.id, b.id, a.id]
     assert all(JOB_KEYS <= set(j) for j in jobs)
     assert jobs[2]["state"] == "SUCCEEDED"
@@ -449,11 +451,11 @@ def test_jobs_state_filter(fake, capsys):
     servicer, address = fake
     a, b, c = _seed(servicer)
     code, out, _ = cli(capsys, address, "jobs", "--state", "running", "PENDING", "--json")
-    assert code == 0 and [j["id"] for j in json.loads(out)] == [c.id, b.id]
+    assert code == 0 and [j["id"] for j in json.loads(out)["jobs"]] == [c.id, b.id]
     code, out, _ = cli(capsys, address, "jobs", "--state", "SUCCEEDED", "--state", "FAILED", "--json")
-    assert code == 0 and [j["id"] for j in json.loads(out)] == [a.id]
+    assert code == 0 and [j["id"] for j in json.loads(out)["jobs"]] == [a.id]
     code, out, _ = cli(capsys, address, "jobs", "--state", "CANCELLED", "--json")
-    assert code == 0 and json.loads(out) == []
+    assert code == 0 and json.loads(out) == {"jobs": [], "next_page_token": ""}
 
 
 def test_jobs_table_is_aligned(fake, capsys):
@@ -611,11 +613,11 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
     shown = json.loads(out)
-    assert shown == {"db": url, "revision": "0015", "cluster_id": shown["cluster_id"]}
+    assert shown == {"db": url, "revision": "0018", "cluster_id": shown["cluster_id"]}
     assert len(shown["cluster_id"]) >= 32  # a UUID, the ledger's identity
-    assert current(url) == "0015"
+    assert current(url) == "0018"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent, and the identity stays
-    assert code == 0 and "0015" in out and shown["cluster_id"] in out
+    assert code == 0 and "0018" in out and shown["cluster_id"] in out
 
 
 @pytest.mark.slow
@@ -626,7 +628,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0015"
+    assert current(url) == "0018"
 
 
 @pytest.mark.slow
@@ -780,7 +782,8 @@ def test_goodput_table_and_json_against_the_fake(fake, capsys):
     code, out, err = cli(capsys, address, "goodput", "--json")
     doc = json.loads(out)
     assert code == 0 and servicer.goodput_requests[-1] == (0.0, 0)
-    assert set(doc) == {"cluster", "job_count", "jobs"} and doc["job_count"] == 2
+    assert set(doc) == {"cluster", "job_count", "jobs", "tenants", "queues", "next_page_token"}
+    assert doc["job_count"] == 2 and doc["tenants"] == [] and doc["queues"] == [] and doc["next_page_token"] == ""
     assert set(doc["cluster"]) == {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
     assert [(j["job_id"], j["state"]) for j in doc["jobs"]] == [(b.id, "PREEMPTING"), (a.id, "SUCCEEDED")]
 
@@ -838,7 +841,7 @@ def test_job_detail_shows_recovery_preemption_and_goodput(fake, capsys):
     code, out, err = cli(capsys, address, "job", retry.id)
     assert code == 0 and "retry backoff:" in out and "failures:" in out and "preempting" not in out
     code, out, err = cli(capsys, address, "jobs", "--state", "preempting", "--json")
-    assert code == 0 and [j["id"] for j in json.loads(out)] == [victim.id]
+    assert code == 0 and [j["id"] for j in json.loads(out)["jobs"]] == [victim.id]
     code, out, err = cli(capsys, address, "jobs")
     assert code == 0 and "PREEMPTING" in out
 
@@ -987,7 +990,7 @@ async def test_checkpoint_goodput_and_priority_classes_against_the_real_schedule
 
         await eventually(preempting, what="the batch job PREEMPTING")
         code, out, err = await _real_cli(capsys, address, "jobs", "--state", "preempting", "--json")
-        assert code == 0 and [j["id"] for j in json.loads(out)] == [low["id"]]
+        assert code == 0 and [j["id"] for j in json.loads(out)["jobs"]] == [low["id"]]
         code, out, err = await _real_cli(capsys, address, "job", low["id"])
         assert code == 0 and "PREEMPTING" in out and f"for {urgent['id']}" in out and "goodput:" in out
         code, out, err = await _real_cli(capsys, address, "job", low["id"], "--json")

@@ -571,7 +571,8 @@ def test_checkpoint_and_goodput(fake, client):
         running.id, "train", JobState.RUNNING, Goodput(3600.0, 2700.0, 450.0, 450.0, 900.0, 0.75), 1
     )
     d = report.to_dict()
-    assert set(d) == {"cluster", "job_count", "jobs"} and set(d["cluster"]) == GOODPUT_KEYS
+    assert set(d) == {"cluster", "job_count", "jobs", "tenants", "queues", "next_page_token"}
+    assert set(d["cluster"]) == GOODPUT_KEYS and (d["tenants"], d["queues"], d["next_page_token"]) == ([], [], "")
     assert d["jobs"][1] == {
         "job_id": running.id,
         "name": "train",

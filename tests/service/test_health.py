@@ -259,7 +259,7 @@ async def test_fatal_gpu_leaves_placement_within_a_heartbeat_degraded_stays_and_
         c.source.inject(Fault(3, "xid", 79))
         t0 = time.monotonic()
         node = await eventually(lambda: _fatal_gpus(c, [3]), what="GPU 3 FATAL", interval=0.02)
-        assert time.monotonic() - t0 < 2 * c.heartbeat + 1.0
+        assert time.monotonic() - t0 < 2 * c.heartbeat + 2.0  # a heartbeat or two, with a loaded machine's slack
         assert node.state == common_pb2.NODE_STATE_READY and node.free_gpus == 7
         assert node.health.state == common_pb2.HEALTH_STATE_DEGRADED  # 7 GPUs still good
         assert "GPU 3: XID 79: GPU has fallen off the bus" in node.health.reason

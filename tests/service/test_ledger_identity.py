@@ -30,7 +30,7 @@ from services.node_agent.state import AgentState
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-HEAD = "0015"
+HEAD = "0018"
 OLD_JOB = "0123456789ab"
 
 
@@ -239,7 +239,7 @@ async def test_agent_with_state_of_another_ledger_kills_its_ranks_starts_clean_a
         assert not launcher.rank_paths(state_dir, OLD_JOB, 3, 0)[0].exists()  # its status file is gone
         assert 1 <= state.acked_revision <= 3  # this ledger's revisions now
         # Nothing of the other ledger reached this one.
-        rows = await stub.ListJobs(scheduler_pb2.ListJobsRequest())
+        rows = await stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))
         assert [j.id for j in rows.jobs] == [job.id]
 
         # A restart against the same ledger keeps the state (no false alarm) ...
@@ -340,7 +340,7 @@ async def test_a_requeued_pending_job_shows_no_allocations_in_the_sdk_and_the_cl
         assert "allocations:" not in out and "REPLICA" not in out
         code, out, err = await _cli(capsys, address, "jobs", "--json")
         assert code == 0, err
-        rows = {j["id"]: j for j in json.loads(out)}
+        rows = {j["id"]: j for j in json.loads(out)["jobs"]}
         assert rows[failing.id]["allocations"] == []
         assert [a["node"] for a in rows[holder.id]["allocations"]] == ["node-0"]
 
@@ -349,4 +349,4 @@ async def test_a_requeued_pending_job_shows_no_allocations_in_the_sdk_and_the_cl
         assert code == 0, err
         assert json.loads(out)["state"] == "CANCELLED" and json.loads(out)["allocations"] == []
         code, out, err = await _cli(capsys, address, "jobs", "--json")
-        assert all(j["allocations"] == [] for j in json.loads(out))
+        assert all(j["allocations"] == [] for j in json.loads(out)["jobs"])

@@ -464,7 +464,7 @@ async def test_a_switch_that_waits_for_a_gpu_reset_shows_pending_then_done(db_ur
         )
         shown = await c.cli_json("job", mig.id, "--json")
         assert shown["message"].startswith("waiting for GPU 7 of node-a to switch to MIG mode")
-        (listed,) = [j for j in await c.cli_json("jobs", "--json") if j["id"] == mig.id]
+        (listed,) = [j for j in (await c.cli_json("jobs", "--json"))["jobs"] if j["id"] == mig.id]
         assert "GPU reset" in listed["message"]
         (node,) = await c.cli_json("nodes", "--json")
         assert (node["gpu_details"][7]["mig_mode_pending"], node["gpu_details"][7]["mig_switching"]) == (

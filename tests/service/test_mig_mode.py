@@ -624,7 +624,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
                 )
             )
         upgrade(url)
-        assert current(url) == "0015"
+        assert current(url) == "0018"
         with engine.connect() as conn:
             assert conn.execute(text('SELECT "index", mig_mode FROM gpus ORDER BY "index"')).all() == [
                 (0, "UNSUPPORTED"),
@@ -660,7 +660,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
             }
         assert "mig_mode" not in columns and "memory_mib" in columns
         upgrade(url)
-        assert current(url) == "0015"
+        assert current(url) == "0018"
     finally:
         engine.dispose()
 

@@ -275,10 +275,10 @@ async def test_watch_streams_every_state_change(db_url):
 async def test_list_jobs_is_newest_first_and_filters_by_state(db_url):
     async with Cluster(db_url, 1) as c:
         ids = [(await c.submit(f"j{i}", 1, 1, ("run",))).id for i in range(3)]
-        jobs = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest())).jobs
+        jobs = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))).jobs
         assert [j.id for j in jobs] == ids[::-1]
         await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=ids[1]))
-        cancelled = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(states=[CANCELLED]))).jobs
+        cancelled = (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(states=[CANCELLED], page_size=1000))).jobs
         assert [j.id for j in cancelled] == [ids[1]]
 
 

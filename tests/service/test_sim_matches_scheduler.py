@@ -216,7 +216,7 @@ async def live_run(
     async with LiteCluster(settings, agents) as c:
         t0 = time.time()
         while True:
-            live = {j.spec.name: j for j in (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest())).jobs}
+            live = {j.spec.name: j for j in (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))).jobs}
             if not arrivals and not any(j.state == PENDING for j in live.values()):
                 break
             # The next event: a gang's end (its start plus its duration) or an arrival, arrivals first at a tie.

@@ -115,6 +115,6 @@ def test_cluster_up_with_tokens_and_tls_runs_jobs_end_to_end(tmp_path):
             timeout=60,
         )
         assert result.returncode == 0, result.stderr
-        assert [j["id"] for j in json.loads(result.stdout)] == [job.id]
+        assert [j["id"] for j in json.loads(result.stdout)["jobs"]] == [job.id]
     finally:
         cluster.stop()

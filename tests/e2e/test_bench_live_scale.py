@@ -1,0 +1,102 @@
+"""bench/live_scale.py runs end to end at a tiny size (real scheduler processes on PostgreSQL, lightweight agents)
+and ends with one JSON line of figures; its target check names what a run missed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import live_scale
+
+pytestmark = pytest.mark.postgres
+
+
+def test_tiny_run_prints_every_figure_as_one_json_line(pg_url):
+    admin = pg_url.rsplit("/", 1)[0] + "/test"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "live_scale.py"),
+            "--nodes",
+            "32",
+            "--pending",
+            "60",
+            "--history",
+            "300",
+            "--steady",
+            "2",
+            "--runtime",
+            "0.2,1",
+            "--no-targets",
+            "--db",
+            os.environ.get("PHALANX_BENCH_PG", admin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["nodes"] == 32 and out["gpus"] == 256
+    for key in (
+        "bringup_s",
+        "cycle_p99_ms_1",
+        "cycle_p99_ms_2",
+        "reservations_per_s_1",
+        "reservations_per_s_2",
+        "submit_p99_ms",
+        "jobs_page_p50_ms",
+        "job_p50_ms",
+        "goodput_p50_ms",
+        "rss_empty_mib",
+        "rss_history_mib",
+        "rss_live_mib",
+    ):
+        assert isinstance(out[key], (int, float)), key
+    assert out["reservations_1"] > 0
+    assert out["targets_missed"] == []  # --no-targets: printed, not checked
+
+
+def test_the_target_check_names_each_missed_target():
+    good = dict(
+        bringup_s=30.0,
+        cycle_p99_ms_1=150.0,
+        cycle_p99_ms_2=150.0,
+        replicas_ratio=1.0,
+        jobs_page_p50_ms=20.0,
+        job_p50_ms=10.0,
+        rss_history_mib=110.0,
+        rss_empty_mib=100.0,
+    )
+    assert live_scale.check_targets(good) == []
+    bad = dict(good, bringup_s=75.0, cycle_p99_ms_2=300.0, replicas_ratio=0.5, rss_history_mib=300.0)
+    missed = live_scale.check_targets(bad)
+    assert len(missed) == 4
+    assert any("bring-up 75.0 s" in m for m in missed)
+    assert any("2 replica" in m for m in missed)
+
+
+def test_histogram_quantiles_are_bucket_upper_bounds():
+    text = "\n".join(
+        [
+            'c_bucket{le="0.01"} 50.0',
+            'c_bucket{le="0.1"} 98.0',
+            'c_bucket{le="1.0"} 100.0',
+            'c_bucket{le="+Inf"} 100.0',
+            "c_count 100.0",
+            "c_sum 3.5",
+        ]
+    )
+    h = live_scale.Histogram(text, "c")
+    assert h.quantile(0.5) == 0.01
+    assert h.quantile(0.99) == 1.0
+    assert h.minus(live_scale.Histogram("", "c")).count == 100.0
