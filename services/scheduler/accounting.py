@@ -20,7 +20,6 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from db.models import TERMINAL_JOB_STATES, GoodputTotals, Job, JobArchive, JobAttempt
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.goodput import CATEGORIES, AttemptTimes, Goodput, account_job
-from services.common.errors import InvalidArgument
 
 from . import ledger, paging
 from .state import gpu_equivalents
@@ -425,17 +424,7 @@ def page_after(token: str, digest: str) -> tuple[float, str] | None:
     """The (submitted_at, id) key a goodput page token carries (None for ""); INVALID_ARGUMENT for anything else."""
     if not token:
         return None
-    doc = paging.decode(token, "goodput", digest)
-    at, job_id = doc.get("t"), doc.get("id")
-    if (
-        isinstance(at, bool)
-        or not isinstance(at, (int, float))
-        or not math.isfinite(at)
-        or not isinstance(job_id, str)
-        or not 0 < len(job_id) <= 32
-    ):
-        raise InvalidArgument("invalid page token: its position is malformed")
-    return float(at), job_id
+    return paging.decode_job_token(token, digest, "goodput")
 
 
 def group_protos(groups: dict[str, tuple[Goodput, int]]) -> list[scheduler_pb2.GroupGoodput]:

@@ -118,9 +118,9 @@ def job_token(job: Any, digest: str) -> str:
     return encode("jobs", digest, t=float(job.submitted_at), id=job.id)
 
 
-def decode_job_token(token: str, digest: str) -> tuple[float, str]:
-    """(submitted_at, id) of the previous page's last job."""
-    doc = decode(token, "jobs", digest)
+def decode_job_token(token: str, digest: str, kind: str = "jobs") -> tuple[float, str]:
+    """(submitted_at, id) of the previous page's last job (`kind`: the listing, "jobs" or "goodput")."""
+    doc = decode(token, kind, digest)
     at, job_id = doc.get("t"), doc.get("id")
     if (
         isinstance(at, bool)
