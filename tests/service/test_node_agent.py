@@ -27,10 +27,13 @@ from services.node_agent.state import AgentState, RankRecord, StateDirLocked
 ROOT = Path(__file__).resolve().parents[2]
 S = common_pb2
 
-# A rank: writes its environment to $OUT_FILE, appends a line to $COUNT_FILE (to count starts), sleeps, exits $CODE.
+# A rank: writes its environment to $OUT_FILE (whole or not at all: a test polling for the file never reads half of
+# it), appends a line to $COUNT_FILE (to count starts), sleeps, exits $CODE.
 RANK_SCRIPT = (
     "import json, os, sys, time\n"
-    "json.dump(dict(os.environ), open(os.environ['OUT_FILE'], 'w'))\n"
+    "out = os.environ['OUT_FILE']\n"
+    "json.dump(dict(os.environ), open(out + '.part', 'w'))\n"
+    "os.replace(out + '.part', out)\n"
     "c = os.environ.get('COUNT_FILE')\n"
     "c and open(c, 'a').write('started\\n')\n"
     "time.sleep(float(os.environ.get('SLEEP', '0')))\n"

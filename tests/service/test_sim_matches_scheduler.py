@@ -48,6 +48,7 @@ SCALE = 0.05  # real seconds per trace second (the live run's slack before a tim
 PREEMPTION_SCALE = 0.08  # the preemption trace's gangs are few and long: more slack for a loaded machine
 CLUSTER = ClusterSpec(nodes=8, gpus=8, per_leaf=4)  # 8 nodes of 8 GPUs, 2 leaves of 4 under one spine
 MIN_GAP_S = 20.0  # trace seconds between two ends the live run must tell apart
+REACTION_S = 0.5  # real seconds within which a start counts as the scheduler's reaction to the last event
 JITTER_S = 8.0  # trace seconds: the simulator's answer must not move when every duration is jittered this much
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
 SUCCEEDED = common_pb2.JOB_STATE_SUCCEEDED
@@ -213,20 +214,36 @@ async def live_run(
     arrivals = sorted(jobs, key=lambda j: j.submit_s)
     ids: dict[str, str] = {}
     ended: list[str] = []
+    # When a gang started, in trace seconds: the trace time of the event the test acted on last, where the scheduler
+    # started it within REACTION_S of that event (its reaction to it: how long the reaction took is the machine's
+    # load, not the policy, and must not pile up along a chain of starts and reorder the ends); else its own clock
+    # (a start the scheduler decided alone, a preemption grace running out).
+    started: dict[tuple[str, int], float] = {}
+    acted: list[float] = [0.0]  # the trace times of the events acted on, in order
     async with LiteCluster(settings, agents) as c:
         t0 = time.time()
         while True:
             live = {j.spec.name: j for j in (await c.stub.ListJobs(scheduler_pb2.ListJobsRequest(page_size=1000))).jobs}
             if not arrivals and not any(j.state == PENDING for j in live.values()):
                 break
+            for n, j in live.items():
+                if j.state == RUNNING and (n, j.attempt) not in started:
+                    own = (j.started_at - t0) / scale
+                    cause = max((t for t in acted if t <= own), default=own)
+                    started[(n, j.attempt)] = cause if own - cause <= REACTION_S / scale else own
             # The next event: a gang's end (its start plus its duration) or an arrival, arrivals first at a tie.
-            events = [(j.started_at + scale * duration[n], 1, n) for n, j in live.items() if j.state == RUNNING]
+            events = [
+                (t0 + scale * (started[(n, j.attempt)] + duration[n]), 1, n)
+                for n, j in live.items()
+                if j.state == RUNNING
+            ]
             if arrivals:
                 events.append((t0 + scale * arrivals[0].submit_s, 0, arrivals[0].job_id))
             due, kind, name = min(events)
             if due > time.time():
                 await asyncio.sleep(min(due - time.time(), 0.05))  # and look again: the scheduler may act meanwhile
                 continue
+            acted.append((due - t0) / scale)
             if kind == 0:
                 j = arrivals.pop(0)
                 submitted = await c.submit(
