@@ -63,6 +63,7 @@ from db.models import Job, JobAttempt
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core.fabric import default_fabric, to_slurm_tree
 from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler import accounting
 
 RUNNING = common_pb2.JOB_STATE_RUNNING
 PENDING = common_pb2.JOB_STATE_PENDING
@@ -134,7 +135,7 @@ def scrape(port: int, name: str = "phalanx_scheduler_cycle_seconds") -> Histogra
 
 
 def seed_history(db_url: str, count: int) -> None:
-    """`count` finished jobs submitted over the last 60 days, each with one attempt (what goodput reads)."""
+    """`count` finished jobs submitted over the last 60 days, each with one attempt, accounted (what goodput reads)."""
     engine = make_engine(db_url)
     now = time.time()
     rng = random.Random(7)
@@ -185,6 +186,8 @@ def seed_history(db_url: str, count: int) -> None:
                 )
             conn.execute(insert(Job), jobs)
             conn.execute(insert(JobAttempt), attempts)
+            # accounted as the scheduler that finished them would have (into goodput_totals, jobs.accounted)
+            accounting.account_finished(conn, [j["id"] for j in jobs], now)
     engine.dispose()
 
 

@@ -209,6 +209,7 @@ def plan_reservation(
     fabric_tiers: Sequence[str] = (),
     unusable: Mapping[str, Collection[int]] | None = None,
     ideal_cache: dict[_IdealKey, _Ideal] | None = None,
+    hints: dict[Any, int] | None = None,
 ) -> Reservation | None:
     """When and where `head` can start at the earliest, as the running gangs end at their limits; None when it
     would not fit even with every running gang gone (then there is nothing to protect: lost or unhealthy capacity
@@ -246,9 +247,13 @@ def plan_reservation(
     def compact(p: Placement) -> bool:
         return (rank(p.tier), p.domains) <= best
 
-    found = _earliest(capacity, head, gangs, fabric_tiers, unusable, compact)
+    if hints is not None and len(hints) > 1000:
+        hints.clear()
+    found = _earliest(capacity, head, gangs, fabric_tiers, unusable, compact, hints, (head.job_id, "compact"))
     if found is None or (math.isinf(found[0]) and gangs and not math.isinf(gangs[0].ends_at)):
-        anywhere = _earliest(capacity, head, gangs, fabric_tiers, unusable, lambda p: True)
+        anywhere = _earliest(
+            capacity, head, gangs, fabric_tiers, unusable, lambda p: True, hints, (head.job_id, "anywhere")
+        )
         if anywhere is not None and (found is None or anywhere[0] < found[0]):
             found = anywhere
     if found is None:
@@ -277,21 +282,23 @@ def _earliest(
     fabric_tiers: Sequence[str],
     unusable: Mapping[str, Collection[int]],
     good: Callable[[Placement], bool],
+    hints: dict[Any, int] | None = None,
+    hint_key: Any = None,
 ) -> tuple[float, Placement] | None:
     """The earliest end (in `gangs`, sorted by end) after which `head` has a placement that is `good`, and that
     placement; None when not even with all of them gone. `good` must hold for every placement at least as free as
     one where it holds (releasing GPUs never makes the best placement worse), so a gallop and a binary search find
-    it with O(log k) placements.
+    it with O(log k) placements (`hints`: from where the last one ended, usually a probe or two).
 
     The search releases and restores gangs on `capacity` itself and puts back every node it touched exactly as it
     was (free GPUs, partial use, index) before it returns: O(what it releases), not a copy of the cluster. A head
     asking for part of a GPU searches on a copy (the partial-GPU index would be rebuilt in another order)."""
     if head.partial:
-        return _search(capacity.copy(), head, gangs, fabric_tiers, unusable, good)
+        return _search(capacity.copy(), head, gangs, fabric_tiers, unusable, good, hints=hints, hint_key=hint_key)
     saved: dict[str, tuple[set[int], dict[int, int], dict[int, int]]] = {}
     stale: set[str] = set()
     try:
-        return _search(capacity, head, gangs, fabric_tiers, unusable, good, saved, stale)
+        return _search(capacity, head, gangs, fabric_tiers, unusable, good, saved, stale, hints, hint_key)
     finally:  # every node touched, back as it was, and the index with it
         for name, (free, mig, milli) in saved.items():
             node = capacity.nodes[name]
@@ -321,8 +328,12 @@ def _search(
     good: Callable[[Placement], bool],
     saved: dict[str, tuple[set[int], dict[int, int], dict[int, int]]] | None = None,
     stale: set[str] | None = None,
+    hints: dict[Any, int] | None = None,
+    hint_key: Any = None,
 ) -> tuple[float, Placement] | None:
     """`_earliest` on `cap`, changing it; `saved` (when given) gets each node's state before its first change.
+    `hints[hint_key]`: the answer (a prefix length) of the last search of this kind, where this one starts; it
+    gets this one's. The answer is the same from any start: fitting is monotone in the prefix.
 
     With `saved`, whole GPUs are released and taken back on the nodes' free sets at once (as `_release` and
     `_restore` do) and the index follows once per node before each placement, not once per replica: the index is a
@@ -378,37 +389,57 @@ def _search(
         got = place_gang(cap, head, fabric_tiers)
         return got if isinstance(got, Placement) and good(got) else None
 
-    released, size, lo = 0, 1, -1
-    witness = fits()
-    if witness is not None:
-        return -math.inf, witness
-    while True:  # gallop: release in end-time order, in prefixes of 1, 2, 4 ... until it fits
-        target = min(size, len(gangs))
-        while released < target:
-            release(gangs[released])
-            released += 1
-        witness = fits()
-        if witness is not None:
-            hi = target
-            break
-        if target == len(gangs):
-            return None
-        lo, size = target, size * 2
-    lo = max(lo, 0)
-    while hi - lo > 1:  # binary search for the shortest prefix
-        mid = (lo + hi) // 2
-        while released > mid:
+    released = 0
+
+    def probe(prefix: int) -> Placement | None:
+        """Whether the head fits once the first `prefix` gangs (in end order) are gone."""
+        nonlocal released
+        while released > prefix:
             released -= 1
             restore(gangs[released])
-        while released < mid:
+        while released < prefix:
             release(gangs[released])
             released += 1
-        got = fits()
+        return fits()
+
+    # The shortest prefix after which it fits: a gallop from `start` (0, or the answer of the cycle before: the
+    # gangs change little from one cycle to the next, so it is a probe or two away), then a binary search between
+    # the longest prefix known not to fit (lo) and the shortest known to fit (hi).
+    count = len(gangs)
+    hint = hints.get(hint_key) if hints is not None else None
+    start = hint if hint is not None and 0 < hint <= count else 0
+    lo, hi = -1, -1
+    witness = probe(start)
+    if witness is not None:
+        hi, step = start, 1
+        while hi > 0:  # down, in steps of 1, 2, 4 ... while it still fits
+            prefix = max(hi - step, 0)
+            got = probe(prefix)
+            if got is None:
+                lo = prefix
+                break
+            hi, witness, step = prefix, got, step * 2
+    else:
+        lo, step = start, 1
+        while True:  # up, in steps of 1, 2, 4 ... until it fits
+            if lo >= count:
+                return None
+            prefix = min(lo + step, count)
+            got = probe(prefix)
+            if got is not None:
+                hi, witness = prefix, got
+                break
+            lo, step = prefix, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = probe(mid)
         if got is not None:
             hi, witness = mid, got
         else:
             lo = mid
-    return gangs[hi - 1].ends_at, witness
+    if hints is not None:
+        hints[hint_key] = hi
+    return (-math.inf if hi == 0 else gangs[hi - 1].ends_at), witness
 
 
 def schedule_with_backfill(
@@ -505,6 +536,7 @@ def schedule_with_backfill(
                             fabric_tiers,
                             unusable,
                             memo.setdefault("ideal", {}) if memo is not None else None,
+                            memo.setdefault("hints", {}) if memo is not None else None,
                         )
                         if memo is not None:
                             memo.update(key=key, reservation=reservation)

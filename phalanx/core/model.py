@@ -38,6 +38,12 @@ class GangRequest:
     # Nodes that struck this gang (their host could not set up one of its ranks): placement avoids them while the
     # gang fits elsewhere, and uses them only when nothing else holds it.
     avoid: frozenset[str] = frozenset()
+    # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
+    # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
+    order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "order", (-self.priority, self.submitted_at, self.job_id))
 
     @property
     def gpus(self) -> int:

@@ -24,6 +24,7 @@ The algorithm:
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -1072,6 +1073,9 @@ def schedule_in_order(
     return placements, None
 
 
+_QUEUE_ORDER = operator.attrgetter("order")
+
+
 def queue_order(pending: Sequence[GangRequest]) -> list[GangRequest]:
     """Priority (higher first), then submission time, then id: the order every replica agrees on."""
-    return sorted(pending, key=lambda r: (-r.priority, r.submitted_at, r.job_id))
+    return sorted(pending, key=_QUEUE_ORDER)

@@ -255,7 +255,7 @@ def fair_order(requests: Iterable[tuple[str, GangRequest]], book: QuotaBook) -> 
     for queue, request in requests:
         by_queue.setdefault(queue, []).append(request)
     for items in by_queue.values():
-        items.sort(key=lambda r: (-r.priority, r.submitted_at, r.job_id), reverse=True)  # pop() takes the first
+        items.sort(key=lambda r: r.order, reverse=True)  # pop() takes the first
 
     def entry(queue: str) -> tuple[int, float, float, str, str]:
         head = by_queue[queue][-1]

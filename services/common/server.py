@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,12 +28,27 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
     plain message, not grpc's UNKNOWN "Unexpected DecodeError" and a traceback in the log: the handler gets raw
     bytes and parses them itself."""
 
+    def __init__(self) -> None:
+        # The wrapped handler of each method, made once: the servicer's handler for a method never changes, and a
+        # server answering thousands of agents should not build one per call.
+        self._wrapped: dict[Any, Any] = {}
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:  # the same handler object (kept alive here): its wrapping
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler, full_method: str):
         decode = handler.request_deserializer
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        method = full_method.rsplit("/", 1)[-1]
 
         async def parse(raw, context):
             try:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, and_, false, func, literal, or_, select, union_all, update
+from sqlalchemy import Connection, Table, and_, case, exists, false, func, literal, or_, select, union_all, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -229,31 +229,63 @@ def _archived_goodput(row: Any) -> Goodput:
     )
 
 
+def _busy(jobs: Any) -> Any:
+    """The jobs not accounted whose figures need their attempts: those with an attempt, those finished (before
+    revision 0016), and MIG gangs (their GPU fraction is the profile's: gpu_equivalents). The others (queued, never
+    reserved) only wait: _idle_waiting sums them in SQL."""
+    attempt = JobAttempt.__table__.alias("any_attempt")  # aliased: _live_attempts' query reads job_attempts too
+    return or_(
+        exists().where(attempt.c.job_id == jobs.c.id),
+        jobs.c.state.in_(TERMINAL_JOB_STATES),
+        func.coalesce(jobs.c.mig_profile, "") != "",
+    )
+
+
+def _idle_waiting(conn: Connection, now: float, live_where: list[Any], out: GoodputRead) -> None:
+    """The jobs not accounted and not _busy: each has waited its GPUs x (now - submitted_at), summed per tenant and
+    queue in one statement (gpu_equivalents' arithmetic, in SQL), so a read costs no Python per queued job."""
+    jobs = Job.__table__
+    gpus = case(
+        (func.coalesce(jobs.c.gpu_milli, 0) > 0, jobs.c.replicas * jobs.c.gpu_milli / literal(1000.0)),
+        else_=jobs.c.replicas * jobs.c.gpus_per_replica * literal(1.0),
+    )
+    waited = case((jobs.c.submitted_at < now, literal(now) - jobs.c.submitted_at), else_=literal(0.0))
+    stmt = (
+        select(jobs.c.tenant, jobs.c.queue, func.count().label("jobs"), func.sum(gpus * waited).label("waiting"))
+        .where(*live_where, ~_busy(jobs))
+        .group_by(jobs.c.tenant, jobs.c.queue)
+    )
+    for row in conn.execute(stmt).mappings():
+        out.add(row["tenant"], row["queue"], Goodput(waiting=float(row["waiting"] or 0.0)), int(row["jobs"]))
+
+
 def _read_totals(conn: Connection, now: float, since: float, tenant: str | None, out: GoodputRead) -> None:
     """The total (and its parts): goodput_totals' sums plus the live figures of the jobs not accounted.
 
-    Three statements, in this order: (1) the jobs not accounted, (2) their attempts, (3) the sums together with the
-    ids of the jobs not accounted as of (3). A job read in (1) counts from its live figures only when (3) still finds
-    it not accounted. Why this counts every job once, on PostgreSQL too (READ COMMITTED: each statement reads as of
-    its own start, and a job may be accounted or archived between them; SQLite reads the whole transaction as of its
-    first statement, where nothing below can happen):
+    Exact when the caller reads in one snapshot (SchedulerService.read(snapshot=True): REPEATABLE READ on
+    PostgreSQL; a SQLite transaction reads as of its first statement). Four statements: (1) the _busy jobs not
+    accounted, (2) their attempts, (3) the sums together with the ids of the _busy jobs not accounted as of (3),
+    (4) the waiting of the other jobs not accounted (_idle_waiting). A job read in (1) counts from its live figures
+    only when (3) still finds it not accounted, which keeps the busy jobs exact even outside a snapshot
+    (PostgreSQL's READ COMMITTED reads each statement as of its own start, and a job may be accounted or archived
+    between them):
     - every writer moves a job out of "not accounted" and adds its figures to the sums in one transaction
       (account_finished; the archive and prune, retention.py, through mark_accounted), nothing makes a job not
       accounted again, and the sums only grow;
     - so as of (3) each job is either in the sums or in (3)'s ids, never both: a job of (1) accounted or archived
       since is not among (3)'s ids and counts once, from the sums; one still among them counts once, live;
     - a job not in (1) was accounted already (then it is in the sums of (3), which hold at least what they held
-      then) or did not exist yet (submitted during this read: it counts from the sums if it was accounted by (3),
-      else not at all, as if the read had come first).
-    The reverse order (sums first) would miss a job accounted between the reads; (1) and (3) alone, without (3)'s
-    ids, would count it twice."""
+      then) or did not exist yet or was not busy (see below).
+    Outside a snapshot, a queued job that is reserved or finishes between (1) and (4) may be counted in neither or
+    both; in one snapshot nothing changes between the statements."""
     jobs, t = Job.__table__, GoodputTotals.__table__
     first_day = day_of(since)
     live_where = [_unaccounted(jobs), jobs.c.submitted_at >= since]
     if tenant is not None:
         live_where.append(jobs.c.tenant == tenant)
-    rows = list(conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*live_where)).mappings())  # (1)
-    attempts = _live_attempts(conn, live_where) if rows else {}  # (2)
+    busy_where = [*live_where, _busy(jobs)]
+    rows = list(conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*busy_where)).mappings())  # (1)
+    attempts = _live_attempts(conn, busy_where) if rows else {}  # (2)
     sums = select(
         literal("sum").label("kind"),
         t.c.tenant,
@@ -274,7 +306,7 @@ def _read_totals(conn: Connection, now: float, since: float, tenant: str | None,
             jobs.c.id,
             literal(0).label("jobs"),
             *(literal(0.0).label(c) for c in CATEGORIES),
-        ).where(*live_where)
+        ).where(*busy_where)
         stmt = union_all(sums, still)
     unaccounted: set[str] = set()
     for row in conn.execute(stmt).mappings():  # (3)
@@ -285,6 +317,7 @@ def _read_totals(conn: Connection, now: float, since: float, tenant: str | None,
     for job in rows:
         if job["id"] in unaccounted:
             out.add(job["tenant"], job["queue"], job_goodput(job, attempts.get(job["id"], []), now), 1)
+    _idle_waiting(conn, now, live_where, out)  # (4)
 
 
 def read_goodput_report(

@@ -282,6 +282,7 @@ def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
     job = cycle.state.jobs.get(job_id)
     if job is not None:
         return job
+    ledger.flush_job_updates(cycle.conn)  # a job this cycle finished reads as finished
     row = cycle.conn.execute(select(Job.state).where(Job.id == job_id)).first()
     if row is None:
         raise NotFound(f"no job with id {job_id!r}")
@@ -437,6 +438,7 @@ class RankReport(Command):
             raise NotFound(f"node {self.node!r} is not registered")
         job = cycle.state.jobs.get(self.job_id)
         if job is None or job.attempt != self.attempt:
+            ledger.flush_job_updates(cycle.conn)  # a job this cycle finished or requeued reads so
             exists = cycle.conn.execute(select(Job.state, Job.attempt).where(Job.id == self.job_id)).first()
             if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:
                 cycle.reload()
@@ -564,8 +566,12 @@ class HealthReport(Command):
         changed = False
         if self.alive and self.health is None and node.health == "UNKNOWN":
             ledger.set_node_health(cycle.conn, node.id, "HEALTHY", "", {})
+            held = node.fatal_gpus
             node.health, node.health_reason, node.gpu_health = "HEALTHY", "", {}
-            cycle.state.rebuild_capacity()
+            if held:  # FATAL GPUs it kept out of the index come back
+                cycle.state.rebuild_capacity()
+            else:  # only whether it takes work changed: no rebuild (a cluster coming up has thousands of these)
+                cycle.state.set_node_schedulable(node.name)
             log.info("node_healthy_again", node=node.name)
             changed = True
         if self.health is not None and self.health.state in HEALTH_NAMES:
@@ -586,11 +592,11 @@ class HealthReport(Command):
                     reason=reason,
                     fatal_gpus=sorted(i for i, (h, _) in gpus.items() if h == "FATAL"),
                 )
-                was_fatal, was_unknown = node.fatal_gpus, node.health == "UNKNOWN"
+                was_fatal = node.fatal_gpus
                 node.health, node.health_reason, node.gpu_health = health, reason, gpus
-                if node.fatal_gpus != was_fatal or was_unknown:
+                if node.fatal_gpus != was_fatal:  # GPUs enter or leave the index
                     cycle.state.rebuild_capacity()
-                else:
+                else:  # whether it takes work (an UNKNOWN node's first report included)
                     cycle.state.set_node_schedulable(node.name)
                 changed = True
                 tear_down_on_fatal(cycle, node)

@@ -9,6 +9,7 @@ the service reloads the view from the ledger. A reservation runs inside a savepo
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,13 +85,21 @@ def schedule(cycle: Cycle) -> None:
     # With nothing waiting and no victim, there is nothing to decide (nor a capacity index to build: a registration
     # storm on an idle cluster builds it once, when the first gang arrives).
     if any(j.state == "PENDING" or j.preempted_by for j in state.jobs.values()):
+        t0 = time.perf_counter()
         snapshot = snapshot_of(cycle)
+        t1 = time.perf_counter()
         plan = decide(snapshot, cycle.now, after_blocked=mig_hook(cycle))
+        t2 = time.perf_counter()
         state.no_preemption = snapshot.memo.no_preemption
         apply_plan(cycle, plan)
+        cycle.timings.update(snapshot_ms=_ms(t1 - t0), decide_ms=_ms(t2 - t1), apply_ms=_ms(time.perf_counter() - t2))
     for job in state.jobs.values():  # after the plan: the gangs it reserved have their limits too
         if job.state == "RUNNING" and job.time_limit:
             cycle.wake_at(job.started_at + job.time_limit)  # fire_timers stops it there
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
 
 
 def mig_hook(cycle: Cycle) -> AfterBlocked | None:
@@ -138,6 +147,7 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
     """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each.
 
     `schedules` False (a replica that does not lead): the commands only; timers and placement are the leader's."""
+    t0 = time.perf_counter()
     results: list[Any] = [None] * len(commands)
     submits = [(i, c) for i, c in enumerate(commands) if isinstance(c, Submit)]
     if submits:
@@ -157,10 +167,13 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
             results[i] = command.execute(cycle)
         except ServiceError as exc:
             results[i] = exc
+    t1 = time.perf_counter()
+    cycle.timings["commands_ms"] = _ms(t1 - t0)
     if not schedules:
         return results
     if timers_due:
         fire_timers(cycle)
+        cycle.timings["timers_ms"] = _ms(time.perf_counter() - t1)
     schedule(cycle)
     return results
 

@@ -631,18 +631,59 @@ def find_by_request_ids(conn: Connection, request_ids: Sequence[str]) -> dict[st
     return {r.request_id: r.id for r in rows}
 
 
+JOB_WRITES = "phalanx_job_writes"  # Connection.info key of the transaction's deferred job writes (update_job)
+
+
+class StaleJobs(Exception):
+    """The ledger did not hold a job as the view did when its deferred compare-and-set was written: another
+    writer changed it. The transaction must not commit (the service rolls it back and reloads its view)."""
+
+
 def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
-    """Compare-and-set on the job's version. Returns False (and changes nothing) when another writer got there."""
-    result = conn.execute(
-        update(Job).where(Job.id == job.id, Job.version == job.version).values(version=job.version + 1, **changes)
-    )
-    if result.rowcount != 1:
-        return False
+    """Change a job, compare-and-set on its version. The view changes now; the row is written by
+    flush_job_updates (one statement per set of changed columns for the whole cycle, not one round trip per
+    job), which raises StaleJobs when another writer got there first. Cycles take turns on a view no older than
+    the last commit (begin_cycle), so that means a bug or a writer outside the scheduler, never a normal race.
+    Several changes of one job in a cycle are written as one. Returns True."""
+    pending: dict[str, list[Any]] = conn.info.setdefault(JOB_WRITES, {})
+    entry = pending.get(job.id)
+    if entry is None:
+        pending[job.id] = [job.version, dict(changes), job.version + 1]
+    else:
+        entry[1].update(changes)
+        entry[2] = job.version + 1
     _changed_jobs(conn, job.id)
     job.version += 1
     for key, value in changes.items():
         setattr(job, key, value)
     return True
+
+
+def flush_job_updates(conn: Connection) -> None:
+    """Write the jobs update_job changed since the last flush, each from the version the view had read to the
+    version it has now; StaleJobs when a row did not hold the version read."""
+    pending: dict[str, list[Any]] | None = conn.info.pop(JOB_WRITES, None)
+    if not pending:
+        return
+    table = cast(Table, Job.__table__)
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for job_id in sorted(pending):  # one lock order for every writer
+        read, values, version = pending[job_id]
+        groups.setdefault(tuple(sorted(values)), []).append(
+            {"b_id": job_id, "b_read": read, "b_version": version, **{f"v_{k}": v for k, v in values.items()}}
+        )
+    for keys, rows in groups.items():
+        stmt = (
+            update(table)
+            .where(table.c.id == bindparam("b_id"), table.c.version == bindparam("b_read"))
+            .values({"version": bindparam("b_version"), **{k: bindparam(f"v_{k}") for k in keys}})
+        )
+        result = conn.execute(stmt, rows)
+        if result.rowcount != len(rows):
+            raise StaleJobs(
+                f"{len(rows) - result.rowcount} of {len(rows)} job(s) changed in the ledger since the view read "
+                f"them (among {', '.join(r['b_id'] for r in rows[:5])})"
+            )
 
 
 def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[str, NodeRecord], now: float) -> None:

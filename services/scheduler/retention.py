@@ -13,15 +13,17 @@ A job that still has an active allocation row (the `hold` of a GPU that other jo
 
 Batches: at most BATCH jobs per transaction, and at most MAX_BATCHES per run (the next run, CHECK_INTERVAL_S later,
 goes on), so that no transaction holds the ledger long. The scheduler runs it on its reader threads, never inside a
-scheduling cycle, and only on the leading replica (SchedulerService._archive_finished). A job is archived once
+scheduling cycle, and only on the leading replica (SchedulerService._retention). A job is archived once
 whatever runs it: each batch is one transaction that inserts the archive rows (primary key: the job id), adds to the
 sums and deletes the jobs, and rolls back whole (ArchiveConflict, nothing counted) unless it deleted every job it
 read; PostgreSQL's `FOR UPDATE SKIP LOCKED` keeps two archivers off each other's batches, and SQLite's BEGIN
 IMMEDIATE runs them one after the other. The figures enter the sums only for the jobs whose `accounted` flag the
 batch itself sets (accounting.mark_accounted), so an archive and the scheduler's accounting never both count a job.
 
-`account_backlog` (``python -m services.scheduler.retention account``) accounts the finished jobs that are not yet,
-in batches, without archiving them: after an upgrade to revision 0016, the goodput total then stops reading them.
+`account_backlog` accounts the finished jobs that are not yet, in batches, without archiving them: after an upgrade
+to revision 0016, the goodput total then stops reading them. The leader runs it on start (SchedulerService._retention,
+MAX_BATCHES a run, a second apart, until none is left); ``python -m services.scheduler.retention account`` runs it
+all at once.
 
 `prune` (`phalanx db prune --before DATE --export FILE.jsonl`, which runs ``python -m services.scheduler.retention
 prune``): every finished job that finished before DATE, still in `jobs` (with its attempts) or archived, is written

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -67,7 +68,8 @@ class SchedulerService:
         self._acks_persisted = 0.0
         self._next_gauges = 0.0
         self._next_goodput = 0.0
-        self._next_retention = 0.0  # --retain-finished: the next archive run (_archive_finished)
+        self._next_retention = 0.0  # the next run of _retention
+        self._backlog = True  # finished jobs not accounted may be left (_retention)
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -186,14 +188,14 @@ class SchedulerService:
             return [], None
         try:
             return self._transaction(commands, now, resync=self._resync)
-        except DBAPIError as exc:
+        except (DBAPIError, ledger.StaleJobs) as exc:
             self._resync = True
             log.warning("cycle_rolled_back", error=_db_error(exc), commands=len(commands))
         # The usual cause is a stale view (a writer the generation did not reveal): nothing of the cycle
         # committed, so run it again once on a view reloaded from the ledger.
         try:
             return self._transaction(commands, time.time(), resync=True)
-        except DBAPIError as exc:
+        except (DBAPIError, ledger.StaleJobs) as exc:
             self._resync = True
             log.warning("cycle_rolled_back_again", error=_db_error(exc), commands=len(commands))
             if not commands:
@@ -206,7 +208,7 @@ class SchedulerService:
                 (result,), cycle = self._transaction([command], time.time(), resync=True)
                 merged = _merge(merged, cycle)
                 results.append(result)
-            except DBAPIError as exc:
+            except (DBAPIError, ledger.StaleJobs) as exc:
                 self._resync = True
                 log.error("command_refused_by_ledger", command=type(command).__name__, error=_db_error(exc))
                 results.append(Unavailable("the ledger refused the change; nothing was written, try again"))
@@ -233,6 +235,7 @@ class SchedulerService:
 
     def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
         t0 = time.perf_counter()
+        conn.info.pop(ledger.JOB_WRITES, None)  # nothing of a cycle that did not commit carries over
         with conn.begin() as trans:
             clock = ledger.begin_cycle(conn)
             t_lock = time.perf_counter()
@@ -269,6 +272,7 @@ class SchedulerService:
             t_run = time.perf_counter()
             cycle.write_deferred()
             account_finished(cycle)
+            ledger.flush_job_updates(conn)  # none is left (write_deferred wrote them): the pipeline has no answers
             if self.leading and now >= self._next_changes_prune:
                 self._next_changes_prune = now + 30.0
                 ledger.prune_changes(conn, now - ledger.CHANGES_KEPT_S)
@@ -291,6 +295,7 @@ class SchedulerService:
                 commands=len(commands),
                 view="delta" if changes is not None else ("full" if cycle.foreign_assigned is None else "kept"),
                 reserved=len(cycle.reserved),
+                **cycle.timings,
             )
         self._generation = cycle.generation
         self._initial = False
@@ -481,24 +486,38 @@ class SchedulerService:
         if self.settings.metrics_port and now >= self._next_goodput:  # O(active jobs + sums): every 10 s at most
             self._next_goodput = now + 10.0
             asyncio.ensure_future(self._update_goodput())
-        if self.settings.retain_finished_s > 0 and now >= self._next_retention and self.leading:
+        if self.leading and now >= self._next_retention and (self.settings.retain_finished_s > 0 or self._backlog):
             self._next_retention = now + retention.CHECK_INTERVAL_S
-            asyncio.ensure_future(self._archive_finished())
+            asyncio.ensure_future(self._retention())
 
-    async def _archive_finished(self) -> None:
-        """--retain-finished: the leader moves finished jobs past the retention into job_archive (retention.py) on a
-        reader thread, in transactions of their own (never the cycle's), a batch at a time."""
-        before = time.time() - self.settings.retain_finished_s
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._readers, retention.archive_finished, self.engine, before
-            )
-        except Exception as exc:  # retention must never hurt the scheduler; the next run tries again
-            log.warning("finished_jobs_archive_failed", error=str(exc)[:200])
+    async def _retention(self) -> None:
+        """The leader's upkeep of finished jobs, on a reader thread, in transactions of their own (never the
+        cycle's), a batch at a time (retention.py): first the finished jobs not accounted yet (they finished before
+        revision 0016, or were written by other tools) into goodput_totals, soon after one run when more are left,
+        so that the goodput total stops reading them; then, with --retain-finished, the archive of the jobs past it."""
+        loop = asyncio.get_running_loop()
+        if self._backlog:
+            try:
+                batch, batches = retention.BATCH, retention.MAX_BATCHES
+                done = await loop.run_in_executor(
+                    self._readers,
+                    functools.partial(retention.account_backlog, self.engine, batch=batch, max_batches=batches),
+                )
+                self._backlog = done >= batch * batches
+                if self._backlog:
+                    self._next_retention = time.monotonic() + 1.0
+            except Exception as exc:  # the next run tries again
+                log.warning("finished_jobs_accounting_failed", error=str(exc)[:200])
+        if self.settings.retain_finished_s > 0:
+            before = time.time() - self.settings.retain_finished_s
+            try:
+                await loop.run_in_executor(self._readers, retention.archive_finished, self.engine, before)
+            except Exception as exc:  # retention must never hurt the scheduler; the next run tries again
+                log.warning("finished_jobs_archive_failed", error=str(exc)[:200])
 
     async def _update_goodput(self) -> None:
         try:
-            total, _, _ = await self.read(accounting.read_goodput, time.time(), limit=0)
+            total, _, _ = await self.read_snapshot(accounting.read_goodput, time.time(), limit=0)
         except Exception as exc:  # metrics must never hurt the scheduler
             log.warning("goodput_metrics_failed", error=str(exc)[:200])
             return
@@ -554,8 +573,20 @@ class SchedulerService:
     # ---- reads (consistent snapshots straight from the ledger) ---------------------------------------------------
 
     async def read(self, fn, *args, **kwargs):
+        return await self._read(fn, args, kwargs, snapshot=False)
+
+    async def read_snapshot(self, fn, *args, **kwargs):
+        """`read`, with every statement of `fn` reading as of one moment (REPEATABLE READ on PostgreSQL, whose
+        default reads each statement as of its own start; a SQLite transaction is one snapshot already)."""
+        return await self._read(fn, args, kwargs, snapshot=True)
+
+    async def _read(self, fn, args, kwargs, *, snapshot: bool):
         def run():
-            with self.read_engine.connect().execution_options(readonly=True) as conn:
+            with self.read_engine.connect() as conn:
+                options = {"readonly": True}
+                if snapshot and conn.dialect.name == "postgresql":
+                    options["isolation_level"] = "REPEATABLE READ"
+                conn = conn.execution_options(**options)
                 with conn.begin():
                     return fn(conn, *args, **kwargs)
 
@@ -576,7 +607,7 @@ class SchedulerService:
         return await self.read(ledger.assignments_after, node, after)
 
 
-def _db_error(exc: DBAPIError) -> str:
+def _db_error(exc: Exception) -> str:
     return str(getattr(exc, "orig", exc) or exc).strip()[:300]
 
 

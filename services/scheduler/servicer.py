@@ -278,7 +278,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         size, scope = paging.job_page_size(request.page_size, request.limit), tenant_scope()
         digest = accounting.page_digest(request.since, scope)
         after = accounting.page_after(request.page_token, digest)
-        got = await self.service.read(
+        got = await self.service.read_snapshot(
             accounting.read_goodput_report, time.time(), since=request.since, limit=size, tenant=scope, after=after
         )
         return scheduler_pb2.GetGoodputResponse(

@@ -58,6 +58,8 @@ class Cycle:
     changes: ledger.Changes | None = None
     # Nodes other replicas gave assignments since this replica's last cycle (None: unknown, after a full reload)
     foreign_assigned: set[str] | None = field(default_factory=set)
+    # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
+    timings: dict[str, float] = field(default_factory=dict)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
@@ -89,6 +91,7 @@ class Cycle:
         self.deferred.append((write, args))
 
     def write_deferred(self) -> None:
+        ledger.flush_job_updates(self.conn)  # first: the reads after it (account_finished) see the jobs' ends
         if self.deferred:
             items, self.deferred = self.deferred, []
             with ledger.pipelined(self.conn):

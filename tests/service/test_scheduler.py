@@ -282,6 +282,27 @@ async def test_list_jobs_is_newest_first_and_filters_by_state(db_url):
         assert [j.id for j in cancelled] == [ids[1]]
 
 
+async def test_a_job_changed_behind_the_schedulers_back_is_not_overwritten(db_url):
+    """Job writes are compare-and-set on the version the view read, written together at the end of the cycle
+    (ledger.flush_job_updates). A writer outside the scheduler changes a waiting job (no generation bump): the
+    cancel's cycle finds the version moved, commits nothing, reloads, and cancels the job as the ledger has it."""
+    async with Cluster(db_url, 1) as c:
+        hog = await c.submit("hog", 1, 8)
+        await c.wait_state(hog.id, RUNNING)
+        waiting = await c.submit("waiting", 1, 8)
+        assert (await c.job(waiting.id)).state == PENDING
+        (before,) = c.sql("SELECT version FROM jobs WHERE id = :j", j=waiting.id)[0]
+        engine = create_engine(c.db_url.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE jobs SET version = version + 5, priority = 7 WHERE id = :j"), dict(j=waiting.id))
+        engine.dispose()
+        cancelled = await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=waiting.id))
+        assert cancelled.state == CANCELLED
+        rows = c.sql("SELECT state, version, priority FROM jobs WHERE id = :j", j=waiting.id)
+        assert [tuple(r) for r in rows] == [("CANCELLED", before + 6, 7)]  # on top of the outside write
+        assert (await c.job(hog.id)).state == RUNNING
+
+
 async def test_ledger_refuses_a_stale_view_and_the_scheduler_recovers_without_partial_state(db_url):
     """A writer outside the scheduler takes a GPU behind its back (no generation bump): the scheduler's view is
     stale, its reservation hits the partial unique index, nothing of that cycle commits, and after reloading it

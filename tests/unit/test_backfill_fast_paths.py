@@ -74,6 +74,41 @@ def test_reservation_is_the_same_from_a_running_set_and_leaves_the_capacity_as_i
                 assert index_of(cap) == index_of(cap.copy())
 
 
+def test_a_reservation_search_started_from_the_last_answer_finds_the_same_in_fewer_placements(monkeypatch):
+    """plan_reservation's `hints`: the search starts where the last one of the same head ended. From one cycle to
+    the next a few gangs end and others start; the answer must be the cold search's, and cost fewer placements."""
+    from phalanx.core import backfill
+
+    calls = {"n": 0}
+    real = backfill.place_gang
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backfill, "place_gang", counted)
+    warm_calls = cold_calls = 0
+    for seed in range(6):
+        cap, tiers, running, rng = busy_cluster(seed)
+        hints: dict = {}
+        for head in (GangRequest("h", 4, 8), GangRequest("h", 24, 8), GangRequest("h2", 1, 8)):
+            for _ in range(6):  # cycles: a gang ends, another takes its place with a new end
+                ended = running.pop(rng.randrange(len(running)))
+                cap.release_placement(ended.placement)
+                got = real(cap, GangRequest(f"n{len(running)}-{rng.random()}", 1, rng.choice([1, 2, 4])), tiers)
+                if isinstance(got, Placement):
+                    cap.reserve(got)
+                    running.append(RunningEnd(got.job_id, got, float(rng.choice([60, 150, 250, 350]))))
+                calls["n"] = 0
+                cold = plan_reservation(cap.copy(), head, running, 10.0, tiers)
+                cold_calls += calls["n"]
+                calls["n"] = 0
+                warm = plan_reservation(cap, head, RunningSet(running), 10.0, tiers, hints=hints)
+                warm_calls += calls["n"]
+                assert warm == cold
+    assert warm_calls < cold_calls * 0.75, (warm_calls, cold_calls)
+
+
 def test_a_pass_decides_the_same_with_a_running_set_and_hides_the_region_only_while_needed():
     for seed in range(8):
         cap, tiers, running, rng = busy_cluster(seed)
