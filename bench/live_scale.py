@@ -188,6 +188,8 @@ def seed_history(db_url: str, count: int) -> None:
             conn.execute(insert(JobAttempt), attempts)
             # accounted as the scheduler that finished them would have (into goodput_totals, jobs.accounted)
             accounting.account_finished(conn, [j["id"] for j in jobs], now)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("ANALYZE")  # the statistics autovacuum would have by now on a cluster with this history
     engine.dispose()
 
 

@@ -122,35 +122,38 @@ def mark_accounted(conn: Connection, job_ids: Sequence[str]) -> set[str]:
     return set(conn.execute(stmt).scalars())
 
 
-def account_finished(conn: Connection, job_ids: Iterable[str], now: float) -> int:
+def account_finished(
+    conn: Connection, job_ids: Iterable[str], now: float, *, totals_later: list[dict[str, Any]] | None = None
+) -> int:
     """Add the goodput of the jobs among `job_ids` that are finished (SUCCEEDED, FAILED, CANCELLED) and not accounted
     into goodput_totals, and mark them accounted, inside the caller's transaction (the scheduling cycle that finished
     them: finish_cycle). Others (active, accounted, archived, unknown) are left alone, so a second call is a no-op.
 
-    A constant number of statements however many jobs: one read of the jobs, one of their attempts (IN), the guarded
-    UPDATE (mark_accounted), and the upsert (add_totals). Each job's figures are job_goodput's as of its end, exactly
-    what the archive would record for it. Returns how many jobs it accounted."""
+    A constant number of statements however many jobs: the guarded UPDATE that marks them and returns their rows
+    (the jobs whose flag this transaction flipped, and no other writer's), one read of their attempts (IN), and the
+    upsert (add_totals). Each job's figures are job_goodput's as of its end, exactly what the archive would record
+    for it. `totals_later`: the upsert's rows go there instead, for the caller to write with its closing writes
+    (add_totals; the scheduling cycle pipelines them with its commit). Returns how many jobs it accounted."""
     ids = sorted(set(job_ids))
     if not ids:
         return 0
-    jobs = Job.__table__
-    rows = list(
-        conn.execute(
-            select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(
-                jobs.c.id.in_(ids), jobs.c.state.in_(TERMINAL_JOB_STATES), _unaccounted(jobs)
-            )
-        ).mappings()
+    jobs = cast(Table, Job.__table__)
+    stmt = (
+        update(jobs)
+        .where(jobs.c.id.in_(ids), _unaccounted(jobs), jobs.c.state.in_(TERMINAL_JOB_STATES))
+        .values(accounted=True)
+        .returning(*(jobs.c[c] for c in _LIVE_COLUMNS))
     )
+    rows = list(conn.execute(stmt).mappings())
     if not rows:
         return 0
     attempts = ledger.read_attempts(conn, [r["id"] for r in rows])
-    marked = mark_accounted(conn, [r["id"] for r in rows])
-    add_totals(
-        conn,
-        ({**r, **job_goodput(r, attempts.get(r["id"], []), now).as_dict()} for r in rows if r["id"] in marked),
-        now,
-    )
-    return len(marked)
+    figures = [{**r, **job_goodput(r, attempts.get(r["id"], []), now).as_dict()} for r in rows]
+    if totals_later is not None:
+        totals_later.extend(figures)
+    else:
+        add_totals(conn, figures, now)
+    return len(rows)
 
 
 @dataclass

@@ -179,15 +179,18 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
 
 
 def account_finished(cycle: Cycle) -> None:
-    """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It reads them (and their
-    attempts), so the caller runs it before the pipelined closing writes."""
+    """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It marks and reads them (and
+    their attempts), so the caller runs it before the pipelined closing writes; the sums' upsert is one of those."""
     if cycle.finished:
-        accounting.account_finished(cycle.conn, cycle.finished, cycle.now)
+        accounting.account_finished(cycle.conn, cycle.finished, cycle.now, totals_later=cycle.totals)
 
 
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
     """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
+    if cycle.totals:
+        accounting.add_totals(cycle.conn, cycle.totals, cycle.now)
+        cycle.totals = []
     cycle.flush()
     cycle.flush_ranks()
     ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import structlog
-from sqlalchemy import Connection, Engine, Table, and_, delete, exists, false, select
+from sqlalchemy import Connection, Engine, Table, and_, delete, exists, false, select, union_all
 from sqlalchemy.exc import IntegrityError
 
 from db.models import (
@@ -140,21 +140,36 @@ def _delete_jobs(conn: Connection, ids: Sequence[str]) -> int:
 
 def _due(conn: Connection, before: float, limit: int, *, lock: bool, skip_locked: bool = True) -> list[str]:
     """Ids of finished jobs in `jobs` that finished before `before` and hold no active allocation row, oldest first.
-    `lock` (PostgreSQL): lock them for this transaction (`skip_locked`: leave those another transaction locked)."""
+    `lock` (PostgreSQL): lock them for this transaction (`skip_locked`: leave those another transaction locked).
+
+    One ordered, limited scan of the (state, finished_at) index per final state, merged: a single query over the
+    three states would sort every job past the retention before taking `limit` of them (half a second with 50,000
+    due, on every batch). Locked by id afterwards, with the same conditions checked again."""
     jobs, alloc = _table(Job), _table(Allocation)
-    stmt = (
-        select(jobs.c.id)
-        .where(
-            jobs.c.state.in_(TERMINAL_JOB_STATES),
-            jobs.c.finished_at < before,
-            ~exists().where(alloc.c.job_id == jobs.c.id, alloc.c.released_at.is_(None)),
-        )
+
+    def idle(table: Any) -> Any:
+        return ~exists().where(alloc.c.job_id == table.c.id, alloc.c.released_at.is_(None))
+
+    parts = [
+        select(jobs.c.id, jobs.c.finished_at)
+        .where(jobs.c.state == state, jobs.c.finished_at < before, idle(jobs))
         .order_by(jobs.c.finished_at, jobs.c.id)
         .limit(limit)
+        .subquery()
+        for state in TERMINAL_JOB_STATES
+    ]
+    merged = union_all(*(select(p.c.id, p.c.finished_at) for p in parts)).subquery()
+    rows = conn.execute(select(merged.c.id).order_by(merged.c.finished_at, merged.c.id).limit(limit)).scalars()
+    ids = list(rows)
+    if not (ids and lock and conn.dialect.name == "postgresql"):
+        return ids
+    stmt = (
+        select(jobs.c.id)
+        .where(jobs.c.id.in_(ids), jobs.c.state.in_(TERMINAL_JOB_STATES), jobs.c.finished_at < before, idle(jobs))
+        .with_for_update(of=jobs, skip_locked=skip_locked)
     )
-    if lock and conn.dialect.name == "postgresql":
-        stmt = stmt.with_for_update(of=jobs, skip_locked=skip_locked)
-    return list(conn.execute(stmt).scalars())
+    locked = set(conn.execute(stmt).scalars())
+    return [i for i in ids if i in locked]
 
 
 def load_jobs(conn: Connection, ids: Sequence[str]) -> tuple[list[Any], dict[str, list[Any]]]:

@@ -271,7 +271,9 @@ class SchedulerService:
             results = run_cycle(cycle, commands, timers_due=self._timers, schedules=epoch is not None)
             t_run = time.perf_counter()
             cycle.write_deferred()
+            t_deferred = time.perf_counter()
             account_finished(cycle)
+            t_accounted = time.perf_counter()
             ledger.flush_job_updates(conn)  # none is left (write_deferred wrote them): the pipeline has no answers
             if self.leading and now >= self._next_changes_prune:
                 self._next_changes_prune = now + 30.0
@@ -285,6 +287,11 @@ class SchedulerService:
                 trans.commit()
         done = time.perf_counter()
         if done - t0 > SLOW_CYCLE_S:
+            cycle.timings.update(
+                deferred_ms=round((t_deferred - t_run) * 1000, 1),
+                accounting_ms=round((t_accounted - t_deferred) * 1000, 1),
+                closing_ms=round((done - t_accounted) * 1000, 1),
+            )
             log.info(
                 "cycle_slow",
                 ms=round((done - t0) * 1000, 1),

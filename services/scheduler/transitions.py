@@ -54,6 +54,8 @@ class Cycle:
     # Jobs that reached a final state in this cycle: their goodput enters goodput_totals in its commit
     # (cycle.account_finished, before the closing writes)
     finished: list[str] = field(default_factory=list)
+    # Their figures, for goodput_totals' upsert among the closing writes (accounting.account_finished)
+    totals: list[dict[str, Any]] = field(default_factory=list)
     # What this cycle's writes changed (ledger.track_changes), stored with its generation for the other replicas
     changes: ledger.Changes | None = None
     # Nodes other replicas gave assignments since this replica's last cycle (None: unknown, after a full reload)
