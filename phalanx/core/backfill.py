@@ -170,7 +170,7 @@ class BackfillResult:
 
 def _shape(r: GangRequest) -> _Shape:
     """What placement depends on, besides the capacity: requests of one shape fit or not alike."""
-    return (r.replicas, r.gpus_per_replica, r.gpu_model, r.mig_profile, r.gpu_milli, r.required_tier, r.preferred_tier)
+    return r.shape
 
 
 def _release(cap: ClusterCapacity, gang: RunningEnd, unusable: Mapping[str, Collection[int]]) -> None:

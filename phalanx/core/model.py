@@ -41,9 +41,25 @@ class GangRequest:
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
+    # What placement depends on besides the capacity (backfill: gangs of one shape fit or not alike), computed once
+    # for the same reason.
+    shape: tuple[int, int, str, str, int, str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", (-self.priority, self.submitted_at, self.job_id))
+        object.__setattr__(
+            self,
+            "shape",
+            (
+                self.replicas,
+                self.gpus_per_replica,
+                self.gpu_model,
+                self.mig_profile,
+                self.gpu_milli,
+                self.required_tier,
+                self.preferred_tier,
+            ),
+        )
 
     @property
     def gpus(self) -> int:

@@ -120,7 +120,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
     """This cycle's view as the decision's input."""
     state, s = cycle.state, cycle.settings
     jobs = state.jobs
-    victims = [j for j in jobs.values() if j.preempting]
+    victims = [j for j in jobs.values() if j.preempted_by and j.state == "RUNNING"]  # JobRecord.preempting, inline
     waiting = ledger.outstanding_requests(cycle.conn, [v.id for v in victims]) if victims else set()
 
     def running() -> dict[str, RunningJob]:
