@@ -247,11 +247,9 @@ class Cancel(Command):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
-            if not ledger.update_job(
+            ledger.update_job(
                 cycle.conn, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
-            ):
-                cycle.resync_after = True
-                raise FailedPrecondition(f"job {job.id} changed while cancelling; try again")
+            )
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)
             cycle.touched(job)
@@ -513,9 +511,7 @@ def strike(cycle: Cycle, job: JobRecord, node: NodeRecord, where: str, message: 
     kept on the job, whose next placements avoid it while it fits elsewhere), and tear the gang down to requeue it
     with the failure backoff (SETUP_FAILED counts against max_attempts like any failure)."""
     struck = sorted({*job.struck_nodes, node.name})
-    if not set_job(cycle, job, struck_nodes=struck):
-        cycle.resync_after = True
-        return
+    set_job(cycle, job, struck_nodes=struck)
     strikes = ledger.strike_node(cycle.conn, node.id)
     what = message or "unknown error"
     ledger.add_node_events(

@@ -639,12 +639,12 @@ class StaleJobs(Exception):
     writer changed it. The transaction must not commit (the service rolls it back and reloads its view)."""
 
 
-def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
+def update_job(conn: Connection, job: JobRecord, **changes: Any) -> None:
     """Change a job, compare-and-set on its version. The view changes now; the row is written by
     flush_job_updates (one statement per set of changed columns for the whole cycle, not one round trip per
     job), which raises StaleJobs when another writer got there first. Cycles take turns on a view no older than
     the last commit (begin_cycle), so that means a bug or a writer outside the scheduler, never a normal race.
-    Several changes of one job in a cycle are written as one. Returns True."""
+    Several changes of one job in a cycle are written as one."""
     pending: dict[str, list[Any]] = conn.info.setdefault(JOB_WRITES, {})
     entry = pending.get(job.id)
     if entry is None:
@@ -656,7 +656,6 @@ def update_job(conn: Connection, job: JobRecord, **changes: Any) -> bool:
     job.version += 1
     for key, value in changes.items():
         setattr(job, key, value)
-    return True
 
 
 def flush_job_updates(conn: Connection) -> None:

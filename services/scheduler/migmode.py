@@ -381,7 +381,8 @@ def after_pass(
             text = "queued (no longer waiting for a MIG mode switch)"
         else:
             continue
-        if job.message != text and set_job(cycle, job, message=text):
+        if job.message != text:
+            set_job(cycle, job, message=text)
             cycle.touched(job)
     return message, note
 

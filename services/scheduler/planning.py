@@ -187,50 +187,40 @@ def unusable(state: SchedulerState) -> dict[str, set[int]]:
 
 
 def apply_plan(cycle: Cycle, plan: Plan) -> None:
-    """Write the plan in this cycle's transaction, in order. A step the ledger refuses (another writer changed the
-    job) is skipped, with what depends on it, and the view is reloaded after the cycle."""
+    """Write the plan in this cycle's transaction, in order. The job writes are compare-and-set: one another writer
+    changed fails the whole cycle, which reruns on a reloaded view (ledger.update_job)."""
     state = cycle.state
-    called_off: set[str] = set()  # preemptors whose victims could not all be asked: the rest is not asked either
     for step in plan:
         if isinstance(step, Reserve):
             placed = state.jobs[step.job]
             placed.flavor = step.flavor
-            if not reserve(cycle, placed, step.placement):
-                state.capacity.release_placement(step.placement)
-                cycle.resync_after = True
-            elif step.ahead_of:
+            reserve(cycle, placed, step.placement)
+            if step.ahead_of:
                 log.info("backfilled", job=placed.id, ahead_of=step.ahead_of)
         elif isinstance(step, AskCheckpoint):
             victim = state.jobs.get(step.job)
-            if step.by in called_off or victim is None:
+            if victim is None:
                 continue
-            if not set_job(cycle, victim, preempted_by=step.by, preempt_deadline=step.deadline, message=step.message):
-                cycle.resync_after = True
-                called_off.add(step.by)
-                continue
+            set_job(cycle, victim, preempted_by=step.by, preempt_deadline=step.deadline, message=step.message)
             ledger.request_checkpoint(cycle.conn, victim.id, step.request, cycle.now)
             cycle.touched(victim)
             log.info("preemption_started", preemptor=step.by, victim=victim.id, deadline=step.deadline)
         elif isinstance(step, Stop):
             victim = state.jobs.get(step.job)
-            if victim is None or step.by in called_off:
+            if victim is None:
                 cycle.resync_after = True  # the index already gave its GPUs back
                 continue
-            if teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True):
-                cycle.handover = True
+            teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True)
+            cycle.handover = True
         elif isinstance(step, CallOff):
             victim = state.jobs.get(step.job)
-            if victim is not None and set_job(
-                cycle, victim, preempted_by="", preempt_deadline=0.0, message=step.reason
-            ):
+            if victim is not None:
+                set_job(cycle, victim, preempted_by="", preempt_deadline=0.0, message=step.reason)
                 cycle.touched(victim)
         elif isinstance(step, Wait):
             job = state.jobs.get(step.job)
-            if (
-                job is not None
-                and job.message != step.status.reason
-                and set_job(cycle, job, message=step.status.reason)
-            ):
+            if job is not None and job.message != step.status.reason:
+                set_job(cycle, job, message=step.status.reason)
                 cycle.touched(job)
         elif isinstance(step, WakeAt) and step.t < math.inf:
             cycle.wake_at(step.t)

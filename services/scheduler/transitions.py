@@ -236,7 +236,7 @@ def teardown(
     kill: bool = True,
     cause: str = "",
     released: bool = False,
-) -> bool:
+) -> None:
     """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it.
 
     `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
@@ -265,9 +265,7 @@ def teardown(
     if final_state:
         changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
     attempt = job.attempt
-    if not ledger.update_job(cycle.conn, job, **changes):
-        cycle.resync_after = True
-        return False
+    ledger.update_job(cycle.conn, job, **changes)
     # Neither needs an answer: written with the cycle's deferred writes (copies: a requeued job may be reserved
     # again in this very cycle, with a new attempt and allocations).
     ended = copy.copy(job)
@@ -302,7 +300,6 @@ def teardown(
         message=job.message,
     )
     cycle.touched(job)
-    return True
 
 
 def retry_backoff(base: float, cap: float, failures: int) -> float:
@@ -312,16 +309,17 @@ def retry_backoff(base: float, cap: float, failures: int) -> float:
     return min(cap, base * 2 ** min(failures - 1, 30))
 
 
-def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> bool:
-    """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set."""
+def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
+    """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set (a job
+    changed by another writer fails the cycle's commit: ledger.update_job)."""
     if job.version < 0:
         for key, value in changes.items():
             setattr(job, key, value)
-        return True
-    return ledger.update_job(cycle.conn, job, **changes)
+        return
+    ledger.update_job(cycle.conn, job, **changes)
 
 
-def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
+def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     """Write the whole gang's reservation (job state, allocations, ranks, launch assignments) in this transaction.
 
     Cycles take turns on a fresh view (ledger.begin_cycle), so the ledger refusing a GPU here means a bug or a
@@ -336,7 +334,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
         scheduler=cycle.settings.replica_id,
         epoch=cycle.epoch,
     )
-    if not set_job(
+    set_job(
         cycle,
         job,
         state="RUNNING",
@@ -347,8 +345,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
         placement=placement_info,
         message=f"reserved: {placement.reason}",
         flavor=job.flavor,
-    ):
-        return False
+    )
     job.allocations = [(r.replica, r.node, r.gpus) for r in placement.replicas]
     job.partials = {
         r.replica: Partial(profile=r.mig_profile, start=r.mig_start, size=r.mig_size, milli=r.gpu_milli)
@@ -369,7 +366,6 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> bool:
     job.launch_deadline = cycle.now + cycle.settings.launch_timeout
     cycle.reserved.append((job, cycle.now - job.submitted_at))
     cycle.touched(job)
-    return True
 
 
 ENDPOINT_TTL_S = 10.0
