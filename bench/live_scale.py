@@ -129,9 +129,28 @@ class Histogram:
         return float("inf")
 
 
-def scrape(port: int, name: str = "phalanx_scheduler_cycle_seconds") -> Histogram:
+def metrics_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return Histogram(resp.read().decode(), name)
+        return resp.read().decode()
+
+
+def scrape(port: int, name: str = "phalanx_scheduler_cycle_seconds") -> Histogram:
+    return Histogram(metrics_text(port), name)
+
+
+def gauge(port: int, name: str) -> float:
+    for line in metrics_text(port).splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def leader_epoch(ports: list[int]) -> tuple[int, float]:
+    """(the port of the replica that leads now, its leadership epoch)."""
+    for port in ports:
+        if gauge(port, "phalanx_scheduler_leader") == 1:
+            return port, gauge(port, "phalanx_scheduler_leader_epoch")
+    return ports[0], float("nan")
 
 
 def seed_history(db_url: str, count: int) -> None:
@@ -444,9 +463,18 @@ async def run(args, workdir: Path) -> dict:
         load.stubs += load_b.stubs
         load.channels += load_b.channels
         reads2: dict[str, list[float]] = {"jobs_page": [], "job": [], "goodput": []}
-        before = scrape(port_a)
+        # The leader's cycles: the replica that leads at the end (leadership can move under load; then the count of
+        # epochs says so and the figures are those of the one that led at the end, over the whole phase).
+        ports = [port_a, port_b]
+        _, epoch_before = leader_epoch(ports)
+        before_all = {port: scrape(port) for port in ports}
         rate2, n2 = await load.steady(args.steady, reads2)
-        cycles = scrape(port_a).minus(before)
+        leader_port, epoch_after = leader_epoch(ports)
+        cycles = scrape(leader_port).minus(before_all[leader_port])
+        results.update(
+            leader_2="a" if leader_port == port_a else "b",
+            leadership_changes_2=int(epoch_after - epoch_before) if epoch_after == epoch_after else -1,
+        )
         results.update(
             reservations_per_s_2=round(rate2, 1),
             reservations_2=n2,
@@ -460,8 +488,10 @@ async def run(args, workdir: Path) -> dict:
         for line in load.read_errors[:5]:
             say(f"read error: {line}")
         say(
-            f"2 replicas: {rate2:.1f} reservations/s ({n2}, {results['replicas_ratio']}x one); leader cycles "
-            f"{int(cycles.count)}: p50 <= {results['cycle_p50_ms_2']} ms, p99 <= {results['cycle_p99_ms_2']} ms"
+            f"2 replicas: {rate2:.1f} reservations/s ({n2}, {results['replicas_ratio']}x one); leader "
+            f"({results['leader_2']}, {results['leadership_changes_2']} leadership changes) cycles "
+            f"{int(cycles.count)}: p50 <= {results['cycle_p50_ms_2']} ms, p99 <= {results['cycle_p99_ms_2']} ms, "
+            f"mean {results['cycle_mean_ms_2']} ms"
         )
         watcher.cancel()
         await load.close()

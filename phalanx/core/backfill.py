@@ -467,9 +467,10 @@ def schedule_with_backfill(
     quota refuses is passed over (it neither runs nor becomes the head: other queues go on); an admitted gang is
     placed under the first of its admissible flavors that has room, and charged to it.
 
-    `depth`: look at no more than this many gangs behind the head (Slurm's bf_max_job_test): a long queue then
-    costs a bounded pass; the rest wait for the next one. `budget_s` (> 0): stop trying gangs behind the head once
-    the pass has taken this long (perf_counter; so only callers that accept a machine-dependent cut pass it)."""
+    `depth`: look at no more than this many gangs behind the head, whether tried or passed over for a shape that
+    already failed (Slurm's bf_max_job_test): a long queue then costs a bounded pass; the rest wait for the next
+    one. `budget_s` (> 0): stop trying gangs behind the head once the pass has taken this long (perf_counter; so
+    only callers that accept a machine-dependent cut pass it)."""
     placements: list[Placement] = []
     ends: dict[str, float] = {}
     head: Unplaceable | None = None
@@ -542,6 +543,12 @@ def schedule_with_backfill(
                             memo.update(key=key, reservation=reservation)
                     continue
             else:
+                # Every gang looked at behind the head counts, tried or passed over: the pass ends after `depth` of
+                # them however long the queue (Slurm's bf_max_job_test counts them the same way).
+                if depth is not None:
+                    depth -= 1
+                    if depth < 0:
+                        break
                 hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
                 # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later
                 # in it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
@@ -552,10 +559,6 @@ def schedule_with_backfill(
                     variants = [(f, v) for f, v in variants if (hide, _shape(v)) not in failed]
                     if not variants:
                         continue
-                if depth is not None:
-                    depth -= 1
-                    if depth < 0:
-                        break
                 if deadline < math.inf and time.perf_counter() > deadline:
                     break
                 # The region is hidden while the gangs tried may not enter it; it stays hidden from one such gang

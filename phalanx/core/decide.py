@@ -286,8 +286,10 @@ def decide(snapshot: Snapshot, now: float, *, after_blocked: AfterBlocked | None
         if result.blocked is None:
             break
         head = d.pending[result.blocked.job_id]  # 4
-        waiting = [p.job_id for p in pending if p.job_id not in d.reserved]  # what still waits after the pass
-        waits, note = after_blocked(head.job_id, result, waiting, backfill) if after_blocked is not None else (None, "")
+        waits, note = None, ""
+        if after_blocked is not None:
+            waiting = [p.job_id for p in pending if p.job_id not in d.reserved]  # what still waits after the pass
+            waits, note = after_blocked(head.job_id, result, waiting, backfill)
         stopped = False
         status: Status | None
         if waits is not None:

@@ -52,7 +52,6 @@ def job_goodput(job: Any, attempts: Sequence[Any], now: float) -> Goodput:
 
 
 DAY_S = 86400
-UPSERT_ROWS = 500  # goodput_totals rows per upsert statement (bound parameters stay far below any store's limit)
 
 
 def day_of(t: float) -> int:
@@ -76,8 +75,8 @@ def _unaccounted(table: Any) -> Any:
 
 def add_totals(conn: Connection, rows: Iterable[Mapping[str, Any]], now: float) -> None:
     """Add figures and a count of one per row (mappings with tenant, queue, submitted_at and the goodput
-    categories) into goodput_totals, by (tenant, queue, UTC day of submission): one multi-row upsert (per
-    UPSERT_ROWS groups), whatever the number of rows."""
+    categories) into goodput_totals, by (tenant, queue, UTC day of submission): one upsert statement, executed for
+    every (tenant, queue, day) at once."""
     groups: dict[tuple[str, str, int], list[float]] = {}
     for r in rows:
         key = (r["tenant"] or "", r["queue"] or "default", day_of(r["submitted_at"]))
@@ -87,20 +86,28 @@ def add_totals(conn: Connection, rows: Iterable[Mapping[str, Any]], now: float) 
             acc[i] += r[c]
     if not groups:
         return
-    table = cast(Table, GoodputTotals.__table__)
-    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
     values = [  # sorted: two writers lock the rows in one order
         dict(tenant=tenant, queue=queue, day=day, jobs=int(acc[0]), updated_at=now, **dict(zip(CATEGORIES, acc[1:])))
         for (tenant, queue, day), acc in sorted(groups.items())
     ]
-    for start in range(0, len(values), UPSERT_ROWS):
-        stmt = dialect_insert(table).values(values[start : start + UPSERT_ROWS])
-        added = {c: table.c[c] + stmt.excluded[c] for c in ("jobs", *CATEGORIES)}
-        conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["tenant", "queue", "day"], set_={**added, "updated_at": stmt.excluded.updated_at}
-            )
+    conn.execute(_totals_upsert(conn.dialect.name), values)
+
+
+_UPSERTS: dict[str, Any] = {}
+
+
+def _totals_upsert(dialect: str) -> Any:
+    """The goodput_totals upsert of one row, built once per dialect: a cycle sends its rows through executemany
+    with the compiled statement cached, not a multi-row statement compiled anew for every row count."""
+    stmt = _UPSERTS.get(dialect)
+    if stmt is None:
+        table = cast(Table, GoodputTotals.__table__)
+        ins = (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+        added = {c: table.c[c] + ins.excluded[c] for c in ("jobs", *CATEGORIES)}
+        stmt = _UPSERTS[dialect] = ins.on_conflict_do_update(
+            index_elements=["tenant", "queue", "day"], set_={**added, "updated_at": ins.excluded.updated_at}
         )
+    return stmt
 
 
 def mark_accounted(conn: Connection, job_ids: Sequence[str]) -> set[str]:

@@ -50,7 +50,7 @@ def fire_timers(cycle: Cycle) -> None:
             )
             for job in cycle.state.running_on(node.name):
                 teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
-    for job in list(cycle.state.jobs.values()):
+    for job in cycle.state.running():  # time limits and launch deadlines apply to running gangs only
         if job.state == "RUNNING" and job.time_limit and now >= job.started_at + job.time_limit:
             teardown(
                 cycle,
@@ -84,7 +84,7 @@ def schedule(cycle: Cycle) -> None:
     state.wake_at = math.inf
     # With nothing waiting and no victim, there is nothing to decide (nor a capacity index to build: a registration
     # storm on an idle cluster builds it once, when the first gang arrives).
-    if any(j.state == "PENDING" or j.preempted_by for j in state.jobs.values()):
+    if state.jobs.in_state("PENDING") or any(j.preempted_by for j in state.jobs.in_state("RUNNING").values()):
         t0 = time.perf_counter()
         snapshot = snapshot_of(cycle)
         t1 = time.perf_counter()
@@ -93,8 +93,8 @@ def schedule(cycle: Cycle) -> None:
         state.no_preemption = snapshot.memo.no_preemption
         apply_plan(cycle, plan)
         cycle.timings.update(snapshot_ms=_ms(t1 - t0), decide_ms=_ms(t2 - t1), apply_ms=_ms(time.perf_counter() - t2))
-    for job in state.jobs.values():  # after the plan: the gangs it reserved have their limits too
-        if job.state == "RUNNING" and job.time_limit:
+    for job in state.jobs.in_state("RUNNING").values():  # after the plan: the gangs it reserved have limits too
+        if job.time_limit:
             cycle.wake_at(job.started_at + job.time_limit)  # fire_timers stops it there
 
 
@@ -120,7 +120,7 @@ def quota_book(state: SchedulerState) -> QuotaBook | None:
     (one unlimited queue: plain priority order)."""
     if not state.queues:
         return None
-    running = [(j.queue, j.flavor, j.request()) for j in state.jobs.values() if j.state == "RUNNING"]
+    running = [(j.queue, j.flavor, j.request()) for j in state.running()]
     return QuotaBook(
         state.queues,
         usage_of(running),
@@ -138,8 +138,7 @@ def running_ends(state: SchedulerState) -> list[RunningEnd]:
             Placement(j.id, tuple(j.replica_placements()), "", 0, 0.0, ""),
             j.started_at + j.time_limit if j.time_limit else math.inf,
         )
-        for j in state.jobs.values()
-        if j.state == "RUNNING"
+        for j in state.running()
     ]
 
 

@@ -789,8 +789,12 @@ def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
         )
         .values(released_at=now)
     )
-    if not job.partials:
-        return
+    if job.partials:
+        _release_holds(conn, job, now)
+
+
+def _release_holds(conn: Connection, job: JobRecord, now: float) -> None:
+    """A split GPU's hold gives back the use of the job's parts on it, and is released with its last part."""
     for replica, _node_name, _gpus in job.allocations:
         part = job.partials.get(replica)
         if part is None:
@@ -1218,6 +1222,86 @@ def mark_attempt_running(conn: Connection, job: JobRecord, now: float) -> None:
         .where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt, JobAttempt.running_at.is_(None))
         .values(running_at=now)
     )
+
+
+def _attempt_end_statement():
+    """end_attempt's update with its values as parameters (b_job, b_attempt, b_now, b_outcome, b_reason), for many
+    attempts in one executemany."""
+    att, ck = cast(Table, JobAttempt.__table__), cast(Table, Checkpoint.__table__)
+    latest = (
+        select(ck.c.step, ck.c.attempt, ck.c.created_at)
+        .where(ck.c.job_id == bindparam("b_job"), ck.c.state == "COMMITTED")
+        .order_by(ck.c.step.desc(), ck.c.committed_at.desc())
+        .limit(1)
+    )
+    step = func.coalesce(latest.with_only_columns(ck.c.step).scalar_subquery(), -1)
+    kept = latest.with_only_columns(
+        case((ck.c.attempt == bindparam("b_attempt"), ck.c.created_at), else_=None)
+    ).scalar_subquery()
+    return (
+        update(att)
+        .where(att.c.job_id == bindparam("b_job"), att.c.attempt == bindparam("b_attempt"), att.c.ended_at.is_(None))
+        .values(
+            ended_at=bindparam("b_now"),
+            outcome=bindparam("b_outcome"),
+            reason=bindparam("b_reason"),
+            committed_step=step,
+            kept_until=kept,
+        )
+    )
+
+
+_END_ATTEMPTS = _attempt_end_statement()
+_MARK_RUNNING = (
+    update(cast(Table, JobAttempt.__table__))
+    .where(
+        JobAttempt.__table__.c.job_id == bindparam("b_job"),
+        JobAttempt.__table__.c.attempt == bindparam("b_attempt"),
+        JobAttempt.__table__.c.running_at.is_(None),
+    )
+    .values(running_at=bindparam("b_now"))
+)
+_RELEASE = (
+    update(cast(Table, Allocation.__table__))
+    .where(
+        Allocation.__table__.c.job_id == bindparam("b_job"),
+        Allocation.__table__.c.attempt == bindparam("b_attempt"),
+        Allocation.__table__.c.released_at.is_(None),
+        Allocation.__table__.c.kind != "hold",
+    )
+    .values(released_at=bindparam("b_now"))
+)
+
+
+def end_attempts(conn: Connection, ends: Sequence[tuple[JobRecord, str, str, float]]) -> None:
+    """`end_attempt` without answers for many attempts, (job, outcome, reason, now) each: one statement, executed
+    for all of them at once (a cycle's deferred writes)."""
+    if ends:
+        conn.execute(
+            _END_ATTEMPTS,
+            [
+                dict(b_job=j.id, b_attempt=j.attempt, b_now=now, b_outcome=outcome, b_reason=reason[:2000])
+                for j, outcome, reason, now in ends
+            ],
+        )
+
+
+def mark_attempts_running(conn: Connection, items: Sequence[tuple[JobRecord, float]]) -> None:
+    """`mark_attempt_running` for many attempts at once."""
+    if items:
+        conn.execute(_MARK_RUNNING, [dict(b_job=j.id, b_attempt=j.attempt, b_now=now) for j, now in items])
+
+
+def release_allocations_many(conn: Connection, items: Sequence[tuple[JobRecord, float]]) -> None:
+    """`release_allocations` for many jobs: the whole-GPU and part rows in one statement for all; a split GPU's
+    hold, which needs its own statement, job by job."""
+    if not items:
+        return
+    _changed_jobs(conn, *(j.id for j, _ in items))
+    conn.execute(_RELEASE, [dict(b_job=j.id, b_attempt=j.attempt, b_now=now) for j, now in items])
+    for job, now in items:
+        if job.partials:
+            _release_holds(conn, job, now)
 
 
 def end_attempt(

@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1000,
         metavar="N",
-        help="try at most N gangs behind a blocked head in one pass (Slurm's bf_max_job_test; 0: no limit; "
-        "default 1000)",
+        help="look at most at N gangs behind a blocked head in one pass, tried or passed over (Slurm's "
+        "bf_max_job_test; 0: no limit; default 1000)",
     )
     p.add_argument(
         "--backfill-budget-ms",

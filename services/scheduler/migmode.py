@@ -343,7 +343,7 @@ def after_pass(
     state = cycle.state
     if not any(n.mig_manage for n in state.nodes.values()):
         return None, ""
-    if any(j.preempted_by == head.id for j in state.jobs.values() if j.state == "RUNNING"):
+    if any(j.preempted_by == head.id for j in state.jobs.in_state("RUNNING").values()):
         return None, ""  # a preemption for it is under way: it gets those GPUs
     switching = {(n.name, g): s.enable for n in state.nodes.values() for g, s in n.mig_switches.items() if s.active}
     cands = candidates(state, cycle.now, cycle.settings.mig_switch_hold_s)

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from phalanx.core.backfill import RunningEnd, RunningSet
 from phalanx.core.decide import (
     AskCheckpoint,
     CallOff,
@@ -63,21 +64,15 @@ class _Lazy(Mapping):
 
 
 def pending_job(job: JobRecord) -> PendingJob:
-    key = (
-        job.version,
-        job.state,
-        job.attempt,
-        job.priority,
-        job.not_before,
-        job.queue,
-        job.time_limit,
-        len(job.struck_nodes),
-    )
+    """The job as the decision's pending queue holds it, rebuilt only when the job changed. Every change of what it
+    is built from bumps the job's version (ledger.update_job), except on a job not yet written, whose changes clear
+    the cache (transitions.set_job): the version alone tells, a lookup per job of a 10,000-gang queue."""
+    version = job.version
     cached = job.snapshot_cache.get("pending")
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == version:
         return cached[1]
     entry = PendingJob(job.request(), job.queue, job.not_before)
-    job.snapshot_cache["pending"] = (key, entry)
+    job.snapshot_cache["pending"] = (version, entry)
     return entry
 
 
@@ -116,37 +111,55 @@ def _running_job(job: JobRecord) -> RunningJob:
     )
 
 
+def running_ends(state: SchedulerState) -> RunningSet:
+    """The running gangs in end order (backfill's input when the head is blocked), brought up to date with the
+    running jobs: only the gangs that started, stopped or changed attempt since the last cycle move in it, and its
+    version tells the reservation memo whether anything did."""
+    ends, built = state.ends, state.ends_built
+    running = state.jobs.in_state("RUNNING")
+    if len(built) > len(running) or any(j not in running for j in built):
+        for job_id in [j for j in built if j not in running]:
+            ends.discard(job_id)
+            del built[job_id]
+    for job in running.values():
+        key = (job.attempt, job.started_at, job.time_limit, len(job.allocations))
+        if built.get(job.id) != key:
+            gang = running_job(job)
+            ends.add(RunningEnd(job.id, gang.placement, gang.ends_at))
+            built[job.id] = key
+    return ends
+
+
 def snapshot_of(cycle: Cycle) -> Snapshot:
     """This cycle's view as the decision's input."""
     state, s = cycle.state, cycle.settings
     jobs = state.jobs
-    victims = [j for j in jobs.values() if j.preempted_by and j.state == "RUNNING"]  # JobRecord.preempting, inline
+    victims = [j for j in jobs.in_state("RUNNING").values() if j.preempted_by]  # JobRecord.preempting, inline
     waiting = ledger.outstanding_requests(cycle.conn, [v.id for v in victims]) if victims else set()
 
     def running() -> dict[str, RunningJob]:
         out = {}
-        for j in jobs.values():
-            if j.state == "RUNNING":
-                r = running_job(j)
-                if j.preempted_by and j.id not in waiting:
-                    r = RunningJob(
-                        r.request,
-                        r.placement,
-                        r.started_at,
-                        r.queue,
-                        r.flavor,
-                        r.attempt,
-                        r.progress_since,
-                        r.gpus,
-                        r.preempted_by,
-                        r.deadline,
-                        False,
-                    )
-                out[j.id] = r
+        for j in jobs.in_state("RUNNING").values():
+            r = running_job(j)
+            if j.preempted_by and j.id not in waiting:
+                r = RunningJob(
+                    r.request,
+                    r.placement,
+                    r.started_at,
+                    r.queue,
+                    r.flavor,
+                    r.attempt,
+                    r.progress_since,
+                    r.gpus,
+                    r.preempted_by,
+                    r.deadline,
+                    False,
+                )
+            out[j.id] = r
         return out
 
     def saved_at() -> dict[str, float]:
-        ids = [j.id for j in jobs.values() if j.state == "RUNNING"]
+        ids = list(jobs.in_state("RUNNING"))
         commits = ledger.latest_commits(cycle.conn, ids)
         return {i: c[2] for i, c in commits.items() if i in jobs and c[1] == jobs[i].attempt}
 
@@ -168,7 +181,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
     )
     return Snapshot(
         capacity=state.capacity,
-        pending=[pending_job(j) for j in state.pending()],
+        pending=[pending_job(j) for j in jobs.in_state("PENDING").values()],
         running=_Lazy(running),
         config=config,
         unusable=unusable(state),
@@ -177,6 +190,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         saved_at=_Lazy(saved_at),
         preempting=[v.id for v in victims],
         memo=Memo(state.reservation_memo, state.no_preemption),
+        ends=lambda: running_ends(state),
     )
 
 

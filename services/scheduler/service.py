@@ -470,7 +470,10 @@ class SchedulerService:
             for n in self.state.nodes.values()
         ):
             return True
-        return any(j.launch_deadline is not None and now > j.launch_deadline for j in self.state.jobs.values())
+        return any(
+            j.launch_deadline is not None and now > j.launch_deadline
+            for j in self.state.jobs.in_state("RUNNING").values()
+        )
 
     def _after_commit(self, cycle: Cycle) -> None:
         for job in cycle.changed.values():
@@ -533,11 +536,11 @@ class SchedulerService:
         metrics.GOODPUT_RATIO.set(total.ratio)
 
     def _update_gauges(self) -> None:
-        metrics.QUEUE_DEPTH.set(len(self.state.pending()))
+        # (the event loop's thread, beside the writer's: read the indexes as they are, never reorder them)
+        jobs = self.state.jobs
+        metrics.QUEUE_DEPTH.set(jobs.count("PENDING"))
         metrics.GPUS_FREE.set(self.state.capacity.free_gpus())
-        metrics.GPUS_ALLOCATED.set(
-            sum(len(g) for j in self.state.jobs.values() if j.state == "RUNNING" for _, _, g in j.allocations)
-        )
+        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in jobs.unordered("RUNNING") for _, _, g in j.allocations))
 
     # ---- cross-replica notifications (PostgreSQL) ----------------------------------------------------------------
 

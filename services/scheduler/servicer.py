@@ -190,7 +190,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return
         cap = self.limits.pending_cap(ident)
         if cap is not None:
-            pending = sum(1 for j in self.service.state.jobs.values() if j.state == "PENDING" and j.tenant == tenant)
+            pending = sum(1 for j in self.service.state.jobs.unordered("PENDING") if j.tenant == tenant)
             pending += self._inflight.get(tenant, 0)
             if pending >= cap:
                 raise ResourceExhausted(

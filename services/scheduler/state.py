@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.core import mig
+from phalanx.core.backfill import RunningSet
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
@@ -88,7 +89,10 @@ class JobRecord:
     struck_nodes: list[str] = field(default_factory=list)
     # The decision's inputs built from this record last time, with the fields they were built from
     # (planning.pending_job / running_job): a pass over 10,000 pending gangs rebuilds only those that changed.
-    snapshot_cache: dict[str, tuple[tuple, Any]] = field(default_factory=dict, repr=False, compare=False)
+    snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
+    # The JobTable holding this record (it indexes the record by state); set by the table, kept by copies (which the
+    # table tells apart by identity).
+    table: JobTable | None = field(default=None, repr=False, compare=False)
 
     @property
     def preempting(self) -> bool:
@@ -173,6 +177,145 @@ class MigSwitch:
         return not self.error
 
 
+def _job_state(job: JobRecord) -> str:
+    return job.__dict__["state"]  # type: ignore[no-any-return]
+
+
+def _set_job_state(job: JobRecord, value: str) -> None:
+    old = job.__dict__.get("state")
+    job.__dict__["state"] = value
+    table = job.__dict__.get("table")
+    if table is not None and old != value:
+        table._moved(job, old, value)
+
+
+# `state` is a property over the dataclass field (its generated __init__ assigns through it), so that every change
+# of a job's state, wherever it is made, keeps its table's index by state right. The value stays in the instance's
+# __dict__ under its own name (a property wins over it on lookup), so copies and readers of __dict__ see it as before.
+JobRecord.state = property(_job_state, _set_job_state)  # type: ignore[assignment,method-assign]
+
+
+class JobTable(dict[str, JobRecord]):
+    """The active jobs by id, with the PENDING and RUNNING ones indexed by state, in the table's order (a job's
+    position is where it was first inserted, as in a plain dict). A cycle then visits the few hundred running gangs
+    for its timers and a preemption, not the 10,000 waiting behind them, and lists the pending queue without a scan
+    of everything."""
+
+    INDEXED = ("PENDING", "RUNNING")
+
+    def __init__(self, jobs: dict[str, JobRecord] | None = None) -> None:
+        super().__init__()
+        self._seq = 0
+        self._order: dict[str, int] = {}  # job id -> its position in the table
+        self._by_state: dict[str, dict[str, JobRecord]] = {s: {} for s in self.INDEXED}
+        self._sorted: dict[str, bool] = dict.fromkeys(self.INDEXED, True)
+        self._last: dict[str, int] = dict.fromkeys(self.INDEXED, -1)
+        for key, job in (jobs or {}).items():
+            self[key] = job
+
+    # -- the dict's writes, each keeping the index
+
+    def __setitem__(self, key: str, job: JobRecord) -> None:
+        old = dict.get(self, key)
+        if old is not None and old is not job:
+            self._unindex(old)
+            if old.__dict__.get("table") is self:
+                old.table = None
+        if key not in self._order:
+            self._order[key] = self._seq
+            self._seq += 1
+        dict.__setitem__(self, key, job)
+        job.table = self
+        self._index(job, job.state)
+
+    def __delitem__(self, key: str) -> None:
+        job = dict.pop(self, key)
+        self._forget(key, job)
+
+    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+        if key not in self:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        job = dict.pop(self, key)
+        self._forget(key, job)
+        return job
+
+    def clear(self) -> None:
+        for key in list(self):
+            del self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, job in dict(*args, **kwargs).items():
+            self[key] = job
+
+    def setdefault(self, key: str, default: Any = None) -> JobRecord:  # type: ignore[override]
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def popitem(self) -> tuple[str, JobRecord]:
+        key = next(reversed(self))
+        return key, self.pop(key)
+
+    # -- the index
+
+    def _forget(self, key: str, job: JobRecord) -> None:
+        self._order.pop(key, None)
+        self._unindex(job)
+        if job.__dict__.get("table") is self:
+            job.table = None
+
+    def _index(self, job: JobRecord, state: str) -> None:
+        index = self._by_state.get(state)
+        if index is None:
+            return
+        pos = self._order[job.id]
+        if job.id not in index:
+            if pos < self._last[state]:
+                self._sorted[state] = False
+            else:
+                self._last[state] = pos
+        index[job.id] = job
+
+    def _unindex(self, job: JobRecord) -> None:
+        for index in self._by_state.values():
+            if index.get(job.id) is job:
+                del index[job.id]
+
+    def _moved(self, job: JobRecord, old: str | None, new: str) -> None:
+        if dict.get(self, job.id) is not job:
+            return  # a copy, or a record the table no longer holds
+        if old in self._by_state and self._by_state[old].get(job.id) is job:
+            del self._by_state[old][job.id]
+        self._index(job, new)
+
+    def count(self, state: str) -> int:
+        return len(self._by_state[state])
+
+    def unordered(self, state: str) -> list[JobRecord]:
+        """The jobs in `state` in no particular order: for readers on another thread than the cycle's (a copy taken
+        at once, never a reorder of the index)."""
+        index = self._by_state[state]
+        for _ in range(3):
+            try:
+                return list(index.values())
+            except RuntimeError:  # the cycle changed it while it was copied
+                continue
+        return []
+
+    def in_state(self, state: str) -> dict[str, JobRecord]:
+        """The jobs in `state` (PENDING or RUNNING) by id, in the table's order. Read it, do not change it."""
+        index = self._by_state[state]
+        if not self._sorted[state]:
+            ordered = sorted(index.values(), key=lambda j: self._order[j.id])
+            index.clear()
+            index.update((j.id, j) for j in ordered)
+            self._sorted[state] = True
+            self._last[state] = self._order[ordered[-1].id] if ordered else -1
+        return index
+
+
 @dataclass
 class NodeRecord:
     id: int
@@ -237,7 +380,7 @@ class NodeRecord:
 
 class SchedulerState:
     def __init__(self) -> None:
-        self.jobs: dict[str, JobRecord] = {}  # PENDING and RUNNING jobs only
+        self._jobs = JobTable()  # PENDING and RUNNING jobs only
         self.nodes: dict[str, NodeRecord] = {}
         self._capacity = ClusterCapacity()
         self._capacity_stale = False
@@ -251,6 +394,22 @@ class SchedulerState:
         self.reservation_memo: dict = {}  # the blocked head's last reservation and what it was planned on
         self.mig_plans: dict = {}  # job id -> (signature, valid until, plan) of its last MIG mode switch plan
         self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)
+        # The running gangs in end order for backfill (planning.running_ends), kept in step with the running jobs
+        # cycle after cycle, with the fields each entry was built from
+        self.ends = RunningSet()
+        self.ends_built: dict[str, tuple[Any, ...]] = {}
+
+    @property
+    def jobs(self) -> JobTable:
+        return self._jobs
+
+    @jobs.setter
+    def jobs(self, jobs: dict[str, JobRecord]) -> None:
+        for job in self._jobs.values():
+            if job.__dict__.get("table") is self._jobs:
+                job.table = None
+        self._jobs = jobs if isinstance(jobs, JobTable) else JobTable(jobs)
+        self.ends, self.ends_built = RunningSet(), {}
 
     @property
     def capacity(self) -> ClusterCapacity:
@@ -285,13 +444,12 @@ class SchedulerState:
             for held in (n.held_gpus,)
         )
         capacity = self._capacity
-        for job in self.jobs.values():
-            if job.state == "RUNNING":
-                for rep in job.replica_placements():
-                    if rep.mig_profile or rep.gpu_milli:
-                        capacity.take_partial(rep)
-                    else:
-                        capacity.take(rep.node, rep.gpus)
+        for job in self.running():
+            for rep in job.replica_placements():
+                if rep.mig_profile or rep.gpu_milli:
+                    capacity.take_partial(rep)
+                else:
+                    capacity.take(rep.node, rep.gpus)
 
     def set_node_schedulable(self, name: str) -> None:
         self.capacity.set_schedulable(name, self.nodes[name].schedulable)
@@ -307,10 +465,15 @@ class SchedulerState:
                     self.capacity.take(name, fatal)
 
     def pending(self) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if j.state == "PENDING"]
+        """The PENDING jobs, in the view's order."""
+        return list(self._jobs.in_state("PENDING").values())
+
+    def running(self) -> list[JobRecord]:
+        """The RUNNING jobs (victims being preempted included), in the view's order."""
+        return list(self._jobs.in_state("RUNNING").values())
 
     def running_on(self, node: str) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if j.state == "RUNNING" and node in j.nodes]
+        return [j for j in self.running() if node in j.nodes]
 
 
 def layout_ranks(job: JobRecord) -> dict[int, RankRecord]:

@@ -96,9 +96,17 @@ class Cycle:
         ledger.flush_job_updates(self.conn)  # first: the reads after it (account_finished) see the jobs' ends
         if self.deferred:
             items, self.deferred = self.deferred, []
+            # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
+            # different rows or columns, so their order does not matter).
+            batches: dict[Any, list[tuple[Any, ...]]] = {}
             with ledger.pipelined(self.conn):
                 for write, args in items:
-                    write(self.conn, *args)
+                    if write in _BATCHED:
+                        batches.setdefault(write, []).append(args)
+                    else:
+                        write(self.conn, *args)
+                for write, rows in batches.items():
+                    _BATCHED[write](self.conn, rows)
 
     def flush_ranks(self) -> None:
         if self.rank_rows:
@@ -114,6 +122,18 @@ class Cycle:
             self.state.jobs[job.id] = job
 
 
+def _end_attempts(conn: Connection, rows: list[tuple[Any, ...]]) -> None:
+    ledger.end_attempts(conn, [(job, outcome, reason, now) for job, outcome, reason, now, _answer in rows])
+
+
+# A deferred write -> the same write for the many rows of a cycle
+_BATCHED = {
+    ledger.end_attempt: _end_attempts,
+    ledger.release_allocations: ledger.release_allocations_many,
+    ledger.mark_attempt_running: ledger.mark_attempts_running,
+}
+
+
 def reload_state(
     conn: Connection, state: SchedulerState, settings: SchedulerSettings, now: float, *, initial: bool
 ) -> None:
@@ -123,8 +143,8 @@ def reload_state(
     ledger.load_state(conn, state, settings.fabric.path)
     for node in state.nodes.values():
         node.last_heartbeat = now if initial else max(node.last_heartbeat, beats.get(node.name, 0.0))
-    for job in state.jobs.values():
-        if job.state != "RUNNING" or all(r.state != "ASSIGNED" for r in job.ranks.values()):
+    for job in state.running():
+        if all(r.state != "ASSIGNED" for r in job.ranks.values()):
             continue
         attempt, deadline = deadlines.get(job.id, (None, None))
         if initial:
@@ -315,6 +335,7 @@ def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
     if job.version < 0:
         for key, value in changes.items():
             setattr(job, key, value)
+        job.snapshot_cache.clear()  # its version does not move until it is written (planning.pending_job)
         return
     ledger.update_job(cycle.conn, job, **changes)
 

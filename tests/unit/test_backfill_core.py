@@ -218,3 +218,21 @@ def test_the_512_gpu_gang_starts_within_its_bound_and_backfill_keeps_gpus_busy()
         f"EASY: head at {head_at:.1f}s, reserved {reserved:.1f}s, started {easy_start:.1f}s, utilisation while "
         f"it waited {easy_util:.1%}; strict: started {strict_start:.1f}s, {strict_util:.1%}; naive: never"
     )
+
+
+@pytest.mark.parametrize("depth, placed", [(None, ["small"]), (6, ["small"]), (5, [])])
+def test_depth_counts_every_gang_looked_at_behind_the_head_even_the_ones_passed_over(depth, placed):
+    """Four look-alike gangs that cannot fit are passed over without a placement (their shape failed), yet each
+    counts toward --backfill-depth: a pass ends after `depth` gangs behind the head however long the queue, so a
+    small gang sixth behind the head is backfilled with a depth of 6, not with 5."""
+    cap, tiers = cluster(4, per_leaf=4)
+    running = [start(cap, tiers, "busy", 3, 8, ends_at=100.0)]  # one free node, n003
+    pending = [
+        GangRequest("head", 4, 8, submitted_at=0),
+        *(GangRequest(f"big{i}", 2, 8, submitted_at=1 + i, time_limit=10) for i in range(4)),
+        GangRequest("unlimited", 2, 8, submitted_at=5),
+        GangRequest("small", 1, 8, submitted_at=6, time_limit=10),  # fits on n003 and ends before 100
+    ]
+    result = schedule_with_backfill(cap, pending, tiers, now=0.0, running=lambda: running, depth=depth)
+    assert result.blocked.job_id == "head"
+    assert [p.job_id for p in result.placements] == placed
