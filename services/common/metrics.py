@@ -21,6 +21,12 @@ GOODPUT = Gauge(
     ["category"],
 )
 GOODPUT_RATIO = Gauge("phalanx_goodput_ratio", "Productive over allocated GPU time, whole cluster")
+GC_PAUSE_SECONDS = Histogram(
+    "phalanx_gc_pause_seconds",
+    "Pauses of Python's garbage collector in this process, by generation (every thread stops meanwhile)",
+    ["generation"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
 CYCLE_SECONDS = Histogram(
     "phalanx_scheduler_cycle_seconds",
     "Time of one scheduling cycle (its commands, timers and scheduling pass, in one transaction, commit included)",

@@ -15,6 +15,7 @@ from phalanx.common.tokens import TokenFileError, TokenStore
 from phalanx.core.capacity import PLACEMENT_BUDGET_MS
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
+from services.common import gcwatch
 from services.common.auth import (
     DEFAULT_MAX_PENDING,
     AuthInterceptor,
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         retain_finished_s=args.retain_finished,
     )
     serve_metrics(args.metrics_port)
+    gcwatch.install()
 
     async def run() -> None:
         running = await serve(settings, tokens=tokens, limits=limits, tls=tls)

@@ -101,6 +101,7 @@ class SchedulerService:
         await self._loop.run_in_executor(self._writer, self._cycle_once, [])
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         if not is_sqlite(self.engine):
+            await self._loop.run_in_executor(self._readers, self._check_server)
             self._listener = threading.Thread(target=self._listen, name="pg-listener", daemon=True)
             self._listener.start()
         log.info(
@@ -109,6 +110,23 @@ class SchedulerService:
             nodes=len(self.state.nodes),
             active_jobs=len(self.state.jobs),
         )
+
+    def _check_server(self) -> None:
+        """Warn about a PostgreSQL server set up against the ledger's write pattern: a scheduler deletes and updates
+        rows all day, and without autovacuum the planner keeps the statistics of an empty ledger and dead rows
+        pile up (the archive's scans and deletes then cost seconds each)."""
+        try:
+            with self.read_engine.connect() as conn:
+                autovacuum = conn.exec_driver_sql("SHOW autovacuum").scalar()
+        except DBAPIError as exc:
+            log.warning("server_check_failed", error=_db_error(exc))
+            return
+        if autovacuum != "on":
+            log.warning(
+                "postgresql_autovacuum_off",
+                note="the ledger's server runs without autovacuum: turn it on, or VACUUM (ANALYZE) the ledger "
+                "regularly (query plans degrade as the tables churn)",
+            )
 
     async def stop(self) -> None:
         self._stopping = True
