@@ -294,15 +294,10 @@ class JobTable(dict[str, JobRecord]):
         return len(self._by_state[state])
 
     def unordered(self, state: str) -> list[JobRecord]:
-        """The jobs in `state` in no particular order: for readers on another thread than the cycle's (a copy taken
-        at once, never a reorder of the index)."""
-        index = self._by_state[state]
-        for _ in range(3):
-            try:
-                return list(index.values())
-            except RuntimeError:  # the cycle changed it while it was copied
-                continue
-        return []
+        """The jobs in `state` in no particular order: for readers on another thread than the cycle's. The copy is
+        made in one C call, which holds the GIL throughout (the cycle cannot change the index half way), and the
+        index is never reordered here."""
+        return list(self._by_state[state].values())
 
     def in_state(self, state: str) -> dict[str, JobRecord]:
         """The jobs in `state` (PENDING or RUNNING) by id, in the table's order. Read it, do not change it."""

@@ -188,7 +188,7 @@ def test_node_kill_resumes_on_other_nodes_from_the_last_committed_step(cluster_f
         job = client.wait(job.id, ["RUNNING"], timeout=30)
         first_nodes = ledger.attempt_nodes(job.id, 1)
         assert len(set(first_nodes.values())) == 2, first_nodes
-        _eventually(lambda: ledger.latest_step(job.id) >= 20, timeout=40, what="a checkpoint >= step 20", interval=0.05)
+        _eventually(lambda: ledger.latest_step(job.id) >= 20, timeout=90, what="a checkpoint >= step 20", interval=0.05)
 
         # -- the node of rank 0 dies: its agent, then every rank process on it (wrapper and command) ---------------
         victim = first_nodes[0]
@@ -248,7 +248,7 @@ def test_preempted_gang_checkpoints_and_resumes_without_losing_a_committed_step(
         low = client.wait(low.id, ["RUNNING"], timeout=30)
         # Past its minimum runtime (1 s) and with a periodic checkpoint committed; then a gang that needs its GPUs.
         _eventually(
-            lambda: ledger.latest_step(low.id) >= every, timeout=40, what="the first periodic checkpoint", interval=0.05
+            lambda: ledger.latest_step(low.id) >= every, timeout=90, what="the first periodic checkpoint", interval=0.05
         )
         periodic = ledger.latest_step(low.id)
         asked_at = time.time()

@@ -561,16 +561,16 @@ def test_watch_prints_a_line_per_change_until_all_finish(fake, capsys):
     j2 = servicer.add_job("two", state=common_pb2.JOB_STATE_RUNNING)
     done = servicer.add_job("done", state=common_pb2.JOB_STATE_SUCCEEDED)
 
-    def drive():
-        time.sleep(0.3)
+    def drive():  # each change once the watcher has seen the one before (the first two: the live jobs as they are)
+        servicer.wait_events(2)
         servicer.update(
             j1.id,
             state=common_pb2.JOB_STATE_RUNNING,
             allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[0])],
         )
-        time.sleep(0.1)
+        servicer.wait_events(3)
         servicer.update(j2.id, state=common_pb2.JOB_STATE_FAILED, exit_code=2, message="rank 0 exited 2")
-        time.sleep(0.1)
+        servicer.wait_events(4)
         servicer.update(j1.id, state=common_pb2.JOB_STATE_SUCCEEDED)
 
     t = threading.Thread(target=drive)
@@ -594,8 +594,15 @@ def test_watch_prints_a_line_per_change_until_all_finish(fake, capsys):
 def test_watch_json_lines(fake, capsys):
     servicer, address = fake
     j = servicer.add_job("one")
-    threading.Timer(0.3, servicer.update, (j.id,), {"state": common_pb2.JOB_STATE_CANCELLED}).start()
+
+    def cancel():  # once the watcher has seen it pending
+        servicer.wait_events(1)
+        servicer.update(j.id, state=common_pb2.JOB_STATE_CANCELLED)
+
+    t = threading.Thread(target=cancel)
+    t.start()
     code, out, err = cli(capsys, address, "watch", "--json", j.id)
+    t.join()
     assert code == 0 and err == ""
     states = [json.loads(line)["state"] for line in out.splitlines()]
     assert states == ["PENDING", "CANCELLED"]

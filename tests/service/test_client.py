@@ -98,6 +98,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.force: dict[str, tuple[grpc.StatusCode, str]] = {}
         self.cond = threading.Condition()
         self.seq = 0
+        self.events = 0  # JobEvents WatchJobs has sent, all streams together (wait_events)
         self.checkpoints: dict[str, str] = {}  # job id -> the outstanding request's reason
         self.goodput_requests: list[tuple[float, int]] = []
         self.nodes = [
@@ -251,6 +252,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             for job_id, raw, job in snapshot:
                 sent[job_id] = raw
                 yield scheduler_pb2.JobEvent(job=job)
+                with self.cond:
+                    self.events += 1
+                    self.cond.notify_all()
+
+    def wait_events(self, count: int, timeout: float = 20.0) -> None:
+        """Block until WatchJobs has sent `count` events in all (a test drives the next change only once the
+        watcher has seen the previous one, however slow the machine)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.events >= count, timeout):
+                raise AssertionError(f"only {self.events} of {count} watch events sent within {timeout:g}s")
 
 
 @contextlib.contextmanager
