@@ -1225,8 +1225,8 @@ def mark_attempt_running(conn: Connection, job: JobRecord, now: float) -> None:
 
 
 def _attempt_end_statement():
-    """end_attempt's update with its values as parameters (b_job, b_attempt, b_now, b_outcome, b_reason), for many
-    attempts in one executemany."""
+    """end_attempt's update with its values as parameters (b_job, b_attempt, b_now, b_outcome, b_reason): built
+    once, for one attempt (end_attempt) or many in one executemany (end_attempts)."""
     att, ck = cast(Table, JobAttempt.__table__), cast(Table, Checkpoint.__table__)
     latest = (
         select(ck.c.step, ck.c.attempt, ck.c.created_at)
@@ -1308,27 +1308,14 @@ def end_attempt(
     conn: Connection, job: JobRecord, outcome: str, reason: str, now: float, answer: bool = True
 ) -> tuple[int, float | None]:
     """Close the job's current attempt: its end, and the committed step the next attempt restarts from with when
-    this attempt reached it (None when the latest committed checkpoint is not this attempt's). Returns those two."""
-    # One statement (a teardown is on the cycle's path): the latest commit is read by the update itself.
-    latest = (
-        select(Checkpoint.step, Checkpoint.attempt, Checkpoint.created_at)
-        .where(Checkpoint.job_id == job.id, Checkpoint.state == "COMMITTED")
-        .order_by(Checkpoint.step.desc(), Checkpoint.committed_at.desc())
-        .limit(1)
-    )
-    step = func.coalesce(latest.with_only_columns(Checkpoint.step).scalar_subquery(), -1)
-    kept = latest.with_only_columns(
-        case((Checkpoint.attempt == job.attempt, Checkpoint.created_at), else_=None)
-    ).scalar_subquery()
-    stmt = (
-        update(JobAttempt)
-        .where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt, JobAttempt.ended_at.is_(None))
-        .values(ended_at=now, outcome=outcome, reason=reason[:2000], committed_step=step, kept_until=kept)
-    )
+    this attempt reached it (None when the latest committed checkpoint is not this attempt's). Returns those two.
+    One statement (a teardown is on the cycle's path): the latest commit is read by the update itself."""
+    params = dict(b_job=job.id, b_attempt=job.attempt, b_now=now, b_outcome=outcome, b_reason=reason[:2000])
     if not answer:  # a deferred write, sent pipelined: nothing to read back
-        conn.execute(stmt)
+        conn.execute(_END_ATTEMPTS, params)
         return -1, None
-    row = conn.execute(stmt.returning(JobAttempt.committed_step, JobAttempt.kept_until)).first()
+    att = cast(Table, JobAttempt.__table__)
+    row = conn.execute(_END_ATTEMPTS.returning(att.c.committed_step, att.c.kept_until), params).first()
     if row is None:  # no open attempt (already ended): nothing written
         got = latest_commits(conn, [job.id]).get(job.id, (-1, -1, 0.0))
         return got[0], got[2] if got[0] >= 0 and got[1] == job.attempt else None
