@@ -20,7 +20,7 @@ from services.common.rpc import stream, unary
 
 from . import accounting, ledger, paging, queues, retention
 from .commands import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
-from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, node_from_row
+from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
 from .service import SchedulerService
 
 MAX_NAME = 253
@@ -224,17 +224,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @unary
     async def GetJob(self, request, context):
         job_id = check_job_id(request.job_id)
-        jobs = await self.service.read_jobs(job_ids=[job_id], tenant=tenant_scope())
-        if not jobs:  # finished past --retain-finished: from job_archive (retention.py), else none
-            archived = await self.service.read(retention.read_archived_job, job_id, tenant_scope())
+        # One read transaction (one snapshot, one trip to a reader thread) for the job, its goodput and what its
+        # attempt restored from; a job finished past --retain-finished comes from job_archive (retention.py).
+        row, archived, listed, restore = await self.service.read_snapshot(
+            _job_view, job_id, tenant_scope(), time.time()
+        )
+        if row is None:
             if archived is None:
                 raise NotFound(f"no job with id {request.job_id!r}")
             return archived
-        job = jobs[0]
-        _, listed, _ = await self.service.read(accounting.read_goodput, time.time(), job_ids=[job_id])
+        job = job_from_row(*row)
         if listed:
             job.goodput.CopyFrom(accounting.to_proto(listed[0][1]))
-        job.restore = await self.service.read(ledger.restore_message, job_id)
+        job.restore = restore
         return job
 
     @unary
@@ -536,3 +538,13 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             )
         )
         return agent_pb2.ReportRankStatusResponse(stale=stale)
+
+
+def _job_view(conn, job_id: str, tenant: str | None, now: float):
+    """GetJob's reads in the caller's transaction: (the job's row, allocations and parts; None when it is not
+    active or finished in `jobs`), the archived job (only then), its goodput listing, its restore message."""
+    rows = ledger.read_jobs(conn, job_ids=[job_id], tenant=tenant)
+    if not rows:
+        return None, retention.read_archived_job(conn, job_id, tenant), None, ""
+    _, listed, _ = accounting.read_goodput(conn, now, job_ids=[job_id])
+    return rows[0], None, listed, ledger.restore_message(conn, job_id)
