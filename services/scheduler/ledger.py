@@ -40,7 +40,7 @@ from phalanx.core import mig
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.quota import FlavorQuota, QueueSpec
 
-from .state import JobRecord, MigSwitch, NodeRecord, Partial, SchedulerState, layout_ranks
+from .state import JobRecord, MigSwitch, NodeRecord, Partial, SchedulerState, layout_ranks, touch
 
 T = TypeVar("T")
 NOTIFY_CHANNEL = "phalanx_events"
@@ -656,6 +656,7 @@ def update_job(conn: Connection, job: JobRecord, **changes: Any) -> None:
     job.version += 1
     for key, value in changes.items():
         setattr(job, key, value)
+    touch(job)
 
 
 def flush_job_updates(conn: Connection) -> None:

@@ -181,7 +181,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
     )
     return Snapshot(
         capacity=state.capacity,
-        pending=[pending_job(j) for j in jobs.in_state("PENDING").values()],
+        pending=jobs.pending_view(pending_job),
         running=_Lazy(running),
         config=config,
         unusable=unusable(state),

@@ -7,6 +7,7 @@ scheduling cycle (one thread at a time) touches it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +190,13 @@ def _set_job_state(job: JobRecord, value: str) -> None:
         table._moved(job, old, value)
 
 
+def touch(job: JobRecord) -> None:
+    """Tell the job's table that the job changed (what the decision's pending queue holds of it may differ)."""
+    table = job.__dict__.get("table")
+    if table is not None:
+        table.touch(job)
+
+
 # `state` is a property over the dataclass field (its generated __init__ assigns through it), so that every change
 # of a job's state, wherever it is made, keeps its table's index by state right. The value stays in the instance's
 # __dict__ under its own name (a property wins over it on lookup), so copies and readers of __dict__ see it as before.
@@ -210,6 +218,10 @@ class JobTable(dict[str, JobRecord]):
         self._by_state: dict[str, dict[str, JobRecord]] = {s: {} for s in self.INDEXED}
         self._sorted: dict[str, bool] = dict.fromkeys(self.INDEXED, True)
         self._last: dict[str, int] = dict.fromkeys(self.INDEXED, -1)
+        # The pending queue as the decision's input (pending_view): one entry per PENDING job in the index's order,
+        # None until built; `_dirty`: the jobs whose entry must be (re)built (new in the queue, or changed: touch)
+        self._view: dict[str, Any] = {}
+        self._dirty: set[str] = set()
         for key, job in (jobs or {}).items():
             self[key] = job
 
@@ -277,18 +289,44 @@ class JobTable(dict[str, JobRecord]):
             else:
                 self._last[state] = pos
         index[job.id] = job
+        if state == "PENDING":
+            self._view[job.id] = None
+            self._dirty.add(job.id)
 
     def _unindex(self, job: JobRecord) -> None:
-        for index in self._by_state.values():
+        for state, index in self._by_state.items():
             if index.get(job.id) is job:
                 del index[job.id]
+                if state == "PENDING":
+                    self._view.pop(job.id, None)
+                    self._dirty.discard(job.id)
 
     def _moved(self, job: JobRecord, old: str | None, new: str) -> None:
         if dict.get(self, job.id) is not job:
             return  # a copy, or a record the table no longer holds
         if old in self._by_state and self._by_state[old].get(job.id) is job:
             del self._by_state[old][job.id]
+            if old == "PENDING":
+                self._view.pop(job.id, None)
+                self._dirty.discard(job.id)
         self._index(job, new)
+
+    def touch(self, job: JobRecord) -> None:
+        """`job` changed (ledger.update_job, transitions.set_job): its pending_view entry is built again."""
+        if job.id in self._view and dict.get(self, job.id) is job:
+            self._view[job.id] = None
+            self._dirty.add(job.id)
+
+    def pending_view(self, build: Callable[[JobRecord], Any]) -> list[Any]:
+        """`build(job)` of every PENDING job, in the index's order, rebuilding only the entries of jobs that entered
+        the queue or changed since the last call: a cycle pays for what changed, plus one copy of the list."""
+        index = self.in_state("PENDING")
+        view = self._view
+        for job_id in self._dirty:
+            if job_id in view:
+                view[job_id] = build(index[job_id])
+        self._dirty.clear()
+        return list(view.values())
 
     def count(self, state: str) -> int:
         return len(self._by_state[state])
@@ -306,6 +344,8 @@ class JobTable(dict[str, JobRecord]):
             ordered = sorted(index.values(), key=lambda j: self._order[j.id])
             index.clear()
             index.update((j.id, j) for j in ordered)
+            if state == "PENDING":
+                self._view = {job_id: self._view.get(job_id) for job_id in index}
             self._sorted[state] = True
             self._last[state] = self._order[ordered[-1].id] if ordered else -1
         return index

@@ -20,7 +20,16 @@ from phalanx.core.model import Placement
 from . import ledger
 from .convert import job_from_record
 from .settings import SchedulerSettings
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, Partial, RankRecord, SchedulerState, layout_ranks
+from .state import (
+    TERMINAL_RANK_STATES,
+    JobRecord,
+    NodeRecord,
+    Partial,
+    RankRecord,
+    SchedulerState,
+    layout_ranks,
+    touch,
+)
 
 log = structlog.get_logger()
 
@@ -336,6 +345,7 @@ def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
         for key, value in changes.items():
             setattr(job, key, value)
         job.snapshot_cache.clear()  # its version does not move until it is written (planning.pending_job)
+        touch(job)
         return
     ledger.update_job(cycle.conn, job, **changes)
 

@@ -7,7 +7,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.state import JobRecord, JobTable, SchedulerState
+from services.scheduler.state import JobRecord, JobTable, SchedulerState, touch
 
 STATES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED"]
 
@@ -81,7 +81,9 @@ def test_the_view_wraps_a_loaded_dict_and_releases_the_old_records():
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["set", "state", "del", "replace"]), st.integers(0, 7), st.sampled_from(STATES)),
+        st.tuples(
+            st.sampled_from(["set", "state", "del", "replace", "touch"]), st.integers(0, 7), st.sampled_from(STATES)
+        ),
         max_size=60,
     )
 )
@@ -103,6 +105,36 @@ def test_the_index_always_equals_a_scan(ops):
             record = job(i, state)
             table[key] = record
             plain[key] = record
+        elif op == "touch" and key in table:
+            table[key].version += 1
+            touch(table[key])
+        assert table.pending_view(built) == [built(j) for j in plain.values() if j.state == "PENDING"]
         for s in ("PENDING", "RUNNING"):
             assert indexed(table, s) == scan(plain, s)
             assert sorted(j.id for j in table.unordered(s)) == sorted(scan(plain, s))
+
+
+def built(job: JobRecord) -> tuple:
+    return (job.id, job.priority, job.version)
+
+
+def test_the_pending_view_rebuilds_only_what_entered_the_queue_or_was_touched():
+    table = JobTable({f"j{i}": job(i) for i in range(4)})
+    calls: list[str] = []
+
+    def build(j: JobRecord) -> tuple:
+        calls.append(j.id)
+        return built(j)
+
+    assert table.pending_view(build) == [built(table[f"j{i}"]) for i in range(4)] and len(calls) == 4
+    calls.clear()
+    assert table.pending_view(build) == [built(table[f"j{i}"]) for i in range(4)] and calls == []  # nothing changed
+    table["j1"].priority = 7
+    table["j1"].version += 1
+    touch(table["j1"])  # what ledger.update_job and transitions.set_job do
+    table["j2"].state = "RUNNING"
+    table["j9"] = job(9)
+    assert table.pending_view(build) == [built(table[i]) for i in ("j0", "j1", "j3", "j9")]
+    assert sorted(calls) == ["j1", "j9"]
+    table["j2"].state = "PENDING"  # back in its place, out of arrival order
+    assert [v[0] for v in table.pending_view(build)] == ["j0", "j1", "j2", "j3", "j9"]
