@@ -64,16 +64,9 @@ class _Lazy(Mapping):
 
 
 def pending_job(job: JobRecord) -> PendingJob:
-    """The job as the decision's pending queue holds it, rebuilt only when the job changed. Every change of what it
-    is built from bumps the job's version (ledger.update_job), except on a job not yet written, whose changes clear
-    the cache (transitions.set_job): the version alone tells, a lookup per job of a 10,000-gang queue."""
-    version = job.version
-    cached = job.snapshot_cache.get("pending")
-    if cached is not None and cached[0] == version:
-        return cached[1]
-    entry = PendingJob(job.request(), job.queue, job.not_before)
-    job.snapshot_cache["pending"] = (version, entry)
-    return entry
+    """The job as the decision's pending queue holds it (built by JobTable.pending_view only for the jobs that
+    entered the queue or changed since the last cycle)."""
+    return PendingJob(job.request(), job.queue, job.not_before)
 
 
 def running_job(job: JobRecord) -> RunningJob:

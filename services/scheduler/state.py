@@ -89,7 +89,7 @@ class JobRecord:
     # Nodes whose host could not set up one of its ranks (a retryable FAILED_TO_START): avoided while it fits elsewhere
     struck_nodes: list[str] = field(default_factory=list)
     # The decision's inputs built from this record last time, with the fields they were built from
-    # (planning.pending_job / running_job): a pass over 10,000 pending gangs rebuilds only those that changed.
+    # (planning.running_job; the pending ones are kept by JobTable.pending_view).
     snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
     # The JobTable holding this record (it indexes the record by state); set by the table, kept by copies (which the
     # table tells apart by identity).

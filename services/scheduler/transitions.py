@@ -344,8 +344,7 @@ def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
     if job.version < 0:
         for key, value in changes.items():
             setattr(job, key, value)
-        job.snapshot_cache.clear()  # its version does not move until it is written (planning.pending_job)
-        touch(job)
+        touch(job)  # its version does not move until it is written: the pending view must hear of the change
         return
     ledger.update_job(cycle.conn, job, **changes)
 
