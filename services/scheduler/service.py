@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import threading
 import time
 import uuid
@@ -39,7 +40,8 @@ from .state import SchedulerState
 from .transitions import Command, Cycle, apply_changes, reload_state
 
 log = structlog.get_logger()
-SLOW_CYCLE_S = 0.25  # a cycle longer than this logs where its time went (cycle_slow)
+# A cycle longer than this logs where its time went (cycle_slow); PHALANX_SLOW_CYCLE_MS sets it (0: every cycle).
+SLOW_CYCLE_S = float(os.environ.get("PHALANX_SLOW_CYCLE_MS", "250")) / 1000
 
 
 class SchedulerService:
