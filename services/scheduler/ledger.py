@@ -168,6 +168,7 @@ def begin_cycle(conn: Connection) -> Clock:
         # Pipelined, psycopg sends its BEGIN and this query together: one round trip where there were two.
         # (On the driver's connection: SQLAlchemy wants a result's columns before a pipeline has them.)
         driver = conn.connection.driver_connection
+        assert driver is not None
         with driver.pipeline():
             cursor = driver.execute(
                 "SELECT generation, leader, leader_epoch, leader_until, extract(epoch FROM clock_timestamp())::float8 "
