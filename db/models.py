@@ -77,6 +77,7 @@ class Node(Base):
     strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # The agent registered with --mig-manage (revision 0011): the scheduler may ask it to switch idle GPUs' MIG mode.
     mig_manage: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    containment: Mapped[str] = mapped_column(String(16), default="", server_default="")
 
 
 class NodeEvent(Base):

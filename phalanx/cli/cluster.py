@@ -107,6 +107,7 @@ def cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> Loc
         tls=getattr(args, "tls", False),
         mig_gpus=getattr(args, "mig_gpus", None),
         mig_manage=getattr(args, "mig_manage", False),
+        run_as=getattr(args, "run_as", None),
         **extra,
     )
 
@@ -254,6 +255,11 @@ def register(subparsers) -> None:
         help="start every agent with --mig-manage: the scheduler switches idle GPUs into MIG mode when a "
         "MIG job finds none with room, and back out when whole-GPU jobs need them (held 10 s after "
         "a switch; a failed switch is retried after 10 s)",
+    )
+    up.add_argument(
+        "--run-as",
+        metavar="USER",
+        help="the Unix user every agent runs ranks as (phalanx-agent --run-as; default: the agents' own user)",
     )
     up.add_argument("--restart-agents", action="store_true", help="restart an agent that dies")
     up.add_argument(

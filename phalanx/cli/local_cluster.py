@@ -166,6 +166,7 @@ class LocalCluster:
             MIG mode as its queue needs (a MIG job with no GPU in MIG mode, a whole-GPU job that MIG-mode GPUs are
             in the way of). ``mig_switch_hold`` and ``mig_switch_backoff`` are the scheduler's
             ``--mig-switch-hold`` and ``--mig-switch-backoff`` then (short local defaults).
+        run_as: The Unix user every agent runs ranks as (``phalanx-agent --run-as``); None: the agent's own.
         ready_timeout: Seconds for the scheduler to answer and every node to be READY.
         stop_timeout: Seconds each group of children gets between SIGTERM and SIGKILL at stop().
         log: Where progress lines go (default: ``[cluster] ...`` on stderr).
@@ -213,6 +214,7 @@ class LocalCluster:
         mig_manage: bool = False,
         mig_switch_hold: float = 10.0,
         mig_switch_backoff: float = 10.0,
+        run_as: str | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -220,6 +222,7 @@ class LocalCluster:
             raise ValueError("mig_gpus must be 0 or more")
         self.mig_gpus = mig_gpus
         self.mig_manage = mig_manage
+        self.run_as = run_as
         self.mig_switch_hold = mig_switch_hold
         self.mig_switch_backoff = mig_switch_backoff
         self.node_count = nodes
@@ -312,7 +315,8 @@ class LocalCluster:
             )
             os.chmod(own, 0o600)
             flags += ["--tokens", str(self.tokens), "--tokens", str(own)]
-            # The agent keeps PHALANX_AGENT_TOKEN to itself; its ranks inherit PHALANX_TOKEN (the service token).
+            # The agent keeps PHALANX_AGENT_TOKEN to itself; its ranks get PHALANX_TOKEN (the service token, for the
+            # checkpoint coordinator) through --pass-env: a rank's environment is built, never inherited.
             agent_env.update(PHALANX_AGENT_TOKEN=self._node_token, PHALANX_TOKEN=self._service_token)
         if self.tls:
             from .certs import generate_local_pki
@@ -332,6 +336,12 @@ class LocalCluster:
                 PHALANX_TLS_KEY=str(self.pki.client_key),
             )
         return flags, agent_env, {}
+
+    @staticmethod
+    def rank_variables(agent_env: dict[str, str]) -> list[str]:
+        """The agents' variables their ranks need, passed on explicitly (phalanx-agent --pass-env): the service
+        token and the TLS client files, for the checkpoint coordinator."""
+        return [n for n in ("PHALANX_TOKEN", "PHALANX_TLS_CA", "PHALANX_TLS_CERT", "PHALANX_TLS_KEY") if n in agent_env]
 
     def agent_state_dir(self, node: str) -> Path:
         return self.state_dir / "agents" / node
@@ -461,6 +471,10 @@ class LocalCluster:
                 argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
             if self.mig_manage:
                 argv += ["--mig-manage"]
+            if self.run_as:
+                argv += ["--run-as", self.run_as]
+            for name in self.rank_variables(agent_env):
+                argv += ["--pass-env", name]
             if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique
                 argv += ["--fabric-clique", str(i // per_domain)]
             if self.metrics_port_base is not None:

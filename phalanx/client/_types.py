@@ -489,6 +489,7 @@ class Node:
     gpu_details: list[dict[str, Any]] = field(default_factory=list)
     strikes: int = 0  # times a rank could not be set up on this host (retryable launch failures)
     mig_manage: bool = False  # its agent runs with --mig-manage: the scheduler may switch idle GPUs' MIG mode
+    containment: str = ""  # how its agent contains ranks: "cgroup-v2", "cgroup-v1" or "process-group"
 
     @property
     def mig_gpus(self) -> list[int]:
@@ -526,6 +527,7 @@ class Node:
             gpu_details=[_node_gpu(g) for g in msg.gpu_details],
             strikes=int(msg.strikes),
             mig_manage=bool(msg.mig_manage),
+            containment=msg.containment,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -550,6 +552,7 @@ class Node:
             ],
             "strikes": self.strikes,
             "mig_manage": self.mig_manage,
+            "containment": self.containment,
         }
 
 

@@ -716,6 +716,13 @@ class NvmlFunctions:
         gpu, err = self._device(handle)
         return err or self._fill_pci(out, gpu.bus_id)
 
+    @_c_function(P, P)
+    def nvmlDeviceGetMinorNumber(self, handle, out):
+        gpu, err = self._device(handle)
+        if err:
+            return err
+        return self._put(out, C.c_uint, gpu.index)  # /dev/nvidia<index>, as on hosts whose GPUs enumerate in order
+
     @_c_function(P, P, P)
     def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
         gpu, err = self._device(handle)

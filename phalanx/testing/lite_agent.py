@@ -226,6 +226,7 @@ class LiteAgent:
                         exit_code=code,
                         message=message,
                         retryable=retryable,
+                        agent_instance=self.instance,
                     )
                 )
                 return resp.stale

@@ -42,7 +42,11 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
+import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -57,12 +61,13 @@ from prometheus_client import Gauge
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
-from . import launcher
+from . import containment as cgroups
+from . import identity, launcher
 from .health import HealthMonitor, NodeHealth, NvmlHealthSource, SimulatedHealthSource, event_to_proto, health_to_proto
 from .mig_manager import MigBackend, MigError, MigManager, backend_for
 from .mps import CONTROL as MPS_CONTROL
 from .mps import MpsError, MpsManager, strip_mps, write_fake_control
-from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key
+from .state import AgentState, RankRecord, StateLock, attempt_key, default_state_dir, rank_key, safe_name
 
 RANKS_RUNNING = Gauge("phalanx_agent_ranks_running", "Rank processes this node agent is running")
 REPORTS_PENDING = Gauge("phalanx_agent_reports_pending", "Rank status reports not yet taken by the scheduler")
@@ -123,6 +128,15 @@ class AgentConfig:
     health_enabled: bool = True  # False: heartbeats carry no health (the scheduler keeps what it has)
     ecc_sbe_threshold: int = 100  # corrected ECC errors above which a GPU is DEGRADED
     token: str = ""  # the agent's own credential (role `node`), sent on every call
+    # Containment (containment.py): a Containment, or None to detect one (under `cgroup_parent`, of kind
+    # `containment_kind` when given); `pids_max` limits each attempt's processes on this host (0: no limit).
+    containment: Any = None
+    cgroup_parent: str | None = None
+    containment_kind: str | None = None
+    pids_max: int = 0
+    run_as: str | None = None  # the ranks' Unix user (None: the agent's own identity)
+    pass_env: tuple[str, ...] = ()  # names of the agent's variables its ranks get (identity.rank_environment)
+    self_fence: bool = True  # stop every rank when the registration cannot be renewed within the lease
     tls: object | None = None  # phalanx.client.TLSConfig: TLS to the scheduler
     extra: dict = field(default_factory=dict)
 
@@ -204,6 +218,23 @@ class NodeAgent:
         self.health_source = config.health_source
         if self.health_source is None and config.topology.profile != "nvml":
             self.health_source = SimulatedHealthSource(self.state_dir / "health.json")
+        self.rank_user = identity.resolve_user(config.run_as) if config.run_as else identity.agent_user()
+        if self.rank_user.uid != os.geteuid() and os.geteuid() != 0:
+            raise ValueError(f"ranks can run as {self.rank_user.name!r} only when the agent runs as root")
+        self.containment: cgroups.Containment | None = config.containment
+        self._groups: dict[str, cgroups.Group] = {}  # attempt key -> its container on this host
+        self._group_minors: dict[str, tuple[int, ...]] = {}  # attempt key -> the GPU devices its rules allow
+        # GPU index -> device minor (/dev/nvidia<minor>), the index where discovery did not say
+        self._minors = {
+            g.index: (g.minor_number if g.HasField("minor_number") else g.index) for g in config.topology.gpus
+        }
+        self._gpu_uuids = {g.index: g.uuid for g in config.topology.gpus}
+        self._closing: dict[str, asyncio.Task] = {}  # attempt key -> the task that empties and removes it
+        # Self-fencing: when the last heartbeat the scheduler answered was sent (monotonic), the node lease it gave,
+        # and whether this agent fenced itself since (until it registers again).
+        self._renewed_at: float | None = None
+        self._lease_s = 0.0
+        self.fenced = False
         self.health_monitor: HealthMonitor | None = None
         self.health = NodeHealth()
         self._health_events: list = []  # events not yet carried by an answered heartbeat
@@ -214,6 +245,7 @@ class NodeAgent:
         """Run until request_stop(); then kill ranks, flush reports and return."""
         self._run_task = asyncio.current_task()
         self._lock.acquire()
+        self.state.start_writer()
         self.log.info(
             "agent_starting",
             scheduler=self.config.scheduler,
@@ -224,18 +256,27 @@ class NodeAgent:
         )
         try:
             await self._open_health()
+            self._open_containment()
             self._adopt()
+            self._clean_up_containers()
             if self.mig.mig_gpus():
                 await asyncio.to_thread(self._clean_up_mig)
             self._reporter = asyncio.create_task(self._report_loop(), name="reporter")
             if self.mig.mig_gpus():
                 self._spawn_task(self._log_mig_instances())
-            await self._supervise()
+            fence = asyncio.create_task(self._fence_watch(), name="self-fence")
+            try:
+                await self._supervise()
+            finally:
+                fence.cancel()
             await self._announce_drain()
             await self._shutdown()
         finally:
             if self.health_monitor is not None:
                 await asyncio.to_thread(self.health_monitor.close)
+            await asyncio.to_thread(self.state.stop_writer)
+            if self.containment is not None and not any(not r.final for r in self.state.ranks.values()):
+                self.containment.close()
             self._lock.release()
         self.log.info("agent_stopped")
 
@@ -311,6 +352,7 @@ class NodeAgent:
         tasks: list[asyncio.Task] = []
         try:
             topology = await asyncio.to_thread(self._current_topology)
+            sent = time.monotonic()
             resp = await stub.RegisterNode(
                 agent_pb2.RegisterNodeRequest(
                     node_name=self.node_name,
@@ -318,11 +360,16 @@ class NodeAgent:
                     address=self.config.address,
                     agent_instance=self.instance,
                     mig_manage=self.config.mig_manage,
+                    containment=self.containment.kind if self.containment else "",
                 ),
                 timeout=self.config.rpc_timeout_s,
             )
             self.registrations += 1
             self._attempt = 0
+            self._renewed_at, self._lease_s = sent, resp.lease_timeout_ms / 1000
+            if self.fenced:
+                self.log.info("fence_lifted", note="registered again; the scheduler has requeued the fenced gangs")
+                self.fenced = False
             self.heartbeat_interval_ms = resp.heartbeat_interval_ms or self.config.default_heartbeat_ms
             self.log.info(
                 "registered",
@@ -562,7 +609,10 @@ class NodeAgent:
             if self.health_monitor is not None:
                 req.health.CopyFrom(health_to_proto(self.health))
                 req.events.extend(event_to_proto(e) for e in sent)
+            at = time.monotonic()
             resp = await stub.Heartbeat(req, timeout=self.config.rpc_timeout_s)
+            if not resp.reregister:
+                self._renewed_at = at
             del self._health_events[: len(sent)]
             if resp.reregister:
                 raise _Reregister()
@@ -580,6 +630,11 @@ class NodeAgent:
 
     async def _take(self, stub, a: agent_pb2.Assignment) -> None:
         kind = a.WhichOneof("action")
+        if a.revision and a.revision <= self.state.acked_revision:
+            # Applied already (revisions are applied in order and acked once on disk): a finished rank's record
+            # may be gone, so a re-sent launch must not start it again.
+            self.log.info("assignment_already_applied", revision=a.revision, action=kind)
+            return
         started: list[RankRecord] = []
         if kind == "launch":
             started = self._prepare_launch(a.launch)
@@ -592,9 +647,11 @@ class NodeAgent:
         self.state.acked_revision = max(self.state.acked_revision, a.revision)
         self.state.save()  # durable before the ack
         await self._start(started, a.launch.command if kind == "launch" else [], a.launch if kind == "launch" else None)
+        await self.state.durable()  # the launch's records and the revision are on disk before the ack
         if kind == "kill":
-            for rec in self._ranks_of(a.kill.job_id, a.kill.attempt):
-                self._spawn_task(self._kill_rank(rec, a.kill.reason or "killed by the scheduler"))
+            self._spawn_task(
+                self._stop_attempt(a.kill.job_id, a.kill.attempt, a.kill.reason or "killed by the scheduler")
+            )
         await stub.AckAssignments(
             agent_pb2.AckAssignmentsRequest(node_name=self.node_name, revision=self.state.acked_revision),
             timeout=self.config.rpc_timeout_s,
@@ -669,8 +726,24 @@ class NodeAgent:
                 self._finish(rec, "killed", message="node agent shutting down")  # releases its instances
                 continue
             try:
-                proc = launcher.spawn_rank(rec, list(command), env)
-            except OSError as exc:
+                group = self._container(rec)
+                work = self._work_dir(rec.job_id, rec.attempt)
+                env = {**env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+                if rec.gpus and not rec.slices and not rec.gpu_milli and all(g in self._gpu_uuids for g in rec.gpus):
+                    # Whole GPUs by UUID: the same devices whatever order CUDA would enumerate them in.
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpu_uuids[g] for g in rec.gpus)
+                env = identity.rank_environment(
+                    self.rank_user, str(work / "tmp"), {**env, **group.env()}, self.config.pass_env
+                )
+                proc = launcher.spawn_rank(
+                    rec,
+                    list(command),
+                    env,
+                    join=group.join_files(),
+                    user=self.rank_user.wrapper_arg if self.rank_user.uid != os.geteuid() else None,
+                    cwd=str(work),
+                )
+            except (OSError, cgroups.ContainmentError) as exc:
                 self._finish(rec, "failed", exit_code=127, message=f"cannot start rank wrapper: {exc}")
                 continue
             rec.wrapper_pid = proc.pid
@@ -821,6 +894,170 @@ class NodeAgent:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
+    # ---------------------------------------------------------------- self-fencing
+
+    def fence_after_s(self) -> float:
+        """How long without a renewal before the agent stops its ranks: early enough that they are gone (after
+        --kill-grace) by the time the scheduler's lease on this node runs out and it requeues their gangs."""
+        lease = self._lease_s
+        return max(lease / 2, lease - self.config.kill_grace_s - 1.0)
+
+    async def _fence_watch(self) -> None:
+        """A node cut off from the scheduler stops its ranks before their gangs can run anywhere else: a
+        partitioned node never runs a gang twice. --no-self-fence turns it off."""
+        while True:
+            await asyncio.sleep(max(0.05, min(0.5, self._lease_s / 20)))
+            if not self.config.self_fence or self.fenced or self._renewed_at is None or self._lease_s <= 0:
+                continue
+            silent = time.monotonic() - self._renewed_at
+            if silent <= self.fence_after_s():
+                continue
+            live = sorted({(r.job_id, r.attempt) for r in self.state.ranks.values() if not r.final})
+            self.fenced = True
+            self.log.warning(
+                "self_fenced",
+                why=f"no heartbeat renewed for {silent:.1f}s of a {self._lease_s:g}s node lease: the scheduler "
+                "will requeue this node's gangs, so their ranks here are stopped",
+                attempts=[attempt_key(j, a) for j, a in live],
+            )
+            for job_id, attempt in live:
+                self._spawn_task(self._stop_attempt(job_id, attempt, "the node fenced itself (scheduler unreachable)"))
+
+    # ---------------------------------------------------------------- containment
+
+    def _open_containment(self) -> None:
+        if self.containment is None:
+            # The default parent is named after the node and its state directory: agents of the same node name
+            # with other state (tests, a host running several simulated nodes) never share containers.
+            tag = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:8]
+            self.containment = cgroups.detect(
+                self.config.cgroup_parent,
+                node_name=f"{safe_name(self.node_name)}-{tag}",
+                force=self.config.containment_kind,
+            )
+        kind, reason = self.containment.kind, self.containment.reason
+        if kind == "process-group":
+            self.log.warning("containment", kind=kind, reason=reason, run_as=self.rank_user.name)
+        else:
+            self.log.info("containment", kind=kind, reason=reason, run_as=self.rank_user.name)
+
+    def _clean_up_containers(self) -> None:
+        """Containers a previous agent process left with no live rank of its own: emptied and removed."""
+        assert self.containment is not None
+        live = {self._group_name(r.job_id, r.attempt) for r in self.state.ranks.values() if not r.final}
+        for name in self.containment.names():
+            group = self.containment.open(name)
+            if group is None:
+                continue
+            if name in live:
+                self._groups[self._attempt_of_group(name)] = group
+                continue
+            self.log.info("container_left_over", container=name, processes=len(group.pids()))
+            self._spawn_task(self._empty_and_remove(group, "left by an earlier agent process"))
+
+    @staticmethod
+    def _group_name(job_id: str, attempt: int) -> str:
+        return f"{safe_name(job_id)}-a{attempt}"
+
+    def _attempt_of_group(self, name: str) -> str:
+        for r in self.state.ranks.values():
+            if self._group_name(r.job_id, r.attempt) == name:
+                return attempt_key(r.job_id, r.attempt)
+        return name
+
+    def _work_dir(self, job_id: str, attempt: int) -> Path:
+        return self.state_dir / "work" / self._group_name(job_id, attempt)
+
+    def _container(self, rec: RankRecord) -> cgroups.Group:
+        """The container of the rank's attempt (created with its working and temporary directories). Its device
+        rules let it open the GPUs of the attempt's ranks on this host (and the control devices), no other."""
+        key = attempt_key(rec.job_id, rec.attempt)
+        minors = tuple(
+            sorted(
+                {
+                    self._minors.get(g, g)
+                    for r in self.state.ranks.values()
+                    if r.attempt == rec.attempt and r.job_id == rec.job_id
+                    for g in r.gpus
+                }
+            )
+        )
+        group = self._groups.get(key)
+        if group is None or self._group_minors.get(key) != minors:
+            assert self.containment is not None
+            group = self.containment.create(
+                self._group_name(rec.job_id, rec.attempt),
+                cgroups.Limits(pids_max=self.config.pids_max, gpu_minors=minors),
+            )
+            self._group_minors[key] = minors
+        if key not in self._groups:
+            self._groups[key] = group
+            root = self.state_dir / "work"
+            root.mkdir(exist_ok=True)
+            root.chmod(0o711)  # the ranks' users reach their own directories, and list nobody else's
+            work = identity.make_owned_dir(self._work_dir(rec.job_id, rec.attempt), self.rank_user)
+            identity.make_owned_dir(work / "tmp", self.rank_user)
+        return group
+
+    def _attempt_ended(self, rec: RankRecord) -> None:
+        """Once every rank of an attempt on this host has ended, its container is emptied and removed."""
+        key = attempt_key(rec.job_id, rec.attempt)
+        if key not in self._groups or key in self._closing or self._ranks_of(rec.job_id, rec.attempt):
+            return
+        task = asyncio.create_task(self._close_attempt(rec.job_id, rec.attempt), name=f"close {key}")
+        self._closing[key] = task
+        task.add_done_callback(functools.partial(self._closed, key))
+
+    def _closed(self, key: str, _task: asyncio.Task) -> None:
+        self._closing.pop(key, None)
+
+    async def _close_attempt(self, job_id: str, attempt: int) -> None:
+        key = attempt_key(job_id, attempt)
+        group = self._groups.get(key)
+        if group is not None:
+            await self._empty_and_remove(group, "its attempt ended")
+            self._groups.pop(key, None)
+            self._group_minors.pop(key, None)
+        await asyncio.to_thread(shutil.rmtree, self._work_dir(job_id, attempt), True)
+
+    async def _empty_and_remove(self, group: cgroups.Group, why: str) -> None:
+        """SIGTERM everything left in the container, SIGKILL what outlives --kill-grace, then remove it."""
+        poll = self.config.poll_interval_s
+        if not group.empty():
+            self.log.info("container_stopping", container=group.name, why=why, processes=len(group.pids()))
+            group.signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.config.kill_grace_s
+            while not group.empty() and time.monotonic() < deadline:
+                await asyncio.sleep(poll)
+        if not group.empty():
+            self.log.warning("container_sigkill", container=group.name, processes=len(group.pids()))
+            await asyncio.to_thread(group.kill)
+            deadline = time.monotonic() + 10.0
+            while not group.empty() and time.monotonic() < deadline:
+                await asyncio.sleep(poll)
+        try:
+            await asyncio.to_thread(group.remove)
+        except cgroups.ContainmentError as exc:
+            self.log.error("container_not_removed", container=group.name, error=str(exc))
+
+    async def _stop_attempt(self, job_id: str, attempt: int, reason: str) -> None:
+        """A kill of the whole attempt: every process of its container (daemons of its ranks included) gets
+        SIGTERM, what outlives --kill-grace SIGKILL; its ranks end KILLED."""
+        ranks = self._ranks_of(job_id, attempt)
+        for rec in ranks:
+            rec.kill_requested = True
+        self.state.save()
+        group = self._groups.get(attempt_key(job_id, attempt))
+        if group is None:
+            for rec in ranks:
+                self._spawn_task(self._kill_rank(rec, reason))
+            return
+        self.log.info("killing_attempt", job_id=job_id, attempt=attempt, reason=reason, ranks=len(ranks))
+        await self._empty_and_remove(group, reason)
+        for rec in ranks:  # a rank with no monitor (never started) is settled here
+            if not rec.final and rec.key not in self._monitors:
+                self._finish(rec, "killed", message=reason)
+
     # ---------------------------------------------------------------- ranks
 
     def _alive(self, rec: RankRecord) -> bool:
@@ -926,6 +1163,7 @@ class NodeAgent:
         self.log.info("rank_finished", rank=rec.key, state=state, exit_code=exit_code, message=message)
         self._report(rec, state, exit_code=exit_code, message=message, retryable=retryable)
         self._release_partial(rec)
+        self._attempt_ended(rec)
 
     def _report(
         self, rec: RankRecord, state: str, exit_code: int = 0, message: str = "", retryable: bool = False
@@ -1030,6 +1268,7 @@ class NodeAgent:
                 message=item["message"],
                 pid=item["pid"],
                 retryable=bool(item.get("retryable", False)),
+                agent_instance=self.instance,
             )
             try:
                 resp = await stub.ReportRankStatus(req, timeout=self.config.rpc_timeout_s)
@@ -1070,6 +1309,8 @@ class NodeAgent:
             attempt = 0
             if self.state.pending_reports and self.state.pending_reports[0] is item:
                 self.state.pending_reports.pop(0)
+                if item["state"] != "running":  # its last report: the scheduler has its end
+                    self.state.forget(rank_key(item["job_id"], item["attempt"], item["rank"]))
                 self.state.save()
                 REPORTS_PENDING.set(len(self.state.pending_reports))
             if resp.stale:
@@ -1100,12 +1341,17 @@ class NodeAgent:
     async def _shutdown(self) -> None:
         live = [r for r in self.state.ranks.values() if not r.final]
         self.log.info("agent_shutting_down", live_ranks=len(live), pending_reports=len(self.state.pending_reports))
-        kills = [asyncio.create_task(self._kill_rank(r, "node agent shutting down")) for r in live]
+        attempts = sorted({(r.job_id, r.attempt) for r in live})
+        kills = [asyncio.create_task(self._stop_attempt(j, a, "node agent shutting down")) for j, a in attempts]
         if kills:
             await asyncio.gather(*kills, return_exceptions=True)
         monitors = list(self._monitors.values())
         if monitors:
             await asyncio.wait(monitors, timeout=self.config.kill_grace_s + 2)
+        await asyncio.sleep(0)  # the last monitors' _finish queue their attempts' closing
+        closing = list(self._closing.values())
+        if closing:
+            await asyncio.wait(closing, timeout=self.config.kill_grace_s + 12)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # MIG acquisitions and releases in flight
             await asyncio.sleep(0)  # done-callbacks first: a finished acquisition may queue its release

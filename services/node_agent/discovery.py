@@ -435,6 +435,9 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path, probes: Probes) -> age
         g.mig_mode = mode
         g.mig_instances.extend(instances)
         g.fabric_cluster_uuid, g.fabric_clique, g.fabric_reason = fabrics[i]
+        minor = probes.call("minor_number", i, "nvmlDeviceGetMinorNumber", h)
+        if minor is not None:
+            g.minor_number = int(minor)
     return topo
 
 

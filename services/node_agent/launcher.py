@@ -1,8 +1,8 @@
 """Starting, finding and signalling rank processes.
 
-Each rank runs as `python rank_wrapper.py --status-file F -- command...` in its own session (process group =
-the wrapper's pid), with env = os.environ (less any CUDA_MPS_*) + the rank env and stdout/stderr appended to a
-per-rank log file.
+Each rank runs as `python rank_wrapper.py --status-file F [--join ...] [--user ...] [--cwd ...] -- command...` in
+its own session (process group = the wrapper's pid), inside its attempt's container, with the environment the
+agent built for it (identity.py) and stdout/stderr appended to a per-rank log file.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import rank_wrapper
@@ -24,20 +25,36 @@ def rank_paths(state_dir: Path, job_id: str, attempt: int, rank: int) -> tuple[P
     return state_dir / "ranks" / f"{stem}.status.json", state_dir / "logs" / f"{stem}.log"
 
 
-def spawn_rank(record: RankRecord, command: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start the rank wrapper for `record` (status_file and log_file already set). Raises OSError on failure."""
+def spawn_rank(
+    record: RankRecord,
+    command: list[str],
+    env: dict[str, str],
+    *,
+    join: Sequence[str] = (),
+    user: str | None = None,
+    cwd: str | None = None,
+) -> subprocess.Popen:
+    """Start the rank wrapper for `record` (status_file and log_file already set). Raises OSError on failure.
+
+    `env` is the rank's whole environment (identity.rank_environment): nothing of the agent's is added. The
+    wrapper enters the container through the `join` files before it starts the command, as `user` (the wrapper's
+    --user, UID:GID[:G,...]) in `cwd`."""
     status = Path(record.status_file)
     log = Path(record.log_file)
     status.parent.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     status.unlink(missing_ok=True)
-    # CUDA_MPS_* never comes from the agent's own environment: a share's come from the agent (mps.py), and a rank on
-    # whole GPUs or MIG must not be pointed at some MPS daemon or limited by the agent's settings.
-    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}, **env}
+    flags = ["--status-file", str(status)]
+    for path in join:
+        flags += ["--join", path]
+    if user:
+        flags += ["--user", user]
+    if cwd:
+        flags += ["--cwd", cwd]
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-I", WRAPPER, "--status-file", str(status), "--", *command],
-            env=full_env,
+            [sys.executable, "-I", WRAPPER, *flags, "--", *command],
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

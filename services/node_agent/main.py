@@ -6,8 +6,9 @@
 
 Environment fallbacks: PHALANX_SCHEDULER, PHALANX_NODE_NAME, PHALANX_STATE_DIR, PHALANX_AGENT_ADDRESS,
 PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLIQUE (its clique),
-PHALANX_ECC_SBE_THRESHOLD, PHALANX_AGENT_TOKEN (the agent's credential, role `node`; removed from the environment
-its ranks inherit), PHALANX_TLS_CA / PHALANX_TLS_CERT / PHALANX_TLS_KEY (TLS to the scheduler),
+PHALANX_ECC_SBE_THRESHOLD, PHALANX_AGENT_TOKEN (the agent's credential, role `node`; ranks never see it: their
+environment is built, identity.py), PHALANX_AGENT_TOKEN_FILE, PHALANX_CGROUP_PARENT, PHALANX_RUN_AS,
+PHALANX_TLS_CA / PHALANX_TLS_CERT / PHALANX_TLS_KEY (TLS to the scheduler),
 PHALANX_MPS_CONTROL (the MPS control program for fractional GPU shares). Logs go to standard error; --discover
 writes its result on standard output.
 
@@ -57,6 +58,13 @@ CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "mps-control": ("mps_control", "PHALANX_MPS_CONTROL"),
     "simulate-mig": ("simulate_mig", "PHALANX_SIMULATE_MIG"),
     "mig-manage": ("mig_manage", "PHALANX_MIG_MANAGE"),
+    "token-file": ("token_file", "PHALANX_AGENT_TOKEN_FILE"),
+    "cgroup-parent": ("cgroup_parent", "PHALANX_CGROUP_PARENT"),
+    "containment": ("containment", None),
+    "pids-max": ("pids_max", None),
+    "run-as": ("run_as", "PHALANX_RUN_AS"),
+    "pass-env": ("pass_env", None),
+    "self-fence": ("self_fence", None),
 }
 
 
@@ -218,6 +226,56 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
         "nvmlDeviceSetMigMode, as root; a GPU reset where NVML cannot apply it at once) "
         "(env PHALANX_MIG_MANAGE; default off: MIG mode is the administrator's)",
     )
+    p.add_argument(
+        "--token-file",
+        default=_default(file, "token-file"),
+        metavar="FILE",
+        help="read the agent's credential from FILE (env PHALANX_AGENT_TOKEN_FILE); the file must be readable "
+        "by the agent alone (mode 600), as must --tls-key",
+    )
+    p.add_argument(
+        "--cgroup-parent",
+        default=_default(file, "cgroup-parent"),
+        metavar="PATH",
+        help="the cgroup under which each attempt's ranks get a cgroup of their own (env PHALANX_CGROUP_PARENT; "
+        "default: <the agent's own cgroup>/phalanx-<node>, cgroup v2 where the unified hierarchy has the "
+        "memory and pids controllers, else the v1 hierarchies)",
+    )
+    p.add_argument(
+        "--containment",
+        choices=("cgroup-v2", "cgroup-v1", "process-group"),
+        default=_default(file, "containment"),
+        help="force a kind of containment instead of detecting one (process-group: no cgroups)",
+    )
+    p.add_argument(
+        "--pids-max",
+        type=int,
+        default=_default(file, "pids-max", 0),
+        metavar="N",
+        help="at most N processes per attempt on this host (cgroup pids limit; default 0: no limit)",
+    )
+    p.add_argument(
+        "--run-as",
+        default=_default(file, "run-as"),
+        metavar="USER",
+        help="the Unix user ranks run as (env PHALANX_RUN_AS; default: the agent's own user). `root` is an "
+        "explicit opt-in and logged as a warning",
+    )
+    p.add_argument(
+        "--pass-env",
+        action="append",
+        default=list(_default(file, "pass-env", None) or []),
+        metavar="NAME",
+        help="give ranks this variable of the agent's environment (repeatable); ranks get PATH, LANG, LC_*, TZ, "
+        "their user's HOME/USER/SHELL, TMPDIR, the job's --env and the rank variables, and nothing else",
+    )
+    p.add_argument(
+        "--self-fence",
+        action=argparse.BooleanOptionalAction,
+        default=_truthy(_default(file, "self-fence", True)),
+        help="stop every rank when the registration cannot be renewed within the node lease (before the "
+        "scheduler requeues their gangs elsewhere), and register again once it can (default on)",
+    )
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=_default(file, "log-level"))
@@ -299,10 +357,28 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.client import resolve_tls
 
     from .agent import AgentConfig, NodeAgent
+    from .identity import private_file_problem
     from .state import StateDirLocked
 
-    # The node credential is the agent's alone: ranks inherit the agent's environment, so it leaves it.
+    # The node credential is the agent's alone (ranks get a built environment, identity.py; this is belt and braces).
     os.environ.pop("PHALANX_AGENT_TOKEN", None)
+    token = str(args.token or "").strip()
+    for path, what in ((args.token_file, "the token file"), (args.tls_key, "the TLS key")):
+        if path and (problem := private_file_problem(path, what)):
+            print(f"phalanx-agent: {problem}", file=sys.stderr)
+            return 2
+    if args.token_file and not token:
+        token = Path(args.token_file).read_text().strip()
+    bad_env = [n for n in args.pass_env if not n or "=" in n or n.startswith("CUDA_MPS_")]
+    if bad_env:
+        print(f"phalanx-agent: --pass-env takes variable names (never CUDA_MPS_*), not {bad_env}", file=sys.stderr)
+        return 2
+    if args.run_as == "root" or (args.run_as is None and os.geteuid() == 0):
+        log.warning(
+            "ranks_run_as_root",
+            note="ranks run as root"
+            + (" (--run-as root)" if args.run_as else " (the agent's user; use --run-as USER)"),
+        )
     try:
         tls = resolve_tls(args.tls_ca, args.tls_cert, args.tls_key)
     except ValueError as exc:
@@ -318,13 +394,23 @@ def main(argv: list[str] | None = None) -> int:
         kill_grace_s=args.kill_grace,
         health_enabled=_truthy(args.health),
         ecc_sbe_threshold=int(args.ecc_sbe_threshold),
-        token=str(args.token or "").strip(),
+        token=token,
         tls=tls,
         mps_control=(str(args.mps_control).strip() or None) if args.mps_control else None,
         nvml=nvml,
         mig_manage=bool(args.mig_manage),
+        cgroup_parent=args.cgroup_parent or None,
+        containment_kind=args.containment or None,
+        pids_max=int(args.pids_max or 0),
+        run_as=args.run_as or None,
+        pass_env=tuple(dict.fromkeys(args.pass_env)),
+        self_fence=_truthy(args.self_fence),
     )
-    agent = NodeAgent(config)
+    try:
+        agent = NodeAgent(config)
+    except ValueError as exc:
+        print(f"phalanx-agent: {exc}", file=sys.stderr)
+        return 2
 
     async def _run() -> None:
         loop = asyncio.get_running_loop()

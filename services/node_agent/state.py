@@ -4,18 +4,27 @@ and unsent reports.
 One directory per node name (default `$PHALANX_HOME/agents/<node-name>/`, PHALANX_HOME being `.phalanx` under
 the working directory unless set), so several agents on one host never share a file. Written atomically (temp file,
 fsync, rename) before the agent acks an assignment, so a rank is never started twice, even across agent restarts.
+
+Bounded: a finished rank is dropped once the scheduler has taken its last report (and at load, from a state file of
+an older agent), and only the latest KILLED_KEPT killed attempts are kept, so the file and the time to write it grow
+with the live ranks only. With a writer thread (`start_writer`, the agent's), `save()` only serializes, in the
+caller's thread, and the thread writes the newest version; `await durable()` waits for it to be on disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
 import re
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 STATE_VERSION = 1
+KILLED_KEPT = 10_000  # killed attempts remembered (a launch of one is ignored); the oldest are forgotten
 FINAL_STATES = frozenset({"exited", "failed", "killed", "lost"})
 
 
@@ -68,6 +77,33 @@ class RankRecord:
         return self.state in FINAL_STATES
 
 
+class KilledAttempts:
+    """The attempts the scheduler killed on this node, newest last, at most KILLED_KEPT (a set's interface)."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._keys: dict[str, None] = {}
+        for key in keys:
+            self.add(key)
+
+    def add(self, key: str) -> None:
+        self._keys.pop(key, None)
+        self._keys[key] = None
+        while len(self._keys) > KILLED_KEPT:
+            del self._keys[next(iter(self._keys))]
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 @dataclass
 class AgentState:
     path: Path
@@ -77,11 +113,12 @@ class AgentState:
     cluster_id: str = ""
     acked_revision: int = 0
     ranks: dict[str, RankRecord] = field(default_factory=dict)
-    killed_attempts: set[str] = field(default_factory=set)
+    killed_attempts: KilledAttempts = field(default_factory=KilledAttempts)
     pending_reports: list[dict] = field(default_factory=list)
     # The MIG instances this agent created ({gpu, profile, start, size, gi_id, ci_id, uuid}): the only ones it
     # ever destroys (mig_manager.MigManager keeps it).
     mig_created: list[dict] = field(default_factory=list)
+    _writer: _Writer | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: Path, node_name: str = "") -> AgentState:
@@ -89,16 +126,26 @@ class AgentState:
         if not path.exists():
             return cls(path=path, node_name=node_name)
         data = json.loads(path.read_text(encoding="utf-8"))
-        return cls(
+        state = cls(
             path=path,
             node_name=data.get("node_name", node_name),
             cluster_id=str(data.get("cluster_id") or ""),
             acked_revision=int(data.get("acked_revision", 0)),
             ranks={k: RankRecord(**v) for k, v in data.get("ranks", {}).items()},
-            killed_attempts=set(data.get("killed_attempts", [])),
+            killed_attempts=KilledAttempts(data.get("killed_attempts", [])),
             pending_reports=list(data.get("pending_reports", [])),
             mig_created=list(data.get("mig_created", [])),
         )
+        unsent = {rank_key(r["job_id"], r["attempt"], r["rank"]) for r in state.pending_reports}
+        for key in [k for k, r in state.ranks.items() if r.final and k not in unsent]:
+            del state.ranks[key]  # history an older agent kept: the scheduler has these ranks' ends
+        return state
+
+    def forget(self, key: str) -> None:
+        """Drop a finished rank whose last report the scheduler took (nothing is left to tell it)."""
+        rec = self.ranks.get(key)
+        if rec is not None and rec.final:
+            del self.ranks[key]
 
     def to_dict(self) -> dict:
         return {
@@ -107,27 +154,109 @@ class AgentState:
             "cluster_id": self.cluster_id,
             "acked_revision": self.acked_revision,
             "ranks": {k: asdict(v) for k, v in self.ranks.items()},
-            "killed_attempts": sorted(self.killed_attempts),
+            "killed_attempts": list(self.killed_attempts),
             "pending_reports": self.pending_reports,
             "mig_created": self.mig_created,
         }
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        data = json.dumps(self.to_dict(), indent=1, sort_keys=True).encode()
+        if self._writer is not None:
+            self._writer.put(data)
+        else:
+            _write_file(self.path, data)
+
+    def start_writer(self) -> None:
+        """From now on save() hands the bytes to a writer thread (the agent's event loop never waits on a disk)."""
+        if self._writer is None:
+            self._writer = _Writer(self.path)
+
+    async def durable(self) -> None:
+        """Wait until what the last save() serialized is on disk (before an ack)."""
+        if self._writer is not None:
+            await self._writer.flushed()
+
+    def stop_writer(self) -> None:
+        """Write what is queued and go back to synchronous saves."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
         try:
-            fd = os.open(self.path.parent, os.O_RDONLY)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class _Writer:
+    """One thread writing the newest serialized state (versions queued meanwhile are skipped: the newest holds
+    them)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._cond = threading.Condition()
+        self._data: bytes | None = None
+        self._queued = 0  # version of the newest put()
+        self._written = 0  # version on disk
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="agent-state-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, data: bytes) -> None:
+        with self._cond:
+            self._data = data
+            self._queued += 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._data is None and not self._closed:
+                    self._cond.wait()
+                if self._data is None:
+                    return
+                data, version, self._data = self._data, self._queued, None
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+                _write_file(self.path, data)
+                error = None
+            except OSError as exc:
+                error = exc
+            with self._cond:
+                self._written, self._error = version, error
+                self._cond.notify_all()
+
+    async def flushed(self) -> None:
+        with self._cond:
+            target = self._queued
+        if self._written < target:
+            await asyncio.to_thread(self._wait, target)
+        if self._error is not None:
+            raise self._error
+
+    def _wait(self, target: int) -> None:
+        with self._cond:
+            while self._written < target and self._thread.is_alive():
+                self._cond.wait(1.0)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(30)
 
 
 class StateDirLocked(RuntimeError):

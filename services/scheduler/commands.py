@@ -298,6 +298,7 @@ class Register(Command):
     address: str
     agent_instance: str
     mig_manage: bool = False  # started with --mig-manage: the scheduler may switch idle GPUs' MIG mode (migmode.py)
+    containment: str = ""  # how the agent contains its ranks (cgroup-v2, cgroup-v1, process-group)
 
     def ledger_row(self, cycle: Cycle) -> dict[str, Any]:
         """The node's row as ledger.upsert_nodes takes it."""
@@ -326,6 +327,7 @@ class Register(Command):
             fabric_path=path,
             now=cycle.now,
             mig_manage=self.mig_manage,
+            containment=self.containment,
         )
 
     def execute(self, cycle: Cycle, rows: ledger.Registered | None = None) -> int:

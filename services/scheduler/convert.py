@@ -192,4 +192,5 @@ def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]]
         gpu_details=[node_gpu(g) for g in gpus or ()],
         strikes=n.get("strikes") or 0,
         mig_manage=bool(n.get("mig_manage")),
+        containment=n.get("containment") or "",
     )

@@ -965,6 +965,7 @@ def upsert_nodes(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, 
             agent_instance=r["agent_instance"],
             last_heartbeat=r["now"],
             mig_manage=r.get("mig_manage", False),
+            containment=r.get("containment", ""),
         )
 
     new = [r for r in rows if r["name"] not in found]

@@ -365,7 +365,9 @@ class SchedulerService:
                 node.persisted_heartbeat = ts
         cycle.acks = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
 
-    def heartbeat(self, name: str, health=None, events=(), draining: bool = False, mig_modes=()) -> tuple[str, bool]:
+    def heartbeat(
+        self, name: str, health=None, events=(), draining: bool = False, mig_modes=(), instance: str = ""
+    ) -> tuple[str, bool]:
         """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds).
 
         Health costs nothing while it stays the same. A change (or any health event) queues a HealthReport and wakes
@@ -373,6 +375,8 @@ class SchedulerService:
         node = self.state.nodes.get(name)
         if node is None:
             return "UNKNOWN", True
+        if instance and node.agent_instance and instance != node.agent_instance:
+            return node.state, True  # a stale agent process: nothing it says counts until it registers again
         self._beats[name] = time.time()
         if (
             draining

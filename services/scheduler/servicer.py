@@ -34,6 +34,7 @@ MAX_GPUS_PER_REPLICA = 1024
 MAX_RESTARTS = 1000
 MAX_KEEP_CHECKPOINTS = 10_000
 MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
+CONTAINMENT_KINDS = ("", "cgroup-v2", "cgroup-v1", "process-group")  # "": an agent of before containment
 # \Z, not $: "$" also matches before a trailing newline.
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _JOB_ID = re.compile(r"[0-9a-f]{12}\Z")
@@ -403,6 +404,11 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         indices = [g.index for g in gpus]
         if sorted(indices) != list(range(len(indices))):
             raise InvalidArgument(f"GPU indices must be 0..{len(indices) - 1}, got {sorted(indices)}")
+        if request.containment not in CONTAINMENT_KINDS:
+            raise InvalidArgument(
+                f"containment must be one of {', '.join(k for k in CONTAINMENT_KINDS if k)}, "
+                f"not {request.containment[:40]!r}"
+            )
         topology = MessageToDict(request.topology, preserving_proto_field_name=True)
         cluster_id = await self._cluster_id()
         acked = await self.service.execute(
@@ -413,6 +419,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 request.address or "127.0.0.1",
                 request.agent_instance,
                 mig_manage=request.mig_manage,
+                containment=request.containment,
             )
         )
         s = self.service.settings
@@ -467,6 +474,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             request.events,
             draining=request.draining,
             mig_modes=request.mig_modes,
+            instance=request.agent_instance,
         )
         return agent_pb2.HeartbeatResponse(
             state=NODE_STATES.get(state, common_pb2.NODE_STATE_UNSPECIFIED), reregister=reregister
@@ -524,6 +532,12 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("rank must be >= 0 and attempt >= 1")
         check_job_id(request.job_id)
         check_text("message", request.message[:2000], 2000)
+        node = self.service.state.nodes.get(request.node_name)
+        if request.agent_instance and node is not None and node.agent_instance not in ("", request.agent_instance):
+            raise FailedPrecondition(
+                f"a report from agent instance {request.agent_instance[:16]!r} of node {request.node_name[:80]!r}, "
+                "which is not the instance registered now: register again"
+            )
         stale = await self.service.execute(
             RankReport(
                 request.node_name,

@@ -75,6 +75,7 @@ NODE_FIELDS = {
     "gpu_details",
     "strikes",
     "mig_manage",
+    "containment",
 }
 ENV_KEYS = (
     "RANK",
@@ -274,6 +275,8 @@ def test_local_cluster_runs_a_gang_survives_an_agent_kill_and_stops_clean(tmp_pa
         def victim_lost():
             nodes = _cli_json(capsys, cluster.address, "nodes", "--json")
             assert all(set(n) == NODE_FIELDS for n in nodes)
+            # Each agent said how it contains its ranks (cgroups as root, else the process-group fallback).
+            assert all(n["containment"] in ("cgroup-v2", "cgroup-v1", "process-group") for n in nodes), nodes
             states = {n["name"]: n["state"] for n in nodes}
             return states if states.get(victim) == "LOST" else None
 

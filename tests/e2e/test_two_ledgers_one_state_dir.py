@@ -62,7 +62,8 @@ def test_a_second_ledger_in_the_same_state_dir_runs_its_gangs(tmp_path, monkeypa
     after = _states(state_dir)
     for node, state in after.items():
         assert state["cluster_id"] == second_id, node
-        assert {r["job_id"] for r in state["ranks"].values()} == {done.id}, node  # the first ledger's are gone
+        # The first ledger's ranks are gone; the second's ended and were reported, so they are dropped too.
+        assert {r["job_id"] for r in state["ranks"].values()} <= {done.id}, node
         log = (state_dir / "logs" / f"agent-{node}.log").read_text()
         (line,) = [ln for ln in log.splitlines() if "agent_state_from_another_ledger" in ln]
         assert first_id in line and second_id in line, line

@@ -20,7 +20,7 @@ from phalanx.simhost.nvml import SimulatedHost, bind
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.mig_manager import MigError, MigManager, NvmlMigBackend
-from services.node_agent.simulated import simulated_node, simulated_topology
+from services.node_agent.simulated import fake_gpu_uuid, simulated_node, simulated_topology
 from services.node_agent.state import AgentState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -388,6 +388,8 @@ async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agen
     await until(lambda: all(fake.report("mig", r, S.RANK_STATE_RUNNING) for r in range(3)), what="RUNNING")
     on2, on5, on6 = mig_uuids(a, 2), mig_uuids(a, 5), mig_uuids(a, 6)
     assert set(on2) == {4, 0}
+    rec = a.state.ranks["mig/1/0"]  # the live rank's record (a finished one is dropped once reported)
+    assert rec.slices[0]["uuid"] == on2[4] and rec.slices[0]["created"] and rec.slices[0]["gi_id"] >= 1
     await until(lambda: all(fake.report("mig", r, S.RANK_STATE_EXITED) for r in range(3)), what="EXITED")
     assert env_of(tmp_path, "mig", 0)["CUDA_VISIBLE_DEVICES"] == on2[4]
     assert env_of(tmp_path, "mig", 1)["CUDA_VISIBLE_DEVICES"] == on2[0]
@@ -398,8 +400,6 @@ async def test_mig_ranks_get_mig_uuids_and_instances_go_when_they_end(fake, agen
     await until(lambda: not any(a.mig.backend.list_instances(g) for g in range(8)), what="instances destroyed")
     # the record of the instances the agent made is saved empty once the last release is done
     await until(lambda: AgentState.load(tmp_path / "state" / "state.json").mig_created == [], what="record saved")
-    rec = AgentState.load(tmp_path / "state" / "state.json").ranks["mig/1/0"]
-    assert rec.slices[0]["uuid"] == on2[4] and rec.slices[0]["created"] and rec.slices[0]["gi_id"] >= 1
 
 
 async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_path):
@@ -434,7 +434,7 @@ async def test_fractional_rank_env_and_whole_gpu_unchanged(fake, agents, tmp_pat
     assert e0["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M" and e0["PHALANX_GPU_MILLI"] == "250"
     assert e1["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1" and e1["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=407M"
     w = env_of(tmp_path, "whole", 0)
-    assert w["CUDA_VISIBLE_DEVICES"] == "4"
+    assert w["CUDA_VISIBLE_DEVICES"] == fake_gpu_uuid("node-a", 4)  # a whole GPU by its UUID
     assert not {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "PHALANX_GPU_MILLI"} & set(w)
 
 
@@ -516,7 +516,7 @@ async def test_failed_create_rolls_back_the_attempts_instances(fake, agents, tmp
     assert "not started" in failed(fake, "gang", 2).message and failed(fake, "gang", 2).retryable
     await until(lambda: [i.start for i in a.mig.backend.list_instances(3)] == [4], what="rank 0's instance gone")
     assert a.mig.backend.list_instances(4) == [] and starts(tmp_path, "gang", 2) == 0
-    assert a.mig.created == []
+    await until(lambda: a.mig.created == [], what="the record of rank 0's instance dropped")
 
 
 async def test_no_mig_on_non_mig_gpus(fake, agents, tmp_path):

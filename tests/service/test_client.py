@@ -458,6 +458,7 @@ def test_node_from_proto_and_to_dict():
         "gpu_details": [],
         "strikes": 0,
         "mig_manage": False,
+        "containment": "",
     }
     mig = Node.from_proto(
         common_pb2.Node(

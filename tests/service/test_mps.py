@@ -360,7 +360,7 @@ async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last
     (start5,) = [r for r in records(root, 5) if r["command"] == "start"]
     assert start5["visible_devices"] == uuid(5) and start5["daemon_pid"] != start3["daemon_pid"]
     # A whole GPU: no MPS variable at all, and no daemon.
-    assert mps_vars(env_of(tmp_path, "w", 0)) == {} and env_of(tmp_path, "w", 0)["CUDA_VISIBLE_DEVICES"] == "4"
+    assert mps_vars(env_of(tmp_path, "w", 0)) == {} and env_of(tmp_path, "w", 0)["CUDA_VISIBLE_DEVICES"] == uuid(4)
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["gpu3", "gpu5"]
     # The last share on GPU 3 ends: its daemon quits.
     await until(lambda: fake.report("s", 1, S.RANK_STATE_EXITED), what="the long share EXITED")
@@ -628,8 +628,8 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
         # The first job ends: the daemon stays for the second; the second ends: it quits.
         await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=one.id))
         await until(
-            lambda: [r.final for r in agent.state.ranks.values() if r.job_id == one.id] == [True],
-            what="job one's rank ended",
+            lambda: all(r.final for r in agent.state.ranks.values() if r.job_id == one.id),
+            what="job one's rank ended",  # (and, once reported, dropped from the state)
         )
         await until(lambda: len(agent.mps.users(gpu)) == 1 and not agent._releases, what="one share left")
         assert [k.split("/")[0] for k in agent.mps.users(gpu)] == [two.id]

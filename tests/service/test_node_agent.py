@@ -304,12 +304,16 @@ async def test_launch_env_running_exited(fake, agent_factory, tmp_path, monkeypa
         assert fake.report("job-1", rank, S.RANK_STATE_EXITED).exit_code == code
         env = json.loads((tmp_path / f"job-1-r{rank}.env.json").read_text())
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2" and env["PHALANX_JOB_ID"] == "job-1"
-        assert env["CUDA_VISIBLE_DEVICES"] == str(rank) and env["MASTER_PORT"] == "29500"
-        assert env["PHALANX_TEST_INHERITED"] == "yes"  # os.environ + rank env
+        # Whole GPUs by UUID, in PCI bus order (issue 19): the launch said GPU `rank`.
+        assert env["CUDA_VISIBLE_DEVICES"] == agent.config.topology.gpus[rank].uuid and env["MASTER_PORT"] == "29500"
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert "PHALANX_TEST_INHERITED" not in env  # a built environment: nothing of the agent's but PATH, LANG...
+    # The scheduler took both ranks' ends: the state keeps neither (it grows with the live ranks only); their logs stay.
+    await until(lambda: not agent.state.ranks and not agent.state.pending_reports, what="finished ranks dropped")
+    await agent.state.durable()
     state = AgentState.load(tmp_path / "state" / "state.json")
-    assert state.acked_revision == 1
-    assert state.ranks["job-1/1/1"].state == "exited" and state.ranks["job-1/1/1"].exit_code == 3
-    assert Path(state.ranks["job-1/1/0"].log_file).exists()
+    assert state.acked_revision == 1 and not state.ranks
+    assert launcher.rank_paths(tmp_path / "state", "job-1", 1, 0)[1].exists()
     # heartbeats flow at the interval the scheduler asked for
     await until(lambda: fake.heartbeats >= 1, what="heartbeat")
 

@@ -76,6 +76,8 @@ def mismatches(dump: TopoDump, topo: agent_pb2.HostTopology, names: dict[str, st
 def check_round_trip(tmp_path: Path, dump: TopoDump, **fake) -> agent_pb2.HostTopology:
     topo, names, _ = discover(tmp_path, dump, **fake)
     assert [f"GPU{g.index}" for g in topo.gpus] == dump.gpus
+    # The device minor numbers come from nvmlDeviceGetMinorNumber (the agent's device rules name /dev/nvidia<minor>).
+    assert all(g.HasField("minor_number") and g.minor_number == g.index for g in topo.gpus)
     assert mismatches(dump, topo, names) == []
     # NUMA nodes (the dump's NUMA affinity) and NIC device names come back.
     assert [g.numa_node for g in topo.gpus] == [dump.numa_node(g) for g in dump.gpus]

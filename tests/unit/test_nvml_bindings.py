@@ -67,6 +67,7 @@ def test_every_c_function_is_exercised_through_pynvml():
     pci = nv.nvmlDeviceGetPciInfo(h)
     assert pci.busId == g.bus_id and pci.bus == int(g.bus_id.split(":")[1], 16)
     assert nv.nvmlDeviceGetCudaComputeCapability(h) == (10, 0)
+    assert nv.nvmlDeviceGetMinorNumber(h1) == 1  # /dev/nvidia1
     assert nv.nvmlDeviceGetNumaNodeId(h) == g.gpu_numa_id >= 0  # a Grace GPU's own memory node
     assert nv.nvmlDeviceGetTopologyCommonAncestor(h, h) == nv.NVML_TOPOLOGY_INTERNAL
     assert nv.nvmlDeviceGetTopologyCommonAncestor(h, h1) == host.ancestors[(0, 1)]

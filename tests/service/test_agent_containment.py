@@ -1,0 +1,358 @@
+"""The node agent contains its ranks (issue 19): real rank processes, the real cgroup v1 hierarchies of this host
+(as root) or the process-group fallback, against the fake NodeService of test_node_agent (a real grpc.aio server).
+
+Each test asserts on the processes themselves (/proc), never on the agent's own bookkeeping alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from test_node_agent import FakeNodeService, rank_env, start_server, until
+
+from phalanx.api.v1 import common_pb2
+from services.node_agent import containment as cgroups
+from services.node_agent import launcher
+from services.node_agent.agent import AgentConfig, NodeAgent
+from services.node_agent.simulated import simulated_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+S = common_pb2
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and other users need an agent running as root")
+
+
+def _v1_usable() -> str | None:
+    if os.geteuid() != 0:
+        return "cgroup containment needs root"
+    if not all(Path(f"/sys/fs/cgroup/{c}").is_dir() for c in ("memory", "pids", "freezer")):
+        return "no cgroup v1 memory, pids and freezer hierarchies on this host"
+    return None
+
+
+KINDS = [
+    pytest.param("cgroup-v1", marks=pytest.mark.skipif(bool(_v1_usable()), reason=_v1_usable() or "")),
+    "process-group",
+]
+
+# A rank that leaves a daemon: it forks, the child calls setsid and forks again (the grandchild, re-parented to init,
+# writes its pid to $DAEMON_PID), then the rank sleeps $SLEEP seconds and exits 0. $IGNORE_TERM=1: both ignore
+# SIGTERM.
+DAEMON_SCRIPT = (
+    "import os, signal, sys, time\n"
+    "if os.environ.get('IGNORE_TERM') == '1':\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork():\n"
+    "        os._exit(0)\n"
+    "    path = os.environ['DAEMON_PID']\n"
+    "    open(path + '.part', 'w').write(str(os.getpid()))\n"
+    "    os.replace(path + '.part', path)\n"
+    "    time.sleep(300)\n"
+    "    os._exit(0)\n"
+    "os.waitpid(pid, 0)\n"
+    "time.sleep(float(os.environ.get('SLEEP', '300')))\n"
+)
+
+
+@pytest.fixture
+async def fake():
+    servicer = FakeNodeService()
+    server, port = await start_server(servicer)
+    servicer.port = port
+    yield servicer
+    await server.stop(0)
+
+
+@pytest.fixture
+async def start_agent(tmp_path):
+    started: list[tuple[NodeAgent, asyncio.Task]] = []
+
+    def start(port: int, kind: str, **config) -> NodeAgent:
+        agent = NodeAgent(
+            AgentConfig(
+                scheduler=f"127.0.0.1:{port}",
+                node_name="node-c",
+                topology=simulated_topology("node-c", "dgx-h100"),
+                state_dir=config.pop("state_dir", tmp_path / "state"),
+                kill_grace_s=config.pop("kill_grace_s", 0.5),
+                backoff_initial_s=0.05,
+                backoff_cap_s=0.3,
+                poll_interval_s=0.02,
+                rpc_timeout_s=2.0,
+                flush_timeout_s=2.0,
+                containment_kind=kind,
+                **config,
+            )
+        )
+        started.append((agent, asyncio.create_task(agent.run())))
+        return agent
+
+    yield start
+    for agent, task in started:
+        agent.request_stop()
+        try:
+            await asyncio.wait_for(task, 15)
+        except Exception:
+            task.cancel()
+
+
+def alive(pid: int) -> bool:
+    return launcher.pid_alive(pid)
+
+
+async def daemon_pid(path: Path) -> int:
+    await until(path.exists, what=f"the daemon's pid in {path}")
+    return int(path.read_text())
+
+
+def launch_daemon_rank(fake: FakeNodeService, tmp: Path, job: str, **extra) -> Path:
+    pid_file = tmp / f"{job}.daemon"
+    fake.launch(
+        len(fake.assignments) + 1,
+        job,
+        1,
+        [{"rank": 0, "env": rank_env(tmp, job, 0, DAEMON_PID=str(pid_file), **extra)}],
+        command=[sys.executable, "-c", DAEMON_SCRIPT],
+    )
+    return pid_file
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_cancel_kills_the_daemon_a_rank_left_and_removes_its_container(fake, start_agent, tmp_path, kind):
+    agent = start_agent(fake.port, kind)
+    pid_file = launch_daemon_rank(fake, tmp_path, "job-d")
+    await until(lambda: fake.report("job-d", 0, S.RANK_STATE_RUNNING), what="RUNNING")
+    daemon = await daemon_pid(pid_file)
+    assert fake.registrations[0].containment == kind
+    group = agent.containment.open("job-d-a1")
+    assert group is not None and daemon in group.pids()  # born inside, though it left the rank's session
+    if kind == "cgroup-v1" and agent.containment.devices_enforced:
+        # The rank's GPU is GPU 0 (rank_env): its device and the control devices, no other GPU's.
+        rules = (group.dirs["devices"] / "devices.list").read_text().split("\n")
+        assert "c 195:0 rwm" in rules and "c 195:255 rwm" in rules and "c 195:1 rwm" not in rules
+    assert os.getsid(daemon) != os.getsid(agent._procs["job-d/1/0"].pid)
+
+    fake.kill(len(fake.assignments) + 1, "job-d", 1)
+    await until(lambda: fake.report("job-d", 0, S.RANK_STATE_KILLED), what="KILLED")
+    await until(lambda: not alive(daemon), timeout=5, what="the daemon to be killed")
+    await until(lambda: agent.containment.open("job-d-a1") is None, timeout=5, what="the container removed")
+    await until(lambda: not (tmp_path / "state" / "work" / "job-d-a1").exists(), what="the working dir removed")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_daemon_that_outlives_its_rank_is_killed_when_the_attempt_ends(fake, start_agent, tmp_path, kind):
+    agent = start_agent(fake.port, kind)
+    pid_file = launch_daemon_rank(fake, tmp_path, "job-e", SLEEP="0.5")
+    daemon = await daemon_pid(pid_file)
+    await until(lambda: fake.report("job-e", 0, S.RANK_STATE_EXITED), what="EXITED")
+    assert fake.report("job-e", 0, S.RANK_STATE_EXITED).exit_code == 0
+    await until(lambda: not alive(daemon), timeout=5, what="the lingering daemon to be killed")
+    await until(lambda: agent.containment.open("job-e-a1") is None, timeout=5, what="the container removed")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(fake, start_agent, tmp_path, kind):
+    agent = start_agent(fake.port, kind, kill_grace_s=0.6)
+    pid_file = launch_daemon_rank(fake, tmp_path, "job-t", IGNORE_TERM="1")
+    await until(lambda: fake.report("job-t", 0, S.RANK_STATE_RUNNING), what="RUNNING")
+    daemon = await daemon_pid(pid_file)
+    rank = agent.state.ranks["job-t/1/0"]
+    await until(lambda: rank.child_pid != 0, what="the rank's pid")
+    child = rank.child_pid
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    fake.kill(len(fake.assignments) + 1, "job-t", 1)
+    await asyncio.sleep(0.3)
+    assert alive(child) and alive(daemon), "SIGTERM is ignored: both live through the grace"
+    await until(lambda: not alive(child) and not alive(daemon), timeout=5, what="both SIGKILLed")
+    assert loop.time() - t0 >= 0.6
+    await until(lambda: fake.report("job-t", 0, S.RANK_STATE_KILLED), what="KILLED")
+    await until(lambda: agent.containment.open("job-t-a1") is None, timeout=5, what="the container removed")
+
+
+async def test_a_rank_gets_a_built_environment_and_nothing_else(fake, start_agent, tmp_path, monkeypatch):
+    monkeypatch.setenv("PHALANX_AGENT_TOKEN", "secret-token")
+    monkeypatch.setenv("PHALANX_TLS_KEY", "/etc/phalanx/agent.key")
+    monkeypatch.setenv("SOMETHING_THE_AGENT_HAD", "1")
+    monkeypatch.setenv("PASSED_ON", "yes")
+    monkeypatch.setenv("LC_TIME", "C.UTF-8")
+    agent = start_agent(fake.port, "process-group", pass_env=("PASSED_ON", "NOT_SET_ANYWHERE"))
+    from test_node_agent import RANK_CMD
+
+    launch = rank_env(tmp_path, "job-env", 0, SLEEP="30")
+    fake.launch(1, "job-env", 1, [{"rank": 0, "env": launch}], command=RANK_CMD)
+    out = Path(launch["OUT_FILE"])
+    await until(out.exists, what="the rank's environment")
+    import json
+
+    env = json.loads(out.read_text())
+    inherited = {k for k in os.environ if k in ("PATH", "LANG", "TZ") or k.startswith("LC_")}
+    expected = (
+        set(launch)
+        | inherited
+        | {"HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "PASSED_ON", "CUDA_DEVICE_ORDER", cgroups.MARKER_ENV}
+        # The rank is Python: in the C locale it adds LC_CTYPE to its own environment (PEP 538 locale coercion).
+        | ({"LC_CTYPE"} if "LC_CTYPE" in env and "LC_CTYPE" not in os.environ else set())
+    )
+    assert set(env) == expected
+    assert env["PASSED_ON"] == "yes" and env["LC_TIME"] == "C.UTF-8"
+    assert env["USER"] == agent.rank_user.name and env["HOME"] == agent.rank_user.home
+    work = tmp_path / "state" / "work" / "job-env-a1"
+    assert env["TMPDIR"] == str(work / "tmp") and Path(env["TMPDIR"]).is_dir()
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory other users can traverse (pytest's own base directory is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="phalanx-shared-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@ROOT_ONLY
+async def test_ranks_run_as_the_run_as_user_who_cannot_read_the_agents_token(fake, start_agent, shared_dir):
+    token = shared_dir / "agent.token"
+    token.write_text("node-secret\n")
+    token.chmod(0o600)
+    agent = start_agent(fake.port, "process-group", run_as="nobody", state_dir=shared_dir / "state")
+    script = (
+        'id -u > uid; id -g > gid; touch "$TMPDIR/t" && echo ok > tmp_ok; '
+        f"cat {token} > token 2>&1; echo $? > rc; sleep 30"
+    )
+    fake.launch(1, "job-u", 1, [{"rank": 0, "env": {"RANK": "0"}}], command=["/bin/sh", "-c", script])
+    work = shared_dir / "state" / "work" / "job-u-a1"
+    await until(lambda: (work / "rc").exists() and (work / "rc").read_text().strip(), what="the rank's files")
+    nobody = agent.rank_user
+    assert nobody.name == "nobody"
+    assert int((work / "uid").read_text()) == nobody.uid and int((work / "gid").read_text()) == nobody.gid
+    assert (work / "tmp_ok").read_text().strip() == "ok"
+    assert (work / "rc").read_text().strip() != "0" and "node-secret" not in (work / "token").read_text()
+    assert stat.S_IMODE(work.stat().st_mode) == 0o700 and work.stat().st_uid == nobody.uid
+    fake.kill(2, "job-u", 1)
+    await until(lambda: fake.report("job-u", 0, S.RANK_STATE_KILLED), what="KILLED")
+
+
+@pytest.mark.parametrize("flag", ["--token-file", "--tls-key"])
+def test_the_agent_refuses_a_secret_file_others_can_read(tmp_path, flag):
+    secret = tmp_path / "secret"
+    secret.write_text("node-secret\n")
+    secret.chmod(0o644)
+    run = subprocess.run(
+        [sys.executable, "-m", "services.node_agent.main", "--scheduler", "127.0.0.1:9", "--simulate", "dgx-h100"]
+        + ["--node-name", "n1", "--state-dir", str(tmp_path / "s"), flag, str(secret)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert f"chmod 600 {secret}" in run.stderr and "0644" in run.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+async def test_an_agent_cut_off_from_the_scheduler_fences_itself_and_registers_again(db_url, tmp_path):
+    """Self-fencing after the scheduler is gone: the ranks (and a daemon of theirs) are stopped before the node
+    lease runs out, so the gang never runs twice; once the scheduler is back, the agent registers again and the
+    requeued gang runs as its next attempt."""
+    import grpc
+
+    from db.migrate import upgrade
+    from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from phalanx.core.fabric import default_fabric
+    from services.scheduler.main import serve
+    from services.scheduler.settings import SchedulerSettings
+
+    upgrade(db_url)
+    port = _free_port()
+    settings = SchedulerSettings(
+        db_url=db_url,
+        listen=f"127.0.0.1:{port}",
+        fabric=default_fabric(["node-f"]),
+        heartbeat_interval=0.2,
+        lease_timeout=3.0,
+        launch_timeout=30.0,
+        poll_interval=0.2,
+        retry_backoff_s=0.1,
+    )
+    scheduler = await serve(settings)
+    agent = NodeAgent(
+        AgentConfig(
+            scheduler=f"127.0.0.1:{port}",
+            node_name="node-f",
+            topology=simulated_topology("node-f", "dgx-h100"),
+            state_dir=tmp_path / "agent",
+            kill_grace_s=0.5,
+            backoff_initial_s=0.05,
+            backoff_cap_s=0.3,
+            poll_interval_s=0.02,
+            rpc_timeout_s=1.0,
+            flush_timeout_s=2.0,
+            health_enabled=False,
+        )
+    )
+    task = asyncio.create_task(agent.run())
+    pid_file = tmp_path / "daemon.pid"
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    try:
+        await until(lambda: agent.registrations >= 1, timeout=10, what="the agent registered")
+        spec = common_pb2.JobSpec(
+            name="fenced",
+            replicas=1,
+            gpus_per_replica=1,
+            command=[sys.executable, "-c", DAEMON_SCRIPT],
+            env={"DAEMON_PID": str(pid_file)},
+            max_restarts=3,
+        )
+        job = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))
+        daemon = await daemon_pid(pid_file)
+        first = next(r for r in agent.state.ranks.values() if r.job_id == job.id and r.attempt == 1)
+        await until(lambda: first.child_pid != 0, what="the rank's pid")
+        rank_pid = first.child_pid
+        assert agent.fence_after_s() == pytest.approx(1.5)
+
+        await scheduler.stop()  # the node is cut off from the scheduler
+        loop = asyncio.get_running_loop()
+        gone_at = loop.time()
+        await until(lambda: not alive(rank_pid) and not alive(daemon), timeout=8, what="the fenced ranks stopped")
+        assert agent.fenced
+        assert 1.0 <= loop.time() - gone_at <= 3.0, "fenced after about the lease less the kill grace"
+
+        pid_file.unlink()
+        scheduler = await serve(settings)  # back: the agent registers again and the gang runs once more
+        await until(lambda: agent.registrations >= 2 and not agent.fenced, timeout=10, what="registered again")
+
+        async def second_attempt():
+            got = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))
+            return got if got.attempt >= 2 and got.state == common_pb2.JOB_STATE_RUNNING else None
+
+        deadline = loop.time() + 20
+        while await second_attempt() is None:
+            assert loop.time() < deadline, "the requeued gang did not run again"
+            await asyncio.sleep(0.1)
+        await daemon_pid(pid_file)  # the new attempt's own daemon; the old one stayed dead
+        assert not alive(daemon)
+    finally:
+        await channel.close()
+        agent.request_stop()
+        await asyncio.wait_for(task, 20)
+        await scheduler.stop()
