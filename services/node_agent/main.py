@@ -137,8 +137,10 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--address",
-        default=_default(file, "address", "127.0.0.1"),
-        help="address ranks use to reach this host (default 127.0.0.1)",
+        default=_default(file, "address"),
+        help="address ranks use to reach this host, MASTER_ADDR when it hosts rank 0 (env PHALANX_AGENT_ADDRESS; "
+        "default: the address of the interface that routes to the scheduler, loopback only when the scheduler "
+        "is on loopback)",
     )
     p.add_argument(
         "--state-dir",
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         node_name=node_name,
         topology=topology,
         state_dir=Path(args.state_dir) if args.state_dir else None,
-        address=args.address,
+        address=args.address or route_address(args.scheduler, log),
         kill_grace_s=args.kill_grace,
         health_enabled=_truthy(args.health),
         ecc_sbe_threshold=int(args.ecc_sbe_threshold),
@@ -425,6 +427,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("exit", code=0)
     return 0
+
+
+def route_address(scheduler: str, log: Any = None) -> str:
+    """This host's address on the interface that routes to the (first) scheduler: a UDP socket connected there
+    (no packet is sent) is bound to it. Loopback when the scheduler is on loopback; 127.0.0.1 when it cannot be
+    found (logged)."""
+    target = scheduler.split(",")[0].strip()
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, int(port or 0), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError) as exc:
+        if log is not None:
+            log.warning("address_not_found", scheduler=target, error=str(exc), using="127.0.0.1")
+        return "127.0.0.1"
 
 
 def _truthy(value: Any) -> bool:

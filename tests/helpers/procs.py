@@ -26,12 +26,18 @@ class ServiceProcess:
         log_path: Path,
         announce: str = "scheduler at",
         env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
+        """`prefix`: a command the service runs under (e.g. `ip netns exec NS`, a test host's namespace)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT), PHALANX_LOG_LEVEL="INFO", **(env or {}))
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=self.log, stderr=self.log, env=env, cwd=str(ROOT)
+            [*(prefix or []), sys.executable, "-m", module, *args],
+            stdout=self.log,
+            stderr=self.log,
+            env=env,
+            cwd=str(ROOT),
         )
         self.address = self._wait_for(announce)
 

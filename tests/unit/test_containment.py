@@ -605,3 +605,11 @@ def test_parse_size_refuses(text):
 )
 def test_format_size(n, text):
     assert format_size(n) == text and parse_size(text) == n
+
+
+def test_the_agents_default_address_is_the_one_that_routes_to_the_scheduler():
+    from services.node_agent.main import route_address
+
+    assert route_address("127.0.0.1:7070") == "127.0.0.1"  # loopback only for a scheduler on loopback
+    assert route_address("localhost:7070,10.0.0.9:7070") == "127.0.0.1"  # the first replica's route
+    assert route_address("no-such-host.invalid:7070") == "127.0.0.1"  # unresolvable: loopback, logged
