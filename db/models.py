@@ -78,6 +78,11 @@ class Node(Base):
     # The agent registered with --mig-manage (revision 0011): the scheduler may ask it to switch idle GPUs' MIG mode.
     mig_manage: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     containment: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    # Its agent says when an ended attempt's processes on it are gone: until then their GPUs stay held (releasing).
+    confirms_release: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # The ports its agent lets MASTER_PORT be chosen from (--rank-port-range); 0: the default range.
+    rank_port_low: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    rank_port_high: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class NodeEvent(Base):

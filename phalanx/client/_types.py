@@ -490,6 +490,7 @@ class Node:
     strikes: int = 0  # times a rank could not be set up on this host (retryable launch failures)
     mig_manage: bool = False  # its agent runs with --mig-manage: the scheduler may switch idle GPUs' MIG mode
     containment: str = ""  # how its agent contains ranks: "cgroup-v2", "cgroup-v1" or "process-group"
+    releasing_gpus: int = 0  # GPUs of ended gangs held until their processes here are gone
 
     @property
     def mig_gpus(self) -> list[int]:
@@ -528,6 +529,7 @@ class Node:
             strikes=int(msg.strikes),
             mig_manage=bool(msg.mig_manage),
             containment=msg.containment,
+            releasing_gpus=int(msg.releasing_gpus),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -553,6 +555,7 @@ class Node:
             "strikes": self.strikes,
             "mig_manage": self.mig_manage,
             "containment": self.containment,
+            "releasing_gpus": self.releasing_gpus,
         }
 
 

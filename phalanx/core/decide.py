@@ -172,6 +172,12 @@ class Snapshot:
     ends: Callable[[], Sequence[RunningEnd] | RunningSet] | None = None
     preempting: Collection[str] | None = None
     memo: Memo = field(default_factory=Memo)
+    # Clean GPU handover (the scheduler's agents that confirm releases): a stopped gang's whole GPUs on these nodes
+    # stay taken until the node's agent says the gang's processes there are gone; `releasing` lists the GPUs
+    # already waiting for that (Placements of ended attempts). Preemption counts them as coming free: a head they
+    # would make fit waits for them rather than evicting more gangs.
+    hold_on_stop: Collection[str] = ()
+    releasing: Sequence[Placement] = ()
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------------
@@ -329,6 +335,7 @@ class _Decision:
         self.handover_to: set[str] = set()
         self.reserved: set[str] = set()
         self._order_cache: dict[str, int] | None = None
+        self.releasing: list[Placement] = list(snapshot.releasing)  # plus what this decision's Stops hold
 
     # -- bookkeeping
 
@@ -369,7 +376,8 @@ class _Decision:
         self.removed.discard(job.job_id)
 
     def _release(self, job: RunningJob) -> None:
-        """Give `job`'s GPUs back in the index (the unusable ones on its nodes stay out)."""
+        """Give `job`'s GPUs back in the index (the unusable ones on its nodes stay out, and its whole GPUs on nodes
+        that hold them until their processes are gone)."""
         self.cap.release_placement(job.placement)
         unusable = self.snap.unusable
         if unusable:
@@ -377,6 +385,16 @@ class _Decision:
                 held = unusable.get(node)
                 if held:
                     self.cap.take(node, held)
+        if self.snap.hold_on_stop:
+            kept = tuple(
+                r
+                for r in job.placement.replicas
+                if r.node in self.snap.hold_on_stop and not (r.mig_profile or r.gpu_milli)
+            )
+            for r in kept:
+                self.cap.take(r.node, set(r.gpus) - set(unusable.get(r.node, ()) if unusable else ()))
+            if kept:
+                self.releasing.append(Placement(job.job_id, kept, "", 0, 0.0, "releasing"))
         self.added.pop(job.job_id, None)
         self.removed.add(job.job_id)
         self.preempting.discard(job.job_id)
@@ -541,7 +559,13 @@ class _Decision:
             p = min(r.request.priority, priority - 1) if j in reclaim else r.request.priority
             if p < priority:
                 lower.append((r, p))
-        if not lower:
+        # GPUs being released count as the cheapest "victims" there are: evicting them costs nothing, they come
+        # free by themselves.
+        releasing = [
+            RunningGang(f"{RELEASING}{i}:{p.job_id}", _RELEASING_PRIORITY, p, -math.inf, 0.0)
+            for i, p in enumerate(self.releasing)
+        ]
+        if not lower and not releasing:
             return None, False
         # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head
         # that stays blocked does not pay for the search every time.
@@ -549,6 +573,7 @@ class _Decision:
             hid,
             priority,
             frozenset((r.job_id, r.attempt) for r, _ in lower),
+            tuple(g.job_id for g in releasing),
             self.cap.free_gpus(),
             self.cap.unschedulable(),
         )
@@ -565,7 +590,18 @@ class _Decision:
             if at is not None:
                 since = max(since, at)
             gangs.append(RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since)))
-        result = choose_victims(self.cap, head.request, gangs, now, policy, self.config.tiers, self.snap.unusable)
+        result = choose_victims(
+            self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, self.snap.unusable
+        )
+        if not isinstance(result, NoPreemption) and all(v.startswith(RELEASING) for v in result.victims):
+            held = sum(len(r.gpus) for g in releasing if g.job_id in result.victims for r in g.placement.replicas)
+            of = sorted({g.job_id.split(":", 1)[1] for g in releasing if g.job_id in result.victims})
+            self.wake_at(now + self.config.poll_s)
+            return Status(
+                Code.PREEMPTING,
+                f"waiting for {held} GPU(s) that ended gang(s) {', '.join(of)} are releasing (their processes are "
+                "exiting); then it fits",
+            ), False
         if isinstance(result, NoPreemption):
             status = None
             until = math.inf
@@ -588,6 +624,8 @@ class _Decision:
             f"it is committed or by {clock(deadline)}"
         )
         for vid in result.victims:
+            if vid.startswith(RELEASING):
+                continue  # comes free by itself
             victim = self.get(vid)
             self.steps.append(
                 AskCheckpoint(
@@ -598,12 +636,17 @@ class _Decision:
             self.preempting.add(vid)
         self.wake_at(min(deadline, now + self.config.poll_s))
         stopped = policy.grace_period_s <= 0 and self.stop_victims()
+        real = [v for v in result.victims if not v.startswith(RELEASING)]
         return Status(
             Code.PREEMPTING,
-            f"preempting {len(result.victims)} lower-priority gang(s) "
-            f"({', '.join(result.victims)}): they were asked to checkpoint and stop by "
+            f"preempting {len(real)} lower-priority gang(s) "
+            f"({', '.join(real)}): they were asked to checkpoint and stop by "
             f"{clock(deadline)}; then {result.placement.reason}",
         ), stopped
+
+
+RELEASING = "\x00releasing:"  # the job id prefix of GPUs being released, as preemption candidates
+_RELEASING_PRIORITY = -(2**62)
 
 
 def _replace_victim(job: RunningJob, by: str, deadline: float) -> RunningJob:

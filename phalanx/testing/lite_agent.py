@@ -90,6 +90,7 @@ class LiteAgent:
     start_failure: str = ""  # non-empty: every rank reports FAILED_TO_START, not retryable
     # A channel shared with other agents (benchmarks run thousands in one process); None: one of its own
     shared_channel: grpc.aio.Channel | None = None
+    rank_ports: tuple[int, int] = (0, 0)  # its --rank-port-range ((0, 0): the scheduler's default)
 
     async def start(self) -> None:
         from phalanx.client import open_aio_channel
@@ -99,7 +100,12 @@ class LiteAgent:
         self.instance = uuid.uuid4().hex
         resp = await self.stub.RegisterNode(
             agent_pb2.RegisterNodeRequest(
-                node_name=self.name, topology=self.topology(), address=self.address, agent_instance=self.instance
+                node_name=self.name,
+                topology=self.topology(),
+                address=self.address,
+                agent_instance=self.instance,
+                rank_port_low=self.rank_ports[0],
+                rank_port_high=self.rank_ports[1],
             )
         )
         self.acked = max(self.acked, resp.acked_revision)

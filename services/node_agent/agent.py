@@ -48,6 +48,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -137,6 +138,7 @@ class AgentConfig:
     run_as: str | None = None  # the ranks' Unix user (None: the agent's own identity)
     pass_env: tuple[str, ...] = ()  # names of the agent's variables its ranks get (identity.rank_environment)
     self_fence: bool = True  # stop every rank when the registration cannot be renewed within the lease
+    rank_ports: tuple[int, int] = (20000, 31999)  # --rank-port-range: where MASTER_PORT comes from for rank 0 here
     tls: object | None = None  # phalanx.client.TLSConfig: TLS to the scheduler
     extra: dict = field(default_factory=dict)
 
@@ -230,6 +232,8 @@ class NodeAgent:
         }
         self._gpu_uuids = {g.index: g.uuid for g in config.topology.gpus}
         self._closing: dict[str, asyncio.Task] = {}  # attempt key -> the task that empties and removes it
+        self._held_reports: dict[str, list[tuple[tuple, dict]]] = {}  # attempt key -> its last ranks' end reports
+        self._ports: dict[int, str] = {}  # MASTER_PORT -> the live attempt whose rank 0 here holds it
         # Self-fencing: when the last heartbeat the scheduler answered was sent (monotonic), the node lease it gave,
         # and whether this agent fenced itself since (until it registers again).
         self._renewed_at: float | None = None
@@ -361,6 +365,14 @@ class NodeAgent:
                     agent_instance=self.instance,
                     mig_manage=self.config.mig_manage,
                     containment=self.containment.kind if self.containment else "",
+                    confirms_release=True,
+                    rank_port_low=self.config.rank_ports[0],
+                    rank_port_high=self.config.rank_ports[1],
+                    live_attempts=sorted(
+                        {attempt_key(r.job_id, r.attempt) for r in self.state.ranks.values() if not r.final}
+                        | set(self._groups)
+                        | set(self._closing)
+                    ),
                 ),
                 timeout=self.config.rpc_timeout_s,
             )
@@ -685,8 +697,37 @@ class NodeAgent:
             new.append(rec)
         return new
 
+    def _master_port_problem(self, records: list[RankRecord], launch) -> str | None:
+        """A launch with rank 0 here holds its MASTER_PORT for the attempt: None when it is free (now held), else
+        why not (the ranks then fail to start, retryably: another host or later)."""
+        rank0 = next((r for r in launch.ranks if r.rank == 0), None)
+        if rank0 is None or not any(r.rank == 0 for r in records):
+            return None
+        value = rank0.env.get("MASTER_PORT") or launch.env.get("MASTER_PORT", "")
+        if not value.isdigit():
+            return None
+        port, key = int(value), attempt_key(records[0].job_id, records[0].attempt)
+        holder = self._ports.get(port)
+        if holder not in (None, key):
+            return f"MASTER_PORT {port} is held by attempt {holder} on this host"
+        if holder is None:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("", port))
+                except OSError as exc:
+                    return f"MASTER_PORT {port} is in use on this host ({exc.strerror or exc})"
+            self._ports[port] = key
+        return None
+
     async def _start(self, records: list[RankRecord], command, launch) -> None:
         if not records:
+            return
+        problem = self._master_port_problem(records, launch)
+        if problem is not None:
+            self.log.warning("rank_port_unavailable", job_id=records[0].job_id, why=problem)
+            for rec in records:
+                self._finish(rec, "failed", exit_code=127, message=f"cannot start: {problem}", retryable=True)
             return
         shared = dict(launch.env)
         envs = {r.rank: {**shared, **r.env} for r in launch.ranks}
@@ -1000,9 +1041,13 @@ class NodeAgent:
         return group
 
     def _attempt_ended(self, rec: RankRecord) -> None:
-        """Once every rank of an attempt on this host has ended, its container is emptied and removed."""
+        """Once every rank of an attempt on this host has ended, its container is emptied and removed; then the
+        scheduler hears that the attempt's GPUs here are free (AttemptReleased)."""
         key = attempt_key(rec.job_id, rec.attempt)
-        if key not in self._groups or key in self._closing or self._ranks_of(rec.job_id, rec.attempt):
+        if key in self._closing or self._ranks_of(rec.job_id, rec.attempt):
+            return
+        if key not in self._groups:  # it never had a process here (nothing started)
+            self._queue_release(rec.job_id, rec.attempt)
             return
         task = asyncio.create_task(self._close_attempt(rec.job_id, rec.attempt), name=f"close {key}")
         self._closing[key] = task
@@ -1019,6 +1064,20 @@ class NodeAgent:
             self._groups.pop(key, None)
             self._group_minors.pop(key, None)
         await asyncio.to_thread(shutil.rmtree, self._work_dir(job_id, attempt), True)
+        for args in self._held_reports.pop(key, []):  # the last ranks' ends, held until the container was empty
+            self._report(*args[0], **args[1])
+        self._queue_release(job_id, attempt)
+
+    def _free_ports(self, key: str) -> None:
+        for port in [p for p, holder in self._ports.items() if holder == key]:
+            del self._ports[port]
+
+    def _queue_release(self, job_id: str, attempt: int) -> None:
+        """Tell the scheduler (after every report queued before it) that no process of the attempt is left here."""
+        self._free_ports(attempt_key(job_id, attempt))
+        self.state.pending_reports.append({"kind": "released", "job_id": job_id, "attempt": attempt})
+        self.state.save()
+        self._reports_changed.set()
 
     async def _empty_and_remove(self, group: cgroups.Group, why: str) -> None:
         """SIGTERM everything left in the container, SIGKILL what outlives --kill-grace, then remove it."""
@@ -1161,7 +1220,15 @@ class NodeAgent:
         self._monitors.pop(rec.key, None)
         self._procs.pop(rec.key, None)
         self.log.info("rank_finished", rank=rec.key, state=state, exit_code=exit_code, message=message)
-        self._report(rec, state, exit_code=exit_code, message=message, retryable=retryable)
+        key = attempt_key(rec.job_id, rec.attempt)
+        if key in self._groups and not self._ranks_of(rec.job_id, rec.attempt):
+            # The attempt's last rank here: its end is reported once the container is empty, so that when the
+            # scheduler sees every rank of the attempt ended here, nothing of it runs here any more.
+            self._held_reports.setdefault(key, []).append(
+                ((rec, state), dict(exit_code=exit_code, message=message, retryable=retryable))
+            )
+        else:
+            self._report(rec, state, exit_code=exit_code, message=message, retryable=retryable)
         self._release_partial(rec)
         self._attempt_ended(rec)
 
@@ -1258,27 +1325,46 @@ class NodeAgent:
                 await self._connected.wait()
                 continue
             item = self.state.pending_reports[0]
-            req = agent_pb2.ReportRankStatusRequest(
-                node_name=self.node_name,
-                job_id=item["job_id"],
-                attempt=item["attempt"],
-                rank=item["rank"],
-                state=_STATE_ENUM[item["state"]],
-                exit_code=item["exit_code"],
-                message=item["message"],
-                pid=item["pid"],
-                retryable=bool(item.get("retryable", False)),
-                agent_instance=self.instance,
+            released = item.get("kind") == "released"
+            what = (
+                f"{item['job_id']}/{item['attempt']} released"
+                if released
+                else rank_key(item["job_id"], item["attempt"], item["rank"])
             )
             try:
-                resp = await stub.ReportRankStatus(req, timeout=self.config.rpc_timeout_s)
+                if released:
+                    resp = await stub.ReportAttemptReleased(
+                        agent_pb2.ReportAttemptReleasedRequest(
+                            node_name=self.node_name,
+                            agent_instance=self.instance,
+                            job_id=item["job_id"],
+                            attempt=item["attempt"],
+                        ),
+                        timeout=self.config.rpc_timeout_s,
+                    )
+                else:
+                    resp = await stub.ReportRankStatus(
+                        agent_pb2.ReportRankStatusRequest(
+                            node_name=self.node_name,
+                            job_id=item["job_id"],
+                            attempt=item["attempt"],
+                            rank=item["rank"],
+                            state=_STATE_ENUM[item["state"]],
+                            exit_code=item["exit_code"],
+                            message=item["message"],
+                            pid=item["pid"],
+                            retryable=bool(item.get("retryable", False)),
+                            agent_instance=self.instance,
+                        ),
+                        timeout=self.config.rpc_timeout_s,
+                    )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _PERMANENT:
                     # Retrying cannot help (e.g. the scheduler has no such rank on this node): drop it, say so.
                     self.log.warning(
                         "report_rejected",
-                        rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
-                        state=item["state"],
+                        rank=what,
+                        state=item.get("state", "released"),
                         code=exc.code().name,
                         detail=exc.details(),
                     )
@@ -1286,34 +1372,23 @@ class NodeAgent:
                         self.state.pending_reports.pop(0)
                         self.state.save()
                     continue
-                self.log.info(
-                    "report_retry",
-                    rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
-                    error=exc.code().name,
-                    attempt=attempt,
-                )
+                self.log.info("report_retry", rank=what, error=exc.code().name, attempt=attempt)
                 await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
                 attempt += 1
                 continue
             except Exception as exc:  # any other failure: keep the report and retry
-                detail = repr(exc)
-                self.log.info(
-                    "report_retry",
-                    rank=rank_key(item["job_id"], item["attempt"], item["rank"]),
-                    error=detail,
-                    attempt=attempt,
-                )
+                self.log.info("report_retry", rank=what, error=repr(exc), attempt=attempt)
                 await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
                 attempt += 1
                 continue
             attempt = 0
             if self.state.pending_reports and self.state.pending_reports[0] is item:
                 self.state.pending_reports.pop(0)
-                if item["state"] != "running":  # its last report: the scheduler has its end
+                if not released and item["state"] != "running":  # its last report: the scheduler has its end
                     self.state.forget(rank_key(item["job_id"], item["attempt"], item["rank"]))
                 self.state.save()
                 REPORTS_PENDING.set(len(self.state.pending_reports))
-            if resp.stale:
+            if not released and resp.stale:
                 rec = self.state.ranks.get(rank_key(item["job_id"], item["attempt"], item["rank"]))
                 if rec is not None and not rec.final:
                     self.log.info("stale_rank", rank=rec.key)

@@ -65,6 +65,7 @@ CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "run-as": ("run_as", "PHALANX_RUN_AS"),
     "pass-env": ("pass_env", None),
     "self-fence": ("self_fence", None),
+    "rank-port-range": ("rank_port_range", None),
 }
 
 
@@ -278,6 +279,13 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
         help="stop every rank when the registration cannot be renewed within the node lease (before the "
         "scheduler requeues their gangs elsewhere), and register again once it can (default on)",
     )
+    p.add_argument(
+        "--rank-port-range",
+        default=_default(file, "rank-port-range", "20000-31999"),
+        metavar="LO-HI",
+        help="ports MASTER_PORT is chosen from when this host runs an attempt's rank 0; the scheduler gives each "
+        "live attempt its own and the agent checks it is free (default 20000-31999)",
+    )
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=_default(file, "log-level"))
@@ -371,6 +379,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.token_file and not token:
         token = Path(args.token_file).read_text().strip()
+    try:
+        low, _, high = str(args.rank_port_range).partition("-")
+        ports = (int(low), int(high))
+        if not 1024 <= ports[0] <= ports[1] <= 65535:
+            raise ValueError
+    except ValueError:
+        print(
+            f"phalanx-agent: --rank-port-range takes LO-HI within 1024-65535, not {args.rank_port_range!r}",
+            file=sys.stderr,
+        )
+        return 2
     bad_env = [n for n in args.pass_env if not n or "=" in n or n.startswith("CUDA_MPS_")]
     if bad_env:
         print(f"phalanx-agent: --pass-env takes variable names (never CUDA_MPS_*), not {bad_env}", file=sys.stderr)
@@ -407,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         run_as=args.run_as or None,
         pass_env=tuple(dict.fromkeys(args.pass_env)),
         self_fence=_truthy(args.self_fence),
+        rank_ports=ports,
     )
     try:
         agent = NodeAgent(config)

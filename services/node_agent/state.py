@@ -136,7 +136,7 @@ class AgentState:
             pending_reports=list(data.get("pending_reports", [])),
             mig_created=list(data.get("mig_created", [])),
         )
-        unsent = {rank_key(r["job_id"], r["attempt"], r["rank"]) for r in state.pending_reports}
+        unsent = {rank_key(r["job_id"], r["attempt"], r["rank"]) for r in state.pending_reports if "rank" in r}
         for key in [k for k, r in state.ranks.items() if r.final and k not in unsent]:
             del state.ranks[key]  # history an older agent kept: the scheduler has these ranks' ends
         return state

@@ -20,7 +20,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from . import ledger
 from .convert import job_from_record
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState, attempt_key
 from .transitions import (
     Command,
     Cycle,
@@ -299,6 +299,11 @@ class Register(Command):
     agent_instance: str
     mig_manage: bool = False  # started with --mig-manage: the scheduler may switch idle GPUs' MIG mode (migmode.py)
     containment: str = ""  # how the agent contains its ranks (cgroup-v2, cgroup-v1, process-group)
+    # The agent confirms when an ended attempt's processes are gone (AttemptReleased); `live_attempts`: the
+    # attempts ("job/attempt") it still has processes of. Any other attempt's GPUs held here are free now.
+    confirms_release: bool = False
+    live_attempts: tuple[str, ...] = ()
+    rank_ports: tuple[int, int] = (0, 0)
 
     def ledger_row(self, cycle: Cycle) -> dict[str, Any]:
         """The node's row as ledger.upsert_nodes takes it."""
@@ -328,6 +333,8 @@ class Register(Command):
             now=cycle.now,
             mig_manage=self.mig_manage,
             containment=self.containment,
+            confirms_release=self.confirms_release,
+            rank_ports=self.rank_ports,
         )
 
     def execute(self, cycle: Cycle, rows: ledger.Registered | None = None) -> int:
@@ -363,6 +370,17 @@ class Register(Command):
             foreign={g["index"]: m for g in gpus if (m := ledger.foreign_mask(g["mig_instances"]))},
             acked_revision=acked,
         )
+        node.confirms_release = self.confirms_release
+        node.rank_ports = self.rank_ports
+        if old is not None and old.releasing:
+            live = set(self.live_attempts)
+            for key, gpus in old.releasing.items():
+                if key in live:
+                    node.releasing[key] = gpus
+                else:  # the agent has no process of it left (or lost its state): its GPUs are free
+                    job_id, _, attempt = key.rpartition("/")
+                    ledger.release_attempt_on_node(cycle.conn, node.id, job_id, int(attempt), cycle.now)
+                    log.info("gpus_released", node=self.name, attempt=key, gpus=list(gpus), by="registration")
         switch_ended = registered(cycle, old, node, self.mig_manage)
         if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
             node.health, node.health_reason, node.gpu_health = old.health, old.health_reason, old.gpu_health
@@ -379,6 +397,7 @@ class Register(Command):
             or node.gpu_health
             or old.mig_gpus != node.mig_gpus
             or old.foreign != node.foreign
+            or old.releasing != node.releasing
             or switch_ended
         ):
             state.rebuild_capacity()  # a new path (another NVLink clique), or a GPU's MIG mode or instances changed
@@ -415,6 +434,29 @@ def mig_instances(gpu: Any) -> list[dict[str, Any]]:
         )
         for i in list(gpu.mig_instances)[:MAX_MIG_INSTANCES]
     ]
+
+
+@dataclass
+class AttemptReleased(Command):
+    """A node's agent says every process of an ended attempt on it is gone: the GPUs it held there are free."""
+
+    node: str
+    job_id: str
+    attempt: int
+
+    def execute(self, cycle: Cycle) -> bool:
+        """True when GPUs were freed (False: nothing was held for it, e.g. a repeat)."""
+        node = cycle.state.nodes.get(self.node)
+        if node is None:
+            raise NotFound(f"node {self.node!r} is not registered")
+        gpus = node.releasing.pop(attempt_key(self.job_id, self.attempt), None)
+        if gpus is None:
+            return False
+        ledger.release_attempt_on_node(cycle.conn, node.id, self.job_id, self.attempt, cycle.now)
+        cycle.state.capacity.release(node.name, set(gpus) - node.held_gpus)
+        cycle.state.pass_due = True
+        log.info("gpus_released", node=self.node, job=self.job_id, attempt=self.attempt, gpus=list(gpus))
+        return True
 
 
 @dataclass

@@ -157,7 +157,13 @@ def _int32(value: Any, default: int = 0) -> int:
     return v if -(2**31) <= v < 2**31 else default
 
 
-def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]] | None = None) -> common_pb2.Node:
+def node_from_row(
+    n: Any,
+    used: int,
+    shared: int = 0,
+    gpus: list[dict[str, Any]] | None = None,
+    releasing: dict[str, tuple[int, ...]] | None = None,
+) -> common_pb2.Node:
     """`gpus`: the node's GPU rows (ledger.read_node_gpus). With them, a GPU in MIG mode or carrying a MIG instance
     Phalanx did not make is not free (it takes no whole-GPU job), and one carrying such an instance is shared."""
     health = node_health(n)
@@ -193,4 +199,5 @@ def node_from_row(n: Any, used: int, shared: int = 0, gpus: list[dict[str, Any]]
         strikes=n.get("strikes") or 0,
         mig_manage=bool(n.get("mig_manage")),
         containment=n.get("containment") or "",
+        releasing_gpus=sum(len(g) for g in (releasing or {}).values()),
     )

@@ -335,6 +335,7 @@ def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | N
         mask = foreign_mask(_json_list(row.mig_instances))
         if mask:
             foreign.setdefault(row.node_id, {})[row.index] = mask
+    releasing = read_releasing(conn, wanted)
     for n in conn.execute(node_stmt).mappings():
         path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
         nodes[n["name"]] = NodeRecord(
@@ -359,6 +360,9 @@ def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | N
             foreign=foreign.get(n["id"], {}),
             mig_manage=bool(n["mig_manage"]),
             acked_revision=int(n["acked_revision"] or 0),
+            confirms_release=bool(n["confirms_release"]),
+            releasing=releasing.get(n["id"], {}),
+            rank_ports=(int(n["rank_port_low"] or 0), int(n["rank_port_high"] or 0)),
         )
         if n["id"] in switches:
             node = nodes[n["name"]]
@@ -783,6 +787,57 @@ def _hold(
         )
 
 
+def read_releasing(conn: Connection, node_ids: Sequence[int] | None = None) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Whole GPUs held for ended attempts until their node's agent says the attempt's processes are gone: node id ->
+    {"job/attempt": GPU indexes}. An active allocation row of an attempt that is not its job's running one."""
+    stmt = text(
+        "SELECT a.node_id, a.job_id, a.attempt, a.gpu_index FROM allocations a JOIN jobs j ON j.id = a.job_id "
+        "WHERE a.released_at IS NULL AND a.kind = 'gpu' AND NOT (j.state = 'RUNNING' AND j.attempt = a.attempt)"
+    )
+    out: dict[int, dict[str, list[int]]] = {}
+    wanted = None if node_ids is None else set(node_ids)
+    for node_id, job_id, attempt, gpu in conn.execute(stmt):
+        if wanted is None or node_id in wanted:
+            out.setdefault(node_id, {}).setdefault(f"{job_id}/{attempt}", []).append(gpu)
+    return {n: {k: tuple(sorted(g)) for k, g in held.items()} for n, held in out.items()}
+
+
+def release_attempt_on_node(conn: Connection, node_id: int, job_id: str, attempt: int, now: float) -> int:
+    """The agent of `node_id` says the attempt's processes there are gone: its GPUs there are free. Returns rows."""
+    _changed_nodes(conn, node_id)
+    return conn.execute(
+        update(Allocation)
+        .where(
+            Allocation.node_id == node_id,
+            Allocation.job_id == job_id,
+            Allocation.attempt == attempt,
+            Allocation.released_at.is_(None),
+            Allocation.kind == "gpu",
+        )
+        .values(released_at=now)
+    ).rowcount
+
+
+def release_allocations_keeping(conn: Connection, job: JobRecord, now: float, keep: frozenset[int]) -> None:
+    """`release_allocations`, except the whole-GPU rows on the nodes of `keep` (ids): those stay held until their
+    agents confirm the attempt's processes are gone (release_attempt_on_node)."""
+    _changed_jobs(conn, job.id)
+    _changed_nodes(conn, *keep)
+    conn.execute(
+        update(Allocation)
+        .where(
+            Allocation.job_id == job.id,
+            Allocation.attempt == job.attempt,
+            Allocation.released_at.is_(None),
+            Allocation.kind != "hold",
+            ~(Allocation.node_id.in_(sorted(keep)) & (Allocation.kind == "gpu")),
+        )
+        .values(released_at=now)
+    )
+    if job.partials:
+        _release_holds(conn, job, now)
+
+
 def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
     """Release the job's rows; a split GPU's hold gives back their use and is released with its last part."""
     _changed_jobs(conn, job.id)
@@ -966,6 +1021,9 @@ def upsert_nodes(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, 
             last_heartbeat=r["now"],
             mig_manage=r.get("mig_manage", False),
             containment=r.get("containment", ""),
+            confirms_release=r.get("confirms_release", False),
+            rank_port_low=r.get("rank_ports", (0, 0))[0],
+            rank_port_high=r.get("rank_ports", (0, 0))[1],
         )
 
     new = [r for r in rows if r["name"] not in found]

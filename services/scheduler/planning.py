@@ -30,7 +30,7 @@ from phalanx.core.decide import (
     Wait,
     WakeAt,
 )
-from phalanx.core.model import Placement
+from phalanx.core.model import Placement, ReplicaPlacement
 from phalanx.core.quota import cluster_totals
 
 from . import ledger
@@ -184,7 +184,19 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         preempting=[v.id for v in victims],
         memo=Memo(state.reservation_memo, state.no_preemption),
         ends=lambda: running_ends(state),
+        hold_on_stop=frozenset(n.name for n in state.nodes.values() if n.confirms_release),
+        releasing=releasing(state),
     )
+
+
+def releasing(state: SchedulerState) -> list[Placement]:
+    """The whole GPUs held for ended attempts until their agents say the processes are gone, as placements."""
+    return [
+        Placement(key, (ReplicaPlacement(0, n.name, gpus),), "", 0, 0.0, "releasing")
+        for n in state.nodes.values()
+        if n.releasing
+        for key, gpus in n.releasing.items()
+    ]
 
 
 def unusable(state: SchedulerState) -> dict[str, set[int]]:

@@ -634,8 +634,12 @@ class SchedulerService:
         return await self.read(ledger.read_node_events, node, limit)
 
     async def read_nodes(self) -> list[common_pb2.Node]:
-        rows, gpus = await self.read(lambda conn: (ledger.read_nodes(conn), ledger.read_node_gpus(conn)))
-        return [node_from_row(n, used, shared, gpus.get(n["id"], [])) for n, used, shared in rows]
+        rows, gpus, releasing = await self.read(
+            lambda conn: (ledger.read_nodes(conn), ledger.read_node_gpus(conn), ledger.read_releasing(conn))
+        )
+        return [
+            node_from_row(n, used, shared, gpus.get(n["id"], []), releasing.get(n["id"])) for n, used, shared in rows
+        ]
 
     async def assignments_after(self, node: str, after: int) -> list[tuple[int, bytes]]:
         return await self.read(ledger.assignments_after, node, after)

@@ -19,7 +19,17 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.rpc import stream, unary
 
 from . import accounting, ledger, paging, queues, retention
-from .commands import Cancel, CordonNode, DeleteQueue, RankReport, Register, RequestCheckpoint, SetQueue, Submit
+from .commands import (
+    AttemptReleased,
+    Cancel,
+    CordonNode,
+    DeleteQueue,
+    RankReport,
+    Register,
+    RequestCheckpoint,
+    SetQueue,
+    Submit,
+)
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
 from .service import SchedulerService
 
@@ -334,10 +344,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
         def read(conn):
             rows = ledger.read_nodes(conn, after=after, limit=size + 1)
-            return rows, ledger.read_node_gpus(conn, [n["id"] for n, _, _ in rows])
+            ids = [n["id"] for n, _, _ in rows]
+            return rows, ledger.read_node_gpus(conn, ids), ledger.read_releasing(conn, ids)
 
-        rows, gpus = await self.service.read(read)
-        nodes = [node_from_row(n, used, shared, gpus.get(n["id"], [])) for n, used, shared in rows]
+        rows, gpus, releasing = await self.service.read(read)
+        nodes = [
+            node_from_row(n, used, shared, gpus.get(n["id"], []), releasing.get(n["id"])) for n, used, shared in rows
+        ]
         page, more = paging.fit(nodes, size)
         return scheduler_pb2.ListNodesResponse(nodes=page, next_page_token=paging.node_token(page[-1]) if more else "")
 
@@ -404,6 +417,11 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         indices = [g.index for g in gpus]
         if sorted(indices) != list(range(len(indices))):
             raise InvalidArgument(f"GPU indices must be 0..{len(indices) - 1}, got {sorted(indices)}")
+        if len(request.live_attempts) > 100_000 or any(len(k) > 200 for k in request.live_attempts):
+            raise InvalidArgument("live_attempts: at most 100,000 keys of at most 200 characters")
+        low, high = request.rank_port_low, request.rank_port_high
+        if (low or high) and not 1024 <= low <= high <= 65535:
+            raise InvalidArgument(f"rank port range {low}-{high}: want 1024 <= low <= high <= 65535")
         if request.containment not in CONTAINMENT_KINDS:
             raise InvalidArgument(
                 f"containment must be one of {', '.join(k for k in CONTAINMENT_KINDS if k)}, "
@@ -420,6 +438,9 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 request.agent_instance,
                 mig_manage=request.mig_manage,
                 containment=request.containment,
+                confirms_release=request.confirms_release,
+                live_attempts=tuple(request.live_attempts),
+                rank_ports=(request.rank_port_low, request.rank_port_high),
             )
         )
         s = self.service.settings
@@ -522,6 +543,20 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         if not self.service.ack(request.node_name, request.revision):
             raise NotFound(f"node {request.node_name[:80]!r} is not registered")
         return agent_pb2.AckAssignmentsResponse()
+
+    @unary
+    async def ReportAttemptReleased(self, request, context):
+        check_job_id(request.job_id)
+        if request.attempt < 1:
+            raise InvalidArgument("attempt must be >= 1")
+        node = self.service.state.nodes.get(request.node_name)
+        if request.agent_instance and node is not None and node.agent_instance not in ("", request.agent_instance):
+            raise FailedPrecondition(
+                f"a release from agent instance {request.agent_instance[:16]!r} of node {request.node_name[:80]!r}, "
+                "which is not the instance registered now: register again"
+            )
+        released = await self.service.execute(AttemptReleased(request.node_name, request.job_id, request.attempt))
+        return agent_pb2.ReportAttemptReleasedResponse(released=released)
 
     @unary
     async def ReportRankStatus(self, request, context):

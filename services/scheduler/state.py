@@ -385,6 +385,11 @@ class NodeRecord:
     mig_switches: dict[int, MigSwitch] = field(default_factory=dict)
     mig_pending: dict[int, bool] = field(default_factory=dict)
     mig_switched_at: dict[int, float] = field(default_factory=dict)
+    # Clean GPU handover: the agent confirms when an ended attempt's processes here are gone; until then its whole
+    # GPUs are held ("job/attempt" -> GPU indexes), out of placement (ledger.read_releasing).
+    confirms_release: bool = False
+    releasing: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    rank_ports: tuple[int, int] = (0, 0)  # --rank-port-range of its agent ((0, 0): the default range)
 
     @property
     def fatal_gpus(self) -> set[int]:
@@ -485,6 +490,9 @@ class SchedulerState:
                     capacity.take_partial(rep)
                 else:
                     capacity.take(rep.node, rep.gpus)
+        for n in self.nodes.values():
+            for gpus in n.releasing.values():
+                capacity.take(n.name, set(gpus) - n.held_gpus)
 
     def set_node_schedulable(self, name: str) -> None:
         self.capacity.set_schedulable(name, self.nodes[name].schedulable)
@@ -509,6 +517,11 @@ class SchedulerState:
 
     def running_on(self, node: str) -> list[JobRecord]:
         return [j for j in self.running() if node in j.nodes]
+
+
+def attempt_key(job_id: str, attempt: int) -> str:
+    """An attempt's key in NodeRecord.releasing (as ledger.read_releasing writes it)."""
+    return f"{job_id}/{attempt}"
 
 
 def layout_ranks(job: JobRecord) -> dict[int, RankRecord]:

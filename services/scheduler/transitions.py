@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from .state import (
     Partial,
     RankRecord,
     SchedulerState,
+    attempt_key,
     layout_ranks,
     touch,
 )
@@ -71,6 +73,8 @@ class Cycle:
     foreign_assigned: set[str] | None = field(default_factory=set)
     # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
     timings: dict[str, float] = field(default_factory=dict)
+    # node -> MASTER_PORTs of the running attempts whose rank 0 is there (ports_taken: built on first use)
+    master_ports: dict[str, set[int]] | None = None
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
@@ -244,6 +248,7 @@ def _capacity_shape(node: NodeRecord) -> tuple:
         node.mig_gpus,
         tuple(sorted(node.foreign.items())),
         frozenset(node.held_gpus),
+        tuple(sorted(node.releasing.items())),
     )
 
 
@@ -299,10 +304,24 @@ def teardown(
     # again in this very cycle, with a new attempt and allocations).
     ended = copy.copy(job)
     cycle.later(ledger.end_attempt, ended, cause or final_state or "", message, now, False)
-    cycle.later(ledger.release_allocations, ended, now)
+    # Clean handover: on a node whose agent confirms releases, the attempt's whole GPUs stay held (releasing) until
+    # it says every process of the attempt there is gone (AttemptReleased); elsewhere they are free at once.
+    held: dict[str, list[int]] = {}
+    for rep in job.replica_placements():
+        node = cycle.state.nodes.get(rep.node)
+        if node is not None and node.confirms_release and not (rep.mig_profile or rep.gpu_milli):
+            held.setdefault(rep.node, []).extend(rep.gpus)
+    if held:
+        keep = frozenset(cycle.state.nodes[n].id for n in held)
+        cycle.later(ledger.release_allocations_keeping, ended, now, keep)
+        for name, gpus in held.items():
+            cycle.state.nodes[name].releasing[attempt_key(job.id, attempt)] = tuple(sorted(gpus))
+    else:
+        cycle.later(ledger.release_allocations, ended, now)
     if not released:
         for rep in job.replica_placements():
-            cycle.state.capacity.release_replica(rep)
+            if rep.node not in held or rep.mig_profile or rep.gpu_milli:
+                cycle.state.capacity.release_replica(rep)
         cycle.state.hold_fatal_gpus(job.nodes)
     if kill:
         for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
@@ -356,6 +375,10 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     writer outside the scheduler; the partial unique index then fails the whole transaction, nothing of it
     commits, and the service reloads its view.
     """
+    master = placement.replicas[0].node
+    taken = ports_taken(cycle, master)
+    port = master_port(job.id, job.attempt + 1, port_range(cycle.state.nodes.get(master)), taken)
+    taken.add(port)
     placement_info = dict(
         tier=placement.tier,
         domains=placement.domains,
@@ -363,6 +386,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
         reason=placement.reason,
         scheduler=cycle.settings.replica_id,
         epoch=cycle.epoch,
+        master_port=port,
     )
     set_job(
         cycle,
@@ -424,9 +448,32 @@ def launch_node(job: JobRecord, replica: int) -> str:
 MASTER_PORTS = range(20000, 32000)
 
 
-def master_port(job_id: str, attempt: int) -> int:
+def master_port(job_id: str, attempt: int, ports: range = MASTER_PORTS, taken: Collection[int] = ()) -> int:
+    """The attempt's MASTER_PORT: from a hash of it within `ports` (the rank-0 host's --rank-port-range), moved on
+    past the ports `taken` by other live attempts whose rank 0 is on that host."""
     digest = hashlib.sha1(f"{job_id}:{attempt}".encode()).digest()
-    return MASTER_PORTS.start + int.from_bytes(digest[:4], "big") % len(MASTER_PORTS)
+    start = int.from_bytes(digest[:4], "big") % len(ports)
+    for i in range(len(ports)):
+        port = ports[(start + i) % len(ports)]
+        if port not in taken:
+            return port
+    raise ValueError(f"every port of {ports.start}-{ports.stop - 1} is taken by live attempts on the host")
+
+
+def port_range(node: NodeRecord | None) -> range:
+    low, high = node.rank_ports if node is not None else (0, 0)
+    return range(low, high + 1) if low and high else MASTER_PORTS
+
+
+def ports_taken(cycle: Cycle, node: str) -> set[int]:
+    """MASTER_PORTs of the running attempts whose rank 0 is on `node` (built once a cycle, kept up by reserve)."""
+    if cycle.master_ports is None:
+        cycle.master_ports = {}
+        for j in cycle.state.running():
+            port = j.placement.get("master_port")
+            if port and j.allocations:
+                cycle.master_ports.setdefault(j.allocations[0][1], set()).add(int(port))
+    return cycle.master_ports.setdefault(node, set())
 
 
 def launches(
@@ -443,7 +490,7 @@ def launches(
         WORLD_SIZE=str(len(job.ranks)),
         LOCAL_WORLD_SIZE=str(per_replica),
         MASTER_ADDR=master,
-        MASTER_PORT=str(master_port(job.id, job.attempt)),
+        MASTER_PORT=str(job.placement.get("master_port") or master_port(job.id, job.attempt)),
         PHALANX_JOB_ID=job.id,
         PHALANX_ATTEMPT=str(job.attempt),
         PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),

@@ -76,6 +76,7 @@ NODE_FIELDS = {
     "strikes",
     "mig_manage",
     "containment",
+    "releasing_gpus",
 }
 ENV_KEYS = (
     "RANK",

@@ -356,3 +356,123 @@ async def test_an_agent_cut_off_from_the_scheduler_fences_itself_and_registers_a
         agent.request_stop()
         await asyncio.wait_for(task, 20)
         await scheduler.stop()
+
+
+@pytest.mark.slow
+async def test_a_cancelled_gangs_gpus_are_reserved_again_only_once_its_processes_are_gone(db_url, tmp_path):
+    """Clean GPU handover: a gang whose rank (and its daemon) ignore SIGTERM is cancelled while another gang waits
+    for the same GPUs. The GPUs show as releasing, and the waiting gang is reserved only once the agent killed
+    every process of the first (after --kill-grace): at no time do both have live processes on those GPUs."""
+    import grpc
+
+    from db.migrate import upgrade
+    from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from phalanx.core.fabric import default_fabric
+    from services.scheduler.main import serve
+    from services.scheduler.settings import SchedulerSettings
+
+    upgrade(db_url)
+    scheduler = await serve(
+        SchedulerSettings(
+            db_url=db_url,
+            listen="127.0.0.1:0",
+            fabric=default_fabric(["node-h"]),
+            heartbeat_interval=0.3,
+            lease_timeout=30.0,
+            poll_interval=0.2,
+        )
+    )
+    agent = NodeAgent(
+        AgentConfig(
+            scheduler=scheduler.address,
+            node_name="node-h",
+            topology=simulated_topology("node-h", "dgx-h100"),
+            state_dir=tmp_path / "agent",
+            kill_grace_s=1.5,
+            poll_interval_s=0.02,
+            health_enabled=False,
+        )
+    )
+    task = asyncio.create_task(agent.run())
+    channel = grpc.aio.insecure_channel(scheduler.address)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+    async def state_of(job_id: str) -> int:
+        return (await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))).state
+
+    try:
+        await until(lambda: agent.registrations >= 1, timeout=10, what="the agent registered")
+
+        def spec(name: str, pid_file: Path) -> common_pb2.JobSpec:
+            return common_pb2.JobSpec(
+                name=name,
+                replicas=1,
+                gpus_per_replica=8,
+                procs_per_replica=1,
+                command=[sys.executable, "-c", DAEMON_SCRIPT],
+                env={"DAEMON_PID": str(pid_file), "IGNORE_TERM": "1"},
+            )
+
+        first = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec("first", tmp_path / "a.pid")))
+        daemon = await daemon_pid(tmp_path / "a.pid")
+        rank = next(r for r in agent.state.ranks.values() if r.job_id == first.id)
+        await until(lambda: rank.child_pid != 0, what="the rank's pid")
+        olds = [rank.child_pid, daemon]
+        second = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec("second", tmp_path / "b.pid")))
+        await asyncio.sleep(0.3)
+        assert await state_of(second.id) == common_pb2.JOB_STATE_PENDING
+
+        await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=first.id))
+        await asyncio.sleep(0.5)  # within the kill grace: the first gang's processes ignore SIGTERM
+        assert all(alive(p) for p in olds)
+        (node,) = (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
+        assert (node.releasing_gpus, node.free_gpus) == (8, 0)
+        assert await state_of(second.id) == common_pb2.JOB_STATE_PENDING  # not on GPUs the first still runs on
+
+        new_daemon = await daemon_pid(tmp_path / "b.pid")  # the second gang runs: by then the first is gone
+        assert not any(alive(p) for p in olds)
+        assert alive(new_daemon) and await state_of(second.id) == common_pb2.JOB_STATE_RUNNING
+        (node,) = (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
+        assert node.releasing_gpus == 0
+        await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=second.id))
+    finally:
+        await channel.close()
+        agent.request_stop()
+        await asyncio.wait_for(task, 20)
+        await scheduler.stop()
+
+
+async def test_rank_0_holds_its_master_port_for_the_attempt(fake, start_agent, tmp_path):
+    """A launch with rank 0 here takes MASTER_PORT for its attempt: a second live attempt given the same port, or a
+    port something else listens on, fails to start (retryable: the scheduler places it again) instead of
+    colliding; the port is free again once the first attempt's processes are gone."""
+    import socket
+
+    start_agent(fake.port, "process-group")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        port = taken + 1 if taken < 65000 else taken - 1
+
+        def launch(job: str, master_port: int) -> None:
+            env = rank_env(tmp_path, job, 0, SLEEP="30", MASTER_PORT=str(master_port))
+            fake.launch(len(fake.assignments) + 1, job, 1, [{"rank": 0, "env": env}])
+
+        launch("first", port)
+        await until(lambda: fake.report("first", 0, S.RANK_STATE_RUNNING), what="the first attempt RUNNING")
+        launch("second", port)
+        await until(lambda: fake.report("second", 0, S.RANK_STATE_FAILED_TO_START), what="the second refused")
+        refused = fake.report("second", 0, S.RANK_STATE_FAILED_TO_START)
+        assert refused.retryable and f"MASTER_PORT {port} is held by attempt first/1" in refused.message
+        launch("third", taken)  # a port some other program listens on
+        await until(lambda: fake.report("third", 0, S.RANK_STATE_FAILED_TO_START), what="the third refused")
+        assert (
+            f"MASTER_PORT {taken} is in use on this host"
+            in fake.report("third", 0, S.RANK_STATE_FAILED_TO_START).message
+        )
+
+    fake.kill(len(fake.assignments) + 1, "first", 1)
+    await until(lambda: ("first", 1) in fake.released, what="the first attempt released")
+    launch("fourth", port)
+    await until(lambda: fake.report("fourth", 0, S.RANK_STATE_RUNNING), what="the port free again")

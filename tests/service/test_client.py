@@ -459,6 +459,7 @@ def test_node_from_proto_and_to_dict():
         "strikes": 0,
         "mig_manage": False,
         "containment": "",
+        "releasing_gpus": 0,
     }
     mig = Node.from_proto(
         common_pb2.Node(

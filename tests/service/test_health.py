@@ -446,7 +446,7 @@ def test_agent_config_file_env_and_flags(tmp_path, monkeypatch):
         args.simulate,
         args.ecc_sbe_threshold,
         args.address,
-    ) == ("from-file:1", "file-node", 9, False, "dgx-a100", 7, "127.0.0.1")
+    ) == ("from-file:1", "file-node", 9, False, "dgx-a100", 7, None)  # None: found from the route at start
     monkeypatch.setenv("PHALANX_SCHEDULER", "from-env:2")
     monkeypatch.setenv("PHALANX_AGENT_CONFIG", str(cfg))
     args = parse_args(["--kill-grace", "3", "--health", "--simulate-from", "x.txt"])

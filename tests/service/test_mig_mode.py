@@ -381,6 +381,7 @@ async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_i
             "strikes",
             "mig_manage",
             "containment",
+            "releasing_gpus",
         } == set(nodes[0])
         assert [[(g["index"], g["mig_mode"]) for g in n["gpu_details"]] for n in nodes] == [
             [(0, "disabled"), (1, "enabled")],

@@ -50,6 +50,7 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
         self.last_heartbeat: agent_pb2.HeartbeatRequest | None = None
         self.acks: list[int] = []
         self.reports: list[agent_pb2.ReportRankStatusRequest] = []
+        self.released: list[tuple[str, int]] = []  # ReportAttemptReleased (job, attempt), in order
         self.stream_requests: list[int] = []
         self.assignments: list[agent_pb2.Assignment] = []
         self.replay_all = False  # ignore after_revision (re-deliver everything)
@@ -119,6 +120,10 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
     async def AckAssignments(self, request, context):
         self.acks.append(request.revision)
         return agent_pb2.AckAssignmentsResponse()
+
+    async def ReportAttemptReleased(self, request, context):
+        self.released.append((request.job_id, request.attempt))
+        return agent_pb2.ReportAttemptReleasedResponse(released=True)
 
     async def ReportRankStatus(self, request, context):
         if request.job_id in self.reject:

@@ -26,8 +26,9 @@ SUCCEEDED, FAILED, CANCELLED = (
 
 
 class Cluster:
-    def __init__(self, db_url: str, nodes: int, **settings) -> None:
+    def __init__(self, db_url: str, nodes: int, rank_ports: tuple[int, int] = (0, 0), **settings) -> None:
         self.db_url = db_url
+        self.rank_ports = rank_ports
         self.names = [f"node-{i}" for i in range(nodes)]
         self.settings = SchedulerSettings(
             db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(self.names), **settings
@@ -35,7 +36,7 @@ class Cluster:
 
     async def __aenter__(self) -> Cluster:
         self.scheduler = await serve(self.settings)
-        self.agents = {n: LiteAgent(self.scheduler.address, n) for n in self.names}
+        self.agents = {n: LiteAgent(self.scheduler.address, n, rank_ports=self.rank_ports) for n in self.names}
         for agent in self.agents.values():
             await agent.start()
         self.channel = grpc.aio.insecure_channel(self.scheduler.address)
@@ -120,6 +121,31 @@ async def test_ranks_get_the_torchrun_environment(db_url):
             assert env["LOCAL_RANK"] == str(r.rank % 8) and env["LOCAL_WORLD_SIZE"] == "8"
             assert env["NODE_RANK"] == str(r.rank // 8) and env["PHALANX_JOB_ID"] == job.id
             assert env["CUDA_VISIBLE_DEVICES"] == str(r.gpus[0])
+
+
+async def test_gangs_whose_rank_0_shares_a_host_never_share_a_master_port(db_url):
+    """Eight 1-GPU gangs on one node whose agent lets MASTER_PORT come from eight ports: each gang gets one of its
+    own; a gang reserved after one of them ended gets the one freed."""
+    async with Cluster(db_url, 1, rank_ports=(21000, 21007)) as c:
+        jobs = [await c.submit(f"p{i}", 1, 1, ("run",)) for i in range(8)]
+        for job in jobs:
+            await c.wait_state(job.id, RUNNING)
+        await eventually(lambda: _launched(c, 8), what="eight launches")
+
+        def ports() -> dict[str, int]:
+            return {launch.job_id: int(launch.env["MASTER_PORT"]) for a in c.agents.values() for launch in a.launched}
+
+        assert len(set(ports().values())) == 8
+        await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=jobs[0].id))
+        late = await c.submit("late", 1, 1, ("run",))
+        await c.wait_state(late.id, RUNNING)
+        await eventually(lambda: _launched(c, 9), what="the late launch")
+        live = {p for j, p in ports().items() if j not in (jobs[0].id, late.id)}
+        assert (
+            len(live) == 7
+            and ports()[late.id] == ports()[jobs[0].id]
+            and set(ports().values()) <= set(range(21000, 21008))
+        )
 
 
 async def _launched(c: Cluster, n: int) -> bool:

@@ -613,3 +613,16 @@ def test_the_agents_default_address_is_the_one_that_routes_to_the_scheduler():
     assert route_address("127.0.0.1:7070") == "127.0.0.1"  # loopback only for a scheduler on loopback
     assert route_address("localhost:7070,10.0.0.9:7070") == "127.0.0.1"  # the first replica's route
     assert route_address("no-such-host.invalid:7070") == "127.0.0.1"  # unresolvable: loopback, logged
+
+
+def test_master_port_moves_past_the_ports_live_attempts_on_the_host_hold():
+    from services.scheduler.transitions import master_port
+
+    ports = range(30000, 30004)
+    first = master_port("job-a", 1, ports)
+    assert first in ports and master_port("job-a", 1, ports) == first  # stable for the attempt
+    second = master_port("job-b", 1, ports, taken={first})
+    assert second in ports and second != first
+    assert master_port("job-c", 1, ports, taken=set(ports) - {30002}) == 30002
+    with pytest.raises(ValueError, match="every port of 30000-30003 is taken"):
+        master_port("job-d", 1, ports, taken=set(ports))

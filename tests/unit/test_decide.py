@@ -364,3 +364,61 @@ def test_plans_are_data():
     with pytest.raises(AttributeError):
         plan.steps[0].job = "other"  # frozen
     assert Status(Code.QUOTA, "x") == Status(Code.QUOTA, "x")
+
+
+def _held_snapshot(case: Case, releasing=()) -> Snapshot:
+    snap = snapshot_of(case)
+    for p in releasing:  # GPUs of ended gangs still held on their nodes (their processes are exiting)
+        snap.capacity.reserve(p)
+    return Snapshot(
+        capacity=snap.capacity,
+        pending=snap.pending,
+        running=snap.running,
+        config=snap.config,
+        memo=snap.memo,
+        hold_on_stop=frozenset(case.nodes),
+        releasing=tuple(releasing),
+    )
+
+
+def test_a_stop_on_a_node_that_holds_gpus_until_release_hands_nothing_over_and_preempts_no_more():
+    """Clean handover: the victim is stopped, but its GPUs stay held until its node's agent says its processes are
+    gone; the preemptor waits for them, and no other gang is preempted meanwhile."""
+    case = Case(
+        "held on stop",
+        {"n1": 8, "n2": 8},
+        [
+            Run("lo1", {"n1": tuple(range(8))}, priority=0, preempted_by="hi", deadline=NOW - 1),
+            Run("lo2", {"n2": tuple(range(8))}, priority=0),
+        ],
+        [Ask("hi", 1, 8, priority=10)],
+        [],
+        config=DecideConfig(preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=120.0), poll_s=5.0),
+    )
+    plan = summary(decide(_held_snapshot(case), NOW))
+    assert ("stop", "lo1", "hi") in plan
+    assert not [s for s in plan if s[0] in ("reserve", "ask")]  # nothing placed on held GPUs, lo2 left alone
+    (wait,) = [s for s in plan if s[0] == "wait"]
+    assert wait[1] == "hi" and wait[2] == Code.PREEMPTING and "releasing" in wait[3] and "lo1" in wait[3]
+
+    # Later: still releasing (the snapshot lists it), the head keeps waiting without a new victim ...
+    held = Placement("lo1/1", (ReplicaPlacement(0, "n1", tuple(range(8))),), "", 0, 0.0, "releasing")
+    later = Case("still releasing", case.nodes, [case.running[1]], case.queue, [], config=case.config)
+    plan = summary(decide(_held_snapshot(later, [held]), NOW + 1))
+    assert not [s for s in plan if s[0] in ("reserve", "ask")] and "releasing" in plan[0][3]
+    # ... and once released, it is placed on them.
+    plan = summary(decide(_held_snapshot(later), NOW + 2))
+    assert ("reserve", "hi", ("n1",)) in plan
+
+
+def test_without_held_nodes_a_stop_hands_its_gpus_over_in_the_same_decision():
+    case = Case(
+        "handover",
+        {"n1": 8},
+        [Run("lo1", {"n1": tuple(range(8))}, priority=0, preempted_by="hi", deadline=NOW - 1)],
+        [Ask("hi", 1, 8, priority=10)],
+        [],
+        config=DecideConfig(preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=120.0), poll_s=5.0),
+    )
+    plan = summary(decide(snapshot_of(case), NOW))
+    assert ("stop", "lo1", "hi") in plan and ("reserve", "hi", ("n1",)) in plan
