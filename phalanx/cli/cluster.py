@@ -259,7 +259,7 @@ def register(subparsers) -> None:
     up.add_argument(
         "--run-as",
         metavar="USER",
-        help="the Unix user every agent runs ranks as (phalanx-agent --run-as; default: the agents' own user)",
+        help="the Unix user every agent runs ranks as (phalanx-agent --run-as; default: you, who start the cluster)",
     )
     up.add_argument("--restart-agents", action="store_true", help="restart an agent that dies")
     up.add_argument(

@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -166,7 +167,8 @@ class LocalCluster:
             MIG mode as its queue needs (a MIG job with no GPU in MIG mode, a whole-GPU job that MIG-mode GPUs are
             in the way of). ``mig_switch_hold`` and ``mig_switch_backoff`` are the scheduler's
             ``--mig-switch-hold`` and ``--mig-switch-backoff`` then (short local defaults).
-        run_as: The Unix user every agent runs ranks as (``phalanx-agent --run-as``); None: the agent's own.
+        run_as: The Unix user every agent runs ranks as (``phalanx-agent --run-as``); None: the user who started the
+            cluster (an agent started alone defaults to ``nobody`` when it runs as root).
         ready_timeout: Seconds for the scheduler to answer and every node to be READY.
         stop_timeout: Seconds each group of children gets between SIGTERM and SIGKILL at stop().
         log: Where progress lines go (default: ``[cluster] ...`` on stderr).
@@ -471,8 +473,8 @@ class LocalCluster:
                 argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
             if self.mig_manage:
                 argv += ["--mig-manage"]
-            if self.run_as:
-                argv += ["--run-as", self.run_as]
+            # A local cluster runs its ranks as whoever started it (it is their machine and their code), unless told.
+            argv += ["--run-as", self.run_as or pwd.getpwuid(os.geteuid()).pw_name]
             for name in self.rank_variables(agent_env):
                 argv += ["--pass-env", name]
             if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -34,6 +35,7 @@ class Identity:
     role: str
     rate_limit: float | None = None  # submissions per second for this tenant (None: the service's default)
     max_pending: int | None = None  # PENDING jobs this tenant may have (None: the service's default)
+    unix_user: str = ""  # the Unix user this tenant's ranks run as on the hosts ("": the agents' --run-as)
 
     @property
     def admin(self) -> bool:
@@ -94,12 +96,18 @@ def parse_tokens(text: str, source: str = "tokens file") -> dict[str, Identity]:
             pending = entry.get("max_pending")
             rate = None if rate is None else float(rate)
             pending = None if pending is None else int(pending)
+            unix_user = str(entry.get("unix_user") or "").strip()
+            if unix_user and not _UNIX_USER.fullmatch(unix_user):
+                raise ValueError(f"unix_user {unix_user[:40]!r} is not a Unix user name")
         except (TypeError, ValueError) as exc:
             raise TokenFileError(f"{source}: entry {i}: {exc}") from exc
         if (rate is not None and not (rate > 0 and math.isfinite(rate))) or (pending is not None and pending < 1):
             raise TokenFileError(f"{source}: entry {i}: rate_limit must be > 0 and max_pending >= 1")
-        out[digest] = Identity(tenant, role, rate, pending)
+        out[digest] = Identity(tenant, role, rate, pending, unix_user)
     return out
+
+
+_UNIX_USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}\$?")
 
 
 class TokenStore:
@@ -169,6 +177,14 @@ class TokenStore:
         if not token:
             return None
         return self._tokens.get(hash_token(token))
+
+    def unix_user(self, tenant: str) -> str:
+        """The Unix user a tenant's ranks run as ("" when its entries name none)."""
+        self._maybe_reload()
+        for identity in self._tokens.values():
+            if identity.tenant == tenant and identity.unix_user:
+                return identity.unix_user
+        return ""
 
     def __len__(self) -> int:
         return len(self._tokens)

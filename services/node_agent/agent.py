@@ -234,6 +234,7 @@ class NodeAgent:
         self._closing: dict[str, asyncio.Task] = {}  # attempt key -> the task that empties and removes it
         self._held_reports: dict[str, list[tuple[tuple, dict]]] = {}  # attempt key -> its last ranks' end reports
         self._ports: dict[int, str] = {}  # MASTER_PORT -> the live attempt whose rank 0 here holds it
+        self._attempt_users: dict[str, identity.RankUser] = {}  # attempt key -> its launch's user (run_as)
         # Self-fencing: when the last heartbeat the scheduler answered was sent (monotonic), the node lease it gave,
         # and whether this agent fenced itself since (until it registers again).
         self._renewed_at: float | None = None
@@ -723,7 +724,8 @@ class NodeAgent:
     async def _start(self, records: list[RankRecord], command, launch) -> None:
         if not records:
             return
-        problem = self._master_port_problem(records, launch)
+        user = self._launch_user(records, launch)
+        problem = user if isinstance(user, str) else self._master_port_problem(records, launch)
         if problem is not None:
             self.log.warning("rank_port_unavailable", job_id=records[0].job_id, why=problem)
             for rec in records:
@@ -773,15 +775,16 @@ class NodeAgent:
                 if rec.gpus and not rec.slices and not rec.gpu_milli and all(g in self._gpu_uuids for g in rec.gpus):
                     # Whole GPUs by UUID: the same devices whatever order CUDA would enumerate them in.
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpu_uuids[g] for g in rec.gpus)
-                env = identity.rank_environment(
-                    self.rank_user, str(work / "tmp"), {**env, **group.env()}, self.config.pass_env
-                )
+                user = self._user_of(rec)
+                env = identity.rank_environment(user, str(work / "tmp"), {**env, **group.env()}, self.config.pass_env)
+                if user.uid != os.geteuid():
+                    self._checkpoint_dir_for(env, rec.job_id, user)
                 proc = launcher.spawn_rank(
                     rec,
                     list(command),
                     env,
                     join=group.join_files(),
-                    user=self.rank_user.wrapper_arg if self.rank_user.uid != os.geteuid() else None,
+                    user=user.wrapper_arg if user.uid != os.geteuid() else None,
                     cwd=str(work),
                 )
             except (OSError, cgroups.ContainmentError) as exc:
@@ -1036,9 +1039,33 @@ class NodeAgent:
             root = self.state_dir / "work"
             root.mkdir(exist_ok=True)
             root.chmod(0o711)  # the ranks' users reach their own directories, and list nobody else's
-            work = identity.make_owned_dir(self._work_dir(rec.job_id, rec.attempt), self.rank_user)
-            identity.make_owned_dir(work / "tmp", self.rank_user)
+            user = self._user_of(rec)
+            work = identity.make_owned_dir(self._work_dir(rec.job_id, rec.attempt), user)
+            identity.make_owned_dir(work / "tmp", user)
         return group
+
+    @staticmethod
+    def _checkpoint_dir_for(env: dict[str, str], job_id: str, user: identity.RankUser) -> None:
+        """The job's checkpoint directory (PHALANX_CHECKPOINT_DIR/<job>) exists and is the ranks' user's."""
+        root = env.get("PHALANX_CHECKPOINT_DIR")
+        if root and os.path.isdir(root):
+            identity.make_owned_dir(Path(root) / job_id, user, 0o750)
+
+    def _user_of(self, rec: RankRecord) -> identity.RankUser:
+        return self._attempt_users.get(attempt_key(rec.job_id, rec.attempt), self.rank_user)
+
+    def _launch_user(self, records: list[RankRecord], launch) -> identity.RankUser | str:
+        """The ranks' user: the launch's (its tenant's unix_user), else --run-as; a string says why not."""
+        if launch is None or not launch.run_as:
+            return self.rank_user
+        try:
+            user = identity.resolve_user(launch.run_as)
+        except ValueError as exc:
+            return str(exc)
+        if user.uid != os.geteuid() and os.geteuid() != 0:
+            return f"this agent does not run as root, so it cannot run ranks as {user.name!r}"
+        self._attempt_users[attempt_key(records[0].job_id, records[0].attempt)] = user
+        return user
 
     def _attempt_ended(self, rec: RankRecord) -> None:
         """Once every rank of an attempt on this host has ended, its container is emptied and removed; then the
@@ -1068,13 +1095,14 @@ class NodeAgent:
             self._report(*args[0], **args[1])
         self._queue_release(job_id, attempt)
 
-    def _free_ports(self, key: str) -> None:
+    def _forget_attempt(self, key: str) -> None:
+        self._attempt_users.pop(key, None)
         for port in [p for p, holder in self._ports.items() if holder == key]:
             del self._ports[port]
 
     def _queue_release(self, job_id: str, attempt: int) -> None:
         """Tell the scheduler (after every report queued before it) that no process of the attempt is left here."""
-        self._free_ports(attempt_key(job_id, attempt))
+        self._forget_attempt(attempt_key(job_id, attempt))
         self.state.pending_reports.append({"kind": "released", "job_id": job_id, "attempt": attempt})
         self.state.save()
         self._reports_changed.set()

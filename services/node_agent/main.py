@@ -261,8 +261,9 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
         "--run-as",
         default=_default(file, "run-as"),
         metavar="USER",
-        help="the Unix user ranks run as (env PHALANX_RUN_AS; default: the agent's own user). `root` is an "
-        "explicit opt-in and logged as a warning",
+        help="the Unix user ranks run as, unless their tenant has a unix_user in the scheduler's tokens file (env "
+        "PHALANX_RUN_AS; default: nobody for an agent running as root, else the agent's own user). `root` is an "
+        "explicit opt-in, logged as a warning",
     )
     p.add_argument(
         "--pass-env",
@@ -394,12 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad_env:
         print(f"phalanx-agent: --pass-env takes variable names (never CUDA_MPS_*), not {bad_env}", file=sys.stderr)
         return 2
-    if args.run_as == "root" or (args.run_as is None and os.geteuid() == 0):
-        log.warning(
-            "ranks_run_as_root",
-            note="ranks run as root"
-            + (" (--run-as root)" if args.run_as else " (the agent's user; use --run-as USER)"),
-        )
+    run_as = args.run_as or ("nobody" if os.geteuid() == 0 else None)  # never root unless asked for
+    if run_as == "root":
+        log.warning("ranks_run_as_root", note="--run-as root: ranks run as root (an explicit opt-in)")
     try:
         tls = resolve_tls(args.tls_ca, args.tls_cert, args.tls_key)
     except ValueError as exc:
@@ -423,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         cgroup_parent=args.cgroup_parent or None,
         containment_kind=args.containment or None,
         pids_max=int(args.pids_max or 0),
-        run_as=args.run_as or None,
+        run_as=run_as,
         pass_env=tuple(dict.fromkeys(args.pass_env)),
         self_fence=_truthy(args.self_fence),
         rank_ports=ports,

@@ -57,6 +57,8 @@ async def serve(
     `tokens`: authentication on (services.common.auth); `limits`: per-tenant submission limits; `tls`: serve TLS.
     """
     service = SchedulerService(settings)
+    if tokens is not None:
+        service.state.unix_user = tokens.unix_user  # the tenants' Unix users, for their launches
     await service.start()
     server = AioServer(
         settings.listen,

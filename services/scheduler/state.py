@@ -438,6 +438,8 @@ class SchedulerState:
         # cycle after cycle, with the fields each entry was built from
         self.ends = RunningSet()
         self.ends_built: dict[str, tuple[Any, ...]] = {}
+        # tenant -> the Unix user its ranks run as (the tokens file's unix_user); None: authentication is off
+        self.unix_user: Callable[[str], str] | None = None
 
     @property
     def jobs(self) -> JobTable:

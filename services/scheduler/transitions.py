@@ -412,7 +412,9 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     if job.attempt > 1:
         job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
     cycle.new_allocations.append(job)
+    run_as = cycle.state.unix_user(job.tenant) if cycle.state.unix_user is not None and job.tenant else ""
     for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
+        launch.run_as = run_as
         node = cycle.state.nodes[launch_node(job, launch.replica)]
         cycle.send(
             node, job.id, job.attempt, "launch", lambda rev, one=launch: agent_pb2.Assignment(revision=rev, launch=one)

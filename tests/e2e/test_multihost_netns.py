@@ -6,6 +6,7 @@ fence itself: its ranks are gone before the scheduler's lease on its node runs o
 
 from __future__ import annotations
 
+import getpass
 import json
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def test_two_hosts_get_real_addresses_and_a_partitioned_host_fences_itself(tmp_p
             argv = [sys.executable, "-m", "services.node_agent.main", "--scheduler", f"{sched_addr}:7070"]
             argv += ["--node-name", name, "--simulate", "dgx-h100", "--state-dir", str(tmp_path / name)]
             argv += ["--kill-grace", str(KILL_GRACE_S), "--no-health"]  # no --address: found from the route
+            argv += ["--run-as", getpass.getuser()]  # the ranks are this interpreter
             procs.append(subprocess.Popen(net.command(name, argv), stdout=log, stderr=log, cwd=str(ROOT)))
         out = tmp_path / "out"
         out.mkdir()

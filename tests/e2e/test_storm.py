@@ -10,6 +10,7 @@ What the API shows at every sample, not only the ledger's rows afterwards:
 from __future__ import annotations
 
 import asyncio
+import getpass
 import os
 import random
 import subprocess
@@ -71,6 +72,10 @@ def _start_agents(target: str, state: Path, logs: Path) -> list[subprocess.Popen
                     str(state / name),
                     "--kill-grace",
                     "1",
+                    # The ranks are this interpreter: run them as this user (an agent running as root would
+                    # otherwise run them as nobody, who may not reach it).
+                    "--run-as",
+                    getpass.getuser(),
                 ],
                 stdout=log,
                 stderr=log,

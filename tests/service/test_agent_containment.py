@@ -476,3 +476,47 @@ async def test_rank_0_holds_its_master_port_for_the_attempt(fake, start_agent, t
     await until(lambda: ("first", 1) in fake.released, what="the first attempt released")
     launch("fourth", port)
     await until(lambda: fake.report("fourth", 0, S.RANK_STATE_RUNNING), what="the port free again")
+
+
+ID_SCRIPT = 'id -u > uid; id -g > gid; echo "$HOME $USER" > who; sleep 30'
+
+
+@ROOT_ONLY
+async def test_a_launch_runs_as_its_tenants_unix_user(fake, start_agent, shared_dir):
+    """The launch names the tenant's Unix user (the scheduler's tokens file): the agent (root, own identity by
+    default) runs that attempt's ranks as it; an unknown user fails the start, retryably, saying so."""
+    start_agent(fake.port, "process-group", state_dir=shared_dir / "state")
+    fake.launch(1, "job-n", 1, [{"rank": 0, "env": {"RANK": "0"}}], ["/bin/sh", "-c", ID_SCRIPT], run_as="nobody")
+    work = shared_dir / "state" / "work" / "job-n-a1"
+    await until(lambda: (work / "who").exists() and (work / "who").read_text().strip(), what="the rank's files")
+    nobody = identity_of("nobody")
+    assert int((work / "uid").read_text()) == nobody.uid and (work / "who").read_text().split()[1] == "nobody"
+    fake.launch(2, "job-x", 1, [{"rank": 0, "env": {"RANK": "0"}}], ["/bin/true"], run_as="no-such-user-here")
+    await until(lambda: fake.report("job-x", 0, S.RANK_STATE_FAILED_TO_START), what="the refused start")
+    refused = fake.report("job-x", 0, S.RANK_STATE_FAILED_TO_START)
+    assert refused.retryable and "no user 'no-such-user-here' on this host" in refused.message
+
+
+@ROOT_ONLY
+async def test_an_agent_started_as_root_runs_ranks_as_nobody_unless_told(fake, shared_dir):
+    argv = [sys.executable, "-m", "services.node_agent.main", "--scheduler", f"127.0.0.1:{fake.port}"]
+    argv += ["--node-name", "root-agent", "--simulate", "dgx-h100", "--state-dir", str(shared_dir / "state")]
+    log = open(shared_dir / "agent.log", "wb")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=log)
+    try:
+        await until(lambda: fake.registrations, timeout=20, what="the CLI agent registered")
+        fake.launch(1, "job-r", 1, [{"rank": 0, "env": {"RANK": "0"}}], ["/bin/sh", "-c", ID_SCRIPT])
+        work = shared_dir / "state" / "work" / "job-r-a1"
+        await until(lambda: (work / "uid").exists() and (work / "uid").read_text().strip(), what="the rank's uid")
+        assert int((work / "uid").read_text()) == identity_of("nobody").uid
+        assert "ranks_run_as_root" not in (shared_dir / "agent.log").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+def identity_of(name: str):
+    from services.node_agent.identity import resolve_user
+
+    return resolve_user(name)

@@ -324,3 +324,34 @@ async def test_cli_node_drain_and_undrain(db_url, tmp_path, capsys):
         assert rc == 1 and "PERMISSION_DENIED" in capsys.readouterr().err
         rc = await asyncio.to_thread(cli_main, ["--scheduler", c.address, "--token", "", "jobs"])
         assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+async def test_a_tenants_unix_user_from_the_tokens_file_goes_with_its_launches(db_url, tmp_path):
+    """Ranks run as their tenant's Unix user (the tokens file's `unix_user`); a tenant without one gets the
+    agents' --run-as (an empty run_as in the launch)."""
+    async with AuthCluster(db_url, tmp_path, nodes=1) as c:
+        entries = [
+            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}}}"
+            for t, tenant, role in TOKENS.values()
+        ]
+        entries[0] = entries[0].replace("role: user}", "role: user, unix_user: alice_ml}")
+        c.tokens_path.write_text("\n".join(entries) + "\n")
+        await asyncio.sleep(0.3)  # the store reloads the file
+        a = await c.clients["alice"].submit("a", 1, 1, ["run"])
+        b = await c.clients["bob"].submit("b", 1, 1, ["run"])
+        agent = c.agents["node-0"]
+        await eventually(lambda: _has(agent, {a.id, b.id}), what="both launches")
+        run_as = {launch.job_id: launch.run_as for launch in agent.launched}
+        assert run_as == {a.id: "alice_ml", b.id: ""}
+
+
+async def _has(agent, ids) -> bool:
+    return ids <= {launch.job_id for launch in agent.launched}
+
+
+def test_a_unix_user_in_the_tokens_file_must_be_a_user_name():
+    ok = parse_tokens(f"- {{token_sha256: {hash_token('x')}, tenant: t, role: user, unix_user: ml-team}}\n")
+    assert ok[hash_token("x")].unix_user == "ml-team"
+    for bad in ("root user", "../x", "Bob", "-x"):
+        with pytest.raises(ValueError, match="is not a Unix user name"):
+            parse_tokens(f"- {{token_sha256: {hash_token('x')}, tenant: t, role: user, unix_user: '{bad}'}}\n")

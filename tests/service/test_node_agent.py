@@ -7,6 +7,7 @@ Ranks are real processes (`python -c ...`) that write their environment to a fil
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import os
 import signal
@@ -63,8 +64,12 @@ class FakeNodeService(agent_pb2_grpc.NodeServiceServicer):
         self.assignments.append(assignment)
         self._changed.set()
 
-    def launch(self, revision: int, job_id: str, attempt: int, ranks: list[dict], command=None) -> None:
-        msg = agent_pb2.LaunchReplica(job_id=job_id, attempt=attempt, replica=0, command=command or RANK_CMD)
+    def launch(
+        self, revision: int, job_id: str, attempt: int, ranks: list[dict], command=None, run_as: str = ""
+    ) -> None:
+        msg = agent_pb2.LaunchReplica(
+            job_id=job_id, attempt=attempt, replica=0, command=command or RANK_CMD, run_as=run_as
+        )
         for r in ranks:
             msg.ranks.append(
                 agent_pb2.RankLaunch(
@@ -521,7 +526,8 @@ async def test_cli_sigterm_kills_ranks_and_exits_zero(fake, tmp_path):
         "PHALANX_STATE_DIR": str(tmp_path / "cli-state"),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.node_agent.main", "--simulate", "pcie-2numa", "--kill-grace", "0.5"],
+        [sys.executable, "-m", "services.node_agent.main", "--simulate", "pcie-2numa", "--kill-grace", "0.5"]
+        + ["--run-as", getpass.getuser()],  # the rank is this interpreter: run it as this user
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
