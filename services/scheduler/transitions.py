@@ -304,12 +304,15 @@ def teardown(
     # again in this very cycle, with a new attempt and allocations).
     ended = copy.copy(job)
     cycle.later(ledger.end_attempt, ended, cause or final_state or "", message, now, False)
-    # Clean handover: on a node whose agent confirms releases, the attempt's whole GPUs stay held (releasing) until
-    # it says every process of the attempt there is gone (AttemptReleased); elsewhere they are free at once.
+    # Clean handover: on a node whose agent confirms releases and where a rank of the attempt may still run, the
+    # attempt's whole GPUs stay held (releasing) until the agent says every process of it there is gone
+    # (AttemptReleased). A node whose ranks all reported their end has nothing left of it: such an agent reports a
+    # host's last rank only once the attempt's container there is empty. Elsewhere the GPUs are free at once.
+    live = {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}
     held: dict[str, list[int]] = {}
     for rep in job.replica_placements():
         node = cycle.state.nodes.get(rep.node)
-        if node is not None and node.confirms_release and not (rep.mig_profile or rep.gpu_milli):
+        if node is not None and node.confirms_release and rep.node in live and not (rep.mig_profile or rep.gpu_milli):
             held.setdefault(rep.node, []).extend(rep.gpus)
     if held:
         keep = frozenset(cycle.state.nodes[n].id for n in held)
@@ -323,6 +326,12 @@ def teardown(
             if rep.node not in held or rep.mig_profile or rep.gpu_milli:
                 cycle.state.capacity.release_replica(rep)
         cycle.state.hold_fatal_gpus(job.nodes)
+    else:  # the decision kept a stopped gang's GPUs on confirming nodes (hold_on_stop): free those not held here
+        for rep in job.replica_placements():
+            node = cycle.state.nodes.get(rep.node)
+            whole = not (rep.mig_profile or rep.gpu_milli)
+            if node is not None and node.confirms_release and whole and rep.node not in held:
+                cycle.state.capacity.release(rep.node, set(rep.gpus) - node.held_gpus)
     if kill:
         for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
             node = cycle.state.nodes.get(node_name)

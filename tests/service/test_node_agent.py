@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import hashlib
 import json
 import os
 import signal
@@ -154,6 +155,12 @@ async def until(pred, timeout: float = 8.0, what: str = "condition") -> None:
         await asyncio.sleep(0.02)
 
 
+def master_port_of(job: str) -> int:
+    """A job's own MASTER_PORT, as the scheduler gives each live attempt whose rank 0 shares a host (the agent
+    refuses a port another live attempt holds)."""
+    return 21000 + int(hashlib.sha1(job.encode()).hexdigest()[:6], 16) % 8000
+
+
 def rank_env(tmp: Path, job: str, rank: int, world: int = 1, **extra) -> dict:
     return {
         "RANK": str(rank),
@@ -162,7 +169,7 @@ def rank_env(tmp: Path, job: str, rank: int, world: int = 1, **extra) -> dict:
         "LOCAL_WORLD_SIZE": str(world),
         "NODE_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29500",
+        "MASTER_PORT": str(master_port_of(job)),
         "CUDA_VISIBLE_DEVICES": str(rank),
         "PHALANX_JOB_ID": job,
         "OUT_FILE": str(tmp / f"{job}-r{rank}.env.json"),
@@ -315,7 +322,9 @@ async def test_launch_env_running_exited(fake, agent_factory, tmp_path, monkeypa
         env = json.loads((tmp_path / f"job-1-r{rank}.env.json").read_text())
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2" and env["PHALANX_JOB_ID"] == "job-1"
         # Whole GPUs by UUID, in PCI bus order (issue 19): the launch said GPU `rank`.
-        assert env["CUDA_VISIBLE_DEVICES"] == agent.config.topology.gpus[rank].uuid and env["MASTER_PORT"] == "29500"
+        assert env["CUDA_VISIBLE_DEVICES"] == agent.config.topology.gpus[rank].uuid and env["MASTER_PORT"] == str(
+            master_port_of("job-1")
+        )
         assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert "PHALANX_TEST_INHERITED" not in env  # a built environment: nothing of the agent's but PATH, LANG...
     # The scheduler took both ranks' ends: the state keeps neither (it grows with the live ranks only); their logs stay.

@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.procs import eventually
+from sqlalchemy import create_engine, text
 
+from db.engine import normalize_url
+from db.migrate import upgrade
+from db.models import Base
 from phalanx.api.v1 import agent_pb2, common_pb2, scheduler_pb2
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
 from phalanx.sim import engine
@@ -318,14 +322,52 @@ def test_the_burst_is_decided_by_the_policy_not_by_the_clock():
     assert sorted(rank, key=lambda n: (first[n], rank[n])) != [j.job_id for j in burst]  # not FIFO
 
 
-@pytest.mark.slow
-async def test_the_simulator_starts_every_job_where_and_when_the_scheduler_does(db_url):
-    live = await live_run(db_url, BURST)
-    assert_same_starts(live, replay(BURST), BURST)
+def _fell_behind(db_url: str) -> bool:
+    """Whether a live gang was stopped at its time limit: the machine ran the replay slower than its scale allows
+    (the limits are the trace's, scaled), which says nothing about the policy."""
+    engine = create_engine(normalize_url(db_url))
+    try:
+        with engine.connect() as conn:
+            return bool(
+                conn.execute(
+                    text("SELECT count(*) FROM jobs WHERE state = 'FAILED' AND message LIKE '%time limit%'")
+                ).scalar()
+            )
+    finally:
+        engine.dispose()
+
+
+def _fresh(db_url: str, tmp_path) -> str:
+    """An empty ledger for a second replay: a new SQLite file, or the PostgreSQL test database emptied."""
+    if db_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'again.db'}"
+        upgrade(url)
+        return url
+    engine = create_engine(normalize_url(db_url))
+    tables = ", ".join(f'"{t.name}"' for t in Base.metadata.sorted_tables if t.name != "ledger_clock")
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+        conn.execute(text("UPDATE ledger_clock SET generation = 0, leader = '', leader_epoch = 0, leader_until = 0"))
+    engine.dispose()
+    return db_url
 
 
 @pytest.mark.slow
-async def test_the_simulator_preempts_what_the_scheduler_preempts(db_url):
+async def test_the_simulator_starts_every_job_where_and_when_the_scheduler_does(db_url, tmp_path):
+    sim = replay(BURST)
+    try:
+        live = await live_run(db_url, BURST)
+        assert_same_starts(live, sim, BURST)
+    except AssertionError:
+        if not _fell_behind(db_url):
+            raise
+        # Under a loaded machine a gang outlived its scaled time limit: replay once more, slower.
+        live = await live_run(_fresh(db_url, tmp_path), BURST, scale=2 * SCALE)
+        assert_same_starts(live, sim, BURST)
+
+
+@pytest.mark.slow
+async def test_the_simulator_preempts_what_the_scheduler_preempts(db_url, tmp_path):
     sim = replay(PREEMPTION, PREEMPTION_POLICY, scale=1.0)
     assert sim.preemptions == 1  # low-a only: the preemptor takes its leaf after the grace, and low-a goes back there
     assert [(t, job, attempt) for t, job, attempt, _ in sim.starts] == [
@@ -339,5 +381,14 @@ async def test_the_simulator_preempts_what_the_scheduler_preempts(db_url):
         min_runtime_s=PREEMPTION_SCALE * PREEMPTION_POLICY.min_runtime_s,
         grace_period_s=PREEMPTION_SCALE * PREEMPTION_POLICY.grace_period_s,
     )
-    live = await live_run(db_url, PREEMPTION, live_policy, scale=PREEMPTION_SCALE)
-    assert_same_starts(live, sim, PREEMPTION)
+    try:
+        live = await live_run(db_url, PREEMPTION, live_policy, scale=PREEMPTION_SCALE)
+        assert_same_starts(live, sim, PREEMPTION)
+    except AssertionError:
+        if not _fell_behind(db_url):
+            raise
+        slower = PreemptionPolicy(
+            min_runtime_s=2 * live_policy.min_runtime_s, grace_period_s=2 * live_policy.grace_period_s
+        )
+        live = await live_run(_fresh(db_url, tmp_path), PREEMPTION, slower, scale=2 * PREEMPTION_SCALE)
+        assert_same_starts(live, sim, PREEMPTION)
