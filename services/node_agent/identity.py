@@ -12,7 +12,6 @@ Nothing else: the agent's token, its TLS paths and whatever else it happened to 
 
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 import stat
@@ -102,9 +101,3 @@ def make_owned_dir(path: Path, user: RankUser, mode: int = 0o700) -> Path:
     os.chmod(path, mode)
     return path
 
-
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
