@@ -100,4 +100,3 @@ def make_owned_dir(path: Path, user: RankUser, mode: int = 0o700) -> Path:
         os.chown(path, user.uid, user.gid)
     os.chmod(path, mode)
     return path
-
