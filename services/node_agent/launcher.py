@@ -53,7 +53,7 @@ def spawn_rank(
         flags += ["--cwd", cwd]
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-I", WRAPPER, *flags, "--", *command],
+            [sys.executable, "-I", "-S", WRAPPER, *flags, "--", *command],  # -S: the wrapper needs no site
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,

@@ -27,11 +27,12 @@ _terminated: list[int] = []
 
 
 def _write(path: str, data: dict) -> None:
+    # Atomic (a reader sees the old or the new file) but not fsynced: the file outlives an agent's restart, and a
+    # host that loses power loses its ranks too (the agent then reports them LOST); 64 ranks starting at once must
+    # not queue on the disk.
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

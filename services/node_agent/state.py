@@ -119,6 +119,7 @@ class AgentState:
     # ever destroys (mig_manager.MigManager keeps it).
     mig_created: list[dict] = field(default_factory=list)
     _writer: _Writer | None = field(default=None, repr=False, compare=False)
+    _dirty: bool = field(default=False, repr=False, compare=False)  # a save() not serialized yet (writer mode)
 
     @classmethod
     def load(cls, path: Path, node_name: str = "") -> AgentState:
@@ -160,11 +161,29 @@ class AgentState:
         }
 
     def save(self) -> None:
-        data = json.dumps(self.to_dict(), indent=1, sort_keys=True).encode()
+        """Write the state. With the writer thread in an event loop, the saves of one loop iteration are one
+        serialization, at its end (a 64-rank launch saves hundreds of times); `durable()` forces it."""
         if self._writer is not None:
-            self._writer.put(data)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                if not self._dirty:
+                    self._dirty = True
+                    loop.call_soon(self._serialize)
+                return
+            self._writer.put(self._bytes())
         else:
-            _write_file(self.path, data)
+            _write_file(self.path, self._bytes())
+
+    def _bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True).encode()
+
+    def _serialize(self) -> None:
+        if self._dirty and self._writer is not None:
+            self._dirty = False
+            self._writer.put(self._bytes())
 
     def start_writer(self) -> None:
         """From now on save() hands the bytes to a writer thread (the agent's event loop never waits on a disk)."""
@@ -172,12 +191,14 @@ class AgentState:
             self._writer = _Writer(self.path)
 
     async def durable(self) -> None:
-        """Wait until what the last save() serialized is on disk (before an ack)."""
+        """Wait until what the last save() recorded is on disk (before an ack)."""
+        self._serialize()
         if self._writer is not None:
             await self._writer.flushed()
 
     def stop_writer(self) -> None:
         """Write what is queued and go back to synchronous saves."""
+        self._serialize()
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
