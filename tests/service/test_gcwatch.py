@@ -38,7 +38,9 @@ def test_every_collection_is_measured_and_a_full_one_freezes_its_survivors(watch
     assert gc.get_freeze_count() > 0  # the survivors no longer cost the next full collection
     frozen = gc.get_freeze_count()
     gc.collect()
-    assert gc.get_freeze_count() >= frozen
+    # Not given back by a collection that is not a complete one (frozen objects that other threads of this worker
+    # drop meanwhile leave the permanent generation by reference counting: hence not an exact count).
+    assert gc.get_freeze_count() >= 0.9 * frozen
 
 
 def test_without_freezing_only_the_measurement_stays(watch):
