@@ -34,7 +34,8 @@ import posixpath
 import re
 import signal as _signal
 import time
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -172,7 +173,7 @@ def _check_name(name: str) -> None:
 # --- groups ----------------------------------------------------------------------------------------------------------
 
 
-class Group:
+class Group(ABC):
     """One attempt's processes. Subclasses per kind; this base has what all kinds share."""
 
     kind = ""
@@ -191,8 +192,8 @@ class Group:
     def env(self) -> dict[str, str]:
         return {MARKER_ENV: self.id}
 
-    def pids(self) -> set[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def pids(self) -> set[int]: ...
 
     def empty(self) -> bool:
         return not self.pids()
@@ -247,6 +248,27 @@ class _CgroupGroup(Group):
     def join_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self._unique_dirs()]
 
+    def _freeze_kill_thaw(
+        self, freeze: Callable[[], None], is_frozen: Callable[[], bool], thaw: Callable[[], None]
+    ) -> None:
+        """Freeze the group (no process can fork meanwhile), SIGKILL every process, thaw. A freeze that does not
+        finish in FREEZE_WAIT_S (a task stuck in the kernel) kills what it can, then loops over what is left."""
+        freeze()
+        deadline = time.monotonic() + FREEZE_WAIT_S
+        frozen = True
+        while not is_frozen():
+            if time.monotonic() >= deadline:
+                log.warning("containment.freeze_timeout", group=self.id, waited_s=FREEZE_WAIT_S)
+                frozen = False
+                break
+            time.sleep(0.002)
+        try:
+            self.signal(_signal.SIGKILL)
+        finally:
+            thaw()
+        if not frozen:
+            self._kill_loop()
+
     def pids(self) -> set[int]:
         found: set[int] = set()
         for top in self._unique_dirs():
@@ -288,22 +310,11 @@ class _V1Group(_CgroupGroup):
             self._kill_loop()
             return
         state = freezer / "freezer.state"
-        _write(state, "FROZEN")
-        deadline = time.monotonic() + FREEZE_WAIT_S
-        frozen = True
-        while (_read(state) or "").strip() != "FROZEN":
-            if time.monotonic() >= deadline:
-                # A task stuck in the kernel (uninterruptible sleep) can delay freezing; kill what we can anyway.
-                log.warning("containment.freeze_timeout", group=self.id, waited_s=FREEZE_WAIT_S)
-                frozen = False
-                break
-            time.sleep(0.002)
-        try:
-            self.signal(_signal.SIGKILL)
-        finally:
-            _write(state, "THAWED")
-        if not frozen:
-            self._kill_loop()
+        self._freeze_kill_thaw(
+            lambda: _write(state, "FROZEN"),
+            lambda: (_read(state) or "").strip() == "FROZEN",
+            lambda: _write(state, "THAWED"),
+        )
 
     def oom_kills(self) -> int:
         memory = self.dirs.get("memory")
@@ -330,21 +341,11 @@ class _V2Group(_CgroupGroup):
         if not (self._dir / "cgroup.freeze").exists():
             self._kill_loop()
             return
-        _write(self._dir / "cgroup.freeze", "1")
-        deadline = time.monotonic() + FREEZE_WAIT_S
-        frozen = True
-        while _keyed(_read(self._dir / "cgroup.events"), "frozen") != 1:
-            if time.monotonic() >= deadline:
-                log.warning("containment.freeze_timeout", group=self.id, waited_s=FREEZE_WAIT_S)
-                frozen = False
-                break
-            time.sleep(0.002)
-        try:
-            self.signal(_signal.SIGKILL)
-        finally:
-            _write(self._dir / "cgroup.freeze", "0")
-        if not frozen:
-            self._kill_loop()
+        self._freeze_kill_thaw(
+            lambda: _write(self._dir / "cgroup.freeze", "1"),
+            lambda: _keyed(_read(self._dir / "cgroup.events"), "frozen") == 1,
+            lambda: _write(self._dir / "cgroup.freeze", "0"),
+        )
 
     def oom_kills(self) -> int:
         return _keyed(_read(self._dir / "memory.events"), "oom_kill")
@@ -385,7 +386,7 @@ def _marked() -> dict[int, str]:
 # --- containments ----------------------------------------------------------------------------------------------------
 
 
-class Containment:
+class Containment(ABC):
     """Where groups are made: one per agent. `create()` a group per attempt; `names()`/`open()` after a restart."""
 
     kind = ""
@@ -399,15 +400,16 @@ class Containment:
     def __repr__(self) -> str:
         return f"<Containment {self.kind} parent={self.parent!r}: {self.reason}>"
 
-    def create(self, name: str, limits: Limits = Limits()) -> Group:
-        raise NotImplementedError
+    @abstractmethod
+    def create(self, name: str, limits: Limits = Limits()) -> Group: ...
 
-    def open(self, name: str) -> Group | None:
-        raise NotImplementedError
+    @abstractmethod
+    def open(self, name: str) -> Group | None: ...
 
-    def names(self) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def names(self) -> list[str]: ...
 
+    @abstractmethod
     def close(self) -> None:
         """The agent stops: remove the parent where no group is left under it (best effort)."""
 
@@ -576,6 +578,9 @@ class _ProcessGroupContainment(Containment):
     def create(self, name: str, limits: Limits = Limits()) -> Group:
         _check_name(name)
         return _ProcessGroup(name, f"{self._scope}/{name}")
+
+    def close(self) -> None:
+        return  # a process group leaves no directory behind
 
     def open(self, name: str) -> Group | None:
         group = self.create(name)

@@ -818,39 +818,21 @@ def release_attempt_on_node(conn: Connection, node_id: int, job_id: str, attempt
     ).rowcount
 
 
-def release_allocations_keeping(conn: Connection, job: JobRecord, now: float, keep: frozenset[int]) -> None:
-    """`release_allocations`, except the whole-GPU rows on the nodes of `keep` (ids): those stay held until their
-    agents confirm the attempt's processes are gone (release_attempt_on_node)."""
+def release_allocations(conn: Connection, job: JobRecord, now: float, keep: frozenset[int] = frozenset()) -> None:
+    """Release the job's rows; a split GPU's hold gives back their use and is released with its last part. The
+    whole-GPU rows on the nodes of `keep` (ids) stay held until their agents confirm the attempt's processes are
+    gone (release_attempt_on_node)."""
     _changed_jobs(conn, job.id)
-    _changed_nodes(conn, *keep)
-    conn.execute(
-        update(Allocation)
-        .where(
-            Allocation.job_id == job.id,
-            Allocation.attempt == job.attempt,
-            Allocation.released_at.is_(None),
-            Allocation.kind != "hold",
-            ~(Allocation.node_id.in_(sorted(keep)) & (Allocation.kind == "gpu")),
-        )
-        .values(released_at=now)
-    )
-    if job.partials:
-        _release_holds(conn, job, now)
-
-
-def release_allocations(conn: Connection, job: JobRecord, now: float) -> None:
-    """Release the job's rows; a split GPU's hold gives back their use and is released with its last part."""
-    _changed_jobs(conn, job.id)
-    conn.execute(
-        update(Allocation)
-        .where(
-            Allocation.job_id == job.id,
-            Allocation.attempt == job.attempt,
-            Allocation.released_at.is_(None),
-            Allocation.kind != "hold",
-        )
-        .values(released_at=now)
-    )
+    where = [
+        Allocation.job_id == job.id,
+        Allocation.attempt == job.attempt,
+        Allocation.released_at.is_(None),
+        Allocation.kind != "hold",
+    ]
+    if keep:
+        _changed_nodes(conn, *keep)
+        where.append(~(Allocation.node_id.in_(sorted(keep)) & (Allocation.kind == "gpu")))
+    conn.execute(update(Allocation).where(*where).values(released_at=now))
     if job.partials:
         _release_holds(conn, job, now)
 
@@ -1358,9 +1340,13 @@ def mark_attempts_running(conn: Connection, items: Sequence[tuple[JobRecord, flo
         conn.execute(_MARK_RUNNING, [dict(b_job=j.id, b_attempt=j.attempt, b_now=now) for j, now in items])
 
 
-def release_allocations_many(conn: Connection, items: Sequence[tuple[JobRecord, float]]) -> None:
+def release_allocations_many(conn: Connection, items: Sequence[tuple[Any, ...]]) -> None:
     """`release_allocations` for many jobs: the whole-GPU and part rows in one statement for all; a split GPU's
-    hold, which needs its own statement, job by job."""
+    hold, which needs its own statement, job by job; a job keeping GPUs held on some nodes, on its own."""
+    held = [row for row in items if len(row) > 2 and row[2]]
+    for job, now, keep in held:
+        release_allocations(conn, job, now, keep)
+    items = [(row[0], row[1]) for row in items if not (len(row) > 2 and row[2])]
     if not items:
         return
     _changed_jobs(conn, *(j.id for j, _ in items))

@@ -314,13 +314,9 @@ def teardown(
         node = cycle.state.nodes.get(rep.node)
         if node is not None and node.confirms_release and rep.node in live and not (rep.mig_profile or rep.gpu_milli):
             held.setdefault(rep.node, []).extend(rep.gpus)
-    if held:
-        keep = frozenset(cycle.state.nodes[n].id for n in held)
-        cycle.later(ledger.release_allocations_keeping, ended, now, keep)
-        for name, gpus in held.items():
-            cycle.state.nodes[name].releasing[attempt_key(job.id, attempt)] = tuple(sorted(gpus))
-    else:
-        cycle.later(ledger.release_allocations, ended, now)
+    cycle.later(ledger.release_allocations, ended, now, frozenset(cycle.state.nodes[n].id for n in held))
+    for name, gpus in held.items():
+        cycle.state.nodes[name].releasing[attempt_key(job.id, attempt)] = tuple(sorted(gpus))
     if not released:
         for rep in job.replica_placements():
             if rep.node not in held or rep.mig_profile or rep.gpu_milli:
