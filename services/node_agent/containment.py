@@ -37,10 +37,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 
 import structlog
+
+from phalanx.core.resources import format_size, parse_size  # noqa: F401  (re-exported: the agent's sizes)
 
 log = structlog.get_logger()
 
@@ -71,8 +72,6 @@ _V1_ALWAYS_ALLOWED = (
     "c 195:254 rwm",
 )
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([KMGTP])(?:iB|i|B)?|B)?", re.IGNORECASE)
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
 
 
 class ContainmentError(Exception):
@@ -85,23 +84,6 @@ class Limits:
     cpus: float = 0.0  # 0 = no limit; else a CPU quota of this many CPUs per 100 ms period
     pids_max: int = 0  # 0 = no limit
     gpu_minors: tuple[int, ...] | None = None  # None = no device rules; else only these /dev/nvidia<minor> (v1)
-
-
-def parse_size(text: str) -> int:
-    """'512M' -> 536870912; binary units K, M, G, T, P (case-insensitive, optional 'i'/'iB'/'B'), or plain bytes."""
-    m = _SIZE.fullmatch(text.strip())
-    n = Decimal(m.group(1)) * _UNITS[(m.group(2) or "").upper()] if m else Decimal(0)
-    if n <= 0 or n != int(n):
-        raise ValueError(f"memory size {text!r} is not a size like 512M or 64G")
-    return int(n)
-
-
-def format_size(n: int) -> str:
-    """536870912 -> '512M': the largest binary unit that divides n exactly; 'B' when none does."""
-    for unit in ("P", "T", "G", "M", "K"):
-        if n and n % _UNITS[unit] == 0:
-            return f"{n // _UNITS[unit]}{unit}"
-    return f"{n}B"
 
 
 # --- small file and /proc helpers ---------------------------------------------------------------------------------
