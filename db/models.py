@@ -83,6 +83,12 @@ class Node(Base):
     # The ports its agent lets MASTER_PORT be chosen from (--rank-port-range); 0: the default range.
     rank_port_low: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     rank_port_high: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Host resources (revision 0020): CPUs (thousandths) and memory (bytes) its agent reported, and what active
+    # allocations hold of them, raised by a guarded update at reservation (ledger.insert_allocations).
+    cpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    memory: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cpu_used: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    memory_used: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class NodeEvent(Base):
@@ -201,6 +207,10 @@ class Job(Base):
     # that finished it (services/scheduler/accounting.py account_finished); the goodput total reads from `jobs`
     # only the jobs not accounted.
     accounted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Host resources of each replica (revision 0020; JobSpec.cpus_per_replica, memory_per_replica): thousandths of
+    # CPUs and bytes, 0 none.
+    cpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    memory: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Queue(Base):
@@ -279,6 +289,13 @@ class Allocation(Base):
             postgresql_where=text("released_at IS NULL"),
         ),
         Index(None, "job_id", "attempt"),
+        # The active rows by node (revision 0020): ledger.recount_use and the releases' give-back read them.
+        Index(
+            "ix_allocations_active_node",
+            "node_id",
+            sqlite_where=text("released_at IS NULL"),
+            postgresql_where=text("released_at IS NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -295,6 +312,10 @@ class Allocation(Base):
     unit: Mapped[int | None] = mapped_column(Integer, nullable=True, default=-1, server_default="-1")
     profile: Mapped[str] = mapped_column(String(32), default="", server_default="")
     gpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # A replica's host resources (revision 0020), on one row of the replica: released with it, they are given back
+    # to the node's cpu_used / memory_used.
+    cpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    memory: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Rank(Base):

@@ -34,6 +34,7 @@ from phalanx.client import (
     resolve_target,
 )
 from phalanx.core.preemption import PRIORITY_CLASSES, parse_priority
+from phalanx.core.resources import cpu_milli, parse_size
 
 from . import render
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
@@ -114,6 +115,28 @@ def parse_keep_checkpoints(text: str) -> int:
 
 
 _keep_checkpoints = _arg_type(parse_keep_checkpoints)
+
+
+def parse_cpus(text: str) -> float:
+    """``--cpus-per-replica``: a count of CPUs, fractions to a thousandth (0.5, 8)."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of CPUs") from None
+    if value <= 0:
+        raise ValueError(f"--cpus-per-replica must be more than 0, got {text.strip()}")
+    cpu_milli(value)
+    return value
+
+
+def parse_memory(text: str) -> str:
+    """``--memory-per-replica``: a size with a binary unit (512M, 64G); sent as given, checked here first."""
+    parse_size(text)
+    return text.strip()
+
+
+_cpus = _arg_type(parse_cpus)
+_memory = _arg_type(parse_memory)
 
 
 def _out() -> TextIO:
@@ -227,6 +250,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             time_limit=args.time_limit or 0.0,
             queue=args.queue or "",
             keep_checkpoints=args.keep_checkpoints or 0,
+            cpus_per_replica=args.cpus_per_replica or 0,
+            memory_per_replica=args.memory_per_replica or "",
         )
     _show_job(job, args.json)
     return EXIT_OK
@@ -689,6 +714,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="the checkpoint coordinator keeps the job's newest K committed checkpoints and deletes the "
         "older ones (K >= 1; default: the coordinator's --keep-checkpoints, 3 unless set)",
+    )
+    p.add_argument(
+        "--cpus-per-replica",
+        type=_cpus,
+        default=None,
+        metavar="N",
+        help="CPUs each replica reserves on its node with its GPUs, and is held to by a CPU quota (fractions "
+        "allowed, e.g. 0.5; default: none reserved and no limit)",
+    )
+    p.add_argument(
+        "--memory-per-replica",
+        type=_memory,
+        default=None,
+        metavar="SIZE",
+        help="memory each replica reserves on its node and is limited to, e.g. 512M or 64G (binary units); a rank "
+        "past it is killed and the job says 'out of memory (limit SIZE)' (default: none reserved and no limit)",
     )
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")

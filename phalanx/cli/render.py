@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from phalanx.client import CheckpointResult, Goodput, GoodputReport, Job, Node
+from phalanx.core.resources import describe, format_cpus, human_size
 
 __all__ = [
     "table",
@@ -154,7 +155,9 @@ def jobs_json_stream(pages: Iterable[Sequence[Job]]) -> Iterator[str]:
 
 
 def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
-    """The ``phalanx nodes`` table: NAME STATE GPUS FREE HEALTH MODEL PROFILE FABRIC HEARTBEAT MESSAGE.
+    """The ``phalanx nodes`` table: NAME STATE GPUS FREE CPUS MEMORY HEALTH MODEL PROFILE FABRIC HEARTBEAT MESSAGE.
+
+    CPUS and MEMORY are the host's free and total (``free/total``; ``-`` when its agent did not report them).
 
     MESSAGE says why: the state's message (e.g. why a node is LOST), then the health reason of a node that is not
     HEALTHY (e.g. ``GPU 3: XID 79: GPU has fallen off the bus``), the GPUs in MIG mode (``MIG mode: GPU 7``) and the
@@ -166,6 +169,8 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
             n.state.value,
             n.gpus,
             n.free_gpus,
+            f"{format_cpus(round(n.free_cpus * 1000))}/{format_cpus(round(n.cpus * 1000))}" if n.cpus else "-",
+            f"{human_size(n.free_memory_bytes)}/{human_size(n.memory_bytes)}" if n.memory_bytes else "-",
             n.health if n.health not in ("", "UNSPECIFIED") else "-",
             n.gpu_model or "-",
             n.profile or "-",
@@ -186,7 +191,21 @@ def nodes_table(nodes: Sequence[Node], now: float | None = None) -> str:
         for n in nodes
     ]
     return table(
-        ["NAME", "STATE", "GPUS", "FREE", "HEALTH", "MODEL", "PROFILE", "FABRIC", "HEARTBEAT", "MESSAGE"], rows
+        [
+            "NAME",
+            "STATE",
+            "GPUS",
+            "FREE",
+            "CPUS",
+            "MEMORY",
+            "HEALTH",
+            "MODEL",
+            "PROFILE",
+            "FABRIC",
+            "HEARTBEAT",
+            "MESSAGE",
+        ],
+        rows,
     )
 
 
@@ -206,10 +225,13 @@ def _mig_switches(n: Node) -> str:
 
 def _gang(job: Job) -> str:
     if job.mig_profile:
-        return f"{job.replicas} x MIG {job.mig_profile}"
-    if job.gpu_milli:
-        return f"{job.replicas} x {job.gpu_milli}/1000 GPU"
-    return f"{job.replicas} x {job.gpus_per_replica} GPUs"
+        gang = f"{job.replicas} x MIG {job.mig_profile}"
+    elif job.gpu_milli:
+        gang = f"{job.replicas} x {job.gpu_milli}/1000 GPU"
+    else:
+        gang = f"{job.replicas} x {job.gpus_per_replica} GPUs"
+    host = describe(round(job.cpus_per_replica * 1000), job.memory_per_replica)
+    return f"{gang}, each with {host}" if host else gang
 
 
 def _alloc_gpus(a) -> str:

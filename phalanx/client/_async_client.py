@@ -149,6 +149,8 @@ class AsyncClient:
         time_limit: float = 0.0,
         queue: str = "",
         keep_checkpoints: int = 0,
+        cpus_per_replica: float = 0,
+        memory_per_replica: str | int = "",
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -170,6 +172,8 @@ class AsyncClient:
             time_limit: Declared seconds of runtime per attempt (0: none).
             queue: The queue to submit to ("": default).
             keep_checkpoints: Newest committed checkpoints the coordinator keeps (0: its default).
+            cpus_per_replica: CPUs each replica reserves on its node and is limited to (0: no limit).
+            memory_per_replica: Memory each replica reserves and is limited to: a size ("512M", "64G") or bytes.
 
         Returns:
             The job as accepted by the scheduler.
@@ -192,6 +196,8 @@ class AsyncClient:
             time_limit=time_limit,
             queue=queue,
             keep_checkpoints=keep_checkpoints,
+            cpus_per_replica=cpus_per_replica,
+            memory_per_replica=memory_per_replica,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

@@ -103,6 +103,8 @@ def build_submit_request(
     time_limit: float = 0.0,
     queue: str = "",
     keep_checkpoints: int = 0,
+    cpus_per_replica: float = 0,
+    memory_per_replica: str | int = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -123,6 +125,12 @@ def build_submit_request(
         time_limit_s=float(time_limit or 0.0),
         queue=str(queue or ""),
         keep_checkpoints=int(keep_checkpoints or 0),
+        cpus_per_replica=float(cpus_per_replica or 0),
+        memory_per_replica=(
+            f"{memory_per_replica}B"
+            if isinstance(memory_per_replica, int) and memory_per_replica
+            else str(memory_per_replica or "")
+        ),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -264,6 +272,8 @@ class Client:
         time_limit: float = 0.0,
         queue: str = "",
         keep_checkpoints: int = 0,
+        cpus_per_replica: float = 0,
+        memory_per_replica: str | int = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -290,6 +300,11 @@ class Client:
             queue: The queue to submit to ("": default); its quota, cohort and fair share apply.
             keep_checkpoints: The checkpoint coordinator keeps this many of the job's newest committed
                 checkpoints and deletes the older ones (0: the coordinator's --keep-checkpoints, default 3).
+            cpus_per_replica: CPUs each replica reserves on its node, with its GPUs, and is held to by a CPU quota
+                (fractions to a thousandth; 0: none reserved and no limit).
+            memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
+                it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
+                number of bytes; "" or 0: none reserved and no limit.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -318,6 +333,8 @@ class Client:
             time_limit=time_limit,
             queue=queue,
             keep_checkpoints=keep_checkpoints,
+            cpus_per_replica=cpus_per_replica,
+            memory_per_replica=memory_per_replica,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

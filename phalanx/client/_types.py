@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2
+from phalanx.core.resources import parse_size
 
 __all__ = [
     "JobState",
@@ -131,6 +132,8 @@ class Allocation:
     gpus: list[int] = field(default_factory=list)
     slices: list[MigSlice] = field(default_factory=list)
     gpu_milli: int = 0
+    cpus: float = 0.0  # host CPUs and memory (bytes) reserved for it on its node
+    memory_bytes: int = 0
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Allocation) -> Allocation:
@@ -141,16 +144,23 @@ class Allocation:
             gpus=[int(g) for g in msg.gpus],
             slices=[MigSlice(int(s.gpu), s.profile, int(s.start), int(s.size)) for s in msg.slices],
             gpu_milli=int(msg.gpu_milli),
+            cpus=float(msg.cpus),
+            memory_bytes=int(msg.memory_bytes),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape: ``{"replica": int, "node": str, "gpus": [int, ...]}``, plus ``slices`` (a list of
-        ``{"gpu", "profile", "start", "size"}``) for a MIG instance and ``gpu_milli`` for a GPU share."""
+        ``{"gpu", "profile", "start", "size"}``) for a MIG instance, ``gpu_milli`` for a GPU share, and ``cpus``
+        and ``memory_bytes`` when it reserved host resources."""
         out: dict[str, Any] = {"replica": self.replica, "node": self.node, "gpus": list(self.gpus)}
         if self.slices:
             out["slices"] = [s.to_dict() for s in self.slices]
         if self.gpu_milli:
             out["gpu_milli"] = self.gpu_milli
+        if self.cpus:
+            out["cpus"] = self.cpus
+        if self.memory_bytes:
+            out["memory_bytes"] = self.memory_bytes
         return out
 
 
@@ -223,6 +233,9 @@ class Job:
     max_restarts: int = 0  # a rank exiting non-zero requeues the gang this many times (0: it fails the job)
     time_limit: float = 0.0  # declared seconds per attempt (0: none)
     keep_checkpoints: int = 0  # newest committed checkpoints the coordinator keeps (0: its --keep-checkpoints)
+    # Host resources each replica reserves on its node and is limited to: CPUs, and memory in bytes (0: none)
+    cpus_per_replica: float = 0.0
+    memory_per_replica: int = 0
     tenant: str = ""  # who submitted it ("" when authentication is off)
     queue: str = "default"
     flavor: str = ""  # the quota flavor its attempt was admitted under ("" without quotas)
@@ -294,6 +307,8 @@ class Job:
             max_restarts=int(spec.max_restarts),
             time_limit=float(spec.time_limit_s),
             keep_checkpoints=int(spec.keep_checkpoints),
+            cpus_per_replica=float(spec.cpus_per_replica),
+            memory_per_replica=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
             tenant=msg.tenant,
             queue=spec.queue or "default",
             flavor=msg.flavor,
@@ -325,6 +340,8 @@ class Job:
             "max_restarts": self.max_restarts,
             "time_limit": self.time_limit,
             "keep_checkpoints": self.keep_checkpoints,
+            "cpus_per_replica": self.cpus_per_replica,
+            "memory_per_replica": self.memory_per_replica,
             "tenant": self.tenant,
             "queue": self.queue,
             "flavor": self.flavor,
@@ -491,6 +508,11 @@ class Node:
     mig_manage: bool = False  # its agent runs with --mig-manage: the scheduler may switch idle GPUs' MIG mode
     containment: str = ""  # how its agent contains ranks: "cgroup-v2", "cgroup-v1" or "process-group"
     releasing_gpus: int = 0  # GPUs of ended gangs held until their processes here are gone
+    # Host CPUs and memory (bytes) its agent reported (0: not reported), and what no gang holds of them now
+    cpus: float = 0.0
+    memory_bytes: int = 0
+    free_cpus: float = 0.0
+    free_memory_bytes: int = 0
 
     @property
     def mig_gpus(self) -> list[int]:
@@ -530,6 +552,10 @@ class Node:
             mig_manage=bool(msg.mig_manage),
             containment=msg.containment,
             releasing_gpus=int(msg.releasing_gpus),
+            cpus=float(msg.cpus),
+            memory_bytes=int(msg.memory_bytes),
+            free_cpus=float(msg.free_cpus),
+            free_memory_bytes=int(msg.free_memory_bytes),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -556,6 +582,10 @@ class Node:
             "mig_manage": self.mig_manage,
             "containment": self.containment,
             "releasing_gpus": self.releasing_gpus,
+            "cpus": self.cpus,
+            "memory_bytes": self.memory_bytes,
+            "free_cpus": self.free_cpus,
+            "free_memory_bytes": self.free_memory_bytes,
         }
 
 

@@ -141,7 +141,7 @@ class _EndOrdered(Protocol):
 
 # What placement depends on besides the capacity (`_shape`), and what `plan_reservation` remembers per head shape
 # and set of nodes out (`ideal_cache`): the head's (tier rank, domains) on an empty cluster, False when it never fits.
-_Shape = tuple[int, int, str, str, int, str, str]
+_Shape = tuple[int, int, str, str, int, str, str, int, int]
 _IdealKey = tuple[_Shape, frozenset[str], frozenset[tuple[str, frozenset[int]]]]
 _Ideal = tuple[int, int] | Literal[False]
 
@@ -189,6 +189,8 @@ def _restore(cap: ClusterCapacity, gang: RunningEnd) -> None:
             cap.take_partial(rep)
         else:
             cap.take(rep.node, rep.gpus)
+        if rep.cpu_milli or rep.memory:
+            cap.take_use(rep.node, rep.cpu_milli, rep.memory)
 
 
 def region_of(capacity: ClusterCapacity, placement: Placement) -> frozenset[str]:
@@ -232,7 +234,9 @@ def plan_reservation(
     best: _Ideal | None = ideal_cache.get(key) if ideal_cache is not None else None
     if best is None:
         empty = ClusterCapacity(
-            dataclasses.replace(n, free=set(range(n.total)) - set(unusable.get(n.name, ())), mig={}, milli={})
+            dataclasses.replace(
+                n, free=set(range(n.total)) - set(unusable.get(n.name, ())), mig={}, milli={}, cpu_used=0, memory_used=0
+            )
             for n in capacity.nodes.values()
         )
         ideal = place_gang(empty, head, fabric_tiers)
@@ -295,13 +299,14 @@ def _earliest(
     asking for part of a GPU searches on a copy (the partial-GPU index would be rebuilt in another order)."""
     if head.partial:
         return _search(capacity.copy(), head, gangs, fabric_tiers, unusable, good, hints=hints, hint_key=hint_key)
-    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int]]] = {}
+    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int], tuple[int, int]]] = {}
     stale: set[str] = set()
     try:
         return _search(capacity, head, gangs, fabric_tiers, unusable, good, saved, stale, hints, hint_key)
     finally:  # every node touched, back as it was, and the index with it
-        for name, (free, mig, milli) in saved.items():
+        for name, (free, mig, milli, use) in saved.items():
             node = capacity.nodes[name]
+            node.cpu_used, node.memory_used = use  # not indexed
             changed = name in stale  # changed since the index last followed it
             if node.free != free:
                 node.free -= node.free - free
@@ -326,7 +331,7 @@ def _search(
     fabric_tiers: Sequence[str],
     unusable: Mapping[str, Collection[int]],
     good: Callable[[Placement], bool],
-    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int]]] | None = None,
+    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int], tuple[int, int]]] | None = None,
     stale: set[str] | None = None,
     hints: dict[Any, int] | None = None,
     hint_key: Any = None,
@@ -350,7 +355,9 @@ def _search(
                 if n is None:
                     continue
                 if name not in saved:
-                    saved[name] = (set(n.free), dict(n.mig), dict(n.milli))
+                    saved[name] = (set(n.free), dict(n.mig), dict(n.milli), (n.cpu_used, n.memory_used))
+                if rep.cpu_milli or rep.memory:
+                    cap.release_use(name, rep.cpu_milli, rep.memory)
                 if rep.mig_profile or rep.gpu_milli:
                     cap.release_partial(rep)
                 elif n.mig or n.milli:
@@ -368,6 +375,8 @@ def _search(
 
         def restore(gang: RunningEnd) -> None:
             for rep in gang.placement.replicas:
+                if rep.cpu_milli or rep.memory:
+                    cap.take_use(rep.node, rep.cpu_milli, rep.memory)
                 if rep.mig_profile or rep.gpu_milli:
                     cap.take_partial(rep)
                 elif rep.node in nodes:

@@ -16,6 +16,7 @@ from operator import mul
 
 from .mig import MEDIA_BIT, family_slices, full_mask, mig_family
 from .model import FULL_MIG_MASK, NodeCapacity, Placement, ReplicaPlacement
+from .resources import check_use
 
 # A node's free shape (`shape_key`): (GPU model, memory MiB, GPUs, whole free GPUs, MIG masks, milli shares in use).
 NodeShape = tuple[str, int, int, int, tuple[int, ...], tuple[int, ...]]
@@ -476,12 +477,19 @@ class ClusterCapacity:
     # ---- updates ---------------------------------------------------------------------------------------------
 
     def reserve(self, placement: Placement) -> None:
-        """Take every GPU (or part of one) of the placement, or none (raises CapacityError and changes nothing)."""
+        """Take every GPU (or part of one) of the placement and its replicas' host resources, or none (raises
+        CapacityError and changes nothing)."""
         wanted: dict[str, tuple[NodeCapacity, set[int]]] = {}
         partial = [rep for rep in placement.replicas if rep.mig_profile or rep.gpu_milli]
         if partial:
             self._check_partial(partial)
         nodes = self.nodes
+        first = placement.replicas[0] if placement.replicas else None
+        uses = first is not None and (first.cpu_milli or first.memory)
+        if uses:
+            why = check_use(nodes, placement.replicas)
+            if why:
+                raise CapacityError(why)
         for rep in placement.replicas:
             if rep.mig_profile or rep.gpu_milli:
                 continue
@@ -508,6 +516,9 @@ class ClusterCapacity:
             self._changed_many([node for node, _ in wanted.values()])
         for rep in partial:
             self.take_partial(rep)
+        if uses:
+            for rep in placement.replicas:
+                self.take_use(rep.node, rep.cpu_milli, rep.memory)
 
     def release_placement(self, placement: Placement) -> None:
         """Give back everything `placement` holds (whole GPUs, MIG instances and shares)."""
@@ -519,6 +530,22 @@ class ClusterCapacity:
             self.release_partial(rep)
         else:
             self.release(rep.node, rep.gpus)
+        if rep.cpu_milli or rep.memory:
+            self.release_use(rep.node, rep.cpu_milli, rep.memory)
+
+    def take_use(self, node: str, cpu_milli: int, memory: int) -> None:
+        """Hold host resources on `node` (a replica's, already checked, or read back from the ledger). Not indexed:
+        placement reads them node by node (placement._fitted_view)."""
+        n = self.nodes.get(node)
+        if n is not None:
+            n.cpu_used += cpu_milli
+            n.memory_used += memory
+
+    def release_use(self, node: str, cpu_milli: int, memory: int) -> None:
+        n = self.nodes.get(node)
+        if n is not None:
+            n.cpu_used = max(0, n.cpu_used - cpu_milli)
+            n.memory_used = max(0, n.memory_used - memory)
 
     def _check_partial(self, reps: list[ReplicaPlacement]) -> None:
         mig: dict[tuple[str, int], int] = {}

@@ -393,6 +393,8 @@ class _Decision:
             )
             for r in kept:
                 self.cap.take(r.node, set(r.gpus) - set(unusable.get(r.node, ()) if unusable else ()))
+                if r.cpu_milli or r.memory:  # its processes still run there: their host resources stay held too
+                    self.cap.take_use(r.node, r.cpu_milli, r.memory)
             if kept:
                 self.releasing.append(Placement(job.job_id, kept, "", 0, 0.0, "releasing"))
         self.added.pop(job.job_id, None)

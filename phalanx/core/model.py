@@ -38,12 +38,15 @@ class GangRequest:
     # Nodes that struck this gang (their host could not set up one of its ranks): placement avoids them while the
     # gang fits elsewhere, and uses them only when nothing else holds it.
     avoid: frozenset[str] = frozenset()
+    # Host resources of each replica on its node (core.resources): CPUs in thousandths and memory in bytes; 0 none.
+    cpu_milli: int = 0
+    memory: int = 0
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
     # What placement depends on besides the capacity (backfill: gangs of one shape fit or not alike), computed once
     # for the same reason.
-    shape: tuple[int, int, str, str, int, str, str] = field(init=False, repr=False, compare=False)
+    shape: tuple[int, int, str, str, int, str, str, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", (-self.priority, self.submitted_at, self.job_id))
@@ -58,6 +61,8 @@ class GangRequest:
                 self.gpu_milli,
                 self.required_tier,
                 self.preferred_tier,
+                self.cpu_milli,
+                self.memory,
             ),
         )
 
@@ -82,6 +87,9 @@ class ReplicaPlacement:
     mig_start: int = -1
     mig_size: int = 0
     gpu_milli: int = 0
+    # Host resources it holds on its node (GangRequest.cpu_milli, .memory)
+    cpu_milli: int = 0
+    memory: int = 0
 
     @property
     def mig_mask(self) -> int:
@@ -141,6 +149,12 @@ class NodeCapacity:
     milli: dict[int, int] = field(default_factory=dict)
     mig_gpus: frozenset[int] = frozenset()
     foreign: dict[int, int] = field(default_factory=dict)
+    # Host resources (core.resources): CPUs in thousandths and memory in bytes its agent reported (0: not reported,
+    # and then no replica asking for them fits), and what replicas hold of them now.
+    cpu_milli: int = 0
+    memory: int = 0
+    cpu_used: int = 0
+    memory_used: int = 0
 
     def __post_init__(self) -> None:
         # Idempotent, so copies (dataclasses.replace) keep what they were given: a MIG-mode GPU is never free and

@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 from .capacity import ClusterCapacity
 from .closeness import GpuCloseness, closest_sets
 from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
+from .resources import describe, format_cpus, human_size, room
 from .shares import place_partial
 from .status import Code, Status
 
@@ -107,6 +108,82 @@ def place_gang(
     else is it placed as if they were not struck.
     """
     bounds = (capacity.placement_budget_ms if budget_ms is None else budget_ms, cells)
+    if request.cpu_milli or request.memory:
+        return _with_host_resources(capacity, request, fabric_tiers, bounds)
+    return _place_avoiding(capacity, request, fabric_tiers, bounds)
+
+
+def _with_host_resources(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
+) -> Placement | Unplaceable:
+    """Place a gang whose replicas also ask for host CPUs or memory: on the view of the GPUs those can feed
+    (_fitted_view), each replica then carrying what it asks."""
+    view, bound = _fitted_view(capacity, request)
+    got = _place_avoiding(view, request, fabric_tiers, bounds)
+    if isinstance(got, Unplaceable):
+        if bound:
+            got = Unplaceable(
+                got.job_id,
+                f"{got.reason}; each replica also needs {describe(request.cpu_milli, request.memory)}, which "
+                f"{bound} node(s) lack for more of its replicas (the most free on one node: "
+                f"{_most_room(capacity, request.cpu_milli, request.memory)})",
+            )
+        return got
+    return replace(
+        got,
+        replicas=tuple(replace(r, cpu_milli=request.cpu_milli, memory=request.memory) for r in got.replicas),
+    )
+
+
+def _fitted_view(capacity: ClusterCapacity, request: GangRequest) -> tuple[ClusterCapacity, int]:
+    """The capacity as `request` can use it: where a node's free CPUs or memory feed fewer of the gang's replicas
+    than its free GPUs would hold, a copy offers only the GPUs those replicas take (the closest set, by
+    placement.pick_gpus), or nothing. Returns `capacity` itself when no node binds, and the number of nodes that do.
+
+    A whole-GPU replica takes `gpus_per_replica` GPUs, so a node feeding k replicas offers k x that many. A partial
+    replica (a MIG instance or a share) takes part of one GPU, several to a GPU: a node feeding none is hidden, and
+    place_partial stops using a node once its replicas there use up what it feeds (it takes each replica's host
+    resources as it places it, on this view).
+    """
+    cpu, memory = request.cpu_milli, request.memory
+    g = request.gpus_per_replica
+    trim: dict[str, int] = {}
+    for node in capacity.nodes.values():
+        k = room(node, cpu, memory)
+        if k is None:
+            return capacity, 0
+        if request.partial:
+            if k == 0 and node.schedulable:
+                trim[node.name] = 0
+        elif k * g < len(node.free):
+            trim[node.name] = k
+    if not trim:
+        return capacity, 0
+    view = capacity.copy()
+    for name, k in trim.items():
+        node = view.nodes[name]
+        if request.partial:
+            node.schedulable = False
+        else:
+            node.free = set(pick_gpus(node.free, k * g, node.closeness)) if k else set()
+    return view, len(trim)
+
+
+def _most_room(capacity: ClusterCapacity, cpu: int, memory: int) -> str:
+    """The most free CPUs and memory on one schedulable node, for a reason: '6 CPUs and 48G memory'."""
+    best_cpu = max((n.cpu_milli - n.cpu_used for n in capacity.nodes.values() if n.schedulable), default=0)
+    best_mem = max((n.memory - n.memory_used for n in capacity.nodes.values() if n.schedulable), default=0)
+    parts = []
+    if cpu:
+        parts.append(f"{format_cpus(max(0, best_cpu))} CPUs")
+    if memory:
+        parts.append(f"{human_size(max(0, best_mem))} memory")
+    return " and ".join(parts)
+
+
+def _place_avoiding(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
+) -> Placement | Unplaceable:
     if request.avoid:
         hidden = [n for n in request.avoid if n in capacity.nodes and capacity.nodes[n].schedulable]
         if hidden:

@@ -147,6 +147,8 @@ class _Work:
                 self.cap.take_partial(rep)
             else:
                 self.cap.take(rep.node, rep.gpus)
+            if rep.cpu_milli or rep.memory:
+                self.cap.take_use(rep.node, rep.cpu_milli, rep.memory)
 
 
 def _shortest_prefix(

@@ -4,7 +4,7 @@ A gang may ask each replica for CPUs (in thousandths: `cpu_milli`) and memory (b
 reported; a replica fits a node only with both free there, and a gang is reserved all or nothing, GPUs and host
 resources together (ClusterCapacity.reserve). The GPU index (core.capacity) stays a histogram of free GPUs: for a
 gang that asks for host resources, placement runs on a view whose nodes offer only the GPUs their free CPUs and
-memory can feed (`fitted_view`), built only when some node's CPUs or memory bind for that gang.
+memory can feed (placement's `_fitted_view`), built only when some node's CPUs or memory bind for that gang.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .capacity import ClusterCapacity
-    from .model import GangRequest, NodeCapacity, ReplicaPlacement
+    from .model import NodeCapacity, ReplicaPlacement
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([KMGTP])(?:iB|i|B)?|B)?", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
@@ -115,51 +114,3 @@ def check_use(nodes: dict[str, NodeCapacity], replicas: Iterable[ReplicaPlacemen
                 f"{human_size(node.memory)} memory free, not {human_size(memory)}"
             )
     return ""
-
-
-def fitted_view(capacity: ClusterCapacity, request: GangRequest) -> tuple[ClusterCapacity, int]:
-    """The capacity as `request` can use it: where a node's free CPUs or memory feed fewer of the gang's replicas
-    than its free GPUs would hold, a copy offers only the GPUs those replicas take (the closest set, by
-    placement.pick_gpus), or nothing. Returns `capacity` itself when no node binds, and the number of nodes that do.
-
-    A whole-GPU replica takes `gpus_per_replica` GPUs, so a node feeding k replicas offers k x that many. A partial
-    replica (a MIG instance or a share) takes part of one GPU, several to a GPU: a node feeding none is hidden, and
-    place_partial stops using a node once its replicas there use up what it feeds (it takes each replica's host
-    resources as it places it, on this view).
-    """
-    from .placement import pick_gpus  # placement imports this module
-
-    cpu, memory = request.cpu_milli, request.memory
-    g = request.gpus_per_replica
-    trim: dict[str, int] = {}
-    for node in capacity.nodes.values():
-        k = room(node, cpu, memory)
-        if k is None:
-            return capacity, 0
-        if request.partial:
-            if k == 0 and node.schedulable:
-                trim[node.name] = 0
-        elif k * g < len(node.free):
-            trim[node.name] = k
-    if not trim:
-        return capacity, 0
-    view = capacity.copy()
-    for name, k in trim.items():
-        node = view.nodes[name]
-        if request.partial:
-            node.schedulable = False
-        else:
-            node.free = set(pick_gpus(node.free, k * g, node.closeness)) if k else set()
-    return view, len(trim)
-
-
-def most_room(capacity: ClusterCapacity, cpu: int, memory: int) -> str:
-    """The most free CPUs and memory on one schedulable node, for a reason: '6 CPUs and 48G memory'."""
-    best_cpu = max((n.cpu_milli - n.cpu_used for n in capacity.nodes.values() if n.schedulable), default=0)
-    best_mem = max((n.memory - n.memory_used for n in capacity.nodes.values() if n.schedulable), default=0)
-    parts = []
-    if cpu:
-        parts.append(f"{format_cpus(max(0, best_cpu))} CPUs")
-    if memory:
-        parts.append(f"{human_size(max(0, best_mem))} memory")
-    return " and ".join(parts)

@@ -35,6 +35,7 @@ from . import mig
 from .capacity import ClusterCapacity, NodeShape
 from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from .packing import Fragmentation, PackTask, TypicalMix
+from .resources import room
 
 # The GPU a replica takes on a node of some shape: ("free",) a whole free GPU, ("mig", mask) a GPU in MIG mode with
 # that mask used, ("milli", used) a share GPU with that many thousandths used.
@@ -132,6 +133,8 @@ def place_partial(
     cap = capacity.restricted(request.gpu_model) if request.gpu_model else capacity
     taken: list[ReplicaPlacement] = []
     total_delta = 0.0
+    uses = bool(request.cpu_milli or request.memory)
+    full: list[str] = []  # nodes hidden once their host resources feed no further replica of this gang
     try:
         for replica in range(request.replicas):
             option = _best_option(cap, request, mix)
@@ -141,9 +144,18 @@ def place_partial(
             cap.take_partial(rep)
             taken.append(rep)
             total_delta += option.delta
+            if uses:
+                cap.take_use(rep.node, request.cpu_milli, request.memory)
+                if room(cap.nodes[rep.node], request.cpu_milli, request.memory) == 0:
+                    cap.set_schedulable(rep.node, False)
+                    full.append(rep.node)
     finally:
         for rep in taken:
             cap.release_partial(rep)
+            if uses:
+                cap.release_use(rep.node, request.cpu_milli, request.memory)
+        for name in full:
+            cap.set_schedulable(name, True)
     what = request.mig_profile or f"{request.gpu_milli}/1000 GPU"
     first = taken[0]
     where = (

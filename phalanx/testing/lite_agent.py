@@ -91,6 +91,9 @@ class LiteAgent:
     # A channel shared with other agents (benchmarks run thousands in one process); None: one of its own
     shared_channel: grpc.aio.Channel | None = None
     rank_ports: tuple[int, int] = (0, 0)  # its --rank-port-range ((0, 0): the scheduler's default)
+    cpus: float = 0.0  # host CPUs and memory (bytes) it reports (0: not reported)
+    confirms_release: bool = False  # registers with confirms_release (the test then sends ReportAttemptReleased)
+    memory_bytes: int = 0
 
     async def start(self) -> None:
         from phalanx.client import open_aio_channel
@@ -106,6 +109,9 @@ class LiteAgent:
                 agent_instance=self.instance,
                 rank_port_low=self.rank_ports[0],
                 rank_port_high=self.rank_ports[1],
+                cpus=self.cpus,
+                memory_bytes=self.memory_bytes,
+                confirms_release=self.confirms_release,
             )
         )
         self.acked = max(self.acked, resp.acked_revision)

@@ -37,6 +37,12 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 - Health (health.py): before every heartbeat the HealthMonitor checks its source (NVML on a discovered host; the
   simulated source, fed by `<state_dir>/health.json` or `health_source.inject()`, on a simulated one); the
   heartbeat carries the node's health and the events since the last answered heartbeat (kept until one is).
+- Host resources (host_resources.py): the registration says what ranks may use of the host, `cpus` and
+  `memory_bytes` (the CPU affinity and MemTotal, capped by the agent's own cgroup; a simulated host's profile;
+  `--host-cpus` / `--host-memory` override). A launch's `cpus` / `memory_bytes` are its replica's reservation: the
+  attempt's container here gets a CPU quota and a memory limit of their sum over the attempt's replicas on this
+  host (none when every replica asks 0). A rank that ends in failure after the container's OOM-kill count rose is
+  reported `out of memory (limit <size>)`, its exit code kept (137 for the SIGKILL); each kill is told once.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
 import os
 import random
 import shutil
@@ -63,7 +70,7 @@ from prometheus_client import Gauge
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from . import containment as cgroups
-from . import identity, launcher
+from . import host_resources, identity, launcher
 from .health import HealthMonitor, NodeHealth, NvmlHealthSource, SimulatedHealthSource, event_to_proto, health_to_proto
 from .mig_manager import MigBackend, MigError, MigManager, backend_for
 from .mps import CONTROL as MPS_CONTROL
@@ -140,6 +147,10 @@ class AgentConfig:
     self_fence: bool = True  # stop every rank when the registration cannot be renewed within the lease
     rank_ports: tuple[int, int] = (20000, 31999)  # --rank-port-range: where MASTER_PORT comes from for rank 0 here
     tls: object | None = None  # phalanx.client.TLSConfig: TLS to the scheduler
+    # What the registration says ranks may use of the host (--host-cpus / --host-memory); None: found
+    # (host_resources.resolve: a simulated host's shipped profile, else this host's affinity and MemTotal).
+    host_cpus: float | None = None
+    host_memory: int | None = None
     extra: dict = field(default_factory=dict)
 
     def resolved_state_dir(self) -> Path:
@@ -204,6 +215,9 @@ class NodeAgent:
             on_change=lambda records: setattr(self.state, "mig_created", records),
         )
         self._gpu_memory = {g.index: g.memory_mib for g in config.topology.gpus}
+        self.host_resources = host_resources.resolve(
+            _shipped_profile(config.topology.profile), config.host_cpus, config.host_memory
+        )
         self._mig_switching: set[int] = set()  # GPUs whose MIG mode switch is under way
         self._mig_switch_errors: dict[int, str] = {}  # GPU -> why its last switch failed
         # Fractional shares: one MPS control daemon per GPU that has shares (mps.py).
@@ -225,7 +239,8 @@ class NodeAgent:
             raise ValueError(f"ranks can run as {self.rank_user.name!r} only when the agent runs as root")
         self.containment: cgroups.Containment | None = config.containment
         self._groups: dict[str, cgroups.Group] = {}  # attempt key -> its container on this host
-        self._group_minors: dict[str, tuple[int, ...]] = {}  # attempt key -> the GPU devices its rules allow
+        self._group_limits: dict[str, cgroups.Limits] = {}  # attempt key -> its container's limits (GPU devices,
+        # CPU quota, memory), as last applied by this process
         # GPU index -> device minor (/dev/nvidia<minor>), the index where discovery did not say
         self._minors = {
             g.index: (g.minor_number if g.HasField("minor_number") else g.index) for g in config.topology.gpus
@@ -258,6 +273,10 @@ class NodeAgent:
             acked_revision=self.state.acked_revision,
             cluster_id=self.state.cluster_id or "unknown",
             gpus=len(self.config.topology.gpus),
+            host_cpus=self.host_resources.cpus,
+            host_memory=cgroups.format_size(self.host_resources.memory_bytes)
+            if self.host_resources.memory_bytes
+            else "unknown",
         )
         try:
             await self._open_health()
@@ -369,6 +388,8 @@ class NodeAgent:
                     confirms_release=True,
                     rank_port_low=self.config.rank_ports[0],
                     rank_port_high=self.config.rank_ports[1],
+                    cpus=self.host_resources.cpus,
+                    memory_bytes=self.host_resources.memory_bytes,
                     live_attempts=sorted(
                         {attempt_key(r.job_id, r.attempt) for r in self.state.ranks.values() if not r.final}
                         | set(self._groups)
@@ -497,6 +518,7 @@ class NodeAgent:
         self.state.ranks.clear()
         self.state.killed_attempts.clear()
         self.state.pending_reports.clear()
+        self.state.oom_seen.clear()
         self.state.acked_revision = 0
         self.state.save()
         REPORTS_PENDING.set(0)
@@ -676,6 +698,8 @@ class NodeAgent:
         if attempt_key(launch.job_id, launch.attempt) in self.state.killed_attempts:
             self.log.info("launch_of_killed_attempt_ignored", job_id=launch.job_id, attempt=launch.attempt)
             return new
+        cpus = launch.cpus if math.isfinite(launch.cpus) and launch.cpus > 0 else 0.0
+        memory = max(0, launch.memory_bytes)
         for r in launch.ranks:
             key = rank_key(launch.job_id, launch.attempt, r.rank)
             if key in self.state.ranks:
@@ -693,6 +717,8 @@ class NodeAgent:
                 log_file=str(log_file),
                 slices=[{"gpu": s.gpu, "profile": s.profile, "start": s.start, "size": s.size} for s in r.slices],
                 gpu_milli=r.gpu_milli,
+                cpus=cpus,
+                memory_bytes=memory,
             )
             self.state.ranks[key] = rec
             new.append(rec)
@@ -994,7 +1020,12 @@ class NodeAgent:
             if group is None:
                 continue
             if name in live:
-                self._groups[self._attempt_of_group(name)] = group
+                key = self._attempt_of_group(name)
+                job_id, _, attempt = key.rpartition("/")
+                memory = self._attempt_limits(job_id, int(attempt))[1]
+                if memory:  # what the scheduler reserved (the cgroup reads it back rounded to pages)
+                    group.memory_limit = memory
+                self._groups[key] = group
                 continue
             self.log.info("container_left_over", container=name, processes=len(group.pids()))
             self._spawn_task(self._empty_and_remove(group, "left by an earlier agent process"))
@@ -1014,7 +1045,9 @@ class NodeAgent:
 
     def _container(self, rec: RankRecord) -> cgroups.Group:
         """The container of the rank's attempt (created with its working and temporary directories). Its device
-        rules let it open the GPUs of the attempt's ranks on this host (and the control devices), no other."""
+        rules let it open the GPUs of the attempt's ranks on this host (and the control devices), no other; its CPU
+        quota and memory limit are the sums of the reservations of the attempt's replicas here (_attempt_limits).
+        Updated in place when another replica of the attempt lands here."""
         key = attempt_key(rec.job_id, rec.attempt)
         minors = tuple(
             sorted(
@@ -1026,16 +1059,31 @@ class NodeAgent:
                 }
             )
         )
+        cpus, memory = self._attempt_limits(rec.job_id, rec.attempt)
+        limits = cgroups.Limits(memory_bytes=memory, cpus=cpus, pids_max=self.config.pids_max, gpu_minors=minors)
         group = self._groups.get(key)
-        if group is None or self._group_minors.get(key) != minors:
+        if group is None or self._group_limits.get(key) != limits:
             assert self.containment is not None
-            group = self.containment.create(
-                self._group_name(rec.job_id, rec.attempt),
-                cgroups.Limits(pids_max=self.config.pids_max, gpu_minors=minors),
-            )
-            self._group_minors[key] = minors
-        if key not in self._groups:
-            self._groups[key] = group
+            group = self.containment.create(self._group_name(rec.job_id, rec.attempt), limits)
+            if (cpus or memory) and not self.containment.limits_enforced:
+                self.log.warning(
+                    "container_limits_not_enforced",
+                    container=group.name,
+                    kind=self.containment.kind,
+                    cpus=cpus,
+                    memory=cgroups.format_size(memory) if memory else "no limit",
+                )
+            elif cpus or memory:
+                self.log.info(
+                    "container_limits",
+                    container=group.name,
+                    cpus=cpus or "no limit",
+                    memory=cgroups.format_size(memory) if memory else "no limit",
+                )
+            self._group_limits[key] = limits
+        fresh = key not in self._groups
+        self._groups[key] = group  # a new group object after an update: it knows the new memory limit
+        if fresh:
             root = self.state_dir / "work"
             root.mkdir(exist_ok=True)
             root.chmod(0o711)  # the ranks' users reach their own directories, and list nobody else's
@@ -1043,6 +1091,39 @@ class NodeAgent:
             work = identity.make_owned_dir(self._work_dir(rec.job_id, rec.attempt), user)
             identity.make_owned_dir(work / "tmp", user)
         return group
+
+    def _attempt_limits(self, job_id: str, attempt: int) -> tuple[float, int]:
+        """(CPUs, memory bytes) the attempt's container here is limited to: the sum of its replicas' reservations on
+        this host (each replica counted once, whatever its number of ranks); 0 where none asks."""
+        replicas: dict[int, tuple[float, int]] = {}
+        for r in self.state.ranks.values():
+            if r.job_id == job_id and r.attempt == attempt:
+                replicas.setdefault(r.replica, (r.cpus, r.memory_bytes))
+        cpus = round(sum(c for c, _ in replicas.values()), 3)
+        return cpus, sum(m for _, m in replicas.values())
+
+    def _out_of_memory(self, rec: RankRecord) -> str:
+        """`out of memory (limit 512M)` when the attempt's container here has a memory limit and its OOM killer
+        killed a process that no earlier report told (each kill is told once), else ""."""
+        key = attempt_key(rec.job_id, rec.attempt)
+        group = self._groups.get(key)
+        if group is None and self.containment is not None:
+            try:
+                group = self.containment.open(self._group_name(rec.job_id, rec.attempt))
+            except (OSError, ValueError, cgroups.ContainmentError):
+                group = None
+        if group is None or not group.memory_limit:
+            return ""
+        try:
+            kills = group.oom_kills()
+        except (OSError, ValueError):
+            return ""
+        seen = self.state.oom_seen.get(key, 0)
+        if kills <= seen:
+            return ""
+        self.state.oom_seen[key] = seen + 1
+        limit = self._attempt_limits(rec.job_id, rec.attempt)[1] or group.memory_limit
+        return f"out of memory (limit {cgroups.format_size(limit)})"
 
     @staticmethod
     def _checkpoint_dir_for(env: dict[str, str], job_id: str, user: identity.RankUser) -> None:
@@ -1089,7 +1170,7 @@ class NodeAgent:
         if group is not None:
             await self._empty_and_remove(group, "its attempt ended")
             self._groups.pop(key, None)
-            self._group_minors.pop(key, None)
+            self._group_limits.pop(key, None)
         await asyncio.to_thread(shutil.rmtree, self._work_dir(job_id, attempt), True)
         for args in self._held_reports.pop(key, []):  # the last ranks' ends, held until the container was empty
             self._report(*args[0], **args[1])
@@ -1097,6 +1178,7 @@ class NodeAgent:
 
     def _forget_attempt(self, key: str) -> None:
         self._attempt_users.pop(key, None)
+        self.state.oom_seen.pop(key, None)
         for port in [p for p, holder in self._ports.items() if holder == key]:
             del self._ports[port]
 
@@ -1206,9 +1288,12 @@ class NodeAgent:
         if rec.kill_requested:
             self._finish(rec, "killed", exit_code=code or 0, message="killed")
         elif code is not None:
-            self._finish(rec, "exited", exit_code=code, message=f"exited with code {code}")
+            oom = self._out_of_memory(rec) if code else ""
+            self._finish(rec, "exited", exit_code=code, message=oom or f"exited with code {code}")
         else:
-            self._finish(rec, "lost", message="the rank process is gone and left no exit status")
+            self._finish(
+                rec, "lost", message=self._out_of_memory(rec) or "the rank process is gone and left no exit status"
+            )
 
     def _wait_gone(self, rec: RankRecord) -> None:
         proc = self._procs.pop(rec.key, None)
@@ -1310,8 +1395,12 @@ class NodeAgent:
                 if rec.kill_requested:
                     self._finish(rec, "killed", exit_code=code, message="killed")
                 else:
+                    oom = self._out_of_memory(rec) if code else ""
                     self._finish(
-                        rec, "exited", exit_code=code, message=f"exited with code {code} while the agent was down"
+                        rec,
+                        "exited",
+                        exit_code=code,
+                        message=oom or f"exited with code {code} while the agent was down",
                     )
             elif st.get("state") == "failed":
                 self._finish(rec, "failed", exit_code=127, message=st.get("error", "could not start"))
@@ -1491,3 +1580,16 @@ class NodeAgent:
             self._reporter.cancel()
             await asyncio.gather(self._reporter, return_exceptions=True)
         self.state.save()
+
+
+def _shipped_profile(name: str):
+    """The shipped profile a simulated topology was made from (its host CPUs and memory), None for a real host or
+    a topology of no shipped profile (a dump file's)."""
+    if not name or name == "nvml":
+        return None
+    from phalanx.profiles import UnknownProfile, load_profile
+
+    try:
+        return load_profile(name)
+    except (UnknownProfile, ValueError, OSError):
+        return None

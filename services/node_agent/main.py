@@ -9,7 +9,8 @@ PHALANX_FABRIC_CLUSTER (simulated NVL72 fabric cluster UUID), PHALANX_FABRIC_CLI
 PHALANX_ECC_SBE_THRESHOLD, PHALANX_AGENT_TOKEN (the agent's credential, role `node`; ranks never see it: their
 environment is built, identity.py), PHALANX_AGENT_TOKEN_FILE, PHALANX_CGROUP_PARENT, PHALANX_RUN_AS,
 PHALANX_TLS_CA / PHALANX_TLS_CERT / PHALANX_TLS_KEY (TLS to the scheduler),
-PHALANX_MPS_CONTROL (the MPS control program for fractional GPU shares). Logs go to standard error; --discover
+PHALANX_MPS_CONTROL (the MPS control program for fractional GPU shares), PHALANX_HOST_CPUS / PHALANX_HOST_MEMORY
+(what the agent registers of the host's CPUs and memory). Logs go to standard error; --discover
 writes its result on standard output.
 
 Configuration file: `--config FILE` (or PHALANX_AGENT_CONFIG), YAML with the flags' names as keys (`node-name` or
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -31,10 +33,12 @@ from typing import Any
 
 from phalanx.api.v1 import agent_pb2
 from phalanx.common.logging import configure_logging
+from phalanx.core.resources import parse_size
 from phalanx.core.topo_dump import TopoParseError
-from phalanx.profiles import UnknownProfile, list_profiles
+from phalanx.profiles import HostProfile, UnknownProfile, list_profiles, load_profile, load_profile_file
 from services.common.metrics import serve_metrics
 
+from . import host_resources
 from .discovery import DiscoveryError, discover_topology
 from .topology import render_topology, topology_to_json
 
@@ -66,6 +70,8 @@ CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "pass-env": ("pass_env", None),
     "self-fence": ("self_fence", None),
     "rank-port-range": ("rank_port_range", None),
+    "host-cpus": ("host_cpus", "PHALANX_HOST_CPUS"),
+    "host-memory": ("host_memory", "PHALANX_HOST_MEMORY"),
 }
 
 
@@ -287,6 +293,22 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
         help="ports MASTER_PORT is chosen from when this host runs an attempt's rank 0; the scheduler gives each "
         "live attempt its own and the agent checks it is free (default 20000-31999)",
     )
+    p.add_argument(
+        "--host-cpus",
+        default=_default(file, "host-cpus"),
+        metavar="N",
+        help="the CPUs ranks may use on this host, as registered with the scheduler (it reserves each "
+        "replica's CPUs from them) (env PHALANX_HOST_CPUS; default: the agent's CPU affinity, capped by its own cgroup's "
+        "CPU quota; a simulated host: its profile's)",
+    )
+    p.add_argument(
+        "--host-memory",
+        default=_default(file, "host-memory"),
+        metavar="SIZE",
+        help="the memory ranks may use on this host, like 512G, as registered with the scheduler (it reserves "
+        "each replica's memory from it) (env PHALANX_HOST_MEMORY; default: MemTotal, capped by the agent's own "
+        "cgroup's memory limit; a simulated host: its profile's)",
+    )
     p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
     p.add_argument("--log-level", default=_default(file, "log-level"))
@@ -337,6 +359,33 @@ def build_topology(args, node_name: str, state_dir: Path | None = None) -> tuple
             "mode is set with nvidia-smi -mig, or by the scheduler under --mig-manage"
         )
     return discover_topology(node_name), None
+
+
+def host_overrides(args) -> tuple[float | None, int | None]:
+    """(--host-cpus, --host-memory) as numbers, None where not given; ValueError naming the flag when malformed."""
+    cpus = memory = None
+    if args.host_cpus not in (None, ""):
+        try:
+            cpus = float(args.host_cpus)
+        except (TypeError, ValueError):
+            cpus = float("nan")
+        if not math.isfinite(cpus) or cpus <= 0:
+            raise ValueError(f"--host-cpus takes a positive number of CPUs, not {args.host_cpus!r}")
+    if args.host_memory not in (None, ""):
+        try:
+            memory = parse_size(str(args.host_memory))
+        except ValueError as exc:
+            raise ValueError(f"--host-memory: {exc}") from exc
+    return cpus, memory
+
+
+def host_profile(args) -> HostProfile | None:
+    """The profile a simulated host is made from (--simulate / --simulate-from), None for a real host."""
+    if args.simulate:
+        return load_profile(args.simulate)
+    if args.simulate_from:
+        return load_profile_file(args.simulate_from)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad_env:
         print(f"phalanx-agent: --pass-env takes variable names (never CUDA_MPS_*), not {bad_env}", file=sys.stderr)
         return 2
+    try:
+        resources = host_resources.resolve(host_profile(args), *host_overrides(args))
+    except (UnknownProfile, TopoParseError, OSError, ValueError) as exc:
+        print(f"phalanx-agent: {exc}", file=sys.stderr)
+        return 2
     run_as = args.run_as or ("nobody" if os.geteuid() == 0 else None)  # never root unless asked for
     if run_as == "root":
         log.warning("ranks_run_as_root", note="--run-as root: ranks run as root (an explicit opt-in)")
@@ -425,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         pass_env=tuple(dict.fromkeys(args.pass_env)),
         self_fence=_truthy(args.self_fence),
         rank_ports=ports,
+        host_cpus=resources.cpus,
+        host_memory=resources.memory_bytes,
     )
     try:
         agent = NodeAgent(config)

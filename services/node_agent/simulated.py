@@ -63,6 +63,7 @@ class SimulatedNode:
     host: SimulatedHost
     nvml: Any
     topology: agent_pb2.HostTopology
+    profile: HostProfile | None = None  # what it was made from (its host CPUs and memory: host_resources.py)
 
 
 def _fabric_of(prof: HostProfile, cluster: str, clique: str) -> tuple[str, str]:
@@ -121,7 +122,7 @@ def simulated_node(
     )
     nv = bind(host, nvml)
     topo = _discover(node_name, host, nv, prof.dump, prof.name, state / "sysfs" if state is not None else None)
-    return SimulatedNode(host, nv, topo)
+    return SimulatedNode(host, nv, topo, prof)
 
 
 _shared_lock = threading.Lock()

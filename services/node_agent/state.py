@@ -57,6 +57,10 @@ class RankRecord:
     # the instance is there. Fractional: the share of its one GPU in thousandths.
     slices: list[dict] = field(default_factory=list)
     gpu_milli: int = 0
+    # Its replica's reserved host resources (LaunchReplica.cpus / memory_bytes; 0: none). The attempt's container
+    # here is limited to their sum over the attempt's replicas on this host.
+    cpus: float = 0.0
+    memory_bytes: int = 0
     state: str = "starting"  # starting | running | exited | failed | killed | lost
     wrapper_pid: int = 0  # process-group leader (the rank wrapper)
     wrapper_start: int = 0  # its /proc start time, to recognise it after an agent restart
@@ -118,6 +122,9 @@ class AgentState:
     # The MIG instances this agent created ({gpu, profile, start, size, gi_id, ci_id, uuid}): the only ones it
     # ever destroys (mig_manager.MigManager keeps it).
     mig_created: list[dict] = field(default_factory=list)
+    # Attempt key -> the OOM kills in its container already told in a rank's report ("out of memory (limit ...)"),
+    # so that one kill is told once, across agent restarts too. Dropped once the attempt is released.
+    oom_seen: dict[str, int] = field(default_factory=dict)
     _writer: _Writer | None = field(default=None, repr=False, compare=False)
     _dirty: bool = field(default=False, repr=False, compare=False)  # a save() not serialized yet (writer mode)
 
@@ -136,6 +143,7 @@ class AgentState:
             killed_attempts=KilledAttempts(data.get("killed_attempts", [])),
             pending_reports=list(data.get("pending_reports", [])),
             mig_created=list(data.get("mig_created", [])),
+            oom_seen={str(k): int(v) for k, v in (data.get("oom_seen") or {}).items()},
         )
         unsent = {rank_key(r["job_id"], r["attempt"], r["rank"]) for r in state.pending_reports if "rank" in r}
         for key in [k for k, r in state.ranks.items() if r.final and k not in unsent]:
@@ -158,6 +166,7 @@ class AgentState:
             "killed_attempts": list(self.killed_attempts),
             "pending_reports": self.pending_reports,
             "mig_created": self.mig_created,
+            "oom_seen": self.oom_seen,
         }
 
     def save(self) -> None:

@@ -16,6 +16,7 @@ from db.models import Job
 from phalanx.api.v1 import common_pb2
 from phalanx.core import mig
 from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec
+from phalanx.core.resources import cpu_milli, describe, format_cpus, human_size, parse_size
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 from . import ledger
@@ -71,6 +72,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
         try:
             check_fits_ever(cycle.state, sub.spec)
             check_fits_model(cycle.state, sub.spec)
+            check_fits_host_resources(cycle.state, sub.spec)
             check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
             check_queue(cycle.state, sub.spec, sub.tenant)
         except (FailedPrecondition, PermissionDenied) as exc:
@@ -100,6 +102,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             time_limit=spec.time_limit_s,
             queue=spec.queue or DEFAULT_QUEUE,
             keep_checkpoints=spec.keep_checkpoints,
+            cpu_milli=cpu_milli(spec.cpus_per_replica),
+            memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
         )
         new.append(job)
         results[i] = job
@@ -164,6 +168,44 @@ def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
         raise FailedPrecondition(
             f"the gang needs {r} replicas of {g} GPUs, each on one node, but the {len(nodes)} known nodes can hold "
             f"at most {fit} such replicas even when empty"
+        )
+
+
+def check_fits_host_resources(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
+    """Refuse replicas asking more CPUs or memory than any node has, or a gang whose replicas the nodes could not
+    feed all at once even when empty (drained and lost nodes count)."""
+    cpu = cpu_milli(spec.cpus_per_replica)
+    memory = parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0
+    if not (cpu or memory):
+        return
+    nodes = list(state.capacity.nodes.values())
+    if spec.gpu_model:
+        nodes = [n for n in nodes if spec.gpu_model.lower() in n.gpu_model.lower()]
+    if cpu and not any(n.cpu_milli >= cpu for n in nodes):
+        most = max((n.cpu_milli for n in nodes), default=0)
+        raise FailedPrecondition(
+            f"each replica asks for {format_cpus(cpu)} CPUs, but the most any node has is {format_cpus(most)}"
+            + ("" if most else " (no node's agent reported its CPUs)")
+        )
+    if memory and not any(n.memory >= memory for n in nodes):
+        most = max((n.memory for n in nodes), default=0)
+        raise FailedPrecondition(
+            f"each replica asks for {human_size(memory)} memory, but the most any node has is {human_size(most)}"
+            + ("" if most else " (no node's agent reported its memory)")
+        )
+    partial = bool(spec.mig_profile or spec.gpu_milli)
+    fit = 0
+    for n in nodes:
+        k = min(
+            n.cpu_milli // cpu if cpu else 1 << 30,
+            n.memory // memory if memory else 1 << 30,
+            (1 << 30) if partial else n.total // max(1, spec.gpus_per_replica),
+        )
+        fit += k
+    if fit < spec.replicas:
+        raise FailedPrecondition(
+            f"the gang needs {spec.replicas} replicas of {describe(cpu, memory)} each, but the known nodes can feed "
+            f"at most {fit} such replicas with their GPUs even when empty"
         )
 
 
@@ -304,6 +346,8 @@ class Register(Command):
     confirms_release: bool = False
     live_attempts: tuple[str, ...] = ()
     rank_ports: tuple[int, int] = (0, 0)
+    cpu_milli: int = 0  # host CPUs (thousandths) and memory (bytes) the agent reported; 0: not reported
+    memory: int = 0
 
     def ledger_row(self, cycle: Cycle) -> dict[str, Any]:
         """The node's row as ledger.upsert_nodes takes it."""
@@ -335,6 +379,8 @@ class Register(Command):
             containment=self.containment,
             confirms_release=self.confirms_release,
             rank_ports=self.rank_ports,
+            cpu_milli=self.cpu_milli,
+            memory=self.memory,
         )
 
     def execute(self, cycle: Cycle, rows: ledger.Registered | None = None) -> int:
@@ -372,11 +418,14 @@ class Register(Command):
         )
         node.confirms_release = self.confirms_release
         node.rank_ports = self.rank_ports
+        node.cpu_milli, node.memory = self.cpu_milli, self.memory
         if old is not None and old.releasing:
             live = set(self.live_attempts)
             for key, gpus in old.releasing.items():
                 if key in live:
                     node.releasing[key] = gpus
+                    if key in old.releasing_use:
+                        node.releasing_use[key] = old.releasing_use[key]
                 else:  # the agent has no process of it left (or lost its state): its GPUs are free
                     job_id, _, attempt = key.rpartition("/")
                     ledger.release_attempt_on_node(cycle.conn, node.id, job_id, int(attempt), cycle.now)
@@ -398,6 +447,7 @@ class Register(Command):
             or old.mig_gpus != node.mig_gpus
             or old.foreign != node.foreign
             or old.releasing != node.releasing
+            or (old.cpu_milli, old.memory) != (node.cpu_milli, node.memory)
             or switch_ended
         ):
             state.rebuild_capacity()  # a new path (another NVLink clique), or a GPU's MIG mode or instances changed
@@ -454,6 +504,9 @@ class AttemptReleased(Command):
             return False
         ledger.release_attempt_on_node(cycle.conn, node.id, self.job_id, self.attempt, cycle.now)
         cycle.state.capacity.release(node.name, set(gpus) - node.held_gpus)
+        use = node.releasing_use.pop(attempt_key(self.job_id, self.attempt), None)
+        if use is not None:
+            cycle.state.capacity.release_use(node.name, *use)
         cycle.state.pass_due = True
         log.info("gpus_released", node=self.node, job=self.job_id, attempt=self.attempt, gpus=list(gpus))
         return True
@@ -509,6 +562,8 @@ class RankReport(Command):
         )
         rank.state, rank.exit_code = self.state, self.exit_code
         where = f"rank {self.rank} on {self.node}"
+        # What the agent knows beyond the exit code ("out of memory (limit 512M)"), for the job's reason
+        why = f": {self.message}" if self.message and not self.message.startswith("exited with code") else ""
         if self.state == "RUNNING":
             if all(r.state != "ASSIGNED" for r in job.ranks.values()):
                 job.launch_deadline = None
@@ -521,7 +576,8 @@ class RankReport(Command):
                 cycle,
                 job,
                 cause="RANK_FAILED",
-                message=f"{where} exited with code {self.exit_code} (restart {job.failures + 1} of {job.max_restarts})",
+                message=f"{where} exited with code {self.exit_code}{why} "
+                f"(restart {job.failures + 1} of {job.max_restarts})",
             )
         elif self.state == "EXITED" and self.exit_code != 0:
             teardown(
@@ -529,7 +585,7 @@ class RankReport(Command):
                 job,
                 final_state="FAILED",
                 exit_code=self.exit_code,
-                message=f"{where} exited with code {self.exit_code}"
+                message=f"{where} exited with code {self.exit_code}{why}"
                 + (f" after {job.max_restarts} restart(s)" if job.max_restarts else ""),
             )
         elif self.state == "EXITED":
@@ -546,7 +602,8 @@ class RankReport(Command):
                 message=f"{where} failed to start: {self.message or 'unknown error'}",
             )
         elif self.state in ("KILLED", "LOST"):
-            teardown(cycle, job, cause="RANK_LOST", message=f"{where} was {self.state.lower()} by its agent")
+            lost = why if self.state == "LOST" else ""  # e.g. gone without an exit status: out of memory
+            teardown(cycle, job, cause="RANK_LOST", message=f"{where} was {self.state.lower()} by its agent{lost}")
         return False
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.api.v1 import common_pb2
+from phalanx.core.resources import format_size
 
 from .state import JobRecord, Partial
 
@@ -51,6 +52,8 @@ def _spec(j: Any) -> common_pb2.JobSpec:
         time_limit_s=j.get("time_limit") or 0.0,
         queue=j.get("queue") or "default",
         keep_checkpoints=j.get("keep_checkpoints") or 0,
+        cpus_per_replica=(j.get("cpu_milli") or 0) / 1000,
+        memory_per_replica=format_size(j["memory"]) if j.get("memory") else "",
     )
 
 
@@ -62,8 +65,10 @@ def _placement(p: dict[str, Any]) -> common_pb2.PlacementInfo | None:
     )
 
 
-def allocation(replica: int, node: str, gpus, part: Partial | None) -> common_pb2.Allocation:
-    msg = common_pb2.Allocation(replica=replica, node=node, gpus=list(gpus))
+def allocation(
+    replica: int, node: str, gpus, part: Partial | None, cpu_milli: int = 0, memory: int = 0
+) -> common_pb2.Allocation:
+    msg = common_pb2.Allocation(replica=replica, node=node, gpus=list(gpus), cpus=cpu_milli / 1000, memory_bytes=memory)
     if part is not None and part.profile:
         msg.slices.add(gpu=gpus[0], profile=part.profile, start=part.start, size=part.size)
     elif part is not None:
@@ -82,7 +87,10 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         id=j["id"],
         spec=_spec(j),
         state=state,
-        allocations=[allocation(r, n, g, partials.get(r)) for r, n, g in allocations],
+        allocations=[
+            allocation(r, n, g, partials.get(r), j.get("cpu_milli") or 0, j.get("memory") or 0)
+            for r, n, g in allocations
+        ],
         attempt=j["attempt"],
         message=j["message"],
         submitted_at=j["submitted_at"],
@@ -200,4 +208,8 @@ def node_from_row(
         mig_manage=bool(n.get("mig_manage")),
         containment=n.get("containment") or "",
         releasing_gpus=sum(len(g) for g in (releasing or {}).values()),
+        cpus=(n.get("cpu_milli") or 0) / 1000,
+        memory_bytes=n.get("memory") or 0,
+        free_cpus=max(0, (n.get("cpu_milli") or 0) - (n.get("cpu_used") or 0)) / 1000,
+        free_memory_bytes=max(0, (n.get("memory") or 0) - (n.get("memory_used") or 0)),
     )

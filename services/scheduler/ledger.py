@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
+import structlog
 from sqlalchemy import Connection, Table, and_, bindparam, case, func, insert, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -41,6 +42,8 @@ from phalanx.core.closeness import GpuCloseness
 from phalanx.core.quota import FlavorQuota, QueueSpec
 
 from .state import JobRecord, MigSwitch, NodeRecord, Partial, SchedulerState, layout_ranks, touch
+
+log = structlog.get_logger()
 
 T = TypeVar("T")
 NOTIFY_CHANNEL = "phalanx_events"
@@ -288,6 +291,7 @@ def pipelined(conn: Connection, enabled: bool = True):
 
 def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     """Replace the in-memory view with what the ledger holds now (built aside, then swapped in at once)."""
+    recount_use(conn)
     nodes = read_node_records(conn, fabric_path)
     jobs = read_job_records(conn, {n.id: n.name for n in nodes.values()})
     state.nodes, state.jobs = nodes, jobs
@@ -336,6 +340,7 @@ def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | N
         if mask:
             foreign.setdefault(row.node_id, {})[row.index] = mask
     releasing = read_releasing(conn, wanted)
+    releasing_use = read_releasing_use(conn, wanted)
     for n in conn.execute(node_stmt).mappings():
         path = tuple(n["fabric_path"] or ()) or fabric_path(n["name"])
         nodes[n["name"]] = NodeRecord(
@@ -362,7 +367,10 @@ def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | N
             acked_revision=int(n["acked_revision"] or 0),
             confirms_release=bool(n["confirms_release"]),
             releasing=releasing.get(n["id"], {}),
+            releasing_use=releasing_use.get(n["id"], {}),
             rank_ports=(int(n["rank_port_low"] or 0), int(n["rank_port_high"] or 0)),
+            cpu_milli=int(n["cpu_milli"] or 0),
+            memory=int(n["memory"] or 0),
         )
         if n["id"] in switches:
             node = nodes[n["name"]]
@@ -583,6 +591,8 @@ def job_from_row(j) -> JobRecord:
         flavor=j["flavor"] or "",
         struck_nodes=[str(n) for n in _json_list(j.get("struck_nodes"))],
         keep_checkpoints=j.get("keep_checkpoints") or 0,
+        cpu_milli=j.get("cpu_milli") or 0,
+        memory=j.get("memory") or 0,
     )
 
 
@@ -628,6 +638,8 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 flavor=j.flavor,
                 struck_nodes=list(j.struck_nodes),
                 keep_checkpoints=j.keep_checkpoints,
+                cpu_milli=j.cpu_milli,
+                memory=j.memory,
             )
             for j in jobs
         ],
@@ -699,8 +711,9 @@ def flush_job_updates(conn: Connection) -> None:
 def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[str, NodeRecord], now: float) -> None:
     """Every GPU (or part of one) of every gang reserved in this cycle: the rows in one statement, then the holds
     of split GPUs (see db.models.Allocation)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     split: list[tuple[JobRecord, int, NodeRecord, int, Partial]] = []
+    use: dict[int, list[int]] = {}  # node id -> [thousandths of CPUs, bytes] this cycle's gangs take there
     _changed_jobs(conn, *(j.id for j in jobs))
     for job in jobs:
         for replica, node, gpus in job.allocations:
@@ -709,18 +722,34 @@ def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[
             base = dict(
                 job_id=job.id, attempt=job.attempt, replica=replica, node_id=rec.id, reserved_at=now, released_at=None
             )
+            first = len(rows)
             if part is None:
                 rows += [
                     dict(base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="gpu", unit=-1, profile="", gpu_milli=0)
                     for g in gpus
                 ]
+            if job.cpu_milli or job.memory:
+                if part is None:
+                    rows[first] = dict(rows[first], cpu_milli=job.cpu_milli, memory=job.memory)
+                else:
+                    base = dict(base, cpu_milli=job.cpu_milli, memory=job.memory)
+                held = use.setdefault(rec.id, [0, 0])
+                held[0] += job.cpu_milli
+                held[1] += job.memory
+            if part is None:
                 continue
             (g,) = gpus
             split.append((job, replica, rec, g, part))
             if part.profile:
                 rows += [
                     dict(
-                        base, gpu_id=rec.gpu_ids[g], gpu_index=g, kind="mig", unit=u, profile=part.profile, gpu_milli=0
+                        base if u == part.start or "cpu_milli" not in base else dict(base, cpu_milli=0, memory=0),
+                        gpu_id=rec.gpu_ids[g],
+                        gpu_index=g,
+                        kind="mig",
+                        unit=u,
+                        profile=part.profile,
+                        gpu_milli=0,
                     )
                     for u in range(part.start, part.start + part.size)
                 ]
@@ -736,9 +765,93 @@ def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[
                         gpu_milli=part.milli,
                     )
                 )
+    if use:
+        _take_use(conn, use, {rec.id: rec.name for rec in nodes.values() if rec.id in use})
+        for row in rows:
+            row.setdefault("cpu_milli", 0)
+            row.setdefault("memory", 0)
     insert_rows(conn, Allocation, rows)
     for job, replica, rec, g, part in split:
         _hold(conn, job, replica, rec, g, part, now)
+
+
+def _take_use(conn: Connection, use: dict[int, list[int]], names: dict[int, str]) -> None:
+    """Raise each node's held host resources, guarded: a node never holds more CPUs or memory than its agent
+    reported, whatever another writer did meanwhile (the row lock orders two racing replicas; the second one's
+    guard then sees the first's use)."""
+    for node_id, (cpu, memory) in sorted(use.items()):
+        result = conn.execute(
+            text(
+                "UPDATE nodes SET cpu_used = cpu_used + :cpu, memory_used = memory_used + :memory WHERE id = :id "
+                "AND cpu_used + :cpu <= cpu_milli AND memory_used + :memory <= memory"
+            ),
+            dict(id=node_id, cpu=cpu, memory=memory),
+        )
+        if result.rowcount != 1:
+            params = dict(node=names.get(node_id, node_id), cpu=cpu, memory=memory)
+            raise IntegrityError(
+                "host resources",
+                params,
+                RuntimeError(
+                    f"node {params['node']} has too few CPUs or too little memory free for this cycle's gangs"
+                ),
+            )
+
+
+def recount_use(conn: Connection, node_ids: Sequence[int] | None = None) -> int:
+    """Set the nodes' held host resources (cpu_used, memory_used) to what their active allocation rows carry, where
+    they differ; returns how many nodes were off. The counters are kept in the same transactions as the rows, so
+    this finds nothing unless a bug or a hand edit made them drift; but a counter left too high would make every
+    reservation on its node fail the guard, so a full reload (after a failed cycle) and a registration put it
+    right. Reads only the active rows (the partial index on node_id) and the nodes whose counters are not 0."""
+    if node_ids is not None and not node_ids:
+        return 0
+    held: dict[int, tuple[int, int]] = {}
+    rows = select(Allocation.node_id, func.sum(Allocation.cpu_milli), func.sum(Allocation.memory)).where(
+        Allocation.released_at.is_(None), or_(Allocation.cpu_milli > 0, Allocation.memory > 0)
+    )
+    nodes = select(Node.id, Node.cpu_used, Node.memory_used).where(or_(Node.cpu_used != 0, Node.memory_used != 0))
+    wanted = None if node_ids is None else set(node_ids)
+    if wanted is not None and len(wanted) <= 500:
+        rows, nodes = rows.where(Allocation.node_id.in_(sorted(wanted))), nodes.where(Node.id.in_(sorted(wanted)))
+    for node_id, cpu, memory in conn.execute(rows.group_by(Allocation.node_id)):
+        if wanted is None or node_id in wanted:
+            held[node_id] = (int(cpu or 0), int(memory or 0))
+    counted = {i: (int(c), int(m)) for i, c, m in conn.execute(nodes) if wanted is None or i in wanted}
+    fixes = [
+        dict(b_id=i, b_cpu=held.get(i, (0, 0))[0], b_memory=held.get(i, (0, 0))[1])
+        for i in sorted(set(held) | set(counted))
+        if held.get(i, (0, 0)) != counted.get(i, (0, 0))
+    ]
+    if fixes:
+        nodes_t = cast(Table, Node.__table__)
+        conn.execute(
+            update(nodes_t)
+            .where(nodes_t.c.id == bindparam("b_id"))
+            .values(cpu_used=bindparam("b_cpu"), memory_used=bindparam("b_memory")),
+            fixes,
+        )
+        log.warning("host_use_recounted", nodes=len(fixes))
+    return len(fixes)
+
+
+def _give_back_use(conn: Connection, job_id: str, attempt: int, only: str = "", **params: Any) -> None:
+    """Lower the nodes' held host resources by what the attempt's active allocation rows carry (those matching
+    `only`, an SQL condition on `a`), before the caller releases those rows in the same transaction. It reads
+    nothing back, so it can go in a pipeline (ledger.pipelined); the cycle lock keeps a second writer from
+    releasing the same rows meanwhile."""
+    rows = (
+        "FROM allocations a WHERE a.job_id = :job_id AND a.attempt = :attempt AND a.released_at IS NULL "
+        f"AND a.kind != 'hold' AND (a.cpu_milli > 0 OR a.memory > 0){' AND ' + only if only else ''}"
+    )
+    conn.execute(
+        text(
+            f"UPDATE nodes SET cpu_used = cpu_used - (SELECT COALESCE(SUM(a.cpu_milli), 0) {rows} "
+            f"AND a.node_id = nodes.id), memory_used = memory_used - (SELECT COALESCE(SUM(a.memory), 0) {rows} "
+            f"AND a.node_id = nodes.id) WHERE id IN (SELECT a.node_id {rows})"
+        ),
+        dict(params, job_id=job_id, attempt=attempt),
+    )
 
 
 def _hold(
@@ -802,9 +915,32 @@ def read_releasing(conn: Connection, node_ids: Sequence[int] | None = None) -> d
     return {n: {k: tuple(sorted(g)) for k, g in held.items()} for n, held in out.items()}
 
 
+def read_releasing_use(
+    conn: Connection, node_ids: Sequence[int] | None = None
+) -> dict[int, dict[str, tuple[int, int]]]:
+    """The host resources held with read_releasing's GPUs: node id -> {"job/attempt": (thousandths of CPUs,
+    bytes)}, only where they are not 0."""
+    stmt = text(
+        "SELECT a.node_id, a.job_id, a.attempt, a.cpu_milli, a.memory FROM allocations a JOIN jobs j ON j.id = a.job_id "
+        "WHERE a.released_at IS NULL AND a.kind = 'gpu' AND (a.cpu_milli > 0 OR a.memory > 0) "
+        "AND NOT (j.state = 'RUNNING' AND j.attempt = a.attempt)"
+    )
+    out: dict[int, dict[str, tuple[int, int]]] = {}
+    wanted = None if node_ids is None else set(node_ids)
+    for node_id, job_id, attempt, cpu, memory in conn.execute(stmt):
+        if wanted is None or node_id in wanted:
+            held = out.setdefault(node_id, {})
+            key = f"{job_id}/{attempt}"
+            was = held.get(key, (0, 0))
+            held[key] = (was[0] + cpu, was[1] + memory)
+    return out
+
+
 def release_attempt_on_node(conn: Connection, node_id: int, job_id: str, attempt: int, now: float) -> int:
-    """The agent of `node_id` says the attempt's processes there are gone: its GPUs there are free. Returns rows."""
+    """The agent of `node_id` says the attempt's processes there are gone: its GPUs (and host resources) there are
+    free. Returns rows."""
     _changed_nodes(conn, node_id)
+    _give_back_use(conn, job_id, attempt, "a.node_id = :node_id AND a.kind = 'gpu'", node_id=node_id)
     return conn.execute(
         update(Allocation)
         .where(
@@ -832,6 +968,9 @@ def release_allocations(conn: Connection, job: JobRecord, now: float, keep: froz
     if keep:
         _changed_nodes(conn, *keep)
         where.append(~(Allocation.node_id.in_(sorted(keep)) & (Allocation.kind == "gpu")))
+    if job.cpu_milli or job.memory:
+        kept = ", ".join(str(int(n)) for n in sorted(keep))
+        _give_back_use(conn, job.id, job.attempt, f"NOT (a.node_id IN ({kept}) AND a.kind = 'gpu')" if keep else "")
     conn.execute(update(Allocation).where(*where).values(released_at=now))
     if job.partials:
         _release_holds(conn, job, now)
@@ -1006,6 +1145,8 @@ def upsert_nodes(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, 
             confirms_release=r.get("confirms_release", False),
             rank_port_low=r.get("rank_ports", (0, 0))[0],
             rank_port_high=r.get("rank_ports", (0, 0))[1],
+            cpu_milli=r.get("cpu_milli", 0),
+            memory=r.get("memory", 0),
         )
 
     new = [r for r in rows if r["name"] not in found]
@@ -1025,6 +1166,7 @@ def upsert_nodes(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, 
         )
     known: dict[int, dict[int, int]] = {}
     old_ids = [ids[r["name"]] for r in old]
+    recount_use(conn, old_ids)  # each registration re-counts its node's held host resources
     for id_chunk in _chunks(old_ids, 500):
         for node_id, index, gpu_id in conn.execute(
             select(Gpu.node_id, Gpu.index, Gpu.id).where(Gpu.node_id.in_(id_chunk))
@@ -1343,10 +1485,10 @@ def mark_attempts_running(conn: Connection, items: Sequence[tuple[JobRecord, flo
 def release_allocations_many(conn: Connection, items: Sequence[tuple[Any, ...]]) -> None:
     """`release_allocations` for many jobs: the whole-GPU and part rows in one statement for all; a split GPU's
     hold, which needs its own statement, job by job; a job keeping GPUs held on some nodes, on its own."""
-    held = [row for row in items if len(row) > 2 and row[2]]
-    for job, now, keep in held:
-        release_allocations(conn, job, now, keep)
-    items = [(row[0], row[1]) for row in items if not (len(row) > 2 and row[2])]
+    alone = [row for row in items if (len(row) > 2 and row[2]) or row[0].cpu_milli or row[0].memory]
+    for row in alone:  # keeping GPUs held on some nodes, or giving back host resources: one statement each
+        release_allocations(conn, row[0], row[1], row[2] if len(row) > 2 else frozenset())
+    items = [(row[0], row[1]) for row in items if not ((len(row) > 2 and row[2]) or row[0].cpu_milli or row[0].memory)]
     if not items:
         return
     _changed_jobs(conn, *(j.id for j, _ in items))

@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core import mig
+from phalanx.core.resources import MAX_CPUS, MAX_MEMORY, cpu_milli, parse_size
 from services.common.auth import TenantLimits, current_identity, tenant_scope
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.rpc import stream, unary
@@ -142,6 +143,21 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
             f"keep_checkpoints must be 0 (the checkpoint coordinator's default) to "
             f"{MAX_KEEP_CHECKPOINTS}, got {spec.keep_checkpoints}"
         )
+    try:
+        cpu_milli(spec.cpus_per_replica)
+    except ValueError:
+        problems.append(
+            f"cpus_per_replica must be 0 (no limit) or a count of CPUs from 0.001 to {MAX_CPUS}, "
+            f"got {spec.cpus_per_replica}"
+        )
+    if spec.memory_per_replica:
+        try:
+            parse_size(spec.memory_per_replica)
+        except ValueError:
+            problems.append(
+                f"memory_per_replica {spec.memory_per_replica[:40]!r} is not a size like 512M or 64G "
+                "(a number with a binary unit K, M, G, T or P)"
+            )
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
@@ -422,6 +438,14 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         low, high = request.rank_port_low, request.rank_port_high
         if (low or high) and not 1024 <= low <= high <= 65535:
             raise InvalidArgument(f"rank port range {low}-{high}: want 1024 <= low <= high <= 65535")
+        try:
+            host_cpus = cpu_milli(request.cpus)
+        except ValueError:
+            raise InvalidArgument(
+                f"cpus must be a count of CPUs between 0 and {MAX_CPUS}, got {request.cpus}"
+            ) from None
+        if not 0 <= request.memory_bytes <= MAX_MEMORY:
+            raise InvalidArgument(f"memory_bytes must be between 0 and {MAX_MEMORY}, got {request.memory_bytes}")
         if request.containment not in CONTAINMENT_KINDS:
             raise InvalidArgument(
                 f"containment must be one of {', '.join(k for k in CONTAINMENT_KINDS if k)}, "
@@ -441,6 +465,8 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 confirms_release=request.confirms_release,
                 live_attempts=tuple(request.live_attempts),
                 rank_ports=(request.rank_port_low, request.rank_port_high),
+                cpu_milli=host_cpus,
+                memory=request.memory_bytes,
             )
         )
         s = self.service.settings

@@ -88,6 +88,9 @@ class JobRecord:
     restored_step: int = -1  # the committed step the current attempt restarts from (-1: none)
     # Nodes whose host could not set up one of its ranks (a retryable FAILED_TO_START): avoided while it fits elsewhere
     struck_nodes: list[str] = field(default_factory=list)
+    # Host resources of each replica (thousandths of CPUs, bytes; 0 none), reserved with its GPUs on its node
+    cpu_milli: int = 0
+    memory: int = 0
     # The decision's inputs built from this record last time, with the fields they were built from
     # (planning.running_job; the pending ones are kept by JobTable.pending_view).
     snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
@@ -117,15 +120,18 @@ class JobRecord:
             gpu_milli=self.gpu_milli,
             time_limit=self.time_limit,
             avoid=frozenset(self.struck_nodes),
+            cpu_milli=self.cpu_milli,
+            memory=self.memory,
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:
         """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
         out = []
+        cpu, memory = self.cpu_milli, self.memory
         for replica, node, gpus in self.allocations:
             part = self.partials.get(replica)
             if part is None:
-                out.append(ReplicaPlacement(replica, node, gpus))
+                out.append(ReplicaPlacement(replica, node, gpus, cpu_milli=cpu, memory=memory))
             else:
                 out.append(
                     ReplicaPlacement(
@@ -136,6 +142,8 @@ class JobRecord:
                         mig_start=part.start,
                         mig_size=part.size,
                         gpu_milli=part.milli,
+                        cpu_milli=cpu,
+                        memory=memory,
                     )
                 )
         return out
@@ -389,6 +397,11 @@ class NodeRecord:
     # GPUs are held ("job/attempt" -> GPU indexes), out of placement (ledger.read_releasing).
     confirms_release: bool = False
     releasing: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # ... and the host resources (thousandths of CPUs, bytes) those attempts' replicas there hold meanwhile
+    releasing_use: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Host resources its agent reported (thousandths of CPUs, bytes; 0: not reported)
+    cpu_milli: int = 0
+    memory: int = 0
     rank_ports: tuple[int, int] = (0, 0)  # --rank-port-range of its agent ((0, 0): the default range)
 
     @property
@@ -481,6 +494,8 @@ class SchedulerState:
                 mig={g: FULL_MIG_MASK for g in held & n.mig_gpus},
                 mig_gpus=n.mig_gpus,
                 foreign=dict(n.foreign),
+                cpu_milli=n.cpu_milli,
+                memory=n.memory,
             )
             for n in self.nodes.values()
             for held in (n.held_gpus,)
@@ -492,9 +507,13 @@ class SchedulerState:
                     capacity.take_partial(rep)
                 else:
                     capacity.take(rep.node, rep.gpus)
+                if rep.cpu_milli or rep.memory:
+                    capacity.take_use(rep.node, rep.cpu_milli, rep.memory)
         for n in self.nodes.values():
             for gpus in n.releasing.values():
                 capacity.take(n.name, set(gpus) - n.held_gpus)
+            for cpu, memory in n.releasing_use.values():
+                capacity.take_use(n.name, cpu, memory)
 
     def set_node_schedulable(self, name: str) -> None:
         self.capacity.set_schedulable(name, self.nodes[name].schedulable)

@@ -90,8 +90,9 @@ class Cycle:
 
     @property
     def needs_answers(self) -> bool:
-        """Whether the closing writes need their row counts (a partial GPU was reserved: see ledger._hold)."""
-        return any(job.partials for job in self.new_allocations)
+        """Whether the closing writes need their row counts: a partial GPU (ledger._hold) or host resources
+        (ledger._take_use) were reserved, each under a guarded update."""
+        return any(job.partials or job.cpu_milli or job.memory for job in self.new_allocations)
 
     def touched(self, job: JobRecord) -> None:
         self.changed[job.id] = job_from_record(job)
@@ -316,7 +317,11 @@ def teardown(
             held.setdefault(rep.node, []).extend(rep.gpus)
     cycle.later(ledger.release_allocations, ended, now, frozenset(cycle.state.nodes[n].id for n in held))
     for name, gpus in held.items():
-        cycle.state.nodes[name].releasing[attempt_key(job.id, attempt)] = tuple(sorted(gpus))
+        node = cycle.state.nodes[name]
+        node.releasing[attempt_key(job.id, attempt)] = tuple(sorted(gpus))
+        if job.cpu_milli or job.memory:  # its replicas' host resources there stay held with the GPUs
+            count = sum(1 for rep in job.replica_placements() if rep.node == name)
+            node.releasing_use[attempt_key(job.id, attempt)] = (count * job.cpu_milli, count * job.memory)
     if not released:
         for rep in job.replica_placements():
             if rep.node not in held or rep.mig_profile or rep.gpu_milli:
@@ -328,6 +333,8 @@ def teardown(
             whole = not (rep.mig_profile or rep.gpu_milli)
             if node is not None and node.confirms_release and whole and rep.node not in held:
                 cycle.state.capacity.release(rep.node, set(rep.gpus) - node.held_gpus)
+                if rep.cpu_milli or rep.memory:
+                    cycle.state.capacity.release_use(rep.node, rep.cpu_milli, rep.memory)
     if kill:
         for node_name in {r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}:
             node = cycle.state.nodes.get(node_name)
@@ -535,7 +542,14 @@ def launches(
         env = dict(base, NODE_RANK=str(replica), PHALANX_REPLICA=str(replica), PHALANX_NODE=node)
         out.append(
             agent_pb2.LaunchReplica(
-                job_id=job.id, attempt=job.attempt, replica=replica, command=job.command, ranks=ranks, env=env
+                job_id=job.id,
+                attempt=job.attempt,
+                replica=replica,
+                command=job.command,
+                ranks=ranks,
+                env=env,
+                cpus=job.cpu_milli / 1000,
+                memory_bytes=job.memory,
             )
         )
     return out

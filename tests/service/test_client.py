@@ -435,6 +435,10 @@ def test_node_from_proto_and_to_dict():
             free_gpus=0,
             fabric_path=["leaf1", "spine0"],
             message="lease expired",
+            cpus=192,
+            memory_bytes=2 << 40,
+            free_cpus=64.5,
+            free_memory_bytes=1 << 40,
         )
     )
     assert node.state is NodeState.LOST
@@ -460,6 +464,10 @@ def test_node_from_proto_and_to_dict():
         "mig_manage": False,
         "containment": "",
         "releasing_gpus": 0,
+        "cpus": 192.0,
+        "memory_bytes": 2 << 40,
+        "free_cpus": 64.5,
+        "free_memory_bytes": 1 << 40,
     }
     mig = Node.from_proto(
         common_pb2.Node(

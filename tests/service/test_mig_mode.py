@@ -382,6 +382,10 @@ async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_i
             "mig_manage",
             "containment",
             "releasing_gpus",
+            "cpus",
+            "memory_bytes",
+            "free_cpus",
+            "free_memory_bytes",
         } == set(nodes[0])
         assert [[(g["index"], g["mig_mode"]) for g in n["gpu_details"]] for n in nodes] == [
             [(0, "disabled"), (1, "enabled")],
@@ -627,7 +631,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
                 )
             )
         upgrade(url)
-        assert current(url) == "0019"
+        assert current(url) == "0020"
         with engine.connect() as conn:
             assert conn.execute(text('SELECT "index", mig_mode FROM gpus ORDER BY "index"')).all() == [
                 (0, "UNSUPPORTED"),
@@ -663,7 +667,7 @@ async def test_migration_0010_reads_old_gpus_as_unsupported_and_downgrades(empty
             }
         assert "mig_mode" not in columns and "memory_mib" in columns
         upgrade(url)
-        assert current(url) == "0019"
+        assert current(url) == "0020"
     finally:
         engine.dispose()
 
