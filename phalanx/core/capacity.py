@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from operator import mul
 
 from .mig import MEDIA_BIT, family_slices, full_mask, mig_family
@@ -645,6 +646,29 @@ class ClusterCapacity:
         self._changed(n)
         if self._subs:
             self._touch_subs(n)
+
+    @contextmanager
+    def narrowed(self, changes: dict[str, tuple[set[int], bool]]) -> Iterator[None]:
+        """Within the block, the named nodes offer only the given free GPUs and schedulability (a subset of what
+        they have: placement._fitted_view hides what their CPUs and memory cannot feed); the index follows, in one
+        batch each way, and everything is back as it was after."""
+        saved = []
+        for name, (free, schedulable) in changes.items():
+            node = self.nodes[name]
+            saved.append((node, node.free, node.schedulable))
+            node.free, node.schedulable = free, schedulable
+        self._follow([node for node, _, _ in saved])
+        try:
+            yield
+        finally:
+            for node, free, schedulable in saved:
+                node.free, node.schedulable = free, schedulable
+            self._follow([node for node, _, _ in saved])
+
+    def _follow(self, nodes: list[NodeCapacity]) -> None:
+        self._changed_many(nodes)
+        for sub in self._subs.values():
+            sub._changed_many([n for n in nodes if n.name in sub.nodes])
 
     def set_schedulable(self, node: str, schedulable: bool) -> None:
         n = self.nodes.get(node)

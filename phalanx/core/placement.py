@@ -116,16 +116,17 @@ def place_gang(
 def _with_host_resources(
     capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
 ) -> Placement | Unplaceable:
-    """Place a gang whose replicas also ask for host CPUs or memory: on the view of the GPUs those can feed
-    (_fitted_view), each replica then carrying what it asks."""
-    view, bound = _fitted_view(capacity, request)
-    got = _place_avoiding(view, request, fabric_tiers, bounds)
+    """Place a gang whose replicas also ask for host CPUs or memory: on the GPUs those can feed (_fitted_view),
+    each replica then carrying what it asks."""
+    changes = _fitted_view(capacity, request)
+    with capacity.narrowed(changes):
+        got = _place_avoiding(capacity, request, fabric_tiers, bounds)
     if isinstance(got, Unplaceable):
-        if bound:
+        if changes:
             got = Unplaceable(
                 got.job_id,
                 f"{got.reason}; each replica also needs {describe(request.cpu_milli, request.memory)}, which "
-                f"{bound} node(s) lack for more of its replicas (the most free on one node: "
+                f"{len(changes)} node(s) lack for more of its replicas (the most free on one node: "
                 f"{_most_room(capacity, request.cpu_milli, request.memory)})",
             )
         return got
@@ -135,38 +136,32 @@ def _with_host_resources(
     )
 
 
-def _fitted_view(capacity: ClusterCapacity, request: GangRequest) -> tuple[ClusterCapacity, int]:
-    """The capacity as `request` can use it: where a node's free CPUs or memory feed fewer of the gang's replicas
-    than its free GPUs would hold, a copy offers only the GPUs those replicas take (the closest set, by
-    placement.pick_gpus), or nothing. Returns `capacity` itself when no node binds, and the number of nodes that do.
+def _fitted_view(capacity: ClusterCapacity, request: GangRequest) -> dict[str, tuple[set[int], bool]]:
+    """The nodes whose free CPUs or memory feed fewer of the gang's replicas than their free GPUs would hold, each
+    with what it offers the gang: only the GPUs those replicas take (the closest set, by pick_gpus), or nothing.
+    Empty when no node binds (the common case: a scan, and the GPU index as it is).
 
     A whole-GPU replica takes `gpus_per_replica` GPUs, so a node feeding k replicas offers k x that many. A partial
     replica (a MIG instance or a share) takes part of one GPU, several to a GPU: a node feeding none is hidden, and
     place_partial stops using a node once its replicas there use up what it feeds (it takes each replica's host
-    resources as it places it, on this view).
+    resources as it places it).
     """
     cpu, memory = request.cpu_milli, request.memory
     g = request.gpus_per_replica
-    trim: dict[str, int] = {}
+    partial = request.partial
+    changes: dict[str, tuple[set[int], bool]] = {}
     for node in capacity.nodes.values():
+        if not node.schedulable:
+            continue
         k = room(node, cpu, memory)
         if k is None:
-            return capacity, 0
-        if request.partial:
-            if k == 0 and node.schedulable:
-                trim[node.name] = 0
+            return {}
+        if partial:
+            if k == 0:
+                changes[node.name] = (node.free, False)
         elif k * g < len(node.free):
-            trim[node.name] = k
-    if not trim:
-        return capacity, 0
-    view = capacity.copy()
-    for name, k in trim.items():
-        node = view.nodes[name]
-        if request.partial:
-            node.schedulable = False
-        else:
-            node.free = set(pick_gpus(node.free, k * g, node.closeness)) if k else set()
-    return view, len(trim)
+            changes[node.name] = (set(pick_gpus(node.free, k * g, node.closeness)) if k else set(), True)
+    return changes
 
 
 def _most_room(capacity: ClusterCapacity, cpu: int, memory: int) -> str:

@@ -217,3 +217,23 @@ def test_a_gang_waits_with_a_reason_naming_the_cpus() -> None:
     plan = decide(snap, 10_000.0)
     (wait,) = plan.of(Wait)
     assert "8 CPUs" in wait.status.reason and "4 CPUs" in wait.status.reason
+
+
+def test_a_binding_placement_leaves_the_index_as_it_found_it() -> None:
+    """The narrowed view is the capacity itself for the search (no copy); afterwards every node and the index read
+    as before, and a fresh index over the same nodes agrees with it."""
+    nodes = [node(f"n{i}", cpus=8 if i % 3 else 64, path=(f"leaf{i // 4}", "spine0")) for i in range(16)]
+    cap = ClusterCapacity(nodes)
+    cap.reserve(Placement("busy", (ReplicaPlacement(0, "n1", (0, 1), cpu_milli=4000),), "", 0, 0.0, ""))
+    before = {n.name: (set(n.free), n.schedulable) for n in cap.nodes.values()}
+    stats = {lv: cap.domain_stats(lv, 2) for lv in range(cap.levels() + 1)}
+    got = place_gang(cap, ask("j", 6, 2, cpus=4, avoid=frozenset({"n0"})))
+    assert isinstance(got, Placement)
+    per: dict[str, int] = {}
+    for r in got.replicas:
+        per[r.node] = per.get(r.node, 0) + 4000
+    assert all(cap.nodes[n].cpu_used + c <= cap.nodes[n].cpu_milli for n, c in per.items())
+    assert {n.name: (set(n.free), n.schedulable) for n in cap.nodes.values()} == before
+    assert {lv: cap.domain_stats(lv, 2) for lv in range(cap.levels() + 1)} == stats
+    fresh = ClusterCapacity(cap.copy().nodes.values())
+    assert {lv: fresh.domain_stats(lv, 2) for lv in range(fresh.levels() + 1)} == stats
