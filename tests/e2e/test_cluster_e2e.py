@@ -25,6 +25,8 @@ JOB_FIELDS = {
     "state",
     "replicas",
     "gpus_per_replica",
+    "cpus_per_replica",
+    "memory_per_replica",
     "priority",
     "procs_per_replica",
     "command",
@@ -77,6 +79,10 @@ NODE_FIELDS = {
     "mig_manage",
     "containment",
     "releasing_gpus",
+    "cpus",
+    "memory_bytes",
+    "free_cpus",
+    "free_memory_bytes",
 }
 ENV_KEYS = (
     "RANK",
