@@ -473,13 +473,16 @@ def cmd_quota_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_token_new(args: argparse.Namespace) -> int:
-    """``phalanx token new --tenant T [--role R]``: a new token and its tokens-file entry (only the entry, with
-    the token's SHA-256, goes in the scheduler's file; the token itself is shown once)."""
-    from phalanx.common.tokens import new_token, token_entry
+    """``phalanx token new --tenant T [--role R] [--node NAME]``: a new token and its tokens-file entry (only the
+    entry, with the token's SHA-256, goes in the scheduler's file; the token itself is shown once). A node token
+    names the one node it may act as."""
+    from phalanx.common.tokens import entry_line, new_token, token_entry
 
+    if args.role == "node" and not args.node:
+        raise UsageError("a node token names the node it acts as: --node NAME")
     token = new_token()
     try:
-        entry = token_entry(token, args.tenant, args.role)
+        entry = token_entry(token, args.tenant, args.role, args.node or "")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -488,7 +491,7 @@ def cmd_token_new(args: argparse.Namespace) -> int:
         _print(
             f"token: {token}\n"
             f"# add this entry to the tokens file (--tokens FILE); give the token to its user as PHALANX_TOKEN\n"
-            f"- {{token_sha256: {entry['token_sha256']}, tenant: {entry['tenant']}, role: {entry['role']}}}"
+            f"{entry_line(entry)}"
         )
     return EXIT_OK
 
@@ -863,6 +866,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["user", "admin", "node", "service"],
         help="user (its tenant's jobs), admin (every job, node drain), node (agents), service "
         "(cluster processes and ranks: the checkpoint coordinator); default user",
+    )
+    tn.add_argument(
+        "--node",
+        default=None,
+        metavar="NAME",
+        help="with --role node (required there): the one node the token may register, heartbeat and report as",
     )
     json_flag(tn)
     tn.set_defaults(func=cmd_token_new)

@@ -4,8 +4,9 @@ The tokens file is a YAML list of entries, each naming a token by its SHA-256 (t
 
     - {token_sha256: 9f86d0..., tenant: alice, role: user}
     - {token_sha256: 60303a..., tenant: ops, role: admin}
+    - {token_sha256: 2c26b4..., tenant: nodes, role: node, node: gpu-017}
 
-See services.common.auth for what each role may call.
+A `node` token names the one node it may act as (`node`); see services.common.auth for what each role may call.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Identity:
     rate_limit: float | None = None  # submissions per second for this tenant (None: the service's default)
     max_pending: int | None = None  # PENDING jobs this tenant may have (None: the service's default)
     unix_user: str = ""  # the Unix user this tenant's ranks run as on the hosts ("": the agents' --run-as)
+    node: str = ""  # role node: the one node this credential may register, heartbeat and report as
 
     @property
     def admin(self) -> bool:
@@ -50,17 +52,32 @@ def new_token() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
-def token_entry(token: str, tenant: str, role: str = "user") -> dict[str, str]:
-    """The tokens-file entry of `token`."""
-    check_entry_fields(tenant, role)
-    return {"token_sha256": hash_token(token), "tenant": tenant, "role": role}
+def token_entry(token: str, tenant: str, role: str = "user", node: str = "") -> dict[str, str]:
+    """The tokens-file entry of `token` (a node token names its node)."""
+    check_entry_fields(tenant, role, node)
+    entry = {"token_sha256": hash_token(token), "tenant": tenant, "role": role}
+    if node:
+        entry["node"] = node
+    return entry
 
 
-def check_entry_fields(tenant: str, role: str) -> None:
+def entry_line(entry: dict[str, str]) -> str:
+    """One tokens-file line (YAML flow mapping) of an entry from token_entry."""
+    return "- {" + ", ".join(f"{k}: {v}" for k, v in entry.items()) + "}"
+
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}")
+
+
+def check_entry_fields(tenant: str, role: str, node: str = "") -> None:
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     if not tenant or len(tenant) > 64 or any(c.isspace() or c in "\x00" for c in tenant):
         raise ValueError(f"tenant {tenant[:80]!r} must be 1-64 characters without spaces")
+    if node and role != "node":
+        raise ValueError(f"only a node token names a node (role {role!r} with node {node[:80]!r})")
+    if node and not _NODE_NAME.fullmatch(node):
+        raise ValueError(f"node {node[:80]!r} must be 1-253 letters, digits, '.', '_' or '-'")
 
 
 class TokenFileError(ValueError):
@@ -99,11 +116,13 @@ def parse_tokens(text: str, source: str = "tokens file") -> dict[str, Identity]:
             unix_user = str(entry.get("unix_user") or "").strip()
             if unix_user and not _UNIX_USER.fullmatch(unix_user):
                 raise ValueError(f"unix_user {unix_user[:40]!r} is not a Unix user name")
+            node = str(entry.get("node") or "").strip()
+            check_entry_fields(tenant, role, node)
         except (TypeError, ValueError) as exc:
             raise TokenFileError(f"{source}: entry {i}: {exc}") from exc
         if (rate is not None and not (rate > 0 and math.isfinite(rate))) or (pending is not None and pending < 1):
             raise TokenFileError(f"{source}: entry {i}: rate_limit must be > 0 and max_pending >= 1")
-        out[digest] = Identity(tenant, role, rate, pending, unix_user)
+        out[digest] = Identity(tenant, role, rate, pending, unix_user, node)
     return out
 
 

@@ -57,6 +57,38 @@ def tenant_scope() -> str | None:
     return ident.tenant
 
 
+# ---- the audit trail ---------------------------------------------------------------------------------------------
+# One structured log line (event `audit`, logger phalanx.audit) per admin action and per denied call, with who
+# called (tenant, role), the method, the object and why. Filter the logs on event == "audit".
+
+audit_log = structlog.get_logger("phalanx.audit")
+
+
+def _who(ident: Identity | None) -> dict[str, str]:
+    if ident is None:
+        return {"tenant": "", "role": "none"}
+    out = {"tenant": ident.tenant, "role": ident.role}
+    if ident.node:
+        out["node"] = ident.node
+    return out
+
+
+def audit_denied(method: str, obj: str, reason: str, ident: Identity | None = None, **extra: object) -> None:
+    """A call refused for who made it (UNAUTHENTICATED, PERMISSION_DENIED, or NOT_FOUND hiding another tenant's
+    object)."""
+    who = _who(ident or current_identity())
+    audit_log.warning("audit", outcome="denied", method=method, object=obj, reason=reason, **who, **extra)
+
+
+def audit_admin(method: str, obj: str, detail: str = "") -> None:
+    """An admin's change (a drain, a queue edit, another tenant's job cancelled, ...). Nothing when the caller is
+    not an admin or authentication is off (every caller is an admin then; the services log their changes anyway)."""
+    ident = current_identity()
+    if ident is None or not ident.admin:
+        return
+    audit_log.info("audit", outcome="done", method=method, object=obj, reason=detail, **_who(ident))
+
+
 # ---- authorization policy -------------------------------------------------------------------------------------
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -79,6 +111,43 @@ def allowed_roles(method: str) -> frozenset[str]:
     if method.startswith(CHECKPOINT):
         return frozenset({"service", "admin"})
     return frozenset()
+
+
+def check_node_caller(name: str, method: str, peer_cn: str | None = None, known_nodes=()) -> None:
+    """A NodeService call names `name`: its caller must be that node. A node token acts only as the node its
+    tokens-file entry names (one that names none is refused: make one with `phalanx token new --role node --node
+    NAME`). With mutual TLS, a client certificate whose CN is another node's name acts only as that node (a
+    certificate whose CN names no node, such as a cluster-wide client certificate, leaves it to the token). Refusals
+    raise PermissionDenied, after one audit line."""
+    from .errors import PermissionDenied
+
+    ident = current_identity()
+    why = ""
+    if ident is not None and ident.role == "node":
+        if not ident.node:
+            why = (
+                f"this node token (tenant {ident.tenant!r}) names no node, so it may act as none: make one with "
+                "`phalanx token new --role node --node NAME`"
+            )
+        elif ident.node != name:
+            why = f"the credential of node {ident.node!r} may not act as node {name[:80]!r}"
+    if not why and peer_cn and peer_cn != name and peer_cn in known_nodes:
+        why = f"the TLS certificate of node {peer_cn!r} may not act as node {name[:80]!r}"
+    if why:
+        audit_denied(method, f"node/{name[:80]}", why)
+        raise PermissionDenied(why)
+
+
+def peer_common_name(context) -> str | None:
+    """The CN of the caller's TLS client certificate (mutual TLS), else None."""
+    try:
+        names = context.auth_context().get("x509_common_name") or []
+    except Exception:  # not a TLS channel, or a context without auth data
+        return None
+    if not names:
+        return None
+    value = names[0]
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str:
@@ -145,6 +214,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
         if not token:
+            audit_denied(method, "", "no credential")
             return _refuse(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -152,13 +222,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             )
         ident = self.store.lookup(token)
         if ident is None:
+            audit_denied(method, "", "unknown or revoked token")
             return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked token")
         if ident.role not in allowed_roles(method):
-            return _refuse(
-                handler,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"role {ident.role!r} (tenant {ident.tenant!r}) may not call {method.rsplit('/', 1)[-1]}",
-            )
+            why = f"role {ident.role!r} (tenant {ident.tenant!r}) may not call {method.rsplit('/', 1)[-1]}"
+            audit_denied(method, "", why, ident)
+            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED, why)
         return _with_identity(handler, ident)
 
 

@@ -15,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core import mig
 from phalanx.core.resources import MAX_CPUS, MAX_MEMORY, cpu_milli, parse_size
-from services.common.auth import TenantLimits, current_identity, tenant_scope
+from services.common.auth import TenantLimits, check_node_caller, current_identity, peer_common_name, tenant_scope
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.rpc import stream, unary
 
@@ -421,6 +421,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
     @unary
     async def RegisterNode(self, request, context):
         name = request.node_name
+        self._caller_is(name, "RegisterNode", context)
         if not name or len(name) > MAX_NAME or not _NODE_NAME.match(name):
             raise InvalidArgument(f"node name {name[:80]!r} must be 1-253 letters, digits, '.', '_' or '-'")
         check_text("address", request.address, 255)
@@ -506,8 +507,14 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         with self.service.engine.begin() as conn:
             return ledger.ensure_cluster_id(conn)
 
+    def _caller_is(self, name: str, method: str, context) -> None:
+        """The caller must be node `name` (its node token, its TLS certificate): else PERMISSION_DENIED."""
+        cn = peer_common_name(context)
+        check_node_caller(name, "/phalanx.v1.NodeService/" + method, cn, self.service.state.nodes if cn else ())
+
     @unary
     async def Heartbeat(self, request, context):
+        self._caller_is(request.node_name, "Heartbeat", context)
         # Health text is stored; a heartbeat must never fail on it (the agent would reconnect in a loop): clean it.
         for e in request.events:
             e.kind, e.reason = _clean(e.kind, 32), _clean(e.reason, 2000)
@@ -530,6 +537,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
     @stream
     async def StreamAssignments(self, request, context):
         name = request.node_name
+        self._caller_is(name, "StreamAssignments", context)
         if name not in self.service.state.nodes:
             nodes = {n.name for n in await self.service.read_nodes()}
             if name not in nodes:
@@ -564,6 +572,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
     @unary
     async def AckAssignments(self, request, context):
+        self._caller_is(request.node_name, "AckAssignments", context)
         if request.revision < 0:
             raise InvalidArgument("revision must not be negative")
         if not self.service.ack(request.node_name, request.revision):
@@ -572,6 +581,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
     @unary
     async def ReportAttemptReleased(self, request, context):
+        self._caller_is(request.node_name, "ReportAttemptReleased", context)
         check_job_id(request.job_id)
         if request.attempt < 1:
             raise InvalidArgument("attempt must be >= 1")
@@ -586,6 +596,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
     @unary
     async def ReportRankStatus(self, request, context):
+        self._caller_is(request.node_name, "ReportRankStatus", context)
         state = RANK_STATE_NAMES.get(request.state)
         if state is None or state == "ASSIGNED":
             raise InvalidArgument(f"rank state {request.state} cannot be reported")

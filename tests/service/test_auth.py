@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import structlog.testing
 from helpers.procs import eventually
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -33,13 +34,19 @@ TOKENS = {
     "alice": ("tok-alice", "alice", "user"),
     "bob": ("tok-bob", "bob", "user"),
     "admin": ("tok-admin", "ops", "admin"),
-    "node": ("tok-node", "nodes", "node"),
+    "node": ("tok-node-0", "nodes", "node", "node-0"),
     "svc": ("tok-svc", "cluster", "service"),
 }
+# Each node its own token naming it (a node token acts only as its node).
+NODE_TOKENS = [(f"tok-node-{i}", "nodes", "node", f"node-{i}") for i in range(1, 4)]
 
 
 def write_tokens(path, entries) -> None:
-    lines = [f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}}}" for t, tenant, role in entries]
+    lines = [
+        f"- {{token_sha256: {hash_token(e[0])}, tenant: {e[1]}, role: {e[2]}"
+        + (f", node: {e[3]}}}" if len(e) > 3 else "}")
+        for e in [*entries, *NODE_TOKENS]
+    ]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, path)
@@ -63,7 +70,7 @@ class AuthCluster:
         self.store = TokenStore(self.tokens_path, check_interval=0.1)
         self.scheduler = await serve(self.settings, tokens=self.store, limits=self.limits)
         self.address = self.scheduler.address
-        self.agents = {n: LiteAgent(self.address, n, token="tok-node") for n in self.names}
+        self.agents = {n: LiteAgent(self.address, n, token=f"tok-{n}") for n in self.names}
         for agent in self.agents.values():
             await agent.start()
         self.clients = {k: AsyncClient(self.address, token=v[0], retries=0) for k, v in TOKENS.items()}
@@ -183,7 +190,7 @@ async def test_roles_node_credentials_cannot_use_the_job_api_and_clients_cannot_
             req = agent_pb2.RegisterNodeRequest(node_name="evil", topology=c.agents["node-0"].topology())
             assert await _code(stub.RegisterNode(req, timeout=5)) is grpc.StatusCode.PERMISSION_DENIED
             await channel.close()
-        node_client = AsyncClient(c.address, token="tok-node", retries=0)
+        node_client = AsyncClient(c.address, token="tok-node-0", retries=0)
         with pytest.raises(PermissionDeniedError):
             await node_client.list_jobs()
         await node_client.close()
@@ -210,7 +217,7 @@ async def test_admin_drains_and_undrains_a_node_and_the_drain_survives_reregistr
         # the agent restarts and registers again: still DRAINED
         agent = c.agents["node-0"]
         await agent.stop()
-        c.agents["node-0"] = agent = LiteAgent(c.address, "node-0", token="tok-node")
+        c.agents["node-0"] = agent = LiteAgent(c.address, "node-0", token="tok-node-0")
         await agent.start()
         state = {n.name: n.state.value for n in await admin.nodes()}
         assert state["node-0"] == "DRAINED"
@@ -330,12 +337,11 @@ async def test_a_tenants_unix_user_from_the_tokens_file_goes_with_its_launches(d
     """Ranks run as their tenant's Unix user (the tokens file's `unix_user`); a tenant without one gets the
     agents' --run-as (an empty run_as in the launch)."""
     async with AuthCluster(db_url, tmp_path, nodes=1) as c:
-        entries = [
-            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}}}"
-            for t, tenant, role in TOKENS.values()
-        ]
-        entries[0] = entries[0].replace("role: user}", "role: user, unix_user: alice_ml}")
-        c.tokens_path.write_text("\n".join(entries) + "\n")
+        write_tokens(c.tokens_path, TOKENS.values())
+        text = c.tokens_path.read_text()
+        first = text.index("role: user}")
+        text = text[:first] + "role: user, unix_user: alice_ml}" + text[first + len("role: user}") :]
+        c.tokens_path.write_text(text)
         await asyncio.sleep(0.3)  # the store reloads the file
         a = await c.clients["alice"].submit("a", 1, 1, ["run"])
         b = await c.clients["bob"].submit("b", 1, 1, ["run"])
@@ -355,3 +361,82 @@ def test_a_unix_user_in_the_tokens_file_must_be_a_user_name():
     for bad in ("root user", "../x", "Bob", "-x"):
         with pytest.raises(ValueError, match="is not a Unix user name"):
             parse_tokens(f"- {{token_sha256: {hash_token('x')}, tenant: t, role: user, unix_user: '{bad}'}}\n")
+
+
+async def test_a_node_token_acts_only_as_its_own_node(db_url, tmp_path):
+    """node-1's credential cannot register, heartbeat, stream, ack or report as node-0; the refusal is logged
+    (audit) and changes nothing. A node token that names no node acts as none."""
+    async with AuthCluster(db_url, tmp_path, nodes=2) as c:
+        admin, alice = c.clients["admin"], c.clients["alice"]
+        job = await alice.submit("a", 1, 8, ["hang"])
+        job = await alice.wait(job.id, ["RUNNING"], timeout=10)
+        victim = job.allocations[0].node
+        other = next(n for n in c.names if n != victim)
+        before = {n.name: (n.state.value, n.last_heartbeat, n.address) for n in await admin.nodes()}
+        logs = structlog.testing.capture_logs()
+        audits = logs.__enter__()
+        channel = open_aio_channel(c.address, token=f"tok-{other}")
+        stub = agent_pb2_grpc.NodeServiceStub(channel)
+        calls = {
+            "RegisterNode": stub.RegisterNode(
+                agent_pb2.RegisterNodeRequest(
+                    node_name=victim, topology=c.agents[victim].topology(), address="10.6.6.6", agent_instance="evil"
+                ),
+                timeout=5,
+            ),
+            "Heartbeat": stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=victim), timeout=5),
+            "AckAssignments": stub.AckAssignments(
+                agent_pb2.AckAssignmentsRequest(node_name=victim, revision=10_000), timeout=5
+            ),
+            "ReportRankStatus": stub.ReportRankStatus(
+                agent_pb2.ReportRankStatusRequest(
+                    node_name=victim, job_id=job.id, attempt=1, rank=0, state=common_pb2.RANK_STATE_EXITED, exit_code=1
+                ),
+                timeout=5,
+            ),
+            "ReportAttemptReleased": stub.ReportAttemptReleased(
+                agent_pb2.ReportAttemptReleasedRequest(node_name=victim, job_id=job.id, attempt=1), timeout=5
+            ),
+        }
+        for method, call in calls.items():
+            assert await _code(call) is grpc.StatusCode.PERMISSION_DENIED, method
+        stream = stub.StreamAssignments(agent_pb2.StreamAssignmentsRequest(node_name=victim), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stream:
+                pass
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert f"the credential of node {other!r} may not act as node {victim!r}" in err.value.details()
+        await channel.close()
+        # Nothing changed: the job still runs there, the node is as it was (its own agent's heartbeats go on).
+        now = await alice.get_job(job.id)
+        assert now.state.value == "RUNNING" and now.attempt == 1
+        after = {n.name: (n.state.value, n.address) for n in await admin.nodes()}
+        assert after == {k: (v[0], v[2]) for k, v in before.items()}
+        logs.__exit__(None, None, None)
+        audits = [a for a in audits if a["event"] == "audit"]
+        denied = {a["method"].rsplit("/", 1)[-1] for a in audits if a.get("outcome") == "denied"}
+        assert set(calls) | {"StreamAssignments"} <= denied
+        assert all(a["tenant"] == "nodes" and a["role"] == "node" for a in audits)
+
+        # A node token naming no node (a tokens file of before) acts as none, and says how to make one.
+        write_tokens(c.tokens_path, [*TOKENS.values(), ("tok-anynode", "nodes", "node")])
+        await asyncio.sleep(0.3)
+        channel = open_aio_channel(c.address, token="tok-anynode")
+        stub = agent_pb2_grpc.NodeServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=victim), timeout=5)
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert "phalanx token new --role node --node NAME" in err.value.details()
+        await channel.close()
+
+
+def test_token_new_makes_a_node_token_that_names_its_node(capsys):
+    assert cli_main(["token", "new", "--tenant", "racks", "--role", "node"]) == 2
+    assert "--node NAME" in capsys.readouterr().err
+    assert cli_main(["token", "new", "--tenant", "racks", "--role", "user", "--node", "gpu-1"]) == 2
+    capsys.readouterr()
+    assert cli_main(["token", "new", "--tenant", "racks", "--role", "node", "--node", "gpu-1", "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["entry"]["node"] == "gpu-1" and made["entry"]["role"] == "node"
+    (ident,) = parse_tokens(f"- {json.dumps(made['entry'])}").values()
+    assert (ident.role, ident.node) == ("node", "gpu-1")

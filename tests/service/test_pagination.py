@@ -34,7 +34,7 @@ TOKENS = {
     "admin": ("tok-admin", "ops", "admin"),
     "alice": ("tok-alice", "alice", "user"),
     "bob": ("tok-bob", "bob", "user"),
-    "node": ("tok-node", "nodes", "node"),
+    "node": ("tok-node", "nodes", "node", "node-0"),
 }
 BASE = time.time() - 50_000  # every written job is older than one submitted during a test
 
@@ -50,8 +50,9 @@ class Scheduler:
         self.tokens_path = tmp_path / "tokens.yaml"
         self.tokens_path.write_text(
             "".join(
-                f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}}}\n"
-                for t, tenant, role in TOKENS.values()
+                f"- {{token_sha256: {hash_token(e[0])}, tenant: {e[1]}, role: {e[2]}"
+                + (f", node: {e[3]}}}\n" if len(e) > 3 else "}\n")
+                for e in TOKENS.values()
             )
         )
         self.settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]))
