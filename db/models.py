@@ -28,6 +28,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
     text,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -211,6 +212,9 @@ class Job(Base):
     # CPUs and bytes, 0 none.
     cpu_milli: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     memory: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Submitted by an admin (revision 0021; every caller is one with authentication off): it may preempt other
+    # queues' jobs by priority; other jobs only take back quota those queues borrowed.
+    by_admin: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class Queue(Base):
@@ -227,6 +231,8 @@ class Queue(Base):
     quotas: Mapped[dict[str, Any]] = mapped_column(default=dict)
     tenants: Mapped[list[Any]] = mapped_column(default=list)
     updated_at: Mapped[float] = mapped_column()
+    # The highest priority its jobs may ask for unless an admin submits them (revision 0021)
+    max_priority: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class ServiceEndpoint(Base):

@@ -460,7 +460,14 @@ def cmd_quota_set(args: argparse.Namespace) -> int:
             raise UsageError(f"--quota: flavor {flavor!r} is given twice")
         quotas[flavor] = quota
     with _client(args) as client:
-        queue = client.set_queue(args.queue, quotas, cohort=args.cohort, weight=args.weight, tenants=args.tenant)
+        queue = client.set_queue(
+            args.queue,
+            quotas,
+            cohort=args.cohort,
+            weight=args.weight,
+            tenants=args.tenant,
+            max_priority=args.max_priority,
+        )
     _print(render.to_json(queue.to_dict()) if args.json else render.queues_table([queue]))
     return EXIT_OK
 
@@ -847,6 +854,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="T",
         help="a tenant allowed to submit to it (repeat; default: anyone)",
+    )
+    qs.add_argument(
+        "--max-priority",
+        type=_priority,
+        default=0,
+        metavar="P",
+        help="the highest priority its jobs may ask for unless an admin submits them: an integer or a class "
+        "(best-effort, batch, default, high, critical); default 0 (default), so high and critical must be granted",
     )
     json_flag(qs)
     qs.set_defaults(func=cmd_quota_set)

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from phalanx.client import CheckpointResult, Goodput, GoodputReport, Job, Node
+from phalanx.core.preemption import priority_name
 from phalanx.core.resources import describe, format_cpus, human_size
 
 __all__ = [
@@ -428,7 +429,8 @@ def queues_table(queues: Sequence[Any]) -> str:
     for q in queues:
         head = (
             f"queue {q.name}" + (f" (cohort {q.cohort})" if q.cohort else "") + f", weight {q.weight:g}, "
-            f"share {q.share:.1%}, {q.running} running, {len(q.pending)} pending"
+            f"share {q.share:.1%}, {q.running} running, {len(q.pending)} pending, "
+            f"priorities up to {priority_name(q.max_priority)}"
         )
         if q.tenants:
             head += f"; tenants: {', '.join(q.tenants)}"

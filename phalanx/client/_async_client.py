@@ -365,9 +365,12 @@ class AsyncClient:
         cohort: str = "",
         weight: float = 1.0,
         tenants: Iterable[str] = (),
+        max_priority: int = 0,
     ) -> QueueInfo:
         """Create or replace a queue (admin); see :meth:`Client.set_queue`."""
-        return QueueInfo.from_proto(await self._call("SetQueue", queue_request(name, quotas, cohort, weight, tenants)))
+        return QueueInfo.from_proto(
+            await self._call("SetQueue", queue_request(name, quotas, cohort, weight, tenants, max_priority))
+        )
 
     async def delete_queue(self, name: str) -> None:
         """Remove a queue (admin); see :meth:`Client.delete_queue`."""

@@ -136,9 +136,16 @@ def build_submit_request(
 
 
 def queue_request(
-    name: str, quotas: Mapping[str, Mapping[str, Any]] | None, cohort: str, weight: float, tenants: Iterable[str]
+    name: str,
+    quotas: Mapping[str, Mapping[str, Any]] | None,
+    cohort: str,
+    weight: float,
+    tenants: Iterable[str],
+    max_priority: int = 0,
 ) -> scheduler_pb2.SetQueueRequest:
-    spec = scheduler_pb2.QueueSpec(name=name, cohort=cohort, weight=float(weight), tenants=list(tenants))
+    spec = scheduler_pb2.QueueSpec(
+        name=name, cohort=cohort, weight=float(weight), tenants=list(tenants), max_priority=int(max_priority)
+    )
     for flavor, q in (quotas or {}).items():
         limit = q.get("borrow_limit")
         spec.quotas.add(
@@ -540,16 +547,18 @@ class Client:
         cohort: str = "",
         weight: float = 1.0,
         tenants: Iterable[str] = (),
+        max_priority: int = 0,
     ) -> QueueInfo:
         """Create or replace a queue (admin). `quotas`: flavor ("H100", or "*" for any GPU model) -> {"gpus": N,
-        "borrow_limit": N (absent: none), "mig_slices": N}, in preference order; none: unlimited.
+        "borrow_limit": N (absent: none), "mig_slices": N}, in preference order; none: unlimited. `max_priority`:
+        the highest priority its jobs may ask for unless an admin submits them (0, "default", unless raised).
 
         Raises:
             InvalidArgumentError: A bad name, weight or quota.
             PermissionDeniedError: The caller is not an admin (authentication on).
         """
         return QueueInfo.from_proto(
-            self._call(self._stub.SetQueue, queue_request(name, quotas, cohort, weight, tenants))
+            self._call(self._stub.SetQueue, queue_request(name, quotas, cohort, weight, tenants, max_priority))
         )
 
     def delete_queue(self, name: str) -> None:

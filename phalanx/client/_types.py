@@ -637,6 +637,7 @@ class QueueInfo:
     share: float = 0.0
     running: int = 0
     pending: tuple[dict[str, Any], ...] = ()  # {"job_id", "name", "position", "priority", "message"}
+    max_priority: int = 0  # the highest priority its jobs may ask for unless an admin submits them
 
     @classmethod
     def from_proto(cls, msg: Any) -> QueueInfo:
@@ -655,6 +656,7 @@ class QueueInfo:
                 for q in spec.quotas
             ),
             tenants=tuple(spec.tenants),
+            max_priority=int(spec.max_priority),
             usage=tuple(
                 {"flavor": u.flavor, "gpus": u.gpus, "mig_slices": int(u.mig_slices), "borrowing": bool(u.borrowing)}
                 for u in msg.usage
@@ -680,6 +682,7 @@ class QueueInfo:
             "weight": self.weight,
             "quotas": list(self.quotas),
             "tenants": list(self.tenants),
+            "max_priority": self.max_priority,
             "usage": list(self.usage),
             "share": self.share,
             "running": self.running,

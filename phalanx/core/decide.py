@@ -84,6 +84,9 @@ class PendingJob:
     request: GangRequest
     queue: str = DEFAULT_QUEUE
     not_before: float = 0.0
+    # An admin submitted it (always so with authentication off): it may preempt other queues' gangs by priority.
+    # Anyone else's job preempts only within its own queue, or to take back quota another queue borrowed.
+    by_admin: bool = True
 
     @property
     def job_id(self) -> str:
@@ -558,6 +561,8 @@ class _Decision:
         for j, r in self.running():
             if j in self.preempting or (own_queue_only and r.queue != head.queue):
                 continue
+            if r.queue != head.queue and not head.by_admin and j not in reclaim:
+                continue  # another queue's gang: only its borrowed quota may be taken back
             p = min(r.request.priority, priority - 1) if j in reclaim else r.request.priority
             if p < priority:
                 lower.append((r, p))

@@ -61,6 +61,12 @@ def parse_priority(value: str | int) -> int:
     return named
 
 
+def priority_name(priority: int) -> str:
+    """100 -> '100 (high)'; a number of no class stays a number."""
+    named = next((name for name, p in PRIORITY_CLASSES.items() if p == priority), "")
+    return f"{priority} ({named})" if named else str(priority)
+
+
 @dataclass(frozen=True, slots=True)
 class PreemptionPolicy:
     """Settings of preemption. `min_runtime_s`: a gang cannot be preempted for this long after it starts.

@@ -56,6 +56,7 @@ class QueueSpec:
     cohort: str = ""
     weight: float = 1.0
     tenants: frozenset[str] = frozenset()  # who may submit (empty: anyone)
+    max_priority: int = 0  # the highest priority a non-admin may ask for in it ("default" unless granted more)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from db.models import Job
 from phalanx.api.v1 import common_pb2
 from phalanx.core import mig
+from phalanx.core.preemption import priority_name
 from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec
 from phalanx.core.resources import cpu_milli, describe, format_cpus, human_size, parse_size
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -37,6 +38,7 @@ class Submit(Command):
     spec: common_pb2.JobSpec
     request_id: str
     tenant: str = ""  # the caller's tenant (authentication on), stamped on the job
+    admin: bool = True  # an admin submits it (always so with authentication off): no priority cap applies
 
 
 def register_all(cycle: Cycle, registers: list[Register]) -> dict[int, Any]:
@@ -75,6 +77,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             check_fits_host_resources(cycle.state, sub.spec)
             check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
             check_queue(cycle.state, sub.spec, sub.tenant)
+            if not sub.admin:
+                check_priority(cycle.state, sub.spec)
         except (FailedPrecondition, PermissionDenied) as exc:
             results[i] = exc
             continue
@@ -102,6 +106,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             time_limit=spec.time_limit_s,
             queue=spec.queue or DEFAULT_QUEUE,
             keep_checkpoints=spec.keep_checkpoints,
+            by_admin=sub.admin,
             cpu_milli=cpu_milli(spec.cpus_per_replica),
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
         )
@@ -146,6 +151,20 @@ def check_queue(state: SchedulerState, spec: common_pb2.JobSpec, tenant: str) ->
         return
     if queue.tenants and tenant and tenant not in queue.tenants:
         raise PermissionDenied(f"tenant {tenant!r} may not submit to queue {name!r}")
+
+
+def check_priority(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
+    """A non-admin may ask for no more than its queue's max_priority (0, "default", unless granted): refused, never
+    silently lowered."""
+    name = spec.queue or DEFAULT_QUEUE
+    queue = state.queues.get(name)
+    cap = queue.max_priority if queue is not None else 0
+    if spec.priority > cap:
+        raise PermissionDenied(
+            f"priority {priority_name(spec.priority)} is above what queue {name!r} grants: at most "
+            f"{priority_name(cap)}; an admin raises it with `phalanx quota set {name} --max-priority P`, or "
+            "submits the job"
+        )
 
 
 def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:

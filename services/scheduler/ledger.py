@@ -446,6 +446,7 @@ def queue_spec(row: Any) -> QueueSpec:
         cohort=row["cohort"] or "",
         weight=float(row["weight"] or 1.0),
         tenants=frozenset(row["tenants"] or ()),
+        max_priority=int(row.get("max_priority") or 0),
     )
 
 
@@ -458,6 +459,7 @@ def upsert_queue(conn: Connection, spec: QueueSpec, now: float) -> None:
         cohort=spec.cohort,
         weight=spec.weight,
         tenants=sorted(spec.tenants),
+        max_priority=spec.max_priority,
         updated_at=now,
         quotas={
             f: {"gpus": q.gpus, "mig_slices": q.mig_slices, "borrow_limit": q.borrow_limit}
@@ -593,6 +595,7 @@ def job_from_row(j) -> JobRecord:
         keep_checkpoints=j.get("keep_checkpoints") or 0,
         cpu_milli=j.get("cpu_milli") or 0,
         memory=j.get("memory") or 0,
+        by_admin=bool(j.get("by_admin", True)),
     )
 
 
@@ -640,6 +643,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 keep_checkpoints=j.keep_checkpoints,
                 cpu_milli=j.cpu_milli,
                 memory=j.memory,
+                by_admin=j.by_admin,
             )
             for j in jobs
         ],

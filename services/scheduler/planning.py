@@ -66,7 +66,7 @@ class _Lazy(Mapping):
 def pending_job(job: JobRecord) -> PendingJob:
     """The job as the decision's pending queue holds it (built by JobTable.pending_view only for the jobs that
     entered the queue or changed since the last cycle)."""
-    return PendingJob(job.request(), job.queue, job.not_before)
+    return PendingJob(job.request(), job.queue, job.not_before, job.by_admin)
 
 
 def running_job(job: JobRecord) -> RunningJob:

@@ -96,7 +96,13 @@ def read_queues(conn: Connection, name: str = "", tenant: str | None = None) -> 
 
 
 def spec_to_proto(spec: QueueSpec) -> scheduler_pb2.QueueSpec:
-    msg = scheduler_pb2.QueueSpec(name=spec.name, cohort=spec.cohort, weight=spec.weight, tenants=sorted(spec.tenants))
+    msg = scheduler_pb2.QueueSpec(
+        name=spec.name,
+        cohort=spec.cohort,
+        weight=spec.weight,
+        tenants=sorted(spec.tenants),
+        max_priority=spec.max_priority,
+    )
     for flavor, q in spec.quotas.items():
         msg.quotas.add(
             flavor=flavor,
@@ -140,4 +146,6 @@ def spec_from_proto(msg: scheduler_pb2.QueueSpec) -> QueueSpec:
         problems.append("tenants must be 1-64 characters, without NUL")
     if problems:
         raise InvalidArgument("invalid queue: " + "; ".join(problems))
-    return QueueSpec(name, quotas, cohort=msg.cohort, weight=weight, tenants=frozenset(tenants))
+    return QueueSpec(
+        name, quotas, cohort=msg.cohort, weight=weight, tenants=frozenset(tenants), max_priority=msg.max_priority
+    )

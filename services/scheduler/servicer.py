@@ -15,8 +15,19 @@ from sqlalchemy.exc import SQLAlchemyError
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core import mig
 from phalanx.core.resources import MAX_CPUS, MAX_MEMORY, cpu_milli, parse_size
-from services.common.auth import TenantLimits, check_node_caller, current_identity, peer_common_name, tenant_scope
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.auth import (
+    SCHEDULER as SCHEDULER_PREFIX,
+)
+from services.common.auth import (
+    TenantLimits,
+    audit_admin,
+    audit_denied,
+    check_node_caller,
+    current_identity,
+    peer_common_name,
+    tenant_scope,
+)
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.common.rpc import stream, unary
 
 from . import accounting, ledger, paging, queues, retention
@@ -208,6 +219,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return None
         jobs = await self.service.read_jobs(job_ids=[job_id], tenant=scope)
         if not jobs:
+            audit_denied(SCHEDULER_PREFIX + "GetJob", f"job/{job_id}", "not a job of the caller's tenant, or none")
             raise NotFound(f"no job with id {job_id!r}")
         return jobs[0]
 
@@ -238,15 +250,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
         try:
             result = await self.service.execute(
-                Submit(request.spec, scoped_request_id(tenant, request.request_id), tenant=tenant)
+                Submit(
+                    request.spec,
+                    scoped_request_id(tenant, request.request_id),
+                    tenant=tenant,
+                    admin=ident is None or ident.admin,
+                )
             )
+        except PermissionDenied as exc:
+            audit_denied(SCHEDULER_PREFIX + "SubmitJob", f"queue/{request.spec.queue or 'default'}", str(exc))
+            raise
         finally:
             left = self._inflight[tenant] - 1
             if left:
                 self._inflight[tenant] = left
             else:
                 del self._inflight[tenant]
-        return await self._job(result)
+        job = await self._job(result)
+        audit_admin(
+            SCHEDULER_PREFIX + "SubmitJob", f"job/{job.id}", f"priority {job.spec.priority}, queue {job.spec.queue}"
+        )
+        return job
 
     @unary
     async def GetJob(self, request, context):
@@ -295,6 +319,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise InvalidArgument("reason must be at most 1000 characters, without NUL")
         await self._own(job_id)
         job, reason, at = await self.service.execute(RequestCheckpoint(job_id, reason))
+        audit_admin(SCHEDULER_PREFIX + "CheckpointJob", f"job/{job_id}", reason)
         return scheduler_pb2.CheckpointJobResponse(job=job, reason=reason, requested_at=at)
 
     @unary
@@ -326,7 +351,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def CancelJob(self, request, context):
-        return await self._job(await self.service.execute(Cancel(check_job_id(request.job_id), tenant_scope())))
+        job = await self._job(await self.service.execute(Cancel(check_job_id(request.job_id), tenant_scope())))
+        audit_admin(SCHEDULER_PREFIX + "CancelJob", f"job/{job.id}", f"tenant {job.tenant!r}")
+        return job
 
     @stream
     async def WatchJobs(self, request, context):
@@ -376,6 +403,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if len(reason) > 1000 or "\x00" in reason:
             raise InvalidArgument("reason must be at most 1000 characters, without NUL")
         await self.service.execute(CordonNode(name, cordon, reason))
+        audit_admin(SCHEDULER_PREFIX + ("DrainNode" if cordon else "UndrainNode"), f"node/{name}", reason)
         for node in await self.service.read_nodes():
             if node.name == name:
                 return node
@@ -402,6 +430,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def SetQueue(self, request, context):
         spec = queues.spec_from_proto(request.spec)
         await self.service.execute(SetQueue(spec))
+        audit_admin(
+            SCHEDULER_PREFIX + "SetQueue",
+            f"queue/{spec.name}",
+            f"max_priority {spec.max_priority}, cohort {spec.cohort!r}",
+        )
         (status,) = await self.service.read(queues.read_queues, spec.name)
         return status
 
@@ -410,6 +443,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.name or len(request.name) > queues.MAX_QUEUE_NAME:
             raise NotFound(f"no queue {request.name[:64]!r}")
         await self.service.execute(DeleteQueue(request.name))
+        audit_admin(SCHEDULER_PREFIX + "DeleteQueue", f"queue/{request.name}")
         return scheduler_pb2.DeleteQueueResponse()
 
 

@@ -91,6 +91,8 @@ class JobRecord:
     # Host resources of each replica (thousandths of CPUs, bytes; 0 none), reserved with its GPUs on its node
     cpu_milli: int = 0
     memory: int = 0
+    # Submitted by an admin (always, with authentication off): may preempt other queues' jobs by priority
+    by_admin: bool = True
     # The decision's inputs built from this record last time, with the fields they were built from
     # (planning.running_job; the pending ones are kept by JobTable.pending_view).
     snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)

@@ -440,3 +440,47 @@ def test_token_new_makes_a_node_token_that_names_its_node(capsys):
     assert made["entry"]["node"] == "gpu-1" and made["entry"]["role"] == "node"
     (ident,) = parse_tokens(f"- {json.dumps(made['entry'])}").values()
     assert (ident.role, ident.node) == ("node", "gpu-1")
+
+
+async def test_priority_is_granted_by_the_queue_not_claimed(db_url, tmp_path, capsys, logs_to_stderr):
+    """A user may ask for no more than its queue's max_priority (0, default, unless an admin raised it): above it
+    is PERMISSION_DENIED with the cap, never lowered, and writes nothing. An admin's job has no cap."""
+    async with AuthCluster(db_url, tmp_path, nodes=1) as c:
+        admin, alice = c.clients["admin"], c.clients["alice"]
+        with structlog.testing.capture_logs() as logs:
+            with pytest.raises(PermissionDeniedError) as err:
+                await alice.submit("hi", 1, 1, ["run"], priority=100)
+            assert "priority 100 (high) is above what queue 'default' grants: at most 0 (default)" in str(err.value)
+            assert await admin.list_jobs() == []
+            await admin.set_queue("research", None, max_priority=100)
+        audits = [
+            (a["outcome"], a["tenant"], a["role"], a["method"].rsplit("/", 1)[-1], a["object"])
+            for a in logs
+            if a["event"] == "audit"
+        ]
+        assert ("denied", "alice", "user", "SubmitJob", "queue/default") in audits
+        assert ("done", "ops", "admin", "SetQueue", "queue/research") in audits
+        ok = await alice.submit("hi", 1, 1, ["run"], priority=100, queue="research")
+        assert ok.priority == 100
+        with pytest.raises(PermissionDeniedError, match="at most 100 \\(high\\)"):
+            await alice.submit("crit", 1, 1, ["run"], priority=200, queue="research")
+        assert (await admin.submit("ops", 1, 1, ["run"], priority=200)).priority == 200
+        assert {j.name for j in await admin.list_jobs()} == {"hi", "ops"}
+        rc = await asyncio.to_thread(cli_main, ["--scheduler", c.address, "--token", "tok-admin", "queue"])
+        assert rc == 0 and "priorities up to 100 (high)" in capsys.readouterr().out
+        rc = await asyncio.to_thread(
+            cli_main,
+            [
+                "--scheduler",
+                c.address,
+                "--token",
+                "tok-admin",
+                "quota",
+                "set",
+                "q2",
+                "--max-priority",
+                "batch",
+                "--json",
+            ],
+        )
+        assert rc == 0 and json.loads(capsys.readouterr().out)["max_priority"] == -100

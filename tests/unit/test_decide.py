@@ -422,3 +422,29 @@ def test_without_held_nodes_a_stop_hands_its_gpus_over_in_the_same_decision():
     )
     plan = summary(decide(snapshot_of(case), NOW))
     assert ("stop", "lo1", "hi") in plan and ("reserve", "hi", ("n1",)) in plan
+
+
+def test_a_users_job_preempts_another_queues_gang_only_when_an_admin_submitted_it():
+    """Priority decides within a queue; across queues a job preempts only to take back borrowed quota, unless an
+    admin submitted it (issue 20, item 5)."""
+    policy = DecideConfig(preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=0.0), poll_s=5.0)
+    for by_admin, same_queue, preempts in (
+        (False, False, False),
+        (True, False, True),
+        (False, True, True),
+    ):
+        case = Case(
+            "cross-queue",
+            {"n1": 8},
+            [Run("lo", {"n1": tuple(range(8))}, priority=0, queue="a")],
+            [],
+            [],
+            config=policy,
+        )
+        snap = snapshot_of(case)
+        head = PendingJob(GangRequest("hi", 1, 8, 100, 1.0), "a" if same_queue else "b", 0.0, by_admin)
+        snap = Snapshot(
+            capacity=snap.capacity, pending=[head], running=snap.running, config=policy, memo=Memo(), totals=snap.totals
+        )
+        plan = summary(decide(snap, NOW))
+        assert (("stop", "lo", "hi") in plan) is preempts, (by_admin, same_queue, plan)
