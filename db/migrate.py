@@ -70,6 +70,23 @@ def ensure_cluster_id(conn) -> str:
     return read_cluster_id(conn)
 
 
+def ensure_rank_key(conn) -> str:
+    """The key that signs the ranks' credentials (64 hex digits), made now if the ledger has none. Safe against a
+    concurrent writer (only an empty key is replaced, and everyone reads the winner's). Runs in the caller's
+    transaction."""
+    import secrets
+
+    from sqlalchemy import select, update
+
+    ensure_cluster_id(conn)
+    conn.execute(
+        update(LedgerIdentity)
+        .where(LedgerIdentity.id == 1, LedgerIdentity.rank_key == "")
+        .values(rank_key=secrets.token_hex(32))
+    )
+    return str(conn.execute(select(LedgerIdentity.rank_key).where(LedgerIdentity.id == 1)).scalar() or "")
+
+
 def cluster_id(url: str) -> str:
     """The cluster id of the ledger at `url` ("" before revision 0015)."""
     engine = make_engine(url)

@@ -473,6 +473,9 @@ class LedgerIdentity(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cluster_id: Mapped[str] = mapped_column(String(36))
     created_at: Mapped[float] = mapped_column()
+    # The key of the ranks' credentials (revision 0021; phalanx.common.tokens.rank_token): the scheduler signs each
+    # attempt's PHALANX_JOB_TOKEN with it, the checkpoint coordinator checks it. Written once, random.
+    rank_key: Mapped[str] = mapped_column(String(64), default="", server_default="")
 
 
 class LedgerChange(Base):

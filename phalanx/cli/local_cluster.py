@@ -316,9 +316,8 @@ class LocalCluster:
             )
             os.chmod(own, 0o600)
             flags += ["--tokens", str(self.tokens), "--tokens", str(own)]
-            # The agent keeps PHALANX_AGENT_TOKEN to itself; its ranks get PHALANX_TOKEN (the service token, for the
-            # checkpoint coordinator) through --pass-env: a rank's environment is built, never inherited.
-            agent_env.update(PHALANX_TOKEN=self._service_token)
+            # The agent keeps PHALANX_AGENT_TOKEN to itself; its ranks get their attempt's own credential with each
+            # launch (PHALANX_JOB_TOKEN, for the checkpoint coordinator), never a token of the cluster's.
         if self.tls:
             from .certs import generate_local_pki
 
@@ -342,7 +341,7 @@ class LocalCluster:
     def rank_variables(agent_env: dict[str, str]) -> list[str]:
         """The agents' variables their ranks need, passed on explicitly (phalanx-agent --pass-env): the service
         token and the TLS client files, for the checkpoint coordinator."""
-        return [n for n in ("PHALANX_TOKEN", "PHALANX_TLS_CA", "PHALANX_TLS_CERT", "PHALANX_TLS_KEY") if n in agent_env]
+        return [n for n in ("PHALANX_TLS_CA", "PHALANX_TLS_CERT", "PHALANX_TLS_KEY") if n in agent_env]
 
     def agent_state_dir(self, node: str) -> Path:
         return self.state_dir / "agents" / node

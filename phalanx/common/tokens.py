@@ -12,6 +12,7 @@ A `node` token names the one node it may act as (`node`); see services.common.au
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import os
 import re
@@ -28,6 +29,7 @@ log = structlog.get_logger()
 
 ROLES = ("user", "admin", "node", "service")
 TOKEN_PREFIX = "phx_"
+RANK_TOKEN_PREFIX = "phr_"  # a rank credential (rank_token), never in a tokens file
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class Identity:
     max_pending: int | None = None  # PENDING jobs this tenant may have (None: the service's default)
     unix_user: str = ""  # the Unix user this tenant's ranks run as on the hosts ("": the agents' --run-as)
     node: str = ""  # role node: the one node this credential may register, heartbeat and report as
+    # role rank (a rank credential, PHALANX_JOB_TOKEN): the one job and attempt it acts for
+    job: str = ""
+    attempt: int = 0
 
     @property
     def admin(self) -> bool:
@@ -50,6 +55,31 @@ def hash_token(token: str) -> str:
 
 def new_token() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def _rank_mac(key: str, job_id: str, attempt: int) -> str:
+    return hmac.new(bytes.fromhex(key), f"rank:{job_id}:{attempt}".encode(), hashlib.sha256).hexdigest()
+
+
+def rank_token(key: str, job_id: str, attempt: int) -> str:
+    """The credential of one attempt's ranks: `phr_<job>_<attempt>_<HMAC-SHA256 under the ledger's rank key>`. It
+    names its job and attempt; the checkpoint coordinator checks the MAC and that the attempt is still the job's
+    running one, so it expires when the attempt ends, with nothing to store or revoke."""
+    return f"{RANK_TOKEN_PREFIX}{job_id}_{attempt}_{_rank_mac(key, job_id, attempt)}"
+
+
+def verify_rank_token(key: str, token: str) -> Identity | None:
+    """The identity (role `rank`, its job and attempt) of a well-signed rank credential, else None."""
+    if not key or not token.startswith(RANK_TOKEN_PREFIX):
+        return None
+    job_id, _, rest = token[len(RANK_TOKEN_PREFIX) :].partition("_")
+    attempt_text, _, mac = rest.partition("_")
+    if not job_id or not attempt_text.isdigit() or len(attempt_text) > 9 or len(mac) != 64:
+        return None
+    attempt = int(attempt_text)
+    if not hmac.compare_digest(mac, _rank_mac(key, job_id, attempt)):
+        return None
+    return Identity(tenant="", role="rank", job=job_id, attempt=attempt)
 
 
 def token_entry(token: str, tenant: str, role: str = "user", node: str = "") -> dict[str, str]:

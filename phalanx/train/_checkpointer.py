@@ -173,8 +173,9 @@ class Checkpointer:
         # The coordinator's suggested interval, learned from the request polls (0: none yet).
         self.suggested_interval_s = 0.0
         self.timeout = timeout
-        # With authentication on, the cluster gives ranks a `service` token (PHALANX_TOKEN) and, with TLS, the
-        # PHALANX_TLS_CA/CERT/KEY files.
+        # With authentication on, each attempt's ranks get a credential of their own, scoped to the job and the
+        # attempt (PHALANX_JOB_TOKEN, from the scheduler); PHALANX_TOKEN (a token the operator passes) is the
+        # fallback. With TLS, the PHALANX_TLS_CA/CERT/KEY files.
         self._owns_channel = channel is None
         if channel is None:
             from phalanx.client import open_channel
@@ -186,7 +187,7 @@ class Checkpointer:
                 tls = TLSConfig(env["PHALANX_TLS_CA"], env.get("PHALANX_TLS_CERT", ""), env.get("PHALANX_TLS_KEY", ""))
             channel = open_channel(
                 self.addr,
-                token=(env.get("PHALANX_TOKEN") or "").strip(),
+                token=(env.get("PHALANX_JOB_TOKEN") or env.get("PHALANX_TOKEN") or "").strip(),
                 tls=tls,
                 retries=RETRIES,
                 retry_backoff=RETRY_BACKOFF,

@@ -117,7 +117,8 @@ async def serve(
     Every `sweep_interval` seconds (0: never) it aborts the PENDING checkpoints whose deadline passed. It records
     its address (`advertise`, default: the bound address, a wildcard host replaced by this host's name) and the
     checkpoint directory ranks should use in the ledger's service_endpoints, where a scheduler started without
-    --checkpoint-coordinator finds them. `tokens`: authentication on (roles `service` and `admin` may call it);
+    --checkpoint-coordinator finds them. `tokens`: authentication on (servicer._authorize: an admin or service
+    anything, a user its tenant's jobs, a rank credential its own job and attempt);
     `tls`: serve TLS (mutual when it names a CA).
 
     Retention (retention.py): after each commit, and in every sweep, it keeps the newest `keep_checkpoints` (>= 1)
@@ -133,11 +134,12 @@ async def serve(
     engine = make_engine(db_url)
     try:
         servicer = CheckpointCoordinatorServicer(engine, retention)
+        rank_key = await asyncio.to_thread(_rank_key, engine) if tokens is not None else ""
         server = AioServer(
             listen,
             [lambda s: checkpoint_pb2_grpc.add_CheckpointCoordinatorServicer_to_server(servicer, s)],
             [SERVICE_NAME],
-            interceptors=[AuthInterceptor(tokens)] if tokens is not None else [],
+            interceptors=[AuthInterceptor(tokens, rank_key)] if tokens is not None else [],
             tls=tls,
         )
         await server.start()
@@ -148,6 +150,13 @@ async def serve(
         raise
     sweeper = asyncio.create_task(_sweep(engine, sweep_interval, retention)) if sweep_interval > 0 else None
     return CheckpointServer(server, engine, sweeper, servicer)
+
+
+def _rank_key(engine) -> str:
+    from db.migrate import ensure_rank_key
+
+    with engine.begin() as conn:
+        return ensure_rank_key(conn)
 
 
 def _reachable(address: str) -> str:

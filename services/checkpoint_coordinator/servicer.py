@@ -9,7 +9,8 @@ from sqlalchemy import Engine
 
 from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from phalanx.core.checkpoint_policy import CheckpointPolicy
-from services.common.errors import InvalidArgument
+from services.common.auth import CHECKPOINT, audit_denied, current_identity
+from services.common.errors import InvalidArgument, NotFound, PermissionDenied
 from services.common.rpc import unary
 
 from . import store
@@ -126,6 +127,39 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
             if self._pruning.get(job_id) is asyncio.current_task():
                 del self._pruning[job_id]
 
+    async def _authorize(self, method: str, job_id: str, attempt: int | None = None) -> None:
+        """The caller may touch `job_id` (and `attempt`, when the request names one), or this raises, after one
+        audit line, and nothing is written. Authentication off, an admin, or a `service` (the cluster's own
+        processes): anything. A user: its tenant's jobs; another's is NOT_FOUND, as if it did not exist. A rank
+        credential (PHALANX_JOB_TOKEN): its own job and attempt, while that attempt is the job's running one."""
+        ident = current_identity()
+        if ident is None or ident.admin or ident.role == "service":
+            return
+        full = CHECKPOINT + method
+        if ident.role == "rank":
+            why = ""
+            if job_id != ident.job:
+                why = f"the credential of job {ident.job} may not touch job {job_id[:40]!r}"
+            elif attempt and attempt != ident.attempt:
+                why = f"the credential of job {ident.job} attempt {ident.attempt} may not act for attempt {attempt}"
+            else:
+                owner = await asyncio.to_thread(store.job_owner, self.engine, job_id)
+                if owner is None or owner.state != "RUNNING" or owner.attempt != ident.attempt:
+                    now = "gone" if owner is None else f"{owner.state}, attempt {owner.attempt}"
+                    why = f"the credential of job {ident.job} attempt {ident.attempt} has expired (the job is {now})"
+            if why:
+                audit_denied(full, f"job/{job_id[:40]}", why, ident, attempt=ident.attempt)
+                raise PermissionDenied(why)
+            return
+        if ident.role == "user":
+            owner = await asyncio.to_thread(store.job_owner, self.engine, job_id)
+            if owner is not None and owner.tenant != ident.tenant:
+                audit_denied(full, f"job/{job_id[:40]}", "another tenant's job", ident)
+                raise NotFound(f"no job with id {job_id[:40]!r}")
+            return
+        audit_denied(full, f"job/{job_id[:40]}", f"role {ident.role!r} may not call the coordinator", ident)
+        raise PermissionDenied(f"role {ident.role!r} may not call {method}")
+
     async def settle(self, timeout: float | None = None) -> None:
         """Wait for the retention passes that commits started (tests; shutdown)."""
         while self._pruning:
@@ -135,6 +169,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def RecordCheckpoint(self, request, context):
+        await self._authorize("RecordCheckpoint", request.job_id, request.attempt)
         shards = [store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum) for s in request.shards]
         record = await asyncio.to_thread(
             store.record_checkpoint, self.engine, request.job_id, request.attempt, request.step, shards
@@ -152,6 +187,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def BeginCheckpoint(self, request, context):  # world_size 0: the ledger's (store.begin_checkpoint)
+        await self._authorize("BeginCheckpoint", request.job_id, request.attempt)
         record = await asyncio.to_thread(
             store.begin_checkpoint,
             self.engine,
@@ -174,6 +210,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def ReportShard(self, request, context):
+        await self._authorize("ReportShard", request.job_id, request.attempt)
         if not request.HasField("shard"):
             raise InvalidArgument("shard is required")
         s = request.shard
@@ -205,12 +242,14 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def RequestCheckpoint(self, request, context):
+        await self._authorize("RequestCheckpoint", request.job_id)
         record = await asyncio.to_thread(store.request_checkpoint, self.engine, request.job_id, request.reason)
         log.info("checkpoint_requested", job_id=request.job_id, reason=record.reason)
         return _request_proto(record)
 
     @unary
     async def GetCheckpointRequest(self, request, context):
+        await self._authorize("GetCheckpointRequest", request.job_id, request.attempt)
         step = request.step if request.HasField("step") else None  # set: the rank takes part in the step agreement
         record = await asyncio.to_thread(
             store.get_request, self.engine, request.job_id, request.attempt, request.rank, step
@@ -237,16 +276,19 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def GetCheckpointPolicy(self, request, context):
+        await self._authorize("GetCheckpointPolicy", request.job_id)
         policy = await asyncio.to_thread(store.checkpoint_policy, self.engine, request.job_id)
         return policy_proto(request.job_id, policy)
 
     @unary
     async def GetLatestCheckpoint(self, request, context):
+        await self._authorize("GetLatestCheckpoint", request.job_id)
         record = await asyncio.to_thread(store.latest_checkpoint, self.engine, request.job_id)
         return to_proto(record)
 
     @unary
     async def ListCheckpoints(self, request, context):
+        await self._authorize("ListCheckpoints", request.job_id)
         records, token = await asyncio.to_thread(
             store.list_checkpoints, self.engine, request.job_id, request.page_size, request.page_token
         )
@@ -254,6 +296,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def ReportRestore(self, request, context):
+        await self._authorize("ReportRestore", request.job_id, request.attempt)
         skipped = [store.SkippedRecord(s.checkpoint_id, s.reason) for s in request.skipped]
         record = await asyncio.to_thread(
             store.report_restore,
@@ -279,6 +322,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
 
     @unary
     async def GetRestore(self, request, context):
+        await self._authorize("GetRestore", request.job_id, request.attempt if request.HasField("attempt") else None)
         attempt = request.attempt if request.HasField("attempt") else None
         state = await asyncio.to_thread(store.get_restore, self.engine, request.job_id, attempt)
         return checkpoint_pb2.RestoreState(

@@ -364,6 +364,22 @@ def _validate_shard(shard: ShardRecord, world_size: int) -> None:
         raise InvalidArgument(f"shard {shard.rank}: checksum longer than {MAX_CHECKSUM} characters")
 
 
+@dataclass(frozen=True)
+class JobOwner:
+    tenant: str
+    attempt: int
+    state: str
+
+
+def job_owner(engine: Engine, job_id: str) -> JobOwner | None:
+    """Whose the job is and which attempt runs (for authorization); None when there is no such job."""
+    if not job_id or len(job_id) > MAX_JOB_ID:
+        return None
+    with engine.connect() as conn:
+        row = conn.execute(select(Job.tenant, Job.attempt, Job.state).where(Job.id == job_id)).first()
+    return None if row is None else JobOwner(row.tenant or "", int(row.attempt), row.state)
+
+
 def ledger_world_size(
     conn, job_id: str, attempt: int, replicas: int, gpus_per_replica: int, procs_per_replica: int
 ) -> int:

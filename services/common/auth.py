@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import structlog
 
-from phalanx.common.tokens import Identity, TokenStore
+from phalanx.common.tokens import RANK_TOKEN_PREFIX, Identity, TokenStore, verify_rank_token
 
 log = structlog.get_logger()
 
@@ -109,7 +109,8 @@ def allowed_roles(method: str) -> frozenset[str]:
     if method.startswith(NODE_SERVICE):
         return frozenset({"node"})
     if method.startswith(CHECKPOINT):
-        return frozenset({"service", "admin"})
+        # Which jobs each may touch is the coordinator's check, call by call (its servicer's _authorize).
+        return frozenset({"service", "admin", "user", "rank"})
     return frozenset()
 
 
@@ -204,8 +205,9 @@ def _with_identity(handler: grpc.RpcMethodHandler, ident: Identity) -> grpc.RpcM
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every call but health and reflection; sets the caller's identity for the servicer."""
 
-    def __init__(self, store: TokenStore) -> None:
+    def __init__(self, store: TokenStore, rank_key: str = "") -> None:
         self.store = store
+        self.rank_key = rank_key  # given: rank credentials (PHALANX_JOB_TOKEN) signed with it are accepted too
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -221,6 +223,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 "no credential: send 'authorization: Bearer <token>' (the CLI reads $PHALANX_TOKEN)",
             )
         ident = self.store.lookup(token)
+        if ident is None and self.rank_key and token.startswith(RANK_TOKEN_PREFIX):
+            ident = verify_rank_token(self.rank_key, token)
         if ident is None:
             audit_denied(method, "", "unknown or revoked token")
             return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked token")

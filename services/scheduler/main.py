@@ -60,6 +60,7 @@ async def serve(
     if tokens is not None:
         service.state.unix_user = tokens.unix_user  # the tenants' Unix users, for their launches
     await service.start()
+    service.state.rank_key = await asyncio.to_thread(_rank_key, service.engine)
     server = AioServer(
         settings.listen,
         [
@@ -75,6 +76,13 @@ async def serve(
     )
     await server.start()
     return RunningScheduler(service, server)
+
+
+def _rank_key(engine) -> str:
+    from db.migrate import ensure_rank_key
+
+    with engine.begin() as conn:
+        return ensure_rank_key(conn)
 
 
 def _retain_finished(text: str) -> float:

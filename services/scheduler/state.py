@@ -455,6 +455,9 @@ class SchedulerState:
         self.ends_built: dict[str, tuple[Any, ...]] = {}
         # tenant -> the Unix user its ranks run as (the tokens file's unix_user); None: authentication is off
         self.unix_user: Callable[[str], str] | None = None
+        # The ledger's key for the ranks' credentials (db.migrate.ensure_rank_key): each launch carries its
+        # attempt's PHALANX_JOB_TOKEN signed with it ("": none is given)
+        self.rank_key = ""
 
     @property
     def jobs(self) -> JobTable:

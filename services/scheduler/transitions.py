@@ -16,6 +16,7 @@ import structlog
 from sqlalchemy import Connection
 
 from phalanx.api.v1 import agent_pb2, common_pb2
+from phalanx.common.tokens import rank_token
 from phalanx.core.model import Placement
 
 from . import ledger
@@ -425,8 +426,11 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
         job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
     cycle.new_allocations.append(job)
     run_as = cycle.state.unix_user(job.tenant) if cycle.state.unix_user is not None and job.tenant else ""
+    credential = rank_token(cycle.state.rank_key, job.id, job.attempt) if cycle.state.rank_key else ""
     for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
         launch.run_as = run_as
+        if credential:  # the ranks' own credential, scoped to this job and attempt (never the job's --env)
+            launch.env["PHALANX_JOB_TOKEN"] = credential
         node = cycle.state.nodes[launch_node(job, launch.replica)]
         cycle.send(
             node, job.id, job.attempt, "launch", lambda rev, one=launch: agent_pb2.Assignment(revision=rev, launch=one)
