@@ -27,6 +27,7 @@ from services.common.server import AioServer
 
 from . import retention as retention_policy
 from . import store
+from .confine import StorageRoot
 from .retention import DEFAULT_FINISHED, DEFAULT_KEEP_CHECKPOINTS, FINISHED_POLICIES, Retention
 from .servicer import SERVICE_NAME, CheckpointCoordinatorServicer
 
@@ -111,6 +112,7 @@ async def serve(
     tls: ServerTLS | None = None,
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
     finished_checkpoints: str = DEFAULT_FINISHED,
+    checkpoint_root: str = "",
 ) -> CheckpointServer:
     """Start a coordinator on `listen` (port 0 picks a free port) against a migrated database.
 
@@ -124,8 +126,16 @@ async def serve(
     Retention (retention.py): after each commit, and in every sweep, it keeps the newest `keep_checkpoints` (>= 1)
     complete committed checkpoints of each job (a job's own keep_checkpoints > 0 overrides it) and deletes the
     older ones and aborted ones; finished jobs follow `finished_checkpoints` ("keep", "latest" or "delete"). Only
-    files of file:// shards inside `checkpoint_dir`/<job>/ are deleted (none without a checkpoint_dir).
+    files of file:// shards inside the job's own directory are deleted (none without a checkpoint_dir).
+
+    `checkpoint_root` (default: `checkpoint_dir`): every shard must lie under `<root>/<tenant>/<job>/`
+    (`<root>/<job>/` for a job without a tenant; confine.py), else INVALID_ARGUMENT. Neither given: shard
+    locations are not confined (logged as a warning).
     """
+    root_text = checkpoint_root or checkpoint_dir
+    root = StorageRoot.parse(root_text) if root_text else None
+    if root is None:
+        log.warning("checkpoint_locations_unconfined", note="give --checkpoint-root (or --checkpoint-dir)")
     retention = Retention(
         checkpoint_dir,
         retention_policy.validate_keep(keep_checkpoints),
@@ -133,7 +143,7 @@ async def serve(
     )
     engine = make_engine(db_url)
     try:
-        servicer = CheckpointCoordinatorServicer(engine, retention)
+        servicer = CheckpointCoordinatorServicer(engine, retention, root)
         rank_key = await asyncio.to_thread(_rank_key, engine) if tokens is not None else ""
         server = AioServer(
             listen,
@@ -177,6 +187,7 @@ async def _run(
     tls: ServerTLS | None = None,
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
     finished_checkpoints: str = DEFAULT_FINISHED,
+    checkpoint_root: str = "",
 ) -> None:
     server = await serve(
         db_url,
@@ -188,6 +199,7 @@ async def _run(
         tls=tls,
         keep_checkpoints=keep_checkpoints,
         finished_checkpoints=finished_checkpoints,
+        checkpoint_root=checkpoint_root,
     )
     log.info(
         "checkpointd_started",
@@ -255,6 +267,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(env PHALANX_CHECKPOINT_DIR); retention deletes only files inside it",
     )
     parser.add_argument(
+        "--checkpoint-root",
+        default=os.environ.get("PHALANX_CHECKPOINT_ROOT", ""),
+        metavar="URI",
+        help="the storage root it owns (file:///ckpt, /ckpt, s3://bucket/ckpt): every shard must lie under "
+        "<root>/<tenant>/<job>/ (<root>/<job>/ without a tenant), else INVALID_ARGUMENT (env "
+        "PHALANX_CHECKPOINT_ROOT; default: --checkpoint-dir; neither: not confined)",
+    )
+    parser.add_argument(
         "--keep-checkpoints",
         type=_keep_checkpoints,
         default=os.environ.get("PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS", str(DEFAULT_KEEP_CHECKPOINTS)),
@@ -300,11 +320,15 @@ def main(argv: list[str] | None = None) -> int:
                 tls,
                 args.keep_checkpoints,
                 args.finished_checkpoints,
+                args.checkpoint_root,
             )
         )
     except OSError as exc:
         log.error("checkpointd_failed", error=str(exc))
         return 1
+    except ValueError as exc:  # a --checkpoint-root that names no storage
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

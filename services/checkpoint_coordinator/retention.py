@@ -142,7 +142,7 @@ def _resolve(path: str) -> Path:
     return Path(os.path.realpath(path))
 
 
-def deletable_path(uri: str, root: Path | None, job_id: str) -> tuple[Path | None, str]:
+def deletable_path(uri: str, root: Path | None, job_id: str, tenant: str = "") -> tuple[Path | None, str]:
     """(the resolved path to delete, "") when `uri` is a `file://` URI inside the job's directory under `root` (a
     resolved directory), else (None, why it is left alone)."""
     if root is None:
@@ -152,9 +152,9 @@ def deletable_path(uri: str, root: Path | None, job_id: str) -> tuple[Path | Non
         return None, "not a file:// URI"
     if ".." in PurePosixPath(path).parts:
         return None, "its path has a '..' component"
-    if not _SAFE_JOB.match(job_id):
+    if not _SAFE_JOB.match(job_id) or (tenant and not _SAFE_JOB.match(tenant)):
         return None, "the job id names no checkpoint directory"
-    job_dir = root / job_id
+    job_dir = root / tenant / job_id if tenant else root / job_id
     resolved = _resolve(path)
     if resolved == job_dir or job_dir not in resolved.parents:
         return None, f"not inside {job_dir}"
@@ -246,6 +246,7 @@ class Deleted:
 @dataclass
 class _Plan:
     job_id: str
+    tenant: str
     delete: list[Candidate]
     shards: dict[str, list[str]]  # checkpoint id -> shard URIs, for the ones to delete
     referenced: list[Path]  # paths the job's other undeleted checkpoints reference
@@ -312,7 +313,9 @@ class Retention:
         return sorted(j for j, c in counts.items() if c[ABORTED] or c[COMMITTED] > c["keep"])
 
     def _plan(self, conn, job_id: str) -> _Plan | None:
-        job = conn.execute(select(Job.state, Job.attempt, Job.keep_checkpoints).where(Job.id == job_id)).first()
+        job = conn.execute(
+            select(Job.state, Job.attempt, Job.keep_checkpoints, Job.tenant).where(Job.id == job_id)
+        ).first()
         if job is None:
             return None
         stats = (
@@ -380,7 +383,7 @@ class Retention:
                 ref = referenced_path(uri)
                 if ref is not None:
                     referenced.append(ref)
-        return _Plan(job_id, sorted(delete, key=restore_order), shards, referenced)
+        return _Plan(job_id, job.tenant or "", sorted(delete, key=restore_order), shards, referenced)
 
     # -- deleting (no transaction), then marking (a short one)
 
@@ -428,7 +431,7 @@ class Retention:
         errors: list[str] = []
         seen: set[Path] = set()
         for uri in plan.shards.get(c.id, []):
-            path, why = deletable_path(uri, self.root, plan.job_id)
+            path, why = deletable_path(uri, self.root, plan.job_id, plan.tenant)
             if path is None:
                 left.append((uri, why))
                 continue
@@ -438,7 +441,9 @@ class Retention:
             if protected(path, plan.referenced):
                 left.append((uri, "a kept checkpoint references it"))
                 continue
-            removal = delete_path(path, self.root / plan.job_id)
+            removal = delete_path(
+                path, self.root / plan.tenant / plan.job_id if plan.tenant else self.root / plan.job_id
+            )
             files += removal.files
             size += removal.bytes
             errors += removal.errors

@@ -14,6 +14,7 @@ from services.common.errors import InvalidArgument, NotFound, PermissionDenied
 from services.common.rpc import unary
 
 from . import store
+from .confine import StorageRoot
 from .retention import Retention
 
 log = structlog.get_logger(service="checkpointd")
@@ -98,9 +99,10 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
     """`retention`: after each commit the job's checkpoints beyond what it keeps are deleted (retention.py), in the
     background: the commit's answer never waits for the file system."""
 
-    def __init__(self, engine: Engine, retention: Retention | None = None) -> None:
+    def __init__(self, engine: Engine, retention: Retention | None = None, root: StorageRoot | None = None) -> None:
         self.engine = engine
         self.retention = retention
+        self.root = root  # given: every shard must lie under its job's prefix (confine.py)
         self._pruning: dict[str, asyncio.Task] = {}  # job id -> its retention pass under way
         self._again: set[str] = set()  # jobs that committed again meanwhile: one more pass
 
@@ -160,6 +162,18 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         audit_denied(full, f"job/{job_id[:40]}", f"role {ident.role!r} may not call the coordinator", ident)
         raise PermissionDenied(f"role {ident.role!r} may not call {method}")
 
+    async def _confine(self, job_id: str, shards) -> None:
+        """INVALID_ARGUMENT unless every shard lies under the job's own storage prefix (with a root)."""
+        if self.root is None:
+            return
+        owner = await asyncio.to_thread(store.job_owner, self.engine, job_id)
+        if owner is None:
+            return  # the store answers NOT_FOUND
+        for s in shards:
+            why = self.root.check(s.uri, owner.tenant, job_id)
+            if why:
+                raise InvalidArgument(f"shard {s.rank}: location {s.uri[:200]!r} is {why}")
+
     async def settle(self, timeout: float | None = None) -> None:
         """Wait for the retention passes that commits started (tests; shutdown)."""
         while self._pruning:
@@ -171,6 +185,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
     async def RecordCheckpoint(self, request, context):
         await self._authorize("RecordCheckpoint", request.job_id, request.attempt)
         shards = [store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum) for s in request.shards]
+        await self._confine(request.job_id, shards)
         record = await asyncio.to_thread(
             store.record_checkpoint, self.engine, request.job_id, request.attempt, request.step, shards
         )
@@ -215,6 +230,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
             raise InvalidArgument("shard is required")
         s = request.shard
         shard = store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum)
+        await self._confine(request.job_id, [shard])
         record = await asyncio.to_thread(
             store.report_shard,
             self.engine,

@@ -48,6 +48,7 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import math
@@ -1129,6 +1130,9 @@ class NodeAgent:
     def _checkpoint_dir_for(env: dict[str, str], job_id: str, user: identity.RankUser) -> None:
         """The job's checkpoint directory (PHALANX_CHECKPOINT_DIR/<job>) exists and is the ranks' user's."""
         root = env.get("PHALANX_CHECKPOINT_DIR")
+        if root and not os.path.isdir(root) and os.path.isdir(os.path.dirname(root.rstrip("/"))):
+            with contextlib.suppress(OSError):  # a tenant's directory under the store's root (<root>/<tenant>)
+                os.mkdir(root, 0o711)
         if root and os.path.isdir(root):
             identity.make_owned_dir(Path(root) / job_id, user, 0o750)
 

@@ -518,7 +518,10 @@ def launches(
     if addr:
         base.setdefault("PHALANX_CHECKPOINT_ADDR", addr)
     if directory:
-        base.setdefault("PHALANX_CHECKPOINT_DIR", directory)
+        # Each job writes under <dir>/<tenant>/<job>/ (<dir>/<job>/ without a tenant): the coordinator refuses
+        # shards outside that prefix (services/checkpoint_coordinator/confine.py).
+        tenant_dir = f"{directory.rstrip('/')}/{job.tenant}" if job.tenant else directory
+        base.setdefault("PHALANX_CHECKPOINT_DIR", tenant_dir)
     by_replica: dict[int, list[RankRecord]] = {}
     for r in job.ranks.values():
         by_replica.setdefault(r.replica, []).append(r)

@@ -258,9 +258,11 @@ async def test_record_checkpoint_prunes_too_and_a_pending_checkpoint_is_never_de
     assert not any(f.exists() for f in gang.files(1))
 
 
-async def test_a_shard_outside_the_checkpoint_dir_is_left_on_disk_but_the_checkpoint_is_deleted(
+async def test_a_shard_outside_the_jobs_directory_is_refused_and_nothing_is_deleted(
     coordinator, stub, root, db_url, tmp_path
 ):
+    """The coordinator owns its checkpoint directory (confine.py): a shard elsewhere, or a symlink inside that leads
+    out, is INVALID_ARGUMENT, writes nothing, and so can never make retention touch a file outside."""
     _set_job(db_url, keep_checkpoints=1)
     gang = Gang(root)
     elsewhere = tmp_path / "elsewhere"
@@ -272,18 +274,20 @@ async def test_a_shard_outside_the_checkpoint_dir_is_left_on_disk_but_the_checkp
     target = elsewhere / "rank-0.json"
     target.write_bytes(b"y" * 10)
     linked.symlink_to(target)
-    first = [
+    for shard in (
         pb.Shard(rank=0, uri=linked.as_uri(), size_bytes=10, checksum=_checksum(b"y" * 10)),
         pb.Shard(rank=1, uri=outside.as_uri(), size_bytes=10, checksum=_checksum(b"x" * 10)),
-    ]
-    with capture_logs() as logs:
-        await gang.commit(stub, 1, first)
-        await gang.commit(stub, 2)
-        await coordinator.settle()
-    assert await _listed(stub) == [2] and _rows(db_url)[1] == (COMMITTED, True)
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ReportShard(pb.ReportShardRequest(job_id=JOB, attempt=1, step=1, shard=shard))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "outside this job's storage prefix" in err.value.details()
+    assert _rows(db_url) == {}
+    await gang.commit(stub, 2)
+    await gang.commit(stub, 3)
+    await coordinator.settle()
+    assert await _listed(stub) == [3]
     assert outside.read_bytes() == b"x" * 10 and target.read_bytes() == b"y" * 10
-    left = [e for e in logs if e["event"] == "checkpoint_files_left"]
-    assert len(left) == 1 and left[0]["shards"] == 2 and left[0]["step"] == 1  # once per checkpoint
 
 
 async def test_a_path_a_kept_checkpoint_references_is_not_deleted(coordinator, stub, root, db_url):

@@ -176,3 +176,60 @@ async def test_every_coordinator_rpc_against_every_caller(db_url, tmp_path):
 @pytest.mark.parametrize("token", ["", "phr_", "phr_abc_1_" + "0" * 64, "phr_abc_x_" + "0" * 64, "phr_" + "a" * 500])
 def test_malformed_rank_credentials_verify_as_nobody(token):
     assert verify_rank_token("00" * 32, token) is None
+
+
+async def test_each_job_writes_only_under_its_tenants_prefix(db_url, tmp_path):
+    """The coordinator owns its root (--checkpoint-root): alice's job writes under <root>/alice/<job>/, which the
+    scheduler gives its ranks as PHALANX_CHECKPOINT_DIR=<root>/alice; a shard anywhere else is INVALID_ARGUMENT and
+    writes nothing."""
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(
+        "".join(
+            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}" + (f", node: {n}}}\n" if n else "}\n")
+            for t, tenant, role, n in ENTRIES
+        )
+    )
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    store = TokenStore(tokens)
+    scheduler = await serve(
+        SchedulerSettings(
+            db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]), checkpoint_dir=str(root)
+        ),
+        tokens=store,
+    )
+    coordinator = await serve_coordinator(
+        db_url, "127.0.0.1:0", tokens=store, sweep_interval=0, checkpoint_dir=str(root)
+    )
+    agent = LiteAgent(scheduler.address, "node-0", token="tok-node")
+    await agent.start()
+    alice = AsyncClient(scheduler.address, token="tok-alice", retries=0)
+    channel = open_aio_channel(coordinator.address, token="tok-alice")
+    try:
+        stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(channel)
+        job = await alice.wait((await alice.submit("a", 1, 1, ["hang"])).id, ["RUNNING"], timeout=10)
+        launch = next(launch for launch in agent.launched if launch.job_id == job.id)
+        assert launch.env["PHALANX_CHECKPOINT_DIR"] == f"{root}/alice"
+        mine = root / "alice" / job.id / "1" / "attempt-1"
+        for uri in (
+            "file:///etc/passwd",
+            (root / "bob" / job.id / "x").as_uri(),
+            (root / job.id / "x").as_uri(),
+            f"file://{root}/alice/{job.id}/../other/x",
+            "s3://bucket/x",
+        ):
+            shard = pb.Shard(rank=0, uri=uri, size_bytes=1, checksum="sha256:" + "0" * 64)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ReportShard(pb.ReportShardRequest(job_id=job.id, attempt=1, step=1, shard=shard))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, uri
+            assert f"outside this job's storage prefix file://{root}/alice/{job.id}/" in err.value.details()
+        assert _snapshot(db_url)[:2] == (0, 0)
+        shard = pb.Shard(rank=0, uri=(mine / "rank-0.json").as_uri(), size_bytes=1, checksum="sha256:" + "0" * 64)
+        done = await stub.ReportShard(pb.ReportShardRequest(job_id=job.id, attempt=1, step=1, shard=shard))
+        assert done.state == "COMMITTED"
+    finally:
+        await channel.close()
+        await alice.close()
+        await agent.stop()
+        await coordinator.stop(0)
+        await scheduler.stop()
