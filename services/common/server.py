@@ -83,9 +83,15 @@ class AioServer:
         service_names: Iterable[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         tls=None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        """`tls`: a services.common.auth.ServerTLS (a secure port, mutual when it names a CA); None: plaintext."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeInterceptor(), *interceptors])
+        """`tls`: a services.common.auth.ServerTLS (a secure port, mutual when it names a CA); None: plaintext.
+        `max_message_bytes`: the largest request (and response) message; a larger one is RESOURCE_EXHAUSTED."""
+        options = [
+            (k, max_message_bytes if k in ("grpc.max_receive_message_length", "grpc.max_send_message_length") else v)
+            for k, v in SERVER_OPTIONS
+        ]
+        self.server = grpc.aio.server(options=options, interceptors=[DecodeInterceptor(), *interceptors])
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

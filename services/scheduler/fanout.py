@@ -8,15 +8,47 @@ Both live in this replica's memory only. A change another replica committed arri
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 from phalanx.api.v1 import common_pb2
 
-Watcher = tuple[frozenset[str] | None, asyncio.Queue]
+
+class Watcher:
+    """One WatchJobs stream's buffer of changed jobs: the jobs among `job_ids` (None: every job) of `tenant` (None:
+    every tenant), at most `limit` of them. A watcher that falls further behind is `overflowed`: its buffer is
+    dropped and its stream ended (it watches again, starting from the current state), so memory stays bounded
+    whatever a slow reader does."""
+
+    __slots__ = ("job_ids", "tenant", "limit", "items", "overflowed", "_ready")
+
+    def __init__(self, job_ids: frozenset[str] | None, tenant: str | None, limit: int) -> None:
+        self.job_ids, self.tenant, self.limit = job_ids, tenant, limit
+        self.items: deque[common_pb2.Job] = deque()
+        self.overflowed = False
+        self._ready = asyncio.Event()
+
+    def put(self, job: common_pb2.Job) -> None:
+        if self.overflowed:
+            return
+        if len(self.items) >= self.limit:
+            self.overflowed = True
+            self.items.clear()
+        else:
+            self.items.append(job)
+        self._ready.set()
+
+    async def get(self) -> common_pb2.Job | None:
+        """The next change; None once the watcher overflowed."""
+        while not self.items and not self.overflowed:
+            self._ready.clear()
+            await self._ready.wait()
+        return None if self.overflowed else self.items.popleft()
 
 
 class FanOut:
-    def __init__(self) -> None:
+    def __init__(self, watch_queue: int = 10_000) -> None:
+        self.watch_queue = watch_queue
         self._watchers: set[Watcher] = set()
         self._feeds: dict[str, set[asyncio.Queue]] = {}
 
@@ -26,9 +58,9 @@ class FanOut:
     def watched(self) -> bool:
         return bool(self._watchers)
 
-    def subscribe(self, job_ids: frozenset[str] | None) -> Watcher:
-        """A queue of the changed jobs among `job_ids` (None: every job)."""
-        entry: Watcher = (job_ids, asyncio.Queue())
+    def subscribe(self, job_ids: frozenset[str] | None, tenant: str | None = None) -> Watcher:
+        """A buffer of the changed jobs among `job_ids` (None: every job) of `tenant` (None: all)."""
+        entry = Watcher(job_ids, tenant, self.watch_queue)
         self._watchers.add(entry)
         return entry
 
@@ -36,9 +68,9 @@ class FanOut:
         self._watchers.discard(entry)
 
     def publish(self, job: common_pb2.Job) -> None:
-        for ids, queue in list(self._watchers):
-            if ids is None or job.id in ids:
-                queue.put_nowait(job)
+        for w in list(self._watchers):
+            if (w.job_ids is None or job.id in w.job_ids) and (w.tenant is None or job.tenant == w.tenant):
+                w.put(job)
 
     # ---- StreamAssignments ----------------------------------------------------------------------------------------
 

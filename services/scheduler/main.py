@@ -73,6 +73,7 @@ async def serve(
         ],
         interceptors=[AuthInterceptor(tokens)] if tokens is not None else [],
         tls=tls,
+        max_message_bytes=settings.max_message_bytes,
     )
     await server.start()
     return RunningScheduler(service, server)
@@ -83,6 +84,16 @@ def _rank_key(engine) -> str:
 
     with engine.begin() as conn:
         return ensure_rank_key(conn)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _retain_finished(text: str) -> float:
@@ -225,6 +236,24 @@ def build_parser() -> argparse.ArgumentParser:
         "90m), then move them to job_archive with their goodput (README, Retention); 0 or forever: keep them "
         "there (default 30d)",
     )
+    limits = p.add_argument_group("limits", "what one caller may ask of the server (README, Limits)")
+    for flag, default, what in (
+        ("--max-message-bytes", 16 * 1024 * 1024, "the largest request or response message (RESOURCE_EXHAUSTED)"),
+        ("--max-watches", 64, "WatchJobs streams one tenant (one caller, authentication off) may hold open"),
+        ("--watch-queue", 10_000, "changes buffered per watch stream; a watcher further behind is ended"),
+        ("--max-replicas", 100_000, "replicas of one job"),
+        ("--max-command-bytes", 256 * 1024, "bytes of one job's command"),
+        ("--max-env-vars", 4096, "variables of one job's --env"),
+        ("--max-env-bytes", 256 * 1024, "bytes of one job's --env"),
+    ):
+        env = "PHALANX_SCHEDULER_" + flag[2:].upper().replace("-", "_")
+        limits.add_argument(
+            flag,
+            type=_positive_int,
+            default=int(os.environ.get(env, default)),
+            metavar="N",
+            help=f"{what} (env {env}; default {default})",
+        )
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
     add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
     p.add_argument(
@@ -334,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         mig_switch_hold_s=args.mig_switch_hold,
         mig_switch_backoff_s=args.mig_switch_backoff,
         retain_finished_s=args.retain_finished,
+        max_message_bytes=args.max_message_bytes,
+        max_watches=args.max_watches,
+        watch_queue=args.watch_queue,
+        max_replicas=args.max_replicas,
+        max_command_bytes=args.max_command_bytes,
+        max_env_vars=args.max_env_vars,
+        max_env_bytes=args.max_env_bytes,
     )
     serve_metrics(args.metrics_port)
     gcwatch.install()

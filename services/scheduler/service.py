@@ -75,7 +75,7 @@ class SchedulerService:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
-        self.fanout = FanOut()
+        self.fanout = FanOut(settings.watch_queue)
         self._beats: dict[str, float] = {}
         self._acks: dict[str, int] = {}
         self._draining: set[str] = set()

@@ -44,6 +44,7 @@ from .commands import (
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
 from .service import SchedulerService
+from .settings import SchedulerSettings
 
 MAX_NAME = 253
 MAX_COMMAND_ARGS = 4096
@@ -79,12 +80,18 @@ def tier_choices(fabric_tiers: Sequence[str] = ()) -> list[str]:
     return list(dict.fromkeys(["node", *fabric_tiers, "cluster"]))
 
 
-def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) -> None:
+def validate_spec(
+    spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = (), settings: SchedulerSettings | None = None
+) -> None:
     """Raise InvalidArgument with a message a person understands; nothing has been written yet.
 
     `fabric_tiers` are the scheduler's fabric tier names (SchedulerSettings.fabric.tiers), for the tier fields.
     """
     problems = []
+    max_replicas = settings.max_replicas if settings else MAX_REPLICAS
+    max_command = settings.max_command_bytes if settings else MAX_COMMAND_BYTES
+    max_vars = settings.max_env_vars if settings else MAX_ENV_VARS
+    max_env = settings.max_env_bytes if settings else MAX_ENV_BYTES
     if not spec.name.strip():
         problems.append("name must not be empty")
     elif len(spec.name) > MAX_NAME:
@@ -93,8 +100,8 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
         problems.append("name must not contain NUL characters")
     if spec.replicas < 1:
         problems.append(f"replicas must be at least 1, got {spec.replicas}")
-    elif spec.replicas > MAX_REPLICAS:
-        problems.append(f"replicas must be at most {MAX_REPLICAS}, got {spec.replicas}")
+    elif spec.replicas > max_replicas:
+        problems.append(f"replicas must be at most {max_replicas} (--max-replicas), got {spec.replicas}")
     if spec.gpus_per_replica < 1:
         problems.append(f"gpus_per_replica must be at least 1, got {spec.gpus_per_replica}")
     elif spec.gpus_per_replica > MAX_GPUS_PER_REPLICA:
@@ -105,12 +112,16 @@ def validate_spec(spec: common_pb2.JobSpec, fabric_tiers: Sequence[str] = ()) ->
         problems.append(f"procs_per_replica must be 0 or 1 (or equal gpus_per_replica), got {spec.procs_per_replica}")
     if not spec.command or not spec.command[0].strip():
         problems.append("command must not be empty")
-    elif len(spec.command) > MAX_COMMAND_ARGS or sum(len(a) for a in spec.command) > MAX_COMMAND_BYTES:
-        problems.append("command is too long")
+    elif len(spec.command) > MAX_COMMAND_ARGS or sum(len(a) for a in spec.command) > max_command:
+        problems.append(
+            f"command is too long: at most {MAX_COMMAND_ARGS} arguments and {max_command} bytes (--max-command-bytes)"
+        )
     elif any("\x00" in a for a in spec.command):
         problems.append("command arguments must not contain NUL characters")
-    if len(spec.env) > MAX_ENV_VARS or sum(len(k) + len(v) for k, v in spec.env.items()) > MAX_ENV_BYTES:
-        problems.append(f"env is too large: at most {MAX_ENV_VARS} variables and {MAX_ENV_BYTES // 1024} KiB")
+    if len(spec.env) > max_vars or sum(len(k) + len(v) for k, v in spec.env.items()) > max_env:
+        problems.append(
+            f"env is too large: at most {max_vars} variables (--max-env-vars) and {max_env} bytes (--max-env-bytes)"
+        )
     for key, value in spec.env.items():
         if not _ENV_KEY.match(key):
             problems.append(f"env name {key!r} is not a valid variable name")
@@ -203,6 +214,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.service = service
         self.limits = limits or TenantLimits()
         self._inflight: dict[str, int] = {}  # tenant -> submissions queued to the cycle, not yet answered
+        self._watches: dict[str, int] = {}  # tenant -> WatchJobs streams open
 
     async def _job(self, result) -> common_pb2.Job:
         if isinstance(result, tuple):  # ("read", id): finished or created elsewhere; the ledger has it
@@ -242,7 +254,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def SubmitJob(self, request, context):
-        validate_spec(request.spec, self.service.settings.fabric.tiers)
+        validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
         check_text("request_id", request.request_id, 128)
         ident = current_identity()
         tenant = ident.tenant if ident is not None else ""
@@ -362,7 +374,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             for job_id in ids:
                 check_job_id(job_id)
         scope = tenant_scope()
-        entry = self.service.fanout.subscribe(ids)
+        ident = current_identity()
+        # The caller: its tenant; with authentication off, its connection (there is no one else to tell apart).
+        caller = ident.tenant if ident is not None else f"peer {context.peer()}"
+        limit = self.service.settings.max_watches
+        if self._watches.get(caller, 0) >= limit:
+            raise ResourceExhausted(
+                f"{caller if ident is None else 'tenant ' + repr(caller)} has {limit} WatchJobs streams open, the "
+                "limit (--max-watches): close one, or retry in a few seconds"
+            )
+        self._watches[caller] = self._watches.get(caller, 0) + 1
+        entry = self.service.fanout.subscribe(ids, scope)
         try:
             current = await self.service.read_jobs(job_ids=sorted(ids), tenant=scope) if ids is not None else []
             if ids is not None and len(current) != len(ids):
@@ -370,14 +392,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise NotFound(f"no job with id {missing[0]!r}")
             for job in current:
                 yield scheduler_pb2.JobEvent(job=job)
-            queue = entry[1]
             while True:
-                job = await queue.get()
-                if scope is not None and job.tenant != scope:
-                    continue  # watching every job: a user sees only its tenant's
+                job = await entry.get()
+                if job is None:
+                    raise ResourceExhausted(
+                        f"this watcher fell more than {entry.limit} changes behind (--watch-queue) and was ended; "
+                        "watch again: the stream starts with the current state"
+                    )
                 yield scheduler_pb2.JobEvent(job=job)
         finally:
             self.service.fanout.unsubscribe(entry)
+            left = self._watches[caller] - 1
+            if left:
+                self._watches[caller] = left
+            else:
+                del self._watches[caller]
 
     @unary
     async def ListNodes(self, request, context):

@@ -338,7 +338,10 @@ async def test_a_page_stops_at_the_byte_budget_and_says_where_the_rest_start(db_
 
 async def test_submit_refuses_an_environment_too_large_for_a_small_job_message(db_url, tmp_path):
     async with Scheduler(db_url, tmp_path, agent=True) as s:
-        with pytest.raises(InvalidArgumentError, match="env is too large: at most 4096 variables and 256 KiB"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"env is too large: at most 4096 variables \(--max-env-vars\) and 262144 bytes \(--max-env-bytes\)",
+        ):
             await s.admin.submit("big-env", 1, 1, ["run"], env={"A": "x" * (256 * 1024)})
         with pytest.raises(InvalidArgumentError, match="env is too large"):
             await s.admin.submit("many-env", 1, 1, ["run"], env={f"V{i}": "" for i in range(4097)})
