@@ -35,9 +35,14 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def generate_local_pki(
-    directory: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30
+    directory: str | Path,
+    hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+    days: int = 30,
+    nodes: tuple[str, ...] = (),
 ) -> LocalPKI:
-    """Write ca.pem, server.pem/server.key and client.pem/client.key under `directory` (made if needed)."""
+    """Write ca.pem, server.pem/server.key and client.pem/client.key under `directory` (made if needed), and for
+    each of `nodes` a client certificate whose CN is the node's name (node-<name>.pem/.key: it acts only as that
+    node; node_cert gives the paths)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -120,4 +125,14 @@ def generate_local_pki(
     _write(pki.server_key, pem_key(server_key), private=True)
     _write(pki.client_cert, client.public_bytes(serialization.Encoding.PEM))
     _write(pki.client_key, pem_key(client_key), private=True)
+    for node in nodes:
+        cert, key = leaf(node, ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName(node)])
+        cert_path, key_path = node_cert(out, node)
+        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        _write(key_path, pem_key(key), private=True)
     return pki
+
+
+def node_cert(directory: str | Path, node: str) -> tuple[Path, Path]:
+    """The (certificate, key) paths of a node's client certificate made by generate_local_pki."""
+    return Path(directory) / f"node-{node}.pem", Path(directory) / f"node-{node}.key"

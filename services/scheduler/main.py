@@ -71,7 +71,7 @@ async def serve(
             scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
             agent_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
         ],
-        interceptors=[AuthInterceptor(tokens)] if tokens is not None else [],
+        interceptors=[AuthInterceptor(tokens, service.state.rank_key)] if tokens is not None else [],
         tls=tls,
         max_message_bytes=settings.max_message_bytes,
     )

@@ -118,3 +118,51 @@ def test_cluster_up_with_tokens_and_tls_runs_jobs_end_to_end(tmp_path):
         assert [j["id"] for j in json.loads(result.stdout)["jobs"]] == [job.id]
     finally:
         cluster.stop()
+
+
+async def test_a_node_certificate_acts_only_as_its_node(db_url, tmp_path):
+    """With mutual TLS, a client certificate whose CN is a registered node's name can act only as that node: node-1's
+    certificate cannot heartbeat as node-0 (PERMISSION_DENIED, nothing changes); node-0's own can."""
+    import grpc
+
+    from phalanx.api.v1 import agent_pb2, agent_pb2_grpc
+    from phalanx.cli.certs import node_cert
+
+    pki = generate_local_pki(tmp_path / "tls", nodes=("node-0", "node-1"))
+    settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0", "node-1"]))
+    running = await serve(settings, tls=ServerTLS(str(pki.server_cert), str(pki.server_key), str(pki.ca)))
+    channels = []
+
+    def node_stub(node: str):
+        cert, key = node_cert(tmp_path / "tls", node)
+        creds = grpc.ssl_channel_credentials(pki.ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+        channel = grpc.aio.secure_channel(running.address, creds)
+        channels.append(channel)
+        return agent_pb2_grpc.NodeServiceStub(channel)
+
+    try:
+        from phalanx.testing.lite_agent import simple_topology
+
+        for node in ("node-0", "node-1"):
+            await node_stub(node).RegisterNode(
+                agent_pb2.RegisterNodeRequest(node_name=node, topology=simple_topology(2), agent_instance=node)
+            )
+        evil = node_stub("node-1")
+        for call in (
+            evil.Heartbeat(agent_pb2.HeartbeatRequest(node_name="node-0", agent_instance="node-0"), timeout=5),
+            evil.RegisterNode(
+                agent_pb2.RegisterNodeRequest(node_name="node-0", topology=simple_topology(2)), timeout=5
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "the TLS certificate of node 'node-1' may not act as node 'node-0'" in err.value.details()
+        reply = await node_stub("node-0").Heartbeat(
+            agent_pb2.HeartbeatRequest(node_name="node-0", agent_instance="node-0"), timeout=5
+        )
+        assert not reply.reregister  # its own registration stands: the refused one changed nothing
+    finally:
+        for channel in channels:
+            await channel.close()
+        await running.stop()
