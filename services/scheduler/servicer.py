@@ -363,7 +363,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def CancelJob(self, request, context):
-        job = await self._job(await self.service.execute(Cancel(check_job_id(request.job_id), tenant_scope())))
+        scope = tenant_scope()
+        try:
+            job = await self._job(await self.service.execute(Cancel(check_job_id(request.job_id), scope)))
+        except NotFound:
+            if scope is not None:  # perhaps another tenant's job: NOT_FOUND hides it, the audit trail does not
+                audit_denied(
+                    SCHEDULER_PREFIX + "CancelJob", f"job/{request.job_id[:40]}", "no job of the caller's tenant"
+                )
+            raise
         audit_admin(SCHEDULER_PREFIX + "CancelJob", f"job/{job.id}", f"tenant {job.tenant!r}")
         return job
 
@@ -389,6 +397,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             current = await self.service.read_jobs(job_ids=sorted(ids), tenant=scope) if ids is not None else []
             if ids is not None and len(current) != len(ids):
                 missing = sorted(ids - {j.id for j in current})
+                if scope is not None:
+                    audit_denied(
+                        SCHEDULER_PREFIX + "WatchJobs", f"job/{missing[0][:40]}", "no job of the caller's tenant"
+                    )
                 raise NotFound(f"no job with id {missing[0]!r}")
             for job in current:
                 yield scheduler_pb2.JobEvent(job=job)
