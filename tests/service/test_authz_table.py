@@ -113,7 +113,7 @@ def _snapshot(db_url: str) -> tuple:
             for q in (
                 "SELECT id, state, attempt, message, priority FROM jobs ORDER BY id",
                 "SELECT job_id, node_id, gpu_index FROM allocations WHERE released_at IS NULL ORDER BY 1, 2, 3",
-                "SELECT name, state, cordoned, agent_instance, address, acked_revision FROM nodes ORDER BY name",
+                "SELECT name, state, cordoned, agent_instance, address FROM nodes ORDER BY name",
                 "SELECT name, max_priority FROM queues ORDER BY name",
                 "SELECT job_id, requested_at FROM checkpoint_requests ORDER BY job_id",
                 "SELECT job_id, attempt, rank, state FROM ranks ORDER BY 1, 2, 3",
