@@ -135,6 +135,23 @@ def parse_memory(text: str) -> str:
     return text.strip()
 
 
+def _bounded(name: str, low: int, high: int | None = None):
+    """An argparse type: a whole number from `low` (to `high`), else a usage error (exit 2) naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"{name} takes a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"{low} to {high}" if high is not None else f"at least {low}"
+            raise ValueError(f"{name} must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = name
+    return _arg_type(parse)
+
+
 _cpus = _arg_type(parse_cpus)
 _memory = _arg_type(parse_memory)
 
@@ -226,6 +243,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     command = list(args.command or [])
     if not command:
         raise UsageError("a command is required: phalanx submit ... -- CMD ARGS...")
+    if not args.name.strip():
+        raise UsageError("--name must not be empty")
+    if args.mig and args.gpu_milli:
+        raise UsageError("ask for --mig or --gpu-milli, not both")
+    if (args.mig or args.gpu_milli) and args.gpus_per_replica not in (None, 1):
+        raise UsageError("a replica on a MIG instance or a GPU share uses one GPU: leave out --gpus-per-replica")
     partial = bool(args.mig) or bool(args.gpu_milli)
     if args.gpus_per_replica is None:
         if not partial:
@@ -327,8 +350,11 @@ def cmd_job(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``phalanx cancel ID``: cancel a job and print it."""
     with _client(args) as client:
+        before = client.get_job(args.job_id)
         job = client.cancel(args.job_id)
     _show_job(job, args.json)
+    if before.state.value in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        sys.stderr.write(f"note: job {job.id} had already finished ({before.state.value}); cancel changed nothing\n")
     return EXIT_OK
 
 
@@ -639,10 +665,10 @@ def build_parser() -> argparse.ArgumentParser:
         usage="phalanx submit --name NAME --replicas R --gpus-per-replica G [options] -- CMD ARGS...",
     )
     p.add_argument("--name", required=True)
-    p.add_argument("--replicas", type=int, required=True, metavar="R")
+    p.add_argument("--replicas", type=_bounded("--replicas", 1), required=True, metavar="R")
     p.add_argument(
         "--gpus-per-replica",
-        type=int,
+        type=_bounded("--gpus-per-replica", 1),
         default=None,
         metavar="G",
         help="whole GPUs per replica (required, except with --mig or --gpu-milli, where it is 1)",
@@ -657,7 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--procs-per-replica",
-        type=int,
+        type=_bounded("--procs-per-replica", 0),
         default=0,
         metavar="K",
         help="0: one process per GPU (default); 1: one per replica",
@@ -684,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-milli",
-        type=int,
+        type=_bounded("--gpu-milli", 1, 999),
         default=None,
         metavar="N",
         help="each replica is N thousandths of one GPU (1-999), shared through MPS",
@@ -711,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=_bounded("--max-restarts", 0),
         default=0,
         metavar="N",
         help="a rank exiting non-zero requeues the gang, to resume from its last committed checkpoint, "

@@ -58,6 +58,7 @@ from . import render
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_FAILURE = 1  # a malformed request line
 
 _FIELDS = {"name", "replicas", "gpus_per_replica", "required_tier", "preferred_tier", "mig", "gpu_milli", "priority"}
 
@@ -85,6 +86,7 @@ class _Outcome:
     placement: Placement | None
     reason: str
     cost: dict[str, Any] | None
+    malformed: bool = False  # the request line itself is wrong (not JSON, not a request): the command exits 1
 
 
 # -- inputs ----------------------------------------------------------------------------------------------------
@@ -242,10 +244,10 @@ def run_place(
         try:
             doc = json.loads(raw)
         except json.JSONDecodeError as exc:
-            yield _Outcome(f"line {lineno}", None, f"line {lineno}: invalid JSON: {exc.msg}", None)
+            yield _Outcome(f"line {lineno}", None, f"line {lineno}: invalid JSON: {exc.msg}", None, True)
             continue
         if not isinstance(doc, dict):
-            yield _Outcome(f"line {lineno}", None, f"line {lineno}: expected a JSON object", None)
+            yield _Outcome(f"line {lineno}", None, f"line {lineno}: expected a JSON object", None, True)
             continue
         if "release" in doc:
             target = doc["release"]
@@ -255,6 +257,7 @@ def run_place(
                     None,
                     f'line {lineno}: a release is {{"release": NAME}} with NAME a non-empty string',
                     None,
+                    True,
                 )
                 continue
             placement = held.pop(target, None)
@@ -264,11 +267,15 @@ def run_place(
             continue
         request = _parse_request(lineno, doc, tier_order)
         if request.error:
-            yield _Outcome(request.name, None, request.error, None)
+            yield _Outcome(request.name, None, request.error, None, True)
             continue
         if request.name in held:
             yield _Outcome(
-                request.name, None, f"line {lineno}: {request.name!r} already holds a placement; release it first", None
+                request.name,
+                None,
+                f"line {lineno}: {request.name!r} already holds a placement; release it first",
+                None,
+                True,
             )
             continue
         gang = GangRequest(
@@ -376,6 +383,7 @@ def cmd_place(args: argparse.Namespace) -> int:
 
     out: list[str] = []
     requests = placed = allocated = 0
+    malformed: list[str] = []
     for item in run_place(
         fabric, gpus, lines, GpuCloseness.from_dump(profile.dump), profile.gpu_model, profile.memory_mib, mig_gpus
     ):
@@ -386,6 +394,8 @@ def cmd_place(args: argparse.Namespace) -> int:
                 out.append(f"release {item[1]}: " + ("freed" if item[2] else "nothing held under that name"))
             continue
         requests += 1
+        if item.malformed:
+            malformed.append(item.reason)
         if item.placement is not None:
             placed += 1
             allocated += sum(len(r.gpus) for r in item.placement.replicas)
@@ -422,6 +432,10 @@ def cmd_place(args: argparse.Namespace) -> int:
         )
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.flush()
+    if malformed:
+        sys.stderr.write(f"error: {len(malformed)} malformed request line(s); the first: {malformed[0]}\n")
+        sys.stderr.flush()
+        return EXIT_FAILURE
     return EXIT_OK
 
 

@@ -257,11 +257,12 @@ def job_detail(job: Job) -> str:
         ("procs/replica", job.procs_per_replica),
         ("command", " ".join(job.command) or "-"),
         ("attempt", job.attempt),
-        ("exit code", job.exit_code),
         ("submitted", format_time(job.submitted_at)),
         ("started", format_time(job.started_at)),
         ("finished", format_time(job.finished_at)),
     ]
+    if job.state.value in ("SUCCEEDED", "FAILED", "CANCELLED"):  # a running or waiting job has no exit code yet
+        lines.insert(lines.index(("attempt", job.attempt)) + 1, ("exit code", job.exit_code))
     if job.gpu_model:
         lines.insert(6, ("gpu model", job.gpu_model))
     if job.failures or job.preemptions:

@@ -156,6 +156,7 @@ class Reservation:
     nodes: frozenset[str]
     placement: Placement
     reason: str
+    after: str = ""  # the running gang whose end (its time limit) is `start` ("": it fits now or never by limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,14 +263,14 @@ def plan_reservation(
             found = anywhere
     if found is None:
         return None
-    start, witness = found
+    start, witness, after = found
     region = region_of(capacity, witness)
     when = "once a gang without a time limit ends" if math.isinf(start) else f"by t={start:.0f}"
     reason = (
         f"reserved to start {when} on {len(witness.nodes)} node(s) ({witness.reason}); gangs that would "
         f"outlive that are kept off its {len(region)} node(s)"
     )
-    return Reservation(head.job_id, max(start, now), region, witness, reason)
+    return Reservation(head.job_id, max(start, now), region, witness, reason, after)
 
 
 def _tier_rank(capacity: ClusterCapacity, fabric_tiers: Sequence[str]) -> Callable[[str], int]:
@@ -288,11 +289,12 @@ def _earliest(
     good: Callable[[Placement], bool],
     hints: dict[Any, int] | None = None,
     hint_key: Any = None,
-) -> tuple[float, Placement] | None:
-    """The earliest end (in `gangs`, sorted by end) after which `head` has a placement that is `good`, and that
-    placement; None when not even with all of them gone. `good` must hold for every placement at least as free as
-    one where it holds (releasing GPUs never makes the best placement worse), so a gallop and a binary search find
-    it with O(log k) placements (`hints`: from where the last one ended, usually a probe or two).
+) -> tuple[float, Placement, str] | None:
+    """The earliest end (in `gangs`, sorted by end) after which `head` has a placement that is `good`, that
+    placement, and the gang whose end that is ("" when it fits with none gone); None when not even with all of
+    them gone. `good` must hold for every placement at least as free as one where it holds (releasing GPUs never
+    makes the best placement worse), so a gallop and a binary search find it with O(log k) placements (`hints`:
+    from where the last one ended, usually a probe or two).
 
     The search releases and restores gangs on `capacity` itself and puts back every node it touched exactly as it
     was (free GPUs, partial use, index) before it returns: O(what it releases), not a copy of the cluster. A head
@@ -335,7 +337,7 @@ def _search(
     stale: set[str] | None = None,
     hints: dict[Any, int] | None = None,
     hint_key: Any = None,
-) -> tuple[float, Placement] | None:
+) -> tuple[float, Placement, str] | None:
     """`_earliest` on `cap`, changing it; `saved` (when given) gets each node's state before its first change.
     `hints[hint_key]`: the answer (a prefix length) of the last search of this kind, where this one starts; it
     gets this one's. The answer is the same from any start: fitting is monotone in the prefix.
@@ -448,7 +450,7 @@ def _search(
             lo = mid
     if hints is not None:
         hints[hint_key] = hi
-    return (-math.inf if hi == 0 else gangs[hi - 1].ends_at), witness
+    return (-math.inf if hi == 0 else gangs[hi - 1].ends_at), witness, ("" if hi == 0 else gangs[hi - 1].job_id)
 
 
 def schedule_with_backfill(

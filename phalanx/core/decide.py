@@ -676,14 +676,14 @@ def reserved_note(reservation: Reservation | None) -> str:
     """What the blocked head's message says about its reservation ("" none)."""
     if reservation is None:
         return ""
-    when = (
-        "once a gang without a time limit ends"
-        if math.isinf(reservation.start)
-        else f"by {clock(reservation.start)} at the latest"
-    )
+    if math.isinf(reservation.start):
+        when = "once a running job without a time limit ends (none of those that could free its GPUs has one)"
+    else:
+        whose = f", when job {reservation.after}'s time limit ends" if reservation.after else ""
+        when = f"by {clock(reservation.start)} at the latest{whose}"
     return (
-        f"; it starts {when} on {len(reservation.placement.nodes)} node(s): {len(reservation.nodes)} node(s) "
-        "are kept from gangs that would outlive that (EASY backfill)"
+        f". It is next in line and starts {when}, on {len(reservation.placement.nodes)} node(s); until then, only "
+        f"jobs that end before it starts may run on the {len(reservation.nodes)} node(s) held for it (backfill)"
     )
 
 

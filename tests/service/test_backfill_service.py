@@ -35,7 +35,7 @@ async def test_short_gangs_backfill_long_ones_wait_and_the_head_starts_by_its_re
         unlimited = await c.submit("unlimited", 1, 8, ("sleep", "0.2"))
 
         waiting = await c.job(head.id)
-        assert waiting.state == PENDING and "EASY backfill" in waiting.message, waiting.message
+        assert waiting.state == PENDING and "It is next in line and starts by" in waiting.message, waiting.message
         assert (await c.job(short.id)).state in (RUNNING, SUCCEEDED)  # jumped the queue: it ends in time
         assert (await c.job(unlimited.id)).state == PENDING  # would outlive the reservation; the free node is taken
 

@@ -396,10 +396,42 @@ def test_usage_errors_exit_2_with_stderr_only(fake, capsys, argv):
 def test_server_rejection_is_exit_1_with_code_name(fake, capsys):
     _, address = fake
     code, out, err = cli(
-        capsys, address, "submit", "--name", "t", "--replicas", "0", "--gpus-per-replica", "1", "--json", "--", "true"
+        capsys,
+        address,
+        "submit",
+        "--name",
+        "refused-by-server",
+        "--replicas",
+        "1",
+        "--gpus-per-replica",
+        "1",
+        "--json",
+        "--",
+        "true",
     )
     assert code == 1 and out == ""
-    assert err == "error: INVALID_ARGUMENT: replicas and gpus_per_replica must be positive\n"
+    assert err == "error: INVALID_ARGUMENT: refused by the server\n"
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--replicas", "0", "--gpus-per-replica", "1"], "--replicas must be at least 1, got 0"),
+        (["--replicas", "1", "--gpus-per-replica", "-2"], "--gpus-per-replica must be at least 1, got -2"),
+        (["--replicas", "x", "--gpus-per-replica", "1"], "--replicas takes a whole number"),
+        (["--replicas", "1", "--gpu-milli", "1000"], "--gpu-milli must be 1 to 999"),
+        (["--replicas", "1", "--gpus-per-replica", "1", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
+        (["--replicas", "1", "--mig", "1g.10gb", "--gpu-milli", "100"], "--mig or --gpu-milli, not both"),
+        (["--replicas", "1", "--gpus-per-replica", "1", "--memory-per-replica", "12X"], "is not a size like 512M"),
+        (["--replicas", "1", "--gpus-per-replica", "1", "--cpus-per-replica", "0"], "must be more than 0"),
+    ],
+)
+def test_invalid_arguments_are_exit_2_before_any_call(fake, capsys, args, words):
+    servicer, address = fake
+    calls = len(servicer.request_ids)
+    code, out, err = cli(capsys, address, "submit", "--name", "t", *args, "--", "true")
+    assert code == 2 and out == "" and words in err, err
+    assert len(servicer.request_ids) == calls  # caught before the call
 
 
 # -- jobs / job / cancel / nodes --------------------------------------------------------------------------------
@@ -479,11 +511,14 @@ def test_jobs_table_is_aligned(fake, capsys):
 
 def test_job_and_cancel(fake, capsys):
     servicer, address = fake
-    _, b, _ = _seed(servicer)
+    a, b, _ = _seed(servicer)
     code, out, err = cli(capsys, address, "job", b.id, "--json")
     assert code == 0 and err == "" and json.loads(out)["id"] == b.id
     code, out, err = cli(capsys, address, "job", b.id)
     assert code == 0 and b.id in out and "gpu-a" in out and "RUNNING" in out
+    assert "exit code" not in out  # a running job has none yet
+    code, out, err = cli(capsys, address, "job", a.id)
+    assert code == 0 and "exit code" in out  # the finished one does
     code, out, err = cli(capsys, address, "cancel", b.id, "--json")
     assert code == 0 and err == ""
     assert json.loads(out)["state"] == "CANCELLED"

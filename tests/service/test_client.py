@@ -171,6 +171,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self._enter("SubmitJob", context)
         if request.spec.replicas <= 0 or request.spec.gpus_per_replica <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replicas and gpus_per_replica must be positive")
+        if request.spec.name == "refused-by-server":  # a request only the server can refuse
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused by the server")
         if request.request_id in self.by_request:
             return self.jobs[self.by_request[request.request_id]]
         job = self.add_job(request.spec.name, request.spec.replicas, request.spec.gpus_per_replica)

@@ -359,3 +359,16 @@ async def test_ledger_refuses_a_stale_view_and_the_scheduler_recovers_without_pa
         assert c.active_gpus(job.id) == 4
         double = c.sql("SELECT gpu_id FROM allocations WHERE released_at IS NULL GROUP BY gpu_id HAVING count(*) > 1")
         assert double == []
+
+
+async def test_cancel_of_a_finished_job_says_it_changed_nothing(db_url, capsys, logs_to_stderr):
+    from phalanx.cli.main import main as cli_main
+
+    async with Cluster(db_url, 1) as c:
+        job = await c.submit("quick", 1, 1, command=("exit", "0"))
+        await c.wait_state(job.id, SUCCEEDED)
+        capsys.readouterr()
+        code = await asyncio.to_thread(cli_main, ["--scheduler", c.scheduler.address, "cancel", job.id])
+        captured = capsys.readouterr()
+        assert code == 0 and "SUCCEEDED" in captured.out
+        assert f"note: job {job.id} had already finished (SUCCEEDED); cancel changed nothing" in captured.err

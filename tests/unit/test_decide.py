@@ -23,6 +23,7 @@ from phalanx.core.decide import (
     Stop,
     Wait,
     WakeAt,
+    clock,
     decide,
 )
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
@@ -269,7 +270,7 @@ CASES = [
             Ask("long", 1, 8, submitted=3, limit=5000),
         ],
         config=DecideConfig(),
-        want=[("reserve", "short", ("n2",)), ("wait", "head", Code.UNSCHEDULABLE, "EASY backfill")],
+        want=[("reserve", "short", ("n2",)), ("wait", "head", Code.UNSCHEDULABLE, "next in line and starts by")],
     ),
     Case(
         "without backfill the queue stops at the head",
@@ -448,3 +449,17 @@ def test_a_users_job_preempts_another_queues_gang_only_when_an_admin_submitted_i
         )
         plan = summary(decide(snap, NOW))
         assert (("stop", "lo", "hi") in plan) is preempts, (by_admin, same_queue, plan)
+
+
+def test_a_blocked_heads_reason_names_the_job_and_the_time_it_waits_for():
+    case = Case(
+        "reason",
+        {"n1": 8, "n2": 8},
+        [Run("r", {"n1": tuple(range(8))}, started=NOW - 10, limit=100.0)],
+        [Ask("head", 2, 8, submitted=1.0)],
+        [],
+        config=DecideConfig(preemption=None, poll_s=math.inf),
+    )
+    (wait,) = [s for s in summary(decide(snapshot_of(case), NOW)) if s[0] == "wait"]
+    assert f"starts by {clock(NOW + 90)} at the latest, when job r's time limit ends" in wait[3], wait[3]
+    assert "kept from gangs" not in wait[3]

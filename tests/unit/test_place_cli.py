@@ -55,13 +55,18 @@ def tree(tmp_path) -> Path:
     return path
 
 
-def place(capsys, fabric, requests, profile="dgx-h100", as_json=True, mig_gpus=None):
+def place(capsys, fabric, requests, profile="dgx-h100", as_json=True, mig_gpus=None, malformed=False):
+    """Run `phalanx place`; `malformed`: some request line is wrong, so it exits 1 (after placing the others)
+    and says which line on stderr."""
     argv = ["place", "--fabric", str(fabric), "--profile", str(profile), "--requests", str(requests)]
     argv += ["--mig-gpus", mig_gpus] if mig_gpus else []
     code = main(argv + (["--json"] if as_json else []))
     cap = capsys.readouterr()
-    assert code == 0, cap.err
-    assert cap.err == ""
+    if malformed:
+        assert code == 1 and "malformed request line(s); the first: line " in cap.err, cap.err
+    else:
+        assert code == 0, cap.err
+        assert cap.err == ""
     if not as_json:
         return cap.out
     return [json.loads(line) for line in cap.out.splitlines()]
@@ -158,7 +163,9 @@ def test_required_tier_refuses_without_reserving_and_accepts_when_it_fits(capsys
 
 
 def test_an_unknown_tier_is_a_per_line_error(capsys, tmp_path, tree):
-    lines = place(capsys, tree, write_requests(tmp_path, req("r", 1, 8, required_tier="rack"), req("ok", 1, 8)))
+    lines = place(
+        capsys, tree, write_requests(tmp_path, req("r", 1, 8, required_tier="rack"), req("ok", 1, 8)), malformed=True
+    )
     got = by_name(lines)
     assert got["r"]["placed"] is False and "line 1" in got["r"]["reason"] and "rack" in got["r"]["reason"]
     assert got["ok"]["placed"] is True
@@ -242,7 +249,9 @@ def test_block_fabrics_work_too(capsys, tmp_path):
     ],
 )
 def test_a_malformed_line_is_refused_with_its_line_number_and_the_run_goes_on(capsys, tmp_path, tree, line, words):
-    lines = place(capsys, tree, write_requests(tmp_path, req("first", 1, 8), "", line, req("last", 1, 8)))
+    lines = place(
+        capsys, tree, write_requests(tmp_path, req("first", 1, 8), "", line, req("last", 1, 8)), malformed=True
+    )
     assert len(lines) == 4
     bad = lines[1]
     assert list(bad) == TOP_KEYS and bad["placed"] is False and bad["cost"] is None
@@ -288,7 +297,7 @@ def test_mig_and_gpu_milli_requests_are_placed_and_released(capsys, tmp_path, tr
     ],
 )
 def test_bad_partial_requests_are_refused_per_line(capsys, tmp_path, tree, extra, words):
-    lines = place(capsys, tree, write_requests(tmp_path, req("m", 1, 1, **extra), req("ok", 1, 1)))
+    lines = place(capsys, tree, write_requests(tmp_path, req("m", 1, 1, **extra), req("ok", 1, 1)), malformed=True)
     assert lines[0]["placed"] is False and words in lines[0]["reason"] and lines[0]["reason"].startswith("line 1:")
     assert lines[1]["placed"] is True
 
@@ -335,7 +344,10 @@ def test_human_output_shows_mig_instances(capsys, tmp_path, tree):
 
 def test_a_name_that_holds_a_placement_cannot_be_placed_again(capsys, tmp_path, tree):
     lines = place(
-        capsys, tree, write_requests(tmp_path, req("a", 1, 8), req("a", 1, 8), {"release": "a"}, req("a", 1, 8))
+        capsys,
+        tree,
+        write_requests(tmp_path, req("a", 1, 8), req("a", 1, 8), {"release": "a"}, req("a", 1, 8)),
+        malformed=True,
     )
     assert [line.get("placed") for line in lines[:-1]] == [True, False, None, True]
     assert "already holds" in lines[1]["reason"]
