@@ -763,22 +763,43 @@ class LocalCluster:
 
         deadline = time.monotonic() + self.ready_timeout
         wanted = set(self.node_names)
-        with Client(self.address, timeout=5.0, **self.client_options()) as client:
-            while True:
-                for child in self.children():
-                    self._check_alive(child)
-                try:
-                    ready = {n.name for n in client.nodes() if n.state is NodeState.READY}
-                except PhalanxError:
-                    ready = set()
-                if wanted <= ready:
-                    return
-                if time.monotonic() > deadline:
-                    missing = ", ".join(sorted(wanted - ready))
-                    raise ClusterError(
-                        f"nodes not READY after {self.ready_timeout:g}s: {missing} (agent logs under {self.logs_dir})"
-                    )
-                time.sleep(0.2)
+        # Bring-up progress: a bar on a terminal (rich), else a line each time the count moves.
+        bar = None
+        if self.log is _stderr_log and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            bar = Progress(TextColumn("nodes registered"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            task = bar.add_task("nodes", total=len(wanted))
+            bar.start()
+        shown = -1
+        try:
+            with Client(self.address, timeout=5.0, **self.client_options()) as client:
+                while True:
+                    for child in self.children():
+                        self._check_alive(child)
+                    try:
+                        ready = {n.name for n in client.nodes() if n.state is NodeState.READY}
+                    except PhalanxError:
+                        ready = set()
+                    count = len(wanted & ready)
+                    if count != shown:
+                        shown = count
+                        if bar is not None:
+                            bar.update(task, completed=count)
+                        else:
+                            self.log(f"nodes registered: {count}/{len(wanted)}")
+                    if wanted <= ready:
+                        return
+                    if time.monotonic() > deadline:
+                        missing = ", ".join(sorted(wanted - ready))
+                        raise ClusterError(
+                            f"nodes not READY after {self.ready_timeout:g}s: {missing} (agent logs under "
+                            f"{self.logs_dir})"
+                        )
+                    time.sleep(0.2)
+        finally:
+            if bar is not None:
+                bar.stop()
 
     def _write_info(self) -> None:
         info = {

@@ -12,6 +12,8 @@ This is a stable contract that scripts depend on:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -398,14 +400,26 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     """``phalanx watch ID...``: a line (or JSON object) per change until every job has finished."""
     ids = list(dict.fromkeys(args.job_ids))
+    live = None
+    if not args.json and _out().isatty():  # a terminal: one table, updated in place (piped: a line per change)
+        from rich.console import Console
+        from rich.live import Live
+
+        live = Live(console=Console(file=_out()), auto_refresh=False, transient=False)
 
     def emit(job: Job) -> None:
-        _print(render.to_json(job.to_dict(), lines=True) if args.json else render.watch_line(job))
+        if live is not None:
+            live.update(render.watch_table(list(last.values())), refresh=True)
+        elif args.json:
+            _print(render.to_json(dict(job.to_dict(), changed_at=job.changed_at), lines=True))
+        else:
+            _print(render.watch_line(job))
 
-    with _client(args) as client:
+    with _client(args) as client, live if live is not None else contextlib.nullcontext():
         last: dict[str, Job] = {}
         for job_id in ids:  # NOT_FOUND fails fast, and every job gets a first line even if already finished
             job = client.get_job(job_id)
+            job = dataclasses.replace(job, changed_at=job.finished_at or job.started_at or job.submitted_at)
             last[job_id] = job
             emit(job)
         pending = {j for j, job in last.items() if not job.terminal}

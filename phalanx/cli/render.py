@@ -413,8 +413,9 @@ def checkpoint_result(result: CheckpointResult, asked: str | None = None) -> str
 
 
 def watch_line(job: Job, now: float | None = None) -> str:
-    """One line per change in ``phalanx watch``: time, id, name, state, attempt, nodes, message."""
-    now = time.time() if now is None else now
+    """One line per change in ``phalanx watch``: the time the change happened (the scheduler's commit), id, name,
+    state, attempt, nodes, message."""
+    now = (job.changed_at or time.time()) if now is None else now
     stamp = datetime.fromtimestamp(now, tz=UTC).strftime("%H:%M:%S")
     parts = [stamp, job.id, job.name, job.state.value, f"attempt={job.attempt}", f"nodes={job_nodes(job)}"]
     if job.terminal and job.state.value != "CANCELLED":
@@ -422,6 +423,19 @@ def watch_line(job: Job, now: float | None = None) -> str:
     if job.message:
         parts.append(job.message)
     return " ".join(parts)
+
+
+def watch_table(jobs: Sequence[Job]) -> Any:
+    """``phalanx watch`` on a terminal: a rich table of the watched jobs, redrawn in place at each change."""
+    from rich.table import Table
+
+    t = Table(title="phalanx watch", title_justify="left", expand=False)
+    for column in ("CHANGED", "ID", "NAME", "STATE", "ATTEMPT", "NODES", "MESSAGE"):
+        t.add_column(column, overflow="fold")
+    for job in jobs:
+        when = datetime.fromtimestamp(job.changed_at, tz=UTC).strftime("%H:%M:%S") if job.changed_at else "-"
+        t.add_row(when, job.id, job.name, job.state.value, str(job.attempt), job_nodes(job), job.message or "")
+    return t
 
 
 def queues_table(queues: Sequence[Any]) -> str:

@@ -63,9 +63,28 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
     if missing:
         sys.stderr.write(f"[sim] warning: the report will have no plots: {missing}\n")
     results = []
-    for policy in policies:
+    # Progress over the trace: a bar per policy on a terminal (rich), else a line at each report.
+    bars = None
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        def progress(done: int, total: int, policy=policy) -> None:
+        bars = Progress(
+            TextColumn("[sim] {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("jobs"),
+            TimeRemainingColumn(),
+            console=Console(file=sys.stderr),
+        )
+        bars.start()
+    for policy in policies:
+        task = bars.add_task(str(policy), total=len(jobs)) if bars is not None else None
+
+        def progress(done: int, total: int, policy=policy, task=task) -> None:
+            if bars is not None and task is not None:
+                bars.update(task, completed=done, total=total)
+                return
             sys.stderr.write(f"[sim] {policy}: {done}/{total} jobs done\n")
             sys.stderr.flush()
 
@@ -91,6 +110,8 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
             f"{m['preemptions']} preemptions, {m['events_per_s']:.0f} events/s\n"
         )
         results.append(result)
+    if bars is not None:
+        bars.stop()
     doc = write_report(results, Path(args.out), f"Phalanx simulation: {args.trace} on {args.cluster}")
     sys.stderr.write(f"[sim] report in {Path(args.out) / 'report.md'}\n")
     print(json.dumps({"trace": args.trace, "cluster": args.cluster, "policies": doc}, default=float))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -404,7 +405,7 @@ class AsyncClient:
             try:
                 async for event in call:
                     delivered = True
-                    job = Job.from_proto(event.job)
+                    job = dataclasses.replace(Job.from_proto(event.job), changed_at=float(event.at))
                     if last.get(job.id) == job:
                         continue
                     last[job.id] = job

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shlex
@@ -606,7 +607,7 @@ class Client:
             try:
                 for event in call:
                     delivered = True
-                    job = Job.from_proto(event.job)
+                    job = dataclasses.replace(Job.from_proto(event.job), changed_at=float(event.at))
                     if last.get(job.id) == job:
                         continue
                     last[job.id] = job

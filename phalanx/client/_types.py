@@ -254,6 +254,8 @@ class Job:
     # GPU-time accounting, filled by get_job only (None elsewhere). It grows with time while the job runs, so it
     # takes no part in equality (watch compares jobs to drop repeats).
     goodput: Goodput | None = field(default=None, compare=False)
+    # watch only: when this change happened (unix seconds, the scheduler's commit; 0 elsewhere). Not in to_dict.
+    changed_at: float = field(default=0.0, compare=False)
 
     @property
     def terminal(self) -> bool:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 from sqlalchemy import Engine
 
 from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from phalanx.core.checkpoint_policy import CheckpointPolicy
+from services.common import metrics
 from services.common.auth import CHECKPOINT, audit_denied, current_identity
 from services.common.errors import InvalidArgument, NotFound, PermissionDenied
 from services.common.rpc import unary
@@ -231,6 +233,7 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         s = request.shard
         shard = store.ShardRecord(s.rank, s.uri, s.size_bytes, s.checksum)
         await self._confine(request.job_id, [shard])
+        started = time.time()
         record = await asyncio.to_thread(
             store.report_shard,
             self.engine,
@@ -254,6 +257,8 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         )
         if record.state == store.COMMITTED:
             self._committed(record.job_id)
+            if record.committed_at >= started:  # this report committed it (a repeated one finds an older commit)
+                metrics.CHECKPOINT_COMMIT_SECONDS.observe(max(record.committed_at - record.created_at, 0.0))
         return to_proto(record)
 
     @unary

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 RPCS = Counter("phalanx_rpcs_total", "RPCs received", ["method"])
 RPC_ERRORS = Counter("phalanx_rpc_errors_total", "RPCs answered with an error status", ["method", "code"])
 RPC_LATENCY = Histogram("phalanx_rpc_latency_seconds", "Unary RPC handling time", ["method"])
 QUEUE_DEPTH = Gauge("phalanx_queue_depth", "Pending jobs known to this scheduler replica")
+QUEUE_PENDING = Gauge(
+    "phalanx_queue_pending_jobs",
+    "Pending jobs per queue known to this scheduler replica (every configured queue, 0 while empty)",
+    ["queue"],
+)
 GPUS_FREE = Gauge("phalanx_gpus_free", "Free GPUs on ready nodes")
 GPUS_ALLOCATED = Gauge("phalanx_gpus_allocated", "GPUs held by running gangs")
+TENANT_GPUS_ALLOCATED = Gauge(
+    "phalanx_tenant_gpus_allocated",
+    "GPUs held by running gangs per tenant ('-': jobs submitted with authentication off); sums to "
+    "phalanx_gpus_allocated",
+    ["tenant"],
+)
+NODES = Gauge(
+    "phalanx_nodes",
+    "Registered nodes known to this scheduler replica by state (READY, DRAINED, LOST) and health (HEALTHY, "
+    "DEGRADED, FATAL, UNKNOWN)",
+    ["state", "health"],
+)
 RESERVATION_LATENCY = Histogram(
     "phalanx_reservation_latency_seconds",
     "Submit-to-reserved time of gangs reserved by this replica",
@@ -40,6 +60,12 @@ VIEW_RELOADS = Counter(
 )
 RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
 RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
+CHECKPOINT_COMMIT_SECONDS = Histogram(
+    "phalanx_checkpoint_commit_seconds",
+    "Time from a checkpoint's creation (the first rank's BeginCheckpoint or shard) to its commit (the last rank's "
+    "shard), observed by the checkpoint coordinator that committed it",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
 
 SCHEDULER_LEADER = Gauge("phalanx_scheduler_leader", "1 while this scheduler replica holds the leadership lease")
 SCHEDULER_LEADER_EPOCH = Gauge(
@@ -53,6 +79,43 @@ FENCED = Counter(
     "Scheduling passes and lease renewals of this replica refused by the epoch check "
     "(it believed it led, the ledger said another epoch)",
 )
+
+
+_SHOWN: dict[Gauge, set[tuple[str, ...]]] = {}
+
+
+def set_groups(gauge: Gauge, values: Mapping[tuple[str, ...], float]) -> None:
+    """Set a labeled gauge to `values` (label values -> value); the label sets it showed before and `values` no
+    longer names read 0, so a drained queue shows 0 rather than its last depth. Keep the label values bounded by
+    configuration (queues, tenants, node states), never by job."""
+    shown = _SHOWN.setdefault(gauge, set())
+    for labels in shown - values.keys():
+        gauge.labels(*labels).set(0)
+    for labels, value in values.items():
+        gauge.labels(*labels).set(value)
+    shown.update(values.keys())
+
+
+def set_scheduler_groups(
+    pending: Iterable[Any], running: Iterable[Any], nodes: Iterable[Any], queues: Iterable[str]
+) -> None:
+    """The gauges by queue, tenant and node state from a scheduler replica's view: `pending` and `running` job
+    records (queue, tenant, allocations), node records (state, health), the configured queue names (none: the one
+    queue "default")."""
+    depth: dict[tuple[str, ...], float] = {(name,): 0 for name in queues} or {("default",): 0}
+    for job in pending:
+        depth[(job.queue,)] = depth.get((job.queue,), 0) + 1
+    held: dict[tuple[str, ...], float] = {}
+    for job in running:
+        tenant = (job.tenant or "-",)
+        held[tenant] = held.get(tenant, 0) + sum(len(gpus) for _, _, gpus in job.allocations)
+    states: dict[tuple[str, ...], float] = {}
+    for node in nodes:
+        state = (node.state, node.health)
+        states[state] = states.get(state, 0) + 1
+    set_groups(QUEUE_PENDING, depth)
+    set_groups(TENANT_GPUS_ALLOCATED, held)
+    set_groups(NODES, states)
 
 
 def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:

@@ -24,22 +24,22 @@ class Watcher:
 
     def __init__(self, job_ids: frozenset[str] | None, tenant: str | None, limit: int) -> None:
         self.job_ids, self.tenant, self.limit = job_ids, tenant, limit
-        self.items: deque[common_pb2.Job] = deque()
+        self.items: deque[tuple[common_pb2.Job, float]] = deque()
         self.overflowed = False
         self._ready = asyncio.Event()
 
-    def put(self, job: common_pb2.Job) -> None:
+    def put(self, job: common_pb2.Job, at: float) -> None:
         if self.overflowed:
             return
         if len(self.items) >= self.limit:
             self.overflowed = True
             self.items.clear()
         else:
-            self.items.append(job)
+            self.items.append((job, at))
         self._ready.set()
 
-    async def get(self) -> common_pb2.Job | None:
-        """The next change; None once the watcher overflowed."""
+    async def get(self) -> tuple[common_pb2.Job, float] | None:
+        """The next change and when it happened; None once the watcher overflowed."""
         while not self.items and not self.overflowed:
             self._ready.clear()
             await self._ready.wait()
@@ -67,10 +67,11 @@ class FanOut:
     def unsubscribe(self, entry: Watcher) -> None:
         self._watchers.discard(entry)
 
-    def publish(self, job: common_pb2.Job) -> None:
+    def publish(self, job: common_pb2.Job, at: float) -> None:
+        """`job` changed at `at` (unix seconds: its cycle's commit)."""
         for w in list(self._watchers):
             if (w.job_ids is None or job.id in w.job_ids) and (w.tenant is None or job.tenant == w.tenant):
-                w.put(job)
+                w.put(job, at)
 
     # ---- StreamAssignments ----------------------------------------------------------------------------------------
 

@@ -501,7 +501,7 @@ class SchedulerService:
 
     def _after_commit(self, cycle: Cycle) -> None:
         for job in cycle.changed.values():
-            self.fanout.publish(job)
+            self.fanout.publish(job, cycle.now)
         for name, revision, message in cycle.delivered:
             self.fanout.deliver(name, revision, message)
         if cycle.foreign_writes:
@@ -565,6 +565,9 @@ class SchedulerService:
         metrics.QUEUE_DEPTH.set(jobs.count("PENDING"))
         metrics.GPUS_FREE.set(self.state.capacity.free_gpus())
         metrics.GPUS_ALLOCATED.set(sum(len(g) for j in jobs.unordered("RUNNING") for _, _, g in j.allocations))
+        nodes = list(self.state.nodes.values())  # one C call: the writer thread may add a node meanwhile
+        pending, running = jobs.unordered("PENDING"), jobs.unordered("RUNNING")
+        metrics.set_scheduler_groups(pending, running, nodes, list(self.state.queues))
 
     # ---- cross-replica notifications (PostgreSQL) ----------------------------------------------------------------
 
@@ -601,8 +604,9 @@ class SchedulerService:
             asyncio.ensure_future(self._publish_from_ledger(jobs))
 
     async def _publish_from_ledger(self, job_ids: list[str]) -> None:
+        at = time.time()  # another replica's commit, just notified
         for job in await self.read_jobs(job_ids=job_ids):
-            self.fanout.publish(job)
+            self.fanout.publish(job, at)
 
     # ---- reads (consistent snapshots straight from the ledger) ---------------------------------------------------
 

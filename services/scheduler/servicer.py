@@ -403,15 +403,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     )
                 raise NotFound(f"no job with id {missing[0]!r}")
             for job in current:
-                yield scheduler_pb2.JobEvent(job=job)
+                yield scheduler_pb2.JobEvent(job=job, at=job.finished_at or job.started_at or job.submitted_at)
             while True:
-                job = await entry.get()
-                if job is None:
+                got = await entry.get()
+                if got is None:
                     raise ResourceExhausted(
                         f"this watcher fell more than {entry.limit} changes behind (--watch-queue) and was ended; "
                         "watch again: the stream starts with the current state"
                     )
-                yield scheduler_pb2.JobEvent(job=job)
+                yield scheduler_pb2.JobEvent(job=got[0], at=got[1])
         finally:
             self.service.fanout.unsubscribe(entry)
             left = self._watches[caller] - 1
