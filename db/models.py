@@ -90,6 +90,8 @@ class Node(Base):
     memory: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     cpu_used: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     memory_used: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Where its agent serves its ranks' logs (revision 0021): AgentLogs on `address`:logs_port; 0 none
+    logs_port: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class NodeEvent(Base):

@@ -9,7 +9,7 @@ Create Date: 2026-12-03
 (every caller is one with authentication off): it may preempt other queues' jobs by priority; a job of a user may
 only take back quota another queue borrowed from the cohort. Jobs of before count as an admin's (as they behaved).
 `ledger_identity.rank_key`: the key that signs each attempt's rank credential (PHALANX_JOB_TOKEN), written once
-(db.migrate.ensure_rank_key).
+(db.migrate.ensure_rank_key). `nodes.logs_port`: where the node's agent serves its ranks' logs (AgentLogs).
 """
 
 import sqlalchemy as sa
@@ -25,9 +25,11 @@ def upgrade() -> None:
     op.add_column("queues", sa.Column("max_priority", sa.BigInteger(), server_default="0", nullable=False))
     op.add_column("jobs", sa.Column("by_admin", sa.Boolean(), server_default=sa.true(), nullable=False))
     op.add_column("ledger_identity", sa.Column("rank_key", sa.String(length=64), server_default="", nullable=False))
+    op.add_column("nodes", sa.Column("logs_port", sa.Integer(), server_default="0", nullable=False))
 
 
 def downgrade() -> None:
+    op.drop_column("nodes", "logs_port")
     op.drop_column("ledger_identity", "rank_key")
     op.drop_column("jobs", "by_admin")
     op.drop_column("queues", "max_priority")

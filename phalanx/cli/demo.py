@@ -17,7 +17,7 @@ from phalanx.core.preemption import parse_priority
 from . import render
 from .cluster import StopOnSignal, add_common_flags, cluster_from_args, print_ready, start_or_report
 from .common import UsageError
-from .local_cluster import DEFAULT_DEMO_STATE_DIR, DEFAULT_PROFILE, MARKER, LocalCluster, tail_of
+from .local_cluster import DEFAULT_DEMO_STATE_DIR, DEFAULT_PROFILE, MARKER, LocalCluster
 
 RANK_PROGRAM = (
     "import os, time\n"
@@ -211,11 +211,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         "torch is not installed, so the demo skips its DistributedDataParallel job "
                         "(pip install 'phalanx[torch]' to see it)"
                     )
-            sample = cluster.agent_state_dir(cluster.node_names[0]) / "logs"
-            logs = sorted(sample.glob("*.log"))
-            if logs:
-                _say(f"\nOutput of one rank ({logs[0]}):")
-                _say("  " + (tail_of(logs[0], 3).replace("\n", "\n  ") or "(empty)"))
+            # Rank 0 of the 2 x 8 gang, read from its node's agent as any user would.
+            _say(f"\n$ phalanx --scheduler {cluster.address} logs {gang.id} --rank 0 --tail 3")
+            with Client(cluster.address) as client:
+                rank0 = [line for _, line in client.logs(gang.id, rank=0, tail=3)]
+            _say("  " + ("\n  ".join(rank0) or "(empty)"))
             _say(f"\n$ phalanx --scheduler {cluster.address} jobs")
             with Client(cluster.address) as client:
                 _say(render.jobs_table(client.list_jobs()))

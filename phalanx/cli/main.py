@@ -446,6 +446,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_logs(args: argparse.Namespace) -> int:
+    """``phalanx logs JOB [--rank R] [--attempt A] [--follow] [--tail N]``: rank output; every rank's lines
+    prefixed by their rank unless one is asked."""
+    prefix = args.rank is None
+    with _client(args) as client:
+        for rank, line in client.logs(
+            args.job_id, rank=args.rank, attempt=args.attempt, follow=args.follow, tail=args.tail
+        ):
+            _print(f"[rank {rank}] {line}" if prefix else line)
+    return EXIT_OK
+
+
 def cmd_node_drain(args: argparse.Namespace) -> int:
     """``phalanx node drain NAME``: (admin) take a node out of placement until undrained."""
     with _client(args) as client:
@@ -853,6 +865,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_ids", nargs="+", metavar="ID")
     p.add_argument("--json", action="store_true", help="one JSON job object per line")
     p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("logs", help="a job's rank logs (stdout and stderr), from the ranks' nodes")
+    p.add_argument("job_id", metavar="JOB")
+    p.add_argument("--rank", type=_bounded("--rank", 0), default=None, metavar="R", help="one rank (default: all)")
+    p.add_argument(
+        "--attempt", type=_bounded("--attempt", 1), default=0, metavar="A", help="an attempt (default: the last)"
+    )
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing what the ranks write until they end")
+    p.add_argument("--tail", type=_bounded("--tail", 1), default=0, metavar="N", help="only each rank's last N lines")
+    p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("node", help="node administration (admin): drain, undrain")
     node_sub = p.add_subparsers(dest="node_command", metavar="SUBCOMMAND", parser_class=_Parser)

@@ -17,7 +17,7 @@ import phalanx
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 from ._channel import MAX_RETRIES, effective_retries, open_channel, resolve_tls, resolve_token
-from ._errors import DeadlineExceededError, from_grpc_error
+from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -345,6 +345,113 @@ class Client:
             memory_per_replica=memory_per_replica,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
+
+    def logs(
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        attempt: int = 0,
+        follow: bool = False,
+        tail: int = 0,
+    ) -> Generator[tuple[int, str], None, None]:
+        """A job's rank logs (stdout and stderr), line by line, as (rank, line) without the newline.
+
+        The scheduler says where each rank's log is and gives a credential for it (GetRankLogs); the lines come
+        from the rank's node agent (AgentLogs), for a running or a finished attempt.
+
+        Args:
+            job_id: The job.
+            rank: One rank; None: every rank of the attempt (each rank's lines in order; ranks interleave as their
+                lines arrive when following, else one rank after another).
+            attempt: The attempt (0: the current or last one).
+            follow: Keep streaming what the ranks write until they have ended.
+            tail: Only each rank's last `tail` lines (0: from the start).
+
+        Raises:
+            NotFoundError: No such job (or another tenant's), attempt or started rank.
+            UnavailableError: A rank's node serves no logs or cannot be reached.
+        """
+        import queue
+        import threading
+
+        from phalanx.api.v1 import agent_pb2, agent_pb2_grpc
+
+        request = scheduler_pb2.GetRankLogsRequest(job_id=job_id, attempt=int(attempt))
+        if rank is not None:
+            request.rank = int(rank)
+        found = self._call(self._stub.GetRankLogs, request)
+        for source in found.sources:
+            if not source.address:
+                raise UnavailableError(f"node {source.node} serves no logs (its agent runs with --logs-listen off)")
+
+        def lines(source: scheduler_pb2.RankLogSource) -> Generator[str, None, None]:
+            channel = open_channel(
+                source.address, retries=0
+            )  # the agents serve logs in plaintext: the credential is per job
+            try:
+                stub = agent_pb2_grpc.AgentLogsStub(channel)  # type: ignore[no-untyped-call]  # generated
+                call = stub.ReadRankLog(
+                    agent_pb2.ReadRankLogRequest(
+                        credential=source.credential,
+                        job_id=job_id,
+                        attempt=found.attempt,
+                        rank=source.rank,
+                        follow=follow,
+                        tail_lines=int(tail),
+                    )
+                )
+                pending = b""
+                try:
+                    for chunk in call:
+                        pending += chunk.data
+                        *done, pending = pending.split(b"\n")
+                        for line in done:
+                            yield line.decode(errors="replace")
+                    if pending:
+                        yield pending.decode(errors="replace")
+                except grpc.RpcError as exc:
+                    raise from_grpc_error(exc, source.address) from exc
+                finally:
+                    call.cancel()
+            finally:
+                channel.close()
+
+        sources = list(found.sources)
+        if not follow or len(sources) == 1:
+            for source in sources:
+                for line in lines(source):
+                    yield source.rank, line
+            return
+        out: queue.Queue[tuple[int, str] | Exception | None] = queue.Queue(maxsize=10_000)
+        stop = threading.Event()
+
+        def pump(source: scheduler_pb2.RankLogSource) -> None:
+            try:
+                for line in lines(source):
+                    if stop.is_set():
+                        return
+                    out.put((source.rank, line))
+            except Exception as exc:  # handed to the reader
+                out.put(exc)
+            finally:
+                out.put(None)
+
+        threads = [threading.Thread(target=pump, args=(s,), daemon=True) for s in sources]
+        for t in threads:
+            t.start()
+        left = len(threads)
+        try:
+            while left:
+                item = out.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            stop.set()
 
     def get_job(self, job_id: str) -> Job:
         """Fetch one job.

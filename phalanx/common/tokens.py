@@ -68,6 +68,41 @@ def rank_token(key: str, job_id: str, attempt: int) -> str:
     return f"{RANK_TOKEN_PREFIX}{job_id}_{attempt}_{_rank_mac(key, job_id, attempt)}"
 
 
+LOG_CREDENTIAL_PREFIX = "phl_"
+
+
+def node_logs_key(rank_key: str, node: str) -> str:
+    """The key node `node`'s agent checks log credentials with (hex): derived from the ledger's rank key, so each
+    agent holds a key of its own and none can mint credentials for another node."""
+    return hmac.new(bytes.fromhex(rank_key), f"logs:{node}".encode(), hashlib.sha256).hexdigest()
+
+
+def log_credential(node_key: str, job_id: str, attempt: int, expires: int) -> str:
+    """A credential to read one job attempt's rank logs on one node until `expires` (unix seconds)."""
+    mac = hmac.new(bytes.fromhex(node_key), f"{job_id}:{attempt}:{expires}".encode(), hashlib.sha256).hexdigest()
+    return f"{LOG_CREDENTIAL_PREFIX}{job_id}_{attempt}_{expires}_{mac}"
+
+
+def check_log_credential(node_key: str, token: str, job_id: str, attempt: int, now: float) -> str:
+    """Why `token` may not read job `job_id` attempt `attempt`'s logs on this node ('' when it may)."""
+    if not node_key or not token.startswith(LOG_CREDENTIAL_PREFIX):
+        return "no log credential: get one with the scheduler's GetRankLogs (phalanx logs)"
+    parts = token[len(LOG_CREDENTIAL_PREFIX) :].rsplit("_", 3)
+    if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
+        return "a malformed log credential"
+    job, attempt_text, expires_text, mac = parts
+    want = hmac.new(
+        bytes.fromhex(node_key), f"{job}:{attempt_text}:{expires_text}".encode(), hashlib.sha256
+    ).hexdigest()
+    if not hmac.compare_digest(mac, want):
+        return "a log credential of another node, or forged"
+    if (job, int(attempt_text)) != (job_id, attempt):
+        return f"the credential is for job {job} attempt {attempt_text}, not job {job_id[:40]} attempt {attempt}"
+    if int(expires_text) < now:
+        return "the log credential has expired: get a new one (phalanx logs does)"
+    return ""
+
+
 def verify_rank_token(key: str, token: str) -> Identity | None:
     """The identity (role `rank`, its job and attempt) of a well-signed rank credential, else None."""
     if not key or not token.startswith(RANK_TOKEN_PREFIX):

@@ -152,6 +152,10 @@ class AgentConfig:
     # (host_resources.resolve: a simulated host's shipped profile, else this host's affinity and MemTotal).
     host_cpus: float | None = None
     host_memory: int | None = None
+    # The ranks' logs (logs.py): AgentLogs served on `logs_listen` ("": on `address`, any free port; "off": none),
+    # and each rank's log kept under `log_max_bytes` by rotation (0: no bound).
+    logs_listen: str = ""
+    log_max_bytes: int = 64 * 1024 * 1024
     extra: dict = field(default_factory=dict)
 
     def resolved_state_dir(self) -> Path:
@@ -230,6 +234,9 @@ class NodeAgent:
         )
         self._attempt = 0
         self.registrations = 0  # successful RegisterNode calls (for tests / introspection)
+        self.logs_key = ""  # from the registration: the key log credentials are checked with (logs.py)
+        self.logs_port = 0
+        self._logs_server: Any = None  # services.common.server.AioServer, once serving
         self.heartbeat_interval_ms = config.default_heartbeat_ms
         # Health: the simulated source exists at once (tests inject into it); NVML's is opened in run().
         self.health_source = config.health_source
@@ -281,6 +288,7 @@ class NodeAgent:
         )
         try:
             await self._open_health()
+            await self._open_logs()
             self._open_containment()
             self._adopt()
             self._clean_up_containers()
@@ -297,6 +305,8 @@ class NodeAgent:
             await self._announce_drain()
             await self._shutdown()
         finally:
+            if self._logs_server is not None:
+                await self._logs_server.stop(0.5)
             if self.health_monitor is not None:
                 await asyncio.to_thread(self.health_monitor.close)
             await asyncio.to_thread(self.state.stop_writer)
@@ -391,6 +401,7 @@ class NodeAgent:
                     rank_port_high=self.config.rank_ports[1],
                     cpus=self.host_resources.cpus,
                     memory_bytes=self.host_resources.memory_bytes,
+                    logs_port=self.logs_port,
                     live_attempts=sorted(
                         {attempt_key(r.job_id, r.attempt) for r in self.state.ranks.values() if not r.final}
                         | set(self._groups)
@@ -400,6 +411,7 @@ class NodeAgent:
                 timeout=self.config.rpc_timeout_s,
             )
             self.registrations += 1
+            self.logs_key = resp.logs_key
             self._attempt = 0
             self._renewed_at, self._lease_s = sent, resp.lease_timeout_ms / 1000
             if self.fenced:
@@ -959,6 +971,47 @@ class NodeAgent:
 
     def _ranks_of(self, job_id: str, attempt: int) -> list[RankRecord]:
         return [r for r in self.state.ranks.values() if r.job_id == job_id and r.attempt == attempt and not r.final]
+
+    async def _open_logs(self) -> None:
+        """Serve the ranks' logs (AgentLogs) and keep them bounded (logs.py)."""
+        from services.common.server import AioServer
+
+        from . import logs
+
+        listen = self.config.logs_listen
+        if listen != "off":
+            listen = listen or f"{self.config.address}:0"
+            servicer = logs.AgentLogsServicer(lambda: self.logs_key, self.state_dir, self._rank_live)
+            try:
+                server = AioServer(
+                    listen,
+                    [lambda s: agent_pb2_grpc.add_AgentLogsServicer_to_server(servicer, s)],
+                    [logs.SERVICE_NAME],
+                )
+                await server.start()
+            except Exception as exc:  # a port in use: the node serves no logs, and says so
+                self.log.warning("logs_not_served", listen=listen, error=str(exc)[:300])
+            else:
+                self._logs_server, self.logs_port = server, server.port
+                self.log.info("logs_served", address=server.address)
+        if self.config.log_max_bytes > 0:
+            self._spawn_task(self._rotate_logs())
+
+    def _rank_live(self, job_id: str, attempt: int, rank: int) -> bool:
+        return any(
+            r.job_id == job_id and r.attempt == attempt and r.rank == rank and not r.final
+            for r in list(self.state.ranks.values())
+        )
+
+    async def _rotate_logs(self) -> None:
+        from . import logs
+
+        while not self.stopping:
+            paths = [Path(r.log_file) for r in list(self.state.ranks.values()) if not r.final and r.log_file]
+            for path in paths:
+                if await asyncio.to_thread(logs.rotate, path, self.config.log_max_bytes):
+                    self.log.info("rank_log_rotated", path=str(path), max_bytes=self.config.log_max_bytes)
+            await asyncio.sleep(1.0)
 
     def _spawn_task(self, coro) -> None:
         t = asyncio.create_task(coro)

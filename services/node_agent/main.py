@@ -72,6 +72,8 @@ CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
     "rank-port-range": ("rank_port_range", None),
     "host-cpus": ("host_cpus", "PHALANX_HOST_CPUS"),
     "host-memory": ("host_memory", "PHALANX_HOST_MEMORY"),
+    "logs-listen": ("logs_listen", "PHALANX_AGENT_LOGS_LISTEN"),
+    "log-max-bytes": ("log_max_bytes", None),
 }
 
 
@@ -262,6 +264,21 @@ def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
         default=_default(file, "pids-max", 0),
         metavar="N",
         help="at most N processes per attempt on this host (cgroup pids limit; default 0: no limit)",
+    )
+    p.add_argument(
+        "--logs-listen",
+        default=_default(file, "logs-listen", ""),
+        metavar="HOST:PORT",
+        help="serve the ranks' logs (AgentLogs, for phalanx logs) here; default: on --address, any free port, which "
+        "the registration tells the scheduler; 'off': serve none (env PHALANX_AGENT_LOGS_LISTEN)",
+    )
+    p.add_argument(
+        "--log-max-bytes",
+        type=int,
+        default=_default(file, "log-max-bytes", 64 * 1024 * 1024),
+        metavar="N",
+        help="keep each rank's log under N bytes: past it, it is rotated to <log>.1 (the older part is dropped); "
+        "0: no bound (default 64 MiB)",
     )
     p.add_argument(
         "--run-as",
@@ -475,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         cgroup_parent=args.cgroup_parent or None,
         containment_kind=args.containment or None,
         pids_max=int(args.pids_max or 0),
+        logs_listen=args.logs_listen or "",
+        log_max_bytes=int(args.log_max_bytes),
         run_as=run_as,
         pass_env=tuple(dict.fromkeys(args.pass_env)),
         self_fence=_truthy(args.self_fence),

@@ -367,6 +367,7 @@ class Register(Command):
     rank_ports: tuple[int, int] = (0, 0)
     cpu_milli: int = 0  # host CPUs (thousandths) and memory (bytes) the agent reported; 0: not reported
     memory: int = 0
+    logs_port: int = 0  # where its agent serves its ranks' logs (AgentLogs); 0: none
 
     def ledger_row(self, cycle: Cycle) -> dict[str, Any]:
         """The node's row as ledger.upsert_nodes takes it."""
@@ -400,6 +401,7 @@ class Register(Command):
             rank_ports=self.rank_ports,
             cpu_milli=self.cpu_milli,
             memory=self.memory,
+            logs_port=self.logs_port,
         )
 
     def execute(self, cycle: Cycle, rows: ledger.Registered | None = None) -> int:

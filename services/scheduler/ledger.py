@@ -802,6 +802,35 @@ def _take_use(conn: Connection, use: dict[int, list[int]], names: dict[int, str]
             )
 
 
+def rank_log_sources(
+    conn: Connection, job_id: str, attempt: int, rank: int | None, tenant: str | None
+) -> tuple[int, list[tuple[int, str, str, int]]]:
+    """(the attempt, [(rank, node, address, logs port)]) of a job's ranks, for GetRankLogs; NotFound for a job the
+    caller's tenant (None: any) does not have, an attempt it never had, or one no rank of which has started."""
+    from services.common.errors import NotFound
+
+    job = conn.execute(select(Job.tenant, Job.attempt).where(Job.id == job_id)).first()
+    if job is None or (tenant is not None and job.tenant != tenant):
+        raise NotFound(f"no job with id {job_id!r}")
+    attempt = attempt or job.attempt
+    if not 1 <= attempt <= job.attempt:
+        raise NotFound(f"job {job_id} has no attempt {attempt} (it has had {job.attempt})")
+    stmt = (
+        select(Rank.rank, Node.name, Node.address, Node.logs_port)
+        .join(Node, Node.id == Rank.node_id)
+        .where(Rank.job_id == job_id, Rank.attempt == attempt)
+        .order_by(Rank.rank)
+    )
+    if rank is not None:
+        stmt = stmt.where(Rank.rank == rank)
+    rows = [(int(r), str(n), str(a or ""), int(p or 0)) for r, n, a, p in conn.execute(stmt)]
+    if not rows:
+        if rank is not None:
+            raise NotFound(f"rank {rank} of job {job_id} attempt {attempt} has not started, so it has no log")
+        raise NotFound(f"no rank of job {job_id} attempt {attempt} has started yet, so there is no log")
+    return attempt, rows
+
+
 def recount_use(conn: Connection, node_ids: Sequence[int] | None = None) -> int:
     """Set the nodes' held host resources (cpu_used, memory_used) to what their active allocation rows carry, where
     they differ; returns how many nodes were off. The counters are kept in the same transactions as the rows, so
@@ -1151,6 +1180,7 @@ def upsert_nodes(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, 
             rank_port_high=r.get("rank_ports", (0, 0))[1],
             cpu_milli=r.get("cpu_milli", 0),
             memory=r.get("memory", 0),
+            logs_port=r.get("logs_port", 0),
         )
 
     new = [r for r in rows if r["name"] not in found]

@@ -13,6 +13,7 @@ from google.protobuf.json_format import MessageToDict
 from sqlalchemy.exc import SQLAlchemyError
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.common.tokens import log_credential, node_logs_key
 from phalanx.core import mig
 from phalanx.core.resources import MAX_CPUS, MAX_MEMORY, cpu_milli, parse_size
 from services.common.auth import (
@@ -53,6 +54,7 @@ MAX_COMMAND_BYTES = 256 * 1024
 MAX_ENV_VARS = 4096
 MAX_ENV_BYTES = 256 * 1024
 MAX_REPLICAS = 100_000
+LOG_CREDENTIAL_S = 3600  # how long GetRankLogs's credentials read logs
 MAX_GPUS_PER_REPLICA = 1024
 MAX_RESTARTS = 1000
 MAX_KEEP_CHECKPOINTS = 10_000
@@ -480,6 +482,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return status
 
     @unary
+    async def GetRankLogs(self, request, context):
+        job_id = check_job_id(request.job_id)
+        if request.attempt < 0:
+            raise InvalidArgument(f"attempt must be 0 (the current one) or more, got {request.attempt}")
+        rank = request.rank if request.HasField("rank") else None
+        if rank is not None and rank < 0:
+            raise InvalidArgument(f"rank must not be negative, got {rank}")
+        scope = tenant_scope()
+        try:
+            attempt, rows = await self.service.read(ledger.rank_log_sources, job_id, request.attempt, rank, scope)
+        except NotFound:
+            if scope is not None:
+                audit_denied(SCHEDULER_PREFIX + "GetRankLogs", f"job/{job_id}", "no job of the caller's tenant")
+            raise
+        key = self.service.state.rank_key
+        expires = int(time.time()) + LOG_CREDENTIAL_S
+        sources = [
+            scheduler_pb2.RankLogSource(
+                rank=r,
+                node=node,
+                address=f"{address}:{port}" if port else "",
+                credential=log_credential(node_logs_key(key, node), job_id, attempt, expires) if key else "",
+            )
+            for r, node, address, port in rows
+        ]
+        return scheduler_pb2.GetRankLogsResponse(attempt=attempt, sources=sources)
+
+    @unary
     async def DeleteQueue(self, request, context):
         if not request.name or len(request.name) > queues.MAX_QUEUE_NAME:
             raise NotFound(f"no queue {request.name[:64]!r}")
@@ -520,6 +550,8 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument(
                 f"cpus must be a count of CPUs between 0 and {MAX_CPUS}, got {request.cpus}"
             ) from None
+        if not 0 <= request.logs_port <= 65535:
+            raise InvalidArgument(f"logs_port must be a port (0: none), got {request.logs_port}")
         if not 0 <= request.memory_bytes <= MAX_MEMORY:
             raise InvalidArgument(f"memory_bytes must be between 0 and {MAX_MEMORY}, got {request.memory_bytes}")
         if request.containment not in CONTAINMENT_KINDS:
@@ -543,6 +575,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 rank_ports=(request.rank_port_low, request.rank_port_high),
                 cpu_milli=host_cpus,
                 memory=request.memory_bytes,
+                logs_port=request.logs_port,
             )
         )
         s = self.service.settings
@@ -551,6 +584,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             lease_timeout_ms=int(s.lease_timeout * 1000),
             acked_revision=acked,
             cluster_id=cluster_id,
+            logs_key=node_logs_key(self.service.state.rank_key, name) if self.service.state.rank_key else "",
         )
         node = self.service.state.nodes.get(name)
         if node is not None:

@@ -58,6 +58,7 @@ def scheduler_calls(job: str) -> list[tuple[str, object, str, bool]]:
     return [
         ("GetJob", scheduler_pb2.GetJobRequest(job_id=job), "user", False),
         ("CheckpointJob", scheduler_pb2.CheckpointJobRequest(job_id=job), "user", False),
+        ("GetRankLogs", scheduler_pb2.GetRankLogsRequest(job_id=job), "user", False),
         ("WatchJobs", scheduler_pb2.WatchJobsRequest(job_ids=[job]), "user", True),
         ("ListJobs", scheduler_pb2.ListJobsRequest(), "list", False),
         ("GetGoodput", scheduler_pb2.GetGoodputRequest(), "list", False),
