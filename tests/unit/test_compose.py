@@ -24,8 +24,11 @@ UNIT = ROOT / "deploy" / "phalanx-agent.service"
 SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 SERVICES: dict[str, dict] = yaml.safe_load(COMPOSE.read_text())["services"]
 AGENTS = sorted(name for name in SERVICES if re.fullmatch(r"agent-\d+", name))
-ONE_SHOT = {"migrate"}
+VOLUME_INIT = "checkpoints-init"  # hands the checkpoints volume to the services' non-root user, as root
+ONE_SHOT = {"migrate", VOLUME_INIT}
 PHALANX_SERVICES = sorted(name for name, svc in SERVICES.items() if "build" in svc or svc.get("image") == "phalanx:dev")
+# The services whose command is a Phalanx program (the volume's init step runs chown).
+PHALANX_COMMANDS = [name for name in PHALANX_SERVICES if name != VOLUME_INIT]
 
 
 def argv(service: str) -> list[str]:
@@ -60,13 +63,13 @@ def test_expected_services_exist():
 
 
 def test_phalanx_services_build_from_deploy_dockerfile():
-    assert set(PHALANX_SERVICES) >= {"migrate", "scheduler", "checkpointd", *AGENTS}
+    assert set(PHALANX_SERVICES) >= {"migrate", "scheduler", "checkpointd", VOLUME_INIT, *AGENTS}
     for name in PHALANX_SERVICES:
         build = SERVICES[name]["build"]
         assert (ROOT / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
 
 
-@pytest.mark.parametrize("service", PHALANX_SERVICES)
+@pytest.mark.parametrize("service", PHALANX_COMMANDS)
 def test_command_is_an_installed_console_script(service):
     exe = argv(service)[0]
     assert exe in SCRIPTS, f"{service}: {exe!r} is not in [project.scripts] {sorted(SCRIPTS)}"
@@ -77,7 +80,7 @@ def test_command_is_an_installed_console_script(service):
     assert shutil.which(exe, path=bin_dir + os.pathsep + os.environ.get("PATH", "")), f"{exe} not on PATH"
 
 
-@pytest.mark.parametrize("service", PHALANX_SERVICES)
+@pytest.mark.parametrize("service", PHALANX_COMMANDS)
 @pytest.mark.slow
 def test_command_flags_are_accepted(service):
     """`<script> [subcommands] --help` must mention every flag the compose command passes."""
@@ -167,6 +170,54 @@ def test_agents_use_the_scheduler_listen_port():
     assert len(names) == len(AGENTS), "node names must be unique"
 
 
+def dockerfile_ids() -> tuple[int, int]:
+    """The (uid, gid) deploy/Dockerfile creates its user with, which its USER line must name."""
+    text = DOCKERFILE.read_text()
+    uid = re.search(r"useradd\b[^\n]*--uid (\d+)", text)
+    gid = re.search(r"groupadd\b[^\n]*--gid (\d+)", text)
+    assert uid and gid, "deploy/Dockerfile must create its user with a fixed --uid and --gid"
+    user = re.search(r"^USER (\S+)$", text, re.M)
+    assert user and user.group(1) == f"{uid.group(1)}:{gid.group(1)}", "USER must be the numeric uid:gid"
+    return int(uid.group(1)), int(gid.group(1))
+
+
+def volume_mounts(service: str) -> dict[str, str]:
+    """{named volume: mount path} of a service (short syntax SOURCE:TARGET[:MODE], or the long one)."""
+    mounts = {}
+    for entry in SERVICES[service].get("volumes", []):
+        if isinstance(entry, str):
+            source, target = entry.split(":")[:2]
+        else:
+            source, target = entry.get("source"), entry["target"]
+        mounts[source] = target
+    return mounts
+
+
+def test_checkpoint_volume_belongs_to_the_services_user():
+    """Docker creates a named volume root-owned where the image has no mount point, and an old volume keeps its owner:
+    a one-shot step as root hands it to the non-root user before any service that writes it starts."""
+    uid, gid = dockerfile_ids()
+    writers = sorted(name for name in SERVICES if name != VOLUME_INIT and "checkpoints" in volume_mounts(name))
+    assert set(writers) == {"checkpointd", *AGENTS}, writers
+    path = volume_mounts("checkpointd")["checkpoints"]
+    assert flag(argv("checkpointd"), "--checkpoint-dir") == path, "the coordinator's store is the volume"
+    init = SERVICES[VOLUME_INIT]
+    assert str(init["user"]) in ("0", "0:0", "root"), "only root can chown a root-owned volume"
+    assert volume_mounts(VOLUME_INIT) == {"checkpoints": path}
+    assert argv(VOLUME_INIT) == ["chown", "-R", f"{uid}:{gid}", path]
+    assert str(init.get("restart")) == "no" and not init.get("depends_on")
+    for name in writers:
+        assert volume_mounts(name)["checkpoints"] == path, f"{name} mounts the store elsewhere"
+        assert str(SERVICES[name].get("user")) == f"{uid}:{gid}", f"{name} must run as the image's user"
+        dep = SERVICES[name]["depends_on"].get(VOLUME_INIT)
+        assert dep == {"condition": "service_completed_successfully"}, f"{name} must wait for {VOLUME_INIT}"
+    for name in PHALANX_COMMANDS:
+        assert str(SERVICES[name].get("user")) == f"{uid}:{gid}", f"{name} must not run as root"
+    # A fresh volume takes the mount point's ownership from the image, too.
+    text = DOCKERFILE.read_text()
+    assert f"mkdir -p {path}" in text and f"chown {uid}:{gid} {path}" in text
+
+
 def test_dockerfile():
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim", text, re.M)
@@ -203,15 +254,25 @@ def test_systemd_unit_runs_the_agent():
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
-def test_docker_compose_config():
+def _compose_command() -> list[str] | None:
+    """`docker compose` (the v2 plugin), else the standalone `docker-compose` (v1, Debian's package; it needs no
+    engine for `config` either); None when neither is installed."""
     docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("docker CLI not installed")
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"docker compose plugin unavailable: {(probe.stderr or probe.stdout).strip().splitlines()[0]}")
+    if docker is not None:
+        probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone else None
+
+
+def test_docker_compose_config():
+    """Compose's own validation of the file (schema, anchors, depends_on), without a Docker engine."""
+    compose = _compose_command()
+    if compose is None:
+        pytest.skip("neither the docker compose plugin nor docker-compose is installed")
     result = subprocess.run(
-        [docker, "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        [*compose, "-f", str(COMPOSE), "config", "--quiet"],
         capture_output=True,
         text=True,
         timeout=60,
