@@ -108,6 +108,7 @@ def cluster_from_args(args: argparse.Namespace, state_dir: Path, **extra) -> Loc
         mig_gpus=getattr(args, "mig_gpus", None),
         mig_manage=getattr(args, "mig_manage", False),
         run_as=getattr(args, "run_as", None),
+        web_port=getattr(args, "web_port", None),
         **extra,
     )
 
@@ -260,6 +261,13 @@ def register(subparsers) -> None:
         "--run-as",
         metavar="USER",
         help="the Unix user every agent runs ranks as (phalanx-agent --run-as; default: you, who start the cluster)",
+    )
+    up.add_argument(
+        "--web-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve the live dashboard (phalanx web) on 127.0.0.1:P with the cluster (default: off)",
     )
     up.add_argument("--restart-agents", action="store_true", help="restart an agent that dies")
     up.add_argument(

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from phalanx.core.preemption import LOCAL_POLICY
 
@@ -217,6 +218,7 @@ class LocalCluster:
         mig_switch_hold: float = 10.0,
         mig_switch_backoff: float = 10.0,
         run_as: str | None = None,
+        web_port: int | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -225,6 +227,8 @@ class LocalCluster:
         self.mig_gpus = mig_gpus
         self.mig_manage = mig_manage
         self.run_as = run_as
+        self.web_port = web_port  # serve the dashboard (phalanx web) from this process on this port; None: not
+        self.web: Any = None
         self.mig_switch_hold = mig_switch_hold
         self.mig_switch_backoff = mig_switch_backoff
         self.node_count = nodes
@@ -493,6 +497,12 @@ class LocalCluster:
         self._wait_for_port(self.checkpointd, self.checkpoint_port)
         self.log(f"checkpoint coordinator at {self.checkpoint_address}")
         self._wait_for_nodes()
+        if self.web_port is not None:
+            from phalanx.web.server import WebServer
+
+            # The cluster's own dashboard, with the supervisor's credential (every job, when authentication is on).
+            self.web = WebServer(self.address, port=self.web_port, token=self.client_options().get("token")).start()
+            self.log(f"dashboard at {self.web.url}")
         self.log(
             f"{self.node_count} nodes READY ({self.profile})"
             + (
@@ -512,6 +522,9 @@ class LocalCluster:
 
         Safe to call twice, and from a signal handler's aftermath; never raises for a child that is already gone.
         """
+        if self.web is not None:
+            web, self.web = self.web, None
+            web.stop()
         with self._lock:
             if self._stopping:
                 return

@@ -446,6 +446,29 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    """``phalanx web [--scheduler ADDR] [--port P] [--token T]``: serve the dashboard until interrupted."""
+    import signal
+    import threading
+
+    from phalanx.web.server import WebServer
+
+    scheduler = args.web_scheduler or args.scheduler or resolve_target(None)
+    token = args.web_token if args.web_token is not None else args.token
+    try:
+        server = WebServer(scheduler, args.host, args.port, token=token).start()
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
+    sys.stderr.write(f"dashboard at {server.url} (scheduler {scheduler}); Ctrl-C stops it\n")
+    sys.stderr.flush()
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    return EXIT_OK
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     """``phalanx logs JOB [--rank R] [--attempt A] [--follow] [--tail N]``: rank output; every rank's lines
     prefixed by their rank unless one is asked."""
@@ -865,6 +888,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_ids", nargs="+", metavar="ID")
     p.add_argument("--json", action="store_true", help="one JSON job object per line")
     p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("web", help="a live web dashboard of the cluster (read-only), until Ctrl-C")
+    p.add_argument("--scheduler", dest="web_scheduler", default=None, metavar="ADDR", help="as the global flag")
+    p.add_argument("--token", dest="web_token", default=None, metavar="TOKEN", help="as the global flag")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--port", type=_bounded("--port", 0, 65535), default=8080, metavar="P", help="default 8080")
+    p.set_defaults(func=cmd_web)
 
     p = sub.add_parser("logs", help="a job's rank logs (stdout and stderr), from the ranks' nodes")
     p.add_argument("job_id", metavar="JOB")
