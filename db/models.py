@@ -283,7 +283,8 @@ class Allocation(Base):
     `kind`: `gpu` a whole GPU (unit -1); `mig` one memory slice (unit 0-7) of a MIG instance of `profile`;
     `share` a fractional share of `gpu_milli` thousandths (unit NULL: shares are not slices); `hold` the GPU
     itself while any instance or share is on it (unit -1, so it excludes whole-GPU rows; `gpu_milli` sums the
-    shares, which a guarded update keeps at or under 1000). A hold row carries the job that opened it.
+    shares, which a guarded update keeps at or under 1000). A hold row carries a job that holds part of the GPU:
+    the one that opened it, then, when that one's parts go, one of those left.
     """
 
     __tablename__ = "allocations"

@@ -30,6 +30,7 @@ log = structlog.get_logger()
 CHUNK = 64 * 1024
 TAIL_WINDOW = 4 * 1024 * 1024  # the last lines are looked for in at most this much of the end
 FOLLOW_POLL_S = 0.2
+START_WAIT_S = 60.0  # following a rank not started yet: how long its log may take to appear
 SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["AgentLogs"].full_name
 
 
@@ -87,6 +88,12 @@ class AgentLogsServicer(agent_pb2_grpc.AgentLogsServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank and tail_lines must not be negative")
         path = launcher.rank_paths(self.state_dir, request.job_id, request.attempt, request.rank)[1]
         old = rotated(path)
+        if request.follow:  # a rank this agent has but has not started yet: its log is on its way
+            deadline = time.monotonic() + START_WAIT_S
+            while not path.exists() and time.monotonic() < deadline:
+                if not self.live(request.job_id, request.attempt, request.rank):
+                    break
+                await asyncio.sleep(FOLLOW_POLL_S)
         if not path.exists() and not old.exists():
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,

@@ -803,10 +803,16 @@ def _take_use(conn: Connection, use: dict[int, list[int]], names: dict[int, str]
 
 
 def rank_log_sources(
-    conn: Connection, job_id: str, attempt: int, rank: int | None, tenant: str | None
+    conn: Connection,
+    job_id: str,
+    attempt: int,
+    rank: int | None,
+    tenant: str | None,
+    layout: dict[int, dict[int, str]] | None = None,
 ) -> tuple[int, list[tuple[int, str, str, int]]]:
     """(the attempt, [(rank, node, address, logs port)]) of a job's ranks, for GetRankLogs; NotFound for a job the
-    caller's tenant (None: any) does not have, an attempt it never had, or one no rank of which has started."""
+    caller's tenant (None: any) does not have, an attempt it never had, or one no rank of which has started.
+    `layout`: attempt -> {rank: node} the view knows (a running attempt's ranks, reported or not yet)."""
     from services.common.errors import NotFound
 
     job = conn.execute(select(Job.tenant, Job.attempt).where(Job.id == job_id)).first()
@@ -824,6 +830,17 @@ def rank_log_sources(
     if rank is not None:
         stmt = stmt.where(Rank.rank == rank)
     rows = [(int(r), str(n), str(a or ""), int(p or 0)) for r, n, a, p in conn.execute(stmt)]
+    known = (layout or {}).get(attempt, {})
+    missing = {r: n for r, n in known.items() if (rank is None or r == rank) and r not in {row[0] for row in rows}}
+    if missing:  # ranks that have not reported yet: their nodes are in the view
+        where = {
+            name: (str(address or ""), int(port or 0))
+            for name, address, port in conn.execute(
+                select(Node.name, Node.address, Node.logs_port).where(Node.name.in_(sorted(set(missing.values()))))
+            )
+        }
+        rows += [(r, n, *where.get(n, ("", 0))) for r, n in missing.items()]
+        rows.sort()
     if not rows:
         if rank is not None:
             raise NotFound(f"rank {rank} of job {job_id} attempt {attempt} has not started, so it has no log")
@@ -1010,7 +1027,13 @@ def release_allocations(conn: Connection, job: JobRecord, now: float, keep: froz
 
 
 def _release_holds(conn: Connection, job: JobRecord, now: float) -> None:
-    """A split GPU's hold gives back the use of the job's parts on it, and is released with its last part."""
+    """A split GPU's hold gives back the use of the job's parts on it, and is released with its last part. While
+    other jobs' parts remain, the hold passes to one of them: it always carries a job that holds part of the GPU
+    (so it never outlives its job's rows, which retention deletes, while the GPU is still split)."""
+    remaining = (
+        "(SELECT a.{col} FROM allocations a WHERE a.gpu_id = allocations.gpu_id AND a.kind IN ('mig', 'share') "
+        "AND a.released_at IS NULL ORDER BY a.id LIMIT 1)"
+    )
     for replica, _node_name, _gpus in job.allocations:
         part = job.partials.get(replica)
         if part is None:
@@ -1020,7 +1043,10 @@ def _release_holds(conn: Connection, job: JobRecord, now: float) -> None:
             text(
                 "UPDATE allocations SET gpu_milli = gpu_milli - :used, "
                 "released_at = CASE WHEN EXISTS (SELECT 1 FROM allocations a WHERE a.gpu_id = allocations.gpu_id "
-                "AND a.kind IN ('mig', 'share') AND a.released_at IS NULL) THEN NULL ELSE :now END "
+                "AND a.kind IN ('mig', 'share') AND a.released_at IS NULL) THEN NULL ELSE :now END, "
+                f"job_id = COALESCE({remaining.format(col='job_id')}, job_id), "
+                f"attempt = COALESCE({remaining.format(col='attempt')}, attempt), "
+                f"replica = COALESCE({remaining.format(col='replica')}, replica) "
                 "WHERE kind = 'hold' AND released_at IS NULL AND gpu_id = (SELECT gpu_id FROM allocations b "
                 "WHERE b.job_id = :job_id AND b.attempt = :attempt AND b.replica = :replica LIMIT 1)"
             ),

@@ -491,7 +491,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise InvalidArgument(f"rank must not be negative, got {rank}")
         scope = tenant_scope()
         try:
-            attempt, rows = await self.service.read(ledger.rank_log_sources, job_id, request.attempt, rank, scope)
+            live = self.service.state.jobs.get(job_id)
+            layout = (
+                {live.attempt: {r.rank: r.node for r in list(live.ranks.values())}}
+                if live is not None and live.state == "RUNNING"
+                else None
+            )
+            attempt, rows = await self.service.read(
+                ledger.rank_log_sources, job_id, request.attempt, rank, scope, layout
+            )
         except NotFound:
             if scope is not None:
                 audit_denied(SCHEDULER_PREFIX + "GetRankLogs", f"job/{job_id}", "no job of the caller's tenant")

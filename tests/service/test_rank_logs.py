@@ -118,10 +118,10 @@ async def test_follow_streams_a_running_rank_to_its_end(cluster):
     job = await _submit(stub, "slow", 8, 0.15)
 
     def follow() -> tuple[list[tuple[int, str]], list[float]]:
-        got, at = [], []
         with Client(scheduler.address) as client:
             deadline = time.monotonic() + 20
-            while True:  # the ranks must have reported before their logs are found
+            while True:  # the job must have been reserved before its ranks have logs
+                got, at = [], []
                 try:
                     for item in client.logs(job.id, follow=True):
                         got.append(item)

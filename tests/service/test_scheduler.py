@@ -399,3 +399,19 @@ async def test_watch_stamps_each_change_with_when_it_happened(db_url, capsys, lo
         assert stamps == sorted(stamps) and t0 - 1 <= stamps[0] and stamps[-1] <= time.time()
         finished = await c.job(live.id)
         assert abs(stamps[-1] - finished.finished_at) < 0.5  # the commit that finished it, not the print
+
+
+async def test_a_split_gpus_hold_passes_to_a_job_still_on_it(db_url):
+    """Two shares of one GPU: when the job that opened the GPU's hold ends, the hold passes to the other (a hold never
+    carries a finished job, whose rows retention deletes), and goes with the last share."""
+    async with Cluster(db_url, 1) as c:
+        a = await c.submit("a", 1, 1, gpu_milli=250)
+        await c.wait_state(a.id, RUNNING)
+        b = await c.submit("b", 1, 1, gpu_milli=250)
+        await c.wait_state(b.id, RUNNING)
+        held = "SELECT job_id, gpu_milli FROM allocations WHERE kind = 'hold' AND released_at IS NULL"
+        assert c.sql(held) == [(a.id, 500)]
+        await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=a.id))
+        assert c.sql(held) == [(b.id, 250)]
+        await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=b.id))
+        assert c.sql(held) == []
