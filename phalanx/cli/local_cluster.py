@@ -501,7 +501,12 @@ class LocalCluster:
             from phalanx.web.server import WebServer
 
             # The cluster's own dashboard, with the supervisor's credential (every job, when authentication is on).
-            self.web = WebServer(self.address, port=self.web_port, token=self.client_options().get("token")).start()
+            self.web = WebServer(
+                self.address,
+                port=self.web_port,
+                token=self.client_options().get("token"),
+                checkpoint=self.checkpoint_address,
+            ).start()
             self.log(f"dashboard at {self.web.url}")
         self.log(
             f"{self.node_count} nodes READY ({self.profile})"

@@ -456,7 +456,7 @@ def cmd_web(args: argparse.Namespace) -> int:
     scheduler = args.web_scheduler or args.scheduler or resolve_target(None)
     token = args.web_token if args.web_token is not None else args.token
     try:
-        server = WebServer(scheduler, args.host, args.port, token=token).start()
+        server = WebServer(scheduler, args.host, args.port, token=token, checkpoint=args.checkpoint_coordinator).start()
     except OSError as exc:
         raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
     sys.stderr.write(f"dashboard at {server.url} (scheduler {scheduler}); Ctrl-C stops it\n")
@@ -894,6 +894,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", dest="web_token", default=None, metavar="TOKEN", help="as the global flag")
     p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=_bounded("--port", 0, 65535), default=8080, metavar="P", help="default 8080")
+    p.add_argument(
+        "--checkpoint-coordinator",
+        default=os.environ.get("PHALANX_CHECKPOINT_ADDR") or None,
+        metavar="ADDR",
+        help="the checkpoint coordinator, for the checkpoints on a job's page (env PHALANX_CHECKPOINT_ADDR)",
+    )
     p.set_defaults(func=cmd_web)
 
     p = sub.add_parser("logs", help="a job's rank logs (stdout and stderr), from the ranks' nodes")

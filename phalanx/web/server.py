@@ -64,8 +64,11 @@ def job_view(j: Job) -> dict[str, Any]:
 class Model:
     """The dashboard's view of the cluster, kept up to date by two threads; `version` counts its changes."""
 
-    def __init__(self, scheduler: str, token: str | None = None, node_poll_s: float = 2.0) -> None:
+    def __init__(
+        self, scheduler: str, token: str | None = None, node_poll_s: float = 2.0, checkpoint: str | None = None
+    ) -> None:
         self.scheduler, self.token, self.node_poll_s = scheduler, token, node_poll_s
+        self.checkpoint = checkpoint  # the checkpoint coordinator, for a job page's checkpoints (None: not shown)
         self.cond = threading.Condition()
         self.version = 0
         self.nodes: list[dict[str, Any]] = []
@@ -171,11 +174,34 @@ class Model:
                 goodput=j.goodput.to_dict() if j.goodput else None,
                 placement=j.placement,
             )
+            out["checkpoints"] = self._checkpoints(job_id)
             try:
                 out["logs"] = [f"[rank {r}] {line}" for r, line in client.logs(job_id, rank=0, tail=50)]
             except PhalanxError as exc:
                 out["logs"] = [f"(no log: {exc})"]
         return out
+
+    def _checkpoints(self, job_id: str) -> list[dict[str, Any]] | str:
+        """The job's newest committed checkpoints from the coordinator (a string says why there are none)."""
+        if not self.checkpoint:
+            return "not shown: phalanx web --checkpoint-coordinator ADDR shows them"
+        import grpc
+
+        from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+        from phalanx.client import open_channel
+
+        channel = open_channel(self.checkpoint, token=self.token or "", retries=0)
+        try:
+            stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(channel)  # type: ignore[no-untyped-call]
+            got = stub.ListCheckpoints(checkpoint_pb2.ListCheckpointsRequest(job_id=job_id, page_size=20), timeout=5)
+        except grpc.RpcError as exc:
+            return f"the coordinator did not answer: {exc.code().name}"
+        finally:
+            channel.close()
+        return [
+            {"step": c.step, "attempt": c.attempt, "committed_at": c.committed_at, "shards": len(c.shards)}
+            for c in got.checkpoints
+        ]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -247,9 +273,15 @@ class WebServer:
     """The dashboard on `host`:`port` (0: any free port) for the scheduler at `scheduler`."""
 
     def __init__(
-        self, scheduler: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None, poll_s: float = 2.0
+        self,
+        scheduler: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        poll_s: float = 2.0,
+        checkpoint: str | None = None,
     ) -> None:
-        self.model = Model(scheduler, token, poll_s)
+        self.model = Model(scheduler, token, poll_s, checkpoint)
         handler = type("Handler", (_Handler,), {"model": self.model})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True

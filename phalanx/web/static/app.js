@@ -1,6 +1,7 @@
 // Phalanx dashboard: draws the cluster state served by `phalanx web` (/api/state, then /api/events as it changes).
 // Small clusters are drawn whole as elements (each GPU a <div data-gpu="NODE/INDEX" data-job="JOB">); large ones
-// (more than DOM_LIMIT GPUs) on one canvas. No framework, nothing fetched beyond this server.
+// (more than DOM_LIMIT GPUs) virtualized: only the leaves on screen hold elements. No framework, nothing fetched
+// beyond this server.
 "use strict";
 
 const DOM_LIMIT = 4096;
@@ -48,6 +49,36 @@ function colourOf(h) {
   return palette(by === "tenant" ? "t:" + h.tenant : "j:" + h.job);
 }
 
+function nodeElement(n, held) {
+  const nd = document.createElement("div");
+  nd.className = "node" + (n.state !== "READY" ? " down" : "") + (n.health && n.health !== "HEALTHY" ? " unhealthy" : "");
+  nd.title = `${n.name} ${n.state} ${n.health}${n.releasing ? `, ${n.releasing} GPU(s) releasing` : ""}`;
+  nd.dataset.node = n.name;
+  let releasing = n.releasing;
+  for (let i = 0; i < n.gpus; i++) {
+    const g = document.createElement("div");
+    const key = `${n.name}/${i}`;
+    const h = held.get(key);
+    g.className = "gpu";
+    g.dataset.gpu = key;
+    if (h) {
+      g.dataset.job = h.job;
+      g.style.background = colourOf(h);
+      g.title = `${key}: ${h.job} (${h.tenant})${h.part ? " " + h.part : ""}`;
+      if (h.part) g.classList.add(h.part === "mig" ? "mig" : "held");
+      if (h.job === selected) g.classList.add("selected");
+      g.onclick = () => openJob(h.job);
+    } else {
+      if (n.fatal.includes(i)) g.classList.add("fatal");
+      else if (n.mig.includes(i)) g.classList.add("mig");
+      else if (releasing > 0 && i >= n.gpus - n.free - releasing) { g.classList.add("releasing"); releasing--; }
+      g.title = key;
+    }
+    nd.appendChild(g);
+  }
+  return nd;
+}
+
 function drawDom(nodes, held) {
   const root = document.getElementById("fabric");
   const frag = document.createDocumentFragment();
@@ -63,35 +94,7 @@ function drawDom(nodes, held) {
       l.innerHTML = `<div class="label">${leaf}</div>`;
       const ns = document.createElement("div");
       ns.className = "nodes";
-      for (const n of members) {
-        const nd = document.createElement("div");
-        nd.className = "node" + (n.state !== "READY" ? " down" : "") + (n.health && n.health !== "HEALTHY" ? " unhealthy" : "");
-        nd.title = `${n.name} ${n.state} ${n.health}${n.releasing ? `, ${n.releasing} GPU(s) releasing` : ""}`;
-        nd.dataset.node = n.name;
-        let releasing = n.releasing;
-        for (let i = 0; i < n.gpus; i++) {
-          const g = document.createElement("div");
-          const key = `${n.name}/${i}`;
-          const h = held.get(key);
-          g.className = "gpu";
-          g.dataset.gpu = key;
-          if (h) {
-            g.dataset.job = h.job;
-            g.style.background = colourOf(h);
-            g.title = `${key}: ${h.job} (${h.tenant})${h.part ? " " + h.part : ""}`;
-            if (h.part) g.classList.add(h.part === "mig" ? "mig" : "held");
-            if (h.job === selected) g.classList.add("selected");
-            g.onclick = () => openJob(h.job);
-          } else {
-            if (n.fatal.includes(i)) g.classList.add("fatal");
-            else if (n.mig.includes(i)) g.classList.add("mig");
-            else if (releasing > 0 && i >= n.gpus - n.free - releasing) { g.classList.add("releasing"); releasing--; }
-            g.title = key;
-          }
-          nd.appendChild(g);
-        }
-        ns.appendChild(nd);
-      }
+      for (const n of members) ns.appendChild(nodeElement(n, held));
       l.appendChild(ns);
       ls.appendChild(l);
     }
@@ -101,44 +104,56 @@ function drawDom(nodes, held) {
   root.replaceChildren(frag);
 }
 
-// One canvas for thousands of nodes: a row of leaves per spine, each node a 4x2 block of GPU pixels.
-function drawCanvas(nodes, held) {
-  const canvas = document.getElementById("fabric-canvas");
-  const width = document.getElementById("fabric-section").clientWidth - 20;
-  const cell = 3, nodeW = 4 * cell + 2, nodeH = 2 * cell + 2, perRow = Math.max(1, Math.floor(width / nodeW));
-  const spines = tree(nodes);
-  let rows = 0;
-  for (const leaves of spines.values()) for (const m of leaves.values()) rows += Math.ceil(m.length / perRow) + 1;
-  canvas.width = width;
-  canvas.height = rows * nodeH + spines.size * 6;
-  const ctx = canvas.getContext("2d");
-  ctx.fillStyle = "#fff";
-  ctx.fillRect(0, 0, canvas.width, canvas.height);
-  let y = 0;
-  for (const leaves of spines.values()) {
-    for (const members of leaves.values()) {
-      members.forEach((n, k) => {
-        const x0 = (k % perRow) * nodeW, y0 = y + Math.floor(k / perRow) * nodeH;
-        if (n.state !== "READY") { ctx.fillStyle = "#d12d2d"; ctx.fillRect(x0, y0, nodeW - 1, nodeH - 1); }
-        for (let i = 0; i < n.gpus; i++) {
-          const h = held.get(`${n.name}/${i}`);
-          ctx.fillStyle = h ? colourOf(h) : n.fatal.includes(i) ? "#d12d2d" : "#e3e6ea";
-          ctx.fillRect(x0 + 1 + (i % 4) * cell, y0 + 1 + Math.floor(i / 4) * cell, cell - 1, cell - 1);
-        }
-      });
-      y += (Math.ceil(members.length / perRow) + 1) * nodeH;
+// Thousands of nodes: every leaf gets a placeholder of its final size, and only the leaves on screen (plus a
+// margin) hold their node and GPU elements, made when they scroll into view and dropped when they leave it. Every
+// GPU drawn on screen is still an element with data-gpu (and data-job), and the first paint makes a few thousand
+// elements, not 32,768.
+let observer = null;
+function drawVirtual(nodes, held) {
+  const root = document.getElementById("fabric");
+  if (observer) observer.disconnect();
+  const width = Math.max(200, root.clientWidth || 800);
+  const perRow = Math.max(1, Math.floor((width - 40) / 54)); // a node is about 54 px wide with its gaps
+  observer = new IntersectionObserver((entries) => {
+    for (const e of entries) {
+      const box = e.target;
+      if (e.isIntersecting && !box.firstChild) fillLeaf(box, box._members, held);
+      else if (!e.isIntersecting && box.firstChild) box.replaceChildren();
     }
-    y += 6;
+  }, { root: null, rootMargin: "400px" });
+  const frag = document.createDocumentFragment();
+  for (const [spine, leaves] of tree(nodes)) {
+    const s = document.createElement("div");
+    s.className = "spine";
+    s.innerHTML = `<div class="label">${spine}</div>`;
+    for (const [leaf, members] of leaves) {
+      const l = document.createElement("div");
+      l.className = "leaf virtual";
+      l.innerHTML = `<div class="label">${leaf} (${members.length} nodes)</div>`;
+      const box = document.createElement("div");
+      box.className = "nodes";
+      box.style.minHeight = `${Math.ceil(members.length / perRow) * 30}px`;
+      box._members = members;
+      l.appendChild(box);
+      s.appendChild(l);
+      observer.observe(box);
+    }
+    frag.appendChild(s);
   }
+  root.replaceChildren(frag);
+}
+
+function fillLeaf(box, members, held) {
+  const frag = document.createDocumentFragment();
+  for (const n of members) frag.appendChild(nodeElement(n, held));
+  box.appendChild(frag);
 }
 
 function drawFabric() {
   const held = holders(state.jobs);
   const gpus = state.nodes.reduce((s, n) => s + n.gpus, 0);
   const big = gpus > DOM_LIMIT;
-  document.getElementById("fabric").hidden = big;
-  document.getElementById("fabric-canvas").hidden = !big;
-  (big ? drawCanvas : drawDom)(state.nodes, held);
+  (big ? drawVirtual : drawDom)(state.nodes, held);
   const busy = new Set([...held.values()].map((h) => h.job)).size;
   document.getElementById("summary").textContent =
     `${state.nodes.length} nodes, ${gpus} GPUs, ${held.size} held by ${busy} job(s)`;
@@ -206,8 +221,12 @@ async function openJob(id) {
       <tr><td>message</td><td>${escape(j.message)}</td></tr>
       <tr><td>history</td><td>submitted ${when(j.submitted_at)}, started ${when(j.started_at)}, finished ${when(j.finished_at)}</td></tr>
       <tr><td>placement</td><td>${j.allocations.map((a) => `${a.node}: ${a.gpus.join(",")}`).join("; ") || "-"}</td></tr>
-      <tr><td>checkpoints</td><td>${escape(j.restore || "no restore reported")}</td></tr>
+      <tr><td>restored</td><td>${escape(j.restore || "no restore reported")}</td></tr>
     </table>
+    <h2>Checkpoints</h2>${typeof j.checkpoints === "string" ? `<span class="muted">${escape(j.checkpoints)}</span>` :
+      j.checkpoints.length ? `<table data-checkpoints="${j.id}">${j.checkpoints.map((c) =>
+        `<tr><td>step ${c.step}</td><td>attempt ${c.attempt}</td><td>${when(c.committed_at)}</td><td>${c.shards} shard(s)</td></tr>`).join("")}</table>`
+      : `<span class="muted">none committed</span>`}
     <h2>Goodput</h2><table>${parts}</table>
     <h2>Rank 0 log</h2><pre>${escape((j.logs || []).join("\n"))}</pre>`;
   if (state) drawFabric();
@@ -237,6 +256,6 @@ document.getElementById("job-close").onclick = (e) => {
 
 fetch("api/state").then((r) => r.json()).then(render);
 const events = new EventSource("api/events");
-events.addEventListener("state", (e) => render(JSON.parse(e.data)));
+events.addEventListener("state", (e) => window.phalanxLive !== false && render(JSON.parse(e.data)));
 events.onerror = () => { document.getElementById("status").textContent = "reconnecting…"; };
 if (location.hash.startsWith("#/job/")) openJob(location.hash.slice(6));
