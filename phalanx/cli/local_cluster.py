@@ -33,6 +33,7 @@ import fcntl
 import json
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -86,14 +87,25 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port P such that P and P+1 are both free right now (the scheduler's and the coordinator's)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port < 65535 and _port_free(host, port + 1):
+    """A port P such that P and P+1 are both free right now (the scheduler's and the coordinator's), taken below the
+    kernel's ephemeral range: there, no other process's port-0 bind (an agent's log server, a test's server) is
+    handed P or P+1 before the scheduler and the coordinator bind them, as the next ephemeral port after a
+    port-0 probe often would be."""
+    low = _ephemeral_low()
+    for _ in range(400):
+        # 10000-19998: below the ephemeral range and below the agents' default --rank-port-range (20000-31999)
+        port = random.randrange(10_000, min(19_999, low - 1))
+        if _port_free(host, port) and _port_free(host, port + 1):
             return port
     raise ClusterError("could not find two consecutive free ports")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _stderr_log(message: str) -> None:
