@@ -187,7 +187,8 @@ async def test_max_restarts_out_of_range_is_refused(db_url):
 
 
 async def test_a_gang_is_stopped_at_its_time_limit(db_url):
-    async with cluster(db_url, nodes=1) as c:
+    # A lease far longer than the limit: under load, a 1 s lease could lose the node first (NODE_LOST, requeued).
+    async with cluster(db_url, nodes=1, lease_timeout=30.0) as c:
         job = await c.submit("bounded", 1, 8, time_limit_s=0.8)
         running = await c.wait_running(job.id)
         assert running.spec.time_limit_s == 0.8
