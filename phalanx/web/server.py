@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlparse
 from phalanx.client import Client, Job, JobState, Node, PhalanxError
 
 STATIC = resources.files("phalanx.web") / "static"
+JOB_SYNC_S = 30.0  # how often the poll lists the active jobs besides the watch (and at each reconnect)
 HISTORY = 720  # points of utilization/goodput history (at node_poll_s each: an hour at 5 s)
 
 
@@ -76,6 +77,9 @@ class Model:
         self.queues: list[dict[str, Any]] = []
         self.history: deque[tuple[float, float, float]] = deque(maxlen=HISTORY)  # (t, utilization, goodput)
         self.error = ""
+        # When the poll next lists the active jobs: WatchJobs of every job sends changes only, so a (re)connected
+        # watch needs a list to catch up from, and a slow re-list covers a change missed between the two.
+        self._next_sync = 0.0
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._poll, name="web-poll", daemon=True),
@@ -119,15 +123,20 @@ class Model:
                     nodes = [node_view(n) for n in client.nodes()]
                     queues = [q.to_dict() for q in client.queues()]
                     report = client.goodput(limit=1)
-                    jobs = client.list_jobs(states=["PENDING", "RUNNING"], limit=5000)
+                    jobs = None
+                    if time.monotonic() >= self._next_sync:
+                        jobs = client.list_jobs(states=["PENDING", "RUNNING"], limit=5000)
+                        self._next_sync = time.monotonic() + JOB_SYNC_S
                 total = sum(n["gpus"] for n in nodes) or 1
                 used = sum(n["gpus"] - n["free"] for n in nodes if n["state"] == "READY")
                 ratio = report.cluster.ratio if report.cluster.allocated else 0.0
                 with self.cond:
                     moved = nodes != self.nodes or queues != self.queues or bool(self.error)
                     self.nodes, self.queues, self.error = nodes, queues, ""
-                    for j in jobs:  # the watch keeps them current; this catches up after a reconnect
-                        self.jobs.setdefault(j.id, job_view(j))
+                    if jobs is not None:  # the watch keeps them current between these
+                        for j in jobs:
+                            self.jobs.setdefault(j.id, job_view(j))
+                        moved = True
                     self.history.append((time.time(), used / total, ratio))
                 if moved:
                     self._changed()
@@ -142,6 +151,7 @@ class Model:
         while not self._stop.is_set():
             try:
                 with self.client() as client:
+                    self._next_sync = 0.0  # (re)connected: the next poll lists the active jobs
                     for job in client.watch():
                         with self.cond:
                             if job.terminal:

@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
+from helpers.tokens import write_tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_authz_table import ENTRIES, _snapshot
@@ -17,7 +18,7 @@ from db.engine import make_engine
 from db.migrate import ensure_rank_key
 from phalanx.api.v1 import agent_pb2_grpc, checkpoint_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client._channel import open_channel
-from phalanx.common.tokens import TokenStore, hash_token, rank_token
+from phalanx.common.tokens import TokenStore, rank_token
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.checkpoint_coordinator.main import serve as serve_coordinator
@@ -79,12 +80,7 @@ def _methods(service_descriptor, module):
 
 async def test_refused_requests_change_nothing_whatever_they_say(db_url, tmp_path):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(
-        "".join(
-            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}" + (f", node: {n}}}\n" if n else "}\n")
-            for t, tenant, role, n in ENTRIES
-        )
-    )
+    write_tokens(tokens, ENTRIES)
     store = TokenStore(tokens)
     scheduler = await serve(
         SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0", "node-1"])),

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from helpers.tokens import write_tokens
 from sqlalchemy import create_engine, text
 
 from db.engine import make_engine
 from db.migrate import ensure_rank_key
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client._channel import open_aio_channel
-from phalanx.common.tokens import TokenStore, hash_token, rank_token
+from phalanx.common.tokens import TokenStore, rank_token
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.main import serve
@@ -144,12 +145,7 @@ async def _status(stub, method: str, request, streaming: bool) -> tuple[object, 
 
 async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_path):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(
-        "".join(
-            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}" + (f", node: {n}}}\n" if n else "}\n")
-            for t, tenant, role, n in ENTRIES
-        )
-    )
+    write_tokens(tokens, ENTRIES)
     scheduler = await serve(
         SchedulerSettings(
             db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0", "node-1"]), lease_timeout=60.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import structlog.testing
+from helpers.tokens import write_tokens
 from sqlalchemy import create_engine, text
 
 from db.engine import make_engine
@@ -20,7 +21,7 @@ from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from phalanx.client import AsyncClient
 from phalanx.client._channel import open_aio_channel
-from phalanx.common.tokens import TokenStore, hash_token, rank_token, verify_rank_token
+from phalanx.common.tokens import TokenStore, rank_token, verify_rank_token
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.checkpoint_coordinator.main import serve as serve_coordinator
@@ -94,12 +95,7 @@ def _snapshot(db_url: str) -> tuple:
 
 async def test_every_coordinator_rpc_against_every_caller(db_url, tmp_path):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(
-        "".join(
-            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}" + (f", node: {n}}}\n" if n else "}\n")
-            for t, tenant, role, n in ENTRIES
-        )
-    )
+    write_tokens(tokens, ENTRIES)
     store = TokenStore(tokens)
     scheduler = await serve(
         SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"])), tokens=store
@@ -183,12 +179,7 @@ async def test_each_job_writes_only_under_its_tenants_prefix(db_url, tmp_path):
     scheduler gives its ranks as PHALANX_CHECKPOINT_DIR=<root>/alice; a shard anywhere else is INVALID_ARGUMENT and
     writes nothing."""
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(
-        "".join(
-            f"- {{token_sha256: {hash_token(t)}, tenant: {tenant}, role: {role}" + (f", node: {n}}}\n" if n else "}\n")
-            for t, tenant, role, n in ENTRIES
-        )
-    )
+    write_tokens(tokens, ENTRIES)
     root = tmp_path / "ckpt"
     root.mkdir()
     store = TokenStore(tokens)

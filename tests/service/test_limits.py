@@ -9,9 +9,10 @@ import asyncio
 import grpc
 import pytest
 from helpers.procs import eventually
+from helpers.tokens import write_tokens
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from phalanx.common.tokens import TokenStore, hash_token
+from phalanx.common.tokens import TokenStore
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.main import serve
@@ -24,9 +25,9 @@ def _spec(name: str, **kw) -> common_pb2.JobSpec:
 
 async def _started(db_url: str, tmp_path, **limits):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(
-        "".join(f"- {{token_sha256: {hash_token(t)}, tenant: {t[4:]}, role: user}}\n" for t in ("tok-alice", "tok-bob"))
-        + f"- {{token_sha256: {hash_token('tok-node')}, tenant: nodes, role: node, node: node-0}}\n"
+    write_tokens(
+        tokens,
+        [("tok-alice", "alice", "user", ""), ("tok-bob", "bob", "user", ""), ("tok-node", "nodes", "node", "node-0")],
     )
     scheduler = await serve(
         SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]), **limits),
