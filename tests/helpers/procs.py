@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+
+from .waits import eventually, wait_until  # noqa: F401  (the waits' home; imported from here too)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,17 +70,3 @@ class ServiceProcess:
 
 def start_scheduler(db_url: str, log_path: Path, *extra: str) -> ServiceProcess:
     return ServiceProcess("services.scheduler.main", ["--db", db_url, "--listen", "127.0.0.1:0", *extra], log_path)
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"
-) -> Any:
-    """Poll an async check until it returns something truthy; fail with the last value after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
