@@ -42,6 +42,10 @@ from .transitions import Command, Cycle, apply_changes, reload_state
 log = structlog.get_logger()
 # A cycle longer than this logs where its time went (cycle_slow); PHALANX_SLOW_CYCLE_MS sets it (0: every cycle).
 SLOW_CYCLE_S = float(os.environ.get("PHALANX_SLOW_CYCLE_MS", "250")) / 1000
+# The event loop's watchdog (SchedulerService._watch_stalls) looks this often whether the loop ran on time; a tick
+# later than STALL_TOLERANCE_S past it was a stall of this process (its heartbeats went unheard meanwhile).
+STALL_TICK_S = 0.05
+STALL_TOLERANCE_S = 0.05
 
 
 class SchedulerService:
@@ -77,6 +81,12 @@ class SchedulerService:
         self._listener: threading.Thread | None = None
         self.fanout = FanOut(settings.watch_queue)
         self._beats: dict[str, float] = {}
+        # How long this process's event loop was stalled in all (seconds), as its watchdog measured it; when its
+        # watchdog last ran (monotonic); and how much of the stalls the nodes' leases were given back already.
+        self._stalled = 0.0
+        self._tick_at = time.monotonic()
+        self._stall_credited = 0.0
+        self._watchdog: asyncio.Task | None = None
         self._acks: dict[str, int] = {}
         self._draining: set[str] = set()
         self._health_queued: dict[str, tuple] = {}  # node -> health signature of a HealthReport not yet applied
@@ -100,6 +110,8 @@ class SchedulerService:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._tick_at = time.monotonic()
+        self._watchdog = asyncio.create_task(self._watch_stalls(), name="scheduler-stall-watchdog")
         await self._loop.run_in_executor(self._writer, self._cycle_once, [])
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         if not is_sqlite(self.engine):
@@ -133,6 +145,8 @@ class SchedulerService:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        if self._watchdog:
+            self._watchdog.cancel()
         if self._task:
             self._task.cancel()
             try:
@@ -346,8 +360,37 @@ class SchedulerService:
                 self._writer_conn.close()
             self._writer_conn = None
 
+    async def _watch_stalls(self) -> None:
+        """Measure this process's stalls: how much later than asked the event loop wakes this task. The RPC
+        handlers that take heartbeats run on this loop, so while it stalls (the process paused or starved of CPU, a
+        long collection, a blocking call on the loop) no heartbeat is heard, however punctually the agents send."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(STALL_TICK_S)
+            self._tick_at = now = time.monotonic()
+            late = now - before - STALL_TICK_S
+            if late > STALL_TOLERANCE_S:
+                self._stalled += late
+
+    def _credit_stalls(self) -> None:
+        """Writer thread, at a cycle's start: a node's lease measures how long it has been silent while this
+        scheduler listened, so the time this process was stalled since the last cycle is given back to every lease
+        (else a scheduler that stalls past the lease loses all its nodes at once when it resumes, before it reads
+        the heartbeats waiting for it). Counts too the stall under way: the watchdog may not have run since."""
+        ongoing = time.monotonic() - self._tick_at - STALL_TICK_S
+        stalled = self._stalled + (ongoing if ongoing > STALL_TOLERANCE_S else 0.0)
+        credit = stalled - self._stall_credited
+        if credit <= 0:
+            return
+        self._stall_credited = stalled
+        for node in self.state.nodes.values():
+            node.last_heartbeat += credit
+        if credit >= 0.25:
+            log.info("scheduler_stalled", seconds=round(credit, 3), note="every node's lease is extended by as much")
+
     def _take_beats_and_acks(self, cycle: Cycle) -> None:
         """Fold heartbeats and acks (kept in memory by the RPC handlers) into the view; persist them when due."""
+        self._credit_stalls()
         beats, self._beats = self._beats, {}
         if cycle.now - self._acks_persisted >= 1.0:
             acks, self._acks = self._acks, {}
