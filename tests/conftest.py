@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -129,23 +130,40 @@ def trace_data() -> Path:
         pytest.skip(f"trace data folder not found: {exc}")
 
 
-class _CurrentStderr:
-    """Whatever sys.stderr is when written to (capture swaps it)."""
+class ServiceLogs:
+    """The log lines of the services a test runs in its own process, kept apart from what the test captures."""
 
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:  # the services' threads write too
+        with self._lock:
+            self._lines.append(text)
+        return len(text)
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        pass
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self._lines)
 
 
 @pytest.fixture
-def logs_to_stderr(capsys):
-    """The in-process scheduler logs with structlog's default (stdout); keep stdout for the CLI's JSON only."""
+def service_logs(capsys):
+    """The in-process services (scheduler, coordinator, agents) log with structlog, to stdout by default: here their
+    lines go to a buffer of their own (the fixture's value), so what capsys captures of a CLI run in the test (its
+    JSON on stdout, its error lines on stderr) is the CLI's alone, whatever the services log meanwhile (a slow cycle
+    on a loaded machine, a leadership change). The buffer is printed to stderr at teardown: a failure report shows
+    it."""
     old = structlog.get_config()
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()))
-    yield
+    logs = ServiceLogs()
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=logs))
+    yield logs
     structlog.configure(**old)
+    sys.stderr.write(logs.text)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -309,11 +309,11 @@ def test_phalanx_token_new_prints_a_token_and_its_entry(capsys):
 
 
 def _json(out: str):
-    """The CLI's JSON document (the in-process scheduler's log lines share the captured stdout)."""
-    return json.loads(out[out.index("{\n") :])
+    """The CLI's JSON document (the in-process scheduler's log lines go to service_logs, not to stdout)."""
+    return json.loads(out)
 
 
-async def test_cli_node_drain_and_undrain(db_url, tmp_path, capsys):
+async def test_cli_node_drain_and_undrain(db_url, tmp_path, capsys, service_logs):
     async with AuthCluster(db_url, tmp_path) as c:
 
         def run(*argv):
@@ -442,7 +442,7 @@ def test_token_new_makes_a_node_token_that_names_its_node(capsys):
     assert (ident.role, ident.node) == ("node", "gpu-1")
 
 
-async def test_priority_is_granted_by_the_queue_not_claimed(db_url, tmp_path, capsys, logs_to_stderr):
+async def test_priority_is_granted_by_the_queue_not_claimed(db_url, tmp_path, capsys, service_logs):
     """A user may ask for no more than its queue's max_priority (0, default, unless an admin raised it): above it
     is PERMISSION_DENIED with the cap, never lowered, and writes nothing. An admin's job has no cap."""
     async with AuthCluster(db_url, tmp_path, nodes=1) as c:

@@ -921,7 +921,7 @@ def _consistent(g: dict) -> None:
     assert all(g[k] >= 0 for k in g)
 
 
-async def test_checkpoint_goodput_and_priority_classes_against_the_real_scheduler(sqlite_url, capsys, logs_to_stderr):
+async def test_checkpoint_goodput_and_priority_classes_against_the_real_scheduler(sqlite_url, capsys, service_logs):
     async with _OneNode(sqlite_url) as c:
         address = c.scheduler.address
         code, out, err = await _real_cli(
@@ -1041,7 +1041,7 @@ async def test_checkpoint_goodput_and_priority_classes_against_the_real_schedule
         assert job["preempt_deadline"] > time.time()
 
 
-async def test_queue_and_quota_verbs_against_the_real_scheduler(sqlite_url, capsys, logs_to_stderr):
+async def test_queue_and_quota_verbs_against_the_real_scheduler(sqlite_url, capsys, service_logs):
     async with _OneNode(sqlite_url) as c:
         address = c.scheduler.address
         code, out, err = await _real_cli(

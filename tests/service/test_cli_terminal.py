@@ -46,7 +46,7 @@ def run_in_terminal(argv: list[str], timeout: float = 60.0, cwd: Path | None = N
     return code, b"".join(chunks).decode(errors="replace")
 
 
-async def test_watch_on_a_terminal_draws_one_live_table(db_url, logs_to_stderr):
+async def test_watch_on_a_terminal_draws_one_live_table(db_url, service_logs):
     async with Cluster(db_url, 1) as c:
         job = await c.submit("tabled", 1, 1, command=("sleep", "1"))
         argv = [sys.executable, "-m", "phalanx.cli.main", "--scheduler", c.scheduler.address, "watch", job.id]

@@ -839,7 +839,7 @@ async def test_async_client_errors_and_deadline(fake):
 # -- checkpoint and goodput against the real scheduler -----------------------------------------------------------
 
 
-async def test_async_checkpoint_and_goodput_against_the_real_scheduler(sqlite_url, logs_to_stderr):
+async def test_async_checkpoint_and_goodput_against_the_real_scheduler(sqlite_url, service_logs):
     settings = SchedulerSettings(
         db_url=sqlite_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0"]), poll_interval=0.2
     )

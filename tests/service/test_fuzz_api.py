@@ -818,7 +818,7 @@ def _scheduler_loop(address: str, db_url: str, examples: int) -> None:
 
 
 @pytest.mark.slow
-async def test_scheduler_api_survives_fuzzing(db_url, logs_to_stderr):
+async def test_scheduler_api_survives_fuzzing(db_url, service_logs):
     examples = 400 if db_url.startswith("sqlite") else 150
     async with LiteCluster(_scheduler_settings(db_url), _agents) as cluster:
         await asyncio.to_thread(_scheduler_loop, cluster.scheduler.address, db_url, examples)
@@ -1019,7 +1019,7 @@ def _coordinator_loop(address: str, db_url: str, examples: int) -> None:
 
 
 @pytest.mark.slow
-async def test_checkpoint_coordinator_survives_fuzzing(db_url, logs_to_stderr):
+async def test_checkpoint_coordinator_survives_fuzzing(db_url, service_logs):
     _coordinator_jobs(db_url)
     server = await serve_coordinator(db_url, "127.0.0.1:0", sweep_interval=0.2)
     try:
@@ -1105,7 +1105,7 @@ def _wire_loop(sched: str, coord: str, db_url: str, examples: int) -> None:
 
 
 @pytest.mark.slow
-async def test_oversized_and_malformed_messages(db_url, logs_to_stderr):
+async def test_oversized_and_malformed_messages(db_url, service_logs):
     _coordinator_jobs(db_url)
     coordinator = await serve_coordinator(db_url, "127.0.0.1:0", sweep_interval=0)
     try:
@@ -1136,7 +1136,7 @@ def _one_call(address: str, method: str, payload: bytes) -> tuple[grpc.StatusCod
             return err.code(), err.details() or ""
 
 
-async def test_malformed_request_is_invalid_argument(sqlite_url, logs_to_stderr):
+async def test_malformed_request_is_invalid_argument(sqlite_url, service_logs):
     _coordinator_jobs(sqlite_url)
     server = await serve_coordinator(sqlite_url, "127.0.0.1:0", sweep_interval=0)
     try:
@@ -1149,7 +1149,7 @@ async def test_malformed_request_is_invalid_argument(sqlite_url, logs_to_stderr)
         await server.stop(0)
 
 
-async def test_coordinator_error_for_a_huge_job_id_is_not_found(sqlite_url, logs_to_stderr):
+async def test_coordinator_error_for_a_huge_job_id_is_not_found(sqlite_url, service_logs):
     _coordinator_jobs(sqlite_url)
     server = await serve_coordinator(sqlite_url, "127.0.0.1:0", sweep_interval=0)
     try:
@@ -1197,7 +1197,7 @@ PG_REFUSED = [
 
 
 @pytest.mark.parametrize("case", range(len(PG_REFUSED)), ids=[f"{m}-{i}" for i, (_, m, _) in enumerate(PG_REFUSED)])
-async def test_postgres_refusals_are_invalid_argument(pg_url, logs_to_stderr, case):
+async def test_postgres_refusals_are_invalid_argument(pg_url, service_logs, case):
     service, method, request = PG_REFUSED[case]
     async with LiteCluster(_scheduler_settings(pg_url), _agents) as cluster:
         code, details = await asyncio.to_thread(

@@ -162,7 +162,7 @@ async def _state(c: LiteCluster, job_id: str, state: int):
     return job if job.state == state else None
 
 
-async def test_jobs_finishing_in_the_scheduler_are_accounted_in_the_commit_that_finishes_them(db_url, logs_to_stderr):
+async def test_jobs_finishing_in_the_scheduler_are_accounted_in_the_commit_that_finishes_them(db_url, service_logs):
     names = ["node-0"]
     settings = SchedulerSettings(
         db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names), retain_finished_s=0.0
@@ -239,9 +239,7 @@ async def test_jobs_finishing_in_the_scheduler_are_accounted_in_the_commit_that_
         engine.dispose()
 
 
-async def test_the_leader_accounts_the_finished_jobs_it_finds_not_accounted(
-    db_url, engine, monkeypatch, logs_to_stderr
-):
+async def test_the_leader_accounts_the_finished_jobs_it_finds_not_accounted(db_url, engine, monkeypatch, service_logs):
     """Jobs that finished before revision 0016 (or were written by another tool) are not accounted: the leader
     accounts them in the background on start, in batches, until none is left, and the total stays the same."""
     with engine.begin() as conn:
@@ -488,7 +486,7 @@ def test_archivers_and_backlog_passes_racing_count_each_job_once(engine):
 
 
 def test_account_backlog_and_its_command_account_the_jobs_finished_before_the_column(
-    engine, db_url, capsys, logs_to_stderr
+    engine, db_url, capsys, service_logs
 ):
     with engine.begin() as conn:
         legacy = [_job(conn, n, submitted=NOW - 5 * DAY + n, finished=NOW - 4 * DAY) for n in range(1, 8)]
@@ -543,7 +541,7 @@ def _columns(conn, table: str):
 # ---- the metrics -----------------------------------------------------------------------------------------------------
 
 
-async def test_the_goodput_metrics_read_the_same_aggregates(engine, db_url, monkeypatch, logs_to_stderr):
+async def test_the_goodput_metrics_read_the_same_aggregates(engine, db_url, monkeypatch, service_logs):
     from services.scheduler.main import serve
 
     with engine.begin() as conn:

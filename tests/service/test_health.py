@@ -36,8 +36,9 @@ from services.scheduler.settings import SchedulerSettings
 
 RUNNING, PENDING = common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE_PENDING
 
-# Logs go to whatever stderr is now (an earlier test may have left structlog writing to a closed capture file).
-pytestmark = pytest.mark.usefixtures("logs_to_stderr")
+# The services' logs go to a buffer of the test's own (an earlier test may have left structlog writing to a closed
+# capture file).
+pytestmark = pytest.mark.usefixtures("service_logs")
 
 
 # ---- the classifier ----------------------------------------------------------------------------------------------

@@ -297,7 +297,7 @@ def _sdk(address: str, job_id: str):
         return client.get_job(job_id), {j.id: j for j in client.list_jobs()}
 
 
-async def test_a_requeued_pending_job_shows_no_allocations_in_the_sdk_and_the_cli_json(db_url, capsys, logs_to_stderr):
+async def test_a_requeued_pending_job_shows_no_allocations_in_the_sdk_and_the_cli_json(db_url, capsys, service_logs):
     settings = SchedulerSettings(
         db_url=db_url,
         listen="127.0.0.1:0",

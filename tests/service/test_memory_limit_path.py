@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 HOG = [sys.executable, "-c", "import time\nb = b'x' * (200 << 20)\ntime.sleep(30)\n"]
 
 
-async def test_a_rank_over_its_memory_limit_fails_the_job_saying_out_of_memory(db_url, tmp_path, capsys):
+async def test_a_rank_over_its_memory_limit_fails_the_job_saying_out_of_memory(db_url, tmp_path, capsys, service_logs):
     upgrade(db_url)
     scheduler = await serve(
         SchedulerSettings(

@@ -260,7 +260,7 @@ def test_scheduler_flags():
 
 # ---- end to end: a real scheduler and real NodeAgents on simulated hosts -----------------------------------------
 
-pytestmark_e2e = pytest.mark.usefixtures("logs_to_stderr")
+pytestmark_e2e = pytest.mark.usefixtures("service_logs")
 SHORT = [sys.executable, "-c", "import time; time.sleep(0.5)"]
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 

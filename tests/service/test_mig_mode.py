@@ -347,7 +347,7 @@ def _instance(profile, start, size, managed, uuid="", gi=-1, ci=-1):
     )
 
 
-async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_it(db_url, capsys, logs_to_stderr):
+async def test_mig_mode_is_stored_shown_and_followed_and_reregistering_changes_it(db_url, capsys, service_logs):
     async with Cluster(db_url, [(2, (1,), H100, {}), (2, (), L40S, {})]) as c:
         rows = c.sql(
             'SELECT n.name, g."index", g.mig_mode FROM gpus g JOIN nodes n ON n.id = g.node_id '
@@ -443,7 +443,7 @@ async def test_a_mig_job_waits_when_no_gpu_is_in_mig_mode_and_is_refused_when_no
 
 
 async def test_foreign_instances_are_occupied_and_listed_and_managed_ones_are_not_counted_twice(
-    db_url, capsys, logs_to_stderr
+    db_url, capsys, service_logs
 ):
     instances = {
         2: [
@@ -494,7 +494,7 @@ async def test_foreign_instances_are_occupied_and_listed_and_managed_ones_are_no
         assert (await c.job(two.id)).state == PENDING
 
 
-async def test_a_retryable_launch_failure_requeues_with_backoff_and_strikes_the_node(db_url, capsys, logs_to_stderr):
+async def test_a_retryable_launch_failure_requeues_with_backoff_and_strikes_the_node(db_url, capsys, service_logs):
     failure = "could not create MIG instance 3g.40gb on GPU 1: NVML_ERROR_INSUFFICIENT_RESOURCES"
     async with Cluster(
         db_url,

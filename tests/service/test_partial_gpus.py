@@ -431,7 +431,7 @@ async def _cli(capsys, *argv) -> tuple[int, str]:
     return code, out
 
 
-async def test_gpu_model_and_cli_flags_end_to_end(db_url, capsys, logs_to_stderr):
+async def test_gpu_model_and_cli_flags_end_to_end(db_url, capsys, service_logs):
     async with Cluster(db_url, models=(H100, L40S)) as c:
         target = c.scheduler.address
         _, out = await _cli(

@@ -39,7 +39,7 @@ PRINTER = (
 
 
 @pytest.fixture
-async def cluster(db_url, tmp_path, logs_to_stderr):
+async def cluster(db_url, tmp_path, service_logs):
     upgrade(db_url)
     scheduler = await serve(
         SchedulerSettings(
@@ -92,7 +92,7 @@ def _cli(capsys, address: str, *argv: str) -> tuple[int, list[str], str]:
     return code, out.out.splitlines(), out.err
 
 
-async def test_phalanx_logs_reads_every_rank_one_rank_and_the_tail(cluster, capsys, logs_to_stderr):
+async def test_phalanx_logs_reads_every_rank_one_rank_and_the_tail(cluster, capsys, service_logs):
     scheduler, agent, stub = cluster
     job = await _submit(stub, "printer", 6, 0.0)
     await _finished(stub, job.id)

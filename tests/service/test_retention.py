@@ -631,7 +631,7 @@ async def test_get_job_of_an_archived_job_and_goodput_pages(engine, db_url):
         await running.stop()
 
 
-async def test_goodput_cli_prints_the_breakdowns(engine, db_url, capsys, logs_to_stderr):
+async def test_goodput_cli_prints_the_breakdowns(engine, db_url, capsys, service_logs):
     _seed_for_api(engine)
     retention.archive_finished(engine, time.time() - 30 * DAY)
     running = await serve(SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", retain_finished_s=0.0))
@@ -656,7 +656,7 @@ async def test_goodput_cli_prints_the_breakdowns(engine, db_url, capsys, logs_to
         await running.stop()
 
 
-async def test_the_leading_scheduler_archives_finished_jobs_past_retain_finished(engine, db_url, logs_to_stderr):
+async def test_the_leading_scheduler_archives_finished_jobs_past_retain_finished(engine, db_url, service_logs):
     with engine.begin() as conn:
         old = _job(conn, 1, submitted=time.time() - 3 * DAY, finished=time.time() - 2 * DAY)
         young = _job(conn, 2, submitted=time.time() - 3 * DAY, finished=time.time() - 60)

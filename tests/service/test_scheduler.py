@@ -360,7 +360,7 @@ async def test_ledger_refuses_a_stale_view_and_the_scheduler_recovers_without_pa
         assert double == []
 
 
-async def test_cancel_of_a_finished_job_says_it_changed_nothing(db_url, capsys, logs_to_stderr):
+async def test_cancel_of_a_finished_job_says_it_changed_nothing(db_url, capsys, service_logs):
     from phalanx.cli.main import main as cli_main
 
     async with Cluster(db_url, 1) as c:
@@ -373,7 +373,7 @@ async def test_cancel_of_a_finished_job_says_it_changed_nothing(db_url, capsys, 
         assert f"note: job {job.id} had already finished (SUCCEEDED); cancel changed nothing" in captured.err
 
 
-async def test_watch_stamps_each_change_with_when_it_happened(db_url, capsys, logs_to_stderr):
+async def test_watch_stamps_each_change_with_when_it_happened(db_url, capsys, service_logs):
     """`phalanx watch` (piped: a line per change) stamps a change with its commit time, not the time it printed;
     --json gives it as changed_at."""
     import json

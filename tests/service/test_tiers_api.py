@@ -161,7 +161,7 @@ async def test_tiers_round_trip_through_submit_get_list_ledger_and_restart(db_ur
         assert (await c.job(job.id)).spec.preferred_tier == "node"
 
 
-async def test_cli_submit_and_job_json_show_the_tiers(db_url, capsys, logs_to_stderr):
+async def test_cli_submit_and_job_json_show_the_tiers(db_url, capsys, service_logs):
     async with Cluster(db_url) as c:
         capsys.readouterr()
         base = ("--scheduler", c.scheduler.address, "--timeout", "10")
