@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.ports import reserved_port
 
 pytest.importorskip("torch", reason="torch is not installed")
 
@@ -58,9 +58,7 @@ def _command(out: Path, step_time: float = STEP_TIME) -> list[str]:
 
 def _uninterrupted(out: Path, world: int = 4) -> set[str]:
     """The same training by hand: `world` local ranks, no Phalanx, no checkpoints."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_port()  # rank 0's TCPStore binds it only once torch starts: no port-0 bind may take it first
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.ports import reserved_port
 
 pytest.importorskip("torch", reason="torch is not installed")
 
@@ -42,9 +42,7 @@ WORLD = 3  # odd: a float sum over three ranks changes with its order, so bit-id
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()  # rank 0's TCPStore binds it only once torch starts: no port-0 bind may take it first
 
 
 async def _run_gang(

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import time
 import urllib.request
 import uuid
 
 import grpc
 import pytest
+from helpers.ports import reserved_port
 from helpers.procs import eventually, start_scheduler
 from sqlalchemy import create_engine, text
 
@@ -32,9 +32,7 @@ TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_CANCELLED, comm
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()
 
 
 def start_replicas(pg_url, tmp_path, n: int, metrics: bool = False):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import socket
-
 import grpc
+from helpers.ports import reserved_port
 from helpers.procs import eventually, start_scheduler
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -14,9 +13,7 @@ RUNNING, PENDING, CANCELLED = common_pb2.JOB_STATE_RUNNING, common_pb2.JOB_STATE
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()  # restarted on the same address: no port-0 bind may take it meanwhile
 
 
 async def test_kill9_scheduler_then_restart_loses_and_duplicates_nothing(db_url, tmp_path):

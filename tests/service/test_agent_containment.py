@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers.ports import reserved_port
 from test_node_agent import FakeNodeService, rank_env, start_server, until
 
 from phalanx.api.v1 import common_pb2
@@ -261,11 +262,7 @@ def test_the_agent_refuses_a_secret_file_others_can_read(tmp_path, flag):
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()  # the scheduler is restarted on the same address: no port-0 bind may take it meanwhile
 
 
 @pytest.mark.slow
@@ -442,23 +439,6 @@ async def test_a_cancelled_gangs_gpus_are_reserved_again_only_once_its_processes
         await scheduler.stop()
 
 
-def _free_port_below_ephemeral() -> int:
-    """A port free now, below the kernel's ephemeral range (so no test's port-0 bind is handed it meanwhile)."""
-    import random
-    import socket
-
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        candidate = random.randrange(max(1024, low - 8000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-            return candidate
-    raise AssertionError("no free port below the ephemeral range")
-
-
 async def test_rank_0_holds_its_master_port_for_the_attempt(fake, start_agent, tmp_path):
     """A launch with rank 0 here takes MASTER_PORT for its attempt: a second live attempt given the same port, or a
     port something else listens on, fails to start (retryable: the scheduler places it again) instead of
@@ -470,7 +450,7 @@ async def test_rank_0_holds_its_master_port_for_the_attempt(fake, start_agent, t
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = busy.getsockname()[1]
-        port = _free_port_below_ephemeral()  # not taken+1: another test's server may be given that one meanwhile
+        port = reserved_port()  # not taken+1: another test's server may be given that one meanwhile
 
         def launch(job: str, master_port: int) -> None:
             env = rank_env(tmp_path, job, 0, SLEEP="30", MASTER_PORT=str(master_port))

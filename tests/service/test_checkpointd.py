@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers.jobs import set_attempt, set_world
+from helpers.ports import reserved_port
 from sqlalchemy import func, insert, select
 
 from db.engine import make_engine
@@ -175,9 +175,7 @@ async def test_reflection_lists_service(channel):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

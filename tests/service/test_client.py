@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from concurrent import futures
@@ -15,6 +14,7 @@ from dataclasses import FrozenInstanceError
 import grpc
 import pytest
 from helpers.lite_cluster import LiteCluster
+from helpers.ports import closed_address
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client import (
@@ -281,9 +281,7 @@ def serve_fake():
 
 
 def closed_port_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return closed_address()
 
 
 @pytest.fixture

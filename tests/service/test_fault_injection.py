@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import grpc
 import pytest
 from helpers.jobs import insert_job
 from helpers.lite_cluster import run_sql
+from helpers.ports import reserved_port
 from helpers.procs import ServiceProcess, eventually
 
 from db.engine import make_engine
@@ -31,9 +31,7 @@ PENDING, RUNNING, PREEMPTING = (
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()  # restarted on the same address: no port-0 bind may take it meanwhile
 
 
 def scheduler(db_url: str, log, port: int, failpoints: str = "") -> ServiceProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 import urllib.request
 from collections import defaultdict
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.ports import reserved_port
 from helpers.procs import ServiceProcess
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
@@ -231,9 +231,7 @@ def test_a_label_set_that_drops_out_reads_zero():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()
 
 
 @dataclass

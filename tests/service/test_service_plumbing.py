@@ -55,11 +55,9 @@ async def test_scheduler_serves_health_and_reflection(sqlite_url):
 
 @pytest.mark.slow
 def test_metrics_are_off_by_default_and_served_with_metrics_port(sqlite_url, tmp_path):
-    import socket
+    from helpers.ports import reserved_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_port()
     proc = start_scheduler(sqlite_url, tmp_path / "s.log", "--metrics-port", str(port))
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

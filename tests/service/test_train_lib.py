@@ -6,13 +6,13 @@ The library is blocking (training code is), so each call runs in a thread beside
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 from helpers.jobs import insert_job, set_attempt, set_world
+from helpers.ports import reserved_port
 from sqlalchemy import select
 
 from db.engine import make_engine
@@ -199,9 +199,7 @@ async def test_should_checkpoint_on_request_until_committed(server, tmp_path):
 
 
 def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserved_port()  # nothing listens there, and nothing will meanwhile
 
 
 def test_poll_failure_is_no_request(tmp_path, monkeypatch):
