@@ -259,10 +259,11 @@ class NodeAgent:
         self._ports: dict[int, str] = {}  # MASTER_PORT -> the live attempt whose rank 0 here holds it
         self._attempt_users: dict[str, identity.RankUser] = {}  # attempt key -> its launch's user (run_as)
         # Self-fencing: when the last heartbeat the scheduler answered was sent (monotonic), the node lease it gave,
-        # and whether this agent fenced itself since (until it registers again).
+        # whether this agent fenced itself since (until it registers again), and after how long a silence it did.
         self._renewed_at: float | None = None
         self._lease_s = 0.0
         self.fenced = False
+        self.fenced_after = 0.0
         self.health_monitor: HealthMonitor | None = None
         self.health = NodeHealth()
         self._health_events: list = []  # events not yet carried by an answered heartbeat
@@ -1037,7 +1038,7 @@ class NodeAgent:
             if silent <= self.fence_after_s():
                 continue
             live = sorted({(r.job_id, r.attempt) for r in self.state.ranks.values() if not r.final})
-            self.fenced = True
+            self.fenced, self.fenced_after = True, silent
             self.log.warning(
                 "self_fenced",
                 why=f"no heartbeat renewed for {silent:.1f}s of a {self._lease_s:g}s node lease: the scheduler "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.ports import reserved_port
+from helpers.waits import eventually
 from test_node_agent import FakeNodeService, rank_env, start_server, until
 
 from phalanx.api.v1 import common_pb2
@@ -173,11 +174,10 @@ async def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(fake, start
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     fake.kill(len(fake.assignments) + 1, "job-t", 1)
-    await asyncio.sleep(0.3)
-    assert alive(child) and alive(daemon), "SIGTERM is ignored: both live through the grace"
     await until(lambda: not alive(child) and not alive(daemon), timeout=5, what="both SIGKILLed")
-    assert loop.time() - t0 >= 0.6
-    await until(lambda: fake.report("job-t", 0, S.RANK_STATE_KILLED), what="KILLED")
+    assert loop.time() - t0 >= 0.6  # not before the grace (seen no earlier than it happened)
+    killed = await until(lambda: fake.report("job-t", 0, S.RANK_STATE_KILLED), what="KILLED")
+    assert killed.exit_code == 128 + 9  # SIGTERM did not end it (it ignores it): the SIGKILL after the grace did
     await until(lambda: agent.containment.open("job-t-a1") is None, timeout=5, what="the container removed")
 
 
@@ -327,12 +327,14 @@ async def test_an_agent_cut_off_from_the_scheduler_fences_itself_and_registers_a
         rank_pid = first.child_pid
         assert agent.fence_after_s() == pytest.approx(1.5)
 
+        # Fenced after the lease less the kill grace and a second: its ranks are gone (SIGKILL after the grace) before
+        # the scheduler's lease on the node runs out and it requeues their gang.
+        assert agent.fence_after_s() + agent.config.kill_grace_s < settings.lease_timeout
         await scheduler.stop()  # the node is cut off from the scheduler
-        loop = asyncio.get_running_loop()
-        gone_at = loop.time()
         await until(lambda: not alive(rank_pid) and not alive(daemon), timeout=8, what="the fenced ranks stopped")
-        assert agent.fenced
-        assert 1.0 <= loop.time() - gone_at <= 3.0, "fenced after about the lease less the kill grace"
+        # Not before that silence: the agent's own measure, from its last answered heartbeat (the test's clock would
+        # also count however long the scheduler took to stop).
+        assert agent.fenced and agent.fenced_after > agent.fence_after_s()
 
         pid_file.unlink()
         scheduler = await serve(settings)  # back: the agent registers again and the gang runs once more
@@ -342,10 +344,7 @@ async def test_an_agent_cut_off_from_the_scheduler_fences_itself_and_registers_a
             got = await stub.GetJob(scheduler_pb2.GetJobRequest(job_id=job.id))
             return got if got.attempt >= 2 and got.state == common_pb2.JOB_STATE_RUNNING else None
 
-        deadline = loop.time() + 20
-        while await second_attempt() is None:
-            assert loop.time() < deadline, "the requeued gang did not run again"
-            await asyncio.sleep(0.1)
+        await eventually(second_attempt, timeout=20, what="the requeued gang RUNNING again (attempt 2)")
         await daemon_pid(pid_file)  # the new attempt's own daemon; the old one stayed dead
         assert not alive(daemon)
     finally:

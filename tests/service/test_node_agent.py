@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.waits import eventually, holds
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from services.node_agent import launcher
@@ -147,12 +148,9 @@ async def start_server(servicer: FakeNodeService, port: int = 0) -> tuple[grpc.a
     return server, bound
 
 
-async def until(pred, timeout: float = 8.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+async def until(pred, timeout: float = 8.0, what: str = "condition"):
+    """Poll a plain condition until it is truthy (returned); fail naming `what` after `timeout` seconds."""
+    return await eventually(lambda: holds(pred), timeout=timeout, interval=0.02, what=what)
 
 
 def master_port_of(job: str) -> int:
