@@ -6,6 +6,7 @@ the agents to start, and get submit/get helpers and plain SQL on the same databa
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-from .procs import eventually
+from .waits import eventually
 
 
 class LiteCluster:
@@ -65,6 +66,46 @@ class LiteCluster:
 
     def sql(self, query: str, **params):
         return run_sql(self.db_url, query, **params)
+
+    def changes(self) -> JobChanges:
+        """Every job change the scheduler commits from now on (call it before acting, to miss none)."""
+        return JobChanges(self.scheduler.service)
+
+
+class JobChanges:
+    """The scheduler's feed of committed job changes (what WatchJobs streams), subscribed in this process: a test
+    asserts a state a job passed through, however briefly, from the change that made it, instead of polling for it
+    and hoping to look while it lasts."""
+
+    def __init__(self, service) -> None:
+        self._fanout = service.fanout
+        self._watcher = service.fanout.subscribe(None)
+        self.seen: list[common_pb2.Job] = []
+
+    async def until(self, job_id: str, check: Callable[[common_pb2.Job], bool], what: str, timeout: float = 15.0):
+        """The first change of `job_id` (since the subscription) that `check` accepts."""
+        for job in self.seen:
+            if job.id == job_id and check(job):
+                return job
+
+        async def next_match():
+            while True:
+                got = await self._watcher.get()
+                assert got is not None, "the change feed overflowed"
+                self.seen.append(got[0])
+                if got[0].id == job_id and check(got[0]):
+                    return got[0]
+
+        try:
+            return await asyncio.wait_for(next_match(), timeout)
+        except TimeoutError:
+            states = [common_pb2.JobState.Name(j.state) for j in self.seen if j.id == job_id]
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what}; the job's changes: {states}"
+            ) from None
+
+    def close(self) -> None:
+        self._fanout.unsubscribe(self._watcher)
 
 
 def run_sql(db_url: str, query: str, **params):
