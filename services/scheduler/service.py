@@ -53,6 +53,9 @@ class SchedulerService:
         if not settings.replica_id:
             settings = type(settings)(**{**settings.__dict__, "replica_id": uuid.uuid4().hex[:8]})
         self.settings = settings
+        # The time cycles decide at (time limits, backoffs, leases, preemption deadlines; every timestamp they write):
+        # the wall clock, unless a test drives its own (SchedulerSettings.clock).
+        self.clock = settings.clock
         # A session idle inside a transaction this long is ended by PostgreSQL: a stopped leader cannot hold the
         # clock row (and so the others' takeover) much past its lease.
         self.engine: Engine = make_engine(
@@ -210,13 +213,13 @@ class SchedulerService:
 
     def _cycle_once(self, commands: list[Command]) -> tuple[list[Any], Cycle | None]:
         """Runs in the writer thread. One transaction; on failure, reload and retry commands one by one."""
-        now = time.time()
+        wall, now = time.time(), self.clock()  # how often to look (the wall's), and the cycle's time (settings.clock)
         # Other processes' writes are caught by the generation check; polling only bounds how late we notice them.
-        periodic = now - self._last_sync >= (self.settings.poll_interval if is_sqlite(self.engine) else 5.0)
-        self._timers = now >= self._next_timer_check
+        periodic = wall - self._last_sync >= (self.settings.poll_interval if is_sqlite(self.engine) else 5.0)
+        self._timers = wall >= self._next_timer_check
         if self._timers:
-            self._next_timer_check = now + 0.2
-        lease_tick = self.leadership.tick_due(now)
+            self._next_timer_check = wall + 0.2
+        lease_tick = self.leadership.tick_due(wall)
         timers = self._timers and self.leading and self._timers_due(now)
         if not commands and not self._resync and not periodic and not timers and not lease_tick:
             return [], None
@@ -228,7 +231,7 @@ class SchedulerService:
         # The usual cause is a stale view (a writer the generation did not reveal): nothing of the cycle
         # committed, so run it again once on a view reloaded from the ledger.
         try:
-            return self._transaction(commands, time.time(), resync=True)
+            return self._transaction(commands, self.clock(), resync=True)
         except (DBAPIError, ledger.StaleJobs) as exc:
             self._resync = True
             log.warning("cycle_rolled_back_again", error=_db_error(exc), commands=len(commands))
@@ -239,7 +242,7 @@ class SchedulerService:
         merged: Cycle | None = None
         for command in commands:
             try:
-                (result,), cycle = self._transaction([command], time.time(), resync=True)
+                (result,), cycle = self._transaction([command], self.clock(), resync=True)
                 merged = _merge(merged, cycle)
                 results.append(result)
             except (DBAPIError, ledger.StaleJobs) as exc:
@@ -277,9 +280,9 @@ class SchedulerService:
             epoch, until, acquired = self.leadership.decide(conn, clock)
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
             # lock must not stamp a reservation earlier than the release it builds on.
-            now = max(now, time.time())
+            now = max(now, self.clock())
             cycle = Cycle(conn, self.state, self.settings, now)
-            self._last_sync = now
+            self._last_sync = time.time()
             cycle.foreign_writes = self._generation is not None and generation != self._generation
             changes = None
             if cycle.foreign_writes and not resync and not acquired:
@@ -377,6 +380,8 @@ class SchedulerService:
         scheduler listened, so the time this process was stalled since the last cycle is given back to every lease
         (else a scheduler that stalls past the lease loses all its nodes at once when it resumes, before it reads
         the heartbeats waiting for it). Counts too the stall under way: the watchdog may not have run since."""
+        if self.clock is not time.time:
+            return  # a clock the caller drives does not run on while this process is stalled
         ongoing = time.monotonic() - self._tick_at - STALL_TICK_S
         stalled = self._stalled + (ongoing if ongoing > STALL_TOLERANCE_S else 0.0)
         credit = stalled - self._stall_credited
@@ -420,7 +425,7 @@ class SchedulerService:
             return "UNKNOWN", True
         if instance and node.agent_instance and instance != node.agent_instance:
             return node.state, True  # a stale agent process: nothing it says counts until it registers again
-        self._beats[name] = time.time()
+        self._beats[name] = self.clock()
         if (
             draining
             and node.state == "READY"
@@ -594,7 +599,7 @@ class SchedulerService:
 
     async def _update_goodput(self) -> None:
         try:
-            total, _, _ = await self.read_snapshot(accounting.read_goodput, time.time(), limit=0)
+            total, _, _ = await self.read_snapshot(accounting.read_goodput, self.clock(), limit=0)
         except Exception as exc:  # metrics must never hurt the scheduler
             log.warning("goodput_metrics_failed", error=str(exc)[:200])
             return
@@ -647,7 +652,7 @@ class SchedulerService:
             asyncio.ensure_future(self._publish_from_ledger(jobs))
 
     async def _publish_from_ledger(self, job_ids: list[str]) -> None:
-        at = time.time()  # another replica's commit, just notified
+        at = self.clock()  # another replica's commit, just notified
         for job in await self.read_jobs(job_ids=job_ids):
             self.fanout.publish(job, at)
 

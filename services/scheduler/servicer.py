@@ -292,7 +292,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # One read transaction (one snapshot, one trip to a reader thread) for the job, its goodput and what its
         # attempt restored from; a job finished past --retain-finished comes from job_archive (retention.py).
         row, archived, listed, restore = await self.service.read_snapshot(
-            _job_view, job_id, tenant_scope(), time.time()
+            _job_view, job_id, tenant_scope(), self.service.clock()
         )
         if row is None:
             if archived is None:
@@ -347,7 +347,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         digest = accounting.page_digest(request.since, scope)
         after = accounting.page_after(request.page_token, digest)
         got = await self.service.read_snapshot(
-            accounting.read_goodput_report, time.time(), since=request.since, limit=size, tenant=scope, after=after
+            accounting.read_goodput_report,
+            self.service.clock(),
+            since=request.since,
+            limit=size,
+            tenant=scope,
+            after=after,
         )
         return scheduler_pb2.GetGoodputResponse(
             cluster=accounting.to_proto(got.total),

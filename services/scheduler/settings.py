@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phalanx.core.capacity import PLACEMENT_BUDGET_MS
@@ -73,3 +75,7 @@ class SchedulerSettings:
     max_command_bytes: int = 256 * 1024
     max_env_vars: int = 4096
     max_env_bytes: int = 256 * 1024
+    # The time the cycles decide at (unix seconds): the wall clock. A test gives a clock it moves itself, so that
+    # time limits, backoffs, preemption deadlines and leases pass when it says and not when a loaded machine
+    # happens to get there (not a command-line flag).
+    clock: Callable[[], float] = time.time
