@@ -37,7 +37,11 @@ pytestmark = [
 
 STEPS = 120
 STEP_TIME = 0.05  # 6 s or more of training: the preemption lands in the middle of it
-ENV = {"PHALANX_CHECKPOINT_POLL_S": "0.2"}
+# One intra-op thread per rank, as torchrun gives each of several ranks on a host: this host runs the four ranks (and
+# the suite's other workers) on a few cores, where torch's default pool of one spinning OpenMP thread per core in
+# every rank oversubscribes them: a step then took 0.2 s instead of 0.01 s, and the test ran past its time limit.
+THREADS = {"OMP_NUM_THREADS": "1"}
+ENV = {"PHALANX_CHECKPOINT_POLL_S": "0.2", **THREADS}
 
 
 def _command(out: Path, step_time: float = STEP_TIME) -> list[str]:
@@ -63,6 +67,7 @@ def _uninterrupted(out: Path, world: int = 4) -> set[str]:
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
         env.update(
+            THREADS,
             RANK=str(rank),
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank % 2),

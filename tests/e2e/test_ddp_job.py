@@ -69,6 +69,9 @@ async def _run_gang(
             PHALANX_ATTEMPT=str(attempt),
             PHALANX_NODE=f"node-{rank}",
             PHALANX_CHECKPOINT_POLL_S="0.2",
+            # One intra-op thread per rank, as torchrun sets for several ranks on a host: the default (a spinning
+            # OpenMP thread per core in every rank) oversubscribes a small machine many times over.
+            OMP_NUM_THREADS="1",
         )
         env.pop("PHALANX_CHECKPOINT_ADDR", None)
         if coordinator:
