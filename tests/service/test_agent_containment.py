@@ -46,11 +46,18 @@ KINDS = [
 
 # A rank that leaves a daemon: it forks, the child calls setsid and forks again (the grandchild, re-parented to init,
 # writes its pid to $DAEMON_PID), then the rank sleeps $SLEEP seconds and exits 0. $IGNORE_TERM=1: both ignore
-# SIGTERM.
+# SIGTERM. $EXIT_AFTER_TERM=PATH: on SIGTERM both wait for PATH to exist, then exit (processes that take as long to
+# stop as the test says).
 DAEMON_SCRIPT = (
     "import os, signal, sys, time\n"
     "if os.environ.get('IGNORE_TERM') == '1':\n"
     "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "def _stop_when_let(*_):\n"
+    "    while not os.path.exists(os.environ['EXIT_AFTER_TERM']):\n"
+    "        time.sleep(0.02)\n"
+    "    os._exit(0)\n"
+    "if os.environ.get('EXIT_AFTER_TERM'):\n"
+    "    signal.signal(signal.SIGTERM, _stop_when_let)\n"
     "pid = os.fork()\n"
     "if pid == 0:\n"
     "    os.setsid()\n"
@@ -356,9 +363,10 @@ async def test_an_agent_cut_off_from_the_scheduler_fences_itself_and_registers_a
 
 @pytest.mark.slow
 async def test_a_cancelled_gangs_gpus_are_reserved_again_only_once_its_processes_are_gone(db_url, tmp_path):
-    """Clean GPU handover: a gang whose rank (and its daemon) ignore SIGTERM is cancelled while another gang waits
-    for the same GPUs. The GPUs show as releasing, and the waiting gang is reserved only once the agent killed
-    every process of the first (after --kill-grace): at no time do both have live processes on those GPUs."""
+    """Clean GPU handover: a gang whose rank (and its daemon) take their time to stop after SIGTERM (until the test
+    lets them) is cancelled while another gang waits for the same GPUs. The GPUs show as releasing, and the waiting
+    gang is reserved only once every process of the first is gone: at no time do both have live processes on those
+    GPUs. (Processes that ignore SIGTERM are SIGKILLed after --kill-grace: test_a_rank_that_ignores_sigterm_...)"""
     import grpc
 
     from db.migrate import upgrade
@@ -384,7 +392,7 @@ async def test_a_cancelled_gangs_gpus_are_reserved_again_only_once_its_processes
             node_name="node-h",
             topology=simulated_topology("node-h", "dgx-h100"),
             state_dir=tmp_path / "agent",
-            kill_grace_s=1.5,
+            kill_grace_s=120.0,  # the first gang's processes stop when the test lets them, long before
             poll_interval_s=0.02,
             health_enabled=False,
         )
@@ -399,31 +407,36 @@ async def test_a_cancelled_gangs_gpus_are_reserved_again_only_once_its_processes
     try:
         await until(lambda: agent.registrations >= 1, timeout=10, what="the agent registered")
 
-        def spec(name: str, pid_file: Path) -> common_pb2.JobSpec:
+        def spec(name: str, pid_file: Path, **env: str) -> common_pb2.JobSpec:
             return common_pb2.JobSpec(
                 name=name,
                 replicas=1,
                 gpus_per_replica=8,
                 procs_per_replica=1,
                 command=[sys.executable, "-c", DAEMON_SCRIPT],
-                env={"DAEMON_PID": str(pid_file), "IGNORE_TERM": "1"},
+                env={"DAEMON_PID": str(pid_file), **env},
             )
 
-        first = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec("first", tmp_path / "a.pid")))
+        let_go = tmp_path / "let-the-first-gang-stop"
+        first = await stub.SubmitJob(
+            scheduler_pb2.SubmitJobRequest(spec=spec("first", tmp_path / "a.pid", EXIT_AFTER_TERM=str(let_go)))
+        )
         daemon = await daemon_pid(tmp_path / "a.pid")
         rank = next(r for r in agent.state.ranks.values() if r.job_id == first.id)
         await until(lambda: rank.child_pid != 0, what="the rank's pid")
         olds = [rank.child_pid, daemon]
         second = await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec("second", tmp_path / "b.pid")))
-        await asyncio.sleep(0.3)
-        assert await state_of(second.id) == common_pb2.JOB_STATE_PENDING
+        assert await state_of(second.id) == common_pb2.JOB_STATE_PENDING  # its submission's pass found no room
 
         await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=first.id))
-        await asyncio.sleep(0.5)  # within the kill grace: the first gang's processes ignore SIGTERM
+        # The first gang's processes got SIGTERM and are still stopping (until the test lets them): its GPUs are
+        # releasing, not free, and the second gang waits.
+        await until(lambda: rank.kill_requested, what="the agent asked the first gang to stop")
         assert all(alive(p) for p in olds)
         (node,) = (await stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
         assert (node.releasing_gpus, node.free_gpus) == (8, 0)
         assert await state_of(second.id) == common_pb2.JOB_STATE_PENDING  # not on GPUs the first still runs on
+        let_go.touch()
 
         new_daemon = await daemon_pid(tmp_path / "b.pid")  # the second gang runs: by then the first is gone
         assert not any(alive(p) for p in olds)
