@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 import structlog.testing
-from helpers.procs import eventually
+from helpers.waits import eventually, holds, next_cycle
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.cli.main import main as cli_main
@@ -163,7 +163,8 @@ async def test_tenants_see_and_cancel_only_their_own_jobs_and_admin_sees_all(db_
                 seen.append(job.id)
 
         task = asyncio.create_task(watch_all())
-        await asyncio.sleep(0.3)
+        fanout = c.scheduler.service.fanout
+        await eventually(lambda: holds(lambda: fanout.watched), what="alice's watch subscribed")
         await bob.cancel(b.id)
         await alice.cancel(a.id)
         await eventually(lambda: _async(a.id in seen), what="alice's cancel seen")
@@ -212,7 +213,7 @@ async def test_admin_drains_and_undrains_a_node_and_the_drain_survives_reregistr
         j2 = await alice.submit("two", 1, 8, ["run"])
         running = await alice.wait(j1.id, ["RUNNING"], timeout=10)
         assert {a.node for a in running.allocations} == {"node-1"}
-        await asyncio.sleep(0.5)
+        await next_cycle(c.scheduler.service)
         assert (await alice.get_job(j2.id)).state.value == "PENDING"
         # the agent restarts and registers again: still DRAINED
         agent = c.agents["node-0"]
@@ -221,7 +222,7 @@ async def test_admin_drains_and_undrains_a_node_and_the_drain_survives_reregistr
         await agent.start()
         state = {n.name: n.state.value for n in await admin.nodes()}
         assert state["node-0"] == "DRAINED"
-        await asyncio.sleep(0.5)
+        await next_cycle(c.scheduler.service)  # the registration's cycle and one after it: still no room for j2
         assert (await alice.get_job(j2.id)).state.value == "PENDING"
         # undrain: READY again, the waiting gang runs there
         node = await admin.undrain_node("node-0")
@@ -342,7 +343,7 @@ async def test_a_tenants_unix_user_from_the_tokens_file_goes_with_its_launches(d
         first = text.index("role: user}")
         text = text[:first] + "role: user, unix_user: alice_ml}" + text[first + len("role: user}") :]
         c.tokens_path.write_text(text)
-        await asyncio.sleep(0.3)  # the store reloads the file
+        await eventually(lambda: holds(lambda: c.store.unix_user("alice") == "alice_ml"), what="the file reloaded")
         a = await c.clients["alice"].submit("a", 1, 1, ["run"])
         b = await c.clients["bob"].submit("b", 1, 1, ["run"])
         agent = c.agents["node-0"]
@@ -420,7 +421,7 @@ async def test_a_node_token_acts_only_as_its_own_node(db_url, tmp_path):
 
         # A node token naming no node (a tokens file of before) acts as none, and says how to make one.
         write_tokens(c.tokens_path, [*TOKENS.values(), ("tok-anynode", "nodes", "node")])
-        await asyncio.sleep(0.3)
+        await eventually(lambda: holds(lambda: c.store.lookup("tok-anynode")), what="the file reloaded")
         channel = open_aio_channel(c.address, token="tok-anynode")
         stub = agent_pb2_grpc.NodeServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
