@@ -19,7 +19,7 @@ from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-from .waits import eventually
+from .waits import eventually, next_cycle
 
 
 class LiteCluster:
@@ -63,6 +63,20 @@ class LiteCluster:
 
     async def wait_running(self, job_id: str, timeout: float = 15.0) -> common_pb2.Job:
         return await eventually(lambda: self.running(job_id), timeout=timeout, what=f"job {job_id} RUNNING")
+
+    async def settled(self, *job_ids: str) -> None:
+        """Wait until every rank of these running jobs has reported RUNNING to the scheduler, then for a whole cycle
+        begun after that: what the scheduler decides on their start has been decided (a test asserting that nothing
+        more happens, a preemption that does not come, asserts it then)."""
+        service = self.scheduler.service
+
+        async def ranks_running():
+            jobs = [service.state.jobs.get(j) for j in job_ids]
+            return all(j is not None and j.ranks and all(r.state == "RUNNING" for r in j.ranks.values()) for j in jobs)
+
+        await eventually(ranks_running, what=f"the ranks of {', '.join(job_ids)} RUNNING")
+        await next_cycle(service)
+        await next_cycle(service)
 
     def sql(self, query: str, **params):
         return run_sql(self.db_url, query, **params)

@@ -17,7 +17,7 @@ import sys
 import grpc
 import pytest
 from helpers.lite_cluster import run_sql
-from helpers.procs import eventually
+from helpers.waits import eventually, next_cycle
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core.capacity import ClusterCapacity
@@ -477,7 +477,7 @@ async def test_a_switch_that_waits_for_a_gpu_reset_shows_pending_then_done(db_ur
         assert node["free_gpus"] == 7  # the switching GPU takes no work
         # a switching GPU is out of placement for every request: an 8-GPU job (behind the MIG job) cannot start
         whole = await c.submit("whole", gpus=8, priority=-1)
-        await asyncio.sleep(1.0)
+        await next_cycle(c.scheduler.service)  # a pass after the one its submission ran
         assert (await c.job(whole.id)).state == PENDING
         await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=whole.id))
         assert (await c.job(mig.id)).state == PENDING and len(c.switches("node-a")) == 1
@@ -530,7 +530,7 @@ async def test_an_agent_without_mig_manage_is_never_asked(db_url, tmp_path):
         await eventually(lambda: asyncio.sleep(0, c.tasks["node-b"].done()), what="node-b stopped")
         mig = await c.submit("mig", mig_profile="1g.10gb")
         job = await c.until(mig.id, lambda j: "no GPU is in MIG mode" in j.message, "the MIG job's reason")
-        await asyncio.sleep(1.0)
+        await next_cycle(c.scheduler.service)  # a pass after the one that gave the reason: still no switch asked
         assert (await c.job(mig.id)).state == PENDING and c.switches("node-a") == []
         shown = {n["name"]: n["mig_manage"] for n in await c.cli_json("nodes", "--json")}
         assert shown == {"node-a": False, "node-b": True}

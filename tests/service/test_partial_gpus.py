@@ -336,7 +336,7 @@ async def test_mig_job_end_to_end_with_slices_in_the_ledger_and_the_launch(db_ur
         four = await c.wait_running((await c.submit("four", mig_profile="4g.40gb")).id)
         assert four.allocations[0].slices[0].gpu == sl.gpu and four.allocations[0].slices[0].start == 0
         whole = await c.submit("whole", gpus=2)
-        await asyncio.sleep(0.5)
+        await c.settled(four.id)  # the MIG jobs' ranks run, and the passes after: still no room for it
         assert (await c.job(whole.id)).state == common_pb2.JOB_STATE_PENDING
         (n,) = (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
         assert (n.free_gpus, n.shared_gpus) == (1, 1)

@@ -3,11 +3,10 @@ do not block other queues, and `ListQueues` with positions."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 from helpers.lite_cluster import LiteCluster
+from helpers.waits import eventually
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric
@@ -114,10 +113,18 @@ async def test_a_reclaimed_gang_that_would_borrow_does_not_preempt_the_reclaimer
         await c.wait_running(second.id)
         owner = await c.submit("p1", 1, 8, queue="prod")  # priority 0, within nominal: reclaims anyway
         await c.wait_running(owner.id)
-        await asyncio.sleep(1.5)  # no minimum runtime, no grace: a thrash would show within a few cycles
+        # No minimum runtime, no grace: a thrash would show in the passes that follow the reclaim, once the evicted
+        # gang's ranks are gone (no GPU releasing) and the owner's run.
+        await eventually(lambda: _nothing_releasing(c), what="the evicted gang's GPUs released")
+        await c.settled(owner.id)
         assert (await c.job(owner.id)).state == RUNNING and (await c.job(owner.id)).preemptions == 0
         jobs = [await c.job(j.id) for j in (first, second)]
         assert sorted(j.state for j in jobs) == sorted([RUNNING, PENDING])
         assert sum(j.preemptions for j in jobs) == 1
         reclaimed = next(j for j in jobs if j.state == PENDING)
         assert "waiting" in reclaimed.message and reclaimed.preemptions == 1
+
+
+async def _nothing_releasing(c: LiteCluster) -> bool:
+    nodes = (await c.stub.ListNodes(scheduler_pb2.ListNodesRequest())).nodes
+    return not any(n.releasing_gpus for n in nodes)
