@@ -125,9 +125,10 @@ async def test_followers_writes_reach_the_leader_as_deltas_and_the_views_match_t
 
         await asyncio.gather(*(submit(i) for i in range(60)))
         await _settled(pair, 60)
-        # Let both replicas run a cycle past the last commit, then compare each view with the ledger's.
-        await asyncio.sleep(0.6)
-        await pair.stubs[1].ListNodes(scheduler_pb2.ListNodesRequest())
+        # Every GPU back (the cancelled gangs' kills reported), the agents' acks in; then both replicas run a cycle
+        # past the last commit, and each view is compared with the ledger's.
+        await eventually(lambda: _async(a.state.capacity.free_gpus() == 32), what="every GPU released")
+        await _acks_in(pair)
         for service in (a, b):
             await service.execute(_Noop())
         truth = _picture(_fresh_view(db_url, a.settings))
@@ -216,7 +217,9 @@ async def test_a_cycle_with_only_rank_reports_and_heartbeats_skips_the_schedulin
             return all(r.state == "RUNNING" for r in a.state.jobs[job.id].ranks.values())
 
         await eventually(ranks_running, timeout=15, what="the ranks RUNNING")
-        await asyncio.sleep(0.5)
+        await _acks_in(pair)  # then two whole cycles: whatever the start and its reports made due has run
+        await a.execute(_Noop())
+        await a.execute(_Noop())
         before = len(passes)
         for _ in range(5):
             await a.execute(_Noop())
@@ -238,13 +241,23 @@ async def test_an_idle_assignment_stream_does_not_read_the_ledger(db_url, monkey
             return await real(name, after)
 
         monkeypatch.setattr(a, "assignments_after", counting)
+        # The stream decides to read the ledger just after it asks revision_of: a read it decides on is counted
+        # (synchronously) before the test, on the same event loop, can see that it asked.
+        looked: list[str] = []
+        revision_of = a.revision_of
+
+        def counting_looks(name):
+            looked.append(name)
+            return revision_of(name)
+
+        monkeypatch.setattr(a, "revision_of", counting_looks)
         agent = LiteAgent(pair.a.address, "node-late")
         await agent.start()
         try:
-            await asyncio.sleep(0.5)
+            await eventually(lambda: _async(looked.count("node-late") >= 1), what="the stream's first look")
             assert "node-late" not in reads  # nothing newer than what it has: no catch-up read
             a.fanout.wake_node("node-late")
-            await asyncio.sleep(0.3)
+            await eventually(lambda: _async(looked.count("node-late") >= 2), what="the stream's look after the wake")
             assert "node-late" not in reads
             spec = common_pb2.JobSpec(name="on-late", replicas=5, gpus_per_replica=8, command=["run"])
             job = await pair.stubs[0].SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec), timeout=30)
@@ -255,6 +268,16 @@ async def test_an_idle_assignment_stream_does_not_read_the_ledger(db_url, monkey
             await eventually(launched, timeout=15, what="the launch to reach the late node")
         finally:
             await agent.stop()
+
+
+async def _acks_in(pair: Pair) -> None:
+    """Wait until replica A has every agent's ack of the last assignment it sent it."""
+
+    async def acked():
+        service = pair.a.service
+        return all(service._acked_seen.get(a.name, 0) >= service.state.nodes[a.name].revision for a in pair.agents)
+
+    await eventually(acked, what="every agent's ack of its last assignment")
 
 
 class _Noop:
