@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 from helpers.jobs import insert_job, set_attempt, set_world
+from helpers.waits import eventually, holds
 from sqlalchemy import func, select
 
 from db.engine import make_engine
@@ -126,8 +127,9 @@ async def test_deadline_aborts_and_previous_checkpoint_stays_the_restore_point(s
     # step 20: only rank 0 reports before a short deadline
     pending = await stub.ReportShard(_report(0, step=20, world=2, deadline_s=0.3))
     assert pending.state == "PENDING"
-    await asyncio.sleep(0.6)  # the sweeper (every 0.1 s) aborts it
-    assert _rows(db_url)[2] == [(10, "COMMITTED"), (20, "ABORTED")]
+    await eventually(  # the sweeper (every 0.1 s) aborts it once its deadline passed
+        lambda: holds(lambda: _rows(db_url)[2] == [(10, "COMMITTED"), (20, "ABORTED")]), what="step 20 aborted"
+    )
     code, details = await _code(stub.ReportShard(_report(1, step=20, world=2)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "aborted" in details
     assert await _latest(stub) == committed
@@ -179,8 +181,9 @@ async def test_superseded_attempt_is_fenced(stub, db_url):
         assert code == grpc.StatusCode.FAILED_PRECONDITION, details
         assert "superseded" in details and "current attempt is 2" in details
     assert _rows(db_url)[:2] == before[:2]  # no row written (the sweeper may already have aborted step 10)
-    await asyncio.sleep(0.3)  # the sweeper aborts attempt 1's pending checkpoint
-    assert _rows(db_url)[2] == [(10, "ABORTED")]
+    await eventually(  # the sweeper aborts attempt 1's pending checkpoint
+        lambda: holds(lambda: _rows(db_url)[2] == [(10, "ABORTED")]), what="attempt 1's step 10 aborted"
+    )
     # attempt 2 checkpoints the same step afresh
     for r in range(2):
         done = await stub.ReportShard(_report(r, world=2, attempt=2))

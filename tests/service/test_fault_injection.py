@@ -118,7 +118,12 @@ async def test_scheduler_killed_during_a_preemption_and_at_the_handover_recovers
         assert len(active) == 8 and all(n == 1 for _, n in active)
         assert running.attempt == 1
         await eventually(lambda: _launched(agents, high.id), what="preemptor launched")
-        await asyncio.sleep(0.5)
+        # The ledger's outbox holds every assignment the schedulers committed (agents receive only those): one launch.
+        assert run_sql(
+            db_url,
+            "SELECT attempt, count(*) FROM assignments WHERE job_id = :j AND kind = 'launch' GROUP BY attempt",
+            j=high.id,
+        ) == [(1, 1)]
         launches = [
             (launch.job_id, launch.attempt, launch.replica)
             for a in agents
