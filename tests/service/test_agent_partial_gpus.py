@@ -24,7 +24,17 @@ from services.node_agent.simulated import fake_gpu_uuid, simulated_node, simulat
 from services.node_agent.state import AgentState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_node_agent import RANK_CMD, FakeNodeService, rank_env, start_server, starts, until
+from test_node_agent import (
+    RANK_CMD,
+    FakeNodeService,
+    exited,
+    rank_env,
+    rank_pids,
+    record_takes,
+    start_server,
+    starts,
+    until,
+)
 
 S = common_pb2
 H100 = ("NVIDIA H100 80GB HBM3", 81559)
@@ -590,16 +600,20 @@ async def test_geometry_kept_while_ranks_use_the_gpu(fake, agents, tmp_path):
 
 async def test_redelivered_mig_launch_starts_once(fake, agents, tmp_path):
     a = agents(fake.port)
+    taken = record_takes(a)
     ranks = [{"rank": 0, "gpus": [1], "env": rank_env(tmp_path, "dup", 0, SLEEP=60), "slices": [(1, "2g.20gb", 0, 2)]}]
     launch(fake, 1, "dup", 1, ranks)
     await until(lambda: fake.report("dup", 0, S.RANK_STATE_RUNNING), what="RUNNING")
+    await until(lambda: starts(tmp_path, "dup", 0) == 1, what="its start recorded")
+    pids = rank_pids(a, "dup")
     port = fake.port
     await fake.server.stop(0)
     fake.replay_all = True
     launch(fake, 2, "dup", 1, ranks)
     fake.server, _ = await start_server(fake, port)
     await until(lambda: 2 in fake.acks, what="ack of the re-delivered launch")
-    await asyncio.sleep(0.3)
+    await until(lambda: taken.count(1) >= 2, what="revision 1 taken again")
+    assert rank_pids(a, "dup") == pids  # both launches handled: still the first process
     assert starts(tmp_path, "dup", 0) == 1 and fake.states("dup", 0) == [S.RANK_STATE_RUNNING]
     assert mutations(a.sim.host) == ["create_gi", "create_ci"]
     fake.kill(3, "dup", 1)
@@ -630,15 +644,16 @@ async def test_restart_keeps_instances_of_adopted_ranks_and_leaves_others(fake, 
         what="RUNNING",
     )
     await until(lambda: 2 in fake.acks, what="acks")
+    await until(lambda: starts(tmp_path, "live", 0) == 1, what="live's start recorded")
     live_uuid = mig_uuids(a, 3)[0]
     await a.abort()  # crash: ranks keep running, instances stay
     live_pid = fake.report("live", 0, S.RANK_STATE_RUNNING).pid
     a.sim.host.add_mig_instance(7, "1g.10gb", 0)  # an administrator's, made while no agent ran
-    await asyncio.sleep(0.6)  # "short" exits while no agent runs
+    await until(lambda: exited(a, "short/1/0"), what="'short' to exit while no agent runs")
     b = agents(fake.port, state_dir=state_dir)
     await until(lambda: fake.report("short", 0, S.RANK_STATE_EXITED), what="short EXITED")
     await until(lambda: [i.start for i in b.mig.backend.list_instances(3)] == [0], what="short's instance destroyed")
-    await asyncio.sleep(0.2)
+    assert b.state.ranks["live/1/0"].child_pid == live_pid  # adopted, not started again
     assert launcher.pid_alive(live_pid) and starts(tmp_path, "live", 0) == 1
     assert b.mig.backend.list_instances(3)[0].uuid == live_uuid
     assert b.mig.users(3, 0, 4) == {"live/1/0"}
@@ -755,9 +770,11 @@ async def test_without_mig_manage_a_switch_is_refused(fake, agents, tmp_path):
     a = agents(fake.port, mig="none")
     switch(fake, 1, 2, True)
     await until(lambda: 1 in fake.acks, what="ack")
-    await asyncio.sleep(0.3)
+    await until(lambda: 2 in a._mig_switch_errors, what="the switch refused")
     assert a._mig_switch_errors == {2: "this agent was not started with --mig-manage"}
     assert ("set_mig_mode", 2, 1) not in a.sim.host.calls
+    beats = fake.heartbeats
+    await until(lambda: fake.heartbeats > beats, what="a heartbeat after the refusal")
     assert not fake.last_heartbeat.mig_modes  # only --mig-manage agents send them
 
 

@@ -153,6 +153,30 @@ async def until(pred, timeout: float = 8.0, what: str = "condition"):
     return await eventually(lambda: holds(pred), timeout=timeout, interval=0.02, what=what)
 
 
+def record_takes(agent) -> list[int]:
+    """The revisions of the assignments the agent handles (each appended once handled), in order."""
+    taken: list[int] = []
+    take = agent._take
+
+    async def recording(stub, a):
+        await take(stub, a)
+        taken.append(a.revision)
+
+    agent._take = recording
+    return taken
+
+
+def rank_pids(agent, job: str) -> dict[str, tuple[int, int]]:
+    """(wrapper pid, command pid) of each of the job's ranks in the agent's records."""
+    return {k: (r.wrapper_pid, r.child_pid) for k, r in agent.state.ranks.items() if r.job_id == job}
+
+
+def exited(agent, key: str) -> bool:
+    """Whether the rank's wrapper recorded its command's exit in its status file."""
+    status = launcher.read_status(agent.state.ranks[key].status_file) or {}
+    return status.get("state") == "exited"
+
+
 def master_port_of(job: str) -> int:
     """A job's own MASTER_PORT, as the scheduler gives each live attempt whose rank 0 shares a host (the agent
     refuses a port another live attempt holds)."""
@@ -425,7 +449,7 @@ async def test_scheduler_down_then_back_resumes_and_keeps_reports(fake, agent_fa
     # the rank exits while the scheduler is down: its EXITED report waits in the queue
     await until(lambda: agent.state.ranks["j/1/0"].state == "exited", what="rank exit seen by the agent")
     assert not fake.report("j", 0, S.RANK_STATE_EXITED)
-    await asyncio.sleep(0.3)
+    await until(lambda: agent._attempt >= 1, what="the agent to find the scheduler gone")
     fake.server, _ = await start_server(fake, port)
     await until(lambda: len(fake.registrations) >= 2, what="re-registration")
     assert fake.registrations[1].agent_instance == fake.registrations[0].agent_instance
@@ -442,27 +466,32 @@ async def test_scheduler_down_then_back_resumes_and_keeps_reports(fake, agent_fa
 
 async def test_redelivery_after_reconnect_starts_nothing_twice(fake, agent_factory, tmp_path):
     agent, _ = agent_factory(fake.port)
+    taken = record_takes(agent)
     ranks = [{"rank": r, "env": rank_env(tmp_path, "dup", r, 2, SLEEP=60)} for r in range(2)]
     fake.launch(1, "dup", 1, ranks)
     await until(
         lambda: fake.report("dup", 0, S.RANK_STATE_RUNNING) and fake.report("dup", 1, S.RANK_STATE_RUNNING),
         what="RUNNING",
     )
+    await until(lambda: starts(tmp_path, "dup", 0) == starts(tmp_path, "dup", 1) == 1, what="both starts recorded")
+    pids = rank_pids(agent, "dup")
     port = fake.port
     await fake.server.stop(0)
     fake.replay_all = True  # a scheduler that re-sends everything, same revision and a new one
     fake.launch(2, "dup", 1, ranks)
     fake.server, _ = await start_server(fake, port)
     await until(lambda: 2 in fake.acks, what="ack of the re-delivered launch")
-    await asyncio.sleep(0.3)
+    await until(lambda: taken.count(1) >= 2, what="revision 1 taken again")
+    # Both launches handled (a rank is started before its launch is acked): the ranks are still the first processes.
+    assert rank_pids(agent, "dup") == pids
     assert starts(tmp_path, "dup", 0) == 1 and starts(tmp_path, "dup", 1) == 1
     assert fake.states("dup", 0) == [S.RANK_STATE_RUNNING]
     # a heartbeat answered `reregister` makes the agent register again, still without double starts
-    n = len(fake.registrations)
+    n, seen = len(fake.registrations), len(taken)
     fake.reregister_next = True
     await until(lambda: len(fake.registrations) > n, what="re-registration after reregister")
-    await asyncio.sleep(0.2)
-    assert starts(tmp_path, "dup", 0) == 1
+    await until(lambda: {1, 2} <= set(taken[seen:]), what="both launches re-sent and taken after it")
+    assert rank_pids(agent, "dup") == pids and starts(tmp_path, "dup", 0) == 1
     fake.kill(3, "dup", 1)
     await until(
         lambda: fake.report("dup", 1, S.RANK_STATE_KILLED) and fake.report("dup", 0, S.RANK_STATE_KILLED), what="KILLED"
@@ -482,6 +511,7 @@ async def test_agent_restart_adopts_live_rank(fake, agent_factory, tmp_path):
         what="RUNNING",
     )
     await until(lambda: 2 in fake.acks, what="acks")
+    await until(lambda: starts(tmp_path, "live", 0) == 1, what="live's start recorded")
     await a.abort()  # crash: ranks keep running, nothing reported
     live_pid = fake.report("live", 0, S.RANK_STATE_RUNNING).pid
     assert launcher.pid_alive(live_pid)
@@ -497,7 +527,7 @@ async def test_agent_restart_adopts_live_rank(fake, agent_factory, tmp_path):
         status_file=str(tmp_path / "nope.json"),
     )
     st.save()
-    await asyncio.sleep(0.6)  # "short" exits while no agent runs
+    await until(lambda: exited(a, "short/1/0"), what="'short' to exit while no agent runs")
     b, _ = agent_factory(fake.port, state_dir)
     assert b.instance != a.instance
     await until(lambda: fake.report("ghost", 0, S.RANK_STATE_LOST), what="ghost LOST")
@@ -506,7 +536,9 @@ async def test_agent_restart_adopts_live_rank(fake, agent_factory, tmp_path):
     await until(lambda: len(fake.stream_requests) >= 2, what="resumed stream")
     assert fake.stream_requests[-1] == 2
     assert fake.registrations[-1].agent_instance == b.instance
-    await asyncio.sleep(0.2)
+    assert (
+        b.state.ranks["live/1/0"].child_pid == live_pid
+    )  # the resumed stream re-sends nothing: adopted, not restarted
     assert starts(tmp_path, "live", 0) == 1 and starts(tmp_path, "short", 0) == 1
     assert launcher.pid_alive(live_pid)  # adopted, not restarted, not killed
     fake.kill(3, "live", 1)
