@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.clock import FakeClock
 from helpers.jobs import insert_job
 from sqlalchemy import insert
 
@@ -359,14 +360,18 @@ def _env(server, tmp_path: Path, **extra) -> dict[str, str]:
     return env
 
 
-async def test_auto_interval_triggers_and_the_jobs_policy_wins(server, stub, db_url, tmp_path):
+async def test_auto_interval_triggers_and_the_jobs_policy_wins(server, stub, db_url, tmp_path, monkeypatch):
     # A failure-prone cluster and a near-free checkpoint make the suggestion short: 9,998 failures in no
-    # node-hours give a node MTBF of 12,000 / 10,000 h = 4,320 s, and a 250 us checkpoint sqrt(2 x 4320 x 2.5e-4)
-    # = 1.47 s: long enough that five Checkpointers are set up and polled before it passes, even on a loaded machine.
-    _write(db_url, _nodes([(0.0, 0.0)]), _events(*["FATAL"] * 9998), _checkpoints(JOB, [2.5e-4], start=1000.0))
+    # node-hours give a node MTBF of 12,000 / 10,000 h = 4,320 s, and a 10 us checkpoint sqrt(2 x 4320 x 1e-5) s.
+    _write(db_url, _nodes([(0.0, 0.0)]), _events(*["FATAL"] * 9998), _checkpoints(JOB, [1e-5], start=1000.0))
     policy = await stub.GetCheckpointPolicy(pb.GetCheckpointPolicyRequest(job_id=JOB))
-    assert policy.interval_s == pytest.approx(math.sqrt(2 * 4320 * 2.5e-4), rel=1e-6)
-    assert 1.2 < policy.interval_s < 1.8
+    assert policy.interval_s == pytest.approx(math.sqrt(2 * 4320 * 1e-5), rel=1e-6)
+    assert 0.2 < policy.interval_s < 0.4
+    # The ranks' clock is the test's: the interval passes when the test moves it, however long the set-up took.
+    from phalanx.train import _checkpointer
+
+    clock = FakeClock()
+    monkeypatch.setattr(_checkpointer, "time", clock)
 
     auto = train.Checkpointer(_env(server, tmp_path))
     explicit_auto = train.Checkpointer(_env(server, tmp_path, PHALANX_CHECKPOINT_POLICY="AUTO"))
@@ -380,7 +385,7 @@ async def test_auto_interval_triggers_and_the_jobs_policy_wins(server, stub, db_
         assert auto.auto_interval_s == pytest.approx(policy.interval_s)
         assert (off.auto_interval_s, by_time.auto_interval_s, by_steps.auto_interval_s) == (0.0, 0.0, 0.0)
         assert explicit_auto.auto_interval_s == pytest.approx(policy.interval_s)
-        await asyncio.sleep(policy.interval_s + 0.1)
+        clock.advance(policy.interval_s + 0.01)
         # The job's own policy wins: these do not ask for a checkpoint when the suggested interval passes.
         assert [await asyncio.to_thread(c.should_checkpoint, 2) for c in (off, by_time, by_steps)] == [False] * 3
         asked = await stub.GetCheckpointRequest(pb.GetCheckpointRequestRequest(job_id=JOB, attempt=1))

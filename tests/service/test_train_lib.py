@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.clock import FakeClock
 from helpers.jobs import insert_job, set_attempt, set_world
 from helpers.ports import reserved_port
 from sqlalchemy import select
@@ -161,12 +162,16 @@ async def test_should_checkpoint_every_n_steps(server, tmp_path):
     assert got == [3, 6, 9]
 
 
-async def test_should_checkpoint_time_interval(server, tmp_path):
-    """A time policy fires on each rank at its own moment; the ranks agree one step through the coordinator."""
-    # 1.5 s: long enough that steps 2-5 run well inside one interval after the checkpoint, even on a loaded machine.
-    ranks = _ranks(server, tmp_path, PHALANX_CHECKPOINT_INTERVAL_S="1.5", PHALANX_CHECKPOINT_POLL_S="0")
+async def test_should_checkpoint_time_interval(server, tmp_path, monkeypatch):
+    """A time policy fires on each rank at its own moment; the ranks agree one step through the coordinator. The
+    ranks' clock is the test's: the interval passes when the test moves it, and steps 2-5 take no time at all."""
+    from phalanx.train import _checkpointer
+
+    clock = FakeClock()
+    monkeypatch.setattr(_checkpointer, "time", clock)
+    ranks = _ranks(server, tmp_path, PHALANX_CHECKPOINT_INTERVAL_S="0.2", PHALANX_CHECKPOINT_POLL_S="0")
     assert not any([await asyncio.to_thread(c.should_checkpoint, 1) for c in ranks])
-    await asyncio.sleep(1.6)
+    clock.advance(0.25)
     fired: dict[int, list[int]] = {c.rank: [] for c in ranks}
     for step in range(2, 6):
         for c in ranks:
