@@ -28,11 +28,19 @@ from services.node_agent.simulated import simulated_topology
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-# Prints `n` numbered lines (stderr for odd ones), sleeping `pause` between them.
+# Prints `n` numbered lines (stderr for odd ones), sleeping `pause` between them; with $GATE, the second half only
+# once the file $GATE exists (exit 3 if it does not within 30 s).
 PRINTER = (
     "import os, sys, time\n"
     "n, pause = int(sys.argv[1]), float(sys.argv[2])\n"
+    "gate = os.environ.get('GATE')\n"
     "for i in range(n):\n"
+    "    if gate and i == n // 2:\n"
+    "        since = time.time()\n"
+    "        while not os.path.exists(gate):\n"
+    "            if time.time() - since > 30:\n"
+    "                sys.exit(3)\n"
+    "            time.sleep(0.02)\n"
     "    print(f'rank {os.environ[\"RANK\"]} line {i}', file=sys.stderr if i % 2 else sys.stdout, flush=True)\n"
     "    time.sleep(pause)\n"
 )
@@ -71,9 +79,15 @@ async def cluster(db_url, tmp_path, service_logs):
         await scheduler.stop()
 
 
-async def _submit(stub, name: str, n: int, pause: float, replicas: int = 1, gpus: int = 2) -> common_pb2.Job:
+async def _submit(
+    stub, name: str, n: int, pause: float, replicas: int = 1, gpus: int = 2, env: dict[str, str] | None = None
+) -> common_pb2.Job:
     spec = common_pb2.JobSpec(
-        name=name, replicas=replicas, gpus_per_replica=gpus, command=[sys.executable, "-c", PRINTER, str(n), str(pause)]
+        name=name,
+        replicas=replicas,
+        gpus_per_replica=gpus,
+        command=[sys.executable, "-c", PRINTER, str(n), str(pause)],
+        env=env or {},
     )
     return await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))
 
@@ -113,9 +127,12 @@ async def test_phalanx_logs_reads_every_rank_one_rank_and_the_tail(cluster, caps
     assert code == 2 and "--tail must be at least 1" in err
 
 
-async def test_follow_streams_a_running_rank_to_its_end(cluster):
+async def test_follow_streams_a_running_rank_to_its_end(cluster, tmp_path):
+    """The ranks write their second half only once the follower has received the first (a gate the follower opens):
+    so the follower read them as they were written, not once at the end, whatever the machine's speed."""
     scheduler, agent, stub = cluster
-    job = await _submit(stub, "slow", 8, 0.15)
+    gate = tmp_path / "first-half-received"
+    job = await _submit(stub, "slow", 8, 0.05, env={"GATE": str(gate)})
 
     def follow() -> tuple[list[tuple[int, str]], list[float]]:
         with Client(scheduler.address) as client:
@@ -126,6 +143,8 @@ async def test_follow_streams_a_running_rank_to_its_end(cluster):
                     for item in client.logs(job.id, follow=True):
                         got.append(item)
                         at.append(time.monotonic())
+                        if len(got) == 8 and not gate.exists():  # lines 0-3 of both ranks: the first halves
+                            gate.touch()
                     return got, at
                 except Exception:
                     if time.monotonic() > deadline:
@@ -136,7 +155,8 @@ async def test_follow_streams_a_running_rank_to_its_end(cluster):
     assert sorted(got) == sorted((r, f"rank {r} line {i}") for r in range(2) for i in range(8))
     for r in range(2):  # each rank's lines in order
         assert [line for rank, line in got if rank == r] == [f"rank {r} line {i}" for i in range(8)]
-    assert at[-1] - at[0] > 0.5  # streamed as written, not read once at the end
+    # The ranks went on (the gate opened): the first halves came while they ran, streamed as written.
+    assert (await _finished(stub, job.id)).state == common_pb2.JOB_STATE_SUCCEEDED
 
 
 async def test_logs_stay_bounded_and_credentials_read_only_their_own_attempt(cluster):
