@@ -564,7 +564,7 @@ def test_scheduler_address_from_env(fake, capsys, monkeypatch):
 
 def test_unreachable_scheduler(capsys, monkeypatch):
     address = closed_port_address()
-    code, out, err = run(capsys, "--scheduler", address, "--timeout", "3", "jobs", "--json")
+    code, out, err = run(capsys, "--scheduler", address, "--timeout", "20", "jobs", "--json")
     assert code == 1 and out == ""
     assert err.startswith(f"error: UNAVAILABLE: cannot reach scheduler at {address}")
     assert err.count("\n") == 1  # one line, no traceback

@@ -698,35 +698,36 @@ def test_unavailable_gives_up_after_retries(fake):
 
 def test_unreachable_scheduler_says_so():
     address = closed_port_address()
-    start = time.monotonic()
-    with Client(address, timeout=3, retries=1) as c, pytest.raises(UnavailableError) as info:
+    # Said at once, not at the deadline: UNAVAILABLE, where waiting for the server would end DEADLINE_EXCEEDED.
+    with Client(address, timeout=20, retries=1) as c, pytest.raises(UnavailableError) as info:
         c.list_jobs()
-    assert time.monotonic() - start < 3
     assert info.value.message.startswith(f"cannot reach scheduler at {address}")
 
 
 def test_deadline_exceeded(fake):
     servicer, address = fake
-    servicer.delay["GetJob"] = 1.0
+    servicer.delay["GetJob"] = 1.0  # it would answer after 1 s: the 0.2 s deadline ends the call first
     job = servicer.add_job()
-    start = time.monotonic()
     with Client(address, timeout=0.2) as c, pytest.raises(DeadlineExceededError) as info:
         c.get_job(job.id)
-    assert time.monotonic() - start < 0.9
     assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and info.value.code_name == "DEADLINE_EXCEEDED"
 
 
 def test_watch_streams_every_change(fake, client):
     servicer, _ = fake
     job = servicer.add_job("w")
-    later(
-        0.2,
-        servicer.update,
-        job.id,
-        state=common_pb2.JOB_STATE_RUNNING,
-        allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[3])],
-    )
-    later(0.4, servicer.update, job.id, state=common_pb2.JOB_STATE_SUCCEEDED, exit_code=0)
+
+    def drive():  # each change once the watcher has been sent the one before
+        servicer.wait_events(1)
+        servicer.update(
+            job.id,
+            state=common_pb2.JOB_STATE_RUNNING,
+            allocations=[common_pb2.Allocation(replica=0, node="gpu-a", gpus=[3])],
+        )
+        servicer.wait_events(2)
+        servicer.update(job.id, state=common_pb2.JOB_STATE_SUCCEEDED, exit_code=0)
+
+    later(0, drive)
     seen = []
     stream = client.watch(job.id, timeout=5)
     for update in stream:
@@ -765,7 +766,7 @@ def test_wait_for_a_chosen_state_and_timeout(fake, client):
     start = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="did not reach"):
         client.wait(job.id, timeout=0.3)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start >= 0.3  # it waited its timeout (and then gave up: the job never finishes)
     with pytest.raises(NotFoundError):
         client.wait("nope", timeout=1)
 
@@ -829,7 +830,7 @@ async def test_async_client_errors_and_deadline(fake):
             await c.list_jobs()
     assert servicer.calls["ListJobs"] == 2
     address = closed_port_address()
-    async with AsyncClient(address, timeout=3, retries=0) as c:
+    async with AsyncClient(address, timeout=20, retries=0) as c:  # UNAVAILABLE at once, not at the deadline
         with pytest.raises(UnavailableError, match="cannot reach scheduler at"):
             await c.nodes()
 
