@@ -477,7 +477,7 @@ class Harness:
                 out[table] = (len(rows), hashlib.sha256("\n".join(rows).encode("utf-8", "surrogatepass")).hexdigest())
         return out
 
-    def settle(self, timeout: float = 8.0, quiet_s: float = 1.2) -> dict[str, tuple[int, str]]:
+    def settle(self, timeout: float = 30.0, quiet_s: float = 1.2) -> dict[str, tuple[int, str]]:
         """Wait until the background (placement, agents' reports, sweeps, acks) stops moving the ledger.
 
         Settled means the real agents have acked every revision sent to them, and nothing moved for `quiet_s`:
@@ -485,13 +485,16 @@ class Harness:
         """
         end = time.monotonic() + timeout
         last, quiet_since = self.snapshot(), time.monotonic()
-        while time.monotonic() < end:
+        while time.monotonic() - quiet_since < quiet_s:
+            if time.monotonic() > end:
+                raise AssertionError(
+                    f"the ledger did not stay still for {quiet_s}s within {timeout}s (agents acked, "
+                    f"nothing moving); last snapshot: {last}"
+                )
             time.sleep(0.1)
             now = self.snapshot()
             if now != last or not self.agents_caught_up():
                 last, quiet_since = now, time.monotonic()
-            elif time.monotonic() - quiet_since >= quiet_s:
-                break
         return last
 
     def agents_caught_up(self) -> bool:
