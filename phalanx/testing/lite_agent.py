@@ -94,6 +94,7 @@ class LiteAgent:
     cpus: float = 0.0  # host CPUs and memory (bytes) it reports (0: not reported)
     confirms_release: bool = False  # registers with confirms_release (the test then sends ReportAttemptReleased)
     memory_bytes: int = 0
+    hold_heartbeats: bool = False  # True: registered and streaming, but sends no heartbeat until set back to False
 
     async def start(self) -> None:
         from phalanx.client import open_aio_channel
@@ -151,6 +152,8 @@ class LiteAgent:
     async def _beat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
+            if self.hold_heartbeats:
+                continue
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=self.name, agent_instance=self.instance))
 

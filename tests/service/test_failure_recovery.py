@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from helpers.clock import FakeClock
 from helpers.lite_cluster import LiteCluster
 from helpers.waits import eventually, next_cycle
 
@@ -78,16 +79,20 @@ async def test_lost_node_requeues_after_a_backoff_and_its_stale_ranks_die_when_i
 
 @pytest.mark.slow
 async def test_returning_node_is_not_used_before_its_first_health_report(db_url):
-    async with cluster(db_url, nodes=1, heartbeat_interval=3.0, lease_timeout=4.0) as c:
+    clock = FakeClock()  # the scheduler's: a lease runs out when the test moves it, and not while it looks
+    async with cluster(db_url, nodes=1, clock=clock.time) as c:
         only = c.agents[0]
         await only.partition()
-        await eventually(lambda: _state(c, only.name, common_pb2.NODE_STATE_LOST), timeout=15, what="LOST")
+        clock.advance(2 * c.settings.lease_timeout)
+        await eventually(lambda: _state(c, only.name, common_pb2.NODE_STATE_LOST), what="LOST")
+        only.hold_heartbeats = True  # back, registered, but no heartbeat yet, however long the test takes
         await only.heal()
         node = (await nodes(c))[only.name]
         assert node.state == common_pb2.NODE_STATE_READY and node.free_gpus == 0  # UNKNOWN health
         job = await c.submit("early", 1, 8)
-        assert (await c.job(job.id)).state == PENDING
-        await c.wait_running(job.id)  # after the first heartbeat (3 s)
+        assert (await c.job(job.id)).state == PENDING  # its submission's pass found no healthy GPU
+        only.hold_heartbeats = False
+        await c.wait_running(job.id)  # after the first heartbeat
 
 
 @pytest.mark.slow
