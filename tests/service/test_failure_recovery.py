@@ -52,9 +52,10 @@ async def test_lost_node_requeues_after_a_backoff_and_its_stale_ranks_die_when_i
         job = await c.submit("train", 2, 8)
         first = await c.wait_running(job.id)
         lost = first.allocations[0].node
+        changes = c.changes()  # the requeue is seen from its change: it lasts only the 0.5 s backoff
         await agent(c, lost).partition()
 
-        requeued = await attempt(c, job.id, 1, PENDING)
+        requeued = await changes.until(job.id, lambda j: j.attempt == 1 and j.state == PENDING, "the gang requeued")
         assert requeued.failures == 1 and requeued.not_before > 0 and "was lost" in requeued.message
         assert "backoff" in requeued.message
         second = await attempt(c, job.id, 2)
@@ -142,8 +143,9 @@ async def test_fatal_gpu_tears_down_only_the_gangs_on_it_and_they_restart_elsewh
                 reason=f"GPU {gpu}: XID 79",
                 gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
             )
+            changes = c.changes()  # the requeue is seen from its change: it lasts only the 0.5 s backoff
             await stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=node, health=health))
-        requeued = await attempt(c, big.id, 1, PENDING)
+        requeued = await changes.until(big.id, lambda j: j.attempt == 1 and j.state == PENDING, "the big gang requeued")
         assert requeued.failures == 1 and f"GPU(s) [{gpu}] of {node} failed" in requeued.message
         assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j", j=big.id) == [("GPU_FAILED",)]
         assert (await c.job(small.id)).attempt == 1 and (await c.job(small.id)).state == RUNNING

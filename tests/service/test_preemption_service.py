@@ -4,6 +4,7 @@ grace period ends), hand their GPUs to the preemptor in the same commit, requeue
 from __future__ import annotations
 
 import pytest
+from helpers.clock import FakeClock
 from helpers.lite_cluster import LiteCluster
 from helpers.procs import eventually
 
@@ -19,7 +20,7 @@ PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
 PREEMPTING = common_pb2.JOB_STATE_PREEMPTING
 
 
-def cluster(db_url: str, nodes: int = 2, *, min_runtime: float = 0.0, grace: float = 30.0) -> LiteCluster:
+def cluster(db_url: str, nodes: int = 2, *, min_runtime: float = 0.0, grace: float = 30.0, **kw) -> LiteCluster:
     names = [f"node-{i}" for i in range(nodes)]
     settings = SchedulerSettings(
         db_url=db_url,
@@ -28,6 +29,7 @@ def cluster(db_url: str, nodes: int = 2, *, min_runtime: float = 0.0, grace: flo
         retry_backoff_s=0.1,
         preemption=PreemptionPolicy(min_runtime_s=min_runtime, grace_period_s=grace),
         preemption_poll_s=0.1,
+        **kw,
     )
     return LiteCluster(settings, lambda addr: [LiteAgent(addr, n) for n in names])
 
@@ -108,8 +110,9 @@ async def test_victim_without_a_checkpoint_is_stopped_when_its_grace_period_ends
     async with cluster(db_url, grace=0.6) as c:
         low = await c.submit("low", 2, 8, priority=0)
         await c.wait_running(low.id)
+        changes = c.changes()  # PREEMPTING lasts only the 0.6 s grace: seen from the change that made it
         high = await c.submit("high", 2, 8, priority=5)
-        victim = await in_state(c, low.id, PREEMPTING)
+        victim = await changes.until(low.id, lambda j: j.state == PREEMPTING, "the victim PREEMPTING")
         running = await c.wait_running(high.id)
         requeued = await c.job(low.id)
         assert requeued.state == PENDING and requeued.preemptions == 1
@@ -145,16 +148,20 @@ async def test_equal_priority_never_preempts_and_lower_never_does(db_url):
 
 @pytest.mark.slow
 async def test_gang_protected_by_its_minimum_runtime_is_not_preempted_until_it_ends(db_url):
-    # The protection (4 s) is far longer than a submit and a read take, even on a loaded machine.
-    async with cluster(db_url, min_runtime=4.0, grace=0.0) as c:
+    # The scheduler's clock is the test's: the protection ends when the test moves it past, not while it looks.
+    clock = FakeClock()
+    async with cluster(db_url, min_runtime=4.0, grace=0.0, clock=clock.time) as c:
         low = await c.submit("low", 2, 8, priority=0)
         started = (await c.wait_running(low.id)).started_at
         high = await c.submit("high", 1, 8, priority=100)
         waiting = await c.job(high.id)
         assert waiting.state == PENDING and "minimum runtime" in waiting.message
-        assert (await c.job(low.id)).state == RUNNING
-        running = await c.wait_running(high.id, timeout=20)  # the scheduler wakes itself when the protection ends
-        assert running.started_at >= started + 4.0
+        clock.advance(3.9)
+        await c.scheduler.service.execute(_Nothing())  # a whole cycle at 3.9 s: still protected
+        assert (await c.job(low.id)).state == RUNNING and (await c.job(high.id)).state == PENDING
+        clock.advance(0.1)
+        running = await c.wait_running(high.id)  # the scheduler wakes itself when the protection ends
+        assert running.started_at == pytest.approx(started + 4.0, abs=1e-6)  # at the end of the protection
 
 
 async def test_cancelled_preemptor_calls_the_preemption_off(db_url):
