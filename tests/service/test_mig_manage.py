@@ -16,6 +16,7 @@ import sys
 
 import grpc
 import pytest
+from helpers.clock import FakeClock
 from helpers.lite_cluster import run_sql
 from helpers.waits import eventually, next_cycle
 
@@ -404,10 +405,11 @@ def _gpu_is(c: Cluster, node: str, index: int, **want):
 @pytestmark_e2e
 @pytest.mark.slow
 async def test_a_mig_job_gets_an_idle_gpu_switched_and_a_whole_node_job_gets_it_back(db_url, tmp_path):
-    # The hold must outlast the MIG job's run and the submission after it, also on a loaded machine: else the
-    # whole-node job never sees it (it was 3 s, and a busy CI machine took longer than that)
-    hold = 8.0
-    async with Cluster(db_url, tmp_path, {"node-a": ("none", True)}, mig_switch_hold_s=hold) as c:
+    # The scheduler's clock is the test's: the hold outlasts the MIG job's run and the submission after it however
+    # long they take, and ends when the test moves the clock past it.
+    hold = 3.0
+    clock = FakeClock()
+    async with Cluster(db_url, tmp_path, {"node-a": ("none", True)}, mig_switch_hold_s=hold, clock=clock.time) as c:
         (shown,) = await c.cli_json("nodes", "--json")
         assert shown["mig_manage"] is True
         assert [(g["mig_mode"], g["mig_mode_pending"], g["mig_switching"]) for g in shown["gpu_details"]] == [
@@ -440,6 +442,7 @@ async def test_a_mig_job_gets_an_idle_gpu_switched_and_a_whole_node_job_gets_it_
         assert held.state == PENDING and "GPU 7 of node-a changed its MIG mode at" in held.message
         assert len(c.switches("node-a")) == 1  # not asked back yet
         messages = c.watch(whole.id)
+        clock.advance(hold)  # the hold ends
         running = await c.until(whole.id, lambda j: j.state == RUNNING, "the whole-node job RUNNING")
         assert sorted(running.allocations[0].gpus) == list(range(8))
         assert [call for call in c.host("node-a").calls if call[0] == "set_mig_mode"] == [
@@ -448,7 +451,7 @@ async def test_a_mig_job_gets_an_idle_gpu_switched_and_a_whole_node_job_gets_it_
         ]
         (_, _), (_, asked_back) = c.switches("node-a")
         switched = run_sql(db_url, "SELECT at FROM node_events WHERE kind = 'mig_mode' ORDER BY at")
-        assert len(switched) == 2 and asked_back >= switched[0][0] + hold - 0.05  # the hold was kept
+        assert len(switched) == 2 and asked_back >= switched[0][0] + hold  # the hold was kept
         assert (await c.gpu("node-a", 7)).mig_mode == "disabled"
         assert any(m.startswith("waiting for GPU 7 of node-a to switch out of MIG mode") for m in messages)
 
