@@ -173,6 +173,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         placement_budget_ms=s.placement_budget_ms,
         depth=s.backfill_depth or None,
         backfill_budget_ms=s.backfill_budget_ms,
+        claims=s.claims,
     )
     return Snapshot(
         capacity=state.capacity,
