@@ -275,6 +275,39 @@ class JobAttempt(Base):
     restored_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
     committed_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
     kept_until: Mapped[float | None] = mapped_column(nullable=True)
+    # The gang this attempt was preempted for (revision 0022; "" when it ended otherwise)
+    preempted_by: Mapped[str] = mapped_column(String(32), default="", server_default="")
+
+
+class Claim(Base):
+    """A preemptor's claim on the capacity its victims free (revision 0022; phalanx.core.claims): made when its
+    victims are asked to stop, standing (`ended_at` NULL) until it runs, leaves the queue or can no longer fit where
+    it claimed, then kept with `end_reason`. At most one standing claim per job. `replicas`: where the preemptor
+    goes, [{"node", "gpus", "mig_profile", "mig_start", "mig_size", "gpu_milli", "cpu_milli", "memory"}];
+    `victims`: the job ids asked to stop for it; `queue` and `flavor`: the quota it keeps ("" none)."""
+
+    __tablename__ = "claims"
+    __table_args__ = (
+        Index(None, "job_id"),
+        Index(
+            "uq_claims_standing_job",
+            "job_id",
+            unique=True,
+            sqlite_where=text("ended_at IS NULL"),
+            postgresql_where=text("ended_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    priority: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    queue: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    flavor: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    replicas: Mapped[list[Any]] = mapped_column()
+    victims: Mapped[list[Any]] = mapped_column()
+    created_at: Mapped[float] = mapped_column()
+    ended_at: Mapped[float | None] = mapped_column(nullable=True)
+    end_reason: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class Allocation(Base):

@@ -328,6 +328,22 @@ def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tupl
             f"{restored[0]} (its preemption checkpoint), so no committed step was lost or done twice"
         )
     job = client.get_job(trainer.id)
+    ran = client.get_job(urgent.id)
+    # The invariant the claim keeps (issue 30): the victim is preempted once, and its preemptor runs on what it
+    # freed before the victim's next attempt.
+    once = job.preemptions == 1 and 0 < ran.started_at <= job.started_at and job.attempt == 2
+    _say(
+        f"  {trainer.name} was preempted {job.preemptions} time(s); {urgent.name} started at "
+        f"{time.strftime('%H:%M:%S', time.localtime(ran.started_at))}, "
+        + (
+            f"before {trainer.name}'s attempt {job.attempt} (at "
+            f"{time.strftime('%H:%M:%S', time.localtime(job.started_at))})"
+            if once
+            else f"and {trainer.name} ran {job.attempt} attempt(s), the last from "
+            f"{time.strftime('%H:%M:%S', time.localtime(job.started_at))}"
+        )
+    )
+    good = good and once
     if job.goodput is not None:
         g = job.goodput
         _say(

@@ -276,6 +276,17 @@ def job_detail(job: Job) -> str:
                 "the latest (sooner once its checkpoint is in)",
             )
         )
+    if job.claim is not None:
+        c = job.claim
+        where = ", ".join(c.nodes[:6]) + (f" and {len(c.nodes) - 6} more" if len(c.nodes) > 6 else "")
+        lines.append(
+            (
+                "claim",
+                f"{c.gpus} GPU(s) on {where} since {format_time(c.since)}, freed by {', '.join(c.victims) or '-'}; "
+                "no gang of lower priority may take them",
+            )
+        )
+        lines.append(("waits for", c.waits_for or "nothing: it starts at the next scheduling pass"))
     if job.not_before and job.state.value == "PENDING":
         lines.append(("retry backoff", f"until {format_time(job.not_before)}"))
     if job.restore:

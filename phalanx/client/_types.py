@@ -14,6 +14,7 @@ __all__ = [
     "JobState",
     "NodeState",
     "Allocation",
+    "Claim",
     "Goodput",
     "Job",
     "JobGoodput",
@@ -201,6 +202,44 @@ class Goodput:
 
 
 @dataclass(frozen=True, eq=True)
+class Claim:
+    """A pending preemptor's claim on the capacity its victims free (get_job only): where it goes (`nodes`, `gpus`),
+    the gangs asked to stop for it (`victims`) and since when, and what it still waits for (victims still
+    `stopping`, claimed GPUs still `releasing_gpus`, and `waits_for` in a sentence)."""
+
+    nodes: tuple[str, ...]
+    gpus: int
+    victims: tuple[str, ...]
+    since: float
+    stopping: tuple[str, ...] = ()
+    releasing_gpus: int = 0
+    waits_for: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Claim) -> Claim:
+        return cls(
+            tuple(msg.nodes),
+            int(msg.gpus),
+            tuple(msg.victims),
+            float(msg.since),
+            tuple(msg.stopping),
+            int(msg.releasing_gpus),
+            msg.waits_for,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": list(self.nodes),
+            "gpus": self.gpus,
+            "victims": list(self.victims),
+            "since": self.since,
+            "stopping": list(self.stopping),
+            "releasing_gpus": self.releasing_gpus,
+            "waits_for": self.waits_for,
+        }
+
+
+@dataclass(frozen=True, eq=True)
 class Job:
     """A job as the scheduler reports it. Times are unix seconds; 0 means "not yet"."""
 
@@ -251,6 +290,8 @@ class Job:
     struck_nodes: tuple[str, ...] = ()
     # What the current attempt restored from (get_job only; "" elsewhere and before any rank reported).
     restore: str = field(default="", compare=False)
+    # A pending preemptor's standing claim (get_job only; None elsewhere, and for any other job).
+    claim: Claim | None = field(default=None, compare=False)
     # GPU-time accounting, filled by get_job only (None elsewhere). It grows with time while the job runs, so it
     # takes no part in equality (watch compares jobs to drop repeats).
     goodput: Goodput | None = field(default=None, compare=False)
@@ -321,6 +362,7 @@ class Job:
             preempt_deadline=float(msg.preempt_deadline),
             struck_nodes=tuple(msg.struck_nodes),
             restore=msg.restore,
+            claim=Claim.from_proto(msg.claim) if msg.HasField("claim") else None,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
         )
 
@@ -364,6 +406,7 @@ class Job:
             "preempt_deadline": self.preempt_deadline,
             "struck_nodes": list(self.struck_nodes),
             "restore": self.restore,
+            "claim": None if self.claim is None else self.claim.to_dict(),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),
         }
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from .capacity import ClusterCapacity
+from .claims import ClaimShield, outside, with_claimed
 from .model import GangRequest, Placement
 from .placement import Unplaceable, _key, place_gang, queue_order
 from .quota import DEFAULT_QUEUE, QuotaBook, Refusal, fair_order
@@ -453,6 +454,35 @@ def _search(
     return (-math.inf if hi == 0 else gangs[hi - 1].ends_at), witness, ("" if hi == 0 else gangs[hi - 1].job_id)
 
 
+def _claim_window(
+    capacity: ClusterCapacity,
+    hidden: Sequence[str],
+    shield: ClaimShield | None,
+    job_id: str,
+    head: GangRequest | None,
+) -> list[tuple[str, set[int]]]:
+    """A claimant behind a blocked head that may not use its claim may still take its claim inside the head's
+    hidden region: the head's reservation was planned without those GPUs (backfill.with_claimed), so taking them
+    delays it in nothing. The claimed nodes of the region are shown with only their claimed GPUs free; returns
+    (node, GPUs taken out) to put back after the placement (showing the node hidden again)."""
+    if shield is None or head is None or not hidden:
+        return []
+    claim = shield.claims.get(job_id)
+    if claim is None or claim.may_use(head.job_id, head.priority):
+        return []
+    claimed: dict[str, set[int]] = {}
+    for rep in claim.replicas:
+        claimed.setdefault(rep.node, set()).update(rep.gpus)
+    window = []
+    for name in hidden:
+        if name in claimed:
+            extra = capacity.nodes[name].free - claimed[name]
+            capacity.set_schedulable(name, True)
+            capacity.take(name, extra)
+            window.append((name, extra))
+    return window
+
+
 def schedule_with_backfill(
     capacity: ClusterCapacity,
     pending: Sequence[GangRequest],
@@ -467,6 +497,8 @@ def schedule_with_backfill(
     queues: Mapping[str, str] | None = None,
     depth: int | None = None,
     budget_s: float = 0.0,
+    shield: ClaimShield | None = None,
+    releasing: Sequence[Placement] = (),
 ) -> BackfillResult:
     """Serve `pending` in queue order, each gang all at once; the first that does not fit is the head and gets a
     reservation; later gangs backfill where they do not delay it. Reserves each placement in `capacity` as it
@@ -481,7 +513,12 @@ def schedule_with_backfill(
     `depth`: look at no more than this many gangs behind the head, whether tried or passed over for a shape that
     already failed (Slurm's bf_max_job_test): a long queue then costs a bounded pass; the rest wait for the next
     one. `budget_s` (> 0): stop trying gangs behind the head once the pass has taken this long (perf_counter; so
-    only callers that accept a machine-dependent cut pass it)."""
+    only callers that accept a machine-dependent cut pass it).
+
+    Claims (`shield`, phalanx.core.claims): before each gang is tried, the index shows it the claimed capacity it
+    may use and hides the rest; a claimant placed ends its claim in the shield. `releasing`: GPUs of ended gangs
+    that their nodes still hold until the processes are gone; the head's reservation counts them as coming free
+    now (those of claims hidden from the head excepted)."""
     placements: list[Placement] = []
     ends: dict[str, float] = {}
     head: Unplaceable | None = None
@@ -498,8 +535,31 @@ def schedule_with_backfill(
     hidden: list[str] = []  # the head's region, while hidden from the gangs that may not enter it
     hidden_region = False
     deadline = time.perf_counter() + budget_s if budget_s > 0 else math.inf
+    # A claimant's quota is kept for it as its GPUs are: its demand is charged to its queue until its turn (so no
+    # gang served before it takes the quota it needs), and while it waits after it.
+    kept: dict[str, tuple[str, str, GangRequest]] = {}
+    if book is not None and shield:
+        for request in pending:
+            claim = shield.claims.get(request.job_id)
+            if claim is not None and claim.queue:
+                kept[request.job_id] = (claim.queue, claim.flavor, request)
+                book.charge(claim.queue, claim.flavor, request)
+    recharge: tuple[str, str, GangRequest] | None = None  # the last claimant tried, until it is placed
+    head_request: GangRequest | None = None
     try:
         for queue, request in order:
+            if recharge is not None:  # it was not placed: its quota stays kept for the rest of the pass
+                assert book is not None
+                book.charge(*recharge)
+                kept[recharge[2].job_id] = recharge
+                recharge = None
+            claimant = shield is not None and shield.owns(request.job_id)
+            if shield:
+                shield.for_request(request)
+            recharge = kept.pop(request.job_id, None)
+            if recharge is not None:
+                assert book is not None
+                book.charge(*recharge, sign=-1)
             if book is not None:
                 admitted = book.admit(queue, request)
                 if isinstance(admitted, Refusal):
@@ -523,11 +583,16 @@ def schedule_with_backfill(
                     # variant failed here and the first failure is set.
                     assert first_failure is not None
                     variant, head = first_failure
+                    head_request = variant
                     if not backfill:
                         break
                     # The gangs placed in this pass count as running, with their own limits.
                     live = running()
                     extra = [RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements]
+                    hidden_claims = shield.hidden_from(request.job_id, request.priority) if shield else []
+                    if releasing:
+                        coming = outside(releasing, hidden_claims)
+                        extra += [RunningEnd(p.job_id, p, now) for p in coming]
                     planned: _InEndOrder | list[RunningEnd]
                     running_key: tuple[RunningSet, int, frozenset[tuple[str, float]]] | frozenset[tuple[str, float]]
                     if isinstance(live, RunningSet):
@@ -536,7 +601,15 @@ def schedule_with_backfill(
                     else:
                         planned = [*live, *extra]
                         running_key = frozenset((g.job_id, g.ends_at) for g in planned)
-                    key = (variant, running_key, capacity.free_gpus(), capacity.unschedulable())
+                    key = (
+                        variant,
+                        running_key,
+                        capacity.free_gpus(),
+                        capacity.unschedulable(),
+                        tuple(c.job for c in hidden_claims),
+                        # A GPU that fails while a gang holds it changes no free count, only what comes free
+                        frozenset((n, frozenset(g)) for n, g in unusable.items() if g) if unusable else None,
+                    )
                     if memo is not None and memo.get("key") == key:
                         reservation = memo["reservation"]
                     else:
@@ -546,7 +619,7 @@ def schedule_with_backfill(
                             planned,
                             now,
                             fabric_tiers,
-                            unusable,
+                            with_claimed(unusable, hidden_claims),
                             memo.setdefault("ideal", {}) if memo is not None else None,
                             memo.setdefault("hints", {}) if memo is not None else None,
                         )
@@ -563,7 +636,10 @@ def schedule_with_backfill(
                 hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
                 # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later
                 # in it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
-                if book is None:
+                # (Not for a claimant: it sees its claim, which the gangs before it did not.)
+                if claimant:
+                    pass
+                elif book is None:
                     if (hide, _shape(request)) in failed:
                         continue
                 else:
@@ -591,17 +667,28 @@ def schedule_with_backfill(
                     for n in hidden:
                         capacity.set_schedulable(n, True)
                     hidden, hidden_region = [], False
-                for flavor, variant in variants:
-                    result = place_gang(capacity, variant, fabric_tiers)
-                    if isinstance(result, Placement):
-                        placed = (flavor, variant, result)
-                        break
-                    failed.add((hide, _shape(variant)))
+                window = _claim_window(capacity, hidden, shield, request.job_id, head_request) if claimant else []
+                try:
+                    for flavor, variant in variants:
+                        result = place_gang(capacity, variant, fabric_tiers)
+                        if isinstance(result, Placement):
+                            placed = (flavor, variant, result)
+                            break
+                        if not claimant:
+                            failed.add((hide, _shape(variant)))
+                finally:
+                    for n, shut in window:
+                        capacity.release(n, shut)
+                        capacity.set_schedulable(n, False)
                 if placed is None:
                     continue
                 backfilled.append(request.job_id)
             flavor, variant, result = placed
             capacity.reserve(result)
+            recharge = None
+            if claimant:
+                assert shield is not None
+                shield.drop(request.job_id)
             placements.append(result)
             ends[result.job_id] = limit_end
             if book is not None:
@@ -610,4 +697,9 @@ def schedule_with_backfill(
     finally:
         for n in hidden:
             capacity.set_schedulable(n, True)
+        if shield:
+            shield.restore()
+        if book is not None:
+            for keeps in kept.values():  # the pass is over: the book holds what runs, no more
+                book.charge(*keeps, sign=-1)
     return BackfillResult(placements, head, reservation, tuple(backfilled), flavors, refused)

@@ -6,21 +6,33 @@ the trace simulator (phalanx/sim/engine.py) both take a `Snapshot`, call `decide
 way (ledger writes and agent assignments; a virtual cluster and a virtual clock).
 
 What one decision does, in order (numbered as `decide` runs them):
+0. Claims (phalanx.core.claims). A preemptor holds a claim on the capacity its preemption planned for it, from the
+   ask until it runs. Claims of gangs that no longer wait, or that can no longer fit where they claimed (a claimed
+   node out, a claimed GPU unusable or in the other MIG mode), end here (`EndClaim`).
 1. Victims. A running gang asked to checkpoint for a preemptor is stopped once its checkpoint is committed (its
    request is no longer outstanding) or its grace period is over (`Stop`); while it checkpoints, look again soon
    (`WakeAt`). A victim whose preemptor no longer waits (placed elsewhere, cancelled) keeps running (`CallOff`).
-2. The handover. A preemptor whose victims were stopped in this decision is placed first, on the GPUs they freed
-   (an atomic handover: a requeued victim that outranks it, by a quota reclaim, would otherwise take them back).
+2. The handover, with claims off only (`DecideConfig.claims`): a preemptor whose victims were stopped in this
+   decision is placed first, on the GPUs they freed. With claims it keeps its place in the queue: what it claimed
+   is hidden from every gang that may not use it (equal or lower priority, its own victims), across decisions, as
+   its victims' nodes confirm their releases one by one.
 3. The pass. The pending queue, minus jobs in their retry backoff (`WakeAt` their end), is served in order
    (priority, then submission; fair order across queues with quotas) by `backfill.schedule_with_backfill`: each
-   gang is placed whole or not at all (`Reserve`); a gang its quota refuses waits (`Wait`, QUOTA); the first that
-   does not fit is the head and gets a reservation that shorter gangs may backfill around (EASY), except while a
-   preemption is under way (its plan counts on the GPUs that are free now).
+   gang is placed whole or not at all (`Reserve`; a claimant placed ends its claim); a gang its quota refuses
+   waits (`Wait`, QUOTA); the first that does not fit is the head and gets a reservation that shorter gangs may
+   backfill around (EASY; GPUs still being released count as coming free now). Without claims, nothing is
+   backfilled while a preemption is under way (its plan counts on the GPUs that are free now); with claims, the
+   claims keep those GPUs and the pass goes on.
 4. The blocked head. An extension point (`after_blocked`: the service's MIG mode switches) may make it wait;
    else preemption (`preemption.choose_victims`): lower-priority gangs (and, with quotas, gangs of the head's cohort
-   running on borrowed quota: a reclaim) are asked to checkpoint (`AskCheckpoint`) by a deadline; with a zero grace
-   period they are stopped at once and the pass runs once more (2-3 again). Otherwise it waits holding nothing
-   (`Wait`, with why).
+   running on borrowed quota: a reclaim) are asked to checkpoint (`AskCheckpoint`) by a deadline, and the head
+   claims where it will go (`SetClaim`); with a zero grace period they are stopped at once and the pass runs again
+   (2-4), as long as preemptions stop gangs. Otherwise it waits holding nothing (`Wait`, with why), and a claim
+   that nothing would now make good ends.
+
+The invariants every plan must keep, whatever the combination of these features, are written in
+phalanx.core.invariants and checked on generated scenarios (tests/unit/test_scheduling_invariants.py,
+bench/invariants.py).
 
 Ownership: `decide` plans on `snapshot.capacity` itself (a copy of a large cluster every cycle would cost more
 than the pass): when it returns, the index holds the cluster as the plan leaves it (every `Reserve` reserved,
@@ -41,22 +53,26 @@ from typing import Any, TypeVar
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .capacity import PLACEMENT_BUDGET_MS, ClusterCapacity
+from .claims import Claim, ClaimShield, outside, with_claimed
 from .model import GangRequest, Placement
-from .preemption import NoPreemption, PreemptionPolicy, RunningGang, choose_victims
-from .quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, usage_of
+from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
+from .quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, demand, flavor_matches, usage_of
 from .status import Code, Status
 
 __all__ = [
     "AfterBlocked",
     "AskCheckpoint",
     "CallOff",
+    "Claim",
     "Code",
     "DecideConfig",
+    "EndClaim",
     "Memo",
     "PendingJob",
     "Plan",
     "Reserve",
     "RunningJob",
+    "SetClaim",
     "Snapshot",
     "Status",
     "Step",
@@ -139,6 +155,9 @@ class DecideConfig:
     borrower_preempts: bool = False
     placement_budget_ms: float = PLACEMENT_BUDGET_MS
     backfill_budget_ms: float = 0.0
+    # A preemptor keeps what it freed (phalanx.core.claims). Off only to show what breaks without it: the
+    # invariant checks' own test runs a decision with claims off and expects them to catch the inversion.
+    claims: bool = True
 
 
 @dataclass
@@ -181,6 +200,9 @@ class Snapshot:
     # would make fit waits for them rather than evicting more gangs.
     hold_on_stop: Collection[str] = ()
     releasing: Sequence[Placement] = ()
+    # The preemptors' claims on the capacity their victims free, by preemptor (phalanx.core.claims): kept by the
+    # caller from the plans' SetClaim and EndClaim steps.
+    claims: Mapping[str, Claim] = field(default_factory=_empty)
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------------
@@ -231,9 +253,29 @@ class CallOff:
 
 
 @dataclass(frozen=True, slots=True)
+class SetClaim:
+    """`claim.job` claims `claim.replicas` (it replaces the gang's claim, if any): made when its victims are asked
+    to stop, kept until EndClaim."""
+
+    claim: Claim
+
+
+@dataclass(frozen=True, slots=True)
+class EndClaim:
+    """The claim of `job` ends: it runs, it left the queue, or it can no longer fit where it claimed."""
+
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Wait:
+    """`job` waits, holding nothing, for `status`. `reservation`: the blocked head's backfill reservation (None:
+    none, or not the head)."""
+
     job: str
     status: Status
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +285,8 @@ class WakeAt:
     t: float
 
 
-Step = Reserve | AskCheckpoint | Stop | CallOff | Wait | WakeAt
-S = TypeVar("S", Reserve, AskCheckpoint, Stop, CallOff, Wait, WakeAt)
+Step = Reserve | AskCheckpoint | Stop | CallOff | SetClaim | EndClaim | Wait | WakeAt
+S = TypeVar("S", Reserve, AskCheckpoint, Stop, CallOff, SetClaim, EndClaim, Wait, WakeAt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,13 +322,22 @@ def decide(snapshot: Snapshot, now: float, *, after_blocked: AfterBlocked | None
     """The plan for this moment: stop the victims whose time is up, place pending gangs in order (the handover
     first), and preempt for a blocked head when that would make it fit. See the module docstring."""
     d = _Decision(snapshot, now)
+    d.check_claims()  # 0
     d.stop_victims()  # 1
-    for _ in range(2):  # a second pass only when a preemption with no grace period stopped victims at once
+    # Another pass only when a preemption with no grace period stopped victims at once: its head is placed then,
+    # and the next blocked head may preempt in turn (bounded: every such pass stops running gangs, of which there
+    # are only so many).
+    for _ in range(2 + len(d.pending)):
         pending = d.ready()
         if not pending:
             break
-        backfill = d.config.backfill and not d.preempting
-        first = [p for p in pending if p.request.job_id in d.handover_to] if d.handover_to else []  # 2
+        # While a preemption is under way, its plan counts on GPUs that are free now: without claims nothing is
+        # backfilled meanwhile; with claims, the preemptors' claims keep those GPUs, and the pass goes on.
+        backfill = d.config.backfill and (d.shield.enabled or not d.preempting)
+        # 2. Without claims, the handover: a preemptor whose victims were stopped in this decision first. With
+        # claims it needs no turn of its own: its claim is hidden from every gang that may not take it, and it keeps
+        # its place in the queue (a gang of higher priority, served before it, may still use it: priorities win).
+        first = [p for p in pending if p.job_id in d.handover_to] if d.handover_to and not d.shield.enabled else []
         d.handover_to.clear()
         if first:
             d.serve(first, backfill=False, memo=None, depth=None)
@@ -309,7 +360,7 @@ def decide(snapshot: Snapshot, now: float, *, after_blocked: AfterBlocked | None
                 Code.UNSCHEDULABLE,
                 f"waiting, holding no GPUs: {result.blocked.reason}" + reserved_note(result.reservation) + note,
             )
-        d.steps.append(Wait(head.job_id, status))
+        d.steps.append(Wait(head.job_id, status, result.reservation))
         if not stopped:
             break
     return d.plan()
@@ -339,6 +390,7 @@ class _Decision:
         self.reserved: set[str] = set()
         self._order_cache: dict[str, int] | None = None
         self.releasing: list[Placement] = list(snapshot.releasing)  # plus what this decision's Stops hold
+        self.shield = ClaimShield(self.cap, snapshot.claims.values() if self.config.claims else (), self.config.claims)
 
     # -- bookkeeping
 
@@ -408,6 +460,50 @@ class _Decision:
         if self.wake != math.inf:
             self.steps.append(WakeAt(self.wake))
         return Plan(tuple(self.steps))
+
+    # -- 0. claims
+
+    def check_claims(self) -> None:
+        """End the claims of gangs that no longer wait, and of those that can no longer fit where they claimed (a
+        claimed node is out, a claimed GPU unusable or in the other MIG mode)."""
+        if not self.shield:
+            return
+        cap, unusable = self.cap, self.snap.unusable
+        for claim in list(self.shield.claims.values()):
+            why = ""
+            if claim.job not in self.pending:
+                why = "its job no longer waits"
+            else:
+                for rep in claim.replicas:
+                    node = cap.nodes.get(rep.node)
+                    if node is None or not node.schedulable:
+                        why = f"node {rep.node}, which it claimed, is out of service"
+                    elif set(rep.gpus) & set(unusable.get(rep.node, ())):
+                        why = f"GPUs it claimed on {rep.node} are unusable"
+                    elif any((g in node.mig_gpus) != bool(rep.mig_profile) for g in rep.gpus):
+                        why = f"GPUs it claimed on {rep.node} changed MIG mode"
+                    if why:
+                        why += ": it no longer fits where it claimed"
+                        break
+            if why:
+                self.end_claim(claim.job, why)
+
+    def end_claim(self, job_id: str, reason: str) -> None:
+        if self.shield.owns(job_id):
+            self.shield.drop(job_id)
+            self.steps.append(EndClaim(job_id, reason))
+
+    def claim_note(self, job_id: str) -> str:
+        """What a waiting claimant's message says of its claim ("" none)."""
+        claim = self.shield.claims.get(job_id)
+        if claim is None:
+            return ""
+        nodes = claim.nodes
+        where = ", ".join(nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
+        return (
+            f"; it holds a claim on the {claim.gpus} GPU(s) it gets (on {where}), which no gang of lower "
+            "priority may take meanwhile"
+        )
 
     # -- 1. victims
 
@@ -489,6 +585,7 @@ class _Decision:
     ) -> tuple[QuotaBook | None, BackfillResult]:
         """One scheduling pass over `pending`: Reserve what it places, Wait for what its quota refuses."""
         book = self.book()
+        owned = set(self.shield.claims) if self.shield else ()
         result = schedule_with_backfill(
             self.cap,
             [p.request for p in pending],
@@ -502,6 +599,8 @@ class _Decision:
             depth=depth,
             budget_s=self.config.backfill_budget_ms / 1000 if backfill else 0.0,
             queues={p.job_id: p.queue for p in pending} if book is not None else None,
+            shield=self.shield if self.shield else None,
+            releasing=self.releasing if self.config.claims else (),
         )
         for job_id, why in result.quota_blocked.items():
             self.steps.append(Wait(job_id, Status(Code.QUOTA, f"waiting for quota, holding no GPUs: {why}")))
@@ -515,13 +614,17 @@ class _Decision:
             )
             self.reserved.add(job.job_id)
             self.fresh.append((job, placement, flavor))
+            if job.job_id in owned:  # (the pass dropped it from the shield when it placed the gang)
+                self.steps.append(EndClaim(job.job_id, "it runs"))
         return book, result
 
     # -- 4. preemption
 
     def preempt_for(self, head: PendingJob, book: QuotaBook | None) -> tuple[Status | None, bool]:
         """Start preempting for the blocked head when that would make it fit. Returns its status (None: the usual
-        "waiting" one) and whether victims were stopped already (a zero grace period)."""
+        "waiting" one) and whether victims were stopped already (a zero grace period). The head's claim follows:
+        made (or widened) when victims are asked, kept while it waits for them, ended when nothing would make it
+        fit now (it then waits like any blocked gang, with its backfill reservation)."""
         policy = self.config.preemption
         if policy is None:
             return None, False
@@ -534,7 +637,7 @@ class _Decision:
                 Code.PREEMPTING,
                 f"waiting for {len(mine)} preempted gang(s) ({ids}) to checkpoint and "
                 f"stop, by {clock(until)} at the latest; they hold the GPUs this gang "
-                "gets",
+                "gets" + self.claim_note(hid),
             ), False
         # Reclaim (quotas): a head within its queue's nominal quota may also evict, whatever their priority, gangs
         # of other queues of its cohort that run on borrowed quota; they count as just below its priority. A head
@@ -546,16 +649,12 @@ class _Decision:
             spec = book.spec(head.queue)
             admitted = book.admit(head.queue, head.request)
             flavors = [a.flavor for a in admitted if not a.borrowing] if isinstance(admitted, list) else []
-            borrowing_head = isinstance(admitted, list) and bool(admitted) and not flavors
+            # Not within its nominal quota now: it would borrow, or (after this pass's charges) its quota even
+            # refuses it. Either way it may preempt only within its own queue: taking another queue's GPUs by
+            # priority to run on borrowed quota is what that queue then reclaims, in turn (a preemption cycle).
+            borrowing_head = not flavors
             if spec.cohort and flavors:
-                reclaim = {
-                    j
-                    for j, r in self.running()
-                    if j not in self.preempting
-                    and r.queue != head.queue
-                    and book.spec(r.queue).cohort == spec.cohort
-                    and book.borrowing(r.queue, r.flavor)
-                }
+                reclaim = self.reclaimable(head, book)
         own_queue_only = borrowing_head and not self.config.borrower_preempts
         lower: list[tuple[RunningJob, int]] = []
         for j, r in self.running():
@@ -567,47 +666,37 @@ class _Decision:
             if p < priority:
                 lower.append((r, p))
         # GPUs being released count as the cheapest "victims" there are: evicting them costs nothing, they come
-        # free by themselves.
+        # free by themselves (those of other gangs' claims this head may not use excepted).
+        hidden = self.shield.hidden_from(hid, priority) if self.shield else []
         releasing = [
             RunningGang(f"{RELEASING}{i}:{p.job_id}", _RELEASING_PRIORITY, p, -math.inf, 0.0)
-            for i, p in enumerate(self.releasing)
+            for i, p in enumerate(outside(self.releasing, hidden) if hidden else self.releasing)
         ]
         if not lower and not releasing:
+            self.end_claim(hid, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang")
             return None, False
-        # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head
-        # that stays blocked does not pay for the search every time.
-        signature = (
-            hid,
-            priority,
-            frozenset((r.job_id, r.attempt) for r, _ in lower),
-            tuple(g.job_id for g in releasing),
-            self.cap.free_gpus(),
-            self.cap.unschedulable(),
-        )
-        memo = self.memo.no_preemption
-        if memo is not None and memo[0] == signature and now < memo[1]:
-            if memo[1] != math.inf:
-                self.wake_at(memo[1])
-            return memo[2], False
-        saved = self.snap.saved_at
-        gangs = []
-        for r, p in lower:
-            since = r.progress_since or r.started_at
-            at = saved.get(r.job_id)
-            if at is not None:
-                since = max(since, at)
-            gangs.append(RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since)))
-        result = choose_victims(
-            self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, self.snap.unusable
-        )
+        self.shield.for_job(hid, priority)  # the index as this head may see it (other claims hidden)
+        try:
+            result = self._choose(head, lower, releasing, policy)
+        finally:
+            self.shield.restore()
+        if result is None:  # the memo's answer
+            return self.memo.no_preemption[2] if self.memo.no_preemption else None, False
         if not isinstance(result, NoPreemption) and all(v.startswith(RELEASING) for v in result.victims):
             held = sum(len(r.gpus) for g in releasing if g.job_id in result.victims for r in g.placement.replicas)
-            of = sorted({g.job_id.split(":", 1)[1] for g in releasing if g.job_id in result.victims})
+            of = sorted({_released_job(g.job_id) for g in releasing if g.job_id in result.victims})
             self.wake_at(now + self.config.poll_s)
+            old = self.shield.claims.get(hid)
+            if (
+                old is not None
+                and old.gpu_set() != Claim.of(hid, priority, result.placement, (), now).gpu_set()
+                and not self.claim_intact(old)
+            ):
+                self.set_claim(Claim.of(hid, priority, result.placement, old.victims, old.since, old.queue, old.flavor))
             return Status(
                 Code.PREEMPTING,
                 f"waiting for {held} GPU(s) that ended gang(s) {', '.join(of)} are releasing (their processes are "
-                "exiting); then it fits",
+                "exiting); then it fits" + self.claim_note(hid),
             ), False
         if isinstance(result, NoPreemption):
             status = None
@@ -621,7 +710,8 @@ class _Decision:
                     f"once they pass their minimum runtime of {policy.min_runtime_s:g}s "
                     f"(at {clock(until)})",
                 )
-            self.memo.no_preemption = (signature, until, status)
+            self.memo.no_preemption = (self._signature, until, status)
+            self.end_claim(hid, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang")
             return status, False
         self.memo.no_preemption = None
         deadline = now + policy.grace_period_s
@@ -630,9 +720,20 @@ class _Decision:
             f"preempting: job {hid} (priority {priority}) needs its GPUs; asked to checkpoint, stopped once "
             f"it is committed or by {clock(deadline)}"
         )
-        for vid in result.victims:
-            if vid.startswith(RELEASING):
-                continue  # comes free by itself
+        real = [v for v in result.victims if not v.startswith(RELEASING)]
+        if self.config.claims:
+            old = self.shield.claims.get(hid)
+            self.set_claim(
+                Claim.of(
+                    hid,
+                    priority,
+                    result.placement,
+                    (*(old.victims if old else ()), *real),
+                    old.since if old else now,
+                    *self.claim_quota(head, result.placement, book),
+                )
+            )
+        for vid in real:
             victim = self.get(vid)
             self.steps.append(
                 AskCheckpoint(
@@ -643,17 +744,121 @@ class _Decision:
             self.preempting.add(vid)
         self.wake_at(min(deadline, now + self.config.poll_s))
         stopped = policy.grace_period_s <= 0 and self.stop_victims()
-        real = [v for v in result.victims if not v.startswith(RELEASING)]
         return Status(
             Code.PREEMPTING,
             f"preempting {len(real)} lower-priority gang(s) "
             f"({', '.join(real)}): they were asked to checkpoint and stop by "
-            f"{clock(deadline)}; then {result.placement.reason}",
+            f"{clock(deadline)}; then {result.placement.reason}" + self.claim_note(hid),
         ), stopped
+
+    _signature: Any = None
+
+    def reclaimable(self, head: PendingJob, book: QuotaBook) -> set[str]:
+        """The gangs a head within its nominal quota may take back from other queues of its cohort: a reclaim
+        returns what was borrowed, no more. Per borrowing queue and flavor, its gangs in eviction order (lowest
+        priority, then the latest started) while the queue still borrows before each: the one that ends its
+        borrowing is the last (Kueue's reclaimWithinCohort walks its candidates the same way). A queue's gangs
+        that its nominal quota covers stay out of reach, whatever their priority: evicting them would only make
+        that queue reclaim in turn (a preemption cycle)."""
+        cohort = book.spec(head.queue).cohort
+        by_queue: dict[tuple[str, str], list[RunningJob]] = {}
+        for j, r in self.running():
+            if j in self.preempting or r.queue == head.queue or book.spec(r.queue).cohort != cohort:
+                continue
+            if book.borrowing(r.queue, r.flavor):
+                by_queue.setdefault((r.queue, r.flavor), []).append(r)
+        out: set[str] = set()
+        for (queue, flavor), gangs in by_queue.items():
+            quota = book.spec(queue).quotas.get(flavor)
+            if quota is None:
+                continue
+            used_g, used_s = book.used(queue, flavor)
+            over_g, over_s = used_g - quota.gpus, used_s - quota.mig_slices
+            for r in sorted(gangs, key=lambda r: (r.request.priority, -r.started_at, r.job_id)):
+                if over_g <= 1e-9 and over_s <= 1e-9:
+                    break
+                out.add(r.job_id)
+                g, sl = demand(r.request)
+                over_g, over_s = over_g - g, over_s - sl
+        return out
+
+    def _choose(
+        self,
+        head: PendingJob,
+        lower: list[tuple[RunningJob, int]],
+        releasing: list[RunningGang],
+        policy: PreemptionPolicy,
+    ) -> Preemption | NoPreemption | None:
+        """`choose_victims` for the head on the index as it may see it; None when the memo already knows there are
+        none (its answer is in `memo.no_preemption`)."""
+        now, hid, priority = self.now, head.job_id, head.request.priority
+        # The answer only changes with the running set, the free GPUs or the clock passing a protection: a head
+        # that stays blocked does not pay for the search every time.
+        self._signature = signature = (
+            hid,
+            priority,
+            frozenset((r.job_id, r.attempt) for r, _ in lower),
+            tuple(g.job_id for g in releasing),
+            self.cap.free_gpus(),
+            self.cap.unschedulable(),
+            frozenset(self.shield.claims),
+            frozenset((n, frozenset(g)) for n, g in self.snap.unusable.items() if g),
+        )
+        memo = self.memo.no_preemption
+        if memo is not None and memo[0] == signature and now < memo[1]:
+            if memo[1] != math.inf:
+                self.wake_at(memo[1])
+            self.end_claim(hid, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang")
+            return None
+        saved = self.snap.saved_at
+        gangs = []
+        for r, p in lower:
+            since = r.progress_since or r.started_at
+            at = saved.get(r.job_id)
+            if at is not None:
+                since = max(since, at)
+            gangs.append(RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since)))
+        # GPUs of claims this head may not use stay out even when the search releases their holders.
+        unusable = with_claimed(self.snap.unusable, self.shield.hidden_from(hid, priority) if self.shield else ())
+        return choose_victims(self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, unusable)
+
+    def claim_intact(self, claim: Claim) -> bool:
+        """Whether nothing but its own victims holds a whole GPU `claim` claims (a gang of higher priority may have
+        taken some meanwhile): then the claimant keeps it, rather than move to other GPUs being released, which
+        would hand the ones its victims freed to others and make it wait for more."""
+        claimed = {(r.node, g) for r in claim.replicas if not (r.mig_profile or r.gpu_milli) for g in r.gpus}
+        if not claimed:
+            return True
+        for j, r in self.running():
+            if j in claim.victims:
+                continue
+            for rep in r.placement.replicas:
+                if any((rep.node, g) in claimed for g in rep.gpus):
+                    return False
+        return True
+
+    def claim_quota(self, head: PendingJob, placement: Placement, book: QuotaBook | None) -> tuple[str, str]:
+        """(queue, flavor) a claim keeps quota under: the head's queue and the first of its flavors that matches
+        the GPU model where it goes (("", "") without quotas)."""
+        if book is None or book.spec(head.queue).unlimited:
+            return "", ""
+        node = self.cap.nodes.get(placement.replicas[0].node) if placement.replicas else None
+        model = node.gpu_model if node is not None else ""
+        flavor = next((f for f in book.spec(head.queue).quotas if flavor_matches(f, model)), "")
+        return (head.queue, flavor) if flavor else ("", "")
+
+    def set_claim(self, claim: Claim) -> None:
+        self.shield.add(claim)
+        self.steps.append(SetClaim(claim))
 
 
 RELEASING = "\x00releasing:"  # the job id prefix of GPUs being released, as preemption candidates
 _RELEASING_PRIORITY = -(2**62)
+
+
+def _released_job(candidate: str) -> str:
+    """The job whose GPUs a releasing candidate holds: "\x00releasing:<i>:<job>[/<attempt>]" -> "<job>"."""
+    return candidate.split(":", 2)[2].split("/", 1)[0]
 
 
 def _replace_victim(job: RunningJob, by: str, deadline: float) -> RunningJob:

@@ -56,15 +56,18 @@ from typing import Any, Protocol
 from phalanx.core.backfill import RunningEnd, RunningSet
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.checkpoint_policy import young_daly_interval
+from phalanx.core.claims import Claim
 from phalanx.core.decide import (
     AskCheckpoint,
     CallOff,
     DecideConfig,
+    EndClaim,
     Memo,
     PendingJob,
     Plan,
     Reserve,
     RunningJob,
+    SetClaim,
     Snapshot,
     Stop,
     WakeAt,
@@ -325,6 +328,7 @@ class _Replay:
         self.memo = Memo()  # the decision's memo (the head's reservation, a "no victims" answer), across passes
         self.cross_spine_bytes = 0.0
         self.evicting: dict[str, str] = {}  # victim -> the gang it makes way for, during its checkpoint grace
+        self.claims: dict[str, Claim] = {}  # preemptor -> its claim on what its victims free (SetClaim/EndClaim)
         self.wakes: set[float] = set()  # wake-ups pushed and not yet reached
         self.preemptions = self.reclaims = 0
         self.preempt_lost = 0.0  # GPU-seconds: the victims' checkpoint graces and rolled-back work
@@ -440,6 +444,7 @@ class _Replay:
             ends=self._ends,
             preempting=self.evicting.keys(),
             memo=self.memo,
+            claims=self.claims,
         )
 
     def _ends(self) -> Sequence[RunningEnd] | RunningSet:
@@ -458,6 +463,10 @@ class _Replay:
                 self.stop(self.running[step.job], finished=True, released=True)
             elif isinstance(step, CallOff):
                 self.resume(self.running[step.job])
+            elif isinstance(step, SetClaim):
+                self.claims[step.claim.job] = step.claim
+            elif isinstance(step, EndClaim):
+                self.claims.pop(step.job, None)
             elif isinstance(step, WakeAt) and step.t not in self.wakes:
                 self.wakes.add(step.t)
                 self.push(step.t, "wake", "")

@@ -67,6 +67,19 @@ CHECKPOINT_COMMIT_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
 )
 
+# Preemption cycles (Kueue issue 6861): how many times each active job was preempted (the label goes when the job
+# finishes: bounded by the active jobs), and how many gangs each preemptor had asked to stop when it started.
+JOB_PREEMPTIONS = Counter(
+    "phalanx_job_preemptions_total",
+    "Times each active job was preempted (stopped for another gang); its series ends when the job finishes",
+    ["job"],
+)
+PREEMPTIONS_PER_ATTEMPT = Histogram(
+    "phalanx_preemptions_per_attempt",
+    "Gangs a preemptor had asked to stop when its attempt started (observed once per such attempt)",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+
 SCHEDULER_LEADER = Gauge("phalanx_scheduler_leader", "1 while this scheduler replica holds the leadership lease")
 SCHEDULER_LEADER_EPOCH = Gauge(
     "phalanx_scheduler_leader_epoch", "Fencing epoch of the leadership lease as this replica last saw it"
@@ -122,3 +135,12 @@ def serve_metrics(port: int | None, host: str = "127.0.0.1") -> None:
     """Expose /metrics on port when one is given; metrics stay off otherwise, so ports never collide."""
     if port:
         start_http_server(port, addr=host)
+
+
+def forget_jobs(job_ids: Iterable[str]) -> None:
+    """Drop the per-job series of finished jobs (JOB_PREEMPTIONS), so that they stay bounded by the active ones."""
+    for job_id in job_ids:
+        try:
+            JOB_PREEMPTIONS.remove(job_id)
+        except KeyError:
+            pass

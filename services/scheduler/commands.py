@@ -313,6 +313,9 @@ class Cancel(Command):
             )
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)
+            if cycle.state.claims.pop(job.id, None) is not None:  # a preemptor that no longer waits keeps nothing
+                cycle.claim_writes.append((ledger.end_claim, (job.id, "cancelled", cycle.now)))
+                cycle.state.pass_due = True  # its victims are called off, what it claimed is free for others
             cycle.touched(job)
         else:
             teardown(cycle, job, final_state="CANCELLED", message="cancelled while running")

@@ -84,7 +84,11 @@ def schedule(cycle: Cycle) -> None:
     state.wake_at = math.inf
     # With nothing waiting and no victim, there is nothing to decide (nor a capacity index to build: a registration
     # storm on an idle cluster builds it once, when the first gang arrives).
-    if state.jobs.in_state("PENDING") or any(j.preempted_by for j in state.jobs.in_state("RUNNING").values()):
+    if (
+        state.jobs.in_state("PENDING")
+        or state.claims
+        or any(j.preempted_by for j in state.jobs.in_state("RUNNING").values())
+    ):
         t0 = time.perf_counter()
         snapshot = snapshot_of(cycle)
         t1 = time.perf_counter()
@@ -187,6 +191,7 @@ def account_finished(cycle: Cycle) -> None:
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
     """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
+    cycle.write_claims()
     if cycle.totals:
         accounting.add_totals(cycle.conn, cycle.totals, cycle.now)
         cycle.totals = []

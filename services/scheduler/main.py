@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         "declared time limits)",
     )
     p.add_argument(
+        "--no-claims",
+        dest="claims",
+        action="store_false",
+        help="for testing only: preemptors keep no claim on what their victims free (the scheduler before claims, "
+        "whose preempted gangs can take their GPUs back ahead of their preemptor)",
+    )
+    p.add_argument(
         "--backfill-depth",
         type=int,
         default=1000,
@@ -352,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         retry_backoff_s=args.retry_backoff,
         retry_backoff_max_s=args.retry_backoff_max,
         backfill=args.backfill,
+        claims=args.claims,
         backfill_depth=args.backfill_depth,
         backfill_budget_ms=args.backfill_budget_ms,
         placement_budget_ms=args.placement_budget_ms,

@@ -20,11 +20,13 @@ from phalanx.core.decide import (
     AskCheckpoint,
     CallOff,
     DecideConfig,
+    EndClaim,
     Memo,
     PendingJob,
     Plan,
     Reserve,
     RunningJob,
+    SetClaim,
     Snapshot,
     Stop,
     Wait,
@@ -171,6 +173,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         placement_budget_ms=s.placement_budget_ms,
         depth=s.backfill_depth or None,
         backfill_budget_ms=s.backfill_budget_ms,
+        claims=s.claims,
     )
     return Snapshot(
         capacity=state.capacity,
@@ -186,6 +189,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         ends=lambda: running_ends(state),
         hold_on_stop=frozenset(n.name for n in state.nodes.values() if n.confirms_release),
         releasing=releasing(state),
+        claims=state.claims,
     )
 
 
@@ -229,8 +233,33 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             if victim is None:
                 cycle.resync_after = True  # the index already gave its GPUs back
                 continue
+            if step.by:
+                cycle.later(ledger.mark_attempt_preempted, victim.id, victim.attempt, step.by)
+                cycle.preempted.append((victim.id, step.by))
             teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True)
             cycle.handover = True
+        elif isinstance(step, SetClaim):
+            cycle.claim_writes.append((ledger.set_claim, (step.claim, cycle.now)))
+            state.claims[step.claim.job] = step.claim
+            claimant = state.jobs.get(step.claim.job)
+            if claimant is not None:
+                cycle.touched(claimant)
+            log.info(
+                "claim_made",
+                job=step.claim.job,
+                gpus=step.claim.gpus,
+                nodes=list(step.claim.nodes),
+                victims=list(step.claim.victims),
+            )
+        elif isinstance(step, EndClaim):
+            claim = state.claims.pop(step.job, None)
+            cycle.claim_writes.append((ledger.end_claim, (step.job, step.reason, cycle.now)))
+            if claim is not None and step.reason == "it runs":
+                cycle.claims_run.append((step.job, len(claim.victims)))
+            claimant = state.jobs.get(step.job)
+            if claimant is not None:
+                cycle.touched(claimant)
+            log.info("claim_ended", job=step.job, reason=step.reason)
         elif isinstance(step, CallOff):
             victim = state.jobs.get(step.job)
             if victim is not None:

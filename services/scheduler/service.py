@@ -561,6 +561,12 @@ class SchedulerService:
         for _job, latency in cycle.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
+        for victim, _by in cycle.preempted:
+            metrics.JOB_PREEMPTIONS.labels(victim).inc()
+        for _claimant, asked in cycle.claims_run:
+            metrics.PREEMPTIONS_PER_ATTEMPT.observe(asked)
+        if cycle.finished:
+            metrics.forget_jobs(cycle.finished)
         now = time.monotonic()
         if now >= self._next_gauges:  # whole-cluster gauges are O(nodes): refresh them twice a second at most
             self._next_gauges = now + 0.5

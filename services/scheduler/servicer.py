@@ -291,7 +291,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         job_id = check_job_id(request.job_id)
         # One read transaction (one snapshot, one trip to a reader thread) for the job, its goodput and what its
         # attempt restored from; a job finished past --retain-finished comes from job_archive (retention.py).
-        row, archived, listed, restore = await self.service.read_snapshot(
+        row, archived, listed, restore, claim = await self.service.read_snapshot(
             _job_view, job_id, tenant_scope(), self.service.clock()
         )
         if row is None:
@@ -302,6 +302,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if listed:
             job.goodput.CopyFrom(accounting.to_proto(listed[0][1]))
         job.restore = restore
+        if claim is not None:
+            job.claim.CopyFrom(common_pb2.Claim(**claim))
         return job
 
     @unary
@@ -750,9 +752,10 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
 
 def _job_view(conn, job_id: str, tenant: str | None, now: float):
     """GetJob's reads in the caller's transaction: (the job's row, allocations and parts; None when it is not
-    active or finished in `jobs`), the archived job (only then), its goodput listing, its restore message."""
+    active or finished in `jobs`), the archived job (only then), its goodput listing, its restore message, its
+    standing claim (None: none)."""
     rows = ledger.read_jobs(conn, job_ids=[job_id], tenant=tenant)
     if not rows:
-        return None, retention.read_archived_job(conn, job_id, tenant), None, ""
+        return None, retention.read_archived_job(conn, job_id, tenant), None, "", None
     _, listed, _ = accounting.read_goodput(conn, now, job_ids=[job_id])
-    return rows[0], None, listed, ledger.restore_message(conn, job_id)
+    return rows[0], None, listed, ledger.restore_message(conn, job_id), ledger.claim_detail(conn, job_id, now)

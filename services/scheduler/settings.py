@@ -38,6 +38,9 @@ class SchedulerSettings:
     # 0: no limit) and this much time (ms; 0: none). The gangs not tried wait for a pass whose inputs changed.
     backfill_depth: int = 1000
     backfill_budget_ms: float = 50.0
+    # A preemptor keeps what it freed (phalanx.core.claims). False only to show what breaks without it (the live
+    # invariant test's check of its own checker): --no-claims.
+    claims: bool = True
     # Time budget of each placement's exact search (ms; 0: none); past it the heuristic fill, said in the reason.
     placement_budget_ms: float = PLACEMENT_BUDGET_MS
     # Heartbeats live in memory; the ledger sees them at most this often (other replicas read leases from it).

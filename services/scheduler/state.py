@@ -14,6 +14,7 @@ from typing import Any
 from phalanx.core import mig
 from phalanx.core.backfill import RunningSet
 from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.claims import Claim
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
 from phalanx.core.quota import QueueSpec
@@ -458,6 +459,8 @@ class SchedulerState:
         # The ledger's key for the ranks' credentials (db.migrate.ensure_rank_key): each launch carries its
         # attempt's PHALANX_JOB_TOKEN signed with it ("": none is given)
         self.rank_key = ""
+        # The preemptors' standing claims by job (phalanx.core.claims; the ledger's `claims` rows not ended)
+        self.claims: dict[str, Claim] = {}
 
     @property
     def jobs(self) -> JobTable:

@@ -74,6 +74,18 @@ class Cycle:
     foreign_assigned: set[str] | None = field(default_factory=set)
     # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
     timings: dict[str, float] = field(default_factory=dict)
+    # Preemptions applied in this cycle, (victim, preemptor), and the claims whose gangs it placed, (job, how many
+    # gangs were asked to stop for it): the metrics after the commit
+    preempted: list[tuple[str, str]] = field(default_factory=list)
+    claims_run: list[tuple[str, int]] = field(default_factory=list)
+    # Claims made and ended, in order: written after this cycle's new jobs (a claimant may be one of them)
+    claim_writes: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
+
+    def write_claims(self) -> None:
+        writes, self.claim_writes = self.claim_writes, []
+        for write, args in writes:
+            write(self.conn, *args)
+
     # node -> MASTER_PORTs of the running attempts whose rank 0 is there (ports_taken: built on first use)
     master_ports: dict[str, set[int]] | None = None
 
@@ -135,6 +147,11 @@ class Cycle:
         reload_state(self.conn, self.state, self.settings, self.now, initial=False)
         for job in self.new_jobs:
             self.state.jobs[job.id] = job
+        for write, args in self.claim_writes:  # not written yet: the view keeps them
+            if write is ledger.set_claim:
+                self.state.claims[args[0].job] = args[0]
+            else:
+                self.state.claims.pop(args[0], None)
 
 
 def _end_attempts(conn: Connection, rows: list[tuple[Any, ...]]) -> None:
@@ -228,6 +245,10 @@ def apply_changes(
                         state.capacity.take(rep.node, rep.gpus)
         if not rebuild:
             state.hold_fatal_gpus(touched_nodes)
+    if changes.jobs:  # their claims, made or ended by the other replica
+        for job_id in changes.jobs:
+            state.claims.pop(job_id, None)
+        state.claims.update(ledger.read_claims(conn, changes.jobs))
     if changes.queues:
         state.queues = ledger.load_queues(conn)
     if changes.sched:

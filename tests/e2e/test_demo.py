@@ -44,6 +44,10 @@ def test_demo_runs_every_job_and_the_preempted_trainer_resumes_exactly(tmp_path)
     assert "is PENDING and holds 0 GPUs" in out  # the whole-cluster gang waited holding nothing
     assert "train-batch PREEMPTING" in out and "minimum runtime" in out
     assert "both ranks counted [60, 60] of 60 steps" in out
+    # Preempted once, and its preemptor ran before its next attempt (issue 30: the claim).
+    assert re.search(
+        r"train-batch was preempted 1 time\(s\); urgent-\d+x8 started at [\d:]+, before train-batch's attempt 2", out
+    ), out[-3000:]
     assert "goodput of train-batch" in out
     # Rank 0 of the 2 x 8 gang, through `phalanx logs` (its node's agent), not whichever log sorts first.
     assert re.search(r"logs \w+ --rank 0 --tail 3\n  rank 0/16 on node-\d+ CUDA_VISIBLE_DEVICES=GPU-", out), out[-3000:]

@@ -6,11 +6,11 @@ from sqlalchemy.exc import IntegrityError
 
 from db.engine import make_engine
 from db.migrate import current
-from db.models import Allocation, Base, Gpu, Job, Node
+from db.models import Allocation, Base, Claim, Gpu, Job, Node
 
 
 def test_upgrade_reaches_head_with_every_table(db_url):
-    assert current(db_url) == "0021"
+    assert current(db_url) == "0022"
     engine = make_engine(db_url)
     names = set(inspect(engine).get_table_names())
     engine.dispose()
@@ -83,3 +83,20 @@ def test_database_refuses_a_gpu_in_two_active_allocations(db_url):
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM allocations")).scalar() == 2
     engine.dispose()
+
+
+def test_database_refuses_two_standing_claims_for_one_job(db_url):
+    """A preemptor has at most one standing claim (revision 0022's partial unique index); ended ones are history."""
+    engine = make_engine(db_url)
+    row = dict(job_id="a", priority=1, replicas=[{"node": "n1", "gpus": [0]}], victims=["b"], created_at=1.0)
+    try:
+        with engine.begin() as conn:
+            _seed(conn)
+            conn.execute(insert(Claim).values(**row, ended_at=5.0, end_reason="replaced"))
+            conn.execute(insert(Claim).values(**row))
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(insert(Claim).values(**row))
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT count(*) FROM claims WHERE job_id = 'a'")).scalar() == 2
+    finally:
+        engine.dispose()
