@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 # The documented JSON shapes of `phalanx jobs --json` and `phalanx nodes --json` (README, Job/Node.to_dict).
 JOB_FIELDS = {
     "id",
+    "claim",
     "name",
     "state",
     "replicas",

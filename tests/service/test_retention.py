@@ -24,6 +24,7 @@ from db.models import (
     CheckpointRestore,
     CheckpointShard,
     CheckpointStepReport,
+    Claim,
     GoodputTotals,
     Gpu,
     Job,
@@ -157,6 +158,11 @@ def _dependents(conn, job_id: str, *, node_id: int = 1, released: bool = True, r
         insert(CheckpointStepReport).values(job_id=job_id, attempt=1, rank=0, step=3, requested_at=1.0, reported_at=1.0)
     )
     conn.execute(insert(CheckpointRestore).values(job_id=job_id, attempt=1, rank=0, reported_at=1.0))
+    conn.execute(  # a claim it made once, as a preemptor (ended)
+        insert(Claim).values(
+            job_id=job_id, replicas=[{"node": "n", "gpus": [0]}], victims=[], created_at=1.0, ended_at=2.0
+        )
+    )
     conn.execute(
         insert(Assignment).values(
             node_id=node_id, revision=revision, job_id=job_id, attempt=1, kind="launch", payload=b"x", created_at=1.0
