@@ -546,6 +546,7 @@ def schedule_with_backfill(
                 book.charge(claim.queue, claim.flavor, request)
     recharge: tuple[str, str, GangRequest] | None = None  # the last claimant tried, until it is placed
     head_request: GangRequest | None = None
+    head_claims = False
     try:
         for queue, request in order:
             if recharge is not None:  # it was not placed: its quota stays kept for the rest of the pass
@@ -584,6 +585,7 @@ def schedule_with_backfill(
                     assert first_failure is not None
                     variant, head = first_failure
                     head_request = variant
+                    head_claims = shield is not None and shield.owns(variant.job_id)
                     if not backfill:
                         break
                     # The gangs placed in this pass count as running, with their own limits.
@@ -633,7 +635,13 @@ def schedule_with_backfill(
                     depth -= 1
                     if depth < 0:
                         break
-                hide = reservation is not None and (math.isinf(limit_end) or limit_end > reservation.start)
+                # A head with a claim needs no region kept for it: its claim already hides what it will run on from
+                # every gang behind it (and a leaf-wide region would hold back other claimants needlessly).
+                hide = (
+                    reservation is not None
+                    and not head_claims
+                    and (math.isinf(limit_end) or limit_end > reservation.start)
+                )
                 # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later
                 # in it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
                 # (Not for a claimant: it sees its claim, which the gangs before it did not.)

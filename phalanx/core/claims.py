@@ -27,9 +27,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
+from .mig import MEDIA_BIT
 from .model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 
-__all__ = ["Claim", "ClaimShield", "outside", "with_claimed"]
+__all__ = ["Claim", "ClaimShield", "merged", "outside", "with_claimed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +75,31 @@ class Claim:
         since: float,
         queue: str = "",
         flavor: str = "",
+        freed: Iterable[ReplicaPlacement] = (),
     ) -> Claim:
-        return cls(job, priority, placement.replicas, tuple(dict.fromkeys(victims)), since, queue, flavor)
+        """The claim on `placement` (where it goes) and on what its victims free besides (`freed`: their replicas),
+        so that no gang it outranks starts on a victim's GPU it may need should its plan change (a victim's node
+        slow to confirm its release while another victim's GPUs are free already)."""
+        replicas = merged(placement.replicas, freed)
+        return cls(job, priority, replicas, tuple(dict.fromkeys(victims)), since, queue, flavor)
+
+
+def merged(primary: Iterable[ReplicaPlacement], extra: Iterable[ReplicaPlacement]) -> tuple[ReplicaPlacement, ...]:
+    """`primary`, then what `extra` holds that `primary` does not (a whole GPU once; a partial replica whose GPU is
+    not in `primary`)."""
+    out = list(primary)
+    taken = {(r.node, g) for r in out for g in r.gpus}
+    for r in extra:
+        if r.mig_profile or r.gpu_milli:
+            if (r.node, r.gpus[0]) not in taken:
+                out.append(r)
+                taken.add((r.node, r.gpus[0]))
+            continue
+        gpus = tuple(g for g in r.gpus if (r.node, g) not in taken)
+        if gpus:
+            out.append(ReplicaPlacement(r.replica, r.node, gpus))
+            taken.update((r.node, g) for g in gpus)
+    return tuple(out)
 
 
 class _Hidden:
@@ -168,7 +192,19 @@ class ClaimShield:
             node = cap.nodes.get(rep.node)
             if node is None:
                 continue
-            if rep.mig_profile or rep.gpu_milli:
+            if rep.mig_profile:
+                # A claimed MIG instance: whatever of its memory slices is free is hidden as it comes free (a victim
+                # may still hold some), in contiguous runs.
+                (gpu,) = rep.gpus
+                want = rep.mig_mask & ~MEDIA_BIT
+                taken = sum(f.mig_mask for f in h.fillers)
+                free = want & ~node.mig.get(gpu, 0) & ~taken if gpu in node.mig_gpus else 0
+                for start, size in _runs(free):
+                    filler = ReplicaPlacement(rep.replica, rep.node, (gpu,), "claimed", start, size)
+                    cap.take_partial(filler)
+                    h.fillers.append(filler)
+                done = taken | free == want
+            elif rep.gpu_milli:
                 if not h.partial and _partial_free(node, rep):
                     cap.take_partial(rep)
                     h.partial = True
@@ -205,6 +241,20 @@ class ClaimShield:
                 cap.release_partial(filler)
             if h.use:
                 cap.release_use(rep.node, rep.cpu_milli, rep.memory)
+
+
+def _runs(mask: int) -> list[tuple[int, int]]:
+    """(start, size) of each run of set bits of `mask`, lowest first."""
+    out, i = [], 0
+    while mask >> i:
+        if mask >> i & 1:
+            start = i
+            while mask >> i & 1:
+                i += 1
+            out.append((start, i - start))
+        else:
+            i += 1
+    return out
 
 
 def _partial_free(node: NodeCapacity, rep: ReplicaPlacement) -> bool:

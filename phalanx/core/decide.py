@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .capacity import PLACEMENT_BUDGET_MS, ClusterCapacity
 from .claims import Claim, ClaimShield, outside, with_claimed
-from .model import GangRequest, Placement
+from .model import GangRequest, Placement, ReplicaPlacement
 from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
 from .quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, demand, flavor_matches, usage_of
 from .status import Code, Status
@@ -501,8 +501,8 @@ class _Decision:
         nodes = claim.nodes
         where = ", ".join(nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
         return (
-            f"; it holds a claim on the {claim.gpus} GPU(s) it gets (on {where}), which no gang of lower "
-            "priority may take meanwhile"
+            f"; it holds a claim on the {claim.gpus} GPU(s) it gets and its victims free (on {where}), which no "
+            "gang of lower priority may take meanwhile"
         )
 
     # -- 1. victims
@@ -660,8 +660,13 @@ class _Decision:
         for j, r in self.running():
             if j in self.preempting or (own_queue_only and r.queue != head.queue):
                 continue
-            if r.queue != head.queue and not head.by_admin and j not in reclaim:
-                continue  # another queue's gang: only its borrowed quota may be taken back
+            if r.queue != head.queue and j not in reclaim:
+                if not head.by_admin:
+                    continue  # another queue's gang: only its borrowed quota may be taken back
+                if book is not None and not book.spec(r.queue).unlimited:
+                    # Its queue's nominal quota is a guarantee, to an admin's gang too: evicted by priority, it would
+                    # take it back by a reclaim as soon as the preemptor's queue borrows (a preemption cycle).
+                    continue
             p = min(r.request.priority, priority - 1) if j in reclaim else r.request.priority
             if p < priority:
                 lower.append((r, p))
@@ -687,12 +692,21 @@ class _Decision:
             of = sorted({_released_job(g.job_id) for g in releasing if g.job_id in result.victims})
             self.wake_at(now + self.config.poll_s)
             old = self.shield.claims.get(hid)
-            if (
-                old is not None
-                and old.gpu_set() != Claim.of(hid, priority, result.placement, (), now).gpu_set()
-                and not self.claim_intact(old)
-            ):
-                self.set_claim(Claim.of(hid, priority, result.placement, old.victims, old.since, old.queue, old.flavor))
+            if old is not None and not self.claim_intact(old):
+                # A gang of higher priority took some of it: the claim moves to where it goes now, and keeps what of
+                # the old one nothing else holds.
+                self.set_claim(
+                    Claim.of(
+                        hid,
+                        priority,
+                        result.placement,
+                        old.victims,
+                        old.since,
+                        old.queue,
+                        old.flavor,
+                        freed=self.unheld(old),
+                    )
+                )
             return Status(
                 Code.PREEMPTING,
                 f"waiting for {held} GPU(s) that ended gang(s) {', '.join(of)} are releasing (their processes are "
@@ -723,6 +737,9 @@ class _Decision:
         real = [v for v in result.victims if not v.startswith(RELEASING)]
         if self.config.claims:
             old = self.shield.claims.get(hid)
+            freed = [rep for v in real for rep in self.get(v).placement.replicas]
+            if old is not None:  # widened: what it claimed before and nothing else holds stays claimed
+                freed += self.unheld(old)
             self.set_claim(
                 Claim.of(
                     hid,
@@ -731,6 +748,7 @@ class _Decision:
                     (*(old.victims if old else ()), *real),
                     old.since if old else now,
                     *self.claim_quota(head, result.placement, book),
+                    freed=freed,
                 )
             )
         for vid in real:
@@ -821,6 +839,26 @@ class _Decision:
         # GPUs of claims this head may not use stay out even when the search releases their holders.
         unusable = with_claimed(self.snap.unusable, self.shield.hidden_from(hid, priority) if self.shield else ())
         return choose_victims(self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, unusable)
+
+    def unheld(self, claim: Claim) -> list[ReplicaPlacement]:
+        """The replicas of `claim` whose GPUs no running gang holds but its own victims."""
+        held = {
+            (rep.node, g)
+            for j, r in self.running()
+            if j not in claim.victims
+            for rep in r.placement.replicas
+            for g in rep.gpus
+        }
+        out = []
+        for rep in claim.replicas:
+            if rep.mig_profile or rep.gpu_milli:
+                if (rep.node, rep.gpus[0]) not in held:
+                    out.append(rep)
+                continue
+            gpus = tuple(g for g in rep.gpus if (rep.node, g) not in held)
+            if gpus:
+                out.append(ReplicaPlacement(rep.replica, rep.node, gpus))
+        return out
 
     def claim_intact(self, claim: Claim) -> bool:
         """Whether nothing but its own victims holds a whole GPU `claim` claims (a gang of higher priority may have

@@ -667,8 +667,9 @@ class Checker:
                     )
         for by_id in sorted(due):
             by, ep = self.jobs.get(by_id), self.episodes.get(by_id)
-            if by is None or ep is None or by.gpus_per_replica <= 0 or by.demand[1] or by.demand[0] % 1:
-                continue
+            whole = by is not None and by.demand == (float(by.replicas * by.gpus_per_replica), 0.0)
+            if by is None or ep is None or by.gpus_per_replica <= 0 or not whole:
+                continue  # partial GPUs (MIG instances, shares): counting whole GPUs says nothing
             slots = 0
             for node, count in self.nodes.items():
                 if node in self.down:

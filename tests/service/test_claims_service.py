@@ -81,7 +81,7 @@ async def test_the_victim_stays_off_until_its_preemptor_runs_on_what_it_freed(db
         assert shown.claim.gpus == 24 and sorted(shown.claim.nodes) == NAMES
         assert list(shown.claim.victims) == [batch.id] and not shown.claim.stopping
         assert shown.claim.releasing_gpus == 16 and "16 claimed GPU(s) still releasing" in shown.claim.waits_for
-        assert "holds a claim on the 24 GPU(s)" in shown.message
+        assert "holds a claim on the 24 GPU(s) it gets and its victims free" in shown.message
 
         # One node confirms: 16 GPUs are free, enough for batch. It must not start there. (The release is a command
         # of a cycle, and that cycle's scheduling pass ran before the call returned.)

@@ -207,6 +207,51 @@ ROWS = [
         min_runtime_s=30.0,
     ),
     Row(
+        "an admin's gang evicted a gang running within its queue's nominal quota, which reclaimed it back",
+        "(c) j11 preempted j7 again after j7 preempted j11 in turn: a preemption cycle",
+        ClusterSpec(nodes=3, gpus=8, per_leaf=2, mixed=True),
+        """
+        submit j2 1x8 p=200 q=a work=60 limit=60 model=A100 fails=1
+        submit j7 12x1 q=a work=30 limit=20 ckpt=late
+        submit j11 7x2 p=-100 q=b work=300 tier=leaf ckpt=late
+        """,
+        queues=cohort(a=(12.0, 8.0, 1.0), b=(24.0, 0.0, 2.0)),
+        backoff_s=0.5,
+        max_attempts=5,
+    ),
+    Row(
+        "a blocked head with a claim kept a whole leaf from another claimant whose victims were gone",
+        "(c) preemptor j29 started 4 s after its victims were stopped and released",
+        ClusterSpec(nodes=8, gpus=8, per_leaf=8, mixed=True),
+        """
+        submit j5 3x2 p=200 work=300 ckpt=late user
+        submit j7 3x8 work=300 ckpt=never
+        submit j10 2x8 p=-100 work=30 ckpt=never
+        submit j11 3x2 p=-100 work=300 tier=node ckpt=late user
+        advance 5
+        submit j26 4x2 p=100 limit=20 tier=leaf ckpt=never user
+        submit j29 2x4 work=2 ckpt=late
+        submit j34 4x8 p=100 work=60 limit=60 ckpt=never fails=1
+        """,
+        grace_s=20.0,
+        max_attempts=5,
+    ),
+    Row(
+        "a claim on the planned placement only: a lower gang took a victim's freed GPU the preemptor then needed",
+        "(b) j19 started on GPU 0 of node-04, which preemptor j17 freed and then got",
+        ClusterSpec(nodes=6, gpus=8, per_leaf=2, mig_gpus=2, confirming="odd"),
+        "\n".join(f"submit fill{i} 2x8 p=-100 work=300 ckpt=late" for i in range(15))
+        + """
+        submit j6 1x8 work=30
+        submit j17 3x8 p=200 work=60
+        submit j19 2x4 work=300 limit=20 ckpt=never
+        advance 30
+        """,
+        min_runtime_s=0.0,
+        backoff_s=5.0,
+        max_attempts=2,
+    ),
+    Row(
         "a higher-priority share split a claimed GPU and a lower one took the rest of it",
         "(b) j2 (priority -100) started on GPU 7 of node-01, claimed by j3",
         ClusterSpec(nodes=2, gpus=8, per_leaf=2),
