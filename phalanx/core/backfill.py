@@ -461,14 +461,14 @@ def _claim_window(
     job_id: str,
     head: GangRequest | None,
 ) -> list[tuple[str, set[int]]]:
-    """A claimant behind a blocked head that may not use its claim may still take its claim inside the head's
-    hidden region: the head's reservation was planned without those GPUs (backfill.with_claimed), so taking them
-    delays it in nothing. The claimed nodes of the region are shown with only their claimed GPUs free; returns
+    """A claimant behind a blocked head may still take its claim inside the head's hidden region: the head's
+    reservation was planned without any other gang's claim (backfill.with_claimed), so taking it delays it in
+    nothing. The claimed nodes of the region are shown with only their claimed GPUs free; returns
     (node, GPUs taken out) to put back after the placement (showing the node hidden again)."""
     if shield is None or head is None or not hidden:
         return []
     claim = shield.claims.get(job_id)
-    if claim is None or claim.may_use(head.job_id, head.priority):
+    if claim is None:
         return []
     claimed: dict[str, set[int]] = {}
     for rep in claim.replicas:
@@ -481,6 +481,21 @@ def _claim_window(
             capacity.take(name, extra)
             window.append((name, extra))
     return window
+
+
+# Below every gang's priority: the shield then shows a gang its own claim only.
+_NO_PRIORITY = -(2**62)
+
+
+def _within_claim(shield: ClaimShield | None, job_id: str, reservation: Reservation | None) -> bool:
+    """The head's reservation lies wholly on GPUs its own claim holds: the claim hides them from every gang behind
+    it already. (A reservation that reaches beyond the claim, as a big gang's may when capacity moved since the
+    claim was made, needs its region kept as any head's does.)"""
+    claim = shield.claims.get(job_id) if shield is not None else None
+    if claim is None or reservation is None:
+        return False
+    claimed = {(r.node, g) for r in claim.replicas for g in r.gpus}
+    return all((r.node, g) in claimed for r in reservation.placement.replicas for g in r.gpus)
 
 
 def schedule_with_backfill(
@@ -585,13 +600,18 @@ def schedule_with_backfill(
                     assert first_failure is not None
                     variant, head = first_failure
                     head_request = variant
-                    head_claims = shield is not None and shield.owns(variant.job_id)
                     if not backfill:
                         break
                     # The gangs placed in this pass count as running, with their own limits.
                     live = running()
                     extra = [RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements]
-                    hidden_claims = shield.hidden_from(request.job_id, request.priority) if shield else []
+                    # The reservation is planned without any other gang's claim, even one the head may use now:
+                    # that claimant starts there as soon as its GPUs are released, so a reservation on them would
+                    # only be pushed back (and holding the claimant off for a later start would starve it).
+                    hidden_claims = [c for c in shield.claims.values() if c.job != request.job_id] if shield else []
+                    if hidden_claims:
+                        assert shield is not None
+                        shield.for_job(request.job_id, _NO_PRIORITY)
                     if releasing:
                         coming = outside(releasing, hidden_claims)
                         extra += [RunningEnd(p.job_id, p, now) for p in coming]
@@ -627,6 +647,7 @@ def schedule_with_backfill(
                         )
                         if memo is not None:
                             memo.update(key=key, reservation=reservation)
+                    head_claims = _within_claim(shield, variant.job_id, reservation)
                     continue
             else:
                 # Every gang looked at behind the head counts, tried or passed over: the pass ends after `depth` of
@@ -635,8 +656,9 @@ def schedule_with_backfill(
                     depth -= 1
                     if depth < 0:
                         break
-                # A head with a claim needs no region kept for it: its claim already hides what it will run on from
-                # every gang behind it (and a leaf-wide region would hold back other claimants needlessly).
+                # A head whose reservation lies in its claim needs no region kept for it: the claim already hides
+                # what it will run on from every gang behind it (and a leaf-wide region would hold back other
+                # claimants needlessly).
                 hide = (
                     reservation is not None
                     and not head_claims

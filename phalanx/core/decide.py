@@ -134,9 +134,12 @@ class RunningJob:
 
     @property
     def ends_at(self) -> float:
-        """When its time limit ends it (inf: none), as backfill plans."""
+        """When it ends at the latest, as backfill plans: its time limit (inf: none), or a victim's deadline, when
+        it is stopped whether its checkpoint committed or not (so a head's reservation sees the capacity its own or
+        another preemptor's victims free, not only what time limits do)."""
         limit = self.request.time_limit
-        return self.started_at + limit if limit else math.inf
+        end = self.started_at + limit if limit else math.inf
+        return min(end, self.deadline) if self.preempted_by else end
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -644,6 +647,7 @@ class _Decision:
         # that could run only on borrowed quota preempts within its own queue (Kueue's borrowWithinCohort "Never"):
         # else a reclaimed high-priority gang would evict its reclaimer, be reclaimed again, and so on.
         reclaim: set[str] = set()
+        borrowed: set[str] = set()
         borrowing_head = False
         if book is not None:
             spec = book.spec(head.queue)
@@ -655,12 +659,16 @@ class _Decision:
             borrowing_head = not flavors
             if spec.cohort and flavors:
                 reclaim = self.reclaimable(head, book)
+            elif spec.cohort and self.config.borrower_preempts:
+                # borrowWithinCohort "LowerPriority": a borrowing head may evict lower-priority gangs of the other
+                # queues, but only out of what they borrow (the walk of a reclaim): their nominal quota stays theirs.
+                borrowed = self.reclaimable(head, book)
         own_queue_only = borrowing_head and not self.config.borrower_preempts
         lower: list[tuple[RunningJob, int]] = []
         for j, r in self.running():
             if j in self.preempting or (own_queue_only and r.queue != head.queue):
                 continue
-            if r.queue != head.queue and j not in reclaim:
+            if r.queue != head.queue and j not in reclaim and j not in borrowed:
                 if not head.by_admin:
                     continue  # another queue's gang: only its borrowed quota may be taken back
                 if book is not None and not book.spec(r.queue).unlimited:

@@ -235,6 +235,38 @@ ROWS = [
         """,
         grace_s=20.0,
     ),
+    Row(
+        "a victim's deadline was not an end to backfill: the claimant head's reservation lay elsewhere, unguarded",
+        "(d) head j7's reservation moved from t=20 to t=60 after job j9, behind it in the queue, started at t=0",
+        ClusterSpec(nodes=12, gpus=8, per_leaf=4, nvlink=2, mixed=True, confirming="odd"),
+        "\n".join(f"submit fill{i} 2x8 p=-100 work=300 ckpt=never" for i in range(5))
+        + """
+        submit j3 2x2 p=200 work=300 limit=20
+        submit j7 2x8 p=200 work=2 ckpt=late
+        submit j8 2x4 p=-100 work=5 limit=60
+        submit j9 2x1 p=-100 work=2 milli=500 ckpt=late
+        """,
+        min_runtime_s=0.0,
+    ),
+    Row(
+        "a claimant head kept no region, though its reservation reached beyond its claim",
+        "(d) head j16's reservation moved from t=30 to t=50 after job j28, behind it in the queue, started at t=30",
+        ClusterSpec(nodes=14, gpus=8, per_leaf=4, nvlink=2, mixed=True, mig_gpus=2),
+        "\n".join(f"submit fill{i} 2x8 work=300 ckpt=never" for i in range(8))
+        + """
+        gpu 27
+        submit j6 3x4 work=30 limit=20
+        submit j8 1x1 p=100 work=60 limit=20 ckpt=never
+        cancel 30
+        release 1
+        submit j16 64x1 p=200 work=30 limit=20 ckpt=never
+        advance 30
+        release 29
+        release 1
+        submit j28 2x1 work=300 milli=500 ckpt=late
+        """,
+        grace_s=0.0,
+    ),
 ]
 
 
@@ -370,3 +402,37 @@ def test_a_claimant_takes_its_claim_inside_the_region_of_a_head_that_may_not_use
     )
     placed = [s.job for s in decide(snap, 5.0) if isinstance(s, Reserve)]
     assert placed == ["p"]
+
+
+def test_a_victims_deadline_ends_it_for_the_heads_reservation():
+    """Found with the (d) row "a victim's deadline was not an end to backfill" (which the region fix now also
+    covers): backfill planned a victim as running until its time limit, so a head waiting for its victims got a
+    reservation somewhere else, later, instead of where its victims stop by their deadline."""
+    from phalanx.core.decide import DecideConfig, PendingJob, RunningJob, Snapshot, Wait, decide
+    from phalanx.core.model import GangRequest, Placement, ReplicaPlacement
+
+    cap = _cap(("n1", 8), ("n2", 8))
+    # n1: a victim being stopped for "h" by t=13; n2: a gang with a time limit to t=60.
+    victim = RunningJob(
+        GangRequest("v", 1, 8, -100, 0.0),
+        Placement("v", (ReplicaPlacement(0, "n1", tuple(range(8))),), "", 0, 0.0, ""),
+        0.0,
+        preempted_by="h",
+        deadline=13.0,
+    )
+    other = RunningJob(
+        GangRequest("o", 1, 8, 0, 0.0, time_limit=60.0),
+        Placement("o", (ReplicaPlacement(0, "n2", tuple(range(8))),), "", 0, 0.0, ""),
+        0.0,
+    )
+    for r in (victim, other):
+        cap.reserve(r.placement)
+    snap = Snapshot(
+        capacity=cap,
+        pending=[PendingJob(GangRequest("h", 1, 8, 100, 1.0))],
+        running={"v": victim, "o": other},
+        config=DecideConfig(),
+    )
+    (wait,) = [s for s in decide(snap, 10.0) if isinstance(s, Wait)]
+    assert wait.reservation is not None
+    assert wait.reservation.start == 13.0 and wait.reservation.nodes == {"n1"}
