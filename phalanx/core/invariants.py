@@ -41,6 +41,7 @@ from .quota import QueueSpec
 
 __all__ = [
     "Asked",
+    "CalledOff",
     "Checker",
     "ClaimEnded",
     "ClaimMade",
@@ -163,6 +164,16 @@ class Asked:
 
 
 @dataclass(frozen=True, slots=True)
+class CalledOff:
+    """The preemption of a running attempt was called off (its preemptor found room elsewhere): it runs on, and the
+    deadline that backfill counted as its end no longer holds."""
+
+    t: float
+    victim: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimMade:
     """`job` claims `holds` (whole GPUs, MIG instances, shares), for `victims` (a new claim or a replacement)."""
 
@@ -248,6 +259,7 @@ Event = (
     | Released
     | Finished
     | Asked
+    | CalledOff
     | ClaimMade
     | ClaimEnded
     | NodeDown
@@ -346,6 +358,7 @@ class Checker:
         self.lost_index = -1  # the event of the last capacity loss (any)
         self.back_index = -1  # ... and of the last node back
         self.freed_index = -1  # ... and of the last attempt's end or release
+        self.called_off_index = -1  # ... and of the last preemption called off
         # (victim, preemptor) -> the event that last asked, and when
         self.asks: dict[tuple[str, str], tuple[int, float]] = {}
         self.asked_by: dict[tuple[str, int], str] = {}  # victim's attempt -> its (last) preemptor
@@ -590,6 +603,9 @@ class Checker:
         self.episodes.pop(e.job, None)  # a preemptor cancelled: nothing more is owed to it
         self.reservations.pop(e.job, None)
 
+    def _on_CalledOff(self, e: CalledOff) -> None:
+        self.called_off_index = self.index
+
     def _on_Asked(self, e: Asked) -> None:
         victim = self.jobs.get(e.victim)
         by = self.jobs.get(e.by)
@@ -738,7 +754,8 @@ class Checker:
         # Capacity lost, or gained (a node or GPU back, an attempt ended, GPUs released): placement is a bounded
         # search, and the reservation waits for a compact shape, so more free capacity may move its witness to a
         # better shape that comes later. Only a push with no such change in between is a backfill's doing.
-        if max(self.lost_index, self.back_index, self.freed_index) > made_index:
+        # A victim's preemption called off: the deadline the reservation counted as its end no longer holds.
+        if max(self.lost_index, self.back_index, self.freed_index, self.called_off_index) > made_index:
             return
         # Gangs before the head in queue order (higher priority, or equal and older; with quotas, equal priority in
         # another queue may come first by fair share) are served first: they may push it back (priorities win). A

@@ -345,6 +345,7 @@ class World:
             elif isinstance(step, CallOff):
                 job = self.jobs[step.job]
                 job.preempted_by, job.deadline, job.commit_at = "", 0.0, math.inf
+                self.record(inv.CalledOff(self.now, job.spec.job, job.attempt))
             elif isinstance(step, SetClaim):
                 self.claims[step.claim.job] = step.claim
                 self.record(inv.ClaimMade(self.now, step.claim.job, holds_of(step.claim.replicas), step.claim.victims))

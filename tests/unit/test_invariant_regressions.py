@@ -267,6 +267,20 @@ ROWS = [
         """,
         grace_s=0.0,
     ),
+    Row(
+        "(the checker's bug) a reservation counted on a victim's deadline; its preemption was called off",
+        "(d) head fill10's reservation moved from t=9 to t=26 after job j8 started at t=6 (j8 was not the cause)",
+        ClusterSpec(nodes=13, gpus=8, per_leaf=2, mig_gpus=1, confirming="none"),
+        "\n".join(f"submit fill{i} 2x8 work=300 ckpt=never" for i in range(1, 16))
+        + """
+        advance 6
+        submit j1 2x4 work=2 limit=20
+        submit j3 3x8 p=200 work=5 limit=20 ckpt=late
+        commit 51
+        down 10
+        submit j8 2x1 tier=leaf
+        """,
+    ),
 ]
 
 

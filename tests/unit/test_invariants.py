@@ -10,6 +10,7 @@ import pytest
 from phalanx.core import invariants as inv
 from phalanx.core.invariants import (
     Asked,
+    CalledOff,
     ClaimEnded,
     ClaimMade,
     Cluster,
@@ -222,6 +223,9 @@ def test_d_a_reservation_pushed_back_by_a_gang_behind_the_head_is_caught():
     assert check(ahead) == []
     other_head = [*events[:5], Reserved(2, "", math.nan), events[5]]
     assert check(other_head) == []
+    # A victim's preemption called off: the deadline the reservation counted as its end no longer holds.
+    called_off = [*events[:5], CalledOff(2, "victim", 1), events[5]]
+    assert check(called_off) == []
 
 
 # ---- (e) quotas -------------------------------------------------------------------------------------------------------
