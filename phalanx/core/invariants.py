@@ -359,6 +359,7 @@ class Checker:
         self.back_index = -1  # ... and of the last node back
         self.freed_index = -1  # ... and of the last attempt's end or release
         self.called_off_index = -1  # ... and of the last preemption called off
+        self.asked_index = -1  # ... and of the last victim asked (its deadline is a new end to plan with)
         # (victim, preemptor) -> the event that last asked, and when
         self.asks: dict[tuple[str, str], tuple[int, float]] = {}
         self.asked_by: dict[tuple[str, int], str] = {}  # victim's attempt -> its (last) preemptor
@@ -607,6 +608,7 @@ class Checker:
         self.called_off_index = self.index
 
     def _on_Asked(self, e: Asked) -> None:
+        self.asked_index = self.index
         victim = self.jobs.get(e.victim)
         by = self.jobs.get(e.by)
         if victim is None or victim.attempt != e.attempt:
@@ -754,8 +756,12 @@ class Checker:
         # Capacity lost, or gained (a node or GPU back, an attempt ended, GPUs released): placement is a bounded
         # search, and the reservation waits for a compact shape, so more free capacity may move its witness to a
         # better shape that comes later. Only a push with no such change in between is a backfill's doing.
-        # A victim's preemption called off: the deadline the reservation counted as its end no longer holds.
-        if max(self.lost_index, self.back_index, self.freed_index, self.called_off_index) > made_index:
+        # A victim asked to stop: its deadline is an end the reservation plans with, which may move its witness to
+        # a more compact shape that comes later. A preemption called off: the deadline it counted on no longer holds.
+        if (
+            max(self.lost_index, self.back_index, self.freed_index, self.called_off_index, self.asked_index)
+            > made_index
+        ):
             return
         # Gangs before the head in queue order (higher priority, or equal and older; with quotas, equal priority in
         # another queue may come first by fair share) are served first: they may push it back (priorities win). A

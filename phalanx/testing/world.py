@@ -335,7 +335,13 @@ class World:
 
     def apply(self, plan: Plan) -> None:
         head = next((s for s in plan if isinstance(s, Wait) and s.reservation is not None), None)
+        reserved = False
         for step in plan:
+            if isinstance(step, AskCheckpoint) and not reserved:
+                # The head's reservation was planned by the backfill pass, before this decision asked any victim:
+                # recorded before the asks, so a witness their deadlines move is seen as moved by them.
+                self.record_reservation(head)
+                reserved = True
             if isinstance(step, Reserve):
                 self.start(self.jobs[step.job], step.placement, step.flavor)
             elif isinstance(step, AskCheckpoint):
@@ -354,6 +360,10 @@ class World:
                 self.record(inv.ClaimEnded(self.now, step.job, step.reason))
             elif isinstance(step, WakeAt):
                 self.wake = min(self.wake, step.t)
+        if not reserved:
+            self.record_reservation(head)
+
+    def record_reservation(self, head: Wait | None) -> None:
         if head is not None and head.reservation is not None:
             self.record(inv.Reserved(self.now, head.job, head.reservation.start))
         else:

@@ -281,6 +281,23 @@ ROWS = [
         submit j8 2x1 tier=leaf
         """,
     ),
+    Row(
+        "(the checker's bug) a reservation planned before its decision asked a victim, whose deadline moved it",
+        "(d) head fill1's reservation moved from t=20 to t=25 after job j15 started at t=5 (j15 was not the cause)",
+        ClusterSpec(nodes=4, gpus=8, per_leaf=2, nvlink=4, confirming="none"),
+        """
+        submit fill0 2x8 work=300
+        submit fill1 2x8 work=300
+        submit j0 2x2 p=-100 work=2 limit=20 tier=leaf ckpt=never
+        cancel 57
+        submit j5 1x8 p=-100 tier=leaf ckpt=never
+        gpu 3
+        submit j10 1x8 p=200 work=60 limit=20 tier=leaf user
+        advance 5
+        submit j15 1x1 limit=60 milli=500 ckpt=late fails=1
+        """,
+        grace_s=20.0,
+    ),
 ]
 
 
