@@ -512,13 +512,9 @@ class LocalCluster:
         if self.web_port is not None:
             from phalanx.web.server import WebServer
 
-            # The cluster's own dashboard, with the supervisor's credential (every job, when authentication is on).
-            self.web = WebServer(
-                self.address,
-                port=self.web_port,
-                token=self.client_options().get("token"),
-                checkpoint=self.checkpoint_address,
-            ).start()
+            # The cluster's own dashboard, on loopback; it holds no credential: visitors sign in with their own tokens
+            # (with authentication off, with an empty one).
+            self.web = WebServer(self.address, port=self.web_port, checkpoint=self.checkpoint_address).start()
             self.log(f"dashboard at {self.web.url}")
         self.log(
             f"{self.node_count} nodes READY ({self.profile})"

@@ -447,19 +447,35 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_web(args: argparse.Namespace) -> int:
-    """``phalanx web [--scheduler ADDR] [--port P] [--token T]``: serve the dashboard until interrupted."""
+    """``phalanx web [--scheduler ADDR] [--host H] [--port P] [--tls-cert F --tls-key F | --insecure]``: serve the
+    dashboard until interrupted. Visitors sign in with their own tokens; the dashboard holds none."""
     import signal
     import threading
 
-    from phalanx.web.server import WebServer
+    from phalanx.web.server import InsecureBind, WebServer
 
     scheduler = args.web_scheduler or args.scheduler or resolve_target(None)
-    token = args.web_token if args.web_token is not None else args.token
+    if args.web_token is not None:
+        sys.stderr.write(
+            "phalanx web: --token is no longer used: the dashboard holds no credential of its own, each visitor "
+            "signs in with theirs\n"
+        )
     try:
-        server = WebServer(scheduler, args.host, args.port, token=token, checkpoint=args.checkpoint_coordinator).start()
-    except OSError as exc:
+        server = WebServer(
+            scheduler,
+            args.host,
+            args.port,
+            checkpoint=args.checkpoint_coordinator,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            insecure=args.insecure,
+            session_ttl_s=args.session_ttl,
+        ).start()
+    except InsecureBind as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:  # ssl.SSLError (a bad certificate or key) is one
         raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
-    sys.stderr.write(f"dashboard at {server.url} (scheduler {scheduler}); Ctrl-C stops it\n")
+    sys.stderr.write(f"dashboard at {server.url} (scheduler {scheduler}); sign in with your token; Ctrl-C stops it\n")
     sys.stderr.flush()
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -891,8 +907,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("web", help="a live web dashboard of the cluster (read-only), until Ctrl-C")
     p.add_argument("--scheduler", dest="web_scheduler", default=None, metavar="ADDR", help="as the global flag")
-    p.add_argument("--token", dest="web_token", default=None, metavar="TOKEN", help="as the global flag")
-    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to serve on (default 127.0.0.1)")
+    p.add_argument(
+        "--token",
+        dest="web_token",
+        default=None,
+        metavar="TOKEN",
+        help="no longer used (visitors sign in with their own tokens); accepted for old scripts",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address to serve on (default 127.0.0.1); beyond loopback needs --tls-cert/--tls-key or --insecure",
+    )
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plain HTTP beyond loopback (only behind a proxy that terminates TLS)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=8 * 3600.0,
+        metavar="S",
+        help="seconds a sign-in lasts (default 28800)",
+    )
     p.add_argument("--port", type=_bounded("--port", 0, 65535), default=8080, metavar="P", help="default 8080")
     p.add_argument(
         "--checkpoint-coordinator",

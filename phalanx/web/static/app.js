@@ -2,7 +2,38 @@
 // Small clusters are drawn whole as elements (each GPU a <div data-gpu="NODE/INDEX" data-job="JOB">); large ones
 // (more than DOM_LIMIT GPUs) virtualized: only the leaves on screen hold elements. No framework, nothing fetched
 // beyond this server.
+//
+// Every value from the server (names, messages, commands, node names, tenants, log lines) is drawn as text: the
+// page is built with createElement and text nodes (el() below), never by parsing strings as HTML, so a hostile
+// name stays a name. The server's Content-Security-Policy forbids inline scripts and styles besides.
 "use strict";
+
+// el("td", {className: "x", dataset: {job: id}}, "text", child, ...): an element; strings become text nodes.
+function el(tag, props, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(props || {})) {
+    if (k === "dataset") Object.assign(e.dataset, v);
+    else e[k] = v;
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    e.append(c instanceof Node ? c : String(c));
+  }
+  return e;
+}
+
+// A link that opens a job's page (the click is handled once, on the document: see the end of this file).
+const jobLink = (id, text) => el("a", { href: "#/job/" + encodeURIComponent(id), dataset: { open: id } }, text);
+
+let csrf = "";
+function signedOut() {
+  location.replace("/login");
+}
+async function api(path) {
+  const r = await fetch(path, { credentials: "same-origin" });
+  if (r.status === 401) { signedOut(); throw new Error("signed out"); }
+  return r.json();
+}
 
 const DOM_LIMIT = 4096;
 let state = null;
@@ -67,7 +98,6 @@ function nodeElement(n, held) {
       g.title = `${key}: ${h.job} (${h.tenant})${h.part ? " " + h.part : ""}`;
       if (h.part) g.classList.add(h.part === "mig" ? "mig" : "held");
       if (h.job === selected) g.classList.add("selected");
-      g.onclick = () => openJob(h.job);
     } else {
       if (n.fatal.includes(i)) g.classList.add("fatal");
       else if (n.mig.includes(i)) g.classList.add("mig");
@@ -85,13 +115,13 @@ function drawDom(nodes, held) {
   for (const [spine, leaves] of tree(nodes)) {
     const s = document.createElement("div");
     s.className = "spine";
-    s.innerHTML = `<div class="label">${spine}</div>`;
+    s.append(el("div", { className: "label" }, spine));
     const ls = document.createElement("div");
     ls.className = "leaves";
     for (const [leaf, members] of leaves) {
       const l = document.createElement("div");
       l.className = "leaf";
-      l.innerHTML = `<div class="label">${leaf}</div>`;
+      l.append(el("div", { className: "label" }, leaf));
       const ns = document.createElement("div");
       ns.className = "nodes";
       for (const n of members) ns.appendChild(nodeElement(n, held));
@@ -125,11 +155,11 @@ function drawVirtual(nodes, held) {
   for (const [spine, leaves] of tree(nodes)) {
     const s = document.createElement("div");
     s.className = "spine";
-    s.innerHTML = `<div class="label">${spine}</div>`;
+    s.append(el("div", { className: "label" }, spine));
     for (const [leaf, members] of leaves) {
       const l = document.createElement("div");
       l.className = "leaf virtual";
-      l.innerHTML = `<div class="label">${leaf} (${members.length} nodes)</div>`;
+      l.append(el("div", { className: "label" }, `${leaf} (${members.length} nodes)`));
       const box = document.createElement("div");
       box.className = "nodes";
       box.style.minHeight = `${Math.ceil(members.length / perRow) * 30}px`;
@@ -160,24 +190,35 @@ function drawFabric() {
 }
 
 function drawQueues() {
-  const rows = state.queues.map((q) => {
+  const root = document.getElementById("queues");
+  if (!state.queues.length) { root.replaceChildren(el("span", { className: "muted" }, "no queues configured")); return; }
+  const table = el("table", {});
+  for (const q of state.queues) {
     const used = (q.usage || []).reduce((s, u) => s + u.gpus, 0);
     const quota = (q.quotas || []).reduce((s, u) => s + u.gpus, 0);
+    const borrowing = (q.usage || []).some((u) => u.borrowing) ? " (borrowing)" : "";
+    table.append(el("tr", { dataset: { queue: q.name } },
+      el("td", {}, el("b", {}, q.name), q.cohort ? [" ", el("span", { className: "muted" }, `(${q.cohort})`)] : null),
+      el("td", {}, `${used}/${quota || "∞"} GPUs${borrowing}`),
+      el("td", {}, `share ${(100 * (q.share || 0)).toFixed(1)}%`)));
     const pending = (q.pending || []).map((p) =>
-      `<div>#${p.position} <a onclick="openJob('${p.job_id}')">${p.name}</a> <span class="reason">${escape(p.message)}</span></div>`).join("");
-    return `<tr><td><b>${q.name}</b>${q.cohort ? ` <span class="muted">(${q.cohort})</span>` : ""}</td>
-      <td>${used}/${quota || "∞"} GPUs${(q.usage || []).some((u) => u.borrowing) ? " (borrowing)" : ""}</td>
-      <td>share ${(100 * (q.share || 0)).toFixed(1)}%</td></tr><tr><td colspan="3">${pending}</td></tr>`;
-  });
-  document.getElementById("queues").innerHTML = rows.length ? `<table>${rows.join("")}</table>` : `<span class="muted">no queues configured</span>`;
+      el("div", {}, `#${p.position} `, jobLink(p.job_id, p.name), " ", el("span", { className: "reason" }, p.message || "")));
+    table.append(el("tr", {}, el("td", { colSpan: 3 }, pending)));
+  }
+  root.replaceChildren(table);
 }
 
 function drawJobs() {
   const order = { RUNNING: 0, PREEMPTING: 1, PENDING: 2 };
   const jobs = [...state.jobs].sort((a, b) => (order[a.state] - order[b.state]) || (a.submitted_at - b.submitted_at));
-  document.getElementById("jobs").innerHTML = `<table>${jobs.map((j) =>
-    `<tr data-job-row="${j.id}"><td><a onclick="openJob('${j.id}')">${j.id}</a></td><td>${escape(j.name)}</td><td>${j.state}</td>
-     <td>${j.gang}</td></tr>${j.state === "PENDING" ? `<tr><td colspan="4" class="reason">${escape(j.message)}</td></tr>` : ""}`).join("")}</table>`;
+  const table = el("table", {});
+  for (const j of jobs) {
+    table.append(el("tr", { dataset: { jobRow: j.id } },
+      el("td", {}, jobLink(j.id, j.id)), el("td", {}, j.name), el("td", {}, j.tenant || ""), el("td", {}, j.state),
+      el("td", {}, j.gang)));
+    if (j.state === "PENDING") table.append(el("tr", {}, el("td", { colSpan: 5, className: "reason" }, j.message || "")));
+  }
+  document.getElementById("jobs").replaceChildren(table);
 }
 
 function drawHistory() {
@@ -197,38 +238,48 @@ function drawHistory() {
   }
 }
 
-function escape(s) {
-  return String(s || "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+const when = (t) => (t ? new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19) : "-");
+
+function checkpointsOf(j) {
+  if (typeof j.checkpoints === "string") return el("span", { className: "muted" }, j.checkpoints);
+  if (!j.checkpoints.length) return el("span", { className: "muted" }, "none committed");
+  return el("table", { dataset: { checkpoints: j.id } }, j.checkpoints.map((c) =>
+    el("tr", { dataset: { step: c.step } }, el("td", {}, `step ${c.step}`), el("td", {}, `attempt ${c.attempt}`),
+      el("td", {}, when(c.committed_at)), el("td", {}, `${c.shards} shard(s)`))));
 }
 
 async function openJob(id) {
   selected = id;
-  location.hash = "#/job/" + id;
-  const section = document.getElementById("job-section");
-  section.hidden = false;
+  location.hash = "#/job/" + encodeURIComponent(id);
+  document.getElementById("job-section").hidden = false;
   document.getElementById("job-title").textContent = id;
-  const r = await fetch("api/job/" + encodeURIComponent(id));
-  const j = await r.json();
-  if (j.error) { document.getElementById("job").textContent = j.error; return; }
+  const out = document.getElementById("job");
+  let j;
+  try { j = await api("/api/job/" + encodeURIComponent(id)); } catch (e) { return; }
+  if (j.error) { out.textContent = j.error; return; }
   const g = j.goodput || {};
-  const parts = ["productive", "rollback", "restart", "waiting"].map((k) =>
-    `<tr><td>${k}</td><td><span class="bar" style="width:${Math.min(200, 200 * (g[k] || 0) / Math.max(1, (g.allocated || 0) + (g.waiting || 0)))}px"></span> ${(g[k] || 0).toFixed(0)} GPU·s</td></tr>`).join("");
-  const when = (t) => (t ? new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19) : "-");
-  document.getElementById("job").innerHTML = `
-    <table data-job-page="${j.id}">
-      <tr><td>name</td><td>${escape(j.name)}</td></tr>
-      <tr><td>state</td><td>${j.state} (attempt ${j.attempt}, ${j.failures} failure(s), ${j.preemptions} preemption(s))</td></tr>
-      <tr><td>message</td><td>${escape(j.message)}</td></tr>
-      <tr><td>history</td><td>submitted ${when(j.submitted_at)}, started ${when(j.started_at)}, finished ${when(j.finished_at)}</td></tr>
-      <tr><td>placement</td><td>${j.allocations.map((a) => `${a.node}: ${a.gpus.join(",")}`).join("; ") || "-"}</td></tr>
-      <tr><td>restored</td><td>${escape(j.restore || "no restore reported")}</td></tr>
-    </table>
-    <h2>Checkpoints</h2>${typeof j.checkpoints === "string" ? `<span class="muted">${escape(j.checkpoints)}</span>` :
-      j.checkpoints.length ? `<table data-checkpoints="${j.id}">${j.checkpoints.map((c) =>
-        `<tr><td>step ${c.step}</td><td>attempt ${c.attempt}</td><td>${when(c.committed_at)}</td><td>${c.shards} shard(s)</td></tr>`).join("")}</table>`
-      : `<span class="muted">none committed</span>`}
-    <h2>Goodput</h2><table>${parts}</table>
-    <h2>Rank 0 log</h2><pre>${escape((j.logs || []).join("\n"))}</pre>`;
+  const total = Math.max(1, (g.allocated || 0) + (g.waiting || 0));
+  const parts = ["productive", "rollback", "restart", "waiting"].map((k) => {
+    const bar = el("span", { className: "bar" });
+    bar.style.width = `${Math.min(200, 200 * (g[k] || 0) / total)}px`; // CSSOM, not an inline style attribute
+    return el("tr", {}, el("td", {}, k), el("td", {}, bar, ` ${(g[k] || 0).toFixed(0)} GPU·s`));
+  });
+  const row = (k, ...v) => el("tr", {}, el("td", {}, k), el("td", {}, ...v));
+  const spec = j.spec || {};
+  out.replaceChildren(
+    el("table", { dataset: { jobPage: j.id } },
+      row("name", j.name),
+      row("tenant", j.tenant || "-"),
+      row("queue", j.queue || "-"),
+      row("state", `${j.state} (attempt ${j.attempt}, ${j.failures} failure(s), ${j.preemptions} preemption(s))`),
+      row("message", j.message || ""),
+      row("command", el("code", { className: "spec" }, (spec.command || []).join(" "))),
+      row("history", `submitted ${when(j.submitted_at)}, started ${when(j.started_at)}, finished ${when(j.finished_at)}`),
+      row("placement", (j.allocations || []).map((a) => `${a.node}: ${a.gpus.join(",")}`).join("; ") || "-"),
+      row("restored", j.restore || "no restore reported")),
+    el("h2", {}, "Checkpoints"), checkpointsOf(j),
+    el("h2", {}, "Goodput"), el("table", {}, parts),
+    el("h2", {}, "Rank 0 log"), el("pre", { dataset: { log: j.id } }, (j.logs || []).join("\n")));
   if (state) drawFabric();
 }
 
@@ -245,17 +296,38 @@ function render(next) {
 }
 window.phalanxRender = render;
 
-document.getElementById("colour").onchange = () => state && drawFabric();
-document.getElementById("job-close").onclick = (e) => {
-  e.preventDefault();
+function closeJob() {
   selected = null;
-  location.hash = "";
+  history.replaceState(null, "", location.pathname);
   document.getElementById("job-section").hidden = true;
   if (state) drawFabric();
-};
+}
 
-fetch("api/state").then((r) => r.json()).then(render);
-const events = new EventSource("api/events");
-events.addEventListener("state", (e) => window.phalanxLive !== false && render(JSON.parse(e.data)));
-events.onerror = () => { document.getElementById("status").textContent = "reconnecting…"; };
-if (location.hash.startsWith("#/job/")) openJob(location.hash.slice(6));
+async function signOut() {
+  const r = await fetch("/logout", { method: "POST", credentials: "same-origin", headers: { "X-CSRF-Token": csrf } });
+  if (r.ok || r.status === 401) signedOut();
+}
+
+document.getElementById("colour").addEventListener("change", () => state && drawFabric());
+document.getElementById("job-close").addEventListener("click", (e) => { e.preventDefault(); closeJob(); });
+document.getElementById("sign-out").addEventListener("click", signOut);
+// One handler for every job link and GPU (thousands of them): the element's data-open / data-job names the job.
+document.addEventListener("click", (e) => {
+  const target = e.target instanceof Element ? e.target.closest("[data-open], #fabric [data-job]") : null;
+  if (!target) return;
+  e.preventDefault();
+  openJob(target.dataset.open || target.dataset.job);
+});
+
+async function start() {
+  try { csrf = (await api("/api/session")).csrf; } catch (e) { return; }
+  render(await api("/api/state"));
+  const events = new EventSource("/api/events");
+  events.addEventListener("state", (e) => window.phalanxLive !== false && render(JSON.parse(e.data)));
+  events.onerror = () => {
+    document.getElementById("status").textContent = "reconnecting…";
+    api("/api/session").catch(() => events.close()); // a 401 there: the session is over, to the sign-in page
+  };
+  if (location.hash.startsWith("#/job/")) openJob(decodeURIComponent(location.hash.slice(6)));
+}
+start();
