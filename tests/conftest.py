@@ -1,8 +1,13 @@
-"""Shared fixtures: a real database per test on SQLite and on PostgreSQL.
+"""Shared fixtures: a real database per test on SQLite and on PostgreSQL; the real parts' closing table.
 
 PostgreSQL comes from PHALANX_TEST_PG (a URL), else 127.0.0.1:5432 (database `test`) when it answers. One
 database is created per test session and dropped at the end; each test starts from empty tables. Without a
-server the Postgres cases skip with a loud reason, unless PHALANX_REQUIRE_PG=1 (as in CI), where they fail.
+server the Postgres cases skip with a loud reason, unless PHALANX_REQUIRE_PG=1 or PHALANX_REQUIRE lists `pg` (as in
+CI), where they fail (helpers/required.py: `need`).
+
+Every test that needs a real part (PostgreSQL, torch, Chromium, cgroups, network namespaces, the shared data, the
+oldest nvidia-ml-py) calls `need(part, missing)`, directly, through a fixture or through a `needs` mark; the run
+ends with a table of those parts: how many of their tests ran, skipped (with the first reason) and failed.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import structlog
+from helpers import required
 from helpers.pg import create_database, drop_database, scratch_database
+from helpers.required import need
 from sqlalchemy import create_engine, text
 
 from db.engine import normalize_url
@@ -24,7 +31,7 @@ from db.models import Base
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-GROUPS = ("unit", "service", "e2e")
+GROUPS = ("unit", "service", "e2e", "security")
 SHARED_DATA = Path(os.environ.get("PHALANX_DATA", ROOT.parent / "shared" / "data"))
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -34,10 +41,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
         if group not in GROUPS:
-            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/service or tests/e2e")
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(GROUPS)}}}")
         item.add_marker(getattr(pytest.mark, group))
         if group == "e2e":
             item.add_marker(pytest.mark.slow)
+
+
+_TALLY = required.PartTally()  # this process's: the controller's under xdist
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The running test is the one `need` records its parts on; its `needs` marks are checked first."""
+    required.start_test(item)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    required.end_test()
+
+
+def pytest_runtest_logreport(report):
+    """In the controller (or the one process without xdist): each report carries the parts its test needed."""
+    _TALLY.add(report)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The closing table: each real part, required or optional here, and what its tests did."""
+    if hasattr(config, "workerinput") or config.option.collectonly:  # a worker: the controller prints it
+        return
+    terminalreporter.section("real parts (helpers/required.py; PHALANX_REQUIRE makes a missing part fail)")
+    for line in _TALLY.lines():
+        terminalreporter.write_line(line)
 
 
 def _pg_admin_url() -> str:
@@ -56,19 +91,32 @@ def _pg_reachable(url: str) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def pg_session_url():
-    """A throwaway PostgreSQL database for this test session, migrated to head."""
+def _pg_problem() -> str | None:
+    """Why PostgreSQL cannot be used (None: it can); asked once per session."""
     admin = _pg_admin_url()
     problem = _pg_reachable(admin)
-    if problem:
-        message = f"PostgreSQL not reachable at {admin} ({problem}); set PHALANX_TEST_PG"
-        if os.environ.get("PHALANX_REQUIRE_PG") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    return f"PostgreSQL not reachable at {admin} ({problem}); set PHALANX_TEST_PG" if problem else None
+
+
+@pytest.fixture(scope="session")
+def _pg_session_db(_pg_problem):
+    """A throwaway PostgreSQL database for this test session, migrated to head (None without a server)."""
+    if _pg_problem:
+        yield None
+        return
+    admin = _pg_admin_url()
     url = create_database(admin, f"phalanx_test_{os.getpid()}")
     upgrade(url)
     yield url
     drop_database(url, admin)
+
+
+@pytest.fixture
+def pg_session_url(_pg_problem, _pg_session_db) -> str:
+    """The session's PostgreSQL database (not emptied); each test that asks for it needs `pg`."""
+    need("pg", _pg_problem)
+    assert _pg_session_db is not None
+    return _pg_session_db
 
 
 @pytest.fixture(scope="session")
@@ -112,10 +160,9 @@ def pg_url(pg_session_url) -> str:
     return pg_session_url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (set PHALANX_DATA)")
+    need("data", None if SHARED_DATA.is_dir() else f"shared data not found at {SHARED_DATA} (set PHALANX_DATA)")
     return SHARED_DATA
 
 
@@ -125,9 +172,11 @@ def trace_data() -> Path:
     from phalanx.sim.traces import DataNotFound, find_data
 
     try:
-        return find_data()
+        found = find_data()
     except DataNotFound as exc:
-        pytest.skip(f"trace data folder not found: {exc}")
+        need("data", f"trace data folder not found: {exc}")
+    need("data", None)
+    return found
 
 
 class ServiceLogs:

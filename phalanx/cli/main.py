@@ -489,12 +489,22 @@ def cmd_logs(args: argparse.Namespace) -> int:
     """``phalanx logs JOB [--rank R] [--attempt A] [--follow] [--tail N]``: rank output; every rank's lines
     prefixed by their rank unless one is asked."""
     prefix = args.rank is None
+    # A rank's output is its tenant's: on a terminal its control characters (escape sequences that set the title,
+    # write the clipboard, clear or hide lines; carriage returns) are shown as visible escapes, not obeyed. Into a
+    # pipe or a file the lines go as written.
+    safe = _out().isatty()
     with _client(args) as client:
         for rank, line in client.logs(
             args.job_id, rank=args.rank, attempt=args.attempt, follow=args.follow, tail=args.tail
         ):
+            if safe:
+                line = line.translate(_VISIBLE_CONTROLS)
             _print(f"[rank {rank}] {line}" if prefix else line)
     return EXIT_OK
+
+
+# C0 controls but tab, DEL and the C1 controls (U+0080-U+009F: 8-bit CSI, OSC, ...) -> "\xNN".
+_VISIBLE_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F, *range(0x80, 0xA0))}
 
 
 def cmd_node_drain(args: argparse.Namespace) -> int:

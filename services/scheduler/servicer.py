@@ -373,8 +373,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     @unary
     async def CancelJob(self, request, context):
         scope = tenant_scope()
+        job_id = check_job_id(request.job_id)
         try:
-            job = await self._job(await self.service.execute(Cancel(check_job_id(request.job_id), scope)))
+            # A user's cancel of a job it may not see is refused by a read, before any command: a command, even
+            # one that refuses, runs in the writer's cycle, whose transaction commits (the clock's generation, the
+            # change log). The command checks the tenant again, for a job that changed hands meanwhile.
+            if scope is not None and not await self.service.read_jobs(job_ids=[job_id], tenant=scope):
+                raise NotFound(f"no job with id {job_id!r}")
+            job = await self._job(await self.service.execute(Cancel(job_id, scope)))
         except NotFound:
             if scope is not None:  # perhaps another tenant's job: NOT_FOUND hides it, the audit trail does not
                 audit_denied(

@@ -1,4 +1,4 @@
-"""A real distributed training job on a local cluster, preempted and resumed (skips without torch).
+"""A real distributed training job on a local cluster, preempted and resumed (needs torch: skips without it, fails in CI).
 
 `phalanx.examples.ddp_tiny` (torch.distributed over gloo, DistributedDataParallel, collective DCP checkpoints
 through phalanx.train) runs as a 2-node x 2-rank gang on `LocalCluster` (real scheduler, checkpoint coordinator
@@ -20,9 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers.ports import reserved_port
-
-pytest.importorskip("torch", reason="torch is not installed")
-
+from helpers.required import needs, torch_missing
 from test_recovery_e2e import Ledger, _eventually
 
 from phalanx.cli.cluster import LocalCluster
@@ -33,6 +31,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local cluster processes"),
+    needs("torch", torch_missing()),
 ]
 
 STEPS = 120

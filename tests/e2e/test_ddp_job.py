@@ -21,12 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.ports import reserved_port
-
-pytest.importorskip("torch", reason="torch is not installed")
-
 from helpers.jobs import insert_job, set_attempt, set_world
-from torch.distributed.checkpoint import FileSystemReader
+from helpers.ports import reserved_port
+from helpers.required import needs, torch_missing
 
 from phalanx.train import torch_dcp
 from services.checkpoint_coordinator import serve
@@ -34,7 +31,7 @@ from services.checkpoint_coordinator import serve
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available"),
+    needs("torch", torch_missing()),
 ]
 
 JOB = "job-ddp-tiny"
@@ -164,6 +161,8 @@ async def test_collective_checkpoint_each_rank_writes_its_part_resumes_bit_ident
     # Each rank wrote its own part once: every entry of the state (parameters, Adam's moments, ...) is stored in
     # exactly one rank's file, and neither file holds them all (DCP's metadata says where each entry lives).
     where: dict[str, set[str]] = {}
+    from torch.distributed.checkpoint import FileSystemReader
+
     for index, info in FileSystemReader(gang).read_metadata().storage_data.items():
         where.setdefault(index.fqn, set()).add(info.relative_path)
     tensors = [fqn for fqn in where if fqn.startswith(("model.", "optim.state."))]

@@ -15,12 +15,13 @@ import time
 import pytest
 from helpers import netns
 from helpers.procs import ROOT, ServiceProcess
+from helpers.required import needs
 
 from db.migrate import upgrade
 from phalanx.client import Client, JobState
 from services.node_agent import launcher
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or "")]
+pytestmark = [pytest.mark.slow, needs("netns", netns.unavailable())]
 
 LEASE_S = 4.0
 KILL_GRACE_S = 0.5

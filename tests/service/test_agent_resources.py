@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.required import needs
 from test_node_agent import FakeNodeService, start_server, until
 
 from phalanx.api.v1 import agent_pb2, common_pb2
@@ -39,7 +40,7 @@ def _v1_usable() -> str | None:
     return None
 
 
-V1 = pytest.mark.skipif(bool(_v1_usable()), reason=_v1_usable() or "")
+V1 = needs("cgroup", _v1_usable())
 
 # Allocates (and touches) 200 MiB, then sleeps: far over a 64M limit.
 HOG = [sys.executable, "-c", "import time\nb = b'x' * (200 << 20)\ntime.sleep(30)\n"]

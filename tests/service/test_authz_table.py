@@ -1,27 +1,37 @@
-"""Every RPC of the scheduler's two services against every kind of caller (issue 20), each with the status it must
-get; after every refusal the ledger is checked unchanged. The checkpoint coordinator's table is in
-test_coordinator_auth.py. Real scheduler, real gRPC, real ledger (SQLite and PostgreSQL).
+"""Every RPC of the scheduler's two services, and of a node agent's AgentLogs, against every kind of caller (issues
+20 and 31), each with the status it must get; after every refusal the whole ledger (every table and column:
+jobs, attempts, allocations, ranks, assignments, nodes with their acked revision and heartbeat, the clock with its
+leader lease, the change log, ...) is checked unchanged. The checkpoint coordinator's table is in
+test_coordinator_auth.py. Real scheduler, real gRPC, real ledger (SQLite and PostgreSQL), the agent's real
+AgentLogs servicer.
 
 Callers: no credential; a user of the owning tenant (alice) and of another (bob); the rank credential of alice's
 running job, of bob's job, and of an ended attempt; the node token of node-0 (the node the calls name) and of
-node-1; an admin.
+node-1; an admin. AgentLogs takes a log credential in the request rather than a token: each caller sends the best
+it can get (alice and the admin: the scheduler's GetRankLogs answer for alice's job; bob: his own job's; the
+others: their token), and only a credential for that job's attempt on that node reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
+import pytest
 from helpers.tokens import write_tokens
-from sqlalchemy import create_engine, text
+from sqlalchemy import MetaData, create_engine, select
 
 from db.engine import make_engine
 from db.migrate import ensure_rank_key
+from db.models import Base
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client._channel import open_aio_channel
-from phalanx.common.tokens import TokenStore, rank_token
+from phalanx.common.tokens import TokenStore, node_logs_key, rank_token
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
+from services.node_agent import launcher
+from services.node_agent.logs import AgentLogsServicer
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
@@ -50,6 +60,8 @@ def _row(role: str) -> dict[str, object]:
         base.update(admin=OK)
     elif role == "node":
         base.update(node=OK)
+    elif role == "logs":  # a credential in the request, no token: a refusal is PERMISSION_DENIED, also for "none"
+        base.update(none=DENIED, alice=OK, admin=OK)
     return base
 
 
@@ -107,22 +119,91 @@ def node_calls(job: str, topology) -> list[tuple[str, object, str, bool]]:
     ]
 
 
+_LEDGER_TABLES: dict[str, MetaData] = {}
+
+
 def _snapshot(db_url: str) -> tuple:
+    """The whole ledger: every row of every table (as the database has them, reflected once per database: the
+    models' tables and any other a migration made), every column, in primary-key order."""
     engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://"))
-    with engine.connect() as conn:
-        got = tuple(
-            tuple(map(tuple, conn.execute(text(q)).all()))
-            for q in (
-                "SELECT id, state, attempt, message, priority FROM jobs ORDER BY id",
-                "SELECT job_id, node_id, gpu_index FROM allocations WHERE released_at IS NULL ORDER BY 1, 2, 3",
-                "SELECT name, state, cordoned, agent_instance, address FROM nodes ORDER BY name",
-                "SELECT name, max_priority FROM queues ORDER BY name",
-                "SELECT job_id, requested_at FROM checkpoint_requests ORDER BY job_id",
-                "SELECT job_id, attempt, rank, state FROM ranks ORDER BY 1, 2, 3",
+    try:
+        meta = _LEDGER_TABLES.get(db_url)
+        if meta is None:
+            meta = MetaData()
+            meta.reflect(engine)
+            missing = {t.name for t in Base.metadata.sorted_tables} - set(meta.tables)
+            assert not missing, f"the snapshot would miss the ledger tables {missing}"
+            _LEDGER_TABLES[db_url] = meta
+        with engine.connect() as conn:
+            return tuple(
+                (
+                    table.name,
+                    tuple(table.columns.keys()),
+                    tuple(map(tuple, conn.execute(select(table).order_by(*_order(table))).all())),
+                )
+                for table in meta.sorted_tables
             )
-        )
-    engine.dispose()
-    return got
+    finally:
+        engine.dispose()
+
+
+def ledger_diff(before: tuple, after: tuple) -> list[str]:
+    """What changed between two snapshots: per table, the rows gone and new, and per row (by its first column) the
+    columns that changed (for a failure report)."""
+    out = []
+    for (name, columns, old), (_, _, new) in zip(before, after):
+        if old == new:
+            continue
+        olds, news = {r[0]: r for r in old}, {r[0]: r for r in new}
+        for key in sorted(set(olds) | set(news), key=repr):
+            was, now = olds.get(key), news.get(key)
+            if was is None or now is None:
+                out.append(f"{name} {key!r}: {'new' if was is None else 'gone'}: {str(now or was)[:200]}")
+            elif was != now:
+                changed = {c: (x, y) for c, x, y in zip(columns, was, now) if x != y}
+                out.append(f"{name} {key!r}: {changed}")
+    return out
+
+
+def _order(table) -> list:
+    return list(table.primary_key.columns) or list(table.columns)
+
+
+def _quiet(db_url: str, hold: float = 1.3, timeout: float = 20.0) -> tuple:
+    """A snapshot once the ledger has stood still for `hold` seconds: what the allowed calls before set going (a
+    placement, the agents' acks and rank reports) has landed, so what changes next is the next call's doing. The
+    scheduler keeps acks in memory and writes them at most once a second, at its next cycle (a quarter second):
+    `hold` outlasts both."""
+    deadline = time.monotonic() + timeout
+    last = _snapshot(db_url)
+    while True:
+        time.sleep(hold)
+        now = _snapshot(db_url)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
+def quiet_settings(db_url: str) -> SchedulerSettings:
+    """A scheduler whose ledger stays still between calls once the test holds its agents' heartbeats: nodes are not
+    lost for an hour, heartbeats reach the ledger at most hourly, the leader's lease is renewed every 20 minutes."""
+    return SchedulerSettings(
+        db_url=db_url,
+        listen="127.0.0.1:0",
+        fabric=default_fabric(["node-0", "node-1"]),
+        lease_timeout=3600.0,
+        heartbeat_persist_interval=3600.0,
+        leader_lease_s=3600.0,
+    )
+
+
+async def serve_logs(state_dir, key: str) -> tuple[grpc.aio.Server, str]:
+    """The node agent's AgentLogs servicer, checking credentials with `key`, over `state_dir`."""
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentLogsServicer_to_server(AgentLogsServicer(lambda: key, state_dir, lambda *a: False), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 async def _status(stub, method: str, request, streaming: bool) -> tuple[object, str]:
@@ -143,24 +224,27 @@ async def _status(stub, method: str, request, streaming: bool) -> tuple[object, 
     return OK, ""
 
 
+@pytest.mark.timeout(300)
 async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_path):
     tokens = tmp_path / "tokens.yaml"
     write_tokens(tokens, ENTRIES)
-    scheduler = await serve(
-        SchedulerSettings(
-            db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(["node-0", "node-1"]), lease_timeout=60.0
-        ),
-        tokens=TokenStore(tokens),
-    )
+    scheduler = await serve(quiet_settings(db_url), tokens=TokenStore(tokens))
     agents = [LiteAgent(scheduler.address, f"node-{i}", token=f"tok-node-{i}") for i in range(2)]
     for agent in agents:
         await agent.start()
     channels: list[grpc.aio.Channel] = []
+    servers: list[grpc.aio.Server] = []
+    logs_address = ""
 
     def stubs(token: str):
         channel = open_aio_channel(scheduler.address, token=token)
         channels.append(channel)
         return scheduler_pb2_grpc.SchedulerStub(channel), agent_pb2_grpc.NodeServiceStub(channel)
+
+    def logs_stub(token: str):
+        channel = open_aio_channel(logs_address, token=token)  # the token too: AgentLogs must not take it instead
+        channels.append(channel)
+        return agent_pb2_grpc.AgentLogsStub(channel)
 
     try:
         alice, _ = stubs("tok-alice")
@@ -194,24 +278,51 @@ async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_pat
             "node_other": "tok-node-1",
             "admin": "tok-admin",
         }
-        callers = {c: stubs(t) for c, t in tokens_of.items()}
+        # AgentLogs: the log of rank 0 of alice's job, served by its node's servicer; each caller's best credential.
+        source = (await alice.GetRankLogs(scheduler_pb2.GetRankLogsRequest(job_id=mine, rank=0))).sources[0]
+        state_dir = tmp_path / "agent-logs"
+        log_path = launcher.rank_paths(state_dir, mine, 1, 0)[1]
+        log_path.parent.mkdir(parents=True)
+        log_path.write_bytes(b"alice's rank 0 says hello\n")
+        logs_server, logs_address = await serve_logs(state_dir, node_logs_key(key, source.node))
+        servers.append(logs_server)
+        admin_cred = (await stubs("tok-admin")[0].GetRankLogs(scheduler_pb2.GetRankLogsRequest(job_id=mine))).sources
+        bob_cred = (await bob.GetRankLogs(scheduler_pb2.GetRankLogsRequest(job_id=theirs))).sources[0].credential
+        credential_of = {**tokens_of, "alice": source.credential, "admin": admin_cred[0].credential, "bob": bob_cred}
+        assert source.credential and bob_cred and credential_of["admin"]
+
+        def read_log(caller: str) -> agent_pb2.ReadRankLogRequest:
+            return agent_pb2.ReadRankLogRequest(credential=credential_of[caller], job_id=mine, attempt=1, rank=0)
+
+        callers = {c: (*stubs(t), logs_stub(t)) for c, t in tokens_of.items()}
         table = [(m, r, role, s, 0) for m, r, role, s in scheduler_calls(mine)]
         table += [(m, r, role, s, 1) for m, r, role, s in node_calls(mine, agents[0].topology())]
+        table += [("ReadRankLog", read_log, "logs", True, 2)]
+        for agent in agents:  # from here on nothing but the calls of the table writes the ledger
+            agent.hold_heartbeats = True
         for method, request, role, streaming, service in table:
             expected = _row(role)
-            for caller in CALLERS:  # the refused callers first: each must leave the ledger as it was
+            before = await asyncio.to_thread(_quiet, db_url)
+            # The refused callers first, from a still ledger: each must leave it exactly as it was.
+            for caller in sorted(CALLERS, key=lambda c: expected[c] is OK):
                 want = expected[caller]
-                before = _snapshot(db_url) if want is not OK else None
-                code, details = await _status(callers[caller][service], method, request, streaming)
+                message = request(caller) if callable(request) else request
+                code, details = await _status(callers[caller][service], method, message, streaming)
                 if want is OK:
                     assert code not in (UNAUTH, DENIED), (method, caller, code, details)
                     assert not (code is HIDDEN and "no job" in details), (method, caller, details)
                 else:
                     assert code is want, (method, caller, code, details)
-                    assert _snapshot(db_url) == before, (method, caller)
+                    after = _snapshot(db_url)
+                    assert after == before, (method, caller, ledger_diff(before, after))
+            if method == "ReadRankLog":  # the allowed callers read the log itself
+                call = callers["alice"][2].ReadRankLog(read_log("alice"))
+                assert b"".join([chunk.data async for chunk in call]) == b"alice's rank 0 says hello\n"
     finally:
         for channel in channels:
             await channel.close()
+        for server in servers:
+            await server.stop(0)
         for agent in agents:
             await agent.stop()
         await scheduler.stop()

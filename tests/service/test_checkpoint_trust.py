@@ -536,7 +536,8 @@ async def test_a_refused_pickle_is_never_unpickled(server, stub, tmp_path):
 
 
 def test_state_format_round_trips_what_json_cannot_say():
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     state = {
         "a": 1,
         "f": [1.5, float("inf"), float("-inf")],

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import grpc
-import pytest
 from helpers.procs import eventually
+from helpers.required import needs
 from test_node_agent import until
 
 from db.migrate import upgrade
@@ -24,9 +24,11 @@ from services.node_agent.simulated import simulated_topology
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/sys/fs/cgroup/memory").is_dir(),
-    reason="the memory limit is a cgroup's: needs root and the cgroup v1 memory hierarchy",
+pytestmark = needs(
+    "cgroup",
+    None
+    if os.geteuid() == 0 and Path("/sys/fs/cgroup/memory").is_dir()
+    else "the memory limit is a cgroup's: needs root and the cgroup v1 memory hierarchy",
 )
 
 # Allocates (and touches) 200 MiB: far over a 64M limit.

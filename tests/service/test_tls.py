@@ -17,8 +17,6 @@ from services.common.auth import ServerTLS
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-pytest.importorskip("cryptography")
-
 
 async def test_mutual_tls_refuses_a_client_without_a_certificate(db_url, tmp_path):
     pki = generate_local_pki(tmp_path / "tls")

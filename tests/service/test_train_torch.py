@@ -1,6 +1,7 @@
-"""phalanx.train's torch.distributed.checkpoint adapter against a real coordinator (skips without torch).
+"""phalanx.train's torch.distributed.checkpoint adapter against a real coordinator (needs torch: `need("torch")`).
 
-scripts/test installs torch==2.13.0 (CPU) into the venv when it is installable; elsewhere these tests skip.
+scripts/test installs torch==2.13.0 (CPU) into the venv; without it these tests skip, or fail where PHALANX_REQUIRE
+lists torch (CI).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch", reason="torch is not installed")
-
 from helpers.jobs import insert_job, set_world
+from helpers.required import needs, torch_missing
 
 from phalanx import train
 from phalanx.train import torch_dcp
 from services.checkpoint_coordinator import serve
 
-pytestmark = pytest.mark.skipif(not torch_dcp.available(), reason="torch.distributed.checkpoint is not available")
+TORCH_MISSING = torch_missing()
+if TORCH_MISSING is None:
+    import torch
+pytestmark = needs("torch", TORCH_MISSING)
 
 JOB = "job-train-torch"
 

@@ -10,8 +10,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
@@ -37,8 +35,7 @@ def test_the_contracts_cover_the_rules_of_the_design():
 
 def test_the_code_keeps_every_import_contract(tmp_path):
     exe = LINT_IMPORTS if LINT_IMPORTS.exists() else shutil.which("lint-imports")
-    if not exe:
-        pytest.skip("import-linter is not installed (the test extra brings it)")
+    assert exe, "lint-imports is not installed: the test extra brings import-linter (scripts/setup installs it)"
     result = subprocess.run([str(exe), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert f"Contracts: {len(_contracts())} kept, 0 broken." in result.stdout

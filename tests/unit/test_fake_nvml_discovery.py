@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import structlog
 from conftest import SHARED_DATA
+from helpers.required import data_missing, need
 
 from phalanx.api.v1 import agent_pb2
 from phalanx.core.topo_dump import TopoDump, is_nvlink, parse_topo
@@ -41,8 +42,7 @@ PROFILES = list_profiles()
 
 
 def _needs_dumps():
-    if not DUMP_FILES:
-        pytest.skip(f"real topology dumps not found at {TOPOLOGIES} (set PHALANX_DATA to the shared data folder)")
+    need("data", None if DUMP_FILES else data_missing(TOPOLOGIES / "*.txt", "real topology dumps"))
 
 
 def fake_nvml(dump: TopoDump, **fake):
@@ -93,17 +93,12 @@ def check_round_trip(tmp_path: Path, dump: TopoDump, **fake) -> agent_pb2.HostTo
 # ------------------------------------------------------------------------------------------------ round trips
 
 
-_NO_DUMPS = pytest.param(
-    None,
-    id="no-dumps",
-    marks=pytest.mark.skip(
-        reason=f"real topology dumps not found at {TOPOLOGIES} (set PHALANX_DATA to the shared data folder)"
-    ),
-)
+_NO_DUMPS = pytest.param(None, id="no-dumps")  # one case without the dumps, for need("data") to skip or fail
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.stem) for p in DUMP_FILES] or [_NO_DUMPS])
 def test_real_dump_round_trips(tmp_path, path):
+    _needs_dumps()
     check_round_trip(tmp_path, parse_topo(path.read_text()))
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from helpers.required import need
 from structlog.testing import capture_logs
 
 from phalanx import nvml_h
@@ -525,8 +526,11 @@ def test_installed_binding_is_in_the_pinned_range():
 def test_oldest_binding_in_the_range_gives_the_same_answers():
     oldest, _ = pinned_range()
     target = ROOT / ".venv" / f"nvidia-ml-py-{oldest}"
-    if not (target / "pynvml.py").exists():
-        pytest.skip(f"nvidia-ml-py {oldest} is not installed at {target} (scripts/test installs it)")
+    installed = (target / "pynvml.py").exists()
+    need(
+        "oldest-nvml",
+        None if installed else f"nvidia-ml-py {oldest} is not installed at {target} (scripts/test installs it)",
+    )
     newest = run_scenario(None)
     old = run_scenario(str(target))
     assert old["binding"].startswith(str(target)) and not newest["binding"].startswith(str(target))

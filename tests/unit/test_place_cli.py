@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.required import data_missing, need
 
 from phalanx.cli.main import main
 
@@ -378,8 +379,7 @@ def test_human_output_has_a_line_per_request_and_a_summary(capsys, tmp_path, tre
 
 
 def test_a_topology_dump_as_profile_gives_its_gpu_count(capsys, tmp_path, tree):
-    if not DUMP.is_file():
-        pytest.skip(f"topology dump {DUMP} is not present on this machine")
+    need("data", data_missing(DUMP, "the topology dump"))
     lines = place(capsys, tree, write_requests(tmp_path, req("full", 8, 8), req("more", 1, 1)), profile=DUMP)
     assert lines[0]["placed"] is True and all(a["gpus"] == list(range(8)) for a in lines[0]["allocations"])
     assert lines[1]["placed"] is False

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-
-cp_model = pytest.importorskip("ortools.sat.python.cp_model")
+from ortools.sat.python import cp_model
 
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.fabric import Fabric, default_fabric, parse_slurm_tree, to_slurm_tree

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers.required import data_missing, needs
 
 from phalanx.core.topo_dump import parse_topo, render_topo
 from phalanx.profiles import UnknownProfile, list_profiles, load_profile, load_profile_file
@@ -14,7 +15,7 @@ from services.node_agent.simulated import fake_gpu_uuid, simulated_topology
 TOPOLOGIES = (
     Path(os.environ.get("PHALANX_DATA", Path(__file__).resolve().parents[3] / "shared" / "data")) / "topologies"
 )
-needs_dumps = pytest.mark.skipif(not TOPOLOGIES.is_dir(), reason=f"real topology dumps not found at {TOPOLOGIES}")
+needs_dumps = needs("data", data_missing(TOPOLOGIES, "real topology dumps"))
 
 
 def test_list_profiles():

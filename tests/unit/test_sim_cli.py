@@ -163,7 +163,8 @@ def _small_csv_run(tmp_path, out):
 
 
 def test_sim_run_draws_the_plots_with_matplotlib(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (the test extra brings it, through phalanx[plots])
+
     out = tmp_path / "o"
     code = _small_csv_run(tmp_path, out)
     _, stderr = capsys.readouterr()

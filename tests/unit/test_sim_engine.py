@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
+from helpers.required import need
 
 from phalanx.sim.engine import ClusterSpec, simulate
 
@@ -252,7 +253,8 @@ def test_the_multi_tenant_mix_trace():
     try:
         data = find_data()
     except DataNotFound as exc:
-        pytest.skip(f"trace data folder not found: {exc}")
+        need("data", f"trace data folder not found: {exc}")
+    need("data", None)
     spec = "mix:teams=3,jobs=40,hours=24,pretrain=2,finetune=100,seed=1"
     jobs = load_trace(spec, data)
     assert jobs == load_mix(data, teams=3, jobs_per_team=40, hours=24, pretrain=2, finetune=100, seed=1)

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers.required import needs
 
 from phalanx.sim import traces as T
 
@@ -21,8 +22,11 @@ def _locate() -> Path | None:
 
 
 DATA = _locate()
-needs_data = pytest.mark.skipif(
-    DATA is None, reason=f"trace data folder not found (set {T.ENV_VAR} or provide ../shared/data next to the repo)"
+needs_data = needs(
+    "data",
+    None
+    if DATA is not None
+    else f"trace data folder not found (set {T.ENV_VAR} or provide ../shared/data next to the repo)",
 )
 
 

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers.required import data_missing, needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,8 +96,8 @@ def _dump_files() -> list[Path]:
     return sorted(TOPOLOGIES.glob("*.txt"))
 
 
-@pytest.mark.skipif(not TOPOLOGIES.is_dir(), reason=f"real topology dumps not found at {TOPOLOGIES} (set PHALANX_DATA)")
-@pytest.mark.parametrize("path", _dump_files(), ids=lambda p: p.name)
+@needs("data", data_missing(TOPOLOGIES, "real topology dumps"))
+@pytest.mark.parametrize("path", _dump_files() or [TOPOLOGIES / "none.txt"], ids=lambda p: p.name)
 def test_every_real_dump_parses_and_round_trips(path: Path):
     d = parse_topo(path.read_text())
     assert d.gpus, "no GPU columns"
@@ -115,7 +116,7 @@ def test_every_real_dump_parses_and_round_trips(path: Path):
     assert parse_topo(render_topo(again)).matrix == d.matrix
 
 
-@pytest.mark.skipif(not TOPOLOGIES.is_dir(), reason=f"real topology dumps not found at {TOPOLOGIES}")
+@needs("data", data_missing(TOPOLOGIES, "real topology dumps"))
 def test_real_dump_facts():
     h100 = parse_topo((TOPOLOGIES / "hgx_h100_sxm_8gpu_8nic_sglang30401.txt").read_text())
     assert len(h100.gpus) == 8 and len(h100.nics) == 8
