@@ -5,7 +5,7 @@ of its submission and freed within 2 s of its cancel, with no reload; its page o
 a 4,096-node cluster is drawn whole (virtualized: every leaf placed, the GPUs on screen as elements). How fast that
 draws is a benchmark: bench/web_render.py. Screenshots are saved as artifacts (PHALANX_TEST_ARTIFACTS, default
 test-artifacts/web/). Without Playwright or Chromium the browser tests skip, or fail where PHALANX_REQUIRE lists
-chromium (tests/helpers/required.py). The security tests are in test_dashboard_security.py."""
+chromium (tests/helpers/required.py). The security tests are in tests/security/test_dashboard.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The dashboard (`phalanx web`) against real servers, for tests/e2e/test_web_dashboard.py and
-tests/e2e/test_dashboard_security.py: a scheduler with authentication on (a tokens file), a checkpoint coordinator
+tests/security/test_dashboard.py: a scheduler with authentication on (a tokens file), a checkpoint coordinator
 with the same tokens, protocol-level agents with node tokens, and the WebServer; visitors as urllib openers with
 their own cookie jars, or Playwright driving Debian's Chromium (`browser()`, which calls need("chromium", ...))."""
 

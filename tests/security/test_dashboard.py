@@ -2,9 +2,6 @@
 checkpoint coordinator, protocol-level agents and the real `phalanx web` server; the browser tests drive Debian's
 Chromium with Playwright.
 
-(Meant for tests/security/test_dashboard.py: tests/conftest.py's GROUPS admits only unit, service and e2e, so it
-lives here until "security" is added there.)
-
 Threats, each with its tests:
 
 - An anonymous network visitor (no token, or a guessed/forged cookie) controls the requests it sends: paths,
