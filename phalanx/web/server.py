@@ -312,7 +312,9 @@ class Sessions:
 
     def verify(self, token: str) -> None:
         """Raise PhalanxError unless the scheduler accepts `token` for the job API (a cheap call made with it)."""
-        with Client(self.scheduler, token=token, timeout=10.0, retries=0) as client:  # "": no credential
+        # The client's retries of UNAVAILABLE: a read, safe to repeat, and a fresh channel's first connection may
+        # fail on a loaded host (a sign-in must not fail on that). A wrong token is refused at once, not retried.
+        with Client(self.scheduler, token=token, timeout=10.0) as client:  # "": no credential
             client.list_jobs(limit=1)
 
     def create(self, token: str) -> Session:

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 from helpers.tokens import write_tokens
-from sqlalchemy import MetaData, create_engine, select
+from sqlalchemy import MetaData, create_engine, select, text
 
 from db.engine import make_engine
 from db.migrate import ensure_rank_key
@@ -169,7 +169,7 @@ def _order(table) -> list:
     return list(table.primary_key.columns) or list(table.columns)
 
 
-def _quiet(db_url: str, hold: float = 1.3, timeout: float = 20.0) -> tuple:
+def _quiet(db_url: str, hold: float = 1.3, timeout: float = 60.0) -> tuple:
     """A snapshot once the ledger has stood still for `hold` seconds: what the allowed calls before set going (a
     placement, the agents' acks and rank reports) has landed, so what changes next is the next call's doing. The
     scheduler keeps acks in memory and writes them at most once a second, at its next cycle (a quarter second):
@@ -179,9 +179,21 @@ def _quiet(db_url: str, hold: float = 1.3, timeout: float = 20.0) -> tuple:
     while True:
         time.sleep(hold)
         now = _snapshot(db_url)
-        if now == last or time.monotonic() > deadline:
+        # Still, and every node's assignments acked in the ledger: on a loaded host an agent's ack can land later
+        # than `hold`, and would then show as the next (refused) call's doing.
+        if now == last and _all_acked(db_url):
             return now
+        assert time.monotonic() < deadline, f"the ledger did not settle in {timeout:g}s: {ledger_diff(last, now)}"
         last = now
+
+
+def _all_acked(db_url: str) -> bool:
+    engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with engine.connect() as conn:
+            return not conn.execute(text("SELECT 1 FROM nodes WHERE acked_revision < revision")).first()
+    finally:
+        engine.dispose()
 
 
 def quiet_settings(db_url: str) -> SchedulerSettings:
