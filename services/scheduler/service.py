@@ -411,7 +411,10 @@ class SchedulerService:
             if ts - node.persisted_heartbeat >= persist_every:
                 cycle.heartbeats[node.id] = ts
                 node.persisted_heartbeat = ts
-        cycle.acks = {self.state.nodes[n].id: r for n, r in acks.items() if n in self.state.nodes}
+        # Only acks that raise what the view has: an ack of a revision already acked changes nothing, and a cycle
+        # that wrote it would still commit (a new ledger generation, a change-log row) for nothing.
+        nodes = self.state.nodes
+        cycle.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
 
     def heartbeat(
         self, name: str, health=None, events=(), draining: bool = False, mig_modes=(), instance: str = ""
