@@ -23,6 +23,10 @@ The rank wrapper is another process: it cannot call into the model. So each cgro
 directory under the mount with a real, empty `cgroup.procs`; a process that writes its pid there (the wrapper's
 --join) is taken into the model at the next look (and the file emptied: so one join at a time between looks),
 through the same rule as a write by this process: one the kernel would refuse is dropped and listed in `refused`.
+Nor can the model see forks, which the kernel puts into the parent's cgroup. With `inherit_by_marker`, a process
+that carries the containment marker (PHALANX_CONTAINER=<cgroup path>, which every rank process inherits from its
+wrapper, setsid'ed and double-forked daemons included) counts as a member of that cgroup: the model's stand-in for
+inheritance at fork (a process that clears its environment would escape the model, never the kernel).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ import errno
 import os
 import posixpath
 import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.node_agent.containment import CgroupFs
+from services.node_agent.containment import CgroupFs, _marked
 
 CANONICAL = ("cpuset", "cpu", "io", "memory", "hugetlb", "pids", "rdma", "misc")
 _DEFAULTS = {
@@ -42,6 +47,17 @@ _DEFAULTS = {
     "pids": {"pids.max": "max"},
     "cpu": {"cpu.max": "max 100000"},
 }
+
+
+def _locked(method):
+    """The agent calls in from worker threads (asyncio.to_thread): one call at a time, as the kernel serialises."""
+
+    def call(self, *args, **kw):
+        with self._lock:
+            return method(self, *args, **kw)
+
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
 
 
 def _err(code: int, path: object) -> OSError:
@@ -74,7 +90,10 @@ class FakeCgroup2(CgroupFs):
         kill_file: bool = True,
         freeze_file: bool = True,
         rules: bool = True,
+        inherit_by_marker: bool = False,
     ) -> None:
+        self.inherit_by_marker = inherit_by_marker
+        self._lock = threading.RLock()
         self.mount = Path(mount)
         self.root_controllers = tuple(controllers)
         self.kill_file = kill_file
@@ -91,25 +110,36 @@ class FakeCgroup2(CgroupFs):
     def path(self, cgroup: str) -> Path:
         return self.mount if cgroup == "/" else self.mount / cgroup.strip("/")
 
+    @_locked
     def make(self, cgroup: str, enable: tuple[str, ...] = ()) -> None:
         """Set up a cgroup as systemd would (no rules checked): it exists, and hands `enable` to its children."""
         self.mkdir(self.path(cgroup))
         self.nodes[cgroup].subtree = list(enable)
 
+    @_locked
     def place(self, cgroup: str, pid: int) -> None:
         """Put a process into a cgroup as systemd starts a service there (no rules checked)."""
         for node in self.nodes.values():
             node.procs.discard(pid)
         self.nodes[cgroup].procs.add(pid)
 
+    @_locked
     def procs(self, cgroup: str) -> set[int]:
         self._ingest()
-        node = self.nodes[cgroup]
+        node = self.nodes.get(cgroup)
+        if node is None:
+            return set()
         node.procs = {p for p in node.procs if _alive(p)}
         return set(node.procs)
 
     def _ingest(self) -> None:
-        """Pids other processes wrote into the real cgroup.procs files (see the module docstring)."""
+        """Pids other processes wrote into the real cgroup.procs files, and with inherit_by_marker the processes
+        that carry a cgroup's marker (see the module docstring)."""
+        if self.inherit_by_marker:
+            known = {p for node in self.nodes.values() for p in node.procs}
+            for pid, ident in _marked().items():
+                if pid not in known and ident in self.nodes and _alive(pid):
+                    self.nodes[ident].procs.add(pid)
         for cgroup, node in list(self.nodes.items()):
             real = self.path(cgroup) / "cgroup.procs"
             try:
@@ -127,6 +157,7 @@ class FakeCgroup2(CgroupFs):
                 elif _alive(pid):
                     self.place(cgroup, pid)
 
+    @_locked
     def cgroup_of(self, pid: int) -> str | None:
         return next((cg for cg in self.nodes if pid in self.procs(cg)), None)
 
@@ -164,8 +195,9 @@ class FakeCgroup2(CgroupFs):
         return files
 
     def _populated(self, cgroup: str) -> bool:
-        return any(self.procs(cg) for cg in self.nodes if cg == cgroup or cg.startswith(cgroup.rstrip("/") + "/"))
+        return any(self.procs(cg) for cg in list(self.nodes) if cg == cgroup or cg.startswith(cgroup.rstrip("/") + "/"))
 
+    @_locked
     def read(self, path: Path) -> str | None:
         cgroup, name = self._split(path)
         if cgroup not in self.nodes or name not in self._files(cgroup):
@@ -181,6 +213,7 @@ class FakeCgroup2(CgroupFs):
             return f"populated {int(self._populated(cgroup))}\nfrozen {frozen}\n"
         return self._files(cgroup)[name]
 
+    @_locked
     def write(self, path: Path, value: str) -> None:
         cgroup, name = self._split(path)
         if cgroup not in self.nodes or name not in self._files(cgroup):
@@ -240,18 +273,21 @@ class FakeCgroup2(CgroupFs):
             node.files[name] = text
         self.writes.append((str(Path(path).relative_to(self.mount)), value))
 
+    @_locked
     def exists(self, path: Path) -> bool:
         if self.is_dir(path):
             return True
         cgroup, name = self._split(path)
         return cgroup in self.nodes and name in self._files(cgroup)
 
+    @_locked
     def is_dir(self, path: Path) -> bool:
         try:
             return self._cgroup(path) in self.nodes
         except ValueError:
             return False
 
+    @_locked
     def mkdir(self, path: Path) -> None:
         cgroup = self._cgroup(path)
         parts = [p for p in cgroup.split("/") if p]
@@ -262,6 +298,7 @@ class FakeCgroup2(CgroupFs):
                 self.path(name).mkdir(parents=True, exist_ok=True)
                 (self.path(name) / "cgroup.procs").touch()
 
+    @_locked
     def rmdir(self, path: Path) -> None:
         cgroup = self._cgroup(path)
         if cgroup not in self.nodes:
@@ -272,6 +309,7 @@ class FakeCgroup2(CgroupFs):
         (self.path(cgroup) / "cgroup.procs").unlink(missing_ok=True)
         os.rmdir(self.path(cgroup))
 
+    @_locked
     def children(self, path: Path) -> list[str]:
         cgroup = self._cgroup(path)
         return sorted(posixpath.basename(cg) for cg in self.nodes if cg != "/" and posixpath.dirname(cg) == cgroup)
