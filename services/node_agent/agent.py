@@ -143,6 +143,12 @@ class AgentConfig:
     cgroup_parent: str | None = None
     containment_kind: str | None = None
     pids_max: int = 0
+    # The driver's table of MIG capability minors (/dev/nvidia-caps/nvidia-cap<minor>): an attempt's device rules
+    # allow only the capabilities of its own MIG instances (containment.nvidia_cap_minors).
+    mig_minors_file: str = "/proc/driver/nvidia-caps/mig-minors"
+    # How long a rank waits for a MIG instance another attempt still holds (its processes exiting) before it fails
+    # to start, retryably.
+    mig_wait_s: float = 30.0
     run_as: str | None = None  # the ranks' Unix user (None: the agent's own identity)
     pass_env: tuple[str, ...] = ()  # names of the agent's variables its ranks get (identity.rank_environment)
     self_fence: bool = True  # stop every rank when the registration cannot be renewed within the lease
@@ -256,6 +262,8 @@ class NodeAgent:
         self._gpu_uuids = {g.index: g.uuid for g in config.topology.gpus}
         self._closing: dict[str, asyncio.Task] = {}  # attempt key -> the task that empties and removes it
         self._held_reports: dict[str, list[tuple[tuple, dict]]] = {}  # attempt key -> its last ranks' end reports
+        # attempt key -> its ended ranks whose MIG instances / MPS shares wait for the container to be empty
+        self._held_partials: dict[str, list[RankRecord]] = {}
         self._ports: dict[int, str] = {}  # MASTER_PORT -> the live attempt whose rank 0 here holds it
         self._attempt_users: dict[str, identity.RankUser] = {}  # attempt key -> its launch's user (run_as)
         # Self-fencing: when the last heartbeat the scheduler answered was sent (monotonic), the node lease it gave,
@@ -851,7 +859,9 @@ class NodeAgent:
                 for g in r.gpus
             }
             wanted = [{k: s[k] for k in ("gpu", "profile", "start", "size")} for s in rec.slices]
-            fut = asyncio.get_running_loop().run_in_executor(None, self.mig.acquire, rec.key, wanted, busy)
+            fut = asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.mig.acquire, rec.key, wanted, busy, wait_s=self.config.mig_wait_s)
+            )
             self._releases.add(fut)
             fut.add_done_callback(self._releases.discard)
             try:
@@ -877,13 +887,14 @@ class NodeAgent:
             if gpu not in self._gpu_memory:
                 raise ValueError(f"GPU {gpu} does not exist on this host")
             share = launcher.fractional_env(env, gpu, rec.gpu_milli, self._gpu_memory[gpu])
-            fut = asyncio.get_running_loop().run_in_executor(None, self.mps.acquire, rec.key, gpu)
-            self._releases.add(fut)
-            fut.add_done_callback(self._releases.discard)
+            acquire = functools.partial(self.mps.acquire, rec.key, gpu, self._user_of(rec))
+            mps_fut = asyncio.get_running_loop().run_in_executor(None, acquire)
+            self._releases.add(mps_fut)
+            mps_fut.add_done_callback(self._releases.discard)
             try:
-                client = await asyncio.shield(fut)
+                client = await asyncio.shield(mps_fut)
             except asyncio.CancelledError:
-                fut.add_done_callback(
+                mps_fut.add_done_callback(
                     lambda f: f.cancelled() or f.exception() is not None or self._release_mps(rec.key)
                 )
                 raise
@@ -1100,7 +1111,8 @@ class NodeAgent:
 
     def _container(self, rec: RankRecord) -> cgroups.Group:
         """The container of the rank's attempt (created with its working and temporary directories). Its device
-        rules let it open the GPUs of the attempt's ranks on this host (and the control devices), no other; its CPU
+        rules let it open the GPUs of the attempt's ranks on this host (and the control devices), and of the
+        nvidia-caps only its own MIG instances' capabilities, no other; its CPU
         quota and memory limit are the sums of the reservations of the attempt's replicas here (_attempt_limits).
         Updated in place when another replica of the attempt lands here."""
         key = attempt_key(rec.job_id, rec.attempt)
@@ -1114,8 +1126,20 @@ class NodeAgent:
                 }
             )
         )
+        instances = sorted(
+            {
+                (int(sl["gpu"]), int(sl.get("gi_id", -1)), int(sl.get("ci_id", -1)))
+                for r in self.state.ranks.values()
+                if r.attempt == rec.attempt and r.job_id == rec.job_id
+                for sl in r.slices
+                if sl.get("uuid")
+            }
+        )
+        caps = cgroups.nvidia_cap_minors(instances, self.config.mig_minors_file) if instances else ()
         cpus, memory = self._attempt_limits(rec.job_id, rec.attempt)
-        limits = cgroups.Limits(memory_bytes=memory, cpus=cpus, pids_max=self.config.pids_max, gpu_minors=minors)
+        limits = cgroups.Limits(
+            memory_bytes=memory, cpus=cpus, pids_max=self.config.pids_max, gpu_minors=minors, cap_minors=caps
+        )
         group = self._groups.get(key)
         if group is None or self._group_limits.get(key) != limits:
             assert self.containment is not None
@@ -1223,12 +1247,21 @@ class NodeAgent:
         self._closing.pop(key, None)
 
     async def _close_attempt(self, job_id: str, attempt: int) -> None:
+        """Empty and remove the attempt's container; only once it is empty (the kernel's `populated 0` on cgroup
+        v2) do its MIG instances and MPS shares go back and does the scheduler hear AttemptReleased. A container
+        that will not empty (a process stuck in the kernel) is tried again and again: its GPUs stay releasing."""
         key = attempt_key(job_id, attempt)
         group = self._groups.get(key)
         if group is not None:
-            await self._empty_and_remove(group, "its attempt ended")
+            tries = 0
+            while not await self._empty_and_remove(group, "its attempt ended" if not tries else "still not empty"):
+                tries += 1
+                self.log.warning("container_not_empty", container=group.name, tries=tries, held="gpus, instances")
+                await asyncio.sleep(min(30.0, self.config.kill_grace_s * tries + 1.0))
             self._groups.pop(key, None)
             self._group_limits.pop(key, None)
+        for rec in self._held_partials.pop(key, []):
+            self._release_partial(rec)
         await asyncio.to_thread(shutil.rmtree, self._work_dir(job_id, attempt), True)
         for args in self._held_reports.pop(key, []):  # the last ranks' ends, held until the container was empty
             self._report(*args[0], **args[1])
@@ -1247,8 +1280,9 @@ class NodeAgent:
         self.state.save()
         self._reports_changed.set()
 
-    async def _empty_and_remove(self, group: cgroups.Group, why: str) -> None:
-        """SIGTERM everything left in the container, SIGKILL what outlives --kill-grace, then remove it."""
+    async def _empty_and_remove(self, group: cgroups.Group, why: str) -> bool:
+        """SIGTERM everything left in the container, SIGKILL what outlives --kill-grace, then remove it. True when
+        it is empty (and removed, or left as an empty directory that could not be removed)."""
         poll = self.config.poll_interval_s
         if not group.empty():
             self.log.info("container_stopping", container=group.name, why=why, processes=len(group.pids()))
@@ -1262,10 +1296,15 @@ class NodeAgent:
             deadline = time.monotonic() + 10.0
             while not group.empty() and time.monotonic() < deadline:
                 await asyncio.sleep(poll)
+        if not group.empty():
+            self.log.error("container_not_emptied", container=group.name, processes=sorted(group.pids()))
+            return False
         try:
             await asyncio.to_thread(group.remove)
         except cgroups.ContainmentError as exc:
             self.log.error("container_not_removed", container=group.name, error=str(exc))
+            return group.empty()
+        return True
 
     async def _stop_attempt(self, job_id: str, attempt: int, reason: str) -> None:
         """A kill of the whole attempt: every process of its container (daemons of its ranks included) gets
@@ -1400,7 +1439,14 @@ class NodeAgent:
             )
         else:
             self._report(rec, state, exit_code=exit_code, message=message, retryable=retryable)
-        self._release_partial(rec)
+        if key in self._groups or key in self._closing:
+            # Its MIG instances / MPS share go back once the attempt's container is empty (_close_attempt): a
+            # process the rank left may still use them, and the next attempt must not get them meanwhile.
+            self._held_partials.setdefault(key, []).append(rec)
+            if rec.slices:
+                self.mig.mark_ending(rec.key)
+        else:
+            self._release_partial(rec)
         self._attempt_ended(rec)
 
     def _report(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -360,6 +361,8 @@ class MigManager:
         self.backend = backend
         self.gpus = _gpus_of(topology)
         self._lock = threading.RLock()
+        self._released = threading.Condition(self._lock)  # notified whenever a rank gives instances back
+        self._ending: set[str] = set()  # ranks that have ended, their instances held until their container is empty
         self._users: dict[tuple[int, int, int], set[str]] = {}  # (gpu, start, size) -> rank keys
         self._created: list[dict] = list(created or [])
         self._on_change = on_change  # called with the new record list whenever it changes (the agent's state)
@@ -417,13 +420,29 @@ class MigManager:
             out.append(prof)
         return out
 
-    def acquire(self, rank: str, slices: list[dict], busy_gpus: dict[int, str] | None = None) -> list[dict]:
+    def acquire(
+        self, rank: str, slices: list[dict], busy_gpus: dict[int, str] | None = None, wait_s: float = 0.0
+    ) -> list[dict]:
         """Find or create the instances of `slices` for rank `rank`: the slices back, each with its MIG device
         `uuid`, `gi_id`, `ci_id` and whether this agent `created` it. `busy_gpus` maps GPUs that whole-GPU or
         fractional ranks of this agent use to one such rank: their geometry is not changed. On failure every
-        instance made for this call is destroyed again and nothing stays acquired."""
+        instance made for this call is destroyed again and nothing stays acquired.
+
+        An instance (or one overlapping a slice) still held by an ENDED rank of another attempt (`mark_ending`) is
+        never handed over: the agent gives an ended attempt's instances back only once its container is empty, so
+        this waits up to `wait_s` for that, then raises MigError. (Instances of live ranks: as before, see
+        _acquire_one; ranks of one attempt ("job/attempt/rank" keys) may share one.)"""
         busy_gpus = busy_gpus or {}
+        deadline = time.monotonic() + wait_s
         with self._lock:
+            while (holder := self._other_attempt(rank, slices)) is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MigError(
+                        f"MIG slices {holder[0]} are still held by rank {holder[1]} of another attempt, whose "
+                        f"processes have not all exited (waited {wait_s:g}s)"
+                    )
+                self._released.wait(left)
             profiles = self.validate(slices)
             done: list[dict] = []
             try:
@@ -433,6 +452,26 @@ class MigManager:
                 self.release(rank, done)
                 raise
             return done
+
+    def mark_ending(self, rank: str) -> None:
+        """Rank `rank` has ended but its instances stay its own until `release` (its container is not empty yet)."""
+        with self._lock:
+            self._ending.add(rank)
+
+    def _other_attempt(self, rank: str, slices: list[dict]) -> tuple[str, str] | None:
+        """(placement, rank) of a user of another attempt than `rank`'s whose instance overlaps one of `slices`."""
+        attempt = rank.rsplit("/", 1)[0]
+        for s in slices:
+            gpu, start = int(s["gpu"]), int(s["start"])
+            size = int(s.get("size") or 0) or 1
+            mask = placement_mask(start, size)
+            for (g, st, sz), users in self._users.items():
+                if g != gpu or not placement_mask(st, sz) & mask:
+                    continue
+                other = sorted(u for u in users if u in self._ending and u.rsplit("/", 1)[0] != attempt)
+                if other:
+                    return f"GPU {g} {st}-{st + sz - 1}", other[0]
+        return None
 
     def _acquire_one(self, rank: str, gpu: int, prof: MigProfile, start: int, busy: dict[int, str]) -> dict:
         key = (gpu, start, prof.size)
@@ -534,6 +573,8 @@ class MigManager:
         Returns the placements destroyed; failures are logged, never raised."""
         destroyed = []
         with self._lock:
+            self._released.notify_all()  # (sent when the lock is let go) a waiting acquire looks again
+            self._ending.discard(rank)
             for s in slices:
                 key = _placement(s)
                 users = self._users.get(key)

@@ -32,8 +32,17 @@ Interface Reference", https://docs.nvidia.com/deploy/mps/appendix-tools-and-inte
 
 What is enforced: the thread share (SM limit) and the memory limit, by the MPS server, for a rank that keeps the
 environment it was given; a rank's own code could drop them from its environment before creating its CUDA
-context (MPS limits are the client's own). The daemon runs as the agent's user: ranks run as that user too, so
-they share one MPS server per GPU. Unix socket paths are limited to 107 bytes: keep state directories short on
+context (MPS limits are the client's own).
+
+Identity: the daemon runs as the ranks' user (`acquire(..., user=)`: `nobody`, `--run-as`, or the tenant's
+`unix_user`), not as the agent's root: its pipe and log directories are made owned by that user (mode 700, so no
+other user's process can reach the daemon through them), `-d` and every later command run as that user, and
+`daemon.json` records its uid. MPS runs one server per user on a GPU and queues another user's clients until
+that server ends, so a GPU's daemon serves one user at a time: a share of another user while it runs fails
+(MpsError, retryable) instead of waiting behind it. Before a rank joins a running daemon, `get_server_list` is sent to the
+daemon AS THE RANK'S USER through the rank's pipe directory: a rank that could not reach its daemon (and would
+silently run without MPS, unlimited) fails to start with the reason instead (the first share's start already
+waits for that answer, as its user). Unix socket paths are limited to 107 bytes: keep state directories short on
 real hosts (the real daemon puts its sockets in the pipe directory).
 
 The manager keeps, per GPU, the ranks using its daemon (reference counts) and, in `<gpu dir>/daemon.json`, the
@@ -55,6 +64,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .identity import RankUser
 from .launcher import pid_alive, proc_start_time
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -117,6 +127,7 @@ class MpsManager:
         self._gpu_locks: dict[int, threading.Lock] = {}
         self._users: dict[int, set[str]] = {}  # GPU -> keys of the ranks using its daemon
         self._gpu_of: dict[str, int] = {}  # rank key -> GPU
+        self._owner: dict[int, RankUser | None] = {}  # GPU -> the user its daemon runs as (None: the agent's)
 
     # ---------------------------------------------------------------- paths and environments
 
@@ -182,18 +193,49 @@ class MpsManager:
 
     # ---------------------------------------------------------------- the lifecycle
 
-    def acquire(self, key: str, gpu: int) -> dict[str, str]:
-        """Count rank `key` as a user of `gpu`'s daemon, starting the daemon first if none runs; return the rank's
-        MPS environment (client_env). Raises MpsError when the daemon cannot be started."""
+    def acquire(self, key: str, gpu: int, user: RankUser | None = None) -> dict[str, str]:
+        """Count rank `key` (run as `user`; None: the agent's own user) as a user of `gpu`'s daemon, starting the
+        daemon as that user first if none runs; return the rank's MPS environment (client_env). Raises MpsError
+        when the daemon cannot be started, serves another user, or does not answer `user` (see the module doc)."""
         if gpu not in self.gpus or not self.gpus[gpu]:
             raise MpsError(f"GPU {gpu} has no UUID on this host")
+        user = user if user is not None and user.uid != os.geteuid() else None
         with self._lock(gpu):
             if not self.daemon_pid(gpu):
-                self._start(gpu)
+                self._start(gpu, user)  # it waits until the daemon answers `user` (the same probe as below)
+            else:
+                owner = self._owner_of(gpu)
+                if owner != (user.uid if user else os.geteuid()):
+                    raise MpsError(
+                        f"GPU {gpu}'s MPS daemon runs as uid {owner} for its current shares; a share of "
+                        f"{user.name if user else 'the agent user'} cannot use it until they end"
+                    )
+                probe = self._run(gpu, [], stdin="get_server_list\n", user=user)
+                if probe.returncode != 0:
+                    who = user.name if user else "the agent's user"
+                    raise MpsError(
+                        f"the rank's user ({who}) cannot reach GPU {gpu}'s MPS daemon through {self.pipe_dir(gpu)}: "
+                        + ((probe.stderr or probe.stdout).strip() or f"exit status {probe.returncode}")
+                    )
             with self._meta:
                 self._users.setdefault(gpu, set()).add(key)
                 self._gpu_of[key] = gpu
         return self.client_env(gpu)
+
+    def _owner_of(self, gpu: int) -> int:
+        """The uid the GPU's running daemon serves (daemon.json; the agent's when unrecorded)."""
+        return int(self._read_info(gpu).get("uid", os.geteuid()))
+
+    def _user_for(self, gpu: int) -> RankUser | None:
+        """The user to run commands to `gpu`'s daemon as: the one it was started for (a restarted agent: from
+        daemon.json's uid)."""
+        if gpu in self._owner:
+            return self._owner[gpu]
+        uid = self._owner_of(gpu)
+        if uid == os.geteuid():
+            return None
+        info = self._read_info(gpu)
+        return RankUser(str(uid), uid, int(info.get("gid", uid)), tuple(info.get("groups", ())), "/", "")
 
     def release(self, key: str) -> bool:
         """Rank `key` has ended; True when that stopped its GPU's daemon (its last share)."""
@@ -246,9 +288,15 @@ class MpsManager:
 
     # ---------------------------------------------------------------- control program
 
-    def _run(self, gpu: int, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-        """Run the control program. `-d`'s output goes to `<log dir>/start.out`, not to pipes: a daemon that kept
-        its parent's stdout would hold a pipe open (and this call) for as long as it runs."""
+    def _run(
+        self, gpu: int, args: list[str], stdin: str | None = None, user: RankUser | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run the control program (as `user` when given). `-d`'s output goes to `<log dir>/start.out`, not to
+        pipes: a daemon that kept its parent's stdout would hold a pipe open (and this call) for as long as it
+        runs."""
+        who: dict = {}
+        if user is not None:
+            who = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         try:
             if args == ["-d"]:
                 out_path = self.log_dir(gpu) / "start.out"
@@ -261,6 +309,7 @@ class MpsManager:
                         stderr=subprocess.STDOUT,
                         timeout=self.command_timeout_s,
                         start_new_session=True,
+                        **who,
                     ).returncode
                     out.seek(0)
                     return subprocess.CompletedProcess([self.control, "-d"], rc, "", out.read()[-2000:])
@@ -272,6 +321,7 @@ class MpsManager:
                 text=True,
                 timeout=self.command_timeout_s,
                 stdin=None if stdin is not None else subprocess.DEVNULL,
+                **who,
             )
         except FileNotFoundError as exc:
             raise MpsError(
@@ -291,18 +341,30 @@ class MpsManager:
             return ""
         return " | ".join(text[-lines:])
 
-    def _start(self, gpu: int) -> int:
+    def _start(self, gpu: int, user: RankUser | None = None) -> int:
         pipe, logs = self.pipe_dir(gpu), self.log_dir(gpu)
         try:
             pipe.mkdir(parents=True, exist_ok=True)
             logs.mkdir(parents=True, exist_ok=True)
+            if user is not None or os.geteuid() == 0:
+                # The root and GPU directories: traversable, not listable, by the daemon's user; pipe and log: its
+                # own (a previous user's daemon may have left them), closed to everyone else.
+                for d in (self.root, self.gpu_dir(gpu)):
+                    d.chmod(0o711)
+                uid, gid = (user.uid, user.gid) if user else (os.geteuid(), os.getegid())
+                for d in (pipe, logs):
+                    for f in d.iterdir():  # left by a daemon of another user: the new one's now
+                        os.chown(f, uid, gid, follow_symlinks=False)
+                    os.chown(d, uid, gid)
+                    d.chmod(0o700)
         except OSError as exc:
             raise MpsError(f"cannot create the MPS directories of GPU {gpu}: {exc}") from exc
+        self._owner[gpu] = user
         # No daemon runs here (acquire checked): a pid file left (a crash, a reboot) would name another process.
         (pipe / PID_FILE).unlink(missing_ok=True)
         (self.gpu_dir(gpu) / "daemon.json").unlink(missing_ok=True)
         t0 = time.monotonic()
-        r = self._run(gpu, ["-d"])
+        r = self._run(gpu, ["-d"], user=user)
         if r.returncode != 0:
             detail = (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
             tail = self._log_tail(gpu)
@@ -318,7 +380,7 @@ class MpsManager:
                 last = f"the daemon (pid {pid}) exited"
                 break
             if pid:
-                probe = self._run(gpu, [], stdin="get_server_list\n")
+                probe = self._run(gpu, [], stdin="get_server_list\n", user=user)
                 if probe.returncode == 0:
                     answered = True
                     break
@@ -342,6 +404,10 @@ class MpsManager:
             "log_dir": str(logs),
             "control": self.control,
             "started_at": time.time(),
+            "uid": user.uid if user else os.geteuid(),
+            "gid": user.gid if user else os.getegid(),
+            "groups": list(user.groups) if user else [],
+            "user": user.name if user else "",
         }
         tmp = self.gpu_dir(gpu) / "daemon.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
@@ -352,6 +418,7 @@ class MpsManager:
             uuid=self.gpus[gpu],
             pid=pid,
             pipe_dir=str(pipe),
+            user=user.name if user else "(agent)",
             seconds=round(time.monotonic() - t0, 3),
         )
         return pid
@@ -363,7 +430,7 @@ class MpsManager:
             (self.gpu_dir(gpu) / "daemon.json").unlink(missing_ok=True)
             return False
         try:
-            r = self._run(gpu, [], stdin="quit\n")
+            r = self._run(gpu, [], stdin="quit\n", user=self._user_for(gpu))
             problem = "" if r.returncode == 0 else ((r.stderr or r.stdout).strip() or f"exit {r.returncode}")
         except MpsError as exc:
             problem = str(exc)
@@ -374,6 +441,7 @@ class MpsManager:
                 _signal(pid, signal.SIGKILL)
                 _wait_gone(pid, 2.0)
         (self.gpu_dir(gpu) / "daemon.json").unlink(missing_ok=True)
+        self._owner.pop(gpu, None)
         self._say("mps_daemon_stopped", gpu=gpu, pid=pid, reason=reason)
         return True
 

@@ -143,8 +143,10 @@ def test_one_daemon_per_gpu_counted_and_quit_after_the_last_share(tmp_path):
         }
     )
     assert c["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu5" / "pipe") and c["CUDA_VISIBLE_DEVICES"] == uuid(5)
-    # One start per GPU (then the readiness query), each daemon seeing only its GPU, by UUID.
-    assert commands(root, 3) == ["start", "get_server_list"] and commands(root, 5) == ["start", "get_server_list"]
+    # One start per GPU (then the readiness query), each daemon seeing only its GPU, by UUID; a share joining a
+    # running daemon (b) first checks that its user reaches it.
+    assert commands(root, 3) == ["start", "get_server_list", "get_server_list"]
+    assert commands(root, 5) == ["start", "get_server_list"]
     (s3,) = [r for r in records(root, 3) if r["command"] == "start"]
     (s5,) = [r for r in records(root, 5) if r["command"] == "start"]
     assert (s3["visible_devices"], s5["visible_devices"]) == (uuid(3), uuid(5))
@@ -342,7 +344,9 @@ async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last
     assert start3["ok"] and start3["visible_devices"] == uuid(3)
     assert start3["time"] < (tmp_path / "s-r0.env.json").stat().st_mtime
     assert "quit" not in commands(root, 3) and alive(start3["daemon_pid"])
-    assert agent.mps.users(3) == {"s/1/1"}
+    # Rank 0's share is held until its attempt's container is empty (rank 1 still runs in it): a process rank 0
+    # left could still be a client of the daemon.
+    assert agent.mps.users(3) == {"s/1/0", "s/1/1"}
     e0, e1 = env_of(tmp_path, "s", 0), env_of(tmp_path, "s", 1)
     assert mps_vars(e0) == {
         "CUDA_MPS_PIPE_DIRECTORY": str(root / "gpu3" / "pipe"),
@@ -364,7 +368,9 @@ async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["gpu3", "gpu5"]
     # The last share on GPU 3 ends: its daemon quits.
     await until(lambda: fake.report("s", 1, S.RANK_STATE_EXITED), what="the long share EXITED")
-    await until(lambda: commands(root, 3) == ["start", "get_server_list", "quit"], what="GPU 3's daemon quit")
+    await until(
+        lambda: commands(root, 3) == ["start", "get_server_list", "get_server_list", "quit"], what="GPU 3's daemon quit"
+    )
     await until(lambda: not alive(start3["daemon_pid"]), what="GPU 3's daemon gone")
     assert all(not r.retryable for r in fake.reports)
 
@@ -478,11 +484,14 @@ async def test_restarted_agent_adopts_running_daemons_and_stops_unused_ones(fake
     await until(lambda: fake.report("more", 0, S.RANK_STATE_EXITED), what="more EXITED")
     await until(lambda: not b._releases, what="more's share released")
     assert env_of(tmp_path, "more", 0)["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu2" / "pipe")
-    assert commands(root, 2) == ["start", "get_server_list"] and alive(pid2)
+    # (the second get_server_list: the new share's user checked that it reaches the adopted daemon)
+    assert commands(root, 2) == ["start", "get_server_list", "get_server_list"] and alive(pid2)
     # The adopted rank ends: its daemon quits.
     fake.kill(4, "live", 1)
     await until(lambda: fake.report("live", 0, S.RANK_STATE_KILLED), what="live KILLED")
-    await until(lambda: commands(root, 2) == ["start", "get_server_list", "quit"], what="GPU 2's daemon quit")
+    await until(
+        lambda: commands(root, 2) == ["start", "get_server_list", "get_server_list", "quit"], what="GPU 2's daemon quit"
+    )
     await until(lambda: not alive(pid2), what="GPU 2's daemon gone")
 
 
@@ -622,7 +631,8 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root / f"gpu{gpu}" / "pipe")
             assert env["CUDA_VISIBLE_DEVICES"] == uuid(gpu) and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
             assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={H100_MEMORY * 400 // 1000}M"
-        assert commands(root, gpu) == ["start", "get_server_list"]
+        # (the second share's user checks that it reaches the running daemon: a second get_server_list)
+        assert commands(root, gpu) == ["start", "get_server_list", "get_server_list"]
         assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [f"gpu{gpu}"]
         pid = daemon_pid(root, gpu)
         # The first job ends: the daemon stays for the second; the second ends: it quits.
@@ -635,7 +645,10 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
         assert [k.split("/")[0] for k in agent.mps.users(gpu)] == [two.id]
         assert "quit" not in commands(root, gpu) and alive(pid)
         await stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=two.id))
-        await until(lambda: commands(root, gpu) == ["start", "get_server_list", "quit"], what="the daemon quit")
+        await until(
+            lambda: commands(root, gpu) == ["start", "get_server_list", "get_server_list", "quit"],
+            what="the daemon quit",
+        )
         await until(lambda: not alive(pid), what="the daemon gone")
     finally:
         await agent.stop()
@@ -647,3 +660,133 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
 
 async def _is(state, wanted: int) -> bool:
     return (await state) == wanted
+
+
+# ------------------------------------------------------------------------------------------------ the ranks' identity
+
+
+def _uid_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory other users can traverse (pytest's own base directory is private to root); its daemons are
+    stopped after the test."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="phalanx-mps-"))
+    path.chmod(0o711)
+    yield path
+    for pid_file in path.rglob(mps_control.PID_FILE):
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _others_cannot_run_python() -> str | None:
+    """The stand-in daemon runs this Python as nobody: every directory up to it must be traversable by others."""
+    path = Path(sys.executable).resolve()
+    for p in [path, *path.parents]:
+        if not os.stat(p).st_mode & 0o001:
+            return f"{p} is not executable/traversable by other users, so nobody cannot run the stand-in daemon"
+    return None
+
+
+ROOT_ONLY = pytest.mark.skipif(
+    os.geteuid() != 0 or bool(_others_cannot_run_python()),
+    reason="running ranks as another user needs root" if os.geteuid() != 0 else (_others_cannot_run_python() or ""),
+)
+
+
+@ROOT_ONLY
+def test_the_daemon_runs_as_the_ranks_user_and_serves_only_it(shared_dir):
+    from services.node_agent.identity import resolve_user
+
+    nobody = resolve_user("nobody")
+    m = manager(shared_dir)
+    env = m.acquire("a/1/0", 2, user=nobody)
+    pid = m.daemon_pid(2)
+    assert pid and _uid_of(pid) == nobody.uid  # the control daemon itself runs as the ranks' user
+    for d in (m.pipe_dir(2), m.log_dir(2)):
+        st = d.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (nobody.uid, nobody.gid, 0o700), d
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(m.pipe_dir(2)) and env["CUDA_MPS_LOG_DIRECTORY"] == str(m.log_dir(2))
+    info = json.loads((m.gpu_dir(2) / "daemon.json").read_text())
+    assert (info["uid"], info["user"]) == (nobody.uid, "nobody")
+    assert [r["command"] for r in records(m.root, 2)] == ["start", "get_server_list"]
+
+    # Another user's share (here the agent's own, root) is refused while nobody's daemon runs: MPS would queue it.
+    with pytest.raises(MpsError, match=f"runs as uid {nobody.uid}"):
+        m.acquire("r/1/0", 2)
+    assert m.users(2) == {"a/1/0"}
+    # A second share of nobody's reaches the daemon as nobody, and is counted.
+    m.acquire("b/1/0", 2, user=nobody)
+    assert m.users(2) == {"a/1/0", "b/1/0"}
+    # A rank whose user cannot reach the daemon's pipes (here: they were taken from it) does not start.
+    os.chown(m.pipe_dir(2), 0, 0)
+    with pytest.raises(MpsError, match="the rank's user \\(nobody\\) cannot reach GPU 2's MPS daemon"):
+        m.acquire("c/1/0", 2, user=nobody)
+    assert m.users(2) == {"a/1/0", "b/1/0"}
+    os.chown(m.pipe_dir(2), nobody.uid, nobody.gid)
+    assert not m.release("a/1/0") and m.release("b/1/0")  # the last share: quit (sent as nobody)
+    assert not alive(pid) and commands(m.root, 2)[-1] == "quit"
+    # The next share, of another user (root), gets a daemon of its own user, in directories handed over to it.
+    m.acquire("r/1/0", 2)
+    assert _uid_of(m.daemon_pid(2)) == 0 and m.pipe_dir(2).stat().st_uid == 0
+    m.release("r/1/0")
+
+
+@ROOT_ONLY
+async def test_agent_share_ranks_run_as_nobody_with_their_daemon_and_fail_when_they_cannot_reach_it(fake, shared_dir):
+    from services.node_agent.identity import resolve_user
+
+    nobody = resolve_user("nobody")
+    out = shared_dir / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    agent = NodeAgent(
+        AgentConfig(
+            scheduler=f"127.0.0.1:{fake.port}",
+            node_name=NODE,
+            topology=simulated_topology(NODE, "dgx-h100"),
+            state_dir=shared_dir / "state",
+            run_as="nobody",
+            kill_grace_s=0.5,
+            backoff_initial_s=0.05,
+            backoff_cap_s=0.3,
+            poll_interval_s=0.02,
+            rpc_timeout_s=2.0,
+            flush_timeout_s=2.0,
+        )
+    )
+    task = asyncio.create_task(agent.run())
+    try:
+        root = shared_dir / "state" / "mps"
+        launch(fake, 1, "n", [{"rank": 0, "gpus": [1], "env": rank_env(out, "n", 0, SLEEP=30), "gpu_milli": 300}])
+        await until(lambda: (out / "n-r0.env.json").exists(), what="the share rank's environment")
+        env = env_of(out, "n", 0)
+        pid = daemon_pid(root, 1)
+        assert env["USER"] == "nobody" and _uid_of(pid) == nobody.uid
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu1" / "pipe")
+        assert env["CUDA_MPS_LOG_DIRECTORY"] == str(root / "gpu1" / "log")
+        assert (root / "gpu1" / "pipe").stat().st_uid == nobody.uid
+
+        # The pipes are no longer reachable by nobody: the next share rank fails to start, saying why (it never
+        # runs without MPS).
+        os.chown(root / "gpu1" / "pipe", 0, 0)
+        launch(fake, 2, "m", [{"rank": 0, "gpus": [1], "env": rank_env(out, "m", 0), "gpu_milli": 200}])
+        await until(lambda: fake.report("m", 0, S.RANK_STATE_FAILED_TO_START), what="FAILED_TO_START")
+        failed = fake.report("m", 0, S.RANK_STATE_FAILED_TO_START)
+        assert "cannot reach GPU 1's MPS daemon" in failed.message and failed.retryable
+        assert not (out / "m-r0.env.json").exists()
+        os.chown(root / "gpu1" / "pipe", nobody.uid, nobody.gid)
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 15)

@@ -2,8 +2,9 @@
 
 The cgroup v1 tests use the real hierarchies under /sys/fs/cgroup (root only; they skip elsewhere), each test
 under a parent of its own (the agent's own cgroup per hierarchy + "/phalanx-test-<pid>-<random>"), which the
-fixture empties and removes even when the test fails. cgroup v2 is tested against a fake tree of plain files, and
-detection against fake mounts and /proc/self/cgroup files.
+fixture empties and removes even when the test fails. cgroup v2 is tested against a model of the kernel's rules
+(tests/helpers/fake_cgroup2.py; see test_containment_v2.py), and detection against fake mounts and /proc/self/cgroup
+files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers.fake_cgroup2 import FakeCgroup2
 from structlog.testing import capture_logs
 
 from services.node_agent import containment
@@ -252,14 +254,16 @@ def test_v1_cpu_quota_and_device_rules(v1, spawn, tmp_path):
     )
     c = cgroup_v1(v1.mounts, v1.parents, proc_devices=str(proc_devices))  # the same parents as the fixture's
     assert c.devices_enforced is ("devices" in v1.mounts) and c.limits_enforced
-    g = c.create("limits", Limits(cpus=0.5, gpu_minors=(3,)))
+    g = c.create("limits", Limits(cpus=0.5, gpu_minors=(3,), cap_minors=(21, 22)))
     if "cpu" in g.dirs:
         assert (g.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
         assert (g.dirs["cpu"] / "cpu.cfs_period_us").read_text().strip() == "100000"
     if "devices" not in g.dirs:
         pytest.skip("no cgroup v1 devices hierarchy on this host")
     rules = (g.dirs["devices"] / "devices.list").read_text().splitlines()
-    assert {"c 195:3 rwm", "c 195:255 rwm", "c 1:3 rwm", "c 136:* rwm", "c 509:* rwm", "c 508:* rwm"} <= set(rules)
+    assert {"c 195:3 rwm", "c 195:255 rwm", "c 1:3 rwm", "c 136:* rwm", "c 509:* rwm"} <= set(rules)
+    # Only the job's own MIG capabilities (nvidia-caps minors), never all of them.
+    assert {r for r in rules if r.startswith("c 508:")} == {"c 508:21 rwm", "c 508:22 rwm"}
     assert not any(r.startswith(("c 195:2 ", "a ")) for r in rules)
 
     # Inside the group /dev/null opens; a device outside the list (one root can open from here) does not.
@@ -342,83 +346,60 @@ def test_detect_on_this_host_picks_cgroup_v1():
             _scrub(c.parent_dirs().values())
 
 
-# --- cgroup v2, against a fake tree ----------------------------------------------------------------------------------
+# --- cgroup v2, against a model of the kernel's rules (tests/helpers/fake_cgroup2.py; more in test_containment_v2) --
 
 
-def _fake_v2(tmp_path: Path) -> Path:
-    root = tmp_path / "cg2"
-    for d in (root, root / "phalanx.slice", root / "phalanx.slice" / "agent-n1"):
-        d.mkdir(parents=True)
-        (d / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
-        (d / "cgroup.subtree_control").write_text("")
-    return root
+def _fake_v2(tmp_path: Path, **kw) -> FakeCgroup2:
+    fs = FakeCgroup2(tmp_path / "cg2", ("cpuset", "cpu", "io", "memory", "pids"), **kw)
+    fs.make("/phalanx.slice/agent-n1")
+    return fs
 
 
-def test_v2_writes_limits_and_controllers_on_a_fake_tree(tmp_path):
-    root = _fake_v2(tmp_path)
-    c = cgroup_v2(str(root), "/phalanx.slice/agent-n1", fake_fs=True)
+def test_v2_pids_kill_oom_and_remove_on_the_model(tmp_path):
+    fs = _fake_v2(tmp_path)
+    c = cgroup_v2(str(fs.mount), "/phalanx.slice/agent-n1", fs=fs)
     assert c.kind == "cgroup-v2" and c.limits_enforced and not c.devices_enforced
-    g = c.create("job-x-a1", Limits(memory_bytes=2**30, cpus=1.5, pids_max=100, gpu_minors=(0,)))
-    d = root / "phalanx.slice" / "agent-n1" / "job-x-a1"
-    for level in (root, root / "phalanx.slice", root / "phalanx.slice" / "agent-n1"):
-        assert (level / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
-    assert (d / "memory.max").read_text() == str(2**30) and g.memory_limit == 2**30
-    assert (d / "pids.max").read_text() == "100"
-    assert (d / "cpu.max").read_text() == "150000 100000"
-    assert not (root / "phalanx.slice" / "agent-n1" / "cgroup.procs").exists()  # nothing put into the parent
-    assert g.join_files() == [str(d / "cgroup.procs")]
-    assert g.env() == {MARKER_ENV: "/phalanx.slice/agent-n1/job-x-a1"}
-    assert c.names() == ["job-x-a1"] and c.open("job-x-a1").memory_limit == 2**30 and c.open("x") is None
-
-    again = c.create("job-x-a1")  # an existing group: limits applied again (none now)
-    assert [(d / f).read_text() for f in ("memory.max", "pids.max", "cpu.max")] == ["max", "max", "max 100000"]
-    assert again.memory_limit == 0
-
-
-def test_v2_pids_kill_oom_and_remove_on_a_fake_tree(tmp_path):
-    c = cgroup_v2(str(_fake_v2(tmp_path)), "/phalanx.slice/agent-n1", fake_fs=True)
     g = c.create("job-y-a1")
-    d = Path(g.join_files()[0]).parent
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    zombie = subprocess.Popen(["true"])
-    _wait_until(lambda: _not_alive(zombie.pid), what="an unreaped child")
-    live = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    cg = "/phalanx.slice/agent-n1/job-y-a1"
+    assert g.env() == {MARKER_ENV: cg}
+    zombie = subprocess.Popen(["sleep", "0.2"])
+    live = subprocess.Popen(["sleep", "30"])
     try:
-        (d / "cgroup.procs").write_text(f"{live[0].pid}\n{dead.pid}\n{zombie.pid}\n")
-        assert g.pids() == {live[0].pid} and not g.empty()
+        fs.write(fs.path(cg) / "cgroup.procs", str(zombie.pid))
+        fs.write(fs.path(cg) / "cgroup.procs", str(live.pid))
+        _wait_until(lambda: _not_alive(zombie.pid), what="an unreaped child")
+        assert g.pids() == {live.pid} and not g.empty()  # a zombie is no member
 
-        (d / "cgroup.kill").write_text("0")
         g.kill()
-        assert (d / "cgroup.kill").read_text() == "1"
-        assert live[0].poll() is None  # a fake tree has no kernel behind cgroup.kill
-
-        # Without cgroup.kill: freeze, SIGKILL every member, thaw.
-        (d / "cgroup.kill").unlink()
-        (d / "cgroup.freeze").write_text("0")
-        (d / "cgroup.events").write_text("populated 1\nfrozen 1\n")
-        g.kill()
-        assert live[0].wait(timeout=5) == -signal.SIGKILL and (d / "cgroup.freeze").read_text() == "0"
-
-        # Without either: SIGKILL over the members until none is left.
-        (d / "cgroup.freeze").unlink()
-        (d / "cgroup.procs").write_text(f"{live[1].pid}\n{live[2].pid}\n")
-        g.kill()
-        assert [p.wait(timeout=5) for p in live[1:]] == [-signal.SIGKILL] * 2
+        assert fs.nodes[cg].kills == 1 and live.wait(timeout=5) == -signal.SIGKILL
         assert g.empty()
 
-        (d / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 0\n")
+        fs.nodes[cg].files["memory.events"] = "low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 0\n"
         assert g.oom_kills() == 2
 
-        (d / "cgroup.procs").write_text(f"{os.getppid()}\n")  # someone alive
+        fs.place(cg, os.getppid())  # someone alive
         with pytest.raises(ContainmentError):
             g.remove()
-        (d / "cgroup.procs").write_text("")
+        fs.place("/", os.getppid())
         g.remove()
-        assert not d.exists() and c.names() == []
+        assert cg not in fs.nodes and c.names() == []
         g.remove()
     finally:
         zombie.wait()
+        live.kill()
+        live.wait()
+
+
+def test_v2_kill_without_cgroup_kill_or_freeze_loops_sigkill(tmp_path):
+    fs = _fake_v2(tmp_path, kill_file=False, freeze_file=False)
+    g = cgroup_v2(str(fs.mount), "/phalanx.slice/agent-n1", fs=fs).create("job-w-a1")
+    live = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        for p in live:
+            fs.write(Path(g.join_files()[0]), str(p.pid))
+        g.kill()
+        assert [p.wait(timeout=5) for p in live] == [-signal.SIGKILL] * 2 and g.empty()
+    finally:
         for p in live:
             p.kill()
             p.wait()
@@ -426,16 +407,16 @@ def test_v2_pids_kill_oom_and_remove_on_a_fake_tree(tmp_path):
 
 def test_v2_kill_goes_on_when_the_freeze_does_not_complete(tmp_path, monkeypatch):
     monkeypatch.setattr(containment, "FREEZE_WAIT_S", 0.05)  # a task stuck in the kernel would hold it ~1 s
-    g = cgroup_v2(str(_fake_v2(tmp_path)), "/phalanx.slice/agent-n1", fake_fs=True).create("job-z-a1")
-    d = Path(g.join_files()[0]).parent
-    (d / "cgroup.freeze").write_text("0")
-    (d / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    fs = _fake_v2(tmp_path, kill_file=False)
+    fs.freeze_completes = False
+    g = cgroup_v2(str(fs.mount), "/phalanx.slice/agent-n1", fs=fs).create("job-z-a1")
     sleep = subprocess.Popen(["sleep", "30"])
     try:
-        (d / "cgroup.procs").write_text(f"{sleep.pid}\n")
+        fs.write(Path(g.join_files()[0]), str(sleep.pid))
         with capture_logs() as logs:
-            g.kill()
-        assert sleep.wait(timeout=5) == -signal.SIGKILL and (d / "cgroup.freeze").read_text() == "0"
+            g.kill()  # the model never reports "frozen 1"
+        assert sleep.wait(timeout=5) == -signal.SIGKILL
+        assert fs.read(fs.path("/phalanx.slice/agent-n1/job-z-a1") / "cgroup.freeze") == "0"
         assert [entry["event"] for entry in logs] == ["containment.freeze_timeout"]
         assert logs[0]["log_level"] == "warning" and logs[0]["group"] == "/phalanx.slice/agent-n1/job-z-a1"
     finally:
@@ -497,11 +478,22 @@ def test_detect_falls_back_to_v1_when_v2_lacks_memory(tmp_path, as_root):
 
 
 def test_detect_picks_v2_when_it_has_memory_and_pids(tmp_path, as_root):
-    c = detect(node_name="n1", **_fake_host(tmp_path, v2_controllers="cpu io memory pids"))
+    host = _fake_host(tmp_path, v2_controllers="cpu io memory pids")
+    fs = FakeCgroup2(tmp_path / "unified", ("cpu", "io", "memory", "pids"))
+    fs.nodes["/"].subtree = ["cpu", "io", "memory", "pids"]
+    fs.make("/system.slice", enable=("cpu", "io", "memory", "pids"))
+    fs.make("/system.slice/agent.service")
+    c = detect(node_name="n1", fs=fs, **host)
     assert c.kind == "cgroup-v2" and c.parent == "/system.slice/agent.service/phalanx-n1"
-    assert c.reason == f"cgroup v2 at {tmp_path}/unified with controllers memory, pids, cpu (parent {c.parent})"
-    assert (tmp_path / "unified/system.slice/agent.service/phalanx-n1").is_dir()
-    assert (tmp_path / "unified/cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    assert c.reason == (
+        f"cgroup v2 at {tmp_path}/unified with controllers memory, pids, cpu (parent {c.parent}, delegated "
+        "/system.slice/agent.service; devices by the v1 devices hierarchy)"
+    )
+    assert fs.is_dir(fs.path(c.parent)) and fs.subtree_control("/system.slice/agent.service")[:3] == [
+        "memory",
+        "pids",
+        "cpu",
+    ]
 
 
 def test_detect_without_root_or_usable_cgroups_tracks_process_groups(tmp_path, monkeypatch):
