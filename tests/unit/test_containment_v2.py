@@ -2,8 +2,9 @@
 controllers in its delegated cgroup, and makes the attempts' cgroups beside that leaf.
 
 Real v2 semantics are tested where the host offers them (a cgroup2 mount whose root has memory and pids); this
-host's unified mount has no controllers (all are bound to v1), so those tests skip through need("cgroup", ...),
-which fails them in CI where the part is required. Everywhere else the same code runs against
+host's unified mount has no controllers (all are bound to v1), so those tests skip through need("cgroup-v2", ...)
+(a part CI does not require: its hosts are hybrid, v1 controllers with an empty unified mount; PHALANX_REQUIRE=cgroup-v2
+makes it required on a v2 host). Everywhere else the same code runs against
 tests/helpers/fake_cgroup2.py: a model of the hierarchy that refuses what the kernel refuses (the
 no-internal-processes and top-down rules) and tracks real processes this test spawns (cgroup.kill SIGKILLs them).
 """
@@ -260,7 +261,7 @@ def _real_v2_missing() -> str | None:
 
 
 def test_real_v2_delegation_limits_and_kill(procs):
-    need("cgroup", _real_v2_missing())
+    need("cgroup-v2", _real_v2_missing())
     c = detect(node_name=f"t{os.getpid()}", force="cgroup-v2")
     try:
         g = c.create("job-r-a1", Limits(memory_bytes=64 * 2**20, pids_max=10))
