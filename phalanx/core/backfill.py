@@ -587,18 +587,18 @@ def schedule_with_backfill(
             limit_end = now + request.time_limit if request.time_limit > 0 else math.inf
             placed = None
             if head is None:
-                first_failure: tuple[GangRequest, Unplaceable] | None = None
+                first_failure: tuple[str, GangRequest, Unplaceable] | None = None
                 for flavor, variant in variants:
                     result = place_gang(capacity, variant, fabric_tiers)
                     if isinstance(result, Placement):
                         placed = (flavor, variant, result)
                         break
-                    first_failure = first_failure or (variant, result)
+                    first_failure = first_failure or (flavor, variant, result)
                 if placed is None:
                     # variants is never empty (book.admit returns a Refusal rather than no admission), so every
                     # variant failed here and the first failure is set.
                     assert first_failure is not None
-                    variant, head = first_failure
+                    head_flavor, variant, head = first_failure
                     head_request = variant
                     if not backfill:
                         break
@@ -648,6 +648,11 @@ def schedule_with_backfill(
                         if memo is not None:
                             memo.update(key=key, reservation=reservation)
                     head_claims = _within_claim(shield, variant.job_id, reservation)
+                    if book is not None and recharge is None and reservation is not None:
+                        # EASY backfill for quota too: a head that will fit keeps its demand charged to its queue for
+                        # the rest of the pass (as a claimant does), so no gang behind it takes the quota it needs
+                        # and leaves it, once its GPUs come free (or its victims stop), unable to start.
+                        recharge = (queue, head_flavor, variant)
                     continue
             else:
                 # Every gang looked at behind the head counts, tried or passed over: the pass ends after `depth` of

@@ -298,6 +298,27 @@ ROWS = [
         """,
         grace_s=20.0,
     ),
+    Row(
+        "a gang behind a blocked head in its queue took the quota the head needed, as the head's victims stopped",
+        "(c) preemptor j9 started 5s after its victims were stopped and released (j2 of its queue held the quota)",
+        ClusterSpec(nodes=16, gpus=8, per_leaf=4, nvlink=4, mixed=True, mig_gpus=1),
+        "\n".join(f"submit fill{i} 2x8 p=-100 work=300" for i in range(8))
+        + """
+        submit j0 8x4 q=b work=300 ckpt=late
+        advance 30
+        submit j2 8x2 q=b work=5 fails=1
+        down 27
+        gpu 28
+        submit j7 16x4 p=200 q=a work=30 limit=20 fails=1
+        submit j8 4x8 p=100 q=c work=60 limit=20 tier=leaf ckpt=late
+        submit j9 4x8 p=100 q=b model=A100 ckpt=never
+        """,
+        queues=cohort(a=(64.0, 0.0, 2.0), b=(64.0, 0.0, 2.0), c=(32.0, 8.0, 1.0)),
+        min_runtime_s=30.0,
+        grace_s=0.0,
+        backoff_s=5.0,
+        max_attempts=2,
+    ),
 ]
 
 
