@@ -609,6 +609,12 @@ class Checker:
 
     def _on_Asked(self, e: Asked) -> None:
         self.asked_index = self.index
+        if e.reclaim:
+            # A queue takes back quota its cohort lent: a borrowing preemptor elsewhere may have counted on that
+            # quota to run once its victims stop. For its time bound that is capacity lost.
+            for other in self.episodes.values():
+                if other.by != e.by:
+                    other.lost_index = self.index
         victim = self.jobs.get(e.victim)
         by = self.jobs.get(e.by)
         if victim is None or victim.attempt != e.attempt:

@@ -319,6 +319,23 @@ ROWS = [
         backoff_s=5.0,
         max_attempts=2,
     ),
+    Row(
+        "(the checker's bug) a borrowing preemptor's quota went to a reclaim by another queue while it waited",
+        "(c) preemptor j39 started 1.9s after its victims were stopped (queue c reclaimed the quota it borrowed)",
+        ClusterSpec(nodes=4, gpus=4, per_leaf=2, mixed=True, confirming="odd"),
+        """
+        submit j7 1x1 p=-100 q=a work=300 milli=500 model=A100 ckpt=never
+        submit j28 3x2 q=c work=30
+        submit j32 4x2 q=c work=5 ckpt=never fails=1
+        fail 23
+        submit j38 3x2 q=a ckpt=late
+        submit j39 5x2 q=a work=2 ckpt=never fails=1
+        """,
+        queues=cohort(a=(4.0, None, 1.0), b=(8.0, 4.0, 1.0), c=(8.0, 0.0, 2.0)),
+        min_runtime_s=0.0,
+        backoff_s=5.0,
+        max_attempts=2,
+    ),
 ]
 
 
