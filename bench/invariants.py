@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -29,11 +30,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phalanx.testing.world import format_actions, random_scenario, run, shrink
 
+# A scenario that has not ended after this many seconds is counted as a liveness violation ("no end"): without
+# claims a preemption cycle can go on for good (the baseline met one that ran for an hour and grew to 8 GB).
+SCENARIO_LIMIT_S = 60
+
+
+class _NoEnd(Exception):
+    pass
+
+
+def _no_end(*_: object) -> None:
+    raise _NoEnd
+
 
 def play(args: tuple[int, bool]) -> tuple[int, int, int, str, str]:
     """(seed, decisions, events, first violation's invariant or "", its text)."""
     seed, claims = args
-    world = run(random_scenario(random.Random(seed)), claims=claims)
+    signal.signal(signal.SIGALRM, _no_end)
+    signal.alarm(SCENARIO_LIMIT_S)
+    try:
+        world = run(random_scenario(random.Random(seed)), claims=claims)
+    except _NoEnd:
+        return seed, 0, 0, "d", f"(d) seed {seed}: no end within {SCENARIO_LIMIT_S} s (a cycle that never settles)"
+    finally:
+        signal.alarm(0)
     found = world.violations[0] if world.violations else None
     return seed, world.decisions, len(world.history), found.invariant if found else "", str(found) if found else ""
 
@@ -43,8 +63,8 @@ def sweep(seeds: range, claims: bool, workers: int, label: str) -> dict:
     found: Counter[str] = Counter()
     first: dict[str, int] = {}
     decisions = events = done = 0
-    with multiprocessing.Pool(workers) as pool:
-        for seed, d, e, invariant, _ in pool.imap_unordered(play, ((s, claims) for s in seeds), chunksize=50):
+    with multiprocessing.Pool(workers, maxtasksperchild=500) as pool:
+        for seed, d, e, invariant, _ in pool.imap_unordered(play, ((s, claims) for s in seeds), chunksize=20):
             done += 1
             decisions += d
             events += e
@@ -71,7 +91,14 @@ def sweep(seeds: range, claims: bool, workers: int, label: str) -> dict:
 
 def show_minimal(seed: int, claims: bool) -> str:
     scenario = random_scenario(random.Random(seed))
-    want = run(scenario, claims=claims).violations[0].invariant
+    signal.signal(signal.SIGALRM, _no_end)
+    signal.alarm(SCENARIO_LIMIT_S)
+    try:
+        want = run(scenario, claims=claims).violations[0].invariant
+    except _NoEnd:
+        return f"seed {seed}: no end within {SCENARIO_LIMIT_S} s (not shrunk)"
+    finally:
+        signal.alarm(0)
 
     def fails(s):  # type: ignore[no-untyped-def]
         v = run(s, claims=claims).violations
