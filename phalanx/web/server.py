@@ -279,6 +279,8 @@ SECURITY_HEADERS = (
     ("Cache-Control", "no-store"),
 )
 
+HSTS = "max-age=31536000"  # a year; no includeSubDomains: the dashboard does not speak for its domain's other hosts
+
 
 @dataclass
 class Session:
@@ -392,6 +394,8 @@ class _Handler(BaseHTTPRequestHandler):
     def end_headers(self) -> None:  # every response, errors included
         for name, value in SECURITY_HEADERS:
             self.send_header(name, value)
+        if self.tls:  # a browser that has seen the dashboard over HTTPS never tries it over plain HTTP again
+            self.send_header("Strict-Transport-Security", HSTS)
         super().end_headers()
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,29 @@ class RankUser:
     def wrapper_arg(self) -> str:
         """The rank wrapper's --user value."""
         return f"{self.uid}:{self.gid}:{','.join(str(g) for g in self.groups)}"
+
+
+# Switches identity, then execs: run by the agent's own Python (-I -S: nothing from the environment, no site).
+_SWITCH = (
+    "import os, sys\n"
+    "uid, gid, groups = sys.argv[1].split(':')\n"
+    "os.setgroups([int(g) for g in groups.split(',') if g])\n"
+    "os.setgid(int(gid))\n"
+    "os.setuid(int(uid))\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def argv_as(user: RankUser | None, argv: list[str]) -> list[str]:
+    """`argv` run as `user` (unchanged when None or the agent's own uid): the switch happens in a fresh process.
+
+    Why not subprocess's `user=`/`group=`/`extra_groups=`: with them CPython cannot use vfork and forks the whole
+    agent. The fork handlers of the libraries loaded there run in that child (gRPC's restart threads in it), and
+    the child's setgroups/setuid is broadcast by glibc to every thread: the child was seen to die of SIGSEGV before
+    its exec. The rank wrapper may use them: it is a small single-threaded process."""
+    if user is None or (user.uid == os.geteuid() and user.gid == os.getegid()):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _SWITCH, user.wrapper_arg, *argv]
 
 
 def resolve_user(name: str) -> RankUser:

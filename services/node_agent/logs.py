@@ -102,8 +102,9 @@ class AgentLogsServicer(agent_pb2_grpc.AgentLogsServicer):
         offset = 0
         if request.tail_lines:
             data = await asyncio.to_thread(tail, [old, path], request.tail_lines)
-            if data:
-                yield agent_pb2.RankLogChunk(data=data)
+            # In CHUNKs like the rest: a tail can be TAIL_WINDOW long, gRPC's default message limit.
+            for start in range(0, len(data), CHUNK):
+                yield agent_pb2.RankLogChunk(data=data[start : start + CHUNK])
             offset = path.stat().st_size if path.exists() else 0
         else:
             for chunk in _read_from(old, 0)[0]:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,7 +65,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .identity import RankUser
+from .identity import RankUser, argv_as
 from .launcher import pid_alive, proc_start_time
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -81,9 +82,32 @@ def strip_mps(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(MPS_PREFIX)}
 
 
+def _reachable_by_others(path: Path) -> bool:
+    """Whether a user other than the owner can execute `path`: it and every directory above it are o+x."""
+    try:
+        return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+    except OSError:
+        return False
+
+
+def python_for_others() -> str:
+    """A Python a rank's user (nobody, a tenant's Unix user) can run, for the stand-in daemon that runs as that user.
+
+    This Python when others can reach it; otherwise the host's own (`/usr/bin/python3`...). An agent installed
+    under a private home (pyenv in /root, mode 0700) would else start a daemon for `nobody` that cannot exec its
+    interpreter. The stand-in needs the standard library only (it runs with -I)."""
+    if _reachable_by_others(Path(sys.executable).resolve()):
+        return sys.executable
+    for candidate in ("/usr/local/bin/python3", "/usr/bin/python3", "/bin/python3"):
+        if Path(candidate).exists() and _reachable_by_others(Path(candidate).resolve()):
+            return candidate
+    return sys.executable  # the daemon's start fails, and says so (MpsError): nothing better to run
+
+
 def write_fake_control(directory: Path) -> str:
     """Write `<directory>/nvidia-cuda-mps-control`, a script that runs phalanx.simhost.mps_control (the simulated
-    host's stand-in) with this Python; return its path. Found by path, never through the user's PATH."""
+    host's stand-in) with a Python the ranks' user can run (python_for_others); return its path. Found by path,
+    never through the user's PATH."""
     from phalanx.simhost import mps_control
 
     directory = Path(directory)
@@ -96,7 +120,7 @@ def write_fake_control(directory: Path) -> str:
         f"# `touch {fail_file}` makes the next `-d` fail (see phalanx/simhost/mps_control.py).\n"
         f"PHALANX_FAKE_MPS_FAIL_FILE=${{PHALANX_FAKE_MPS_FAIL_FILE:-{shlex.quote(str(fail_file))}}}\n"
         "export PHALANX_FAKE_MPS_FAIL_FILE\n"
-        f'exec {shlex.quote(sys.executable)} -I {shlex.quote(str(Path(mps_control.__file__).resolve()))} "$@"\n'
+        f'exec {shlex.quote(python_for_others())} -I {shlex.quote(str(Path(mps_control.__file__).resolve()))} "$@"\n'
     )
     if not path.exists() or path.read_text() != text:
         tmp = path.with_name(path.name + ".tmp")
@@ -294,34 +318,35 @@ class MpsManager:
         """Run the control program (as `user` when given). `-d`'s output goes to `<log dir>/start.out`, not to
         pipes: a daemon that kept its parent's stdout would hold a pipe open (and this call) for as long as it
         runs."""
-        who: dict = {}
-        if user is not None:
-            who = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+        # As `user` through identity.argv_as, not subprocess's user=: see there why (a forked agent can crash).
+        # The switch execs a path: a bare name is looked up here, in the agent's PATH, as subprocess would.
+        program = self.control if os.sep in self.control else (shutil.which(self.control) or self.control)
+        command = argv_as(user, [program, *args])
         try:
+            if not os.path.exists(program):
+                raise FileNotFoundError(program)
             if args == ["-d"]:
                 out_path = self.log_dir(gpu) / "start.out"
                 with open(out_path, "w+", encoding="utf-8") as out:
                     rc = subprocess.run(
-                        [self.control, "-d"],
+                        command,
                         env=self._control_env(gpu),
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         timeout=self.command_timeout_s,
                         start_new_session=True,
-                        **who,
                     ).returncode
                     out.seek(0)
                     return subprocess.CompletedProcess([self.control, "-d"], rc, "", out.read()[-2000:])
             return subprocess.run(
-                [self.control, *args],
+                command,
                 input=stdin,
                 env=self._control_env(gpu),
                 capture_output=True,
                 text=True,
                 timeout=self.command_timeout_s,
                 stdin=None if stdin is not None else subprocess.DEVNULL,
-                **who,
             )
         except FileNotFoundError as exc:
             raise MpsError(

@@ -117,6 +117,8 @@ class PartTally:
             previous = tests.get(report.nodeid, ("", ""))
             if report.failed:
                 outcome = ("failed", missing or _reason(report))
+            elif hasattr(report, "wasxfail"):  # an expected failure ran (pytest reports it as skipped)
+                outcome = ("ran", "")
             elif report.skipped:
                 outcome = ("skipped", _reason(report))
             elif report.when == "call":

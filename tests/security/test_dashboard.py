@@ -11,7 +11,7 @@ Threats, each with its tests:
   -> test_an_anonymous_visitor_reaches_no_data, test_a_forged_cookie_is_refused,
      test_state_changing_requests_need_the_csrf_token, test_a_sign_in_from_another_origin_is_refused,
      test_every_response_carries_the_security_headers, test_beyond_loopback_it_needs_tls_or_insecure,
-     test_over_tls_the_cookie_is_secure
+     test_over_tls_the_cookie_is_secure (and HSTS)
 - A tenant (a user token) controls its own jobs: names, commands, queues, and what its ranks print. It must see
   only what its token allows: not another tenant's job names, messages, logs or checkpoints, through any endpoint;
   its session must end when it expires or its token is revoked; and its markup must never run in another
@@ -205,6 +205,7 @@ async def test_every_response_carries_the_security_headers(sqlite_url, tmp_path)
             assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
             assert r.headers.get("X-Content-Type-Options") == "nosniff"
             assert r.headers.get("Referrer-Policy") == "no-referrer"
+            assert r.headers.get("Strict-Transport-Security") is None  # plain HTTP on loopback: not a promise to keep
         cookie = next(r for r in seen if r.url.endswith("/") and r.status == 200)
         assert cookie.status == 200
         # the session cookie as sent at sign-in
@@ -273,14 +274,14 @@ async def test_over_tls_the_cookie_is_secure(sqlite_url, tmp_path):
         assert raw.startswith("__Host-phalanx-session=") and "Secure" in raw and "HttpOnly" in raw
         sid = raw.split(";")[0].split("=", 1)[1]
 
-        def state() -> int:
+        def state() -> tuple[int, str | None]:
             import urllib.request
 
             req = urllib.request.Request(url + "api/state", headers={"Cookie": f"__Host-phalanx-session={sid}"})
             with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
-                return r.status
+                return r.status, r.headers.get("Strict-Transport-Security")
 
-        assert await asyncio.to_thread(state) == 200
+        assert await asyncio.to_thread(state) == (200, "max-age=31536000")  # and browsers keep to HTTPS
 
 
 async def test_the_servers_environment_token_is_never_used_or_shown(sqlite_url, tmp_path, monkeypatch):

@@ -210,12 +210,6 @@ async def test_4_huge_lines_stream_in_bounded_chunks(logs):
     assert code is grpc.StatusCode.OK and data == b"the last line\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/node_agent/logs.py sends a tail as one message of up to TAIL_WINDOW (4 MiB), not in CHUNKs: "
-    "a huge last line reaches a client whose limit is gRPC's default 4 MiB as RESOURCE_EXHAUSTED (issue 31; the "
-    "node agent is being edited elsewhere)",
-)
 async def test_4_the_tail_of_a_huge_line_streams_in_bounded_chunks(logs):
     huge = b"x" * (6 << 20)
     logs.write_log(logs.alice_job, huge + b"\nthe last line\n")

@@ -30,7 +30,7 @@ from services.node_agent.simulated import fake_gpu_uuid, simulated_topology
 from services.node_agent.state import AgentState, RankRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_node_agent import RANK_CMD, FakeNodeService, rank_env, start_server, starts, until
+from test_node_agent import RANK_CMD, RANK_SCRIPT, FakeNodeService, rank_env, start_server, starts, until
 
 S = common_pb2
 NODE = "node-a"
@@ -258,10 +258,16 @@ async def agents(tmp_path):
 
 
 def launch(
-    fake: FakeNodeService, revision: int, job: str, ranks: list[dict], attempt: int = 1, env: dict | None = None
+    fake: FakeNodeService,
+    revision: int,
+    job: str,
+    ranks: list[dict],
+    attempt: int = 1,
+    env: dict | None = None,
+    command: list[str] | None = None,
 ) -> None:
     """ranks: {rank, gpus, env, gpu_milli, slices: [(gpu, profile, start, size)]}."""
-    msg = agent_pb2.LaunchReplica(job_id=job, attempt=attempt, replica=0, command=RANK_CMD, env=env or {})
+    msg = agent_pb2.LaunchReplica(job_id=job, attempt=attempt, replica=0, command=command or RANK_CMD, env=env or {})
     for r in ranks:
         msg.ranks.append(
             agent_pb2.RankLaunch(
@@ -691,11 +697,11 @@ def shared_dir():
 
 
 def _others_cannot_run_python() -> str | None:
-    """The stand-in daemon runs this Python as nobody: every directory up to it must be traversable by others."""
-    path = Path(sys.executable).resolve()
-    for p in [path, *path.parents]:
-        if not os.stat(p).st_mode & 0o001:
-            return f"{p} is not executable/traversable by other users, so nobody cannot run the stand-in daemon"
+    """The stand-in daemon and the share ranks run as nobody: they need a Python others can reach."""
+    from services.node_agent.mps import _reachable_by_others, python_for_others
+
+    if not _reachable_by_others(Path(python_for_others()).resolve()):
+        return f"no Python on this host is executable by other users ({sys.executable} is not), so nobody cannot run"
     return None
 
 
@@ -746,6 +752,7 @@ def test_the_daemon_runs_as_the_ranks_user_and_serves_only_it(shared_dir):
 @ROOT_ONLY
 async def test_agent_share_ranks_run_as_nobody_with_their_daemon_and_fail_when_they_cannot_reach_it(fake, shared_dir):
     from services.node_agent.identity import resolve_user
+    from services.node_agent.mps import python_for_others
 
     nobody = resolve_user("nobody")
     out = shared_dir / "out"
@@ -769,7 +776,10 @@ async def test_agent_share_ranks_run_as_nobody_with_their_daemon_and_fail_when_t
     task = asyncio.create_task(agent.run())
     try:
         root = shared_dir / "state" / "mps"
-        launch(fake, 1, "n", [{"rank": 0, "gpus": [1], "env": rank_env(out, "n", 0, SLEEP=30), "gpu_milli": 300}])
+        # The rank runs as nobody, so with a Python nobody can run (this one may sit in root's private home).
+        as_nobody = [python_for_others(), "-I", "-c", RANK_SCRIPT]
+        one = [{"rank": 0, "gpus": [1], "env": rank_env(out, "n", 0, SLEEP=30), "gpu_milli": 300}]
+        launch(fake, 1, "n", one, command=as_nobody)
         await until(lambda: (out / "n-r0.env.json").exists(), what="the share rank's environment")
         env = env_of(out, "n", 0)
         pid = daemon_pid(root, 1)
@@ -781,7 +791,8 @@ async def test_agent_share_ranks_run_as_nobody_with_their_daemon_and_fail_when_t
         # The pipes are no longer reachable by nobody: the next share rank fails to start, saying why (it never
         # runs without MPS).
         os.chown(root / "gpu1" / "pipe", 0, 0)
-        launch(fake, 2, "m", [{"rank": 0, "gpus": [1], "env": rank_env(out, "m", 0), "gpu_milli": 200}])
+        two = [{"rank": 0, "gpus": [1], "env": rank_env(out, "m", 0), "gpu_milli": 200}]
+        launch(fake, 2, "m", two, command=as_nobody)
         await until(lambda: fake.report("m", 0, S.RANK_STATE_FAILED_TO_START), what="FAILED_TO_START")
         failed = fake.report("m", 0, S.RANK_STATE_FAILED_TO_START)
         assert "cannot reach GPU 1's MPS daemon" in failed.message and failed.retryable
