@@ -111,7 +111,7 @@ def generate_local_pki(
         return builder.sign(ca_key, hashes.SHA256()), key
 
     names = list(dict.fromkeys([*hosts, socket.gethostname()]))
-    sans = []
+    sans: list[x509.GeneralName] = []
     for host in names:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))

@@ -7,9 +7,12 @@ from collections.abc import Iterable
 from typing import Protocol
 
 
-class Skipped(Protocol):
-    step: int
-    reason: str
+class Skipped(Protocol):  # read-only: frozen dataclasses (phalanx.train's SkippedCheckpoint) satisfy it
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def reason(self) -> str: ...
 
 
 def restore_message(step: int, skipped: Iterable[Skipped]) -> str:

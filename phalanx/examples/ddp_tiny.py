@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 saves += 1
                 events.write(event="checkpoint", attempt=attempt, rank=rank, step=step, committed=result.committed)
         train_s = time.perf_counter() - t_train
-        result = {
+        summary = {
             "rank": rank,
             "world_size": world,
             "step": step,
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_s": train_s,
         }
         tmp = out / f".rank-{rank}.json.tmp"
-        tmp.write_text(json.dumps(result))
+        tmp.write_text(json.dumps(summary))
         os.replace(tmp, out / f"rank-{rank}.json")
         events.write(event="done", attempt=attempt, rank=rank, step=step)
         dist.barrier()

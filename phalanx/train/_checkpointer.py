@@ -95,7 +95,7 @@ class RestoreResult:
         return bool(self.skipped)
 
 
-def _missing(exc: BaseException) -> bool:
+def _missing(exc: BaseException | None) -> bool:
     while exc is not None:
         if isinstance(exc, (FileNotFoundError, KeyError)):
             return True
@@ -567,7 +567,7 @@ class Checkpointer:
                 self.attempt,
                 self.rank,
                 step,
-                self._target[1],
+                self._target[1] if self._target is not None else -1,
             )
         if self._poll(step if send else None) and not send and self._phase() == _REPORTING:
             # A new request, or the agreement started over (a rank was past the agreed step): report from now on.
@@ -626,7 +626,7 @@ class Checkpointer:
             return False
         if not req.agreeing:  # an older coordinator: act on the request at once, once
             return req.requested_at != self._satisfied_request_at
-        if self._phase() != _HOLDING or self._done == self._target:
+        if self._phase() != _HOLDING or self._done == self._target or self._target is None:
             return False
         return step == self._target[1]
 

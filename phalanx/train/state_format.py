@@ -56,8 +56,9 @@ class _Encoder:
         self.blobs: list[bytes] = []
         self.size = 0
         self.active: set[int] = set()
-        self.torch = sys.modules.get("torch")
-        self.numpy = sys.modules.get("numpy")
+        # Only when the caller has imported them (a value of theirs can only come from there): never imported here.
+        self.torch: Any = sys.modules.get("torch")
+        self.numpy: Any = sys.modules.get("numpy")
 
     def blob(self, data: bytes) -> tuple[int, int]:
         offset = self.size
