@@ -435,6 +435,12 @@ class SchedulerSession:
             timeout=self.config.rpc_timeout_s,
         )
 
+    @staticmethod
+    def _cancelling() -> bool:
+        """Whether the running task itself was asked to stop (as opposed to a call of it cancelled under it)."""
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() > 0
+
     async def _report_loop(self) -> None:
         attempt = 0
         while True:
@@ -455,6 +461,13 @@ class SchedulerSession:
             )
             try:
                 resp = await self._send(stub, item)
+            except asyncio.CancelledError:
+                if self._cancelling():
+                    raise
+                # Not this task's cancellation: the session ended and closed its channel under the call (grpc.aio
+                # cancels a closed channel's calls). The report stays queued for the next session's stub.
+                self.log.info("report_retry", rank=what, error="the session's channel closed", attempt=attempt)
+                continue
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _PERMANENT:
                     # Retrying cannot help (e.g. the scheduler has no such rank on this node): drop it, say so.
