@@ -467,6 +467,8 @@ class SchedulerSession:
                 # Not this task's cancellation: the session ended and closed its channel under the call (grpc.aio
                 # cancels a closed channel's calls). The report stays queued for the next session's stub.
                 self.log.info("report_retry", rank=what, error="the session's channel closed", attempt=attempt)
+                await asyncio.sleep(backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_cap_s))
+                attempt += 1
                 continue
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _PERMANENT:
@@ -538,6 +540,7 @@ class SchedulerSession:
         deadline = time.monotonic() + self.config.flush_timeout_s
         while self.state.pending_reports and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        self.connected.clear()  # the reporter waits (not spins) while it has no stub
         self.stub = None
         await channel.close(grace=None)
         if self.state.pending_reports:

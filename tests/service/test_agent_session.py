@@ -96,3 +96,50 @@ async def test_the_reporter_survives_a_channel_closed_under_its_call(tmp_path):
         await session.stop_reporter()
         await first.close(grace=None)
         await server.stop(0)
+
+
+async def test_the_shutdown_flush_ends_with_a_report_still_in_flight(tmp_path):
+    """The flush gives up after flush_timeout_s with the report unanswered: its channel closes under the call, the
+    reporter waits for a stub that never comes (it neither ends nor spins), and stops when told."""
+    service = _Service()  # never told to answer
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_NodeServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = SimpleNamespace(
+        node_name="node-s",
+        scheduler=f"127.0.0.1:{port}",
+        default_heartbeat_ms=1000,
+        rpc_timeout_s=30.0,
+        backoff_initial_s=0.01,
+        backoff_cap_s=0.05,
+        flush_timeout_s=0.3,
+        token="",
+        tls=None,
+    )
+    state = AgentState.load(tmp_path / "state.json", node_name="node-s")
+    reports = ReportQueue(state)
+    session = SchedulerSession(
+        config,
+        state,
+        structlog.get_logger(),
+        "instance-1",
+        reports,
+        ranks=SimpleNamespace(),
+        devices=SimpleNamespace(),
+        background=Background(),
+        stop=asyncio.Event(),
+        registration=dict,
+    )
+    try:
+        reports.rank(RankRecord(job_id="job-2", attempt=1, rank=0), "killed", message="shutting down")
+        await asyncio.wait_for(session.flush(), 10)
+        assert service.held.is_set() and state.pending_reports  # sent, never answered: kept for the next start
+        await asyncio.sleep(0.1)  # the reporter saw its call cancelled; the loop still runs
+        assert session.reporter is not None and not session.reporter.done()
+        await asyncio.wait_for(session.stop_reporter(), 5)
+        assert session.reporter.done()
+    finally:
+        service.release.set()
+        await session.stop_reporter()
+        await server.stop(0)
