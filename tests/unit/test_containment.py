@@ -1,4 +1,4 @@
-"""services/node_agent/containment.py: process containers for a job attempt's ranks.
+"""services/node_agent/containment/ (the package): process containers for a job attempt's ranks.
 
 The cgroup v1 tests use the real hierarchies under /sys/fs/cgroup (root only; they skip elsewhere), each test
 under a parent of its own (the agent's own cgroup per hierarchy + "/phalanx-test-<pid>-<random>"), which the
