@@ -39,7 +39,7 @@ from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.core.fabric import default_fabric
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.node_agent.state import AgentState, RankRecord
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
@@ -98,6 +98,7 @@ async def handover(workdir: Path, samples: int, ignore_term: bool, kill_grace: f
             kill_grace_s=kill_grace,
             poll_interval_s=0.01,
             health_enabled=False,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())
@@ -188,6 +189,7 @@ async def launch_latency(workdir: Path, history: int, samples: int) -> float:
             kill_grace_s=1.0,
             poll_interval_s=0.01,
             health_enabled=False,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())

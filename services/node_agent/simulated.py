@@ -173,3 +173,9 @@ def host_for_topology(topology: agent_pb2.HostTopology, state_file: str | Path |
     for sim, g in zip(host.gpus, topology.gpus, strict=True):
         sim.name, sim.memory_mib = g.name, g.memory_mib
     return host
+
+
+def nvml_for_topology(topology: agent_pb2.HostTopology, state_dir: str | Path) -> Any:
+    """NVML bindings for an agent given a simulated topology (AgentConfig.simulated_nvml): a private pynvml bound
+    to a simulated host that answers as `topology` describes it, its MIG state kept in `state_dir`."""
+    return bind(host_for_topology(topology, Path(state_dir) / STATE_FILE))

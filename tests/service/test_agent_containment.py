@@ -24,7 +24,7 @@ from phalanx.api.v1 import common_pb2
 from services.node_agent import containment as cgroups
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 
 ROOT = Path(__file__).resolve().parents[2]
 S = common_pb2
@@ -101,6 +101,7 @@ async def start_agent(tmp_path):
                 flush_timeout_s=2.0,
                 containment_kind=kind,
                 **config,
+                simulated_nvml=nvml_for_topology,
             )
         )
         started.append((agent, asyncio.create_task(agent.run())))
@@ -311,6 +312,7 @@ async def test_an_agent_cut_off_from_the_scheduler_fences_itself_and_registers_a
             rpc_timeout_s=1.0,
             flush_timeout_s=2.0,
             health_enabled=False,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())
@@ -395,6 +397,7 @@ async def test_a_cancelled_gangs_gpus_are_reserved_again_only_once_its_processes
             kill_grace_s=120.0,  # the first gang's processes stop when the test lets them, long before
             poll_interval_s=0.02,
             health_enabled=False,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())

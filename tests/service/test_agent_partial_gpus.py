@@ -20,7 +20,7 @@ from phalanx.simhost.nvml import SimulatedHost, bind
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.mig_manager import MigError, MigManager, NvmlMigBackend
-from services.node_agent.simulated import fake_gpu_uuid, simulated_node, simulated_topology
+from services.node_agent.simulated import fake_gpu_uuid, nvml_for_topology, simulated_node, simulated_topology
 from services.node_agent.state import AgentState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -677,7 +677,8 @@ async def test_restart_keeps_instances_of_adopted_ranks_and_leaves_others(fake, 
 
 
 async def test_agent_given_only_a_simulated_topology_runs_mig_through_nvml(fake, tmp_path):
-    """An AgentConfig with a simulated topology and no bindings: the agent makes a simulated host from it."""
+    """An AgentConfig with a simulated topology and no bindings but `simulated_nvml`: the agent makes a simulated host
+    from it."""
     topo = simulated_topology("node-b", "dgx-h100", mig_gpus="1")
     agent = NodeAgent(
         AgentConfig(
@@ -690,6 +691,7 @@ async def test_agent_given_only_a_simulated_topology_runs_mig_through_nvml(fake,
             poll_interval_s=0.02,
             rpc_timeout_s=2.0,
             flush_timeout_s=2.0,
+            simulated_nvml=nvml_for_topology,
         )
     )
     assert agent.mig.backend.kind == "nvml-simulated"

@@ -22,7 +22,7 @@ from phalanx.api.v1 import agent_pb2, common_pb2
 from services.node_agent import containment as cgroups
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.host_resources import real_host_resources
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.node_agent.state import AgentState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +76,7 @@ async def start_agent(tmp_path):
                 run_as=getpass.getuser(),
                 health_enabled=False,
                 **config,
+                simulated_nvml=nvml_for_topology,
             )
         )
         started.append((agent, asyncio.create_task(agent.run())))

@@ -30,7 +30,7 @@ from services.node_agent.health import (
     classify,
     classify_fault,
 )
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
@@ -213,6 +213,7 @@ class HealthCluster:
                 rpc_timeout_s=2.0,
                 flush_timeout_s=2.0,
                 health_source=self.source,
+                simulated_nvml=nvml_for_topology,
             )
         )
         self.task = asyncio.create_task(self.agent.run())
@@ -434,6 +435,7 @@ async def test_sigterm_drain_reports_and_the_node_takes_no_work(db_url, tmp_path
                 rpc_timeout_s=2.0,
                 flush_timeout_s=2.0,
                 health_source=c.source,
+                simulated_nvml=nvml_for_topology,
             )
         )
         c.task = asyncio.create_task(c.agent.run())

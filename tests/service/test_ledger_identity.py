@@ -25,7 +25,7 @@ from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent, simple_topology
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.node_agent.state import AgentState
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
@@ -170,6 +170,7 @@ def _agent(address: str, state_dir) -> NodeAgent:
             rpc_timeout_s=2.0,
             flush_timeout_s=2.0,
             health_enabled=False,
+            simulated_nvml=nvml_for_topology,
         )
     )
 

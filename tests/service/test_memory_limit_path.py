@@ -20,7 +20,7 @@ from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.cli.main import main as cli_main
 from phalanx.core.fabric import default_fabric
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
@@ -58,6 +58,7 @@ async def test_a_rank_over_its_memory_limit_fails_the_job_saying_out_of_memory(d
             poll_interval_s=0.02,
             health_enabled=False,
             run_as=getpass.getuser(),
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())

@@ -26,7 +26,7 @@ from phalanx.simhost import mps_control
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
 from services.node_agent.mps import MpsError, MpsManager, write_fake_control
-from services.node_agent.simulated import fake_gpu_uuid, simulated_topology
+from services.node_agent.simulated import fake_gpu_uuid, nvml_for_topology, simulated_topology
 from services.node_agent.state import AgentState, RankRecord
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -242,6 +242,7 @@ async def agents(tmp_path):
                 poll_interval_s=0.02,
                 rpc_timeout_s=2.0,
                 flush_timeout_s=2.0,
+                simulated_nvml=nvml_for_topology,
             )
         )
         started.append((agent, asyncio.create_task(agent.run())))
@@ -384,7 +385,11 @@ async def test_agent_one_daemon_per_gpu_before_the_ranks_and_quit_after_the_last
 async def test_mig_rank_env_has_no_mps_variables(tmp_path):
     agent = NodeAgent(
         AgentConfig(
-            scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"), state_dir=tmp_path / "state"
+            scheduler="x:1",
+            node_name=NODE,
+            topology=simulated_topology(NODE, "dgx-h100"),
+            state_dir=tmp_path / "state",
+            simulated_nvml=nvml_for_topology,
         )
     )
     agent.mig.acquire = lambda key, wanted, *rest, **kw: [{**wanted[0], "uuid": "MIG-0123", "created": True}]
@@ -529,7 +534,11 @@ def test_cli_flag_and_environment(monkeypatch, tmp_path):
     # The default: the stand-in, by path, for a simulated host; the real program for a discovered one.
     sim = NodeAgent(
         AgentConfig(
-            scheduler="x:1", node_name=NODE, topology=simulated_topology(NODE, "dgx-h100"), state_dir=tmp_path / "sim"
+            scheduler="x:1",
+            node_name=NODE,
+            topology=simulated_topology(NODE, "dgx-h100"),
+            state_dir=tmp_path / "sim",
+            simulated_nvml=nvml_for_topology,
         )
     )
     assert sim.mps.control == str(tmp_path / "sim" / "mps" / "nvidia-cuda-mps-control")
@@ -554,6 +563,7 @@ def test_cli_flag_and_environment(monkeypatch, tmp_path):
             topology=simulated_topology(NODE, "dgx-h100"),
             state_dir=tmp_path / "given",
             mps_control="/opt/mps",
+            simulated_nvml=nvml_for_topology,
         )
     )
     assert given.mps.control == "/opt/mps"
@@ -589,6 +599,7 @@ async def test_end_to_end_scheduler_and_agent_share_one_daemon(db_url, tmp_path)
             poll_interval_s=0.02,
             rpc_timeout_s=2.0,
             flush_timeout_s=2.0,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())
@@ -771,6 +782,7 @@ async def test_agent_share_ranks_run_as_nobody_with_their_daemon_and_fail_when_t
             poll_interval_s=0.02,
             rpc_timeout_s=2.0,
             flush_timeout_s=2.0,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())

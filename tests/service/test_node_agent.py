@@ -24,7 +24,7 @@ from helpers.waits import eventually, holds
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from services.node_agent import launcher
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.node_agent.state import AgentState, RankRecord, StateDirLocked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +227,7 @@ def make_agent(port: int, state_dir: Path, node: str = "node-a") -> NodeAgent:
             poll_interval_s=0.02,
             rpc_timeout_s=2.0,
             flush_timeout_s=2.0,
+            simulated_nvml=nvml_for_topology,
         )
     )
 

@@ -24,7 +24,7 @@ from phalanx.common.tokens import log_credential
 from phalanx.core.fabric import default_fabric
 from services.node_agent import logs as agent_logs
 from services.node_agent.agent import AgentConfig, NodeAgent
-from services.node_agent.simulated import simulated_topology
+from services.node_agent.simulated import nvml_for_topology, simulated_topology
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
@@ -65,6 +65,7 @@ async def cluster(db_url, tmp_path, service_logs):
             health_enabled=False,
             run_as=getpass.getuser(),
             log_max_bytes=4096,
+            simulated_nvml=nvml_for_topology,
         )
     )
     task = asyncio.create_task(agent.run())

@@ -1,4 +1,4 @@
-"""services/node_agent/containment.py: process containers for a job attempt's ranks.
+"""services/node_agent/containment/ (the package): process containers for a job attempt's ranks.
 
 The cgroup v1 tests use the real hierarchies under /sys/fs/cgroup (root only; they skip elsewhere), each test
 under a parent of its own (the agent's own cgroup per hierarchy + "/phalanx-test-<pid>-<random>"), which the
@@ -406,7 +406,7 @@ def test_v2_kill_without_cgroup_kill_or_freeze_loops_sigkill(tmp_path):
 
 
 def test_v2_kill_goes_on_when_the_freeze_does_not_complete(tmp_path, monkeypatch):
-    monkeypatch.setattr(containment, "FREEZE_WAIT_S", 0.05)  # a task stuck in the kernel would hold it ~1 s
+    monkeypatch.setattr(containment.base, "FREEZE_WAIT_S", 0.05)  # a task stuck in the kernel would hold it ~1 s
     fs = _fake_v2(tmp_path, kill_file=False)
     fs.freeze_completes = False
     g = cgroup_v2(str(fs.mount), "/phalanx.slice/agent-n1", fs=fs).create("job-z-a1")
