@@ -204,7 +204,11 @@ async def test_the_attempts_cgroup_gets_the_sum_of_its_replicas_here(fake, start
 
     # A second replica of the attempt lands here (two ranks): the limits grow to the sum, replicas counted once.
     launch(fake, "job-l", [1, 2], sleeper, replica=1, cpus=0.75, memory=96 * M)
-    await until(lambda: fake.report("job-l", 2, S.RANK_STATE_RUNNING), what="replica 1 RUNNING")
+    # Both ranks of the replica RUNNING (one report does not say the other's child is started).
+    await until(
+        lambda: fake.report("job-l", 1, S.RANK_STATE_RUNNING) and fake.report("job-l", 2, S.RANK_STATE_RUNNING),
+        what="replica 1 RUNNING",
+    )
     assert group_file(agent, "job-l", "memory", "memory.limit_in_bytes") == str(160 * M)
     if has_cpu:
         assert group_file(agent, "job-l", "cpu", "cpu.cfs_quota_us") == "125000"
