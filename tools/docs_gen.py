@@ -412,7 +412,7 @@ def grpc_reference(proto_dir: Path) -> dict[str, str]:
 
 # The rooms of the code base, in reading order: (title, package directory, what it is for).
 ROOMS: list[tuple[str, str, str]] = [
-    ("Scheduler", "services/scheduler", "the `phalanx-scheduler` service: the job API, the scheduling cycle, the ledger"),
+    ("Scheduler", "services/scheduler", "`phalanx-scheduler`: the job API, the scheduling cycle, the ledger"),
     ("Node agent", "services/node_agent", "the `phalanx-agent` service: a GPU host's discovery, ranks and health"),
     ("Checkpoint coordinator", "services/checkpoint_coordinator", "the `phalanx-checkpointd` service"),
     ("Shared service code", "services/common", "what the three services share: server, auth, errors, metrics"),
