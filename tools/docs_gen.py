@@ -96,12 +96,22 @@ def walk_commands(
                     yield sub_path, sub_parser, sub_help or (helps.get(name, "") if sub_path == (*path, name) else "")
 
 
-def _md(text: str) -> str:
-    """Plain text (an argparse help string) as safe inline Markdown."""
-    text = " ".join(text.split())
+def _escape(text: str) -> str:
     for char in "\\`*_[]<>|":
         text = text.replace(char, "\\" + char)
     return text
+
+
+def _md(text: str) -> str:
+    """Plain text (a help string, a comment, a docstring's line) as safe inline Markdown, in a table cell too.
+
+    Code spans (`...`, when the backticks pair up) are kept as code; everything else is escaped.
+    """
+    text = " ".join(text.split())
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: no code spans
+        return _escape(text)
+    return "".join(_escape(p) if i % 2 == 0 else f"`{p}`" for i, p in enumerate(parts))
 
 
 def _anchor(path: tuple[str, ...]) -> str:
