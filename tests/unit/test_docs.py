@@ -315,3 +315,35 @@ def test_every_page_is_in_the_nav():
     for generated in docs_gen.generated_pages(ROOT):
         assert generated in nav, generated
         assert not (ROOT / "docs" / generated).exists(), f"{generated} is generated: do not commit it"
+
+
+# Flags the docs name that belong to other programs than Phalanx's own (whose flags are read from their parsers, and
+# from the add_argument calls of bench/ and phalanx/examples/).
+OTHER_TOOLS_FLAGS = {
+    "--build": "docker compose up --build",
+    "--cert": "kubectl create secret tls",
+    "--key": "kubectl create secret tls",
+    "--from-file": "kubectl create secret generic",
+    "--check": "ruff format --check",
+    "--fix": "scripts/lint --fix (ruff's)",
+    "--strict": "mkdocs build --strict",
+    "--test-only": "Slurm's sbatch --test-only, for comparison",
+    "--fast": "a user's own eval.py in an SDK example",
+    "--tls-": "the prefix of --tls-ca/--tls-cert/--tls-key in prose",
+}
+
+
+def test_every_flag_the_docs_name_exists(parsers):
+    known = set(OTHER_TOOLS_FLAGS)
+    for prog, parser in parsers.items():
+        for _path, sub, _summary in docs_gen.walk_commands(parser, (prog,)):
+            for action in sub._actions:
+                known.update(action.option_strings)
+    for path in [*(ROOT / "bench").glob("*.py"), *(ROOT / "phalanx" / "examples").glob("*.py")]:
+        known.update(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", path.read_text(encoding="utf-8")))
+    unknown = {}
+    for doc in DOC_FILES:
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", doc.read_text(encoding="utf-8")):
+            if flag not in known:
+                unknown.setdefault(flag, set()).add(str(doc.relative_to(ROOT)))
+    assert not unknown, unknown
