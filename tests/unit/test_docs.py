@@ -299,6 +299,15 @@ def test_every_status_code_the_services_use_is_documented():
             assert f"### {code.name}" in page or code.name in ("ALREADY_EXISTS", "ABORTED", "UNIMPLEMENTED")
 
 
+def test_every_core_status_code_is_documented():
+    from phalanx.core.status import Code
+
+    page = (ROOT / "docs" / "reference" / "status-codes.md").read_text(encoding="utf-8")
+    table = page.split("## Why a job waits", 1)[1]
+    for code in Code:
+        assert f"| `{code.name}` |" in table, code
+
+
 def test_readme_is_short_and_links_into_the_site():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) < 200
