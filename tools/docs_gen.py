@@ -72,11 +72,13 @@ def program_parser(module_name: str) -> argparse.ArgumentParser:
         parser = build()
         if isinstance(parser, argparse.ArgumentParser):
             return parser
-    for name in ("parse_args", "_parse_args", "parse"):
+    # Else the parser the module's own parsing function builds, or, last, the one `main([])` parses with (stopped
+    # at the parse, so nothing runs), so that a refactoring of the flags cannot hide a program from the reference.
+    for name in ("parse_args", "_parse_args", "parse", "main"):
         fn = getattr(module, name, None)
         if callable(fn):
             return _capture_parser(fn)
-    raise RuntimeError(f"{module_name} has neither build_parser() nor parse_args()")
+    raise RuntimeError(f"{module_name} has no build_parser(), parse_args() or main()")
 
 
 def walk_commands(
