@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -65,7 +66,19 @@ def _capture_parser(fn: Callable[..., object]) -> argparse.ArgumentParser:
 
 
 def program_parser(module_name: str) -> argparse.ArgumentParser:
-    """The argparse parser of a program's entry module: its `build_parser()`, else the one `parse_args` builds."""
+    """The argparse parser of a program's entry module: its `build_parser()`, else the one `parse_args` builds.
+
+    Built with no PHALANX_* variable in the environment, so that the defaults shown are the code's, not the
+    builder's (several flags default to an environment variable).
+    """
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PHALANX_")}
+    try:
+        return _program_parser(module_name)
+    finally:
+        os.environ.update(saved)
+
+
+def _program_parser(module_name: str) -> argparse.ArgumentParser:
     module = importlib.import_module(module_name)
     build = getattr(module, "build_parser", None)
     if callable(build):
