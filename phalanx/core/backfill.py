@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 from .capacity import ClusterCapacity
 from .claims import ClaimShield, outside, with_claimed
 from .model import GangRequest, Placement
-from .placement import Unplaceable, _key, place_gang, queue_order
+from .placement import Unplaceable, domain_of, place_gang, queue_order, tier_names
 from .quota import DEFAULT_QUEUE, QuotaBook, Refusal, fair_order
 
 
@@ -201,7 +201,7 @@ def region_of(capacity: ClusterCapacity, placement: Placement) -> frozenset[str]
     nodes = set(placement.nodes)
     if capacity.levels() <= 2 or len(nodes) <= 1:
         return frozenset(nodes)
-    domains = {_key(capacity.nodes[n], 1) for n in nodes if n in capacity.nodes}
+    domains = {domain_of(capacity.nodes[n], 1) for n in nodes if n in capacity.nodes}
     return frozenset(n.name for d in domains for n in capacity.members(1, d))
 
 
@@ -275,8 +275,6 @@ def plan_reservation(
 
 
 def _tier_rank(capacity: ClusterCapacity, fabric_tiers: Sequence[str]) -> Callable[[str], int]:
-    from .placement import tier_names
-
     order = {name: i for i, name in enumerate(tier_names(capacity, fabric_tiers))}
     return lambda tier: order.get(tier, len(order))
 
