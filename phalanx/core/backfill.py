@@ -325,6 +325,55 @@ def _earliest(
                 capacity._touch(node)
 
 
+def _batched_moves(
+    cap: ClusterCapacity,
+    unusable: Mapping[str, Collection[int]],
+    saved: dict[str, tuple[set[int], dict[int, int], dict[int, int], tuple[int, int]]],
+    stale: set[str],
+) -> tuple[Callable[[RunningEnd], None], Callable[[RunningEnd], None]]:
+    """`_search`'s release and restore of a gang when it keeps `saved`: whole GPUs go back to and leave the nodes'
+    free sets at once, each node's state saved before its first change, and the nodes changed are added to `stale`
+    (the index follows them once per node before the next placement)."""
+    nodes = cap.nodes
+
+    def release(gang: RunningEnd) -> None:
+        for rep in gang.placement.replicas:
+            name = rep.node
+            n = nodes.get(name)
+            if n is None:
+                continue
+            if name not in saved:
+                saved[name] = (set(n.free), dict(n.mig), dict(n.milli), (n.cpu_used, n.memory_used))
+            if rep.cpu_milli or rep.memory:
+                cap.release_use(name, rep.cpu_milli, rep.memory)
+            if rep.mig_profile or rep.gpu_milli:
+                cap.release_partial(rep)
+            elif n.mig or n.milli:
+                n.free |= {g for g in rep.gpus if 0 <= g < n.total and g not in n.mig and g not in n.milli}
+                stale.add(name)
+            else:
+                n.free |= {g for g in rep.gpus if 0 <= g < n.total}
+                stale.add(name)
+        if unusable:
+            for name in gang.placement.nodes:
+                held = unusable.get(name)
+                if held and name in nodes:
+                    nodes[name].free -= set(held)
+                    stale.add(name)
+
+    def restore(gang: RunningEnd) -> None:
+        for rep in gang.placement.replicas:
+            if rep.cpu_milli or rep.memory:
+                cap.take_use(rep.node, rep.cpu_milli, rep.memory)
+            if rep.mig_profile or rep.gpu_milli:
+                cap.take_partial(rep)
+            elif rep.node in nodes:
+                nodes[rep.node].free -= set(rep.gpus)
+                stale.add(rep.node)
+
+    return release, restore
+
+
 def _search(
     cap: ClusterCapacity,
     head: GangRequest,
@@ -347,42 +396,7 @@ def _search(
     if stale is None:
         stale = set()
     if saved is not None:
-        nodes = cap.nodes
-
-        def release(gang: RunningEnd) -> None:
-            for rep in gang.placement.replicas:
-                name = rep.node
-                n = nodes.get(name)
-                if n is None:
-                    continue
-                if name not in saved:
-                    saved[name] = (set(n.free), dict(n.mig), dict(n.milli), (n.cpu_used, n.memory_used))
-                if rep.cpu_milli or rep.memory:
-                    cap.release_use(name, rep.cpu_milli, rep.memory)
-                if rep.mig_profile or rep.gpu_milli:
-                    cap.release_partial(rep)
-                elif n.mig or n.milli:
-                    n.free |= {g for g in rep.gpus if 0 <= g < n.total and g not in n.mig and g not in n.milli}
-                    stale.add(name)
-                else:
-                    n.free |= {g for g in rep.gpus if 0 <= g < n.total}
-                    stale.add(name)
-            if unusable:
-                for name in gang.placement.nodes:
-                    held = unusable.get(name)
-                    if held and name in nodes:
-                        nodes[name].free -= set(held)
-                        stale.add(name)
-
-        def restore(gang: RunningEnd) -> None:
-            for rep in gang.placement.replicas:
-                if rep.cpu_milli or rep.memory:
-                    cap.take_use(rep.node, rep.cpu_milli, rep.memory)
-                if rep.mig_profile or rep.gpu_milli:
-                    cap.take_partial(rep)
-                elif rep.node in nodes:
-                    nodes[rep.node].free -= set(rep.gpus)
-                    stale.add(rep.node)
+        release, restore = _batched_moves(cap, unusable, saved, stale)
     else:
 
         def release(gang: RunningEnd) -> None:
@@ -394,7 +408,7 @@ def _search(
     def fits() -> Placement | None:
         if stale:
             for name in stale:
-                cap._touch(nodes[name])
+                cap._touch(cap.nodes[name])
             stale.clear()
         got = place_gang(cap, head, fabric_tiers)
         return got if isinstance(got, Placement) and good(got) else None
@@ -496,6 +510,113 @@ def _within_claim(shield: ClaimShield | None, job_id: str, reservation: Reservat
     return all((r.node, g) in claimed for r in reservation.placement.replicas for g in r.gpus)
 
 
+def _head_reservation(
+    capacity: ClusterCapacity,
+    head: GangRequest,
+    fabric_tiers: Sequence[str],
+    now: float,
+    running: Callable[[], Sequence[RunningEnd] | RunningSet],
+    placements: Sequence[Placement],
+    ends: Mapping[str, float],
+    unusable: Mapping[str, Collection[int]] | None,
+    memo: dict[str, Any] | None,
+    shield: ClaimShield | None,
+    releasing: Sequence[Placement],
+) -> Reservation | None:
+    """The blocked head's reservation (`plan_reservation`), or the memo's when nothing it depends on changed. Leaves
+    the shield showing the head no other gang's claim."""
+    # The gangs placed in this pass count as running, with their own limits.
+    live = running()
+    extra = [RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements]
+    # The reservation is planned without any other gang's claim, even one the head may use now:
+    # that claimant starts there as soon as its GPUs are released, so a reservation on them would
+    # only be pushed back (and holding the claimant off for a later start would starve it).
+    hidden_claims = [c for c in shield.claims.values() if c.job != head.job_id] if shield else []
+    if hidden_claims:
+        assert shield is not None
+        shield.for_job(head.job_id, _NO_PRIORITY)
+    if releasing:
+        coming = outside(releasing, hidden_claims)
+        extra += [RunningEnd(p.job_id, p, now) for p in coming]
+    planned: _InEndOrder | list[RunningEnd]
+    running_key: tuple[RunningSet, int, frozenset[tuple[str, float]]] | frozenset[tuple[str, float]]
+    if isinstance(live, RunningSet):
+        planned = _InEndOrder(live, extra)
+        running_key = (live, live.version, frozenset((g.job_id, g.ends_at) for g in extra))
+    else:
+        planned = [*live, *extra]
+        running_key = frozenset((g.job_id, g.ends_at) for g in planned)
+    key = (
+        head,
+        running_key,
+        capacity.free_gpus(),
+        capacity.unschedulable(),
+        tuple(c.job for c in hidden_claims),
+        # A GPU that fails while a gang holds it changes no free count, only what comes free
+        frozenset((n, frozenset(g)) for n, g in unusable.items() if g) if unusable else None,
+    )
+    reservation: Reservation | None
+    if memo is not None and memo.get("key") == key:
+        reservation = memo["reservation"]
+    else:
+        reservation = plan_reservation(
+            capacity,
+            head,
+            planned,
+            now,
+            fabric_tiers,
+            with_claimed(unusable, hidden_claims),
+            memo.setdefault("ideal", {}) if memo is not None else None,
+            memo.setdefault("hints", {}) if memo is not None else None,
+        )
+        if memo is not None:
+            memo.update(key=key, reservation=reservation)
+    return reservation
+
+
+def _hide_region(capacity: ClusterCapacity, reservation: Reservation) -> list[str]:
+    """Hide the head's region from placement; returns the nodes hidden (to show again)."""
+    # A node with nothing free (no whole GPU, no MIG slice or share) is invisible to placement, hidden or not, and
+    # capacity only shrinks during a pass: only the others need hiding.
+    nodes = capacity.nodes
+    hidden = [
+        n
+        for n in reservation.nodes
+        if n in nodes and nodes[n].schedulable and (nodes[n].free or nodes[n].mig or nodes[n].milli)
+    ]
+    for n in hidden:
+        capacity.set_schedulable(n, False)
+    return hidden
+
+
+def _keep_claimed_quota(
+    book: QuotaBook | None, shield: ClaimShield | None, pending: Sequence[GangRequest]
+) -> dict[str, tuple[str, str, GangRequest]]:
+    """Charge each pending claimant's demand to the queue its claim keeps quota under; returns what was charged, by
+    job id (the pass takes it back at the claimant's turn, and at its end)."""
+    kept: dict[str, tuple[str, str, GangRequest]] = {}
+    if book is not None and shield:
+        for request in pending:
+            claim = shield.claims.get(request.job_id)
+            if claim is not None and claim.queue:
+                kept[request.job_id] = (claim.queue, claim.flavor, request)
+                book.charge(claim.queue, claim.flavor, request)
+    return kept
+
+
+def _first_fit(
+    capacity: ClusterCapacity, variants: Sequence[tuple[str, GangRequest]], fabric_tiers: Sequence[str]
+) -> tuple[tuple[str, GangRequest, Placement] | None, tuple[str, GangRequest, Unplaceable] | None]:
+    """The first of a gang's admitted (flavor, request) variants that fits, or the first failure."""
+    first_failure: tuple[str, GangRequest, Unplaceable] | None = None
+    for flavor, variant in variants:
+        result = place_gang(capacity, variant, fabric_tiers)
+        if isinstance(result, Placement):
+            return (flavor, variant, result), None
+        first_failure = first_failure or (flavor, variant, result)
+    return None, first_failure
+
+
 def schedule_with_backfill(
     capacity: ClusterCapacity,
     pending: Sequence[GangRequest],
@@ -550,13 +671,7 @@ def schedule_with_backfill(
     deadline = time.perf_counter() + budget_s if budget_s > 0 else math.inf
     # A claimant's quota is kept for it as its GPUs are: its demand is charged to its queue until its turn (so no
     # gang served before it takes the quota it needs), and while it waits after it.
-    kept: dict[str, tuple[str, str, GangRequest]] = {}
-    if book is not None and shield:
-        for request in pending:
-            claim = shield.claims.get(request.job_id)
-            if claim is not None and claim.queue:
-                kept[request.job_id] = (claim.queue, claim.flavor, request)
-                book.charge(claim.queue, claim.flavor, request)
+    kept = _keep_claimed_quota(book, shield, pending)
     recharge: tuple[str, str, GangRequest] | None = None  # the last claimant tried, until it is placed
     head_request: GangRequest | None = None
     head_claims = False
@@ -585,13 +700,7 @@ def schedule_with_backfill(
             limit_end = now + request.time_limit if request.time_limit > 0 else math.inf
             placed = None
             if head is None:
-                first_failure: tuple[str, GangRequest, Unplaceable] | None = None
-                for flavor, variant in variants:
-                    result = place_gang(capacity, variant, fabric_tiers)
-                    if isinstance(result, Placement):
-                        placed = (flavor, variant, result)
-                        break
-                    first_failure = first_failure or (flavor, variant, result)
+                placed, first_failure = _first_fit(capacity, variants, fabric_tiers)
                 if placed is None:
                     # variants is never empty (book.admit returns a Refusal rather than no admission), so every
                     # variant failed here and the first failure is set.
@@ -600,51 +709,19 @@ def schedule_with_backfill(
                     head_request = variant
                     if not backfill:
                         break
-                    # The gangs placed in this pass count as running, with their own limits.
-                    live = running()
-                    extra = [RunningEnd(p.job_id, p, ends[p.job_id]) for p in placements]
-                    # The reservation is planned without any other gang's claim, even one the head may use now:
-                    # that claimant starts there as soon as its GPUs are released, so a reservation on them would
-                    # only be pushed back (and holding the claimant off for a later start would starve it).
-                    hidden_claims = [c for c in shield.claims.values() if c.job != request.job_id] if shield else []
-                    if hidden_claims:
-                        assert shield is not None
-                        shield.for_job(request.job_id, _NO_PRIORITY)
-                    if releasing:
-                        coming = outside(releasing, hidden_claims)
-                        extra += [RunningEnd(p.job_id, p, now) for p in coming]
-                    planned: _InEndOrder | list[RunningEnd]
-                    running_key: tuple[RunningSet, int, frozenset[tuple[str, float]]] | frozenset[tuple[str, float]]
-                    if isinstance(live, RunningSet):
-                        planned = _InEndOrder(live, extra)
-                        running_key = (live, live.version, frozenset((g.job_id, g.ends_at) for g in extra))
-                    else:
-                        planned = [*live, *extra]
-                        running_key = frozenset((g.job_id, g.ends_at) for g in planned)
-                    key = (
+                    reservation = _head_reservation(
+                        capacity,
                         variant,
-                        running_key,
-                        capacity.free_gpus(),
-                        capacity.unschedulable(),
-                        tuple(c.job for c in hidden_claims),
-                        # A GPU that fails while a gang holds it changes no free count, only what comes free
-                        frozenset((n, frozenset(g)) for n, g in unusable.items() if g) if unusable else None,
+                        fabric_tiers,
+                        now,
+                        running,
+                        placements,
+                        ends,
+                        unusable,
+                        memo,
+                        shield,
+                        releasing,
                     )
-                    if memo is not None and memo.get("key") == key:
-                        reservation = memo["reservation"]
-                    else:
-                        reservation = plan_reservation(
-                            capacity,
-                            variant,
-                            planned,
-                            now,
-                            fabric_tiers,
-                            with_claimed(unusable, hidden_claims),
-                            memo.setdefault("ideal", {}) if memo is not None else None,
-                            memo.setdefault("hints", {}) if memo is not None else None,
-                        )
-                        if memo is not None:
-                            memo.update(key=key, reservation=reservation)
                     head_claims = _within_claim(shield, variant.job_id, reservation)
                     if book is not None and recharge is None and reservation is not None:
                         # EASY backfill for quota too: a head that will fit keeps its demand charged to its queue for
@@ -685,17 +762,7 @@ def schedule_with_backfill(
                 # to the next (each placement sees what it would see were the region hidden and shown around it).
                 if hide and not hidden_region:
                     assert reservation is not None  # hide is only true with a reservation
-                    # A node with nothing free (no whole GPU, no MIG slice or share) is invisible to placement,
-                    # hidden or not, and capacity only shrinks during a pass: only the others need hiding.
-                    nodes = capacity.nodes
-                    hidden = [
-                        n
-                        for n in reservation.nodes
-                        if n in nodes and nodes[n].schedulable and (nodes[n].free or nodes[n].mig or nodes[n].milli)
-                    ]
-                    for n in hidden:
-                        capacity.set_schedulable(n, False)
-                    hidden_region = True
+                    hidden, hidden_region = _hide_region(capacity, reservation), True
                 elif not hide and hidden_region:
                     for n in hidden:
                         capacity.set_schedulable(n, True)
