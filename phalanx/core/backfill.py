@@ -617,6 +617,125 @@ def _first_fit(
     return None, first_failure
 
 
+class _BehindHead:
+    """The gangs behind a blocked head, in one pass: each placed only where it does not delay the head (EASY
+    backfill), with the head's region hidden from those that would outlive its reservation, and the shapes that
+    did not fit remembered (capacity only shrinks during a pass)."""
+
+    def __init__(
+        self,
+        capacity: ClusterCapacity,
+        fabric_tiers: Sequence[str],
+        shield: ClaimShield | None,
+        depth: int | None,
+        deadline: float,
+        head: GangRequest,
+        reservation: Reservation | None,
+        head_claims: bool,
+    ) -> None:
+        self.capacity, self.fabric_tiers, self.shield = capacity, fabric_tiers, shield
+        self.depth, self.deadline = depth, deadline
+        self.head, self.reservation, self.head_claims = head, reservation, head_claims
+        self.failed: set[tuple[bool, _Shape]] = set()  # (region hidden, shape) that did not fit behind the head
+        self.hidden: list[str] = []  # the head's region, while hidden from the gangs that may not enter it
+        self.hidden_region = False
+
+    def show_region(self) -> None:
+        for n in self.hidden:
+            self.capacity.set_schedulable(n, True)
+        self.hidden, self.hidden_region = [], False
+
+    def turn(
+        self, request: GangRequest, variants: list[tuple[str, GangRequest]], claimant: bool, limit_end: float
+    ) -> tuple[bool, tuple[str, GangRequest, Placement] | None]:
+        """Try one gang behind the head: (the pass stops here, what was placed: None when nothing was)."""
+        capacity, reservation, failed = self.capacity, self.reservation, self.failed
+        placed = None
+        # Every gang looked at behind the head counts, tried or passed over: the pass ends after `depth` of
+        # them however long the queue (Slurm's bf_max_job_test counts them the same way).
+        if self.depth is not None:
+            self.depth -= 1
+            if self.depth < 0:
+                return True, None
+        # A head whose reservation lies in its claim needs no region kept for it: the claim already hides
+        # what it will run on from every gang behind it (and a leaf-wide region would hold back other
+        # claimants needlessly).
+        hide = (
+            reservation is not None
+            and not self.head_claims
+            and (math.isinf(limit_end) or limit_end > reservation.start)
+        )
+        # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later
+        # in it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
+        # (Not for a claimant: it sees its claim, which the gangs before it did not.)
+        if not claimant:
+            variants = [(f, v) for f, v in variants if (hide, _shape(v)) not in failed]
+            if not variants:
+                return False, None
+        if self.deadline < math.inf and time.perf_counter() > self.deadline:
+            return True, None
+        # The region is hidden while the gangs tried may not enter it; it stays hidden from one such gang
+        # to the next (each placement sees what it would see were the region hidden and shown around it).
+        if hide and not self.hidden_region:
+            assert reservation is not None  # hide is only true with a reservation
+            self.hidden, self.hidden_region = _hide_region(capacity, reservation), True
+        elif not hide and self.hidden_region:
+            self.show_region()
+        window = _claim_window(capacity, self.hidden, self.shield, request.job_id, self.head) if claimant else []
+        try:
+            for flavor, variant in variants:
+                result = place_gang(capacity, variant, self.fabric_tiers)
+                if isinstance(result, Placement):
+                    placed = (flavor, variant, result)
+                    break
+                if not claimant:
+                    failed.add((hide, _shape(variant)))
+        finally:
+            for n, shut in window:
+                capacity.release(n, shut)
+                capacity.set_schedulable(n, False)
+        return False, placed
+
+
+def _order(
+    pending: Sequence[GangRequest], book: QuotaBook | None, queues: Mapping[str, str] | None
+) -> Iterable[tuple[str, GangRequest]]:
+    """(queue, gang) in the order a pass serves them: queue order, or the fair order across queues with quotas."""
+    if book is None:
+        return (("", r) for r in queue_order(pending))
+    # Lazy: fair_order asks the book for the queues' shares before each pick, after the charges so far.
+    return fair_order((((queues or {}).get(r.job_id, DEFAULT_QUEUE), r) for r in pending), book)
+
+
+def _swap_kept(
+    book: QuotaBook | None,
+    kept: dict[str, tuple[str, str, GangRequest]],
+    recharge: tuple[str, str, GangRequest] | None,
+    job_id: str,
+) -> tuple[str, str, GangRequest] | None:
+    """At a gang's turn: the quota of the claimant tried before (not placed) is kept again for the rest of the
+    pass, and this gang's own kept quota, if any, is given back for it to use; returns the latter (to recharge)."""
+    if recharge is not None:  # it was not placed: its quota stays kept for the rest of the pass
+        assert book is not None
+        book.charge(*recharge)
+        kept[recharge[2].job_id] = recharge
+    mine = kept.pop(job_id, None)
+    if mine is not None:
+        assert book is not None
+        book.charge(*mine, sign=-1)
+    return mine
+
+
+def _variants(book: QuotaBook | None, queue: str, request: GangRequest) -> list[tuple[str, GangRequest]] | Refusal:
+    """The (flavor, request) a gang may be placed as: its admissions by its queue's quota, or why it refuses."""
+    if book is None:
+        return [("", request)]
+    admitted = book.admit(queue, request)
+    if isinstance(admitted, Refusal):
+        return admitted
+    return [(a.flavor, a.request) for a in admitted]
+
+
 def schedule_with_backfill(
     capacity: ClusterCapacity,
     pending: Sequence[GangRequest],
@@ -660,53 +779,30 @@ def schedule_with_backfill(
     backfilled: list[str] = []
     flavors: dict[str, str] = {}
     refused: dict[str, str] = {}
-    failed: set[tuple[bool, _Shape]] = set()  # (region hidden, shape) that did not fit behind the head in this pass
-    if book is None:
-        order: Iterable[tuple[str, GangRequest]] = (("", r) for r in queue_order(pending))
-    else:
-        # Lazy: fair_order asks the book for the queues' shares before each pick, after the charges so far.
-        order = fair_order((((queues or {}).get(r.job_id, DEFAULT_QUEUE), r) for r in pending), book)
-    hidden: list[str] = []  # the head's region, while hidden from the gangs that may not enter it
-    hidden_region = False
+    order = _order(pending, book, queues)
     deadline = time.perf_counter() + budget_s if budget_s > 0 else math.inf
     # A claimant's quota is kept for it as its GPUs are: its demand is charged to its queue until its turn (so no
     # gang served before it takes the quota it needs), and while it waits after it.
     kept = _keep_claimed_quota(book, shield, pending)
     recharge: tuple[str, str, GangRequest] | None = None  # the last claimant tried, until it is placed
-    head_request: GangRequest | None = None
-    head_claims = False
+    behind: _BehindHead | None = None  # the gangs behind the head, once there is one
     try:
         for queue, request in order:
-            if recharge is not None:  # it was not placed: its quota stays kept for the rest of the pass
-                assert book is not None
-                book.charge(*recharge)
-                kept[recharge[2].job_id] = recharge
-                recharge = None
+            recharge = _swap_kept(book, kept, recharge, request.job_id)
             claimant = shield is not None and shield.owns(request.job_id)
             if shield:
                 shield.for_request(request)
-            recharge = kept.pop(request.job_id, None)
-            if recharge is not None:
-                assert book is not None
-                book.charge(*recharge, sign=-1)
-            if book is not None:
-                admitted = book.admit(queue, request)
-                if isinstance(admitted, Refusal):
-                    refused[request.job_id] = admitted.reason
-                    continue
-                variants = [(a.flavor, a.request) for a in admitted]
-            else:
-                variants = [("", request)]
+            variants = _variants(book, queue, request)
+            if isinstance(variants, Refusal):
+                refused[request.job_id] = variants.reason
+                continue
             limit_end = now + request.time_limit if request.time_limit > 0 else math.inf
             placed = None
             if head is None:
                 placed, first_failure = _first_fit(capacity, variants, fabric_tiers)
                 if placed is None:
-                    # variants is never empty (book.admit returns a Refusal rather than no admission), so every
-                    # variant failed here and the first failure is set.
-                    assert first_failure is not None
+                    assert first_failure is not None  # every variant failed (book.admit never admits none)
                     head_flavor, variant, head = first_failure
-                    head_request = variant
                     if not backfill:
                         break
                     reservation = _head_reservation(
@@ -722,7 +818,8 @@ def schedule_with_backfill(
                         shield,
                         releasing,
                     )
-                    head_claims = _within_claim(shield, variant.job_id, reservation)
+                    claims = _within_claim(shield, variant.job_id, reservation)
+                    behind = _BehindHead(capacity, fabric_tiers, shield, depth, deadline, variant, reservation, claims)
                     if book is not None and recharge is None and reservation is not None:
                         # EASY backfill for quota too: a head that will fit keeps its demand charged to its queue for
                         # the rest of the pass (as a claimant does), so no gang behind it takes the quota it needs
@@ -730,56 +827,10 @@ def schedule_with_backfill(
                         recharge = (queue, head_flavor, variant)
                     continue
             else:
-                # Every gang looked at behind the head counts, tried or passed over: the pass ends after `depth` of
-                # them however long the queue (Slurm's bf_max_job_test counts them the same way).
-                if depth is not None:
-                    depth -= 1
-                    if depth < 0:
-                        break
-                # A head whose reservation lies in its claim needs no region kept for it: the claim already hides
-                # what it will run on from every gang behind it (and a leaf-wide region would hold back other
-                # claimants needlessly).
-                hide = (
-                    reservation is not None
-                    and not head_claims
-                    and (math.isinf(limit_end) or limit_end > reservation.start)
-                )
-                # Capacity only shrinks during a pass: a shape that did not fit behind the head will not fit later
-                # in it either, so the long tail of a queue of look-alike gangs costs a lookup each, not a placement.
-                # (Not for a claimant: it sees its claim, which the gangs before it did not.)
-                if claimant:
-                    pass
-                elif book is None:
-                    if (hide, _shape(request)) in failed:
-                        continue
-                else:
-                    variants = [(f, v) for f, v in variants if (hide, _shape(v)) not in failed]
-                    if not variants:
-                        continue
-                if deadline < math.inf and time.perf_counter() > deadline:
+                assert behind is not None  # set when the head was found
+                stop, placed = behind.turn(request, variants, claimant, limit_end)
+                if stop:
                     break
-                # The region is hidden while the gangs tried may not enter it; it stays hidden from one such gang
-                # to the next (each placement sees what it would see were the region hidden and shown around it).
-                if hide and not hidden_region:
-                    assert reservation is not None  # hide is only true with a reservation
-                    hidden, hidden_region = _hide_region(capacity, reservation), True
-                elif not hide and hidden_region:
-                    for n in hidden:
-                        capacity.set_schedulable(n, True)
-                    hidden, hidden_region = [], False
-                window = _claim_window(capacity, hidden, shield, request.job_id, head_request) if claimant else []
-                try:
-                    for flavor, variant in variants:
-                        result = place_gang(capacity, variant, fabric_tiers)
-                        if isinstance(result, Placement):
-                            placed = (flavor, variant, result)
-                            break
-                        if not claimant:
-                            failed.add((hide, _shape(variant)))
-                finally:
-                    for n, shut in window:
-                        capacity.release(n, shut)
-                        capacity.set_schedulable(n, False)
                 if placed is None:
                     continue
                 backfilled.append(request.job_id)
@@ -795,8 +846,8 @@ def schedule_with_backfill(
                 book.charge(queue, flavor, variant)
                 flavors[result.job_id] = flavor
     finally:
-        for n in hidden:
-            capacity.set_schedulable(n, True)
+        if behind is not None:
+            behind.show_region()
         if shield:
             shield.restore()
         if book is not None:
