@@ -536,7 +536,7 @@ class ClusterCapacity:
 
     def take_use(self, node: str, cpu_milli: int, memory: int) -> None:
         """Hold host resources on `node` (a replica's, already checked, or read back from the ledger). Not indexed:
-        placement reads them node by node (placement._fitted_view)."""
+        placement reads them node by node (placement.gang._fitted_view)."""
         n = self.nodes.get(node)
         if n is not None:
             n.cpu_used += cpu_milli
@@ -650,7 +650,7 @@ class ClusterCapacity:
     @contextmanager
     def narrowed(self, changes: dict[str, tuple[set[int], bool]]) -> Iterator[None]:
         """Within the block, the named nodes offer only the given free GPUs and schedulability (a subset of what
-        they have: placement._fitted_view hides what their CPUs and memory cannot feed); the index follows, in one
+        they have: placement.gang._fitted_view hides what their CPUs and memory cannot feed); the index follows, in one
         batch each way, and everything is back as it was after."""
         saved = []
         for name, (free, schedulable) in changes.items():

@@ -39,6 +39,8 @@ than the pass): when it returns, the index holds the cluster as the plan leaves 
 every `Stop` released). An applier writes the plan and does not touch the index again, except to give back a
 `Reserve` it failed to apply (or to rebuild the index). `snapshot.memo` is the caller's cache across decisions:
 the plan is the same with a fresh one.
+
+What a decision reads is in phalanx.core.snapshot, what it returns in phalanx.core.plan; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -46,17 +48,16 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
-from .capacity import PLACEMENT_BUDGET_MS, ClusterCapacity
 from .claims import Claim, ClaimShield, outside, with_claimed
-from .model import GangRequest, Placement, ReplicaPlacement
+from .model import Placement, ReplicaPlacement
+from .plan import AskCheckpoint, CallOff, EndClaim, Plan, Reserve, SetClaim, Step, Stop, Wait, WakeAt
 from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
-from .quota import DEFAULT_QUEUE, QueueSpec, QuotaBook, demand, flavor_matches, usage_of
+from .quota import QuotaBook, demand, flavor_matches, usage_of
+from .snapshot import DecideConfig, Memo, PendingJob, RunningJob, Snapshot
 from .status import Code, Status
 
 __all__ = [
@@ -81,236 +82,6 @@ __all__ = [
     "WakeAt",
     "decide",
 ]
-
-
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
-
-
-def _empty() -> Mapping[str, Any]:
-    return _EMPTY
-
-
-# ---- the snapshot ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PendingJob:
-    """A job of the pending queue: what it asks for, its queue, and when its retry backoff ends (0: none)."""
-
-    request: GangRequest
-    queue: str = DEFAULT_QUEUE
-    not_before: float = 0.0
-    # An admin submitted it (always so with authentication off): it may preempt other queues' gangs by priority.
-    # Anyone else's job preempts only within its own queue, or to take back quota another queue borrowed.
-    by_admin: bool = True
-
-    @property
-    def job_id(self) -> str:
-        return self.request.job_id
-
-
-@dataclass(frozen=True, slots=True)
-class RunningJob:
-    """A running gang. `progress_since`: when the work that evicting it would lose began (the attempt's start, or
-    when all its ranks ran); `snapshot.saved_at` may say its last committed checkpoint is later. `gpus`: the GPUs
-    it holds, a partial GPU as its fraction. While it is a victim: `preempted_by` (the preemptor), `deadline` (when
-    it is stopped at the latest) and `checkpoint_pending` (its checkpoint request is still outstanding)."""
-
-    request: GangRequest
-    placement: Placement
-    started_at: float
-    queue: str = DEFAULT_QUEUE
-    flavor: str = ""
-    attempt: int = 0
-    progress_since: float = 0.0
-    gpus: float = 0.0
-    preempted_by: str = ""
-    deadline: float = 0.0
-    checkpoint_pending: bool = True
-
-    @property
-    def job_id(self) -> str:
-        return self.request.job_id
-
-    @property
-    def ends_at(self) -> float:
-        """When it ends at the latest, as backfill plans: its time limit (inf: none), or a victim's deadline, when
-        it is stopped whether its checkpoint committed or not (so a head's reservation sees the capacity its own or
-        another preemptor's victims free, not only what time limits do)."""
-        limit = self.request.time_limit
-        end = self.started_at + limit if limit else math.inf
-        return min(end, self.deadline) if self.preempted_by else end
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DecideConfig:
-    """The policy's settings. `preemption` None: never preempt. `poll_s`: how soon to look again at a victim
-    that is writing its checkpoint (the service is not told when it commits; inf: at its deadline only).
-    `borrower_preempts`: a head that would run on borrowed quota may preempt other queues' lower-priority gangs too
-    (off: only its own queue's, Kueue's borrowWithinCohort "Never"; the simulator's what-if).
-    `placement_budget_ms`: the time budget of each placement's exact search (0: none; see placement.place_gang)."""
-
-    tiers: tuple[str, ...] = ()
-    backfill: bool = True
-    depth: int | None = None
-    preemption: PreemptionPolicy | None = None
-    poll_s: float = math.inf
-    borrower_preempts: bool = False
-    placement_budget_ms: float = PLACEMENT_BUDGET_MS
-    backfill_budget_ms: float = 0.0
-    # A preemptor keeps what it freed (phalanx.core.claims). Off only to show what breaks without it: the
-    # invariant checks' own test runs a decision with claims off and expects them to catch the inversion.
-    claims: bool = True
-
-
-@dataclass
-class Memo:
-    """The caller's cache across decisions: the blocked head's reservation (`backfill.schedule_with_backfill`'s
-    memo) and the last "no victims" answer, (signature, valid until, message)."""
-
-    reservation: dict[str, Any] = field(default_factory=dict)
-    no_preemption: tuple[Any, float, Status | None] | None = None
-
-
-@dataclass(kw_only=True, slots=True)
-class Snapshot:
-    """What one decision looks at.
-
-    `capacity`: free capacity by domain (planned on in place: see the module docstring). `unusable`: GPUs per node
-    that stay out of placement even when a gang releases them (FATAL ones, those switching MIG mode). `pending`:
-    the pending queue. `running`: the running gangs by job id. `queues` and `totals`: the quotas (no queues: one
-    unlimited queue, plain priority order) and the cluster's totals for their shares. `saved_at`: job id -> when its
-    current attempt's last committed checkpoint was taken (read only for preemption candidates, so a caller may
-    load it lazily). `ends`: optional, the running gangs in end order as the caller keeps them (a
-    `backfill.RunningSet`), used while this decision has changed nothing that runs. `preempting`: optional, the ids
-    of the running victims (else found in `running`). Not frozen only because a frozen dataclass costs a few
-    microseconds more to build, every pass of a replay; `decide` never changes it (only the index it points to)."""
-
-    capacity: ClusterCapacity
-    pending: Sequence[PendingJob]
-    running: Mapping[str, RunningJob]
-    config: DecideConfig = DecideConfig()
-    unusable: Mapping[str, Collection[int]] = field(default_factory=_empty)
-    queues: Mapping[str, QueueSpec] = field(default_factory=_empty)
-    totals: Mapping[str, float] = field(default_factory=_empty)
-    saved_at: Mapping[str, float] = field(default_factory=_empty)
-    ends: Callable[[], Sequence[RunningEnd] | RunningSet] | None = None
-    preempting: Collection[str] | None = None
-    memo: Memo = field(default_factory=Memo)
-    # Clean GPU handover (the scheduler's agents that confirm releases): a stopped gang's whole GPUs on these nodes
-    # stay taken until the node's agent says the gang's processes there are gone; `releasing` lists the GPUs
-    # already waiting for that (Placements of ended attempts). Preemption counts them as coming free: a head they
-    # would make fit waits for them rather than evicting more gangs.
-    hold_on_stop: Collection[str] = ()
-    releasing: Sequence[Placement] = ()
-    # The preemptors' claims on the capacity their victims free, by preemptor (phalanx.core.claims): kept by the
-    # caller from the plans' SetClaim and EndClaim steps.
-    claims: Mapping[str, Claim] = field(default_factory=_empty)
-
-
-# ---- the plan ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Reserve:
-    """Reserve the whole gang on `placement` (already reserved in the snapshot's capacity). `flavor`: the quota
-    flavor it is admitted under; `ahead_of`: the head it was backfilled in front of ("" none)."""
-
-    job: str
-    placement: Placement
-    reason: str
-    flavor: str = ""
-    ahead_of: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class AskCheckpoint:
-    """Ask a running gang to checkpoint; it is stopped once that commits or at `deadline`. `by`: the gang it makes
-    way for; `request`: the reason given to the checkpoint coordinator; `message`: the victim's new message;
-    `reclaim`: evicted for a quota reclaim (it does not have a lower priority than `by`)."""
-
-    job: str
-    deadline: float
-    by: str = ""
-    request: str = ""
-    message: str = ""
-    reclaim: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    """Stop a gang (released in the snapshot's capacity) and requeue it; `reason` is its message, `by` the gang it
-    made way for (a preemption's handover)."""
-
-    job: str
-    reason: str
-    by: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class CallOff:
-    """A victim whose preemptor no longer waits keeps running; `reason` is its message."""
-
-    job: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class SetClaim:
-    """`claim.job` claims `claim.replicas` (it replaces the gang's claim, if any): made when its victims are asked
-    to stop, kept until EndClaim."""
-
-    claim: Claim
-
-
-@dataclass(frozen=True, slots=True)
-class EndClaim:
-    """The claim of `job` ends: it runs, it left the queue, or it can no longer fit where it claimed."""
-
-    job: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """`job` waits, holding nothing, for `status`. `reservation`: the blocked head's backfill reservation (None:
-    none, or not the head)."""
-
-    job: str
-    status: Status
-    reservation: Reservation | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class WakeAt:
-    """Decide again at `t` although nothing else happens (a backoff ending, a grace period, a protection)."""
-
-    t: float
-
-
-Step = Reserve | AskCheckpoint | Stop | CallOff | SetClaim | EndClaim | Wait | WakeAt
-S = TypeVar("S", Reserve, AskCheckpoint, Stop, CallOff, SetClaim, EndClaim, Wait, WakeAt)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The steps, in the order they must be applied; at most one `WakeAt`, the last (the earliest time)."""
-
-    steps: tuple[Step, ...] = ()
-
-    def __iter__(self) -> Iterator[Step]:
-        return iter(self.steps)
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def of(self, kind: type[S]) -> list[S]:
-        """The steps of one kind, in order."""
-        return [s for s in self.steps if isinstance(s, kind)]
-
-    @property
-    def wake_at(self) -> float:
-        return next((s.t for s in self.steps if isinstance(s, WakeAt)), math.inf)
 
 
 # The extension point after a pass whose head is blocked: (head id, the pass, the ids it served, backfill on) ->
@@ -631,17 +402,54 @@ class _Decision:
         policy = self.config.preemption
         if policy is None:
             return None, False
-        now, hid, priority = self.now, head.job_id, head.request.priority
+        hid, priority = head.job_id, head.request.priority
+        waiting = self._waiting_for_victims(head)
+        if waiting is not None:
+            return waiting, False
+        lower, reclaim = self._lower(head, book)
+        # GPUs being released count as the cheapest "victims" there are: evicting them costs nothing, they come
+        # free by themselves (those of other gangs' claims this head may not use excepted).
+        hidden = self.shield.hidden_from(hid, priority) if self.shield else []
+        releasing = [
+            RunningGang(p.job_id, _RELEASING_PRIORITY, p, -math.inf, 0.0, releasing=True)
+            for p in (outside(self.releasing, hidden) if hidden else self.releasing)
+        ]
+        if not lower and not releasing:
+            self.end_claim(hid, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang")
+            return None, False
+        self.shield.for_job(hid, priority)  # the index as this head may see it (other claims hidden)
+        try:
+            result = self._choose(head, lower, releasing, policy)
+        finally:
+            self.shield.restore()
+        if result is None:  # the memo's answer
+            return self.memo.no_preemption[2] if self.memo.no_preemption else None, False
+        if isinstance(result, NoPreemption):
+            return self._no_preemption(head, result, policy), False
+        if not result.victims:  # only GPUs being released to wait for
+            return self._wait_for_releasing(head, result), False
+        self.memo.no_preemption = None
+        return self._ask_victims(head, result, reclaim, book, policy)
+
+    def _waiting_for_victims(self, head: PendingJob) -> Status | None:
+        """The head's status while the victims it asked before still checkpoint (None: it has none)."""
+        hid = head.job_id
         mine = [v for v in map(self.get, self.preempting) if v.preempted_by == hid]
-        if mine:
-            until = max(v.deadline for v in mine)
-            ids = ", ".join(v.job_id for v in sorted(mine, key=lambda v: self._running_order(v.job_id)))
-            return Status(
-                Code.PREEMPTING,
-                f"waiting for {len(mine)} preempted gang(s) ({ids}) to checkpoint and "
-                f"stop, by {clock(until)} at the latest; they hold the GPUs this gang "
-                "gets" + self.claim_note(hid),
-            ), False
+        if not mine:
+            return None
+        until = max(v.deadline for v in mine)
+        ids = ", ".join(v.job_id for v in sorted(mine, key=lambda v: self._running_order(v.job_id)))
+        return Status(
+            Code.PREEMPTING,
+            f"waiting for {len(mine)} preempted gang(s) ({ids}) to checkpoint and "
+            f"stop, by {clock(until)} at the latest; they hold the GPUs this gang "
+            "gets" + self.claim_note(hid),
+        )
+
+    def _lower(self, head: PendingJob, book: QuotaBook | None) -> tuple[list[tuple[RunningJob, int]], set[str]]:
+        """The running gangs the head may preempt, each with the priority it counts as, and those of them taken by
+        a quota reclaim."""
+        priority = head.request.priority
         # Reclaim (quotas): a head within its queue's nominal quota may also evict, whatever their priority, gangs
         # of other queues of its cohort that run on borrowed quota; they count as just below its priority. A head
         # that could run only on borrowed quota preempts within its own queue (Kueue's borrowWithinCohort "Never"):
@@ -678,71 +486,72 @@ class _Decision:
             p = min(r.request.priority, priority - 1) if j in reclaim else r.request.priority
             if p < priority:
                 lower.append((r, p))
-        # GPUs being released count as the cheapest "victims" there are: evicting them costs nothing, they come
-        # free by themselves (those of other gangs' claims this head may not use excepted).
-        hidden = self.shield.hidden_from(hid, priority) if self.shield else []
-        releasing = [
-            RunningGang(f"{RELEASING}{i}:{p.job_id}", _RELEASING_PRIORITY, p, -math.inf, 0.0)
-            for i, p in enumerate(outside(self.releasing, hidden) if hidden else self.releasing)
-        ]
-        if not lower and not releasing:
-            self.end_claim(hid, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang")
-            return None, False
-        self.shield.for_job(hid, priority)  # the index as this head may see it (other claims hidden)
-        try:
-            result = self._choose(head, lower, releasing, policy)
-        finally:
-            self.shield.restore()
-        if result is None:  # the memo's answer
-            return self.memo.no_preemption[2] if self.memo.no_preemption else None, False
-        if not isinstance(result, NoPreemption) and all(v.startswith(RELEASING) for v in result.victims):
-            held = sum(len(r.gpus) for g in releasing if g.job_id in result.victims for r in g.placement.replicas)
-            of = sorted({_released_job(g.job_id) for g in releasing if g.job_id in result.victims})
-            self.wake_at(now + self.config.poll_s)
-            old = self.shield.claims.get(hid)
-            if old is not None and not self.claim_intact(old):
-                # A gang of higher priority took some of it: the claim moves to where it goes now, and keeps what of
-                # the old one nothing else holds.
-                self.set_claim(
-                    Claim.of(
-                        hid,
-                        priority,
-                        result.placement,
-                        old.victims,
-                        old.since,
-                        old.queue,
-                        old.flavor,
-                        freed=self.unheld(old),
-                    )
+        return lower, reclaim
+
+    def _wait_for_releasing(self, head: PendingJob, result: Preemption) -> Status:
+        """The head fits once GPUs being released are gone, with no gang evicted: it waits for them."""
+        hid, priority = head.job_id, head.request.priority
+        held = sum(len(r.gpus) for g in result.waits_for for r in g.placement.replicas)
+        of = sorted({_released_job(g.job_id) for g in result.waits_for})
+        self.wake_at(self.now + self.config.poll_s)
+        old = self.shield.claims.get(hid)
+        if old is not None and not self.claim_intact(old):
+            # A gang of higher priority took some of it: the claim moves to where it goes now, and keeps what of
+            # the old one nothing else holds.
+            self.set_claim(
+                Claim.of(
+                    hid,
+                    priority,
+                    result.placement,
+                    old.victims,
+                    old.since,
+                    old.queue,
+                    old.flavor,
+                    freed=self.unheld(old),
                 )
-            return Status(
-                Code.PREEMPTING,
-                f"waiting for {held} GPU(s) that ended gang(s) {', '.join(of)} are releasing (their processes are "
-                "exiting); then it fits" + self.claim_note(hid),
-            ), False
-        if isinstance(result, NoPreemption):
-            status = None
-            until = math.inf
-            if result.retry_in is not None:
-                until = now + result.retry_in
-                self.wake_at(until)
-                status = Status(
-                    Code.PROTECTED,
-                    f"waiting, holding no GPUs: it could preempt lower-priority gangs "
-                    f"once they pass their minimum runtime of {policy.min_runtime_s:g}s "
-                    f"(at {clock(until)})",
-                )
-            self.memo.no_preemption = (self._signature, until, status)
-            self.end_claim(hid, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang")
-            return status, False
-        self.memo.no_preemption = None
+            )
+        return Status(
+            Code.PREEMPTING,
+            f"waiting for {held} GPU(s) that ended gang(s) {', '.join(of)} are releasing (their processes are "
+            "exiting); then it fits" + self.claim_note(hid),
+        )
+
+    def _no_preemption(self, head: PendingJob, result: NoPreemption, policy: PreemptionPolicy) -> Status | None:
+        """No victims make the head fit: remember it (the memo), wake when protected gangs could, end its claim."""
+        status = None
+        until = math.inf
+        if result.retry_in is not None:
+            until = self.now + result.retry_in
+            self.wake_at(until)
+            status = Status(
+                Code.PROTECTED,
+                f"waiting, holding no GPUs: it could preempt lower-priority gangs "
+                f"once they pass their minimum runtime of {policy.min_runtime_s:g}s "
+                f"(at {clock(until)})",
+            )
+        self.memo.no_preemption = (self._signature, until, status)
+        self.end_claim(
+            head.job_id, "nothing it could preempt or wait for makes it fit now; it waits as any blocked gang"
+        )
+        return status
+
+    def _ask_victims(
+        self,
+        head: PendingJob,
+        result: Preemption,
+        reclaim: set[str],
+        book: QuotaBook | None,
+        policy: PreemptionPolicy,
+    ) -> tuple[Status, bool]:
+        """Ask the victims to checkpoint by the grace period's end, and claim what they free for the head."""
+        now, hid, priority = self.now, head.job_id, head.request.priority
         deadline = now + policy.grace_period_s
         request = f"preemption: job {hid} (priority {priority}) needs these GPUs"
         message = (
             f"preempting: job {hid} (priority {priority}) needs its GPUs; asked to checkpoint, stopped once "
             f"it is committed or by {clock(deadline)}"
         )
-        real = [v for v in result.victims if not v.startswith(RELEASING)]
+        real = list(result.victims)
         if self.config.claims:
             old = self.shield.claims.get(hid)
             freed = [rep for v in real for rep in self.get(v).placement.replicas]
@@ -898,13 +707,12 @@ class _Decision:
         self.steps.append(SetClaim(claim))
 
 
-RELEASING = "\x00releasing:"  # the job id prefix of GPUs being released, as preemption candidates
-_RELEASING_PRIORITY = -(2**62)
+_RELEASING_PRIORITY = -(2**62)  # GPUs being released, as preemption candidates: below every gang
 
 
-def _released_job(candidate: str) -> str:
-    """The job whose GPUs a releasing candidate holds: "\x00releasing:<i>:<job>[/<attempt>]" -> "<job>"."""
-    return candidate.split(":", 2)[2].split("/", 1)[0]
+def _released_job(held_by: str) -> str:
+    """The job whose GPUs are being released, from the id of their Placement: "<job>[/<attempt>]" -> "<job>"."""
+    return held_by.split("/", 1)[0]
 
 
 def _replace_victim(job: RunningJob, by: str, deadline: float) -> RunningJob:

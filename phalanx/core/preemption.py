@@ -99,18 +99,24 @@ class RunningGang:
     placement: Placement
     started_at: float
     work_since_checkpoint: float = 0.0
+    # Not a gang to evict but GPUs an ended gang is still releasing (its processes exiting; `job_id` is the ended
+    # gang's, and may repeat): waiting for them costs nothing, they come free by themselves. Among candidates of
+    # equal cost they come first, in the caller's order; a preemption lists them in `waits_for`, not in `victims`.
+    releasing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Preemption:
     """Evict `victims` (job ids, in eviction order: cheapest first) and `placement` is where the preemptor goes; it
-    is valid once exactly the victims' GPUs are released. `work_lost`: the victims' work since checkpoint, summed."""
+    is valid once exactly the victims' GPUs (and those of `waits_for`, the releasing candidates it counts on) are
+    released. `work_lost`: the victims' work since checkpoint, summed."""
 
     job_id: str
     victims: tuple[str, ...]
     placement: Placement
     work_lost: float
     reason: str
+    waits_for: tuple[RunningGang, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +134,10 @@ class NoPreemption:
         return Status(Code.PROTECTED if self.retry_in is not None else Code.UNSCHEDULABLE, self.reason)
 
 
-def _cost(gang: RunningGang) -> tuple[int, float, str]:
-    return (gang.priority, gang.work_since_checkpoint, gang.job_id)
+def _cost(gang: RunningGang) -> tuple[int, float, bool, str]:
+    """Eviction order: lowest priority, least work lost, then job id; releasing GPUs first among equals, in the
+    caller's order (the sort is stable)."""
+    return (gang.priority, gang.work_since_checkpoint, not gang.releasing, "" if gang.releasing else gang.job_id)
 
 
 class _Work:
@@ -235,6 +243,8 @@ def choose_victims(
     """
     seen: set[str] = set()
     for gang in running:
+        if gang.releasing:
+            continue
         if gang.job_id in seen:
             raise ValueError(f"running gang {gang.job_id!r} is given twice")
         seen.add(gang.job_id)
@@ -297,12 +307,15 @@ def choose_victims(
         kept = [g for g in kept if not _nodes(g).isdisjoint(used)]
         witness = placement
     lost = sum(g.work_since_checkpoint for g in kept)
-    names = ", ".join(f"{g.job_id} (priority {g.priority})" for g in kept)
+    evicted = [g for g in kept if not g.releasing]
+    waits_for = tuple(g for g in kept if g.releasing)
+    names = ", ".join(f"{g.job_id} (priority {g.priority})" for g in evicted)
+    also = f"; waits for the GPUs of {len(waits_for)} ended gang(s) being released" if waits_for else ""
     reason = (
-        f"preempts {len(kept)} gang(s) of lower priority than {pending.priority}: {names}; work lost since "
-        f"their checkpoints {lost:g}; then {placement.reason}"
+        f"preempts {len(evicted)} gang(s) of lower priority than {pending.priority}: {names}; work lost since "
+        f"their checkpoints {lost:g}{also}; then {placement.reason}"
     )
-    return Preemption(pending.job_id, tuple(g.job_id for g in kept), placement, lost, reason)
+    return Preemption(pending.job_id, tuple(g.job_id for g in evicted), placement, lost, reason, waits_for)
 
 
 def _refusal(

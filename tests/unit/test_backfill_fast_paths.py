@@ -77,16 +77,16 @@ def test_reservation_is_the_same_from_a_running_set_and_leaves_the_capacity_as_i
 def test_a_reservation_search_started_from_the_last_answer_finds_the_same_in_fewer_placements(monkeypatch):
     """plan_reservation's `hints`: the search starts where the last one of the same head ended. From one cycle to
     the next a few gangs end and others start; the answer must be the cold search's, and cost fewer placements."""
-    from phalanx.core import backfill
+    from phalanx.core import reservation
 
     calls = {"n": 0}
-    real = backfill.place_gang
+    real = reservation.place_gang
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(backfill, "place_gang", counted)
+    monkeypatch.setattr(reservation, "place_gang", counted)
     warm_calls = cold_calls = 0
     for seed in range(6):
         cap, tiers, running, rng = busy_cluster(seed)

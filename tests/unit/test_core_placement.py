@@ -5,22 +5,17 @@ from __future__ import annotations
 from unittest.mock import patch
 
 import pytest
+from helpers.placement_baselines import place_replicas_one_by_one, schedule_in_order
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.core import placement
 from phalanx.core.capacity import CapacityError, ClusterCapacity
 from phalanx.core.fabric import Fabric, default_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
-from phalanx.core.placement import (
-    Unplaceable,
-    _take,
-    _take_indexed,
-    pick_gpus,
-    place_gang,
-    place_replicas_one_by_one,
-    schedule_in_order,
-)
+from phalanx.core.placement import Unplaceable, domain_of, pick_gpus, place_gang
+from phalanx.core.placement import budget as placement_budget
+from phalanx.core.placement import search as placement_search
+from phalanx.core.placement.search import _take, _take_indexed
 
 
 def cluster(nodes: int = 8, gpus: int = 8, per_leaf: int = 4, used: dict[str, int] | None = None):
@@ -104,7 +99,7 @@ def test_an_empty_uniform_cluster_needs_no_dp():
     for g in (1, 2, 3, 4, 8):
         for replicas in (1, 3, 5, 9, 17, 33, 40, 64):
             cap = ClusterCapacity(NodeCapacity(n, 8, set(range(8)), True, fabric.path(n)) for n in sorted(paths))
-            with patch.object(placement, "_cover", side_effect=AssertionError("the DP ran")):
+            with patch.object(placement_search, "_cover", side_effect=AssertionError("the DP ran")):
                 p = place_gang(cap, GangRequest("j", replicas, g), fabric.tiers)
             if replicas * g <= 512:
                 assert isinstance(p, Placement)
@@ -355,7 +350,7 @@ def indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g) -> 
             # the fewest children, whether the DP ran or not
             children = sorted((s for s, _ in cap.child_stats(level, key, g).values()), reverse=True)
             fewest = next(i + 1 for i in range(len(children)) if sum(children[: i + 1]) >= replicas)
-            assert len({placement._key(cap.nodes[n], level - 1) for n, _ in scan}) == fewest
+            assert len({domain_of(cap.nodes[n], level - 1) for n, _ in scan}) == fewest
 
 
 @settings(max_examples=80, deadline=None)
@@ -369,7 +364,7 @@ def test_the_indexed_take_chooses_what_the_scan_take_chooses(nodes, per_leaf, pe
 def test_the_greedy_fallback_is_consistent_too(nodes, per_leaf, per_spine, per_core, used, replicas, g):
     """With no room for any DP (what a huge gang on a huge fabric gets), both takes fall back to the same greedy:
     still the fewest children, still valid."""
-    with patch.object(placement, "_EXACT_CELLS", 0):
+    with patch.object(placement_budget, "_EXACT_CELLS", 0):
         indexed_vs_scan(nodes, per_leaf, per_spine, per_core, used, replicas, g)
 
 

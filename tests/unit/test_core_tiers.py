@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from helpers.placement_baselines import schedule_in_order
+
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.fabric import default_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement
-from phalanx.core.placement import Unplaceable, place_gang, schedule_in_order
+from phalanx.core.placement import Unplaceable, place_gang
 
 
 def cluster(nodes: int = 8, gpus: int = 8, per_leaf: int = 2, per_spine: int = 2, full: tuple[str, ...] = ()):

@@ -15,12 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.core import placement
 from phalanx.core.capacity import PLACEMENT_BUDGET_MS, ClusterCapacity, domain_key
 from phalanx.core.decide import DecideConfig, PendingJob, Snapshot, decide
 from phalanx.core.fabric import default_fabric
 from phalanx.core.model import GangRequest, NodeCapacity, Placement
-from phalanx.core.placement import place_gang
+from phalanx.core.placement import budget, cover, place_gang
 
 UNBOUNDED = {"budget_ms": 0.0, "cells": 10**18}
 # Gangs of 1, 2 and 4 GPUs per replica on partly used nodes: nodes hold several replicas, so the knapsack over
@@ -73,7 +72,7 @@ def test_a_search_stopped_by_its_time_budget_says_so_and_keeps_the_tier_and_the_
     cap, tiers = fragmented()
     request = GangRequest("j", replicas, g)
     best = place_gang(cap, request, tiers, **UNBOUNDED)
-    with patch.object(placement, "_CLOCK_EVERY", 1):  # read the clock at the first DP cell: stop there
+    with patch.object(budget, "_CLOCK_EVERY", 1):  # read the clock at the first DP cell: stop there
         got = place_gang(cap, request, tiers, budget_ms=1e-9)
     assert isinstance(best, Placement) and isinstance(got, Placement)
     valid(cap, got, replicas, g)
@@ -105,7 +104,7 @@ def test_the_capacity_views_budget_is_the_default_and_copies_keep_it():
     cap.placement_budget_ms = 1e-9
     assert cap.copy().placement_budget_ms == 1e-9
     assert cap.restricted("h100").placement_budget_ms == 1e-9
-    with patch.object(placement, "_CLOCK_EVERY", 1):
+    with patch.object(budget, "_CLOCK_EVERY", 1):
         by_view = place_gang(cap, GangRequest("j", 600, 1, gpu_model="H100"), tiers)  # None: the view's budget
     assert "stopped at its 1e-09 ms budget" in by_view.reason
 
@@ -113,7 +112,7 @@ def test_the_capacity_views_budget_is_the_default_and_copies_keep_it():
 def test_decide_plans_with_the_configured_budget():
     cap, tiers = fragmented()
     pending = [PendingJob(GangRequest("j", 600, 1))]
-    with patch.object(placement, "_CLOCK_EVERY", 1):
+    with patch.object(budget, "_CLOCK_EVERY", 1):
         plan = decide(
             Snapshot(
                 capacity=cap, pending=pending, running={}, config=DecideConfig(tiers=tiers, placement_budget_ms=1e-9)
@@ -140,10 +139,10 @@ options_lists = st.lists(
 @given(n=st.integers(1, 280), options=options_lists)
 def test_the_array_dp_computes_exactly_what_the_list_dp_computes(n, options):
     """`_cover` runs on numpy arrays from `_NUMPY_FROM` replicas on, on lists below: the same integers."""
-    with patch.object(placement, "_NUMPY_FROM", 10**9):
-        lists = placement._cover(options, n)
-    with patch.object(placement, "_NUMPY_FROM", 0):
-        arrays = placement._cover(options, n)
+    with patch.object(cover, "_NUMPY_FROM", 10**9):
+        lists = cover._cover(options, n)
+    with patch.object(cover, "_NUMPY_FROM", 0):
+        arrays = cover._cover(options, n)
     assert lists is not None and arrays is not None and len(lists) == len(arrays)
     for a, b in zip(lists, arrays, strict=True):
-        assert [placement._INT_NEVER if x == float("inf") else int(x) for x in a] == b.tolist()
+        assert [cover._INT_NEVER if x == float("inf") else int(x) for x in a] == b.tolist()

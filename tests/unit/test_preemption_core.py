@@ -411,3 +411,21 @@ def check(cap, tiers, running, request, seed):
     )
     assert set(got.victims) <= set(ids[:k])
     assert list(got.victims) == [i for i in ids if i in got.victims]
+
+
+def test_gpus_being_released_are_waited_for_not_evicted_and_may_share_a_running_gangs_id():
+    """A releasing candidate (`RunningGang.releasing`) is not a victim: the preemption lists it in `waits_for`, it
+    comes first among candidates of equal cost, and its job id may repeat (one per node) or be a running gang's (the
+    job restarted while its old attempt's processes exit)."""
+    cap, tiers = cluster(nodes=2, per_leaf=2)
+    low = on(cap, "job", "n0", range(4), priority=0)  # the restarted job, running
+    old_a = on(cap, "job", "n0", range(4, 8), priority=0)  # its old attempt, releasing on both nodes
+    old_b = on(cap, "job", "n1", range(8), priority=0)
+    releasing = [RunningGang(g.job_id, -(2**62), g.placement, -float("inf"), releasing=True) for g in (old_a, old_b)]
+    got = choose_victims(cap, GangRequest("hi", 1, 8, priority=5), [*releasing, low], NOW, POLICY, tiers)
+    assert isinstance(got, Preemption), got
+    assert got.victims == ()
+    assert got.waits_for == (releasing[1],)  # all of n1 comes free: nothing else is needed, the running gang stays
+    # Two gangs under one id are refused only when neither is releasing.
+    with pytest.raises(ValueError):
+        choose_victims(cap, GangRequest("hi", 1, 8, priority=5), [low, old_a], NOW, POLICY, tiers)

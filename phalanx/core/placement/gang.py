@@ -1,0 +1,247 @@
+"""The public entry of placement: `place_gang` (a gang whole or a reason why not), with what comes around the
+search: host CPUs and memory (`_with_host_resources`), struck nodes (`_place_avoiding`), GPU models, partial GPUs,
+required and preferred tiers, and the tier where one domain holds the gang (`_place_gang`). Also the queue order
+every replica agrees on (`queue_order`)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ..capacity import ClusterCapacity
+from ..model import GangRequest, Placement
+from ..resources import describe, format_cpus, human_size, room
+from ..shares import place_partial
+from ..status import Code, Status
+from .budget import _Budget
+from .gpus import _build, pick_gpus
+from .search import _fewest_children, _IndexView, _Objective, _take, _take_indexed
+from .tiers import tier_level, tier_names
+
+
+@dataclass(frozen=True, slots=True)
+class Unplaceable:
+    job_id: str
+    reason: str
+
+    @property
+    def status(self) -> Status:
+        return Status(Code.UNSCHEDULABLE, self.reason)
+
+
+def place_gang(
+    capacity: ClusterCapacity,
+    request: GangRequest,
+    fabric_tiers: Sequence[str] = (),
+    *,
+    budget_ms: float | None = None,
+    cells: int | None = None,
+) -> Placement | Unplaceable:
+    """Place all replicas of `request` at once, or say why not. Does not change `capacity`.
+
+    `budget_ms`: the time budget of the exact search (None: `capacity.placement_budget_ms`; 0: none). `cells`: its
+    deterministic work bound per knapsack (None: `_EXACT_CELLS`). See the comment above `_EXACT_CELLS`: past
+    either, the search keeps its heuristic fill there and the reason says so.
+
+    `request.required_tier`: only domains of that tier or below are tried; when no single domain of it holds the
+    gang the answer is Unplaceable (never a placement that crosses a higher tier). `request.preferred_tier` is best
+    effort and needs no search of its own: the lowest tier that fits is always taken, so the gang lands under one
+    domain of the preferred tier whenever one fits, and otherwise at the lowest tier above it that fits (the
+    reason then says the preference was not met).
+
+    `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
+    else is it placed as if they were not struck.
+    """
+    bounds = (capacity.placement_budget_ms if budget_ms is None else budget_ms, cells)
+    if request.cpu_milli or request.memory:
+        return _with_host_resources(capacity, request, fabric_tiers, bounds)
+    return _place_avoiding(capacity, request, fabric_tiers, bounds)
+
+
+def _with_host_resources(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
+) -> Placement | Unplaceable:
+    """Place a gang whose replicas also ask for host CPUs or memory: on the GPUs those can feed (_fitted_view),
+    each replica then carrying what it asks."""
+    changes = _fitted_view(capacity, request)
+    with capacity.narrowed(changes):
+        got = _place_avoiding(capacity, request, fabric_tiers, bounds)
+    if isinstance(got, Unplaceable):
+        if changes:
+            got = Unplaceable(
+                got.job_id,
+                f"{got.reason}; each replica also needs {describe(request.cpu_milli, request.memory)}, which "
+                f"{len(changes)} node(s) lack for more of its replicas (the most free on one node: "
+                f"{_most_room(capacity, request.cpu_milli, request.memory)})",
+            )
+        return got
+    return replace(
+        got,
+        replicas=tuple(replace(r, cpu_milli=request.cpu_milli, memory=request.memory) for r in got.replicas),
+    )
+
+
+def _fitted_view(capacity: ClusterCapacity, request: GangRequest) -> dict[str, tuple[set[int], bool]]:
+    """The nodes whose free CPUs or memory feed fewer of the gang's replicas than their free GPUs would hold, each
+    with what it offers the gang: only the GPUs those replicas take (the closest set, by pick_gpus), or nothing.
+    Empty when no node binds (the common case: a scan, and the GPU index as it is).
+
+    A whole-GPU replica takes `gpus_per_replica` GPUs, so a node feeding k replicas offers k x that many. A partial
+    replica (a MIG instance or a share) takes part of one GPU, several to a GPU: a node feeding none is hidden, and
+    place_partial stops using a node once its replicas there use up what it feeds (it takes each replica's host
+    resources as it places it).
+    """
+    cpu, memory = request.cpu_milli, request.memory
+    g = request.gpus_per_replica
+    partial = request.partial
+    changes: dict[str, tuple[set[int], bool]] = {}
+    for node in capacity.nodes.values():
+        if not node.schedulable:
+            continue
+        k = room(node, cpu, memory)
+        if k is None:
+            return {}
+        if partial:
+            if k == 0:
+                changes[node.name] = (node.free, False)
+        elif k * g < len(node.free):
+            changes[node.name] = (set(pick_gpus(node.free, k * g, node.closeness)) if k else set(), True)
+    return changes
+
+
+def _most_room(capacity: ClusterCapacity, cpu: int, memory: int) -> str:
+    """The most free CPUs and memory on one schedulable node, for a reason: '6 CPUs and 48G memory'."""
+    best_cpu = max((n.cpu_milli - n.cpu_used for n in capacity.nodes.values() if n.schedulable), default=0)
+    best_mem = max((n.memory - n.memory_used for n in capacity.nodes.values() if n.schedulable), default=0)
+    parts = []
+    if cpu:
+        parts.append(f"{format_cpus(max(0, best_cpu))} CPUs")
+    if memory:
+        parts.append(f"{human_size(max(0, best_mem))} memory")
+    return " and ".join(parts)
+
+
+def _place_avoiding(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
+) -> Placement | Unplaceable:
+    if request.avoid:
+        hidden = [n for n in request.avoid if n in capacity.nodes and capacity.nodes[n].schedulable]
+        if hidden:
+            for name in hidden:
+                capacity.set_schedulable(name, False)
+            try:
+                got = _place_gang(capacity, request, fabric_tiers, bounds)
+            finally:
+                for name in hidden:
+                    capacity.set_schedulable(name, True)
+            if isinstance(got, Placement):
+                return got
+        got = _place_gang(capacity, request, fabric_tiers, bounds)
+        if isinstance(got, Placement) and set(got.nodes) & request.avoid:
+            struck = sorted(set(got.nodes) & request.avoid)
+            got = replace(
+                got,
+                reason=f"{got.reason}; on node(s) {', '.join(struck)} that struck it before: it fits nowhere else now",
+            )
+        return got
+    return _place_gang(capacity, request, fabric_tiers, bounds)
+
+
+def _place_gang(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
+) -> Placement | Unplaceable:
+    if request.partial:
+        result = place_partial(capacity, request, tier_names(capacity, fabric_tiers))
+        return result if isinstance(result, Placement) else Unplaceable(result.job_id, result.reason)
+    if request.gpu_model:
+        capacity = capacity.restricted(request.gpu_model)
+        if not capacity.nodes:
+            return Unplaceable(request.job_id, f"no node has GPU model {request.gpu_model!r}")
+    g, need = request.gpus_per_replica, request.replicas
+    if not capacity.nodes or g < 1:
+        return Unplaceable(request.job_id, "the cluster has no nodes")
+    top = capacity.levels()
+    names = tier_names(capacity, fabric_tiers)
+    limit = top
+    if request.required_tier:
+        required = tier_level(capacity, request.required_tier, fabric_tiers)
+        if required is None:
+            return Unplaceable(
+                request.job_id,
+                f"unknown required_tier {request.required_tier!r}; this cluster has {', '.join(names)}",
+            )
+        limit = required
+    total_slots, free_now = capacity.domain_stats(top, g).get("", (0, 0))
+    if total_slots < need:
+        in_mig = capacity.mig_mode_gpus
+        return Unplaceable(
+            request.job_id,
+            f"needs {need} x {g} GPUs; free capacity holds {total_slots} such replica(s) now ({free_now} GPUs free"
+            + (f"; {in_mig} GPU(s) in MIG mode take only MIG instances" if in_mig else "")
+            + ")",
+        )
+    most_nodes, largest = capacity.shape()
+    for level in range(limit + 1):
+        if level < top and most_nodes[level] * (largest // g) < need:
+            continue  # no domain of this tier could hold the gang even empty
+        if level == 0:
+            node = capacity.tightest_node(need * g)
+            if node is not None:
+                return _preferred(request, _build(request, [(node, need)], names, 0), names, fabric_tiers, capacity)
+            continue
+        # Among the domains of this tier that hold the gang: fewest children spanned first, then fewest domains of
+        # each level below, then best fit (least free GPUs), global within the tier; all read from the index.
+        stats = capacity.domain_stats(level, g)
+        fitting = [(free, k) for k, (slots, free) in stats.items() if slots >= need]
+        if not fitting:
+            continue
+        budget = _Budget(*bounds)  # the search starts here (a gang on one node needs none)
+        objective = _Objective(_IndexView(capacity, g), need, budget)
+        best = _fewest_children(capacity, level, fitting, need, g, most_nodes, largest, objective)
+        if capacity.is_tree or level == 1:
+            takes = _take_indexed(capacity, level, best[1], need, g, objective)
+        else:
+            members = [n for n in capacity.members(level, best[1]) if n.schedulable and len(n.free) >= g]
+            takes = _take(members, need, g, level, budget)
+        placement = _build(request, takes, names, level)
+        if budget.stopped or budget.capped:
+            placement = replace(placement, reason=f"{placement.reason} {budget.note()}")
+        return _preferred(request, placement, names, fabric_tiers, capacity)
+    if limit < top:
+        tier = names[limit]
+        if limit == 0:
+            most = capacity.most_free_on_a_node() // g
+        else:
+            most = max((slots for slots, _ in capacity.domain_stats(limit, g).values()), default=0)
+        return Unplaceable(
+            request.job_id,
+            f"needs {need} x {g} GPUs under one {tier} (required_tier); the best {tier} holds {most} such "
+            f"replica(s) now",
+        )
+    raise AssertionError("the cluster level always fits when total slots suffice")
+
+
+def _preferred(
+    request: GangRequest,
+    placement: Placement,
+    names: list[str],
+    fabric_tiers: Sequence[str],
+    capacity: ClusterCapacity,
+) -> Placement:
+    """Note in the reason when the preferred tier could not be met (the placement itself is already the lowest)."""
+    if not request.preferred_tier:
+        return placement
+    want = tier_level(capacity, request.preferred_tier, fabric_tiers)
+    if want is None or names.index(placement.tier) <= want:
+        return placement
+    reason = f"{placement.reason}; no single {request.preferred_tier} (preferred_tier) holds it now"
+    return Placement(placement.job_id, placement.replicas, placement.tier, placement.domains, placement.score, reason)
+
+
+_QUEUE_ORDER = operator.attrgetter("order")
+
+
+def queue_order(pending: Sequence[GangRequest]) -> list[GangRequest]:
+    """Priority (higher first), then submission time, then id: the order every replica agrees on."""
+    return sorted(pending, key=_QUEUE_ORDER)
