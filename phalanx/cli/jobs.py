@@ -284,6 +284,17 @@ def _add_submit(sub) -> None:
         metavar="QUEUE",
         help="the queue to submit to (its quota, cohort and fair share apply; default: default)",
     )
+    _add_submit_life(p)
+    for flag in RESERVED_SUBMIT_FLAGS:
+        p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
+    add_json_flag(p)
+    p.add_argument("command", nargs="*", metavar="CMD", help="the command, after --")
+    p.set_defaults(func=cmd_submit)
+
+
+def _add_submit_life(p: argparse.ArgumentParser) -> None:
+    """The flags of ``phalanx submit`` about an attempt's life (time limit, restarts, checkpoints kept) and the host
+    resources each replica reserves."""
     p.add_argument(
         "--time-limit",
         type=duration,
@@ -324,8 +335,3 @@ def _add_submit(sub) -> None:
         help="memory each replica reserves on its node and is limited to, e.g. 512M or 64G (binary units); a rank "
         "past it is killed and the job says 'out of memory (limit SIZE)' (default: none reserved and no limit)",
     )
-    for flag in RESERVED_SUBMIT_FLAGS:
-        p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
-    add_json_flag(p)
-    p.add_argument("command", nargs="*", metavar="CMD", help="the command, after --")
-    p.set_defaults(func=cmd_submit)
