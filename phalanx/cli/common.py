@@ -1,7 +1,8 @@
-"""What every ``phalanx`` subcommand module shares: exit codes, the usage error and the argument parser class.
+"""What every ``phalanx`` subcommand module shares: exit codes, the usage error, the argument parser class and the
+``--json`` flag.
 
-The subcommand modules (main, cluster, sim, place) import this one and never each other's, so the command line has
-no import cycle.
+It imports no other module of the CLI, so the command modules (main, jobs, observe, admin, database, cluster, demo,
+place, sim) can all import it without an import cycle.
 """
 
 from __future__ import annotations
@@ -25,3 +26,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"error: {message}\n")
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    """``--json``: print JSON instead of a table."""
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")

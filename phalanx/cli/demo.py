@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from phalanx.core.preemption import parse_priority
 
@@ -97,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """``phalanx demo``: a local cluster, seven jobs through the SDK (placement, gang waiting, MIG and shares,
     then a preemption with checkpoint-restart), an eighth with torch (a DDP job), a readable account, exit 0 when
     all succeed."""
-    from phalanx.client import Client, JobState, PhalanxError
+    from phalanx.client import Client, PhalanxError
 
     if args.mig_gpus is not None and args.mig_gpus < 1:
         raise UsageError("the demo runs a MIG job: --mig-gpus must be at least 1")
@@ -131,72 +132,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _say()
             with Client(cluster.address) as client:
                 # 1. a 2-node gang, a 4-GPU job and partial GPUs (a MIG instance, two quarter-GPU shares): all fit
-                gang = client.submit("gang-2x8", 2, 8, command, env=env)
-                single = client.submit("single-4gpu", 1, 4, command, env=env)
-                mig = client.submit("mig-3g.40gb", 1, 1, command, env=env, mig_profile="3g.40gb")
-                shares = client.submit("shares-2x250m", 2, 1, command, env=env, gpu_milli=250)
-                _say(f"Submitted {gang.name} ({gang.id}): 2 replicas x 8 GPUs, one process per GPU")
-                _say(f"Submitted {single.name} ({single.id}): 1 replica x 4 GPUs")
-                _say(f"Submitted {mig.name} ({mig.id}): 1 MIG instance of profile 3g.40gb")
-                _say(f"Submitted {shares.name} ({shares.id}): 2 replicas x 250/1000 of a GPU (MPS shares)")
-                shown: set[str] = set()
-                for job_id in (gang.id, single.id, mig.id, shares.id):
-                    job = client.wait(job_id, ["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"], timeout=60)
-                    if job.allocations:
-                        _describe_placement(job)
-                        shown.add(job_id)
-                    stopper.check()
+                gang, ids, shown = _demo_fitting_jobs(client, command, env, stopper)
                 # 2. a gang as large as the whole cluster: it must wait, holding nothing
-                big = client.submit(f"big-{total}x8", total, 8, command, env=env)
-                _say(
-                    f"Submitted {big.name} ({big.id}): {total} replicas x 8 GPUs = every 8-GPU node of the "
-                    f"cluster ({last} has GPUs in MIG mode)"
-                )
-                deadline = time.monotonic() + 10
-                while True:
-                    big = client.get_job(big.id)
-                    if big.state is not JobState.PENDING or big.message != "queued" or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.1)
-                if big.state is JobState.PENDING:
-                    held = sum(len(a.gpus) for a in big.allocations)
-                    _say(
-                        f"  {big.name} is PENDING and holds {held} GPUs (gangs are reserved all at once or "
-                        f"not at all): {big.message}"
-                    )
-                else:
-                    _say(f"  {big.name} is {big.state.value}: {big.message}")
-                _say()
-                ids = [gang.id, single.id, mig.id, shares.id, big.id]
-                _say(f"Watching until all {len(ids)} jobs finish:")
-                last: dict[str, JobState] = {i: JobState.RUNNING for i in ids[:-1]}
-                last[big.id] = big.state
-                final: dict[str, object] = {}
-                stream = client.watch(ids, timeout=args.job_timeout)
-                try:
-                    for job in stream:
-                        stopper.check()
-                        if last.get(job.id) == job.state:
-                            continue
-                        last[job.id] = job.state
-                        stamp = time.strftime("%H:%M:%S")
-                        if job.state is JobState.RUNNING and job.id not in shown:
-                            _say(f"{stamp} {job.name} started")
-                            _describe_placement(job)
-                            shown.add(job.id)
-                        elif job.terminal:
-                            took = f" after {job.finished_at - job.started_at:.1f}s" if job.started_at else ""
-                            _say(
-                                f"{stamp} {job.name} {job.state.value}{took} (exit code {job.exit_code}): {job.message}"
-                            )
-                            final[job.id] = job
-                            if len(final) == len(ids):
-                                break
-                        elif job.state is not JobState.RUNNING:
-                            _say(f"{stamp} {job.name} {job.state.value}: {job.message}")
-                finally:
-                    stream.close()
-                ok = all(getattr(final.get(i), "state", None) is JobState.SUCCEEDED for i in ids)
+                big = _demo_big_gang(client, total, last, command, env)
+                ids.append(big.id)
+                ok = _watch_until_finished(client, ids, big, shown, stopper, args.job_timeout)
                 # 3. preemption and checkpoint-restart: a batch training gang makes way for a critical one
                 _say()
                 preempt_ok, more = _demo_preemption(client, cluster, total, stopper)
@@ -211,21 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         "torch is not installed, so the demo skips its DistributedDataParallel job "
                         "(pip install 'phalanx[torch]' to see it)"
                     )
-            # Rank 0 of the 2 x 8 gang, read from its node's agent as any user would.
-            _say(f"\n$ phalanx --scheduler {cluster.address} logs {gang.id} --rank 0 --tail 3")
-            with Client(cluster.address) as client:
-                rank0 = [line for _, line in client.logs(gang.id, rank=0, tail=3)]
-            _say("  " + ("\n  ".join(rank0) or "(empty)"))
-            _say(f"\n$ phalanx --scheduler {cluster.address} jobs")
-            with Client(cluster.address) as client:
-                _say(render.jobs_table(client.list_jobs()))
-            _say()
-            _say(
-                f"All {len(ids)} jobs SUCCEEDED."
-                if ok
-                else "Not every job SUCCEEDED; see the logs under "
-                f"{cluster.logs_dir} and {cluster.state_dir / 'agents'}"
-            )
+            _demo_epilogue(cluster, gang.id, ids, ok)
             if args.keep:
                 _say(
                     f"\nThe cluster keeps running (--keep): export PHALANX_SCHEDULER={cluster.address} and try "
@@ -242,6 +168,108 @@ def cmd_demo(args: argparse.Namespace) -> int:
         finally:
             cluster.stop()
     return 0 if ok else 1
+
+
+def _demo_fitting_jobs(client, command: list[str], env: dict[str, str], stopper) -> tuple[Any, list[str], set[str]]:
+    """Step 1: a 2 x 8 gang, a 4-GPU job, a MIG instance and two quarter-GPU shares, which all fit; each one's
+    placement once it has one. (the gang, the four ids, the ids whose placement was shown)."""
+    gang = client.submit("gang-2x8", 2, 8, command, env=env)
+    single = client.submit("single-4gpu", 1, 4, command, env=env)
+    mig = client.submit("mig-3g.40gb", 1, 1, command, env=env, mig_profile="3g.40gb")
+    shares = client.submit("shares-2x250m", 2, 1, command, env=env, gpu_milli=250)
+    _say(f"Submitted {gang.name} ({gang.id}): 2 replicas x 8 GPUs, one process per GPU")
+    _say(f"Submitted {single.name} ({single.id}): 1 replica x 4 GPUs")
+    _say(f"Submitted {mig.name} ({mig.id}): 1 MIG instance of profile 3g.40gb")
+    _say(f"Submitted {shares.name} ({shares.id}): 2 replicas x 250/1000 of a GPU (MPS shares)")
+    shown: set[str] = set()
+    for job_id in (gang.id, single.id, mig.id, shares.id):
+        job = client.wait(job_id, ["RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"], timeout=60)
+        if job.allocations:
+            _describe_placement(job)
+            shown.add(job_id)
+        stopper.check()
+    return gang, [gang.id, single.id, mig.id, shares.id], shown
+
+
+def _demo_big_gang(client, total: int, last: str, command: list[str], env: dict[str, str]):
+    """Step 2: a gang of `total` 8-GPU replicas, every 8-GPU node: it waits, holding nothing. The job, as it is
+    once queued (or after 10 s)."""
+    from phalanx.client import JobState
+
+    big = client.submit(f"big-{total}x8", total, 8, command, env=env)
+    _say(
+        f"Submitted {big.name} ({big.id}): {total} replicas x 8 GPUs = every 8-GPU node of the "
+        f"cluster ({last} has GPUs in MIG mode)"
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        big = client.get_job(big.id)
+        if big.state is not JobState.PENDING or big.message != "queued" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if big.state is JobState.PENDING:
+        held = sum(len(a.gpus) for a in big.allocations)
+        _say(
+            f"  {big.name} is PENDING and holds {held} GPUs (gangs are reserved all at once or "
+            f"not at all): {big.message}"
+        )
+    else:
+        _say(f"  {big.name} is {big.state.value}: {big.message}")
+    _say()
+    return big
+
+
+def _watch_until_finished(client, ids: list[str], big, shown: set[str], stopper, timeout: float) -> bool:
+    """A line per start (with its placement, unless `shown`) and per end of the jobs `ids` (the last one `big`,
+    the others running) until all have finished; whether all SUCCEEDED."""
+    from phalanx.client import JobState
+
+    _say(f"Watching until all {len(ids)} jobs finish:")
+    last: dict[str, JobState] = {i: JobState.RUNNING for i in ids[:-1]}
+    last[big.id] = big.state
+    final: dict[str, object] = {}
+    stream = client.watch(ids, timeout=timeout)
+    try:
+        for job in stream:
+            stopper.check()
+            if last.get(job.id) == job.state:
+                continue
+            last[job.id] = job.state
+            stamp = time.strftime("%H:%M:%S")
+            if job.state is JobState.RUNNING and job.id not in shown:
+                _say(f"{stamp} {job.name} started")
+                _describe_placement(job)
+                shown.add(job.id)
+            elif job.terminal:
+                took = f" after {job.finished_at - job.started_at:.1f}s" if job.started_at else ""
+                _say(f"{stamp} {job.name} {job.state.value}{took} (exit code {job.exit_code}): {job.message}")
+                final[job.id] = job
+                if len(final) == len(ids):
+                    break
+            elif job.state is not JobState.RUNNING:
+                _say(f"{stamp} {job.name} {job.state.value}: {job.message}")
+    finally:
+        stream.close()
+    return all(getattr(final.get(i), "state", None) is JobState.SUCCEEDED for i in ids)
+
+
+def _demo_epilogue(cluster: LocalCluster, gang_id: str, ids: list[str], ok: bool) -> None:
+    """Rank 0 of the 2 x 8 gang, read from its node's agent as any user would; the jobs table; the verdict."""
+    from phalanx.client import Client
+
+    _say(f"\n$ phalanx --scheduler {cluster.address} logs {gang_id} --rank 0 --tail 3")
+    with Client(cluster.address) as client:
+        rank0 = [line for _, line in client.logs(gang_id, rank=0, tail=3)]
+    _say("  " + ("\n  ".join(rank0) or "(empty)"))
+    _say(f"\n$ phalanx --scheduler {cluster.address} jobs")
+    with Client(cluster.address) as client:
+        _say(render.jobs_table(client.list_jobs()))
+    _say()
+    _say(
+        f"All {len(ids)} jobs SUCCEEDED."
+        if ok
+        else f"Not every job SUCCEEDED; see the logs under {cluster.logs_dir} and {cluster.state_dir / 'agents'}"
+    )
 
 
 def _demo_preemption(client, cluster: LocalCluster, nodes: int, stopper) -> tuple[bool, list[str]]:

@@ -23,7 +23,8 @@ Layout of the state directory (default ``.phalanx/cluster``)::
 Children run in their own sessions (a terminal's Ctrl-C reaches only the supervisor, which then stops them in
 order: agents first, so they can report their ranks, then the coordinator and the scheduler). Each child also
 gets SIGTERM if the thread that started it dies (Linux PR_SET_PDEATHSIG), so a killed supervisor leaves no
-orphans: start the cluster from a thread that lives as long as it does (the main thread, normally).
+orphans: start the cluster from a thread that lives as long as it does (the main thread, normally). How one child
+is started and stopped is in phalanx.cli._processes.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ import fcntl
 import json
 import os
 import pwd
-import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -42,33 +41,41 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from phalanx.core.preemption import LOCAL_POLICY
+
+from ._processes import (
+    ClusterError,
+    ManagedProcess,
+    free_port_pair,
+    port_free,
+    program,
+    spawn,
+    tail_of,
+    terminate,
+)
+
+__all__ = [
+    "ClusterError",
+    "LocalCluster",
+    "ManagedProcess",
+    "DEFAULT_STATE_DIR",
+    "DEFAULT_DEMO_STATE_DIR",
+    "DEFAULT_PORT",
+    "DEFAULT_PROFILE",
+    "MARKER",
+    "free_port_pair",
+    "node_names",
+    "tail_of",
+]
 
 DEFAULT_STATE_DIR = Path(".phalanx") / "cluster"
 DEFAULT_DEMO_STATE_DIR = Path(".phalanx") / "demo"
 DEFAULT_PORT = 50051
 DEFAULT_PROFILE = "dgx-h100"
 MARKER = ".phalanx-local-cluster"  # marks a state directory LocalCluster created (the demo may wipe those)
-
-# Sets PR_SET_PDEATHSIG, checks the parent is still the one that forked us, then execs the real command.
-_EXEC_WITH_PDEATHSIG = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(143)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-class ClusterError(RuntimeError):
-    """The local cluster could not start (a child died, a port is taken, nodes did not become READY)."""
 
 
 def node_names(count: int, prefix: str = "node-") -> list[str]:
@@ -77,79 +84,9 @@ def node_names(count: int, prefix: str = "node-") -> list[str]:
     return [f"{prefix}{i:0{width}d}" for i in range(1, count + 1)]
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port P such that P and P+1 are both free right now (the scheduler's and the coordinator's), taken below the
-    kernel's ephemeral range: there, no other process's port-0 bind (an agent's log server, a test's server) is
-    handed P or P+1 before the scheduler and the coordinator bind them, as the next ephemeral port after a
-    port-0 probe often would be."""
-    low = _ephemeral_low()
-    for _ in range(400):
-        # 10000-19998: below the ephemeral range and below the agents' default --rank-port-range (20000-31999)
-        port = random.randrange(10_000, min(19_999, low - 1))
-        if _port_free(host, port) and _port_free(host, port + 1):
-            return port
-    raise ClusterError("could not find two consecutive free ports")
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def _stderr_log(message: str) -> None:
     sys.stderr.write(f"[cluster] {message}\n")
     sys.stderr.flush()
-
-
-def tail_of(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _program(script: str, module: str) -> list[str]:
-    """The console script next to this interpreter when installed, else ``python -m module``."""
-    candidate = Path(sys.executable).parent / script
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return [str(candidate)]
-    return [sys.executable, "-m", module]
-
-
-@dataclass
-class ManagedProcess:
-    """One child of the cluster: its role, command line, log file and current process."""
-
-    name: str  # "scheduler", "checkpointd" or a node name
-    kind: str  # "scheduler" | "checkpointd" | "agent"
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    exit_code: int | None = None  # of the last process, once it has exited and been noticed
-    restart_at: float | None = None
-    history: list[int] = field(default_factory=list)  # pids of every process started for this child
-    env: dict[str, str] = field(default_factory=dict)  # this child's own environment (its credentials)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 class LocalCluster:
@@ -407,16 +344,53 @@ class LocalCluster:
         if self.checkpoint_port is None:
             self.checkpoint_port = self.port + 1
         for what, port in (("scheduler", self.port), ("checkpoint coordinator", self.checkpoint_port)):
-            if not _port_free(self.host, port):
+            if not port_free(self.host, port):
                 raise ClusterError(f"port {port} on {self.host} ({what}) is in use; pick another with --port")
 
         self.log(f"state directory {self.state_dir}")
         self._upgrade_db()
         fabric = self._fabric_file()
         security, agent_env, _ = self._security()
+        self.scheduler, self.checkpointd = self._service_processes(fabric, security)
+        per_domain = self._nvlink_domain_nodes()
+        mig_gpus = self.mig_gpu_indexes()
+        for i, node in enumerate(self.node_names):
+            self.agents[node] = self._agent_process(i, node, agent_env, per_domain, mig_gpus)
 
+        self._spawn(self.scheduler)
+        self._wait_for_scheduler()
+        self.log(f"scheduler at {self.address} (log {self.scheduler.log_path})")
+        self._spawn(self.checkpointd)
+        for agent in self.agents.values():
+            self._spawn(agent)
+        self._wait_for_port(self.checkpointd, self.checkpoint_port)
+        self.log(f"checkpoint coordinator at {self.checkpoint_address}")
+        self._wait_for_nodes()
+        if self.web_port is not None:
+            from phalanx.web.server import WebServer
+
+            # The cluster's own dashboard, on loopback; it holds no credential: visitors sign in with their own tokens
+            # (with authentication off, with an empty one).
+            self.web = WebServer(self.address, port=self.web_port, checkpoint=self.checkpoint_address).start()
+            self.log(f"dashboard at {self.web.url}")
+        self.log(
+            f"{self.node_count} nodes READY ({self.profile})"
+            + (
+                f"; GPU(s) {','.join(map(str, mig_gpus))} of {self.node_names[-1]} in MIG mode (MIG jobs only)"
+                if mig_gpus
+                else ""
+            )
+            + ("; --mig-manage: the scheduler switches idle GPUs' MIG mode as jobs need" if self.mig_manage else "")
+        )
+        self._write_info()
+        if self.monitor:
+            self._monitor_thread = threading.Thread(target=self._monitor, name="phalanx-cluster-monitor", daemon=True)
+            self._monitor_thread.start()
+
+    def _service_processes(self, fabric: Path, security: list[str]) -> tuple[ManagedProcess, ManagedProcess]:
+        """The scheduler's and the checkpoint coordinator's command lines (`security`: their extra flags)."""
         sched = [
-            *_program("phalanx-scheduler", "services.scheduler.main"),
+            *program("phalanx-scheduler", "services.scheduler.main"),
             "--db",
             self.db_url,
             "--listen",
@@ -451,7 +425,7 @@ class LocalCluster:
                 f"{self.mig_switch_backoff:g}",
             ]
         ckpt = [
-            *_program("phalanx-checkpointd", "services.checkpoint_coordinator.main"),
+            *program("phalanx-checkpointd", "services.checkpoint_coordinator.main"),
             "--db",
             self.db_url,
             "--listen",
@@ -463,72 +437,45 @@ class LocalCluster:
         if self.metrics_port_base is not None:
             sched += ["--metrics-port", str(self.metrics_port_base)]
             ckpt += ["--metrics-port", str(self.metrics_port_base + 1)]
-        self.scheduler = ManagedProcess("scheduler", "scheduler", sched, self.logs_dir / "scheduler.log")
-        self.checkpointd = ManagedProcess("checkpointd", "checkpointd", ckpt, self.logs_dir / "checkpointd.log")
-        per_domain = self._nvlink_domain_nodes()
-        mig_gpus = self.mig_gpu_indexes()
-        for i, node in enumerate(self.node_names):
-            argv = [
-                *_program("phalanx-agent", "services.node_agent.main"),
-                "--scheduler",
-                self.address,
-                "--node-name",
-                node,
-                "--simulate",
-                self.profile,
-                "--state-dir",
-                str(self.agent_state_dir(node)),
-                "--address",
-                self.host,
-                "--kill-grace",
-                f"{self.kill_grace:g}",
-            ]
-            if mig_gpus and node == self.node_names[-1]:
-                argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
-            if self.mig_manage:
-                argv += ["--mig-manage"]
-            # A local cluster runs its ranks as whoever started it (it is their machine and their code), unless told.
-            argv += ["--run-as", self.run_as or pwd.getpwuid(os.geteuid()).pw_name]
-            for name in self.rank_variables(agent_env):
-                argv += ["--pass-env", name]
-            if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique
-                argv += ["--fabric-clique", str(i // per_domain)]
-            if self.metrics_port_base is not None:
-                argv += ["--metrics-port", str(self.metrics_port_base + 2 + i)]
-            env = dict(agent_env)
-            if node in self._node_tokens:
-                env["PHALANX_AGENT_TOKEN"] = self._node_tokens[node]
-            self.agents[node] = ManagedProcess(node, "agent", argv, self.logs_dir / f"agent-{node}.log", env=env)
+        scheduler = ManagedProcess("scheduler", "scheduler", sched, self.logs_dir / "scheduler.log")
+        checkpointd = ManagedProcess("checkpointd", "checkpointd", ckpt, self.logs_dir / "checkpointd.log")
+        return scheduler, checkpointd
 
-        self._spawn(self.scheduler)
-        self._wait_for_scheduler()
-        self.log(f"scheduler at {self.address} (log {self.scheduler.log_path})")
-        self._spawn(self.checkpointd)
-        for agent in self.agents.values():
-            self._spawn(agent)
-        self._wait_for_port(self.checkpointd, self.checkpoint_port)
-        self.log(f"checkpoint coordinator at {self.checkpoint_address}")
-        self._wait_for_nodes()
-        if self.web_port is not None:
-            from phalanx.web.server import WebServer
-
-            # The cluster's own dashboard, on loopback; it holds no credential: visitors sign in with their own tokens
-            # (with authentication off, with an empty one).
-            self.web = WebServer(self.address, port=self.web_port, checkpoint=self.checkpoint_address).start()
-            self.log(f"dashboard at {self.web.url}")
-        self.log(
-            f"{self.node_count} nodes READY ({self.profile})"
-            + (
-                f"; GPU(s) {','.join(map(str, mig_gpus))} of {self.node_names[-1]} in MIG mode (MIG jobs only)"
-                if mig_gpus
-                else ""
-            )
-            + ("; --mig-manage: the scheduler switches idle GPUs' MIG mode as jobs need" if self.mig_manage else "")
-        )
-        self._write_info()
-        if self.monitor:
-            self._monitor_thread = threading.Thread(target=self._monitor, name="phalanx-cluster-monitor", daemon=True)
-            self._monitor_thread.start()
+    def _agent_process(
+        self, i: int, node: str, agent_env: dict[str, str], per_domain: int, mig_gpus: list[int]
+    ) -> ManagedProcess:
+        """The agent of node `node` (the `i`th): its command line and environment (`agent_env` and its own token)."""
+        argv = [
+            *program("phalanx-agent", "services.node_agent.main"),
+            "--scheduler",
+            self.address,
+            "--node-name",
+            node,
+            "--simulate",
+            self.profile,
+            "--state-dir",
+            str(self.agent_state_dir(node)),
+            "--address",
+            self.host,
+            "--kill-grace",
+            f"{self.kill_grace:g}",
+        ]
+        if mig_gpus and node == self.node_names[-1]:
+            argv += ["--simulate-mig", ",".join(map(str, mig_gpus))]
+        if self.mig_manage:
+            argv += ["--mig-manage"]
+        # A local cluster runs its ranks as whoever started it (it is their machine and their code), unless told.
+        argv += ["--run-as", self.run_as or pwd.getpwuid(os.geteuid()).pw_name]
+        for name in self.rank_variables(agent_env):
+            argv += ["--pass-env", name]
+        if per_domain > 1:  # a GB200 NVL72 rack: each consecutive 18 trays report one fabric clique
+            argv += ["--fabric-clique", str(i // per_domain)]
+        if self.metrics_port_base is not None:
+            argv += ["--metrics-port", str(self.metrics_port_base + 2 + i)]
+        env = dict(agent_env)
+        if node in self._node_tokens:
+            env["PHALANX_AGENT_TOKEN"] = self._node_tokens[node]
+        return ManagedProcess(node, "agent", argv, self.logs_dir / f"agent-{node}.log", env=env)
 
     def stop(self) -> None:
         """Stop every child: agents first (SIGTERM, wait, SIGKILL), then the coordinator and the scheduler.
@@ -649,31 +596,15 @@ class LocalCluster:
         return env
 
     def _spawn(self, child: ManagedProcess) -> None:
-        child.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = child.argv
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv]
-            if not os.path.isabs(argv[4]):
-                argv[4] = shutil.which(argv[4]) or argv[4]
-        with open(child.log_path, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(child.argv)}\n".encode())
-            out.flush()
-            child.proc = subprocess.Popen(
-                argv,
-                env={**self._child_env(), **child.env},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
-        child.exit_code = None
-        child.history.append(child.proc.pid)
+        spawn(child, {**self._child_env(), **child.env})
+
+    def _terminate(self, group: Sequence[ManagedProcess]) -> None:
+        terminate(group, self.stop_timeout, self.log)
 
     def _upgrade_db(self) -> None:
         shown = self.db_url.split("@")[-1]
         self.log(f"phalanx db upgrade --db {shown}")
-        argv = [*_program("phalanx", "phalanx.cli.main"), "db", "upgrade", "--db", self.db_url]
+        argv = [*program("phalanx", "phalanx.cli.main"), "db", "upgrade", "--db", self.db_url]
         log_path = self.logs_dir / "db-upgrade.log"
         with open(log_path, "ab") as out:
             rc = subprocess.run(
@@ -844,26 +775,3 @@ class LocalCluster:
             else None,
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2) + "\n")
-
-    def _terminate(self, group: Sequence[ManagedProcess]) -> None:
-        live = [p for p in group if p.alive()]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        deadline = time.monotonic() + self.stop_timeout
-        for p in live:
-            try:
-                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
-            except subprocess.TimeoutExpired:
-                self.log(f"{p.name} (pid {p.pid}) did not stop within {self.stop_timeout:g}s; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    p.proc.kill()  # type: ignore[union-attr]
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.proc.wait(timeout=5)  # type: ignore[union-attr]
-        for p in group:  # reap anything that had already exited
-            if p.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.proc.wait(timeout=0.1)
-
-
-# -- shared CLI plumbing ---------------------------------------------------------------------------------------

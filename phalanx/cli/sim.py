@@ -170,11 +170,18 @@ def cmd_sim_fgd(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from phalanx.sim.engine import POLICIES
-
+    """Add ``sim run`` and ``sim fgd`` to the ``phalanx`` subcommands."""
     p = subparsers.add_parser("sim", help="trace-driven simulation through the scheduler's core")
     sub = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", parser_class=type(p))
     sub.required = True
+    _add_run(sub)
+    _add_fgd(sub)
+
+
+def _add_run(sub) -> None:
+    """``phalanx sim run``."""
+    from phalanx.sim.engine import POLICIES
+
     run = sub.add_parser("run", help="replay a trace under one or more policies and write a report")
     run.add_argument(
         "--trace",
@@ -254,6 +261,9 @@ def register(subparsers) -> None:
     run.add_argument("--out", required=True, metavar="DIR", help="where result.json, report.md and plots go")
     run.set_defaults(func=cmd_sim_run)
 
+
+def _add_fgd(sub) -> None:
+    """``phalanx sim fgd``."""
     fgd = sub.add_parser(
         "fgd",
         help="the FGD paper's experiment (ATC'23): online packing of the Alibaba v2023 task "

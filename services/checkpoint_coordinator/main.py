@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import socket
 import sys
@@ -14,6 +13,7 @@ import structlog
 from db.engine import make_engine
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from phalanx.common.defaults import DEFAULT_DB_URL
+from phalanx.common.flags import Flag, add_flags
 from phalanx.common.logging import configure_logging
 from phalanx.common.tokens import TokenFileError, TokenStore
 from services.common.auth import (
@@ -235,67 +235,83 @@ def _finished_policy(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(FINISHED_POLICIES)}") from None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="phalanx-checkpointd", description="Phalanx checkpoint coordinator")
-    parser.add_argument(
-        "--db", default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL), help="database URL (env PHALANX_DB)"
-    )
-    parser.add_argument(
+# The flags of `phalanx-checkpointd`, in the order of its --help (a table: data, not code); the security flags
+# (services.common.auth) follow them.
+FLAGS = (
+    Flag("--db", env="PHALANX_DB", default=DEFAULT_DB_URL, help="database URL (env PHALANX_DB)"),
+    Flag(
         "--listen",
-        default=os.environ.get("PHALANX_CHECKPOINTD_LISTEN", DEFAULT_LISTEN),
+        env="PHALANX_CHECKPOINTD_LISTEN",
+        default=DEFAULT_LISTEN,
         help="gRPC listen address host:port (env PHALANX_CHECKPOINTD_LISTEN)",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--sweep-interval",
         type=float,
         default=DEFAULT_SWEEP_S,
         help="seconds between sweeps that abort checkpoints past their deadline and apply the "
         "retention policy (0: never)",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--advertise",
-        default=os.environ.get("PHALANX_CHECKPOINTD_ADVERTISE") or None,
+        env="PHALANX_CHECKPOINTD_ADVERTISE",
+        ignore_empty=True,
         metavar="HOST:PORT",
         help="the address ranks reach this coordinator at, recorded in the ledger for schedulers "
         "started without --checkpoint-coordinator (default: the bound address)",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--checkpoint-dir",
-        default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""),
+        env="PHALANX_CHECKPOINT_DIR",
+        default="",
         metavar="DIR",
         help="the checkpoint directory ranks should write to, recorded beside the address "
         "(env PHALANX_CHECKPOINT_DIR); retention deletes only files inside it",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--checkpoint-root",
-        default=os.environ.get("PHALANX_CHECKPOINT_ROOT", ""),
+        env="PHALANX_CHECKPOINT_ROOT",
+        default="",
         metavar="URI",
         help="the storage root it owns (file:///ckpt, /ckpt, s3://bucket/ckpt): every shard must lie under "
         "<root>/<tenant>/<job>/ (<root>/<job>/ without a tenant), else INVALID_ARGUMENT (env "
         "PHALANX_CHECKPOINT_ROOT; default: --checkpoint-dir; neither: not confined)",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--keep-checkpoints",
+        env="PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS",
         type=_keep_checkpoints,
-        default=os.environ.get("PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS", str(DEFAULT_KEEP_CHECKPOINTS)),
+        default=DEFAULT_KEEP_CHECKPOINTS,
         metavar="K",
         help="keep the newest K complete committed checkpoints of each job and delete the older ones "
         f"(K >= 1, default {DEFAULT_KEEP_CHECKPOINTS}; a job's own --keep-checkpoints overrides "
         "it; env PHALANX_CHECKPOINTD_KEEP_CHECKPOINTS)",
-    )
-    parser.add_argument(
+    ),
+    Flag(
         "--finished-checkpoints",
+        env="PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS",
         type=_finished_policy,
-        default=os.environ.get("PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS", DEFAULT_FINISHED),
+        default=DEFAULT_FINISHED,
         metavar="{" + ",".join(FINISHED_POLICIES) + "}",
         help="a finished job's checkpoints: keep (default: its newest K, as while it ran), latest "
         "(only its newest one) or delete (all of them) "
         "(env PHALANX_CHECKPOINTD_FINISHED_CHECKPOINTS)",
-    )
-    parser.add_argument("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port")
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
+    ),
+    Flag("--metrics-port", type=int, default=None, help="expose Prometheus /metrics on this port"),
+    Flag("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `phalanx-checkpointd`: the flags above and the security flags."""
+    parser = argparse.ArgumentParser(prog="phalanx-checkpointd", description="Phalanx checkpoint coordinator")
+    add_flags(parser, FLAGS)
     add_security_flags(parser, env_prefix="PHALANX_CHECKPOINTD")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.api.v1 import agent_pb2
+from phalanx.common.flags import Flag, add_flags
 from phalanx.common.logging import configure_logging
 from phalanx.core.resources import parse_size
 from phalanx.core.topo_dump import TopoParseError
@@ -42,38 +44,260 @@ from . import host_resources
 from .discovery import DiscoveryError, discover_topology
 from .topology import render_topology, topology_to_json
 
+# The flags of `phalanx-agent`, in the order of its --help (tables: data, not code). Those with a variable fall back
+# on it where it is set and not empty; every flag of the tables but --discover and --json may be set in the
+# configuration file.
+CONFIG_FLAG = Flag(
+    "--config",
+    env="PHALANX_AGENT_CONFIG",
+    metavar="FILE",
+    help="YAML configuration file with the flags' names as keys (env PHALANX_AGENT_CONFIG); "
+    "flags override the environment, which overrides the file",
+)
+
+
+def _as_bool(value: Any) -> bool:
+    return _truthy(value)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value or [])
+
+
+HEAD_FLAGS = (
+    Flag(
+        "--scheduler",
+        env="PHALANX_SCHEDULER",
+        ignore_empty=True,
+        help="scheduler address host:port, or several replicas' comma-separated (host1:port,host2:port: "
+        "tried in turn when one is unreachable) (env PHALANX_SCHEDULER)",
+    ),
+    Flag(
+        "--node-name",
+        env="PHALANX_NODE_NAME",
+        ignore_empty=True,
+        help="this node's name (env PHALANX_NODE_NAME; default: the host name)",
+    ),
+)
+
+# One or the other (a mutually exclusive group); the help of --simulate lists the shipped profiles.
+SOURCE_FLAGS = (
+    Flag("--simulate", metavar="PROFILE", help="simulate a host from a shipped profile ({profiles})"),
+    Flag(
+        "--simulate-from",
+        metavar="DUMPFILE",
+        help="simulate a host from a `nvidia-smi topo -m` dump or profile file",
+    ),
+)
+
+FLAGS = (
+    Flag(
+        "--address",
+        env="PHALANX_AGENT_ADDRESS",
+        ignore_empty=True,
+        help="address ranks use to reach this host, MASTER_ADDR when it hosts rank 0 (env PHALANX_AGENT_ADDRESS; "
+        "default: the address of the interface that routes to the scheduler, loopback only when the scheduler "
+        "is on loopback)",
+    ),
+    Flag(
+        "--state-dir",
+        env="PHALANX_STATE_DIR",
+        ignore_empty=True,
+        help="state directory (env PHALANX_STATE_DIR; default $PHALANX_HOME/agents/<node-name>, "
+        "PHALANX_HOME defaulting to .phalanx)",
+    ),
+    Flag("--metrics-port", type=int, help="expose Prometheus /metrics on this port"),
+    Flag("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a rank"),
+    Flag(
+        "--health",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="monitor GPU health (XID events, ECC, lost GPUs, NVLinks, throttling) and send it with the "
+        "heartbeats (default on; NVML on a real host, <state-dir>/health.json when simulated)",
+    ),
+    Flag(
+        "--ecc-sbe-threshold",
+        env="PHALANX_ECC_SBE_THRESHOLD",
+        ignore_empty=True,
+        type=int,
+        default=100,
+        metavar="N",
+        help="corrected (single-bit) volatile ECC errors above which a GPU is DEGRADED "
+        "(env PHALANX_ECC_SBE_THRESHOLD; default 100)",
+    ),
+    Flag(
+        "--fabric-clique",
+        env="PHALANX_FABRIC_CLIQUE",
+        ignore_empty=True,
+        default="",
+        metavar="ID",
+        help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
+        "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)",
+    ),
+    Flag(
+        "--token",
+        env="PHALANX_AGENT_TOKEN",
+        ignore_empty=True,
+        metavar="TOKEN",
+        help="this agent's credential, a token of role `node` in the scheduler's tokens file "
+        "(env PHALANX_AGENT_TOKEN; needed when the scheduler runs with --tokens)",
+    ),
+    Flag(
+        "--tls-ca",
+        env="PHALANX_TLS_CA",
+        ignore_empty=True,
+        metavar="PEM",
+        help="reach the scheduler over TLS, trusting this CA (env PHALANX_TLS_CA)",
+    ),
+    Flag(
+        "--tls-cert",
+        env="PHALANX_TLS_CERT",
+        ignore_empty=True,
+        metavar="PEM",
+        help="the agent's client certificate, for mutual TLS (env PHALANX_TLS_CERT)",
+    ),
+    Flag(
+        "--tls-key",
+        env="PHALANX_TLS_KEY",
+        ignore_empty=True,
+        metavar="PEM",
+        help="its private key (env PHALANX_TLS_KEY)",
+    ),
+    Flag(
+        "--mps-control",
+        env="PHALANX_MPS_CONTROL",
+        ignore_empty=True,
+        metavar="PATH",
+        help="the MPS control program that runs one MPS control daemon per GPU with fractional shares "
+        "(--gpu-milli) (env PHALANX_MPS_CONTROL; default: nvidia-cuda-mps-control on PATH, or on a "
+        "simulated host a stand-in shipped with Phalanx)",
+    ),
+    Flag(
+        "--simulate-mig",
+        env="PHALANX_SIMULATE_MIG",
+        ignore_empty=True,
+        default="",
+        metavar="GPUS",
+        help="simulated hosts: the MIG-capable GPUs that are in MIG mode at start: 'all', 'none' or "
+        "indexes like 6,7 (env PHALANX_SIMULATE_MIG; default none). A real host reports what NVML "
+        "says",
+    ),
+    Flag(
+        "--mig-manage",
+        env="PHALANX_MIG_MANAGE",
+        ignore_empty=True,
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        coerce=_as_bool,
+        help="let the scheduler switch an idle GPU's MIG mode when its queue needs it (NVML "
+        "nvmlDeviceSetMigMode, as root; a GPU reset where NVML cannot apply it at once) "
+        "(env PHALANX_MIG_MANAGE; default off: MIG mode is the administrator's)",
+    ),
+    Flag(
+        "--token-file",
+        env="PHALANX_AGENT_TOKEN_FILE",
+        ignore_empty=True,
+        metavar="FILE",
+        help="read the agent's credential from FILE (env PHALANX_AGENT_TOKEN_FILE); the file must be readable "
+        "by the agent alone (mode 600), as must --tls-key",
+    ),
+    Flag(
+        "--cgroup-parent",
+        env="PHALANX_CGROUP_PARENT",
+        ignore_empty=True,
+        metavar="PATH",
+        help="the cgroup under which each attempt's ranks get a cgroup of their own (env PHALANX_CGROUP_PARENT; "
+        "default: <the agent's own cgroup>/phalanx-<node>, cgroup v2 where the unified hierarchy has the "
+        "memory and pids controllers, else the v1 hierarchies)",
+    ),
+    Flag(
+        "--containment",
+        choices=("cgroup-v2", "cgroup-v1", "process-group"),
+        help="force a kind of containment instead of detecting one (process-group: no cgroups)",
+    ),
+    Flag(
+        "--pids-max",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at most N processes per attempt on this host (cgroup pids limit; default 0: no limit)",
+    ),
+    Flag(
+        "--logs-listen",
+        env="PHALANX_AGENT_LOGS_LISTEN",
+        ignore_empty=True,
+        default="",
+        metavar="HOST:PORT",
+        help="serve the ranks' logs (AgentLogs, for phalanx logs) here; default: on --address, any free port, which "
+        "the registration tells the scheduler; 'off': serve none (env PHALANX_AGENT_LOGS_LISTEN)",
+    ),
+    Flag(
+        "--log-max-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        metavar="N",
+        help="keep each rank's log under N bytes: past it, it is rotated to <log>.1 (the older part is dropped); "
+        "0: no bound (default 64 MiB)",
+    ),
+    Flag(
+        "--run-as",
+        env="PHALANX_RUN_AS",
+        ignore_empty=True,
+        metavar="USER",
+        help="the Unix user ranks run as, unless their tenant has a unix_user in the scheduler's tokens file (env "
+        "PHALANX_RUN_AS; default: nobody for an agent running as root, else the agent's own user). `root` is an "
+        "explicit opt-in, logged as a warning",
+    ),
+    Flag(
+        "--pass-env",
+        action="append",
+        coerce=_as_list,
+        metavar="NAME",
+        help="give ranks this variable of the agent's environment (repeatable); ranks get PATH, LANG, LC_*, TZ, "
+        "their user's HOME/USER/SHELL, TMPDIR, the job's --env and the rank variables, and nothing else",
+    ),
+    Flag(
+        "--self-fence",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        coerce=_as_bool,
+        help="stop every rank when the registration cannot be renewed within the node lease (before the "
+        "scheduler requeues their gangs elsewhere), and register again once it can (default on)",
+    ),
+    Flag(
+        "--rank-port-range",
+        default="20000-31999",
+        metavar="LO-HI",
+        help="ports MASTER_PORT is chosen from when this host runs an attempt's rank 0; the scheduler gives each "
+        "live attempt its own and the agent checks it is free (default 20000-31999)",
+    ),
+    Flag(
+        "--host-cpus",
+        env="PHALANX_HOST_CPUS",
+        ignore_empty=True,
+        metavar="N",
+        help="the CPUs ranks may use on this host, as registered with the scheduler (it reserves each "
+        "replica's CPUs from them) (env PHALANX_HOST_CPUS; default: the agent's CPU affinity, capped by its own cgroup's "
+        "CPU quota; a simulated host: its profile's)",
+    ),
+    Flag(
+        "--host-memory",
+        env="PHALANX_HOST_MEMORY",
+        ignore_empty=True,
+        metavar="SIZE",
+        help="the memory ranks may use on this host, like 512G, as registered with the scheduler (it reserves "
+        "each replica's memory from it) (env PHALANX_HOST_MEMORY; default: MemTotal, capped by the agent's own "
+        "cgroup's memory limit; a simulated host: its profile's)",
+    ),
+    Flag("--discover", action="store_true", help="print this host's topology and exit"),
+    Flag("--json", action="store_true", help="with --discover: print JSON"),
+    Flag("--log-level"),
+)
+
+_NOT_IN_FILE = ("discover", "json")
+
 CONFIG_KEYS = {  # file key -> (argparse dest, environment variable or None)
-    "scheduler": ("scheduler", "PHALANX_SCHEDULER"),
-    "node-name": ("node_name", "PHALANX_NODE_NAME"),
-    "simulate": ("simulate", None),
-    "simulate-from": ("simulate_from", None),
-    "address": ("address", "PHALANX_AGENT_ADDRESS"),
-    "state-dir": ("state_dir", "PHALANX_STATE_DIR"),
-    "metrics-port": ("metrics_port", None),
-    "kill-grace": ("kill_grace", None),
-    "fabric-clique": ("fabric_clique", "PHALANX_FABRIC_CLIQUE"),
-    "log-level": ("log_level", None),
-    "health": ("health", None),
-    "ecc-sbe-threshold": ("ecc_sbe_threshold", "PHALANX_ECC_SBE_THRESHOLD"),
-    "token": ("token", "PHALANX_AGENT_TOKEN"),
-    "tls-ca": ("tls_ca", "PHALANX_TLS_CA"),
-    "tls-cert": ("tls_cert", "PHALANX_TLS_CERT"),
-    "tls-key": ("tls_key", "PHALANX_TLS_KEY"),
-    "mps-control": ("mps_control", "PHALANX_MPS_CONTROL"),
-    "simulate-mig": ("simulate_mig", "PHALANX_SIMULATE_MIG"),
-    "mig-manage": ("mig_manage", "PHALANX_MIG_MANAGE"),
-    "token-file": ("token_file", "PHALANX_AGENT_TOKEN_FILE"),
-    "cgroup-parent": ("cgroup_parent", "PHALANX_CGROUP_PARENT"),
-    "containment": ("containment", None),
-    "pids-max": ("pids_max", None),
-    "run-as": ("run_as", "PHALANX_RUN_AS"),
-    "pass-env": ("pass_env", None),
-    "self-fence": ("self_fence", None),
-    "rank-port-range": ("rank_port_range", None),
-    "host-cpus": ("host_cpus", "PHALANX_HOST_CPUS"),
-    "host-memory": ("host_memory", "PHALANX_HOST_MEMORY"),
-    "logs-listen": ("logs_listen", "PHALANX_AGENT_LOGS_LISTEN"),
-    "log-max-bytes": ("log_max_bytes", None),
+    f.key: (f.dest_name, f.env) for f in (*HEAD_FLAGS, *SOURCE_FLAGS, *FLAGS) if f.key not in _NOT_IN_FILE
 }
 
 
@@ -102,240 +326,24 @@ def load_config(path: str | None) -> dict[str, Any]:
     return out
 
 
-def _default(file: dict[str, Any], key: str, fallback: Any = None) -> Any:
-    """Environment, then the configuration file, then the built-in default."""
-    dest, env = CONFIG_KEYS[key]
-    if env and os.environ.get(env) not in (None, ""):
-        return os.environ[env]
-    return file.get(dest, fallback)
-
-
 def build_parser(file: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The parser of `phalanx-agent`, its defaults from the environment, then `file` (load_config), then the
+    tables'."""
     file = file or {}
     p = argparse.ArgumentParser(prog="phalanx-agent", description="Phalanx node agent")
-    p.add_argument(
-        "--config",
-        metavar="FILE",
-        default=os.environ.get("PHALANX_AGENT_CONFIG"),
-        help="YAML configuration file with the flags' names as keys (env PHALANX_AGENT_CONFIG); "
-        "flags override the environment, which overrides the file",
-    )
-    p.add_argument(
-        "--scheduler",
-        default=_default(file, "scheduler"),
-        help="scheduler address host:port, or several replicas' comma-separated (host1:port,host2:port: "
-        "tried in turn when one is unreachable) (env PHALANX_SCHEDULER)",
-    )
-    p.add_argument(
-        "--node-name",
-        default=_default(file, "node-name"),
-        help="this node's name (env PHALANX_NODE_NAME; default: the host name)",
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--simulate",
-        metavar="PROFILE",
-        default=_default(file, "simulate"),
-        help=f"simulate a host from a shipped profile ({', '.join(list_profiles())})",
-    )
-    src.add_argument(
-        "--simulate-from",
-        metavar="DUMPFILE",
-        default=_default(file, "simulate-from"),
-        help="simulate a host from a `nvidia-smi topo -m` dump or profile file",
-    )
-    p.add_argument(
-        "--address",
-        default=_default(file, "address"),
-        help="address ranks use to reach this host, MASTER_ADDR when it hosts rank 0 (env PHALANX_AGENT_ADDRESS; "
-        "default: the address of the interface that routes to the scheduler, loopback only when the scheduler "
-        "is on loopback)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=_default(file, "state-dir"),
-        help="state directory (env PHALANX_STATE_DIR; default $PHALANX_HOME/agents/<node-name>, "
-        "PHALANX_HOME defaulting to .phalanx)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=_default(file, "metrics-port"),
-        help="expose Prometheus /metrics on this port",
-    )
-    p.add_argument(
-        "--kill-grace",
-        type=float,
-        default=_default(file, "kill-grace", 5.0),
-        help="seconds between SIGTERM and SIGKILL of a rank",
-    )
-    p.add_argument(
-        "--health",
-        action=argparse.BooleanOptionalAction,
-        default=_default(file, "health", True),
-        help="monitor GPU health (XID events, ECC, lost GPUs, NVLinks, throttling) and send it with the "
-        "heartbeats (default on; NVML on a real host, <state-dir>/health.json when simulated)",
-    )
-    p.add_argument(
-        "--ecc-sbe-threshold",
-        type=int,
-        default=_default(file, "ecc-sbe-threshold", 100),
-        metavar="N",
-        help="corrected (single-bit) volatile ECC errors above which a GPU is DEGRADED "
-        "(env PHALANX_ECC_SBE_THRESHOLD; default 100)",
-    )
-    p.add_argument(
-        "--fabric-clique",
-        default=_default(file, "fabric-clique", ""),
-        metavar="ID",
-        help="simulated hosts with a multi-node NVLink domain (gb200-nvl72): the NVML fabric clique "
-        "(the rack) to report (env PHALANX_FABRIC_CLIQUE; default 0)",
-    )
-    p.add_argument(
-        "--token",
-        default=_default(file, "token"),
-        metavar="TOKEN",
-        help="this agent's credential, a token of role `node` in the scheduler's tokens file "
-        "(env PHALANX_AGENT_TOKEN; needed when the scheduler runs with --tokens)",
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=_default(file, "tls-ca"),
-        metavar="PEM",
-        help="reach the scheduler over TLS, trusting this CA (env PHALANX_TLS_CA)",
-    )
-    p.add_argument(
-        "--tls-cert",
-        default=_default(file, "tls-cert"),
-        metavar="PEM",
-        help="the agent's client certificate, for mutual TLS (env PHALANX_TLS_CERT)",
-    )
-    p.add_argument(
-        "--tls-key", default=_default(file, "tls-key"), metavar="PEM", help="its private key (env PHALANX_TLS_KEY)"
-    )
-    p.add_argument(
-        "--mps-control",
-        default=_default(file, "mps-control"),
-        metavar="PATH",
-        help="the MPS control program that runs one MPS control daemon per GPU with fractional shares "
-        "(--gpu-milli) (env PHALANX_MPS_CONTROL; default: nvidia-cuda-mps-control on PATH, or on a "
-        "simulated host a stand-in shipped with Phalanx)",
-    )
-    p.add_argument(
-        "--simulate-mig",
-        default=_default(file, "simulate-mig", ""),
-        metavar="GPUS",
-        help="simulated hosts: the MIG-capable GPUs that are in MIG mode at start: 'all', 'none' or "
-        "indexes like 6,7 (env PHALANX_SIMULATE_MIG; default none). A real host reports what NVML "
-        "says",
-    )
-    p.add_argument(
-        "--mig-manage",
-        action=argparse.BooleanOptionalAction,
-        default=_truthy(_default(file, "mig-manage", False)),
-        help="let the scheduler switch an idle GPU's MIG mode when its queue needs it (NVML "
-        "nvmlDeviceSetMigMode, as root; a GPU reset where NVML cannot apply it at once) "
-        "(env PHALANX_MIG_MANAGE; default off: MIG mode is the administrator's)",
-    )
-    p.add_argument(
-        "--token-file",
-        default=_default(file, "token-file"),
-        metavar="FILE",
-        help="read the agent's credential from FILE (env PHALANX_AGENT_TOKEN_FILE); the file must be readable "
-        "by the agent alone (mode 600), as must --tls-key",
-    )
-    p.add_argument(
-        "--cgroup-parent",
-        default=_default(file, "cgroup-parent"),
-        metavar="PATH",
-        help="the cgroup under which each attempt's ranks get a cgroup of their own (env PHALANX_CGROUP_PARENT; "
-        "default: <the agent's own cgroup>/phalanx-<node>, cgroup v2 where the unified hierarchy has the "
-        "memory and pids controllers, else the v1 hierarchies)",
-    )
-    p.add_argument(
-        "--containment",
-        choices=("cgroup-v2", "cgroup-v1", "process-group"),
-        default=_default(file, "containment"),
-        help="force a kind of containment instead of detecting one (process-group: no cgroups)",
-    )
-    p.add_argument(
-        "--pids-max",
-        type=int,
-        default=_default(file, "pids-max", 0),
-        metavar="N",
-        help="at most N processes per attempt on this host (cgroup pids limit; default 0: no limit)",
-    )
-    p.add_argument(
-        "--logs-listen",
-        default=_default(file, "logs-listen", ""),
-        metavar="HOST:PORT",
-        help="serve the ranks' logs (AgentLogs, for phalanx logs) here; default: on --address, any free port, which "
-        "the registration tells the scheduler; 'off': serve none (env PHALANX_AGENT_LOGS_LISTEN)",
-    )
-    p.add_argument(
-        "--log-max-bytes",
-        type=int,
-        default=_default(file, "log-max-bytes", 64 * 1024 * 1024),
-        metavar="N",
-        help="keep each rank's log under N bytes: past it, it is rotated to <log>.1 (the older part is dropped); "
-        "0: no bound (default 64 MiB)",
-    )
-    p.add_argument(
-        "--run-as",
-        default=_default(file, "run-as"),
-        metavar="USER",
-        help="the Unix user ranks run as, unless their tenant has a unix_user in the scheduler's tokens file (env "
-        "PHALANX_RUN_AS; default: nobody for an agent running as root, else the agent's own user). `root` is an "
-        "explicit opt-in, logged as a warning",
-    )
-    p.add_argument(
-        "--pass-env",
-        action="append",
-        default=list(_default(file, "pass-env", None) or []),
-        metavar="NAME",
-        help="give ranks this variable of the agent's environment (repeatable); ranks get PATH, LANG, LC_*, TZ, "
-        "their user's HOME/USER/SHELL, TMPDIR, the job's --env and the rank variables, and nothing else",
-    )
-    p.add_argument(
-        "--self-fence",
-        action=argparse.BooleanOptionalAction,
-        default=_truthy(_default(file, "self-fence", True)),
-        help="stop every rank when the registration cannot be renewed within the node lease (before the "
-        "scheduler requeues their gangs elsewhere), and register again once it can (default on)",
-    )
-    p.add_argument(
-        "--rank-port-range",
-        default=_default(file, "rank-port-range", "20000-31999"),
-        metavar="LO-HI",
-        help="ports MASTER_PORT is chosen from when this host runs an attempt's rank 0; the scheduler gives each "
-        "live attempt its own and the agent checks it is free (default 20000-31999)",
-    )
-    p.add_argument(
-        "--host-cpus",
-        default=_default(file, "host-cpus"),
-        metavar="N",
-        help="the CPUs ranks may use on this host, as registered with the scheduler (it reserves each "
-        "replica's CPUs from them) (env PHALANX_HOST_CPUS; default: the agent's CPU affinity, capped by its own cgroup's "
-        "CPU quota; a simulated host: its profile's)",
-    )
-    p.add_argument(
-        "--host-memory",
-        default=_default(file, "host-memory"),
-        metavar="SIZE",
-        help="the memory ranks may use on this host, like 512G, as registered with the scheduler (it reserves "
-        "each replica's memory from it) (env PHALANX_HOST_MEMORY; default: MemTotal, capped by the agent's own "
-        "cgroup's memory limit; a simulated host: its profile's)",
-    )
-    p.add_argument("--discover", action="store_true", help="print this host's topology and exit")
-    p.add_argument("--json", action="store_true", help="with --discover: print JSON")
-    p.add_argument("--log-level", default=_default(file, "log-level"))
+    add_flags(p, (CONFIG_FLAG,))
+    add_flags(p, HEAD_FLAGS, file=file)
+    simulate, simulate_from = SOURCE_FLAGS
+    simulate = dataclasses.replace(simulate, help=str(simulate.help).format(profiles=", ".join(list_profiles())))
+    add_flags(p.add_mutually_exclusive_group(), (simulate, simulate_from), file=file)
+    add_flags(p, FLAGS, file=file)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags > environment > configuration file > defaults."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=os.environ.get("PHALANX_AGENT_CONFIG"))
+    add_flags(pre, (CONFIG_FLAG,))
     known, _ = pre.parse_known_args(argv)
     try:
         file = load_config(known.config)

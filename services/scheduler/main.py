@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.common.defaults import DEFAULT_DB_URL
+from phalanx.common.flags import Flag, add_flags
 from phalanx.common.logging import configure_logging
 from phalanx.common.tokens import TokenFileError, TokenStore
 from phalanx.core.capacity import PLACEMENT_BUDGET_MS
@@ -103,138 +103,143 @@ def _retain_finished(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="phalanx-scheduler", description="Run a Phalanx scheduler replica.")
-    p.add_argument(
+# The flags of `phalanx-scheduler`, in the order of its --help (a table: data, not code).
+FLAGS = (
+    Flag(
         "--db",
-        default=os.environ.get("PHALANX_DB", DEFAULT_DB_URL),
+        env="PHALANX_DB",
+        default=DEFAULT_DB_URL,
         help="ledger URL: sqlite:///path or postgresql://... (env PHALANX_DB)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--listen",
-        default=os.environ.get("PHALANX_SCHEDULER_LISTEN", "127.0.0.1:50051"),
+        env="PHALANX_SCHEDULER_LISTEN",
+        default="127.0.0.1:50051",
         help="gRPC address to serve on (port 0 picks a free one)",
-    )
-    p.add_argument("--fabric", help="fabric description: Slurm topology.conf (tree syntax) or Phalanx YAML")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.add_argument("--lease-timeout", type=float, default=15.0, help="seconds without heartbeat before a node is lost")
-    p.add_argument("--heartbeat-interval", type=float, default=2.0)
-    p.add_argument(
+    ),
+    Flag("--fabric", help="fabric description: Slurm topology.conf (tree syntax) or Phalanx YAML"),
+    Flag("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"),
+    Flag("--lease-timeout", type=float, default=15.0, help="seconds without heartbeat before a node is lost"),
+    Flag("--heartbeat-interval", type=float, default=2.0),
+    Flag(
         "--launch-timeout",
         type=float,
         default=60.0,
         help="seconds for every rank of a gang to start before it is torn down and requeued",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--no-backfill",
         dest="backfill",
         action="store_false",
         help="strict queue order: nothing starts ahead of a blocked head (default: EASY backfill on "
         "declared time limits)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--no-claims",
         dest="claims",
         action="store_false",
         help="for testing only: preemptors keep no claim on what their victims free (the scheduler before claims, "
         "whose preempted gangs can take their GPUs back ahead of their preemptor)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--backfill-depth",
         type=int,
         default=1000,
         metavar="N",
         help="look at most at N gangs behind a blocked head in one pass, tried or passed over (Slurm's "
         "bf_max_job_test; 0: no limit; default 1000)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--backfill-budget-ms",
         type=float,
         default=50.0,
         metavar="MS",
         help="stop trying gangs behind a blocked head after MS milliseconds of a pass (0: no limit; default 50)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--placement-budget-ms",
         type=float,
         default=PLACEMENT_BUDGET_MS,
         metavar="MS",
         help="time budget of each gang placement's exact search; past it the heuristic fill, said in the "
         f"placement reason (0: none; default {PLACEMENT_BUDGET_MS:g})",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--max-attempts",
         type=int,
         default=5,
         help="failed attempts (node lost, GPU failed, rank lost, launch timeout) before a gang is FAILED; "
         "preemptions do not count",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--retry-backoff",
         type=float,
         default=10.0,
         metavar="S",
         help="seconds a gang waits before its first retry after a failure; doubles per failure",
-    )
-    p.add_argument("--retry-backoff-max", type=float, default=300.0, metavar="S", help="cap of the retry backoff")
-    p.add_argument(
+    ),
+    Flag("--retry-backoff-max", type=float, default=300.0, metavar="S", help="cap of the retry backoff"),
+    Flag(
         "--min-runtime",
         type=float,
         default=PRODUCTION_POLICY.min_runtime_s,
         metavar="S",
         help="seconds after its start during which a gang cannot be preempted",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--preemption-grace",
         type=float,
         default=PRODUCTION_POLICY.grace_period_s,
         metavar="S",
         help="seconds a preempted gang gets to commit a checkpoint before it is stopped",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--checkpoint-coordinator",
-        default=os.environ.get("PHALANX_CHECKPOINT_ADDR", ""),
+        env="PHALANX_CHECKPOINT_ADDR",
+        default="",
         metavar="ADDR",
         help="host:port of the checkpoint coordinator, given to ranks as "
         "PHALANX_CHECKPOINT_ADDR (default: $PHALANX_CHECKPOINT_ADDR; unset: none)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--checkpoint-dir",
-        default=os.environ.get("PHALANX_CHECKPOINT_DIR", ""),
+        env="PHALANX_CHECKPOINT_DIR",
+        default="",
         metavar="DIR",
         help="checkpoint store shared by the ranks, given to them as PHALANX_CHECKPOINT_DIR",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--leader-lease",
         type=float,
         default=5.0,
         metavar="S",
         help="leadership lease: one replica schedules while it renews this lease (every third of it); "
         "another takes over once it runs out",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--replica-id",
-        default=os.environ.get("PHALANX_REPLICA_ID", ""),
+        env="PHALANX_REPLICA_ID",
+        default="",
         metavar="ID",
         help="this replica's name in the ledger's leadership row and logs (default: random; env "
         "PHALANX_REPLICA_ID). Every replica needs its own",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--mig-switch-hold",
         type=float,
         default=60.0,
         metavar="S",
         help="agents started with --mig-manage: a GPU whose MIG mode changed less than S seconds ago is "
         "not switched again (no flapping between MIG and whole-GPU work)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--mig-switch-backoff",
         type=float,
         default=60.0,
         metavar="S",
         help="agents started with --mig-manage: a GPU whose MIG mode switch failed is not asked again for S seconds",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--retain-finished",
         type=_retain_finished,
         default=DEFAULT_RETAIN_FINISHED_S,
@@ -242,56 +247,70 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep finished jobs in the ledger's jobs table this long after they finished (seconds, or 30d, 12h, "
         "90m), then move them to job_archive with their goodput (README, Retention); 0 or forever: keep them "
         "there (default 30d)",
+    ),
+)
+
+
+def _limit(flag: str, default: int, what: str) -> Flag:
+    """A flag of the "limits" group: a whole number >= 1, from PHALANX_SCHEDULER_<FLAG> by default."""
+    env = "PHALANX_SCHEDULER_" + flag[2:].upper().replace("-", "_")
+    return Flag(
+        flag, env=env, type=_positive_int, default=default, metavar="N", help=f"{what} (env {env}; default {default})"
     )
-    limits = p.add_argument_group("limits", "what one caller may ask of the server (README, Limits)")
-    for flag, default, what in (
-        ("--max-message-bytes", 16 * 1024 * 1024, "the largest request or response message (RESOURCE_EXHAUSTED)"),
-        ("--max-watches", 64, "WatchJobs streams one tenant (one caller, authentication off) may hold open"),
-        ("--watch-queue", 10_000, "changes buffered per watch stream; a watcher further behind is ended"),
-        ("--max-replicas", 100_000, "replicas of one job"),
-        ("--max-command-bytes", 256 * 1024, "bytes of one job's command"),
-        ("--max-env-vars", 4096, "variables of one job's --env"),
-        ("--max-env-bytes", 256 * 1024, "bytes of one job's --env"),
-    ):
-        env = "PHALANX_SCHEDULER_" + flag[2:].upper().replace("-", "_")
-        limits.add_argument(
-            flag,
-            type=_positive_int,
-            default=int(os.environ.get(env, default)),
-            metavar="N",
-            help=f"{what} (env {env}; default {default})",
-        )
-    p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
-    add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
-    p.add_argument(
+
+
+LIMIT_FLAGS = (
+    _limit("--max-message-bytes", 16 * 1024 * 1024, "the largest request or response message (RESOURCE_EXHAUSTED)"),
+    _limit("--max-watches", 64, "WatchJobs streams one tenant (one caller, authentication off) may hold open"),
+    _limit("--watch-queue", 10_000, "changes buffered per watch stream; a watcher further behind is ended"),
+    _limit("--max-replicas", 100_000, "replicas of one job"),
+    _limit("--max-command-bytes", 256 * 1024, "bytes of one job's command"),
+    _limit("--max-env-vars", 4096, "variables of one job's --env"),
+    _limit("--max-env-bytes", 256 * 1024, "bytes of one job's --env"),
+)
+
+TENANT_LIMIT_FLAGS = (
+    Flag(
         "--rate-limit",
         type=float,
         default=None,
         metavar="N",
         help="per-tenant submissions per second (RESOURCE_EXHAUSTED beyond; default: off, or 100 with "
         "--tenant-limits); a tokens-file entry's rate_limit overrides it for its tenant",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--rate-burst",
         type=float,
         default=None,
         metavar="N",
         help="submissions a tenant may send at once before the rate limit applies (default: 2 x rate)",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--max-pending",
         type=int,
         default=None,
         metavar="N",
         help=f"per-tenant cap on PENDING jobs (default: off, or {DEFAULT_MAX_PENDING} with "
         "--tenant-limits); a tokens-file entry's max_pending overrides it for its tenant",
-    )
-    p.add_argument(
+    ),
+    Flag(
         "--tenant-limits",
         action="store_true",
         help=f"turn on the per-tenant limits with generous defaults (100 submissions/s, bursts of 200, "
         f"{DEFAULT_MAX_PENDING} pending jobs)",
-    )
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `phalanx-scheduler`: the flags above, the limits, --upgrade-db, the security flags
+    (services.common.auth) and the per-tenant limits; environment variables as the flags say."""
+    p = argparse.ArgumentParser(prog="phalanx-scheduler", description="Run a Phalanx scheduler replica.")
+    add_flags(p, FLAGS)
+    add_flags(p.add_argument_group("limits", "what one caller may ask of the server (README, Limits)"), LIMIT_FLAGS)
+    p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
+    add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
+    add_flags(p, TENANT_LIMIT_FLAGS)
     return p
 
 

@@ -31,6 +31,7 @@ from helpers.tokens import write_tokens
 from db.engine import make_engine
 from db.migrate import ensure_rank_key
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.cli import console as cli_console
 from phalanx.cli import main as cli
 from phalanx.client._channel import open_aio_channel
 from phalanx.common.tokens import TokenStore, log_credential, node_logs_key
@@ -168,7 +169,7 @@ async def test_3_escape_sequences_reach_a_terminal_only_as_visible_text(logs, mo
             return tty
 
     out = Out()
-    monkeypatch.setattr(cli, "_out", lambda: out)
+    monkeypatch.setattr(cli_console, "out", lambda: out)
     logs_channel_address = logs.address
 
     class OneSource:  # the client of `phalanx logs`, pointed at this test's agent
@@ -188,7 +189,7 @@ async def test_3_escape_sequences_reach_a_terminal_only_as_visible_text(logs, mo
                 yield 0, text
 
     loop = asyncio.get_running_loop()
-    monkeypatch.setattr(cli, "_client", lambda args: OneSource())
+    monkeypatch.setattr(cli_console, "client", lambda args: OneSource())
     args = cli.build_parser().parse_args(["logs", logs.alice_job, "--rank", "0"])
     assert await asyncio.to_thread(cli.cmd_logs, args) == 0
     shown = out.getvalue()

@@ -572,17 +572,17 @@ def test_unreachable_scheduler(capsys, monkeypatch):
 
 def test_default_address_when_nothing_is_set(capsys, monkeypatch):
     monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
-    import phalanx.cli.main as cli_main
+    import phalanx.cli.console as cli_console
 
     seen = {}
-    real = cli_main.Client
+    real = cli_console.Client
 
     def spy(target, **kw):
         c = real(target, **kw)
         seen["target"] = c.target
         return c
 
-    monkeypatch.setattr(cli_main, "Client", spy)
+    monkeypatch.setattr(cli_console, "Client", spy)
     run(capsys, "--timeout", "1", "nodes")
     assert seen["target"] == "127.0.0.1:50051"
 

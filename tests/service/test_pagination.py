@@ -18,6 +18,7 @@ from sqlalchemy import insert, inspect
 from db.engine import make_engine
 from db.models import Allocation, Gpu, Job, Node
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.cli import jobs as cli_jobs
 from phalanx.cli import main as cli_module
 from phalanx.client import AsyncClient, Client, InvalidArgumentError
 from phalanx.client._channel import open_aio_channel
@@ -502,7 +503,7 @@ async def test_cli_jobs_pages_limit_page_token_all_and_json(db_url, tmp_path, mo
         doc = json.loads(out)
         assert [j["id"] for j in doc["jobs"]] == failed and doc["next_page_token"] == ""
         # --all follows every page (pages of 40 here), printed as they arrive: the whole as one document
-        monkeypatch.setattr(cli_module, "ALL_PAGE_SIZE", 40)
+        monkeypatch.setattr(cli_jobs, "ALL_PAGE_SIZE", 40)
         calls = []
         real = Client.list_jobs_page
 
