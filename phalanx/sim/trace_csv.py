@@ -14,8 +14,6 @@ from pathlib import Path
 from .trace_records import MAX_GPUS_PER_NODE, Trace, TraceJob, _open_text, _Skips
 
 _FIELDS = [f.name for f in dataclasses.fields(TraceJob)]
-
-
 _INT_FIELDS = {
     "replicas",
     "gpus_per_replica",
@@ -27,11 +25,7 @@ _INT_FIELDS = {
     "param_bytes",
     "priority",
 }
-
-
 _FLOAT_FIELDS = {"submit_s", "duration_s"}
-
-
 _REQUIRED = ("job_id", "submit_s", "replicas", "gpus_per_replica", "duration_s")
 
 

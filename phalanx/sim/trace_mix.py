@@ -12,11 +12,7 @@ from .trace_records import Trace, TraceJob, _root, gang_shape
 from .trace_sources import _philly_runtimes, _quantile, load_alibaba_v2023, load_philly
 
 MIX_PRETRAIN_PRIORITY = 100  # "high"
-
-
 MIX_FINETUNE_PRIORITY = -100  # "batch"
-
-
 MIX_PRETRAIN_GPUS = (64, 128, 256)
 
 

@@ -20,20 +20,11 @@ log = logging.getLogger("phalanx.sim.traces")  # the name the loaders always log
 
 
 ENV_VAR = "PHALANX_DATA"
-
-
 MAX_GPUS_PER_NODE = 8
 
-
 PHILLY_DIR = "gavel-philly-derived"
-
-
 ALIBABA_DIR = "alibaba-gpu-v2023-fgd"
-
-
 POLLUX_DIR = "pollux-workloads"
-
-
 TRACE_DIRS = (PHILLY_DIR, ALIBABA_DIR, POLLUX_DIR)
 
 

@@ -35,8 +35,6 @@ from .trace_records import (
 
 
 _PHILLY_MEDIAN_S = 1186.0
-
-
 _PHILLY_SIGMA = 2.2  # log-normal fallback spread (only when philly_runtime is missing)
 
 

@@ -17,41 +17,17 @@ from db.models import (
 from services.common.errors import InvalidArgument
 
 COMMITTED = "COMMITTED"
-
-
 PENDING = "PENDING"
-
-
 ABORTED = "ABORTED"
-
-
 DEFAULT_DEADLINE_S = 600.0
-
-
 MAX_DEADLINE_S = 7 * 24 * 3600.0
-
-
 MAX_WORLD_SIZE = 1 << 20
-
-
 MAX_JOB_ID = Job.__table__.c.id.type.length
-
-
 MAX_CHECKSUM = CheckpointShard.__table__.c.checksum.type.length
-
-
 MAX_CHECKPOINT_ID = Checkpoint.__table__.c.id.type.length
-
-
 DEFAULT_PAGE_SIZE = 100
-
-
 MAX_PAGE_SIZE = 1000
-
-
 MAX_SKIPPED = 100
-
-
 MAX_REASON = 1000
 
 

@@ -75,16 +75,12 @@ def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
 # Every rank polls the policy (GetCheckpointRequest): the cluster-wide figures, which scan node_events and nodes,
 # are shared by all of them and kept this long per database.
 CLUSTER_FIGURES_TTL_S = 30.0
-
-
 _cluster_cache: dict[str, tuple[float, tuple[int, float, list[float]]]] = {}  # key: (computed at, figures)
 
 
 # While a request's step is agreed, every rank polls at every step: the polls share the job's policy too, for as
 # long (GetCheckpointPolicy still computes it per call).
 _poll_policy_cache: dict[tuple[str, str, int], tuple[float, cp.CheckpointPolicy]] = {}
-
-
 POLL_POLICY_CACHE_MAX = 10_000
 
 
