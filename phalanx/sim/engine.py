@@ -40,6 +40,10 @@ gang larger than its queue's quota (always borrowing) and the queues reclaiming 
 each after `min_runtime_s` (6,643 preemptions against 12 on a 2,000-job multi-tenant mix).
 Metrics: `preemptions` (victims torn down), `reclaims` (of them, evicted for quota reclaim),
 `preempt_lost_gpu_hours` (the victims' checkpoint grace plus any work rolled back).
+
+Where the code lives (every name stays importable from here): the replay itself (`simulate`, `_Replay`) here; the
+cluster's shape in `phalanx.sim.cluster`; the fairness helpers in `phalanx.sim.fairness`; the metrics of a finished
+replay in `phalanx.sim.metrics`.
 """
 
 from __future__ import annotations
@@ -47,14 +51,12 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from phalanx.core.backfill import RunningEnd, RunningSet
-from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.checkpoint_policy import young_daly_interval
 from phalanx.core.claims import Claim
 from phalanx.core.decide import (
@@ -73,13 +75,17 @@ from phalanx.core.decide import (
     WakeAt,
     decide,
 )
-from phalanx.core.fabric import default_fabric
-from phalanx.core.goodput import AttemptTimes, Goodput, account_job
-from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
+from phalanx.core.goodput import AttemptTimes
+from phalanx.core.model import GangRequest, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
 from phalanx.core.preemption import PreemptionPolicy
-from phalanx.core.quota import DEFAULT_QUEUE, FlavorQuota, QueueSpec, demand
+from phalanx.core.quota import QueueSpec, demand
 
+# The cluster's shape, the fairness helpers and the metrics have their own modules; their names stay importable
+# from here (the noqa: re-exports).
+from .cluster import ClusterSpec, Job
+from .fairness import _entitlement, _jain, _quota_weights, _tenant, equal_quotas  # noqa: F401
+from .metrics import SimResult, replay_result
 from .network import NetJob, NetworkSpec, NetworkState, allreduce_time
 
 # Gradient bytes AllReduced per step when the trace does not say: a 1B-parameter model in bf16.
@@ -87,56 +93,6 @@ DEFAULT_MESSAGE_BYTES = 2e9
 
 POLICIES = ("pod", "gang-fifo", "gang-backfill", "topo", "topo-preempt", "topo-mig")
 PREEMPTING = ("topo-preempt", "topo-mig")
-
-
-class Job(Protocol):
-    job_id: str
-    submit_s: float
-    replicas: int
-    gpus_per_replica: int
-    gpu_milli: int
-    duration_s: float
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    nodes: int
-    gpus: int = 8
-    per_leaf: int = 32
-    leaves_per_spine: int = 16
-    oversub: float = 1.0  # leaf -> spine oversubscription for the network model (1: non-blocking)
-
-    @classmethod
-    def parse(cls, text: str) -> ClusterSpec:
-        """ "NODESxGPUS[,leaf=N][,spine=N][,oversub=R]", e.g. "512x8,leaf=32,spine=16,oversub=2"."""
-        head, *opts = [p.strip() for p in text.split(",")]
-        try:
-            nodes, _, gpus = head.lower().partition("x")
-            spec = {"nodes": int(nodes), "gpus": int(gpus or 8)}
-            for opt in opts:
-                key, _, value = opt.partition("=")
-                name = {"leaf": "per_leaf", "spine": "leaves_per_spine", "oversub": "oversub"}[key]
-                spec[name] = float(value) if name == "oversub" else int(value)
-        except (ValueError, KeyError):
-            raise ValueError(
-                f"cluster {text!r}: give NODESxGPUS[,leaf=N][,spine=N][,oversub=R], e.g. 512x8,leaf=32"
-            ) from None
-        out = cls(**spec)
-        if min(out.nodes, out.gpus, out.per_leaf, out.leaves_per_spine, out.oversub) < 1:
-            raise ValueError(f"cluster {text!r}: every number must be >= 1")
-        return out
-
-    def fabric(self):
-        names = [f"n{i:05d}" for i in range(self.nodes)]
-        return default_fabric(names, nodes_per_leaf=self.per_leaf, leaves_per_spine=self.leaves_per_spine)
-
-    def build(self, topology: bool = True) -> tuple[ClusterCapacity, tuple[str, ...], dict[str, tuple[str, ...]]]:
-        fabric = self.fabric()
-        paths = {n: fabric.path(n) for n in fabric.paths}
-        cap = ClusterCapacity(
-            NodeCapacity(n, self.gpus, set(range(self.gpus)), True, paths[n] if topology else ()) for n in paths
-        )
-        return cap, (fabric.tiers if topology else ()), paths
 
 
 @dataclass
@@ -187,14 +143,6 @@ class _Running(dict):
         self.ends.discard(job_id)
         self.views.pop(job_id, None)
         super().__delitem__(job_id)
-
-
-@dataclass
-class SimResult:
-    policy: str
-    metrics: dict[str, Any]
-    timeline: list[tuple[float, float]]  # (time, allocated GPU fraction)
-    jct: list[float]
 
 
 def simulate(
@@ -712,155 +660,4 @@ class _Replay:
     # ---- the metrics ------------------------------------------------------------------------------------------
 
     def result(self) -> SimResult:
-        states, total = self.states, self.total
-        # Once every job is done, the makespan ends with the last one (not with a later no-op event, such as a
-        # wake-up for a preemption that was no longer needed).
-        makespan = max(self.last_finish if states and self.done == len(states) else self.now, 1e-9)
-        self.now = makespan
-        self.fair_account()  # up to the end (a replay that stopped early has not integrated its last interval)
-        fair = self.fair
-        finished = [s for s in states.values() if s.finish is not None]
-        jct = sorted(s.finish - s.job.submit_s for s in finished)
-        waits = sorted(s.first_start - s.job.submit_s for s in states.values() if s.first_start is not None)
-        goodput = Goodput()
-        for s in states.values():
-            gpus = demand(s.request)[0]
-            goodput += account_job(s.job.submit_s, gpus, s.attempts, makespan, finished_at=s.finish)
-        delivered = sum(demand(s.request)[0] * s.job.duration_s for s in finished)
-
-        def q(values: list[float], p: float) -> float:
-            return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))] if values else float("nan")
-
-        multi_node, passes = self.multi_node, self.passes
-        wall = time.perf_counter() - self.started_wall
-        metrics = {
-            "policy": self.policy,
-            "jobs": len(states),
-            "completed": len(finished),
-            "deadlocked": self.deadlocked,
-            "makespan_h": makespan / 3600,
-            "jobs_per_hour": len(finished) / (makespan / 3600),
-            "gpu_hours_delivered": delivered / 3600,
-            "utilization_allocated": self.area_alloc / (total * makespan),
-            "utilization_productive": goodput.productive / (total * makespan),
-            "goodput": goodput.as_dict() | {"ratio": goodput.ratio},
-            "jct_mean_h": statistics.fmean(jct) / 3600 if jct else float("nan"),
-            "jct_median_h": q(jct, 50) / 3600,
-            "jct_p99_h": q(jct, 99) / 3600,
-            "queue_delay_mean_h": statistics.fmean(waits) / 3600 if waits else float("nan"),
-            "queue_delay_median_h": q(waits, 50) / 3600,
-            "queue_delay_p99_h": q(waits, 99) / 3600,
-            "multi_node_gangs": multi_node,
-            "within_one_leaf": self.within_leaf / multi_node if multi_node else 1.0,
-            "leaf_crossings_per_multi_node_gang": self.leaves_crossed / multi_node if multi_node else 0.0,
-            "idle_gpu_hours_while_jobs_wait": self.area_idle_waiting / 3600,
-            "hoarded_gpu_hours": self.area_hoard / 3600,
-            "cross_spine_tb": self.cross_spine_bytes / 1e12,
-            "scheduling_passes": passes,
-            "preemptions": self.preemptions,
-            "reclaims": self.reclaims,
-            "preempt_lost_gpu_hours": self.preempt_lost / 3600,
-            "peak_running_jobs": self.peak_running,
-            "events_per_s": (len(states) * 2 + passes) / max(wall, 1e-9),
-            "wall_s": wall,
-        }
-        # Per tenant: what each got, against its quota's share of the cluster (quotas on) or an equal share.
-        tenants: dict[str, dict[str, Any]] = {}
-        for s in states.values():
-            t = tenants.setdefault(
-                _tenant(s.job), {"jobs": 0, "completed": 0, "gpu_hours": 0.0, "jct": [], "wait": [], "preempted": 0}
-            )
-            t["jobs"] += 1
-            t["preempted"] += s.preempted
-            t["gpu_hours"] += demand(s.request)[0] * s.job.duration_s / 3600
-            if s.finish is not None:
-                t["completed"] += 1
-                t["jct"].append((s.finish - s.job.submit_s) / 3600)
-            if s.first_start is not None:
-                t["wait"].append((s.first_start - s.job.submit_s) / 3600)
-        nominal = {n: sum(q.gpus for q in spec.quotas.values()) for n, spec in (self.quotas or {}).items()}
-        all_nominal = sum(nominal.values()) or 0.0
-        for name, t in tenants.items():
-            jct_t, wait_t = t.pop("jct"), t.pop("wait")
-            t["jct_mean_h"] = statistics.fmean(jct_t) if jct_t else float("nan")
-            t["queue_delay_mean_h"] = statistics.fmean(wait_t) if wait_t else float("nan")
-            t["quota_share"] = nominal.get(name, 0.0) / all_nominal if all_nominal else 1 / len(tenants)
-        # Fairness against the quotas: what each tenant held over the run (GPU-hours received) against its
-        # entitlement (at every moment, its quota's weighted max-min share of the cluster over what the tenants
-        # wanted then), and Jain's index over those ratios (1: every tenant got the same fraction of its entitlement).
-        received_all = sum(fair["got_s"].values())
-        ratios = []
-        for name, t in tenants.items():
-            got, entitled = fair["got_s"][name], fair["entitled_s"][name]
-            t["gpu_hours_received"] = got / 3600
-            t["gpu_hours_entitled"] = entitled / 3600
-            t["received_share"] = got / received_all if received_all > 0 else 0.0
-            t["fair_ratio"] = got / entitled if entitled > 0 else float("nan")
-            if entitled > 0:
-                ratios.append(got / entitled)
-        metrics["fairness_jain"] = _jain(ratios)
-        metrics["tenants"] = tenants
-        # Per priority class (the mix's pre-training gangs, team jobs and fine-tuning jobs): who preemption serves.
-        classes: dict[int, dict[str, Any]] = {}
-        for s in states.values():
-            c = classes.setdefault(
-                s.request.priority, {"jobs": 0, "completed": 0, "preempted": 0, "jct": [], "wait": []}
-            )
-            c["jobs"] += 1
-            c["preempted"] += s.preempted
-            if s.finish is not None:
-                c["completed"] += 1
-                c["jct"].append((s.finish - s.job.submit_s) / 3600)
-            if s.first_start is not None:
-                c["wait"].append((s.first_start - s.job.submit_s) / 3600)
-        for c in classes.values():
-            jct_c, wait_c = c.pop("jct"), c.pop("wait")
-            c["jct_mean_h"] = statistics.fmean(jct_c) if jct_c else float("nan")
-            c["queue_delay_mean_h"] = statistics.fmean(wait_c) if wait_c else float("nan")
-        metrics["priorities"] = {str(p): classes[p] for p in sorted(classes, reverse=True)}
-        return SimResult(self.policy, metrics, self.timeline, jct)
-
-
-def _tenant(job: Any) -> str:
-    return getattr(job, "tenant", "") or DEFAULT_QUEUE
-
-
-def _quota_weights(tenants: Sequence[str], quotas: Mapping[str, QueueSpec] | None) -> dict[str, float]:
-    """Each tenant's share of the quotas' nominal GPUs (no quotas: equal shares), as in the per-tenant metrics."""
-    nominal = {n: sum(q.gpus for q in spec.quotas.values()) for n, spec in (quotas or {}).items()}
-    all_nominal = sum(nominal.values())
-    if not all_nominal:
-        return {t: 1 / len(tenants) for t in tenants}
-    return {t: nominal.get(t, 0.0) / all_nominal for t in tenants}
-
-
-def _entitlement(want: Mapping[str, float], weight: Mapping[str, float], capacity: float) -> dict[str, float]:
-    """Weighted max-min fair shares (water-filling) of `capacity` GPUs: each tenant gets capacity in proportion to
-    its weight, never more than it wants; what one does not want goes to the others, again by weight."""
-    out = dict.fromkeys(want, 0.0)
-    # Water-filling in one sweep: tenants in order of want per weight; each either wants less than the common level
-    # (and gets it all) or gets the level times its weight.
-    order = sorted((want[t] / weight[t], t) for t in want if want[t] > 1e-9 and weight.get(t, 0.0) > 0)
-    left, wsum = capacity, sum(weight[t] for _, t in order)
-    for ratio, t in order:
-        if left <= 1e-9 or wsum <= 0:
-            break
-        give = min(want[t], left / wsum * weight[t]) if ratio * wsum > left else want[t]
-        out[t] = give
-        left -= give
-        wsum -= weight[t]
-    return out
-
-
-def _jain(values: Sequence[float]) -> float:
-    """Jain's fairness index: (sum x)^2 / (n sum x^2), 1 when all are equal, 1/n at worst."""
-    square = sum(v * v for v in values)
-    return sum(values) ** 2 / (len(values) * square) if values and square > 0 else float("nan")
-
-
-def equal_quotas(jobs: Sequence[Job], total_gpus: int, cohort: str = "all") -> dict[str, QueueSpec]:
-    """One queue per tenant with an equal share of the cluster as its nominal quota, all in one cohort (idle quota is
-    lent, and reclaimed when its owner needs it)."""
-    tenants = sorted({getattr(j, "tenant", "") or DEFAULT_QUEUE for j in jobs})
-    share = total_gpus / max(1, len(tenants))
-    return {t: QueueSpec(t, {"*": FlavorQuota(gpus=share)}, cohort=cohort) for t in tenants}
+        return replay_result(self)

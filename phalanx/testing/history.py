@@ -143,15 +143,53 @@ def history_from_ledger(
             engine.dispose()
 
 
+class _Events:
+    """The history being built: events with their rank within an instant and the order they were added in (what
+    breaks ties between events of the same instant and rank)."""
+
+    def __init__(self) -> None:
+        self.out: list[tuple[float, int, int, inv.Event]] = []  # (t, rank within the instant, sequence, event)
+
+    def add(self, t: float, rank: int, event: inv.Event) -> None:
+        self.out.append((t, rank, len(self.out), event))
+
+    def in_order(self) -> list[tuple[float, int, int, inv.Event]]:
+        return sorted(self.out, key=lambda e: (e[0], e[1], e[2]))
+
+
+@dataclass
+class _Allocations:
+    """The attempts' GPUs as the allocations rows hold them."""
+
+    holds: dict[tuple[str, int], list[inv.Hold]]  # (job, attempt) -> what it held
+    whole_release: dict[tuple[str, int, str], list[float | None]]  # (job, attempt, node) -> its whole GPUs' releases
+    reserved_on: dict[str, list[float]]  # node -> reservations there
+    released_on: dict[str, list[float]]  # node -> releases there
+
+
 def _history(
     conn: Connection, grace_s: float | None, quiet_at: float | None, tiers: tuple[str, ...]
 ) -> list[inv.Event]:
-    out: list[tuple[float, int, int, inv.Event]] = []  # (t, rank within the instant, sequence, event)
+    events = _Events()
+    nodes, models, mig = _nodes_and_gpus(conn)
+    jobs = _submissions(conn, events, _empty_capacity(nodes, models, mig), tiers)
+    allocations = _allocations(conn, nodes)
+    attempts, by_job = _attempts(conn)
+    _claims_and_asks(conn, events, jobs, attempts, by_job, grace_s)
+    _starts_ends_releases(events, jobs, attempts, allocations)
+    _node_events(conn, events, nodes, allocations)
+    if quiet_at is not None:
+        events.add(quiet_at, _QUIET, inv.Quiet(quiet_at))
+    out = events.in_order()
+    first = out[0][0] if out else 0.0
+    cluster = inv.Cluster(first, {name: count for name, count in nodes.values()}, mig)
+    return [cluster, *(e for _, _, _, e in out)]
 
-    def add(t: float, rank: int, event: inv.Event) -> None:
-        out.append((t, rank, len(out), event))
 
-    # -- nodes and GPUs
+def _nodes_and_gpus(
+    conn: Connection,
+) -> tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]], frozenset[tuple[str, int]]]:
+    """(node id -> (name, GPUs), node id -> (GPU model, memory MiB), the GPUs in MIG mode as (node, index))."""
     nodes: dict[int, tuple[str, int]] = {}
     for node_id, name, count in _rows(conn, "SELECT id, name, gpus FROM nodes ORDER BY name"):
         nodes[int(node_id)] = (str(name), int(count))
@@ -162,8 +200,13 @@ def _history(
     models: dict[int, tuple[str, int]] = {}
     for n, _, model, memory, _ in gpu_rows:
         models.setdefault(int(n), (str(model or ""), int(memory or 0)))
+    return nodes, models, mig
 
-    # -- jobs
+
+def _submissions(
+    conn: Connection, events: _Events, empty: ClusterCapacity, tiers: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """The jobs rows by id (each with its `request`), and a `Submitted` event for each."""
     jobs: dict[str, dict[str, Any]] = {}
     for row in _rows(
         conn,
@@ -171,7 +214,6 @@ def _history(
         "finished_at, required_tier, gpu_model, flavor FROM jobs",
     ):
         jobs[row.id] = dict(row._mapping)
-    empty = _empty_capacity(nodes, models, mig)
     for job_id, j in jobs.items():
         request = GangRequest(
             job_id,
@@ -186,7 +228,7 @@ def _history(
         )
         j["request"] = request
         fits = isinstance(place_gang(empty, request, tiers, budget_ms=0.0), Placement)
-        add(
+        events.add(
             float(j["submitted_at"]),
             _SUBMITTED,
             inv.Submitted(
@@ -200,8 +242,12 @@ def _history(
                 fits,
             ),
         )
+    return jobs
 
-    # -- attempts and their GPUs
+
+def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Allocations:
+    """What each attempt held (whole GPUs, MIG instances gathered into their masks, shares), when its whole GPUs
+    were released per node, and the reservations and releases on each node."""
     holds: dict[tuple[str, int], list[inv.Hold]] = defaultdict(list)
     mig_parts: dict[tuple[str, int, int, str, int], tuple[int, str]] = {}  # (job, attempt, replica, node, gpu)
     whole_release: dict[tuple[str, int, str], list[float | None]] = defaultdict(list)  # (job, attempt, node)
@@ -228,7 +274,13 @@ def _history(
             holds[key].append(inv.Hold(node, int(gpu), milli=int(milli or 0)))
     for (job_id, attempt, _replica, node, gpu), (mask, profile) in sorted(mig_parts.items()):
         holds[(job_id, attempt)].append(inv.Hold(node, gpu, mig_mask=mask | (MEDIA_BIT if is_media(profile) else 0)))
+    return _Allocations(holds, whole_release, reserved_on, released_on)
 
+
+def _attempts(
+    conn: Connection,
+) -> tuple[dict[tuple[str, int], dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """The job_attempts rows by (job, attempt), and each job's in attempt order."""
     attempts: dict[tuple[str, int], dict[str, Any]] = {}
     by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in _rows(
@@ -239,8 +291,19 @@ def _history(
         a = dict(row._mapping)
         attempts[(row.job_id, int(row.attempt))] = a
         by_job[row.job_id].append(a)
+    return attempts, by_job
 
-    # -- claims, and the asks they record
+
+def _claims_and_asks(
+    conn: Connection,
+    events: _Events,
+    jobs: dict[str, dict[str, Any]],
+    attempts: dict[tuple[str, int], dict[str, Any]],
+    by_job: dict[str, list[dict[str, Any]]],
+    grace_s: float | None,
+) -> None:
+    """`ClaimMade` and `ClaimEnded` from the claims rows, then the victims' `Asked`: where a claim first names the
+    attempt of a victim that runs then, and, for preemptions no claim recorded, `grace_s` before the end."""
     asked: set[tuple[str, int]] = set()  # victims' attempts asked (by a claim)
     asks: list[tuple[float, str, int, str]] = []  # (t, victim, attempt, by)
     claims_by_job: dict[str, list[Any]] = defaultdict(list)
@@ -257,7 +320,7 @@ def _history(
         for row in rows:
             t = float(row.created_at)
             victims = tuple(str(v) for v in _json(row.victims) or ())
-            add(t, _CLAIM_MADE, inv.ClaimMade(t, job_id, _claim_holds(_json(row.replicas) or ()), victims))
+            events.add(t, _CLAIM_MADE, inv.ClaimMade(t, job_id, _claim_holds(_json(row.replicas) or ()), victims))
             if not replaced:
                 chain = {}
             for victim in victims:
@@ -269,7 +332,7 @@ def _history(
                 asked.add((victim, running))
             replaced = row.end_reason == "replaced by a new claim"
             if row.ended_at is not None and not replaced:
-                add(
+                events.add(
                     float(row.ended_at), _CLAIM_ENDED, inv.ClaimEnded(float(row.ended_at), job_id, row.end_reason or "")
                 )
     # Preemptions no claim recorded: asked `grace_s` before the end (at the end without it).
@@ -282,9 +345,18 @@ def _history(
         a = attempts[(victim, attempt)]
         stops_now = a["ended_at"] is not None and float(a["ended_at"]) == t
         vp, bp = int(jobs[victim]["priority"]), int(jobs[by]["priority"]) if by in jobs else math.inf
-        add(t, _ASKED_BEFORE_STOP if stops_now else _ASKED, inv.Asked(t, victim, attempt, by, reclaim=vp >= bp))
+        events.add(t, _ASKED_BEFORE_STOP if stops_now else _ASKED, inv.Asked(t, victim, attempt, by, reclaim=vp >= bp))
 
-    # -- starts, ends, releases, finishes
+
+def _starts_ends_releases(
+    events: _Events,
+    jobs: dict[str, dict[str, Any]],
+    attempts: dict[tuple[str, int], dict[str, Any]],
+    allocations: _Allocations,
+) -> None:
+    """Each attempt's `Started`, `Ended` (with the nodes it still held) and `Released` per held node; each final
+    job's `Finished`."""
+    holds, whole_release = allocations.holds, allocations.whole_release
     for (job_id, attempt), a in attempts.items():
         job = jobs.get(job_id)
         if job is None:
@@ -292,7 +364,7 @@ def _history(
         gang: GangRequest = job["request"]
         expected = gang.replicas * gang.gpus_per_replica
         t0 = float(a["reserved_at"])
-        add(
+        events.add(
             t0,
             _STARTED,
             inv.Started(t0, job_id, attempt, tuple(holds.get((job_id, attempt), ())), expected, job["flavor"] or ""),
@@ -308,15 +380,22 @@ def _history(
                 held.append(node)
                 if all(r is not None for r in released):
                     last = max(r for r in released if r is not None)
-                    add(last, _RELEASED, inv.Released(last, job_id, attempt, node))
+                    events.add(last, _RELEASED, inv.Released(last, job_id, attempt, node))
         preempted = a["outcome"] == "PREEMPTED"
-        add(end, _STOPPED if preempted else _ENDED, inv.Ended(end, job_id, attempt, a["outcome"] or "", tuple(held)))
+        events.add(
+            end, _STOPPED if preempted else _ENDED, inv.Ended(end, job_id, attempt, a["outcome"] or "", tuple(held))
+        )
     for job_id, j in jobs.items():
         if j["state"] in FINAL_STATES and j["finished_at"]:
             t = float(j["finished_at"])
-            add(t, _FINISHED, inv.Finished(t, job_id, j["state"]))
+            events.add(t, _FINISHED, inv.Finished(t, job_id, j["state"]))
 
-    # -- nodes lost and back, GPU failures, MIG modes
+
+def _node_events(
+    conn: Connection, events: _Events, nodes: dict[int, tuple[str, int]], allocations: _Allocations
+) -> None:
+    """Nodes lost (`NodeDown`) and back (`NodeUp`: the first sign of the node after the loss), GPU failures
+    (`GpusLost`) and MIG mode switches (`MigMode`), from the node events."""
     names = {node_id: name for node_id, (name, _) in nodes.items()}
     changes: list[tuple[float, set[int]]] = []
     if _has_table(conn, "ledger_changes"):
@@ -334,29 +413,22 @@ def _history(
             continue
         at = float(at)
         if kind == "LOST":
-            add(at, _NODE_DOWN, inv.NodeDown(at, name))
+            events.add(at, _NODE_DOWN, inv.NodeDown(at, name))
             lost[name].append(at)
         elif kind == "mig_mode":
-            add(at, _NODE_UP, inv.MigMode(at, name, int(gpu), bool(code)))
+            events.add(at, _NODE_UP, inv.MigMode(at, name, int(gpu), bool(code)))
         elif severity == "FATAL" and int(gpu) >= 0:
-            add(at, _NODE_DOWN, inv.GpusLost(at, name, (int(gpu),)))
+            events.add(at, _NODE_DOWN, inv.GpusLost(at, name, (int(gpu),)))
     for name, times in lost.items():
         node_id = next(i for i, n in names.items() if n == name)
         for k, at in enumerate(times):
             upto = times[k + 1] if k + 1 < len(times) else math.inf
             candidates = [t for t, ids in changes if at < t < upto and node_id in ids]
-            candidates += [t for t in released_on.get(name, ()) if at < t < upto]
-            candidates += [t for t in reserved_on.get(name, ()) if at < t < upto]
+            candidates += [t for t in allocations.released_on.get(name, ()) if at < t < upto]
+            candidates += [t for t in allocations.reserved_on.get(name, ()) if at < t < upto]
             if candidates:
                 back = min(candidates)
-                add(back, _NODE_UP, inv.NodeUp(back, name))
-
-    if quiet_at is not None:
-        add(quiet_at, _QUIET, inv.Quiet(quiet_at))
-    out.sort(key=lambda e: (e[0], e[1], e[2]))
-    first = out[0][0] if out else 0.0
-    cluster = inv.Cluster(first, {name: count for name, count in nodes.values()}, mig)
-    return [cluster, *(e for _, _, _, e in out)]
+                events.add(back, _NODE_UP, inv.NodeUp(back, name))
 
 
 def _running_at(attempts: Iterable[dict[str, Any]], t: float, by: str) -> int | None:

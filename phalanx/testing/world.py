@@ -14,13 +14,15 @@ Every change is recorded as a `phalanx.core.invariants` event and fed to a `Chec
 first step that breaks an invariant. A `Scenario` is data (a cluster, queues, a policy and a list of actions, each
 action picking its object by index modulo what exists then), so that it can be drawn by Hypothesis (which shrinks
 it), by a seeded generator (bench/invariants.py) and written as a readable row (`parse_actions`).
+
+The scenario's data and its readable rows are in `phalanx.testing.scenario`, the seeded generator and the shrinker
+in `phalanx.testing.generate`; this module plays a scenario (`World`, `run`) and re-exports their names.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from phalanx.core import invariants as inv
@@ -47,86 +49,11 @@ from phalanx.core.fabric import default_fabric, group_nvlink_domains
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
 from phalanx.core.preemption import PreemptionPolicy
-from phalanx.core.quota import DEFAULT_QUEUE, FlavorQuota, QueueSpec, QuotaBook, cluster_totals, demand
+from phalanx.core.quota import QuotaBook, cluster_totals, demand
 
-# The two GPU models of a mixed cluster: (model name, memory MiB); the first has MIG (H100 80GB: 7 slices).
-MODELS = (("NVIDIA H100 80GB HBM3", 81559), ("NVIDIA A100-SXM4-40GB", 40960))
-
-
-# ---- a scenario --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """`nodes` nodes of `gpus` GPUs, `per_leaf` to a leaf switch (8 leaves to a spine); `nvlink` > 0: NVLink
-    domains of that many nodes; `mixed`: the second half of the nodes has the second GPU model; `mig_gpus`: the last
-    node's last GPUs start in MIG mode; `confirming`: the nodes whose agents confirm releases ("all", "none",
-    "odd")."""
-
-    nodes: int = 3
-    gpus: int = 8
-    per_leaf: int = 4
-    nvlink: int = 0
-    mixed: bool = False
-    mig_gpus: int = 0
-    confirming: str = "all"
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """A job of a scenario. `work`: seconds of work it needs in all; `checkpoint`: when asked to checkpoint it
-    commits "early" (at once), "late" (near the end of the grace period) or "never"; `fails`: how many of its
-    attempts fail (a rank exits non-zero) half way."""
-
-    job: str
-    replicas: int = 1
-    gpus_per_replica: int = 8
-    priority: int = 0
-    queue: str = DEFAULT_QUEUE
-    work: float = 10.0
-    time_limit: float = 0.0
-    mig_profile: str = ""
-    gpu_milli: int = 0
-    required_tier: str = ""
-    gpu_model: str = ""
-    checkpoint: str = "early"
-    fails: int = 0
-    by_admin: bool = True
-
-    def request(self, submitted_at: float) -> GangRequest:
-        partial = bool(self.mig_profile or self.gpu_milli)
-        return GangRequest(
-            self.job,
-            self.replicas,
-            1 if partial else self.gpus_per_replica,
-            self.priority,
-            submitted_at,
-            required_tier=self.required_tier,
-            gpu_model=self.gpu_model,
-            mig_profile=self.mig_profile,
-            gpu_milli=self.gpu_milli,
-            time_limit=self.time_limit,
-        )
-
-
-# An action: (verb, argument). Verbs: submit (a JobSpec), advance (seconds), release, commit, fail, down, up,
-# cancel, mig, gpu (an index: the object is picked modulo the candidates there are at that moment).
-Action = tuple[str, object]
-
-
-@dataclass(frozen=True)
-class Scenario:
-    cluster: ClusterSpec = ClusterSpec()
-    actions: tuple[Action, ...] = ()
-    queues: tuple[QueueSpec, ...] = ()
-    min_runtime_s: float = 5.0
-    grace_s: float = 3.0
-    backoff_s: float = 1.0
-    max_attempts: int = 3
-    switch_s: float = 2.0  # how long a MIG mode switch takes
-
-
-# ---- the world ---------------------------------------------------------------------------------------------------
+# A scenario's data and rows, and its generation, live in their own modules; every name stays importable from here.
+from .generate import PROFILES, VERBS, WEIGHTS, fill, random_job, random_scenario, shrink  # noqa: F401
+from .scenario import MODELS, Action, ClusterSpec, JobSpec, Scenario, format_actions, parse_actions
 
 
 @dataclass
@@ -684,208 +611,6 @@ def run(scenario: Scenario, *, claims: bool = True, drain: bool = True) -> World
     return world
 
 
-# ---- generating scenarios ------------------------------------------------------------------------------------------
-
-PROFILES = ("1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb")
-VERBS = ("submit", "advance", "release", "commit", "fail", "down", "up", "cancel", "mig", "gpu")
-# How often each verb is drawn (submits and time dominate; failures are rare but present).
-WEIGHTS = (24, 26, 16, 6, 3, 3, 3, 3, 2, 2)
-
-
-def random_scenario(rng: random.Random, *, max_actions: int = 40) -> Scenario:
-    """A scenario from a seeded generator (bench/invariants.py): the same shapes Hypothesis draws in the tests."""
-    nodes = rng.choice((2, 2, 3, 3, 4, 6, 8, 12, 16, 32))
-    gpus = rng.choice((8, 8, 4))
-    cluster = ClusterSpec(
-        nodes=nodes,
-        gpus=gpus,
-        per_leaf=rng.choice((2, 4, 8)),
-        nvlink=rng.choice((0, 0, 2, 4)),
-        mixed=rng.random() < 0.2,
-        mig_gpus=rng.choice((0, 0, 1, 2)) if gpus == 8 else 0,
-        confirming=rng.choice(("all", "all", "odd", "none")),
-    )
-    queues: tuple[QueueSpec, ...] = ()
-    if rng.random() < 0.35:
-        total = nodes * gpus
-        queues = tuple(
-            QueueSpec(
-                name,
-                {
-                    "*": FlavorQuota(
-                        gpus=float(rng.choice((total // 4, total // 2, total))),
-                        borrow_limit=rng.choice((None, 0.0, float(gpus))),
-                    ),
-                },
-                cohort="lab",
-                weight=rng.choice((1.0, 2.0)),
-            )
-            for name in ("a", "b", "c")[: rng.choice((2, 3))]
-        )
-    actions: list[Action] = list(fill(cluster, rng.choice((-100, 0)), rng.choice(("early", "late", "never"))))
-    if rng.random() < 0.5:
-        actions = []
-    for i in range(rng.randint(1, max_actions)):
-        verb = rng.choices(VERBS, WEIGHTS)[0]
-        if verb == "submit":
-            actions.append(("submit", random_job(rng, f"j{i}", cluster, [q.name for q in queues])))
-        elif verb == "advance":
-            actions.append(("advance", rng.choice((0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0))))
-        else:
-            actions.append((verb, rng.randrange(64)))
-    return Scenario(
-        cluster,
-        tuple(actions),
-        queues,
-        min_runtime_s=rng.choice((0.0, 0.0, 5.0, 5.0, 30.0)),
-        grace_s=rng.choice((0.0, 3.0, 3.0, 20.0)),
-        backoff_s=rng.choice((0.5, 1.0, 5.0)),
-        max_attempts=rng.choice((2, 3, 5)),
-    )
-
-
-def fill(cluster: ClusterSpec, priority: int, checkpoint: str) -> tuple[Action, ...]:
-    """Actions that fill the cluster with long gangs of whole nodes (two nodes each where there are two) of one
-    priority, then let them pass a minimum runtime: what later arrivals of higher priority preempt."""
-    size = 2 if cluster.nodes >= 2 else 1
-    out: list[Action] = [
-        ("submit", JobSpec(f"fill{i}", size, cluster.gpus, priority, work=300.0, checkpoint=checkpoint))
-        for i in range(cluster.nodes // size)
-    ]
-    out.append(("advance", 6.0))
-    return tuple(out)
-
-
-def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequence[str]) -> JobSpec:
-    kind = rng.random()
-    mig = milli = 0
-    profile = ""
-    if kind < 0.1 and cluster.mig_gpus:
-        profile = rng.choice(PROFILES)
-        replicas, per = rng.choice((1, 1, 2)), 1
-    elif kind < 0.2:
-        milli = rng.choice((250, 500))
-        replicas, per = rng.choice((1, 2)), 1
-    else:
-        per = min(rng.choice((1, 2, 4, cluster.gpus, cluster.gpus)), cluster.gpus)
-        half = max(1, (cluster.nodes * cluster.gpus // per) // 2)
-        replicas = rng.choice((1, 1, 2, 2, 3, 4, 8, half, half + 1))
-        while replicas * per > 64:
-            replicas //= 2
-    del mig
-    return JobSpec(
-        name,
-        replicas=max(1, replicas),
-        gpus_per_replica=per,
-        priority=rng.choice((-100, 0, 0, 100, 200)),
-        queue=rng.choice(list(queues)) if queues else DEFAULT_QUEUE,
-        work=rng.choice((2.0, 5.0, 10.0, 30.0, 60.0, 300.0)),
-        time_limit=rng.choice((0.0, 0.0, 20.0, 60.0)),
-        mig_profile=profile,
-        gpu_milli=milli,
-        required_tier=rng.choice(("", "", "", "leaf", "node")) if not (profile or milli) else "",
-        gpu_model="A100" if cluster.mixed and rng.random() < 0.2 else "",
-        checkpoint=rng.choice(("early", "late", "never")),
-        fails=rng.choice((0, 0, 0, 1)),
-        by_admin=rng.random() < 0.9,
-    )
-
-
-# ---- readable rows -------------------------------------------------------------------------------------------------
-
-
-def parse_actions(text: str) -> tuple[Action, ...]:
-    """Actions written one a line, for the regression table:
-
-        submit NAME RxG [p=PRIORITY] [q=QUEUE] [work=S] [limit=S] [mig=PROFILE] [milli=M] [tier=T] [ckpt=early|late|never]
-               [fails=N] [user]
-        advance SECONDS | release K | commit K | fail K | down K | up K | cancel K | mig K | gpu K
-
-    ("#" starts a comment.)"""
-    out: list[Action] = []
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        verb, *args = line.split()
-        if verb == "submit":
-            name, shape, *opts = args
-            r, _, g = shape.partition("x")
-            kw: dict[str, object] = {}
-            for opt in opts:
-                key, _, value = opt.partition("=")
-                if key == "user":
-                    kw["by_admin"] = False
-                    continue
-                field_name, conv = _OPTIONS[key]
-                kw[field_name] = conv(value)
-            out.append(("submit", JobSpec(name, int(r), int(g), **kw)))  # type: ignore[arg-type]
-        elif verb == "advance":
-            out.append(("advance", float(args[0])))
-        else:
-            out.append((verb, int(args[0]) if args else 0))
-    return tuple(out)
-
-
-_OPTIONS = {
-    "p": ("priority", int),
-    "q": ("queue", str),
-    "work": ("work", float),
-    "limit": ("time_limit", float),
-    "mig": ("mig_profile", str),
-    "milli": ("gpu_milli", int),
-    "tier": ("required_tier", str),
-    "model": ("gpu_model", str),
-    "ckpt": ("checkpoint", str),
-    "fails": ("fails", int),
-}
-
-
-def format_actions(actions: Iterable[Action]) -> str:
-    """The inverse of `parse_actions` (what a shrunk failure prints, to paste into the regression table)."""
-    lines = []
-    defaults = JobSpec("x")
-    for verb, arg in actions:
-        if verb == "submit":
-            assert isinstance(arg, JobSpec)
-            parts = [f"submit {arg.job} {arg.replicas}x{arg.gpus_per_replica}"]
-            for key, (name, _) in _OPTIONS.items():
-                value = getattr(arg, name)
-                if value != getattr(defaults, name):
-                    parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
-            if not arg.by_admin:
-                parts.append("user")
-            lines.append(" ".join(parts))
-        elif verb == "advance":
-            lines.append(f"advance {float(arg):g}")  # type: ignore[arg-type]
-        else:
-            lines.append(f"{verb} {arg}")
-    return "\n".join(lines)
-
-
-def shrink(scenario: Scenario, fails) -> Scenario:  # type: ignore[no-untyped-def]
-    """A smaller scenario on which `fails(scenario)` still holds: chunks of actions removed, then single ones,
-    then the cluster made smaller (greedy delta debugging; what bench/invariants.py prints for a failure)."""
-    best = scenario
-    chunk = max(1, len(best.actions) // 2)
-    while chunk >= 1:
-        i, changed = 0, False
-        while i < len(best.actions):
-            trial = replace(best, actions=best.actions[:i] + best.actions[i + chunk :])
-            if fails(trial):
-                best, changed = trial, True
-            else:
-                i += chunk
-        if not changed:
-            chunk //= 2
-    for smaller in (replace(best.cluster, nodes=n) for n in range(2, best.cluster.nodes)):
-        trial = replace(best, cluster=smaller)
-        if fails(trial):
-            best = trial
-            break
-    return best
-
-
 __all__ = [
     "Action",
     "ClusterSpec",
@@ -901,6 +626,7 @@ __all__ = [
     "run",
     "shrink",
 ]
+
 
 # FULL_MIG_MASK is re-exported for tests that build MIG holds.
 _ = FULL_MIG_MASK

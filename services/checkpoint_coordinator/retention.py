@@ -5,7 +5,7 @@ K is the job's own `keep_checkpoints` (JobSpec.keep_checkpoints, jobs.keep_check
 coordinator's `--keep-checkpoints` (default 3). A finished job (SUCCEEDED, FAILED, CANCELLED) follows
 `--finished-checkpoints`: `keep` (default) the same newest K, `latest` only its newest one, `delete` none. PENDING
 checkpoints are never deleted, nor the newest K complete committed ones (the restore points, in the order restores
-try them: store._restore_points).
+try them: store.restore_points._restore_points).
 
 The policy (`effective_keep`, `select_deletions`, `deletable_path`, `protected`) is pure; `Retention` does the I/O.
 A pass reads the ledger in a read-only transaction, deletes files outside any transaction (best effort: a slow or

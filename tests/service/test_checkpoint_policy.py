@@ -20,7 +20,8 @@ from phalanx import train
 from phalanx.api.v1 import checkpoint_pb2 as pb
 from phalanx.api.v1 import checkpoint_pb2_grpc
 from phalanx.core import checkpoint_policy as cp
-from services.checkpoint_coordinator import serve, store
+from services.checkpoint_coordinator import serve
+from services.checkpoint_coordinator.store import policy as store_policy
 
 JOB = "job-policy-1"
 OTHER = "job-policy-2"
@@ -129,7 +130,7 @@ def test_invalid_inputs_raise_value_error(call, needle):
 @pytest.fixture(autouse=True)
 def fresh_cluster_figures(monkeypatch):
     """These tests change the cluster's figures between calls: no caching of them."""
-    monkeypatch.setattr(store, "CLUSTER_FIGURES_TTL_S", 0.0)
+    monkeypatch.setattr(store_policy, "CLUSTER_FIGURES_TTL_S", 0.0)
 
 
 @pytest.fixture
@@ -418,21 +419,21 @@ def test_bad_policy_env_is_refused(tmp_path):
 
 
 def test_cluster_figures_are_cached_for_every_poll_of_a_while(db_url, monkeypatch):
-    monkeypatch.setattr(store, "CLUSTER_FIGURES_TTL_S", 30.0)
-    store._cluster_cache.clear()
+    monkeypatch.setattr(store_policy, "CLUSTER_FIGURES_TTL_S", 30.0)
+    store_policy._cluster_cache.clear()
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
-            first = store._cluster_figures(conn)
+            first = store_policy._cluster_figures(conn)
         with engine.begin() as conn:
             conn.execute(
                 insert(Node).values(name="n1", state="READY", gpus=8, registered_at=0.0, last_heartbeat=3600.0)
             )
         with engine.connect() as conn:
-            assert store._cluster_figures(conn) == first  # within the TTL: the cached figures
-        store._cluster_cache.clear()
+            assert store_policy._cluster_figures(conn) == first  # within the TTL: the cached figures
+        store_policy._cluster_cache.clear()
         with engine.connect() as conn:
-            assert store._cluster_figures(conn)[1] == first[1] + 3600.0
+            assert store_policy._cluster_figures(conn)[1] == first[1] + 3600.0
     finally:
-        store._cluster_cache.clear()
+        store_policy._cluster_cache.clear()
         engine.dispose()
