@@ -107,12 +107,7 @@ def test_the_docs_show_commands_of_every_program():
 
 # Documented commands that the CLI refuses today, each for a bug in the CLI, not in the docs (strict: when the bug is
 # fixed the test says so, and the entry goes).
-KNOWN_BROKEN = {
-    ("phalanx", "cluster", "up", "--tokens", "tokens.yaml", "--tls"): (
-        "`phalanx cluster up --tls` is refused by the top-level parser: argparse's prefix matching (allow_abbrev) "
-        "takes --tls for an abbreviation of the global --tls-ca/--tls-cert/--tls-key ('ambiguous option')"
-    ),
-}
+KNOWN_BROKEN: dict[tuple[str, ...], str] = {}  # documented commands the parser refuses (none now)
 
 
 def _documented_cases() -> list:
