@@ -15,15 +15,13 @@ from typing import Any
 
 import structlog
 
-from phalanx.core.backfill import BackfillResult, RunningEnd
+from phalanx.core.backfill import BackfillResult
 from phalanx.core.decide import AfterBlocked, decide
-from phalanx.core.model import Placement
-from phalanx.core.quota import QuotaBook, cluster_totals, usage_of
 
 from . import accounting, ledger
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
-from .state import JobRecord, SchedulerState
+from .state import JobRecord
 from .transitions import (
     Command,
     Cycle,
@@ -117,33 +115,6 @@ def mig_hook(cycle: Cycle) -> AfterBlocked | None:
         return after_pass(cycle, jobs[head], result, [jobs[j] for j in pending if j in jobs], backfill)
 
     return hook
-
-
-def quota_book(state: SchedulerState) -> QuotaBook | None:
-    """This pass's quota state: what each queue's running jobs use, per flavor; None when no queue is configured
-    (one unlimited queue: plain priority order)."""
-    if not state.queues:
-        return None
-    running = [(j.queue, j.flavor, j.request()) for j in state.running()]
-    return QuotaBook(
-        state.queues,
-        usage_of(running),
-        cluster_totals(
-            (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
-        ),
-    )
-
-
-def running_ends(state: SchedulerState) -> list[RunningEnd]:
-    """The running gangs with what they hold and when their time limits end them (inf: no limit), for backfill."""
-    return [
-        RunningEnd(
-            j.id,
-            Placement(j.id, tuple(j.replica_placements()), "", 0, 0.0, ""),
-            j.started_at + j.time_limit if j.time_limit else math.inf,
-        )
-        for j in state.running()
-    ]
 
 
 def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True, schedules: bool = True) -> list[Any]:

@@ -106,6 +106,13 @@ def _running_job(job: JobRecord) -> RunningJob:
     )
 
 
+def quota_totals(state: SchedulerState) -> dict[str, float]:
+    """The quotas' denominators: the cluster's GPUs per flavor, MIG slices counted only on GPUs in MIG mode."""
+    return cluster_totals(
+        (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
+    )
+
+
 def running_ends(state: SchedulerState) -> RunningSet:
     """The running gangs in end order (backfill's input when the head is blocked), brought up to date with the
     running jobs: only the gangs that started, stopped or changed attempt since the last cycle move in it, and its
@@ -158,13 +165,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         commits = ledger.latest_commits(cycle.conn, ids)
         return {i: c[2] for i, c in commits.items() if i in jobs and c[1] == jobs[i].attempt}
 
-    totals = (
-        cluster_totals(
-            (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
-        )
-        if state.queues
-        else {}
-    )
+    totals = quota_totals(state) if state.queues else {}
     config = DecideConfig(
         tiers=s.fabric.tiers,
         backfill=s.backfill,

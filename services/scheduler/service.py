@@ -100,6 +100,7 @@ class SchedulerService:
         self._mig_queued: dict[str, tuple] = {}
         self._next_timer_check = 0.0
         self._next_changes_prune = 0.0
+        self.cycle_id = 0  # the last cycle's number in this process: bound as `cycle` in its log lines
         self.view_reloads = {"full": 0, "delta": 0}  # this replica's (phalanx_scheduler_view_reloads_total)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.leadership = Leadership(settings.replica_id, settings.leader_lease_s)
@@ -223,6 +224,13 @@ class SchedulerService:
         timers = self._timers and self.leading and self._timers_due(now)
         if not commands and not self._resync and not periodic and not timers and not lease_tick:
             return [], None
+        self.cycle_id += 1
+        # Every log line of the cycle, its retries included, carries its id (phalanx.common.logging merges it).
+        with structlog.contextvars.bound_contextvars(cycle=self.cycle_id):
+            return self._cycle_attempts(commands, now)
+
+    def _cycle_attempts(self, commands: list[Command], now: float) -> tuple[list[Any], Cycle | None]:
+        """The cycle's transaction; on failure, once again on a reloaded view, then the commands one by one."""
         try:
             return self._transaction(commands, now, resync=self._resync)
         except (DBAPIError, ledger.StaleJobs) as exc:
