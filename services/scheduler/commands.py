@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from sqlalchemy import select
 
-from db.models import Job
 from phalanx.api.v1 import common_pb2
 from phalanx.core import mig
 from phalanx.core.preemption import priority_name
@@ -29,6 +27,7 @@ from .transitions import (
     set_job,
     teardown,
 )
+from .work import job_row
 
 log = structlog.get_logger()
 
@@ -48,7 +47,7 @@ def register_all(cycle: Cycle, registers: list[Register]) -> dict[int, Any]:
     for i, reg in enumerate(registers):
         first.setdefault(reg.name, i)
     batch = [registers[i] for i in first.values()]
-    written = ledger.upsert_nodes(cycle.conn, [r.ledger_row(cycle) for r in batch])
+    written = cycle.work.ask(ledger.upsert_nodes, [r.ledger_row(cycle) for r in batch])
     results: dict[int, Any] = {}
     for i, reg in enumerate(registers):
         results[i] = reg.execute(cycle, written[reg.name] if first[reg.name] == i else None)
@@ -61,7 +60,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     Repeated request ids return the first job.
     """
     results: dict[int, Any] = {}
-    existing = ledger.find_by_request_ids(cycle.conn, [s.request_id for s in submits if s.request_id])
+    existing = cycle.work.ask(ledger.find_by_request_ids, [s.request_id for s in submits if s.request_id])
     new: list[JobRecord] = []
     by_request: dict[str, JobRecord] = {}
     for i, sub in enumerate(submits):
@@ -117,7 +116,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     for job in new:
         job.version = -1  # not in the ledger yet
         cycle.state.jobs[job.id] = job
-        cycle.new_jobs.append(job)
+        cycle.work.new_jobs.append(job)
     if new:
         cycle.state.pass_due = True
     for i, value in list(results.items()):
@@ -129,15 +128,15 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
 
 def write_new_jobs(cycle: Cycle) -> None:
     """Insert this cycle's new jobs as they are now, then every reservation's allocations, in bulk."""
-    if cycle.new_jobs:
-        for job in cycle.new_jobs:
+    if cycle.work.new_jobs:
+        for job in cycle.work.new_jobs:
             job.version = 0
-        ledger.insert_jobs(cycle.conn, cycle.new_jobs)
-        for job in cycle.new_jobs:
+        cycle.work.write(ledger.insert_jobs, cycle.work.new_jobs)
+        for job in cycle.work.new_jobs:
             cycle.touched(job)
-    if cycle.new_allocations:
-        ledger.insert_allocations(cycle.conn, cycle.new_allocations, cycle.state.nodes, cycle.now)
-        ledger.insert_attempts(cycle.conn, cycle.new_allocations, cycle.now)
+    if cycle.work.new_allocations:
+        cycle.work.write(ledger.insert_allocations, cycle.work.new_allocations, cycle.state.nodes, cycle.now)
+        cycle.work.write(ledger.insert_attempts, cycle.work.new_allocations, cycle.now)
 
 
 def check_queue(state: SchedulerState, spec: common_pb2.JobSpec, tenant: str) -> None:
@@ -308,13 +307,13 @@ class Cancel(Command):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
-            ledger.update_job(
-                cycle.conn, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
+            cycle.work.write(
+                ledger.update_job, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
             )
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)
             if cycle.state.claims.pop(job.id, None) is not None:  # a preemptor that no longer waits keeps nothing
-                cycle.claim_writes.append((ledger.end_claim, (job.id, "cancelled", cycle.now)))
+                cycle.work.claim(ledger.end_claim, job.id, "cancelled", cycle.now)
                 cycle.state.pass_due = True  # its victims are called off, what it claimed is free for others
             cycle.touched(job)
         else:
@@ -334,7 +333,7 @@ class RequestCheckpoint(Command):
         if job is None or job.state != "RUNNING":
             state = "PENDING" if job is not None else "finished"
             raise FailedPrecondition(f"job {self.job_id} is {state}, not running: only a running job can checkpoint")
-        reason, at = ledger.request_checkpoint(cycle.conn, job.id, self.reason, cycle.now)
+        reason, at = cycle.work.ask(ledger.request_checkpoint, job.id, self.reason, cycle.now)
         log.info("checkpoint_requested", job=job.id, reason=reason)
         return job, reason, at
 
@@ -344,8 +343,7 @@ def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
     job = cycle.state.jobs.get(job_id)
     if job is not None:
         return job
-    ledger.flush_job_updates(cycle.conn)  # a job this cycle finished reads as finished
-    row = cycle.conn.execute(select(Job.state).where(Job.id == job_id)).first()
+    row = cycle.work.ask(job_row, job_id)  # a job this cycle finished reads as finished
     if row is None:
         raise NotFound(f"no job with id {job_id!r}")
     if row.state in ("PENDING", "RUNNING"):
@@ -414,13 +412,13 @@ class Register(Command):
         row = self.ledger_row(cycle)
         gpus, path = row["gpus"], row["fabric_path"]
         if rows is None:
-            rows = ledger.upsert_nodes(cycle.conn, [row])[self.name]
+            rows = cycle.work.ask(ledger.upsert_nodes, [row])[self.name]
         node_id, acked, revision, cordoned, gpu_ids = rows
         state = cycle.state
         old = state.nodes.get(self.name)
         # An admin drained it (`phalanx node drain`): it stays DRAINED, out of placement, until undrained.
         if cordoned:
-            ledger.set_node_state(cycle.conn, node_id, "DRAINED", CORDON_MESSAGE)
+            cycle.work.write(ledger.set_node_state, node_id, "DRAINED", CORDON_MESSAGE)
         node = NodeRecord(
             id=node_id,
             name=self.name,
@@ -452,7 +450,7 @@ class Register(Command):
                         node.releasing_use[key] = old.releasing_use[key]
                 else:  # the agent has no process of it left (or lost its state): its GPUs are free
                     job_id, _, attempt = key.rpartition("/")
-                    ledger.release_attempt_on_node(cycle.conn, node.id, job_id, int(attempt), cycle.now)
+                    cycle.work.write(ledger.release_attempt_on_node, node.id, job_id, int(attempt), cycle.now)
                     log.info("gpus_released", node=self.name, attempt=key, gpus=list(gpus), by="registration")
         switch_ended = registered(cycle, old, node, self.mig_manage)
         if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
@@ -460,7 +458,7 @@ class Register(Command):
         if old is not None and old.state == "LOST":
             # Back after it was lost: not used again until a heartbeat of this agent reports it healthy.
             node.health, node.health_reason = "UNKNOWN", "back after it was lost; waiting for a health report"
-            ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
+            cycle.work.write(ledger.set_node_health, node.id, node.health, node.health_reason, node.gpu_health)
         state.nodes[self.name] = node
         if (
             old is None
@@ -526,7 +524,7 @@ class AttemptReleased(Command):
         gpus = node.releasing.pop(attempt_key(self.job_id, self.attempt), None)
         if gpus is None:
             return False
-        ledger.release_attempt_on_node(cycle.conn, node.id, self.job_id, self.attempt, cycle.now)
+        cycle.work.write(ledger.release_attempt_on_node, node.id, self.job_id, self.attempt, cycle.now)
         cycle.state.capacity.release(node.name, set(gpus) - node.held_gpus)
         use = node.releasing_use.pop(attempt_key(self.job_id, self.attempt), None)
         if use is not None:
@@ -557,8 +555,7 @@ class RankReport(Command):
             raise NotFound(f"node {self.node!r} is not registered")
         job = cycle.state.jobs.get(self.job_id)
         if job is None or job.attempt != self.attempt:
-            ledger.flush_job_updates(cycle.conn)  # a job this cycle finished or requeued reads so
-            exists = cycle.conn.execute(select(Job.state, Job.attempt).where(Job.id == self.job_id)).first()
+            exists = cycle.work.ask(job_row, self.job_id)  # a job this cycle finished or requeued reads so
             if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:
                 cycle.reload()
                 job = cycle.state.jobs.get(self.job_id)
@@ -569,7 +566,7 @@ class RankReport(Command):
             raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
         if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
             return False
-        cycle.rank_rows.append(
+        cycle.work.rank_rows.append(
             dict(
                 job_id=job.id,
                 attempt=job.attempt,
@@ -593,7 +590,7 @@ class RankReport(Command):
                 job.launch_deadline = None
                 if not job.running_at:
                     job.running_at = cycle.now
-                    cycle.later(ledger.mark_attempt_running, copy.copy(job), cycle.now)
+                    cycle.work.later(ledger.mark_attempt_running, copy.copy(job), cycle.now)
                 cycle.touched(job)
         elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
             teardown(
@@ -637,10 +634,10 @@ def strike(cycle: Cycle, job: JobRecord, node: NodeRecord, where: str, message: 
     with the failure backoff (SETUP_FAILED counts against max_attempts like any failure)."""
     struck = sorted({*job.struck_nodes, node.name})
     set_job(cycle, job, struck_nodes=struck)
-    strikes = ledger.strike_node(cycle.conn, node.id)
+    strikes = cycle.work.ask(ledger.strike_node, node.id)
     what = message or "unknown error"
-    ledger.add_node_events(
-        cycle.conn,
+    cycle.work.write(
+        ledger.add_node_events,
         node.id,
         [
             dict(
@@ -686,7 +683,7 @@ class HealthReport(Command):
             return False
         changed = False
         if self.alive and self.health is None and node.health == "UNKNOWN":
-            ledger.set_node_health(cycle.conn, node.id, "HEALTHY", "", {})
+            cycle.work.write(ledger.set_node_health, node.id, "HEALTHY", "", {})
             held = node.fatal_gpus
             node.health, node.health_reason, node.gpu_health = "HEALTHY", "", {}
             if held:  # FATAL GPUs it kept out of the index come back
@@ -704,7 +701,7 @@ class HealthReport(Command):
             }
             reason = self.health.reason
             if (health, reason, gpus) != (node.health, node.health_reason, node.gpu_health):
-                ledger.set_node_health(cycle.conn, node.id, health, reason, gpus)
+                cycle.work.write(ledger.set_node_health, node.id, health, reason, gpus)
                 log.warning(
                     "node_health_changed",
                     node=node.name,
@@ -732,7 +729,7 @@ class HealthReport(Command):
             )
             for e in self.events
         ]
-        ledger.add_node_events(cycle.conn, node.id, events)
+        cycle.work.write(ledger.add_node_events, node.id, events)
         return changed
 
 
@@ -767,7 +764,7 @@ class Drain(Command):
         node = cycle.state.nodes.get(self.name)
         if node is None or node.state != "READY":
             return False
-        ledger.set_node_state(cycle.conn, node.id, "DRAINED", self.message)
+        cycle.work.write(ledger.set_node_state, node.id, "DRAINED", self.message)
         node.state = "DRAINED"
         cycle.state.set_node_schedulable(node.name)
         log.info("node_drained", node=node.name, reason=self.message)
@@ -791,16 +788,16 @@ class CordonNode(Command):
         node = cycle.state.nodes.get(self.name)
         if node is None:
             raise NotFound(f"no node named {self.name[:80]!r}")
-        ledger.set_node_cordoned(cycle.conn, node.id, self.cordon)
+        cycle.work.write(ledger.set_node_cordoned, node.id, self.cordon)
         if self.cordon:
             if node.state in ("READY", "DRAINED"):
                 message = f"drained by an admin: {self.reason}" if self.reason else CORDON_MESSAGE
-                ledger.set_node_state(cycle.conn, node.id, "DRAINED", message)
+                cycle.work.write(ledger.set_node_state, node.id, "DRAINED", message)
                 node.state = "DRAINED"
                 cycle.state.set_node_schedulable(node.name)
             log.info("node_cordoned", node=node.name, reason=self.reason, state=node.state)
         elif node.state == "DRAINED" and cycle.now - node.last_heartbeat <= cycle.settings.lease_timeout:
-            ledger.set_node_state(cycle.conn, node.id, "READY", "")
+            cycle.work.write(ledger.set_node_state, node.id, "READY", "")
             node.state = "READY"
             cycle.state.set_node_schedulable(node.name)
             log.info("node_uncordoned", node=node.name)
@@ -815,7 +812,7 @@ class SetQueue(Command):
     spec: QueueSpec
 
     def execute(self, cycle: Cycle) -> str:
-        ledger.upsert_queue(cycle.conn, self.spec, cycle.now)
+        cycle.work.write(ledger.upsert_queue, self.spec, cycle.now)
         cycle.state.queues[self.spec.name] = self.spec
         cycle.state.no_preemption = None
         log.info(
@@ -841,6 +838,6 @@ class DeleteQueue(Command):
                 f"queue {self.name!r} still has {len(users)} pending or running job(s) "
                 f"({', '.join(users[:5])}); cancel them or let them finish first"
             )
-        ledger.delete_queue(cycle.conn, self.name)
+        cycle.work.write(ledger.delete_queue, self.name)
         del cycle.state.queues[self.name]
         return self.name

@@ -37,14 +37,16 @@ def fire_timers(cycle: Cycle) -> None:
         if node.state in ("READY", "DRAINED") and now - node.last_heartbeat > s.lease_timeout:
             threshold = now - s.lease_timeout
             msg = f"no heartbeat for {now - node.last_heartbeat:.0f}s (lease {s.lease_timeout:.0f}s)"
-            if not ledger.set_node_state(cycle.conn, node.id, "LOST", msg, only_if_heartbeat_before=threshold):
+            if not cycle.work.ask(ledger.set_node_state, node.id, "LOST", msg, only_if_heartbeat_before=threshold):
                 cycle.resync_after = True  # another replica heard from it more recently
                 continue
             node.state = "LOST"
             cycle.state.set_node_schedulable(node.name)
             log.warning("node_lost", node=node.name, reason=msg)
-            ledger.add_node_events(
-                cycle.conn, node.id, [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0, reason=msg)]
+            cycle.work.write(
+                ledger.add_node_events,
+                node.id,
+                [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0, reason=msg)],
             )
             for job in cycle.state.running_on(node.name):
                 teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
@@ -75,7 +77,7 @@ def schedule(cycle: Cycle) -> None:
     from .planning import apply_plan, snapshot_of
 
     state = cycle.state
-    changes = cycle.changes
+    changes = cycle.work.changes
     if not (state.pass_due or (changes is not None and changes.sched) or cycle.now >= state.wake_at):
         return  # nothing the pass decides on changed since the last one: it would decide the same
     state.pass_due = False
@@ -156,25 +158,26 @@ def account_finished(cycle: Cycle) -> None:
     """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It marks and reads them (and
     their attempts), so the caller runs it before the pipelined closing writes; the sums' upsert is one of those."""
     if cycle.finished:
-        accounting.account_finished(cycle.conn, cycle.finished, cycle.now, totals_later=cycle.totals)
+        cycle.work.write(accounting.account_finished, cycle.finished, cycle.now, totals_later=cycle.work.totals)
 
 
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
     """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
-    cycle.write_claims()
-    if cycle.totals:
-        accounting.add_totals(cycle.conn, cycle.totals, cycle.now)
-        cycle.totals = []
+    work = cycle.work
+    work.write_claims()
+    if work.totals:
+        work.write(accounting.add_totals, work.totals, cycle.now)
+        work.totals = []
     cycle.flush()
-    cycle.flush_ranks()
-    ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
-    ledger.persist_acks(cycle.conn, cycle.acks)
-    changes = cycle.changes
-    if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats or (changes is not None and changes.any):
-        cycle.generation = ledger.bump_generation(cycle.conn, cycle.generation, notice(cycle))
+    work.flush_ranks()
+    work.write(ledger.persist_heartbeats, work.heartbeats)
+    work.write(ledger.persist_acks, work.acks)
+    changes = work.changes
+    if commands or cycle.changed or cycle.woken_nodes or work.heartbeats or (changes is not None and changes.any):
+        work.generation = work.ask(ledger.bump_generation, work.generation, notice(cycle))
         if changes is not None:
-            ledger.record_changes(cycle.conn, cycle.generation, cycle.settings.replica_id, changes, cycle.now)
+            work.write(ledger.record_changes, work.generation, cycle.settings.replica_id, changes, cycle.now)
     for i, value in enumerate(results):
         if isinstance(value, JobRecord):
             results[i] = job_from_record(value)

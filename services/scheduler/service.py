@@ -37,7 +37,9 @@ from .fanout import FanOut
 from .leadership import Leadership
 from .settings import SchedulerSettings
 from .state import SchedulerState
-from .transitions import Command, Cycle, apply_changes, reload_state
+from .transitions import Command, Cycle
+from .viewsync import apply_changes, reload_state
+from .work import UnitOfWork
 
 log = structlog.get_logger()
 # A cycle longer than this logs where its time went (cycle_slow); PHALANX_SLOW_CYCLE_MS sets it (0: every cycle).
@@ -289,7 +291,7 @@ class SchedulerService:
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
             # lock must not stamp a reservation earlier than the release it builds on.
             now = max(now, self.clock())
-            cycle = Cycle(conn, self.state, self.settings, now)
+            cycle = Cycle(UnitOfWork(conn), self.state, self.settings, now)
             self._last_sync = time.time()
             cycle.foreign_writes = self._generation is not None and generation != self._generation
             changes = None
@@ -309,13 +311,13 @@ class SchedulerService:
                 metrics.VIEW_RELOADS.labels("full").inc()
                 self.view_reloads["full"] += 1
             t_view = time.perf_counter()
-            cycle.changes = ledger.track_changes(conn)
+            cycle.work.changes = ledger.track_changes(conn)
             self._take_beats_and_acks(cycle)
-            cycle.generation = generation
+            cycle.work.generation = generation
             cycle.epoch = epoch or 0
             results = run_cycle(cycle, commands, timers_due=self._timers, schedules=epoch is not None)
             t_run = time.perf_counter()
-            cycle.write_deferred()
+            cycle.work.write_deferred()
             t_deferred = time.perf_counter()
             account_finished(cycle)
             t_accounted = time.perf_counter()
@@ -325,7 +327,7 @@ class SchedulerService:
                 ledger.prune_changes(conn, now - ledger.CHANGES_KEPT_S)
             # Closing writes and the commit: one round trip on PostgreSQL. Not when a MIG instance or share was
             # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
-            with ledger.pipelined(conn, enabled=not cycle.needs_answers):
+            with ledger.pipelined(conn, enabled=not cycle.work.needs_answers):
                 finish_cycle(cycle, commands, results)
                 if cycle.handover:
                     fail_point("scheduler.handover")
@@ -349,7 +351,7 @@ class SchedulerService:
                 reserved=len(cycle.reserved),
                 **cycle.timings,
             )
-        self._generation = cycle.generation
+        self._generation = cycle.work.generation
         self._initial = False
         self._resync = cycle.resync_after
         self.leadership.committed(clock, epoch, until, acquired)
@@ -417,12 +419,12 @@ class SchedulerService:
                 continue
             node.last_heartbeat = max(node.last_heartbeat, ts)
             if ts - node.persisted_heartbeat >= persist_every:
-                cycle.heartbeats[node.id] = ts
+                cycle.work.heartbeats[node.id] = ts
                 node.persisted_heartbeat = ts
         # Only acks that raise what the view has: an ack of a revision already acked changes nothing, and a cycle
         # that wrote it would still commit (a new ledger generation, a change-log row) for nothing.
         nodes = self.state.nodes
-        cycle.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
+        cycle.work.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
 
     def heartbeat(
         self, name: str, health=None, events=(), draining: bool = False, mig_modes=(), instance: str = ""
@@ -561,7 +563,7 @@ class SchedulerService:
     def _after_commit(self, cycle: Cycle) -> None:
         for job in cycle.changed.values():
             self.fanout.publish(job, cycle.now)
-        for name, revision, message in cycle.delivered:
+        for name, revision, message in cycle.work.delivered:
             self.fanout.deliver(name, revision, message)
         if cycle.foreign_writes:
             if cycle.foreign_assigned is None:
