@@ -24,6 +24,7 @@ from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState, 
 from .transitions import (
     Command,
     Cycle,
+    change_job,
     set_job,
     teardown,
 )
@@ -307,9 +308,7 @@ class Cancel(Command):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
-            cycle.work.write(
-                ledger.update_job, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
-            )
+            change_job(cycle, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started")
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)
             if cycle.state.claims.pop(job.id, None) is not None:  # a preemptor that no longer waits keeps nothing

@@ -35,9 +35,9 @@ from phalanx.core.decide import (
 from phalanx.core.model import Placement, ReplicaPlacement
 from phalanx.core.quota import cluster_totals
 
-from . import ledger
+from . import ledger, lifecycle
 from .state import JobRecord, SchedulerState
-from .transitions import Cycle, reserve, set_job, teardown
+from .transitions import Cycle, refused, reserve, set_job, teardown
 
 log = structlog.get_logger()
 
@@ -233,6 +233,9 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             victim = state.jobs.get(step.job)
             if victim is None:
                 cycle.resync_after = True  # the index already gave its GPUs back
+                continue
+            if not lifecycle.allowed(victim.state, "preempt"):  # only a running gang is stopped: nothing changes
+                refused(victim, "preempt")
                 continue
             if step.by:
                 cycle.work.later(ledger.mark_attempt_preempted, victim.id, victim.attempt, step.by)

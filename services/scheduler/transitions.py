@@ -18,7 +18,7 @@ from phalanx.api.v1 import agent_pb2, common_pb2
 from phalanx.common.tokens import rank_token
 from phalanx.core.model import Placement
 
-from . import ledger
+from . import ledger, lifecycle
 from .convert import job_from_record
 from .settings import SchedulerSettings
 from .state import (
@@ -129,6 +129,9 @@ def teardown(
     exponential backoff first. `released`: the decision gave its GPUs back in the capacity view already (a
     preemption's `Stop`, see phalanx.core.decide).
     """
+    if job.state != lifecycle.RUNNING:  # only a reserved gang can be torn down (lifecycle.TRANSITIONS)
+        refused(job, cause or final_state or "teardown")
+        return
     s, now = cycle.settings, cycle.now
     changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
     if final_state is None and cause == "PREEMPTED":
@@ -149,7 +152,7 @@ def teardown(
     if final_state:
         changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
     attempt = job.attempt
-    cycle.work.write(ledger.update_job, job, **changes)
+    change_job(cycle, job, **changes)
     # Neither needs an answer: written with the cycle's deferred writes (copies: a requeued job may be reserved
     # again in this very cycle, with a new attempt and allocations).
     ended = copy.copy(job)
@@ -211,6 +214,11 @@ def teardown(
     cycle.touched(job)
 
 
+def refused(job: JobRecord, event: str) -> None:
+    """A transition the job's state does not allow (lifecycle.TRANSITIONS): nothing changes, the error is logged."""
+    log.error("job_transition_refused", job=job.id, state=job.state, attempt=job.attempt, transition=event)
+
+
 def retry_backoff(base: float, cap: float, failures: int) -> float:
     """base, 2 x base, 4 x base ... after the 1st, 2nd, 3rd failure, at most `cap`."""
     if base <= 0:
@@ -220,13 +228,24 @@ def retry_backoff(base: float, cap: float, failures: int) -> float:
 
 def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
     """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set (a job
-    changed by another writer fails the cycle's commit: ledger.update_job)."""
+    changed by another writer fails the cycle's commit: change_job)."""
     if job.version < 0:
         for key, value in changes.items():
             setattr(job, key, value)
         touch(job)  # its version does not move until it is written: the pending view must hear of the change
         return
-    cycle.work.write(ledger.update_job, job, **changes)
+    change_job(cycle, job, **changes)
+
+
+def change_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
+    """Change a job that is in the ledger: its record now, its row by a compare-and-set on the version the view
+    read, queued with the unit of work (ledger.queue_job_update; a job changed by another writer fails the cycle's
+    commit). What ledger.update_job does, with the record's change here and the write there."""
+    cycle.work.write(ledger.queue_job_update, job.id, job.version, changes)
+    job.version += 1
+    for key, value in changes.items():
+        setattr(job, key, value)
+    touch(job)
 
 
 def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
@@ -236,6 +255,9 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     writer outside the scheduler; the partial unique index then fails the whole transaction, nothing of it
     commits, and the service reloads its view.
     """
+    if not lifecycle.allowed(job.state, "reserve"):
+        refused(job, "reserve")
+        return
     master = placement.replicas[0].node
     taken = ports_taken(cycle, master)
     port = master_port(job.id, job.attempt + 1, port_range(cycle.state.nodes.get(master)), taken)

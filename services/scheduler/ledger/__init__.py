@@ -45,6 +45,7 @@ from .jobs import (
     flush_job_updates,
     insert_jobs,
     job_from_row,
+    queue_job_update,
     read_job_records,
     update_job,
 )
@@ -166,6 +167,7 @@ __all__ = [
     "take_lease",
     "track_changes",
     "untrack_changes",
+    "queue_job_update",
     "update_job",
     "upsert_node",
     "upsert_nodes",

@@ -197,18 +197,24 @@ def update_job(conn: Connection, job: JobRecord, **changes: Any) -> None:
     job), which raises StaleJobs when another writer got there first. Cycles take turns on a view no older than
     the last commit (begin_cycle), so that means a bug or a writer outside the scheduler, never a normal race.
     Several changes of one job in a cycle are written as one."""
-    pending: dict[str, list[Any]] = conn.info.setdefault(JOB_WRITES, {})
-    entry = pending.get(job.id)
-    if entry is None:
-        pending[job.id] = [job.version, dict(changes), job.version + 1]
-    else:
-        entry[1].update(changes)
-        entry[2] = job.version + 1
-    _changed_jobs(conn, job.id)
+    queue_job_update(conn, job.id, job.version, changes)
     job.version += 1
     for key, value in changes.items():
         setattr(job, key, value)
     touch(job)
+
+
+def queue_job_update(conn: Connection, job_id: str, read: int, changes: dict[str, Any]) -> None:
+    """The row write of update_job alone: `changes` to the job whose view record was at version `read` (and is at
+    `read` + 1 once changed; the caller changes the record). Written by flush_job_updates."""
+    pending: dict[str, list[Any]] = conn.info.setdefault(JOB_WRITES, {})
+    entry = pending.get(job_id)
+    if entry is None:
+        pending[job_id] = [read, dict(changes), read + 1]
+    else:
+        entry[1].update(changes)
+        entry[2] = read + 1
+    _changed_jobs(conn, job_id)
 
 
 def flush_job_updates(conn: Connection) -> None:
