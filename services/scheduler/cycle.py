@@ -1,9 +1,8 @@
 """One scheduling cycle: apply a batch of commands, fire timers, place pending gangs, all in one transaction.
 
 The cycle runs in the scheduler's single writer thread. Commands validate before they write, so a rejected
-command changes nothing; the in-memory view is updated as the ledger is, and if the transaction does not commit
-the service reloads the view from the ledger. A reservation runs inside a savepoint: when the ledger refuses it
-(another replica took a GPU or the job first), only that reservation is undone.
+command changes nothing; the in-memory view is updated as the unit of work (work.py) queues the ledger's writes,
+and if the transaction does not commit the service reloads the view from the ledger.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ def schedule(cycle: Cycle) -> None:
     from .planning import apply_plan, snapshot_of
 
     state = cycle.state
+    cycle.work.apply()  # the commands' and timers' writes, so that what they changed counts (changes.sched)
     changes = cycle.work.changes
     if not (state.pass_due or (changes is not None and changes.sched) or cycle.now >= state.wake_at):
         return  # nothing the pass decides on changed since the last one: it would decide the same
@@ -158,7 +158,7 @@ def account_finished(cycle: Cycle) -> None:
     """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It marks and reads them (and
     their attempts), so the caller runs it before the pipelined closing writes; the sums' upsert is one of those."""
     if cycle.finished:
-        cycle.work.write(accounting.account_finished, cycle.finished, cycle.now, totals_later=cycle.work.totals)
+        cycle.work.ask(accounting.account_finished, cycle.finished, cycle.now, totals_later=cycle.work.totals)
 
 
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
@@ -173,11 +173,13 @@ def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> N
     work.flush_ranks()
     work.write(ledger.persist_heartbeats, work.heartbeats)
     work.write(ledger.persist_acks, work.acks)
+    work.apply()  # what the writes changed decides whether the generation moves
     changes = work.changes
     if commands or cycle.changed or cycle.woken_nodes or work.heartbeats or (changes is not None and changes.any):
         work.generation = work.ask(ledger.bump_generation, work.generation, notice(cycle))
         if changes is not None:
             work.write(ledger.record_changes, work.generation, cycle.settings.replica_id, changes, cycle.now)
+    work.apply()  # the closing writes, before the caller's commit
     for i, value in enumerate(results):
         if isinstance(value, JobRecord):
             results[i] = job_from_record(value)

@@ -1,7 +1,9 @@
-"""The cycle's state (`Cycle`) and the state transitions every command and the plan share: reserve a gang,
+"""The cycle's view (`Cycle`) and the state transitions every command and the plan share: reserve a gang,
 tear it down, change a job; the launch assignments a reservation sends.
 
-They write the ledger in the cycle's transaction and keep the in-memory view in step with it (see cycle.py).
+They change the in-memory records and hand their writes to the cycle's unit of work (work.py), which alone holds
+the connection and applies them in the cycle's transaction. What they may do to a job in which state is the table
+of lifecycle.py; tests/unit/test_job_lifecycle.py runs them with no database.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """A scheduling cycle's unit of work: the only holder of its connection, and every write it queues.
 
 The job life cycle (transitions.py, commands.py, planning.py, migmode.py) changes the in-memory view and hands
-its SQL here: `write(statement, *args)` for a write with no answer, `ask(statement, *args)` for a read or a
-guarded write whose answer a transition needs, `later(statement, *args)` for a write deferred to the cycle's end,
-and the queues below (new jobs and allocations, assignments, rank reports, claims, heartbeats and acks) that the
-closing writes of cycle.py apply. A statement is a function of services/scheduler/ledger taking the connection
-first. `write` and `ask` apply it at once, in the order the transitions queue it, so the SQL of a cycle and its
-order are what they were when the transitions held the connection themselves.
+its SQL here: `write(statement, *args)` queues a write with no answer, `ask(statement, *args)` applies the queue and
+then a read, or a guarded write whose answer a transition needs; `later(statement, *args)` defers a write to the
+cycle's end (batched, pipelined), and the queues below (new jobs and allocations, assignments, rank reports, claims,
+heartbeats and acks) are the closing writes of cycle.py. A statement is a function of services/scheduler/ledger
+(or accounting) taking the connection first. Queued writes are applied in the order they were queued, before any
+read (`ask`), before the deferred ones (`write_deferred`) and at the cycle's end (`apply`, from finish_cycle), so
+the statements of a cycle reach the ledger in the order the transitions issue them, in the same transaction.
 
 Because nothing else holds the connection, a stand-in without one (tests/unit/test_job_lifecycle.py) runs the
 job state machine with no database: it records the writes and answers the questions from a table.
@@ -72,16 +73,26 @@ class UnitOfWork:
     changes: ledger.Changes | None = None
     # Claims made and ended, in order: written after this cycle's new jobs (a claimant may be one of them)
     claim_writes: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
+    # Writes queued by `write`, not applied yet: (statement, args, keyword args)
+    queue: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
 
     # ---- the statements -------------------------------------------------------------------------------------------
 
     def write(self, statement: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Apply a write whose answer nobody needs (now, in order)."""
-        statement(self.conn, *args, **kwargs)
+        """Queue a write whose answer nobody needs (applied, in order, before the next read or at `apply`)."""
+        self.queue.append((statement, args, kwargs))
 
     def ask(self, statement: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Apply a read, or a guarded write, and return its answer."""
+        """Apply the queued writes, then a read or a guarded write, and return its answer."""
+        self.apply()
         return statement(self.conn, *args, **kwargs)
+
+    def apply(self) -> None:
+        """Apply the queued writes, in the order they were queued."""
+        while self.queue:
+            items, self.queue = self.queue, []
+            for statement, args, kwargs in items:
+                statement(self.conn, *args, **kwargs)
 
     def later(self, statement: Callable[..., Any], *args: Any) -> None:
         """Queue `statement(conn, *args)` for write_deferred (args are taken now: pass copies of what may change)."""
@@ -117,7 +128,10 @@ class UnitOfWork:
             self.write(statement, *args)
 
     def write_deferred(self) -> None:
-        self.write(ledger.flush_job_updates)  # first: the reads after it (account_finished) see the jobs' ends
+        """Apply the queue, the jobs' updates (first: the reads after it, account_finished, see the jobs' ends),
+        then the deferred writes, pipelined."""
+        self.write(ledger.flush_job_updates)
+        self.apply()
         if self.deferred:
             items, self.deferred = self.deferred, []
             # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
@@ -131,6 +145,7 @@ class UnitOfWork:
                         self.write(statement, *args)
                 for statement, rows in batches.items():
                     self.write(_BATCHED[statement], rows)
+                self.apply()
 
     def flush_ranks(self) -> None:
         if self.rank_rows:
