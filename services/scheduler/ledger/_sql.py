@@ -10,17 +10,14 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
-import structlog
 from sqlalchemy import Connection, insert
-
-log = structlog.get_logger()
 
 T = TypeVar("T")
 CHANGES = "phalanx_changes"  # Connection.info key of the transaction's Changes (see track_changes)
 
 
 class Changes:
-    """What one scheduling transaction changed in the rows the replicas' views hold, recorded by the writes below
+    """What one scheduling transaction changed in the rows the replicas' views hold, recorded by the ledger's writes
     and stored with the generation it made (ledger_changes), so another replica reloads only these rows.
 
     `jobs`: job ids whose job, allocation or rank rows changed; `nodes`, `gpus`: ids of node and GPU rows changed

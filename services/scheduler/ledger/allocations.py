@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+import structlog
 from sqlalchemy import Connection, Table, bindparam, func, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from db.models import Allocation, Node
 
 from ..state import JobRecord, NodeRecord, Partial
-from ._sql import _changed_jobs, _changed_nodes, insert_rows, log
+from ._sql import _changed_jobs, _changed_nodes, insert_rows
+
+log = structlog.get_logger()
 
 
 def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[str, NodeRecord], now: float) -> None:
