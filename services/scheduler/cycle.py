@@ -96,7 +96,9 @@ def schedule(cycle: Cycle) -> None:
         t2 = time.perf_counter()
         state.no_preemption = snapshot.memo.no_preemption
         apply_plan(cycle, plan)
-        cycle.timings.update(snapshot_ms=_ms(t1 - t0), decide_ms=_ms(t2 - t1), apply_ms=_ms(time.perf_counter() - t2))
+        cycle.metrics.timings.update(
+            snapshot_ms=_ms(t1 - t0), decide_ms=_ms(t2 - t1), apply_ms=_ms(time.perf_counter() - t2)
+        )
     for job in state.jobs.in_state("RUNNING").values():  # after the plan: the gangs it reserved have limits too
         if job.time_limit:
             cycle.wake_at(job.started_at + job.time_limit)  # fire_timers stops it there
@@ -144,12 +146,12 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
         except ServiceError as exc:
             results[i] = exc
     t1 = time.perf_counter()
-    cycle.timings["commands_ms"] = _ms(t1 - t0)
+    cycle.metrics.timings["commands_ms"] = _ms(t1 - t0)
     if not schedules:
         return results
     if timers_due:
         fire_timers(cycle)
-        cycle.timings["timers_ms"] = _ms(time.perf_counter() - t1)
+        cycle.metrics.timings["timers_ms"] = _ms(time.perf_counter() - t1)
     schedule(cycle)
     return results
 

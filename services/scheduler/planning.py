@@ -239,7 +239,7 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
                 continue
             if step.by:
                 cycle.work.later(ledger.mark_attempt_preempted, victim.id, victim.attempt, step.by)
-                cycle.preempted.append((victim.id, step.by))
+                cycle.metrics.preempted.append((victim.id, step.by))
             teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True)
             cycle.handover = True
         elif isinstance(step, SetClaim):
@@ -259,7 +259,7 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             claim = state.claims.pop(step.job, None)
             cycle.work.claim(ledger.end_claim, step.job, step.reason, cycle.now)
             if claim is not None and step.reason == "it runs":
-                cycle.claims_run.append((step.job, len(claim.victims)))
+                cycle.metrics.claims_run.append((step.job, len(claim.victims)))
             claimant = state.jobs.get(step.job)
             if claimant is not None:
                 cycle.touched(claimant)

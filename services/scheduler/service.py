@@ -334,7 +334,7 @@ class SchedulerService:
                 trans.commit()
         done = time.perf_counter()
         if done - t0 > SLOW_CYCLE_S:
-            cycle.timings.update(
+            cycle.metrics.timings.update(
                 deferred_ms=round((t_deferred - t_run) * 1000, 1),
                 accounting_ms=round((t_accounted - t_deferred) * 1000, 1),
                 closing_ms=round((done - t_accounted) * 1000, 1),
@@ -348,8 +348,8 @@ class SchedulerService:
                 commit_ms=round((done - t_run) * 1000, 1),
                 commands=len(commands),
                 view="delta" if changes is not None else ("full" if cycle.foreign_assigned is None else "kept"),
-                reserved=len(cycle.reserved),
-                **cycle.timings,
+                reserved=len(cycle.metrics.reserved),
+                **cycle.metrics.timings,
             )
         self._generation = cycle.work.generation
         self._initial = False
@@ -571,12 +571,12 @@ class SchedulerService:
             else:
                 for name in cycle.foreign_assigned:
                     self.fanout.wake_node(name)
-        for _job, latency in cycle.reserved:
+        for _job, latency in cycle.metrics.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
-        for victim, _by in cycle.preempted:
+        for victim, _by in cycle.metrics.preempted:
             metrics.JOB_PREEMPTIONS.labels(victim).inc()
-        for _claimant, asked in cycle.claims_run:
+        for _claimant, asked in cycle.metrics.claims_run:
             metrics.PREEMPTIONS_PER_ATTEMPT.observe(asked)
         if cycle.finished:
             metrics.forget_jobs(cycle.finished)
@@ -725,5 +725,5 @@ def _merge(a: Cycle | None, b: Cycle) -> Cycle:
         return b
     a.changed.update(b.changed)
     a.woken_nodes |= b.woken_nodes
-    a.reserved += b.reserved
+    a.metrics.reserved += b.metrics.reserved
     return a

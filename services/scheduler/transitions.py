@@ -40,10 +40,24 @@ log = structlog.get_logger()
 
 
 @dataclass
+class CycleMetrics:
+    """What a cycle measured, for the service's metrics and its slow-cycle log line after the commit."""
+
+    # The gangs it reserved, each with how long it waited since its submission
+    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
+    # Preemptions applied in this cycle, (victim, preemptor), and the claims whose gangs it placed, (job, how many
+    # gangs were asked to stop for it)
+    preempted: list[tuple[str, str]] = field(default_factory=list)
+    claims_run: list[tuple[str, int]] = field(default_factory=list)
+    # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class Cycle:
-    """A cycle's view: the in-memory state the transitions read and change, what the cycle changed (for the
-    watchers and the fan-out) and its metrics. Its SQL goes through `work` (work.py), which alone holds the
-    connection."""
+    """A cycle's view: the in-memory state the transitions read and change and what the cycle changed (for the
+    watchers and the fan-out); its SQL goes through `work` (work.py), which alone holds the connection, and what it
+    measured is in `metrics`."""
 
     work: UnitOfWork
     state: SchedulerState
@@ -51,7 +65,6 @@ class Cycle:
     now: float
     changed: dict[str, common_pb2.Job] = field(default_factory=dict)
     woken_nodes: set[str] = field(default_factory=set)
-    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
     resync_after: bool = False
     foreign_writes: bool = False
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
@@ -61,14 +74,9 @@ class Cycle:
     finished: list[str] = field(default_factory=list)
     # Nodes other replicas gave assignments since this replica's last cycle (None: unknown, after a full reload)
     foreign_assigned: set[str] | None = field(default_factory=set)
-    # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
-    timings: dict[str, float] = field(default_factory=dict)
-    # Preemptions applied in this cycle, (victim, preemptor), and the claims whose gangs it placed, (job, how many
-    # gangs were asked to stop for it): the metrics after the commit
-    preempted: list[tuple[str, str]] = field(default_factory=list)
-    claims_run: list[tuple[str, int]] = field(default_factory=list)
     # node -> MASTER_PORTs of the running attempts whose rank 0 is there (ports_taken: built on first use)
     master_ports: dict[str, set[int]] | None = None
+    metrics: CycleMetrics = field(default_factory=CycleMetrics)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
         """Queue an assignment for `node` (the unit of work writes it) and wake its stream after the commit."""
@@ -308,7 +316,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
             node, job.id, job.attempt, "launch", lambda rev, one=launch: agent_pb2.Assignment(revision=rev, launch=one)
         )
     job.launch_deadline = cycle.now + cycle.settings.launch_timeout
-    cycle.reserved.append((job, cycle.now - job.submitted_at))
+    cycle.metrics.reserved.append((job, cycle.now - job.submitted_at))
     cycle.touched(job)
 
 

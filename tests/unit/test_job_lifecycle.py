@@ -411,7 +411,7 @@ def test_a_preempted_gang_is_requeued_at_once_without_counting_a_failure():
     cycle, work = new_cycle(state, T0 + 5)
     apply_plan(cycle, [Stop(JOB, "make way", by="job-2")])
     assert (job.state, job.failures, job.preemptions, job.not_before) == (PENDING, 0, 1, 0.0)
-    assert cycle.preempted == [(JOB, "job-2")] and cycle.handover
+    assert cycle.metrics.preempted == [(JOB, "job-2")] and cycle.handover
     assert {s.__name__ for s, _ in work.deferred} == {"mark_attempt_preempted", "end_attempt", "release_allocations"}
 
 
