@@ -10,25 +10,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from sqlalchemy import select
 
-from db.models import Job
 from phalanx.api.v1 import common_pb2
-from phalanx.core import mig
-from phalanx.core.preemption import priority_name
 from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec
-from phalanx.core.resources import cpu_milli, describe, format_cpus, human_size, parse_size
+from phalanx.core.resources import cpu_milli, parse_size
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 from . import ledger
+from .admission import (
+    check_fits_ever,
+    check_fits_host_resources,
+    check_fits_model,
+    check_fits_required_tier,
+    check_priority,
+    check_queue,
+)
 from .convert import job_from_record
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState, attempt_key
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
     Cycle,
+    change_job,
     set_job,
     teardown,
 )
+from .work import job_row
 
 log = structlog.get_logger()
 
@@ -48,7 +54,7 @@ def register_all(cycle: Cycle, registers: list[Register]) -> dict[int, Any]:
     for i, reg in enumerate(registers):
         first.setdefault(reg.name, i)
     batch = [registers[i] for i in first.values()]
-    written = ledger.upsert_nodes(cycle.conn, [r.ledger_row(cycle) for r in batch])
+    written = cycle.work.ask(ledger.upsert_nodes, [r.ledger_row(cycle) for r in batch])
     results: dict[int, Any] = {}
     for i, reg in enumerate(registers):
         results[i] = reg.execute(cycle, written[reg.name] if first[reg.name] == i else None)
@@ -61,7 +67,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     Repeated request ids return the first job.
     """
     results: dict[int, Any] = {}
-    existing = ledger.find_by_request_ids(cycle.conn, [s.request_id for s in submits if s.request_id])
+    existing = cycle.work.ask(ledger.find_by_request_ids, [s.request_id for s in submits if s.request_id])
     new: list[JobRecord] = []
     by_request: dict[str, JobRecord] = {}
     for i, sub in enumerate(submits):
@@ -117,7 +123,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     for job in new:
         job.version = -1  # not in the ledger yet
         cycle.state.jobs[job.id] = job
-        cycle.new_jobs.append(job)
+        cycle.work.new_jobs.append(job)
     if new:
         cycle.state.pass_due = True
     for i, value in list(results.items()):
@@ -129,171 +135,15 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
 
 def write_new_jobs(cycle: Cycle) -> None:
     """Insert this cycle's new jobs as they are now, then every reservation's allocations, in bulk."""
-    if cycle.new_jobs:
-        for job in cycle.new_jobs:
+    if cycle.work.new_jobs:
+        for job in cycle.work.new_jobs:
             job.version = 0
-        ledger.insert_jobs(cycle.conn, cycle.new_jobs)
-        for job in cycle.new_jobs:
+        cycle.work.write(ledger.insert_jobs, cycle.work.new_jobs)
+        for job in cycle.work.new_jobs:
             cycle.touched(job)
-    if cycle.new_allocations:
-        ledger.insert_allocations(cycle.conn, cycle.new_allocations, cycle.state.nodes, cycle.now)
-        ledger.insert_attempts(cycle.conn, cycle.new_allocations, cycle.now)
-
-
-def check_queue(state: SchedulerState, spec: common_pb2.JobSpec, tenant: str) -> None:
-    """The queue must exist (except "default", which always does) and take this tenant."""
-    name = spec.queue or DEFAULT_QUEUE
-    queue = state.queues.get(name)
-    if queue is None:
-        if name != DEFAULT_QUEUE:
-            known = ", ".join(sorted({DEFAULT_QUEUE, *state.queues}))
-            raise FailedPrecondition(f"no queue {name[:64]!r}; queues: {known}")
-        return
-    if queue.tenants and tenant and tenant not in queue.tenants:
-        raise PermissionDenied(f"tenant {tenant!r} may not submit to queue {name!r}")
-
-
-def check_priority(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
-    """A non-admin may ask for no more than its queue's max_priority (0, "default", unless granted): refused, never
-    silently lowered."""
-    name = spec.queue or DEFAULT_QUEUE
-    queue = state.queues.get(name)
-    cap = queue.max_priority if queue is not None else 0
-    if spec.priority > cap:
-        raise PermissionDenied(
-            f"priority {priority_name(spec.priority)} is above what queue {name!r} grants: at most "
-            f"{priority_name(cap)}; an admin raises it with `phalanx quota set {name} --max-priority P`, or "
-            "submits the job"
-        )
-
-
-def check_fits_ever(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
-    """Refuse a gang that no state of this cluster could hold (drained and lost nodes count as capacity)."""
-    cap = state.capacity
-    if not cap.nodes:
-        raise FailedPrecondition("no nodes have registered yet, so no gang can be placed; start node agents first")
-    nodes = cap.nodes
-    largest = cap.shape()[1]
-    g, r = spec.gpus_per_replica, spec.replicas
-    if g > largest:
-        raise FailedPrecondition(f"each replica needs {g} GPUs on one node, but the largest node has {largest} GPUs")
-    total = cap.total_gpus()
-    if g * r > total:
-        raise FailedPrecondition(
-            f"the gang needs {r} x {g} = {g * r} GPUs, but all {len(nodes)} known nodes have {total} GPUs in total"
-        )
-    fit = state.capacity.max_replicas_ever(g)
-    if fit < r:
-        raise FailedPrecondition(
-            f"the gang needs {r} replicas of {g} GPUs, each on one node, but the {len(nodes)} known nodes can hold "
-            f"at most {fit} such replicas even when empty"
-        )
-
-
-def check_fits_host_resources(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
-    """Refuse replicas asking more CPUs or memory than any node has, or a gang whose replicas the nodes could not
-    feed all at once even when empty (drained and lost nodes count)."""
-    cpu = cpu_milli(spec.cpus_per_replica)
-    memory = parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0
-    if not (cpu or memory):
-        return
-    nodes = list(state.capacity.nodes.values())
-    if spec.gpu_model:
-        nodes = [n for n in nodes if spec.gpu_model.lower() in n.gpu_model.lower()]
-    if cpu and not any(n.cpu_milli >= cpu for n in nodes):
-        most = max((n.cpu_milli for n in nodes), default=0)
-        raise FailedPrecondition(
-            f"each replica asks for {format_cpus(cpu)} CPUs, but the most any node has is {format_cpus(most)}"
-            + ("" if most else " (no node's agent reported its CPUs)")
-        )
-    if memory and not any(n.memory >= memory for n in nodes):
-        most = max((n.memory for n in nodes), default=0)
-        raise FailedPrecondition(
-            f"each replica asks for {human_size(memory)} memory, but the most any node has is {human_size(most)}"
-            + ("" if most else " (no node's agent reported its memory)")
-        )
-    partial = bool(spec.mig_profile or spec.gpu_milli)
-    fit = 0
-    for n in nodes:
-        k = min(
-            n.cpu_milli // cpu if cpu else 1 << 30,
-            n.memory // memory if memory else 1 << 30,
-            (1 << 30) if partial else n.total // max(1, spec.gpus_per_replica),
-        )
-        fit += k
-    if fit < spec.replicas:
-        raise FailedPrecondition(
-            f"the gang needs {spec.replicas} replicas of {describe(cpu, memory)} each, but the known nodes can feed "
-            f"at most {fit} such replicas with their GPUs even when empty"
-        )
-
-
-def check_fits_model(state: SchedulerState, spec: common_pb2.JobSpec) -> None:
-    """Refuse a GPU model or MIG profile that no known node has (drained and lost nodes count)."""
-    nodes = list(state.capacity.nodes.values())
-    if spec.gpu_model:
-        models = sorted({n.gpu_model for n in nodes if n.gpu_model})
-        nodes = [n for n in nodes if spec.gpu_model.lower() in n.gpu_model.lower()]
-        if not nodes:
-            raise FailedPrecondition(
-                f"no known node has GPU model {spec.gpu_model!r}; models here: {', '.join(models) or 'none'}"
-            )
-        if not (spec.mig_profile or spec.gpu_milli):
-            fit = sum(n.total // spec.gpus_per_replica for n in nodes)
-            if fit < spec.replicas:
-                raise FailedPrecondition(
-                    f"the {len(nodes)} known node(s) with GPU model {spec.gpu_model!r} hold at most {fit} replicas "
-                    f"of {spec.gpus_per_replica} GPUs even when empty; the gang needs {spec.replicas}"
-                )
-    if spec.mig_profile:
-        families = sorted({f for n in nodes if (f := mig.mig_family(n.gpu_model, n.memory_mib))})
-        if not any(mig.resolve(spec.mig_profile, f) for f in families):
-            offered = "; ".join(f"{f}: {', '.join(mig.family_profiles(f))}" for f in families)
-            raise FailedPrecondition(
-                f"no known node's GPUs offer MIG profile {spec.mig_profile!r}"
-                + (f"; profiles here: {offered}" if offered else "; no node here has MIG-capable GPUs")
-            )
-
-
-def check_fits_required_tier(state: SchedulerState, spec: common_pb2.JobSpec, fabric_tiers: tuple[str, ...]) -> None:
-    """Refuse a gang that no single domain of its required tier could ever hold.
-
-    From the static structure only: every known node counts at its full size (drained and lost ones too), and a
-    node's domain at a fabric tier is its switch of that tier, as placement sees it (nodes without one share the
-    cluster root). "cluster" is check_fits_ever's business; the servicer has already checked the name.
-    """
-    tier = spec.required_tier
-    if not tier or tier == "cluster":
-        return
-    g, r = spec.gpus_per_replica, spec.replicas
-    nodes = list(state.capacity.nodes.values())
-    if not nodes or g < 1:
-        return
-    if tier == "node":
-        best = max(nodes, key=lambda n: (n.total // g, n.name))
-        fit = best.total // g
-        if fit < r:
-            raise FailedPrecondition(
-                f"required_tier=node: the gang needs {r} replicas of {g} GPUs on one node, but the largest node "
-                f"({best.name}, {best.total} GPUs) holds at most {fit} such replica(s)"
-            )
-        return
-    if tier not in fabric_tiers:
-        return
-    index = fabric_tiers.index(tier)
-    domains: dict[str, list[int]] = {}
-    for n in nodes:
-        key = n.path[index] if index < len(n.path) else ""
-        entry = domains.setdefault(key, [0, 0])
-        entry[0] += n.total // g
-        entry[1] += 1
-    key, (fit, count) = max(domains.items(), key=lambda kv: (kv[1][0], kv[0]))
-    if fit < r:
-        where = key or f"the nodes outside any {tier}"
-        raise FailedPrecondition(
-            f"required_tier={tier}: the gang needs {r} replicas of {g} GPUs under one {tier}, but the largest "
-            f"{tier} ({where}, {count} node(s)) holds at most {fit} such replica(s) even when empty"
-        )
+    if cycle.work.new_allocations:
+        cycle.work.write(ledger.insert_allocations, cycle.work.new_allocations, cycle.state.nodes, cycle.now)
+        cycle.work.write(ledger.insert_attempts, cycle.work.new_allocations, cycle.now)
 
 
 @dataclass
@@ -308,13 +158,11 @@ class Cancel(Command):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
-            ledger.update_job(
-                cycle.conn, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started"
-            )
+            change_job(cycle, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started")
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)
             if cycle.state.claims.pop(job.id, None) is not None:  # a preemptor that no longer waits keeps nothing
-                cycle.claim_writes.append((ledger.end_claim, (job.id, "cancelled", cycle.now)))
+                cycle.work.claim(ledger.end_claim, job.id, "cancelled", cycle.now)
                 cycle.state.pass_due = True  # its victims are called off, what it claimed is free for others
             cycle.touched(job)
         else:
@@ -334,7 +182,7 @@ class RequestCheckpoint(Command):
         if job is None or job.state != "RUNNING":
             state = "PENDING" if job is not None else "finished"
             raise FailedPrecondition(f"job {self.job_id} is {state}, not running: only a running job can checkpoint")
-        reason, at = ledger.request_checkpoint(cycle.conn, job.id, self.reason, cycle.now)
+        reason, at = cycle.work.ask(ledger.request_checkpoint, job.id, self.reason, cycle.now)
         log.info("checkpoint_requested", job=job.id, reason=reason)
         return job, reason, at
 
@@ -344,8 +192,7 @@ def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
     job = cycle.state.jobs.get(job_id)
     if job is not None:
         return job
-    ledger.flush_job_updates(cycle.conn)  # a job this cycle finished reads as finished
-    row = cycle.conn.execute(select(Job.state).where(Job.id == job_id)).first()
+    row = cycle.work.ask(job_row, job_id)  # a job this cycle finished reads as finished
     if row is None:
         raise NotFound(f"no job with id {job_id!r}")
     if row.state in ("PENDING", "RUNNING"):
@@ -414,13 +261,13 @@ class Register(Command):
         row = self.ledger_row(cycle)
         gpus, path = row["gpus"], row["fabric_path"]
         if rows is None:
-            rows = ledger.upsert_nodes(cycle.conn, [row])[self.name]
+            rows = cycle.work.ask(ledger.upsert_nodes, [row])[self.name]
         node_id, acked, revision, cordoned, gpu_ids = rows
         state = cycle.state
         old = state.nodes.get(self.name)
         # An admin drained it (`phalanx node drain`): it stays DRAINED, out of placement, until undrained.
         if cordoned:
-            ledger.set_node_state(cycle.conn, node_id, "DRAINED", CORDON_MESSAGE)
+            cycle.work.write(ledger.set_node_state, node_id, "DRAINED", CORDON_MESSAGE)
         node = NodeRecord(
             id=node_id,
             name=self.name,
@@ -452,7 +299,7 @@ class Register(Command):
                         node.releasing_use[key] = old.releasing_use[key]
                 else:  # the agent has no process of it left (or lost its state): its GPUs are free
                     job_id, _, attempt = key.rpartition("/")
-                    ledger.release_attempt_on_node(cycle.conn, node.id, job_id, int(attempt), cycle.now)
+                    cycle.work.write(ledger.release_attempt_on_node, node.id, job_id, int(attempt), cycle.now)
                     log.info("gpus_released", node=self.name, attempt=key, gpus=list(gpus), by="registration")
         switch_ended = registered(cycle, old, node, self.mig_manage)
         if old is not None and old.gpus == node.gpus:  # health stays until the new agent's heartbeats say otherwise
@@ -460,7 +307,7 @@ class Register(Command):
         if old is not None and old.state == "LOST":
             # Back after it was lost: not used again until a heartbeat of this agent reports it healthy.
             node.health, node.health_reason = "UNKNOWN", "back after it was lost; waiting for a health report"
-            ledger.set_node_health(cycle.conn, node.id, node.health, node.health_reason, node.gpu_health)
+            cycle.work.write(ledger.set_node_health, node.id, node.health, node.health_reason, node.gpu_health)
         state.nodes[self.name] = node
         if (
             old is None
@@ -526,7 +373,7 @@ class AttemptReleased(Command):
         gpus = node.releasing.pop(attempt_key(self.job_id, self.attempt), None)
         if gpus is None:
             return False
-        ledger.release_attempt_on_node(cycle.conn, node.id, self.job_id, self.attempt, cycle.now)
+        cycle.work.write(ledger.release_attempt_on_node, node.id, self.job_id, self.attempt, cycle.now)
         cycle.state.capacity.release(node.name, set(gpus) - node.held_gpus)
         use = node.releasing_use.pop(attempt_key(self.job_id, self.attempt), None)
         if use is not None:
@@ -557,8 +404,7 @@ class RankReport(Command):
             raise NotFound(f"node {self.node!r} is not registered")
         job = cycle.state.jobs.get(self.job_id)
         if job is None or job.attempt != self.attempt:
-            ledger.flush_job_updates(cycle.conn)  # a job this cycle finished or requeued reads so
-            exists = cycle.conn.execute(select(Job.state, Job.attempt).where(Job.id == self.job_id)).first()
+            exists = cycle.work.ask(job_row, self.job_id)  # a job this cycle finished or requeued reads so
             if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:
                 cycle.reload()
                 job = cycle.state.jobs.get(self.job_id)
@@ -569,7 +415,7 @@ class RankReport(Command):
             raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
         if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
             return False
-        cycle.rank_rows.append(
+        cycle.work.rank_rows.append(
             dict(
                 job_id=job.id,
                 attempt=job.attempt,
@@ -593,7 +439,7 @@ class RankReport(Command):
                 job.launch_deadline = None
                 if not job.running_at:
                     job.running_at = cycle.now
-                    cycle.later(ledger.mark_attempt_running, copy.copy(job), cycle.now)
+                    cycle.work.later(ledger.mark_attempt_running, copy.copy(job), cycle.now)
                 cycle.touched(job)
         elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
             teardown(
@@ -637,10 +483,10 @@ def strike(cycle: Cycle, job: JobRecord, node: NodeRecord, where: str, message: 
     with the failure backoff (SETUP_FAILED counts against max_attempts like any failure)."""
     struck = sorted({*job.struck_nodes, node.name})
     set_job(cycle, job, struck_nodes=struck)
-    strikes = ledger.strike_node(cycle.conn, node.id)
+    strikes = cycle.work.ask(ledger.strike_node, node.id)
     what = message or "unknown error"
-    ledger.add_node_events(
-        cycle.conn,
+    cycle.work.write(
+        ledger.add_node_events,
         node.id,
         [
             dict(
@@ -686,7 +532,7 @@ class HealthReport(Command):
             return False
         changed = False
         if self.alive and self.health is None and node.health == "UNKNOWN":
-            ledger.set_node_health(cycle.conn, node.id, "HEALTHY", "", {})
+            cycle.work.write(ledger.set_node_health, node.id, "HEALTHY", "", {})
             held = node.fatal_gpus
             node.health, node.health_reason, node.gpu_health = "HEALTHY", "", {}
             if held:  # FATAL GPUs it kept out of the index come back
@@ -704,7 +550,7 @@ class HealthReport(Command):
             }
             reason = self.health.reason
             if (health, reason, gpus) != (node.health, node.health_reason, node.gpu_health):
-                ledger.set_node_health(cycle.conn, node.id, health, reason, gpus)
+                cycle.work.write(ledger.set_node_health, node.id, health, reason, gpus)
                 log.warning(
                     "node_health_changed",
                     node=node.name,
@@ -732,7 +578,7 @@ class HealthReport(Command):
             )
             for e in self.events
         ]
-        ledger.add_node_events(cycle.conn, node.id, events)
+        cycle.work.write(ledger.add_node_events, node.id, events)
         return changed
 
 
@@ -767,7 +613,7 @@ class Drain(Command):
         node = cycle.state.nodes.get(self.name)
         if node is None or node.state != "READY":
             return False
-        ledger.set_node_state(cycle.conn, node.id, "DRAINED", self.message)
+        cycle.work.write(ledger.set_node_state, node.id, "DRAINED", self.message)
         node.state = "DRAINED"
         cycle.state.set_node_schedulable(node.name)
         log.info("node_drained", node=node.name, reason=self.message)
@@ -791,16 +637,16 @@ class CordonNode(Command):
         node = cycle.state.nodes.get(self.name)
         if node is None:
             raise NotFound(f"no node named {self.name[:80]!r}")
-        ledger.set_node_cordoned(cycle.conn, node.id, self.cordon)
+        cycle.work.write(ledger.set_node_cordoned, node.id, self.cordon)
         if self.cordon:
             if node.state in ("READY", "DRAINED"):
                 message = f"drained by an admin: {self.reason}" if self.reason else CORDON_MESSAGE
-                ledger.set_node_state(cycle.conn, node.id, "DRAINED", message)
+                cycle.work.write(ledger.set_node_state, node.id, "DRAINED", message)
                 node.state = "DRAINED"
                 cycle.state.set_node_schedulable(node.name)
             log.info("node_cordoned", node=node.name, reason=self.reason, state=node.state)
         elif node.state == "DRAINED" and cycle.now - node.last_heartbeat <= cycle.settings.lease_timeout:
-            ledger.set_node_state(cycle.conn, node.id, "READY", "")
+            cycle.work.write(ledger.set_node_state, node.id, "READY", "")
             node.state = "READY"
             cycle.state.set_node_schedulable(node.name)
             log.info("node_uncordoned", node=node.name)
@@ -815,7 +661,7 @@ class SetQueue(Command):
     spec: QueueSpec
 
     def execute(self, cycle: Cycle) -> str:
-        ledger.upsert_queue(cycle.conn, self.spec, cycle.now)
+        cycle.work.write(ledger.upsert_queue, self.spec, cycle.now)
         cycle.state.queues[self.spec.name] = self.spec
         cycle.state.no_preemption = None
         log.info(
@@ -841,6 +687,6 @@ class DeleteQueue(Command):
                 f"queue {self.name!r} still has {len(users)} pending or running job(s) "
                 f"({', '.join(users[:5])}); cancel them or let them finish first"
             )
-        ledger.delete_queue(cycle.conn, self.name)
+        cycle.work.write(ledger.delete_queue, self.name)
         del cycle.state.queues[self.name]
         return self.name

@@ -1,9 +1,8 @@
 """One scheduling cycle: apply a batch of commands, fire timers, place pending gangs, all in one transaction.
 
 The cycle runs in the scheduler's single writer thread. Commands validate before they write, so a rejected
-command changes nothing; the in-memory view is updated as the ledger is, and if the transaction does not commit
-the service reloads the view from the ledger. A reservation runs inside a savepoint: when the ledger refuses it
-(another replica took a GPU or the job first), only that reservation is undone.
+command changes nothing; the in-memory view is updated as the unit of work (work.py) queues the ledger's writes,
+and if the transaction does not commit the service reloads the view from the ledger.
 """
 
 from __future__ import annotations
@@ -15,15 +14,13 @@ from typing import Any
 
 import structlog
 
-from phalanx.core.backfill import BackfillResult, RunningEnd
+from phalanx.core.backfill import BackfillResult
 from phalanx.core.decide import AfterBlocked, decide
-from phalanx.core.model import Placement
-from phalanx.core.quota import QuotaBook, cluster_totals, usage_of
 
 from . import accounting, ledger
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
-from .state import JobRecord, SchedulerState
+from .state import JobRecord
 from .transitions import (
     Command,
     Cycle,
@@ -39,14 +36,16 @@ def fire_timers(cycle: Cycle) -> None:
         if node.state in ("READY", "DRAINED") and now - node.last_heartbeat > s.lease_timeout:
             threshold = now - s.lease_timeout
             msg = f"no heartbeat for {now - node.last_heartbeat:.0f}s (lease {s.lease_timeout:.0f}s)"
-            if not ledger.set_node_state(cycle.conn, node.id, "LOST", msg, only_if_heartbeat_before=threshold):
+            if not cycle.work.ask(ledger.set_node_state, node.id, "LOST", msg, only_if_heartbeat_before=threshold):
                 cycle.resync_after = True  # another replica heard from it more recently
                 continue
             node.state = "LOST"
             cycle.state.set_node_schedulable(node.name)
             log.warning("node_lost", node=node.name, reason=msg)
-            ledger.add_node_events(
-                cycle.conn, node.id, [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0, reason=msg)]
+            cycle.work.write(
+                ledger.add_node_events,
+                node.id,
+                [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0, reason=msg)],
             )
             for job in cycle.state.running_on(node.name):
                 teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
@@ -77,7 +76,8 @@ def schedule(cycle: Cycle) -> None:
     from .planning import apply_plan, snapshot_of
 
     state = cycle.state
-    changes = cycle.changes
+    cycle.work.apply()  # the commands' and timers' writes, so that what they changed counts (changes.sched)
+    changes = cycle.work.changes
     if not (state.pass_due or (changes is not None and changes.sched) or cycle.now >= state.wake_at):
         return  # nothing the pass decides on changed since the last one: it would decide the same
     state.pass_due = False
@@ -96,7 +96,9 @@ def schedule(cycle: Cycle) -> None:
         t2 = time.perf_counter()
         state.no_preemption = snapshot.memo.no_preemption
         apply_plan(cycle, plan)
-        cycle.timings.update(snapshot_ms=_ms(t1 - t0), decide_ms=_ms(t2 - t1), apply_ms=_ms(time.perf_counter() - t2))
+        cycle.metrics.timings.update(
+            snapshot_ms=_ms(t1 - t0), decide_ms=_ms(t2 - t1), apply_ms=_ms(time.perf_counter() - t2)
+        )
     for job in state.jobs.in_state("RUNNING").values():  # after the plan: the gangs it reserved have limits too
         if job.time_limit:
             cycle.wake_at(job.started_at + job.time_limit)  # fire_timers stops it there
@@ -117,33 +119,6 @@ def mig_hook(cycle: Cycle) -> AfterBlocked | None:
         return after_pass(cycle, jobs[head], result, [jobs[j] for j in pending if j in jobs], backfill)
 
     return hook
-
-
-def quota_book(state: SchedulerState) -> QuotaBook | None:
-    """This pass's quota state: what each queue's running jobs use, per flavor; None when no queue is configured
-    (one unlimited queue: plain priority order)."""
-    if not state.queues:
-        return None
-    running = [(j.queue, j.flavor, j.request()) for j in state.running()]
-    return QuotaBook(
-        state.queues,
-        usage_of(running),
-        cluster_totals(
-            (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
-        ),
-    )
-
-
-def running_ends(state: SchedulerState) -> list[RunningEnd]:
-    """The running gangs with what they hold and when their time limits end them (inf: no limit), for backfill."""
-    return [
-        RunningEnd(
-            j.id,
-            Placement(j.id, tuple(j.replica_placements()), "", 0, 0.0, ""),
-            j.started_at + j.time_limit if j.time_limit else math.inf,
-        )
-        for j in state.running()
-    ]
 
 
 def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True, schedules: bool = True) -> list[Any]:
@@ -171,12 +146,12 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
         except ServiceError as exc:
             results[i] = exc
     t1 = time.perf_counter()
-    cycle.timings["commands_ms"] = _ms(t1 - t0)
+    cycle.metrics.timings["commands_ms"] = _ms(t1 - t0)
     if not schedules:
         return results
     if timers_due:
         fire_timers(cycle)
-        cycle.timings["timers_ms"] = _ms(time.perf_counter() - t1)
+        cycle.metrics.timings["timers_ms"] = _ms(time.perf_counter() - t1)
     schedule(cycle)
     return results
 
@@ -185,25 +160,28 @@ def account_finished(cycle: Cycle) -> None:
     """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It marks and reads them (and
     their attempts), so the caller runs it before the pipelined closing writes; the sums' upsert is one of those."""
     if cycle.finished:
-        accounting.account_finished(cycle.conn, cycle.finished, cycle.now, totals_later=cycle.totals)
+        cycle.work.ask(accounting.account_finished, cycle.finished, cycle.now, totals_later=cycle.work.totals)
 
 
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
     """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
-    cycle.write_claims()
-    if cycle.totals:
-        accounting.add_totals(cycle.conn, cycle.totals, cycle.now)
-        cycle.totals = []
+    work = cycle.work
+    work.write_claims()
+    if work.totals:
+        work.write(accounting.add_totals, work.totals, cycle.now)
+        work.totals = []
     cycle.flush()
-    cycle.flush_ranks()
-    ledger.persist_heartbeats(cycle.conn, cycle.heartbeats)
-    ledger.persist_acks(cycle.conn, cycle.acks)
-    changes = cycle.changes
-    if commands or cycle.changed or cycle.woken_nodes or cycle.heartbeats or (changes is not None and changes.any):
-        cycle.generation = ledger.bump_generation(cycle.conn, cycle.generation, notice(cycle))
+    work.flush_ranks()
+    work.write(ledger.persist_heartbeats, work.heartbeats)
+    work.write(ledger.persist_acks, work.acks)
+    work.apply()  # what the writes changed decides whether the generation moves
+    changes = work.changes
+    if commands or cycle.changed or cycle.woken_nodes or work.heartbeats or (changes is not None and changes.any):
+        work.generation = work.ask(ledger.bump_generation, work.generation, notice(cycle))
         if changes is not None:
-            ledger.record_changes(cycle.conn, cycle.generation, cycle.settings.replica_id, changes, cycle.now)
+            work.write(ledger.record_changes, work.generation, cycle.settings.replica_id, changes, cycle.now)
+    work.apply()  # the closing writes, before the caller's commit
     for i, value in enumerate(results):
         if isinstance(value, JobRecord):
             results[i] = job_from_record(value)

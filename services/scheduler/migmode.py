@@ -146,7 +146,7 @@ class MigModeReport(Command):
 
 
 def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> None:
-    now, conn = cycle.now, cycle.conn
+    now, work = cycle.now, cycle.work
     rebuild = False
     events = []
     for c in changes:
@@ -163,7 +163,7 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
                 values["mig_instances"] = []
                 node.foreign = {g: m for g, m in node.foreign.items() if g != c.gpu}
             node.mig_switched_at[c.gpu] = now
-            ledger.set_gpu_mig(conn, gpu_id, **values)
+            work.write(ledger.set_gpu_mig, gpu_id, **values)
             asked = sw is not None and sw.active and sw.enable == c.value
             what = f"GPU {c.gpu} switched {'to' if c.value else 'out of'} MIG mode" + (
                 f", {now - sw.asked_at:.1f}s after the scheduler asked" if asked else " (not asked by the scheduler)"
@@ -183,7 +183,7 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
                 node.mig_pending.pop(c.gpu, None)
             else:
                 node.mig_pending[c.gpu] = c.value
-            ledger.set_gpu_mig(conn, gpu_id, mig_mode_pending="" if c.value is None else _mode(c.value))
+            work.write(ledger.set_gpu_mig, gpu_id, mig_mode_pending="" if c.value is None else _mode(c.value))
             if c.value is not None:
                 log.info(
                     "node_mig_mode_pending",
@@ -195,8 +195,13 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
         elif c.kind == "done":
             node.mig_switches.pop(c.gpu, None)
             node.mig_switched_at[c.gpu] = now
-            ledger.set_gpu_mig(
-                conn, gpu_id, mig_switch_to="", mig_switch_error="", mig_retry_after=0.0, mig_switched_at=now
+            work.write(
+                ledger.set_gpu_mig,
+                gpu_id,
+                mig_switch_to="",
+                mig_switch_error="",
+                mig_retry_after=0.0,
+                mig_switched_at=now,
             )
             rebuild = True
         elif c.kind == "failed":
@@ -204,7 +209,7 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
             backoff = cycle.settings.mig_switch_backoff_s
             error = str(c.value)[:2000] or "unknown error"
             node.mig_switches[c.gpu] = dataclasses.replace(sw, error=error, retry_after=now + backoff)
-            ledger.set_gpu_mig(conn, gpu_id, mig_switch_error=error, mig_retry_after=now + backoff)
+            work.write(ledger.set_gpu_mig, gpu_id, mig_switch_error=error, mig_retry_after=now + backoff)
             direction = "to" if sw.enable else "out of"
             log.warning(
                 "mig_mode_switch_failed",
@@ -227,7 +232,7 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
             )
             cycle.wake_at(now + backoff)
             rebuild = True
-    ledger.add_node_events(conn, node.id, events)
+    work.write(ledger.add_node_events, node.id, events)
     if rebuild:
         cycle.state.rebuild_capacity()
 
@@ -239,26 +244,28 @@ def registered(cycle: Cycle, old: NodeRecord | None, node: NodeRecord, mig_manag
     node.mig_manage = mig_manage
     if old is None:
         return False
-    now, conn = cycle.now, cycle.conn
+    now, work = cycle.now, cycle.work
     node.mig_switches = {g: s for g, s in old.mig_switches.items() if 0 <= g < node.gpus}
     node.mig_pending = {g: p for g, p in old.mig_pending.items() if 0 <= g < node.gpus}
     node.mig_switched_at = {g: t for g, t in old.mig_switched_at.items() if 0 <= g < node.gpus}
     for gpu in sorted(old.mig_gpus ^ node.mig_gpus):
         if gpu in node.gpu_ids:
             node.mig_switched_at[gpu] = now
-            ledger.set_gpu_mig(conn, node.gpu_ids[gpu], mig_switched_at=now)
+            work.write(ledger.set_gpu_mig, node.gpu_ids[gpu], mig_switched_at=now)
     ended = False
     for gpu, sw in sorted(node.mig_switches.items()):
         if not sw.active or gpu not in node.gpu_ids:
             continue
         if (gpu in node.mig_gpus) == sw.enable:
             del node.mig_switches[gpu]
-            ledger.set_gpu_mig(conn, node.gpu_ids[gpu], mig_switch_to="", mig_switch_error="", mig_retry_after=0.0)
+            work.write(
+                ledger.set_gpu_mig, node.gpu_ids[gpu], mig_switch_to="", mig_switch_error="", mig_retry_after=0.0
+            )
             ended = True
         elif not mig_manage:
             error = "the agent registered again without --mig-manage"
             node.mig_switches[gpu] = dataclasses.replace(sw, error=error, retry_after=now)
-            ledger.set_gpu_mig(conn, node.gpu_ids[gpu], mig_switch_error=error, mig_retry_after=now)
+            work.write(ledger.set_gpu_mig, node.gpu_ids[gpu], mig_switch_error=error, mig_retry_after=now)
             log.warning("mig_mode_switch_failed", node=node.name, gpu=gpu, mig_mode=_mode(sw.enable), error=error)
             ended = True
     return ended
@@ -484,8 +491,8 @@ def _ask(cycle: Cycle, job: JobRecord, plan: SwitchPlan) -> None:
         node = state.nodes[name]
         rev = revisions[(name, gpu)]
         node.mig_switches[gpu] = MigSwitch(plan.enable, now, rev)
-        ledger.set_gpu_mig(
-            cycle.conn,
+        cycle.work.write(
+            ledger.set_gpu_mig,
             node.gpu_ids[gpu],
             mig_switch_to=_mode(plan.enable),
             mig_switch_at=now,

@@ -35,9 +35,9 @@ from phalanx.core.decide import (
 from phalanx.core.model import Placement, ReplicaPlacement
 from phalanx.core.quota import cluster_totals
 
-from . import ledger
+from . import ledger, lifecycle
 from .state import JobRecord, SchedulerState
-from .transitions import Cycle, reserve, set_job, teardown
+from .transitions import Cycle, refused, reserve, set_job, teardown
 
 log = structlog.get_logger()
 
@@ -106,6 +106,13 @@ def _running_job(job: JobRecord) -> RunningJob:
     )
 
 
+def quota_totals(state: SchedulerState) -> dict[str, float]:
+    """The quotas' denominators: the cluster's GPUs per flavor, MIG slices counted only on GPUs in MIG mode."""
+    return cluster_totals(
+        (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
+    )
+
+
 def running_ends(state: SchedulerState) -> RunningSet:
     """The running gangs in end order (backfill's input when the head is blocked), brought up to date with the
     running jobs: only the gangs that started, stopped or changed attempt since the last cycle move in it, and its
@@ -130,7 +137,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
     state, s = cycle.state, cycle.settings
     jobs = state.jobs
     victims = [j for j in jobs.in_state("RUNNING").values() if j.preempted_by]  # JobRecord.preempting, inline
-    waiting = ledger.outstanding_requests(cycle.conn, [v.id for v in victims]) if victims else set()
+    waiting = cycle.work.ask(ledger.outstanding_requests, [v.id for v in victims]) if victims else set()
 
     def running() -> dict[str, RunningJob]:
         out = {}
@@ -155,16 +162,10 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
 
     def saved_at() -> dict[str, float]:
         ids = list(jobs.in_state("RUNNING"))
-        commits = ledger.latest_commits(cycle.conn, ids)
+        commits = cycle.work.ask(ledger.latest_commits, ids)
         return {i: c[2] for i, c in commits.items() if i in jobs and c[1] == jobs[i].attempt}
 
-    totals = (
-        cluster_totals(
-            (n.gpu_model, n.memory_mib, g in n.mig_gpus) for n in state.nodes.values() for g in range(n.gpus)
-        )
-        if state.queues
-        else {}
-    )
+    totals = quota_totals(state) if state.queues else {}
     config = DecideConfig(
         tiers=s.fabric.tiers,
         backfill=s.backfill,
@@ -225,7 +226,7 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             if victim is None:
                 continue
             set_job(cycle, victim, preempted_by=step.by, preempt_deadline=step.deadline, message=step.message)
-            ledger.request_checkpoint(cycle.conn, victim.id, step.request, cycle.now)
+            cycle.work.write(ledger.request_checkpoint, victim.id, step.request, cycle.now)
             cycle.touched(victim)
             log.info("preemption_started", preemptor=step.by, victim=victim.id, deadline=step.deadline)
         elif isinstance(step, Stop):
@@ -233,13 +234,16 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             if victim is None:
                 cycle.resync_after = True  # the index already gave its GPUs back
                 continue
+            if not lifecycle.allowed(victim.state, "preempt"):  # only a running gang is stopped: nothing changes
+                refused(victim, "preempt")
+                continue
             if step.by:
-                cycle.later(ledger.mark_attempt_preempted, victim.id, victim.attempt, step.by)
-                cycle.preempted.append((victim.id, step.by))
+                cycle.work.later(ledger.mark_attempt_preempted, victim.id, victim.attempt, step.by)
+                cycle.metrics.preempted.append((victim.id, step.by))
             teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True)
             cycle.handover = True
         elif isinstance(step, SetClaim):
-            cycle.claim_writes.append((ledger.set_claim, (step.claim, cycle.now)))
+            cycle.work.claim(ledger.set_claim, step.claim, cycle.now)
             state.claims[step.claim.job] = step.claim
             claimant = state.jobs.get(step.claim.job)
             if claimant is not None:
@@ -253,9 +257,9 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             )
         elif isinstance(step, EndClaim):
             claim = state.claims.pop(step.job, None)
-            cycle.claim_writes.append((ledger.end_claim, (step.job, step.reason, cycle.now)))
+            cycle.work.claim(ledger.end_claim, step.job, step.reason, cycle.now)
             if claim is not None and step.reason == "it runs":
-                cycle.claims_run.append((step.job, len(claim.victims)))
+                cycle.metrics.claims_run.append((step.job, len(claim.victims)))
             claimant = state.jobs.get(step.job)
             if claimant is not None:
                 cycle.touched(claimant)

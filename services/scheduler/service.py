@@ -37,7 +37,9 @@ from .fanout import FanOut
 from .leadership import Leadership
 from .settings import SchedulerSettings
 from .state import SchedulerState
-from .transitions import Command, Cycle, apply_changes, reload_state
+from .transitions import Command, Cycle
+from .viewsync import apply_changes, reload_state
+from .work import UnitOfWork
 
 log = structlog.get_logger()
 # A cycle longer than this logs where its time went (cycle_slow); PHALANX_SLOW_CYCLE_MS sets it (0: every cycle).
@@ -100,6 +102,7 @@ class SchedulerService:
         self._mig_queued: dict[str, tuple] = {}
         self._next_timer_check = 0.0
         self._next_changes_prune = 0.0
+        self.cycle_id = 0  # the last cycle's number in this process: bound as `cycle` in its log lines
         self.view_reloads = {"full": 0, "delta": 0}  # this replica's (phalanx_scheduler_view_reloads_total)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.leadership = Leadership(settings.replica_id, settings.leader_lease_s)
@@ -223,6 +226,13 @@ class SchedulerService:
         timers = self._timers and self.leading and self._timers_due(now)
         if not commands and not self._resync and not periodic and not timers and not lease_tick:
             return [], None
+        self.cycle_id += 1
+        # Every log line of the cycle, its retries included, carries its id (phalanx.common.logging merges it).
+        with structlog.contextvars.bound_contextvars(cycle=self.cycle_id):
+            return self._cycle_attempts(commands, now)
+
+    def _cycle_attempts(self, commands: list[Command], now: float) -> tuple[list[Any], Cycle | None]:
+        """The cycle's transaction; on failure, once again on a reloaded view, then the commands one by one."""
         try:
             return self._transaction(commands, now, resync=self._resync)
         except (DBAPIError, ledger.StaleJobs) as exc:
@@ -281,7 +291,7 @@ class SchedulerService:
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
             # lock must not stamp a reservation earlier than the release it builds on.
             now = max(now, self.clock())
-            cycle = Cycle(conn, self.state, self.settings, now)
+            cycle = Cycle(UnitOfWork(conn), self.state, self.settings, now)
             self._last_sync = time.time()
             cycle.foreign_writes = self._generation is not None and generation != self._generation
             changes = None
@@ -301,13 +311,13 @@ class SchedulerService:
                 metrics.VIEW_RELOADS.labels("full").inc()
                 self.view_reloads["full"] += 1
             t_view = time.perf_counter()
-            cycle.changes = ledger.track_changes(conn)
+            cycle.work.changes = ledger.track_changes(conn)
             self._take_beats_and_acks(cycle)
-            cycle.generation = generation
+            cycle.work.generation = generation
             cycle.epoch = epoch or 0
             results = run_cycle(cycle, commands, timers_due=self._timers, schedules=epoch is not None)
             t_run = time.perf_counter()
-            cycle.write_deferred()
+            cycle.work.write_deferred()
             t_deferred = time.perf_counter()
             account_finished(cycle)
             t_accounted = time.perf_counter()
@@ -317,14 +327,14 @@ class SchedulerService:
                 ledger.prune_changes(conn, now - ledger.CHANGES_KEPT_S)
             # Closing writes and the commit: one round trip on PostgreSQL. Not when a MIG instance or share was
             # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
-            with ledger.pipelined(conn, enabled=not cycle.needs_answers):
+            with ledger.pipelined(conn, enabled=not cycle.work.needs_answers):
                 finish_cycle(cycle, commands, results)
                 if cycle.handover:
                     fail_point("scheduler.handover")
                 trans.commit()
         done = time.perf_counter()
         if done - t0 > SLOW_CYCLE_S:
-            cycle.timings.update(
+            cycle.metrics.timings.update(
                 deferred_ms=round((t_deferred - t_run) * 1000, 1),
                 accounting_ms=round((t_accounted - t_deferred) * 1000, 1),
                 closing_ms=round((done - t_accounted) * 1000, 1),
@@ -338,10 +348,10 @@ class SchedulerService:
                 commit_ms=round((done - t_run) * 1000, 1),
                 commands=len(commands),
                 view="delta" if changes is not None else ("full" if cycle.foreign_assigned is None else "kept"),
-                reserved=len(cycle.reserved),
-                **cycle.timings,
+                reserved=len(cycle.metrics.reserved),
+                **cycle.metrics.timings,
             )
-        self._generation = cycle.generation
+        self._generation = cycle.work.generation
         self._initial = False
         self._resync = cycle.resync_after
         self.leadership.committed(clock, epoch, until, acquired)
@@ -409,12 +419,12 @@ class SchedulerService:
                 continue
             node.last_heartbeat = max(node.last_heartbeat, ts)
             if ts - node.persisted_heartbeat >= persist_every:
-                cycle.heartbeats[node.id] = ts
+                cycle.work.heartbeats[node.id] = ts
                 node.persisted_heartbeat = ts
         # Only acks that raise what the view has: an ack of a revision already acked changes nothing, and a cycle
         # that wrote it would still commit (a new ledger generation, a change-log row) for nothing.
         nodes = self.state.nodes
-        cycle.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
+        cycle.work.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
 
     def heartbeat(
         self, name: str, health=None, events=(), draining: bool = False, mig_modes=(), instance: str = ""
@@ -553,7 +563,7 @@ class SchedulerService:
     def _after_commit(self, cycle: Cycle) -> None:
         for job in cycle.changed.values():
             self.fanout.publish(job, cycle.now)
-        for name, revision, message in cycle.delivered:
+        for name, revision, message in cycle.work.delivered:
             self.fanout.deliver(name, revision, message)
         if cycle.foreign_writes:
             if cycle.foreign_assigned is None:
@@ -561,12 +571,12 @@ class SchedulerService:
             else:
                 for name in cycle.foreign_assigned:
                     self.fanout.wake_node(name)
-        for _job, latency in cycle.reserved:
+        for _job, latency in cycle.metrics.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))
-        for victim, _by in cycle.preempted:
+        for victim, _by in cycle.metrics.preempted:
             metrics.JOB_PREEMPTIONS.labels(victim).inc()
-        for _claimant, asked in cycle.claims_run:
+        for _claimant, asked in cycle.metrics.claims_run:
             metrics.PREEMPTIONS_PER_ATTEMPT.observe(asked)
         if cycle.finished:
             metrics.forget_jobs(cycle.finished)
@@ -715,5 +725,5 @@ def _merge(a: Cycle | None, b: Cycle) -> Cycle:
         return b
     a.changed.update(b.changed)
     a.woken_nodes |= b.woken_nodes
-    a.reserved += b.reserved
+    a.metrics.reserved += b.metrics.reserved
     return a

@@ -1,7 +1,9 @@
-"""The cycle's state (`Cycle`) and the state transitions every command and the plan share: reserve a gang,
+"""The cycle's view (`Cycle`) and the state transitions every command and the plan share: reserve a gang,
 tear it down, change a job; the launch assignments a reservation sends.
 
-They write the ledger in the cycle's transaction and keep the in-memory view in step with it (see cycle.py).
+They change the in-memory records and hand their writes to the cycle's unit of work (work.py), which alone holds
+the connection and applies them in the cycle's transaction. What they may do to a job in which state is the table
+of lifecycle.py; tests/unit/test_job_lifecycle.py runs them with no database.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from sqlalchemy import Connection
 
 from phalanx.api.v1 import agent_pb2, common_pb2
 from phalanx.common.tokens import rank_token
 from phalanx.core.model import Placement
 
-from . import ledger
+from . import ledger, lifecycle
 from .convert import job_from_record
 from .settings import SchedulerSettings
 from .state import (
@@ -33,79 +34,58 @@ from .state import (
     layout_ranks,
     touch,
 )
+from .work import UnitOfWork
 
 log = structlog.get_logger()
 
 
 @dataclass
+class CycleMetrics:
+    """What a cycle measured, for the service's metrics and its slow-cycle log line after the commit."""
+
+    # The gangs it reserved, each with how long it waited since its submission
+    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
+    # Preemptions applied in this cycle, (victim, preemptor), and the claims whose gangs it placed, (job, how many
+    # gangs were asked to stop for it)
+    preempted: list[tuple[str, str]] = field(default_factory=list)
+    claims_run: list[tuple[str, int]] = field(default_factory=list)
+    # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class Cycle:
-    conn: Connection
+    """A cycle's view: the in-memory state the transitions read and change and what the cycle changed (for the
+    watchers and the fan-out); its SQL goes through `work` (work.py), which alone holds the connection, and what it
+    measured is in `metrics`."""
+
+    work: UnitOfWork
     state: SchedulerState
     settings: SchedulerSettings
     now: float
     changed: dict[str, common_pb2.Job] = field(default_factory=dict)
     woken_nodes: set[str] = field(default_factory=set)
-    reserved: list[tuple[JobRecord, float]] = field(default_factory=list)
     resync_after: bool = False
-    heartbeats: dict[int, float] = field(default_factory=dict)
-    acks: dict[int, int] = field(default_factory=dict)
-    generation: int = 0
     foreign_writes: bool = False
-    # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
-    new_jobs: list[JobRecord] = field(default_factory=list)
-    new_allocations: list[JobRecord] = field(default_factory=list)
-    outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
-    delivered: list[tuple[str, int, Any]] = field(default_factory=list)
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
     epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
-    # Rank reports to store (ledger.record_ranks), written together before the commit or a reload
-    rank_rows: list[dict[str, Any]] = field(default_factory=list)
-    # Writes nothing in the cycle reads back or needs an answer from (an attempt's end, its running mark, a
-    # teardown's released allocations): sent together, pipelined, before the closing reads (write_deferred)
-    deferred: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
     # Jobs that reached a final state in this cycle: their goodput enters goodput_totals in its commit
     # (cycle.account_finished, before the closing writes)
     finished: list[str] = field(default_factory=list)
-    # Their figures, for goodput_totals' upsert among the closing writes (accounting.account_finished)
-    totals: list[dict[str, Any]] = field(default_factory=list)
-    # What this cycle's writes changed (ledger.track_changes), stored with its generation for the other replicas
-    changes: ledger.Changes | None = None
     # Nodes other replicas gave assignments since this replica's last cycle (None: unknown, after a full reload)
     foreign_assigned: set[str] | None = field(default_factory=set)
-    # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
-    timings: dict[str, float] = field(default_factory=dict)
-    # Preemptions applied in this cycle, (victim, preemptor), and the claims whose gangs it placed, (job, how many
-    # gangs were asked to stop for it): the metrics after the commit
-    preempted: list[tuple[str, str]] = field(default_factory=list)
-    claims_run: list[tuple[str, int]] = field(default_factory=list)
-    # Claims made and ended, in order: written after this cycle's new jobs (a claimant may be one of them)
-    claim_writes: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
-
-    def write_claims(self) -> None:
-        writes, self.claim_writes = self.claim_writes, []
-        for write, args in writes:
-            write(self.conn, *args)
-
     # node -> MASTER_PORTs of the running attempts whose rank 0 is there (ports_taken: built on first use)
     master_ports: dict[str, set[int]] | None = None
+    metrics: CycleMetrics = field(default_factory=CycleMetrics)
 
     def send(self, node: NodeRecord, job_id: str, attempt: int, kind: str, build) -> None:
-        """Queue an assignment for `node`; all of a cycle's (or a savepoint's) are written by `flush`."""
-        self.outbox.append((node, job_id, attempt, kind, build))
+        """Queue an assignment for `node` (the unit of work writes it) and wake its stream after the commit."""
+        self.work.send(node, job_id, attempt, kind, build)
         self.woken_nodes.add(node.name)
 
     def flush(self) -> None:
-        if self.outbox:
-            # The view may have been reloaded since an item was queued: revisions live on the current records.
-            items = [(self.state.nodes.get(n.name, n), *rest) for n, *rest in self.outbox]
-            self.delivered += ledger.append_assignments(self.conn, items, self.now)
-            self.outbox = []
-
-    @property
-    def needs_answers(self) -> bool:
-        """Whether the closing writes need their row counts: a partial GPU (ledger._hold) or host resources
-        (ledger._take_use) were reserved, each under a guarded update."""
-        return any(job.partials or job.cpu_milli or job.memory for job in self.new_allocations)
+        """Write the queued assignments now (their revisions are on the view's nodes)."""
+        self.work.flush(self.state.nodes, self.now)
 
     def touched(self, job: JobRecord) -> None:
         self.changed[job.id] = job_from_record(job)
@@ -115,164 +95,21 @@ class Cycle:
         if when > self.now:
             self.state.wake_at = min(self.state.wake_at, when)
 
-    def later(self, write, *args: Any) -> None:
-        """Queue `write(conn, *args)` for write_deferred (args are taken now: pass copies of what may change)."""
-        self.deferred.append((write, args))
-
-    def write_deferred(self) -> None:
-        ledger.flush_job_updates(self.conn)  # first: the reads after it (account_finished) see the jobs' ends
-        if self.deferred:
-            items, self.deferred = self.deferred, []
-            # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
-            # different rows or columns, so their order does not matter).
-            batches: dict[Any, list[tuple[Any, ...]]] = {}
-            with ledger.pipelined(self.conn):
-                for write, args in items:
-                    if write in _BATCHED:
-                        batches.setdefault(write, []).append(args)
-                    else:
-                        write(self.conn, *args)
-                for write, rows in batches.items():
-                    _BATCHED[write](self.conn, rows)
-
-    def flush_ranks(self) -> None:
-        if self.rank_rows:
-            ledger.record_ranks(self.conn, self.rank_rows)
-            self.rank_rows = []
-
     def reload(self) -> None:
         """Reload the view inside this transaction (it sees this cycle's own writes, not its unwritten jobs)."""
-        self.write_deferred()
-        self.flush_ranks()
-        reload_state(self.conn, self.state, self.settings, self.now, initial=False)
-        for job in self.new_jobs:
+        work = self.work
+        work.write_deferred()
+        work.flush_ranks()
+        from .viewsync import reload_state
+
+        work.ask(reload_state, self.state, self.settings, self.now, initial=False)
+        for job in work.new_jobs:
             self.state.jobs[job.id] = job
-        for write, args in self.claim_writes:  # not written yet: the view keeps them
+        for write, args in work.claim_writes:  # not written yet: the view keeps them
             if write is ledger.set_claim:
                 self.state.claims[args[0].job] = args[0]
             else:
                 self.state.claims.pop(args[0], None)
-
-
-def _end_attempts(conn: Connection, rows: list[tuple[Any, ...]]) -> None:
-    ledger.end_attempts(conn, [(job, outcome, reason, now) for job, outcome, reason, now, _answer in rows])
-
-
-# A deferred write -> the same write for the many rows of a cycle
-_BATCHED = {
-    ledger.end_attempt: _end_attempts,
-    ledger.release_allocations: ledger.release_allocations_many,
-    ledger.mark_attempt_running: ledger.mark_attempts_running,
-}
-
-
-def reload_state(
-    conn: Connection, state: SchedulerState, settings: SchedulerSettings, now: float, *, initial: bool
-) -> None:
-    """Load the ledger into the view. Leases and launch deadlines are re-armed on the initial load."""
-    beats = {n.name: n.last_heartbeat for n in state.nodes.values()}
-    deadlines = {j.id: (j.attempt, j.launch_deadline) for j in state.jobs.values()}
-    ledger.load_state(conn, state, settings.fabric.path)
-    for node in state.nodes.values():
-        node.last_heartbeat = now if initial else max(node.last_heartbeat, beats.get(node.name, 0.0))
-    for job in state.running():
-        if all(r.state != "ASSIGNED" for r in job.ranks.values()):
-            continue
-        attempt, deadline = deadlines.get(job.id, (None, None))
-        if initial:
-            job.launch_deadline = now + settings.launch_timeout
-        elif attempt == job.attempt and deadline is not None:
-            job.launch_deadline = deadline
-        else:
-            job.launch_deadline = job.started_at + settings.launch_timeout
-
-
-def apply_changes(
-    conn: Connection, state: SchedulerState, settings: SchedulerSettings, changes: ledger.Changes
-) -> None:
-    """Bring the view up to date with what other replicas' cycles changed (ledger_changes), reading only those
-    rows: the jobs and nodes named, the monotonic node columns as they are. The capacity index follows: the old
-    placement of a changed job is given back and its new one taken; a node whose GPUs, topology or MIG layout
-    changed rebuilds the index (in memory)."""
-    node_ids = set(changes.nodes) | ledger.nodes_of_gpus(conn, changes.gpus)
-    rebuild = False
-    changed_nodes: list[str] = []
-    for name, new in ledger.read_node_records(conn, settings.fabric.path, node_ids).items():
-        old = state.nodes.get(name)
-        if old is None or _capacity_shape(old) != _capacity_shape(new):
-            rebuild = True
-        if old is not None:
-            new.last_heartbeat = max(new.last_heartbeat, old.last_heartbeat)
-            new.persisted_heartbeat = max(new.persisted_heartbeat, old.persisted_heartbeat)
-        state.nodes[name] = new
-        changed_nodes.append(name)
-    if changes.beats or changes.acks or changes.revisions:
-        by_id = {n.id: n for n in state.nodes.values()}
-        for node_id, ts in changes.beats.items():
-            if (node := by_id.get(node_id)) is not None:
-                node.last_heartbeat = max(node.last_heartbeat, ts)
-                node.persisted_heartbeat = max(node.persisted_heartbeat, ts)
-        for node_id, acked in changes.acks.items():
-            if (node := by_id.get(node_id)) is not None:
-                node.acked_revision = max(node.acked_revision, acked)
-        for node_id, revision in changes.revisions.items():
-            if (node := by_id.get(node_id)) is not None:
-                node.revision = max(node.revision, revision)
-    if changes.jobs:
-        names = {n.id: n.name for n in state.nodes.values()}
-        fresh = ledger.read_job_records(conn, names, changes.jobs)
-        touched_nodes: set[str] = set()
-        for job_id in changes.jobs:
-            old_job = state.jobs.pop(job_id, None)
-            if old_job is not None and old_job.state == "RUNNING" and not rebuild:
-                for rep in old_job.replica_placements():
-                    state.capacity.release_replica(rep)
-                touched_nodes.update(old_job.nodes)
-            job = fresh.get(job_id)
-            if job is None:
-                continue
-            if job.state == "RUNNING" and any(r.state == "ASSIGNED" for r in job.ranks.values()):
-                same = old_job is not None and old_job.attempt == job.attempt and old_job.launch_deadline is not None
-                job.launch_deadline = (
-                    old_job.launch_deadline if same and old_job else job.started_at + settings.launch_timeout
-                )
-            state.jobs[job_id] = job
-            if job.state == "RUNNING" and not rebuild:
-                for rep in job.replica_placements():
-                    if rep.mig_profile or rep.gpu_milli:
-                        state.capacity.take_partial(rep)
-                    else:
-                        state.capacity.take(rep.node, rep.gpus)
-        if not rebuild:
-            state.hold_fatal_gpus(touched_nodes)
-    if changes.jobs:  # their claims, made or ended by the other replica
-        for job_id in changes.jobs:
-            state.claims.pop(job_id, None)
-        state.claims.update(ledger.read_claims(conn, changes.jobs))
-    if changes.queues:
-        state.queues = ledger.load_queues(conn)
-    if changes.sched:
-        state.pass_due = True
-    if rebuild:
-        state.rebuild_capacity()
-    else:
-        for name in changed_nodes:
-            state.set_node_schedulable(name)
-
-
-def _capacity_shape(node: NodeRecord) -> tuple:
-    """What the capacity index holds of a node besides its use: a change rebuilds the index."""
-    return (
-        node.gpus,
-        node.path,
-        node.closeness,
-        node.gpu_model,
-        node.memory_mib,
-        node.mig_gpus,
-        tuple(sorted(node.foreign.items())),
-        frozenset(node.held_gpus),
-        tuple(sorted(node.releasing.items())),
-    )
 
 
 class Command:
@@ -302,6 +139,9 @@ def teardown(
     exponential backoff first. `released`: the decision gave its GPUs back in the capacity view already (a
     preemption's `Stop`, see phalanx.core.decide).
     """
+    if job.state != lifecycle.RUNNING:  # only a reserved gang can be torn down (lifecycle.TRANSITIONS)
+        refused(job, cause or final_state or "teardown")
+        return
     s, now = cycle.settings, cycle.now
     changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
     if final_state is None and cause == "PREEMPTED":
@@ -322,11 +162,11 @@ def teardown(
     if final_state:
         changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
     attempt = job.attempt
-    ledger.update_job(cycle.conn, job, **changes)
+    change_job(cycle, job, **changes)
     # Neither needs an answer: written with the cycle's deferred writes (copies: a requeued job may be reserved
     # again in this very cycle, with a new attempt and allocations).
     ended = copy.copy(job)
-    cycle.later(ledger.end_attempt, ended, cause or final_state or "", message, now, False)
+    cycle.work.later(ledger.end_attempt, ended, cause or final_state or "", message, now, False)
     # Clean handover: on a node whose agent confirms releases and where a rank of the attempt may still run, the
     # attempt's whole GPUs stay held (releasing) until the agent says every process of it there is gone
     # (AttemptReleased). A node whose ranks all reported their end has nothing left of it: such an agent reports a
@@ -337,7 +177,7 @@ def teardown(
         node = cycle.state.nodes.get(rep.node)
         if node is not None and node.confirms_release and rep.node in live and not (rep.mig_profile or rep.gpu_milli):
             held.setdefault(rep.node, []).extend(rep.gpus)
-    cycle.later(ledger.release_allocations, ended, now, frozenset(cycle.state.nodes[n].id for n in held))
+    cycle.work.later(ledger.release_allocations, ended, now, frozenset(cycle.state.nodes[n].id for n in held))
     for name, gpus in held.items():
         node = cycle.state.nodes[name]
         node.releasing[attempt_key(job.id, attempt)] = tuple(sorted(gpus))
@@ -384,6 +224,11 @@ def teardown(
     cycle.touched(job)
 
 
+def refused(job: JobRecord, event: str) -> None:
+    """A transition the job's state does not allow (lifecycle.TRANSITIONS): nothing changes, the error is logged."""
+    log.error("job_transition_refused", job=job.id, state=job.state, attempt=job.attempt, transition=event)
+
+
 def retry_backoff(base: float, cap: float, failures: int) -> float:
     """base, 2 x base, 4 x base ... after the 1st, 2nd, 3rd failure, at most `cap`."""
     if base <= 0:
@@ -393,13 +238,24 @@ def retry_backoff(base: float, cap: float, failures: int) -> float:
 
 def set_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
     """Change a job: in memory only when it is new in this cycle (written later), else compare-and-set (a job
-    changed by another writer fails the cycle's commit: ledger.update_job)."""
+    changed by another writer fails the cycle's commit: change_job)."""
     if job.version < 0:
         for key, value in changes.items():
             setattr(job, key, value)
         touch(job)  # its version does not move until it is written: the pending view must hear of the change
         return
-    ledger.update_job(cycle.conn, job, **changes)
+    change_job(cycle, job, **changes)
+
+
+def change_job(cycle: Cycle, job: JobRecord, **changes: Any) -> None:
+    """Change a job that is in the ledger: its record now, its row by a compare-and-set on the version the view
+    read, queued with the unit of work (ledger.queue_job_update; a job changed by another writer fails the cycle's
+    commit). What ledger.update_job does, with the record's change here and the write there."""
+    cycle.work.write(ledger.queue_job_update, job.id, job.version, changes)
+    job.version += 1
+    for key, value in changes.items():
+        setattr(job, key, value)
+    touch(job)
 
 
 def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
@@ -409,6 +265,9 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     writer outside the scheduler; the partial unique index then fails the whole transaction, nothing of it
     commits, and the service reloads its view.
     """
+    if not lifecycle.allowed(job.state, "reserve"):
+        refused(job, "reserve")
+        return
     master = placement.replicas[0].node
     taken = ports_taken(cycle, master)
     port = master_port(job.id, job.attempt + 1, port_range(cycle.state.nodes.get(master)), taken)
@@ -444,8 +303,8 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     job.running_at = 0.0
     job.restored_step = -1
     if job.attempt > 1:
-        job.restored_step = ledger.latest_commits(cycle.conn, [job.id]).get(job.id, (-1,))[0]
-    cycle.new_allocations.append(job)
+        job.restored_step = cycle.work.ask(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
+    cycle.work.new_allocations.append(job)
     run_as = cycle.state.unix_user(job.tenant) if cycle.state.unix_user is not None and job.tenant else ""
     credential = rank_token(cycle.state.rank_key, job.id, job.attempt) if cycle.state.rank_key else ""
     for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
@@ -457,7 +316,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
             node, job.id, job.attempt, "launch", lambda rev, one=launch: agent_pb2.Assignment(revision=rev, launch=one)
         )
     job.launch_deadline = cycle.now + cycle.settings.launch_timeout
-    cycle.reserved.append((job, cycle.now - job.submitted_at))
+    cycle.metrics.reserved.append((job, cycle.now - job.submitted_at))
     cycle.touched(job)
 
 
@@ -471,7 +330,7 @@ def checkpoint_endpoint(cycle: Cycle) -> tuple[str, str]:
     if s.checkpoint_addr:
         return s.checkpoint_addr, s.checkpoint_dir
     if state.endpoint_expires <= cycle.now:
-        found = ledger.service_endpoint(cycle.conn, "checkpoint-coordinator")
+        found = cycle.work.ask(ledger.service_endpoint, "checkpoint-coordinator")
         state.endpoint = (found[0], str(found[1].get("checkpoint_dir", ""))) if found else ("", "")
         state.endpoint_expires = cycle.now + ENDPOINT_TTL_S
     addr, directory = state.endpoint

@@ -35,8 +35,8 @@ from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlac
 from phalanx.core.placement import Unplaceable, place_gang
 from phalanx.core.quota import FlavorQuota, QueueSpec, QuotaBook, cluster_totals, mig_compute_slices
 from phalanx.testing.lite_agent import LiteAgent
-from services.scheduler.cycle import quota_book
 from services.scheduler.ledger import foreign_mask
+from services.scheduler.planning import quota_totals
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import NodeRecord, SchedulerState
 
@@ -295,7 +295,7 @@ def test_quota_book_of_the_scheduler_counts_slices_of_mig_mode_gpus_only():
     state = SchedulerState()
     state.nodes = {"a": _record("a", gpus=8, mig={7}), "b": _record("b", gpus=8)}
     state.queues = {"q": QueueSpec("q", {"*": FlavorQuota(gpus=16, mig_slices=7)})}
-    book = quota_book(state)
+    book = QuotaBook(state.queues, {}, quota_totals(state))  # the denominators a scheduling pass uses
     assert book.capacity == {"gpus": 15.0, "mig_slices": 7.0}
     book.charge("q", "*", request("mig", "3g.40gb"))
     assert book.share("q") == pytest.approx(3 / 7)  # 3 of the 7 slices that exist, not of 16 x 7
