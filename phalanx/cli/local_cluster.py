@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO, TypedDict
 
 from phalanx.core.preemption import LOCAL_POLICY
 
@@ -56,6 +56,9 @@ from ._processes import (
     tail_of,
     terminate,
 )
+
+if TYPE_CHECKING:
+    from .certs import LocalPKI
 
 __all__ = [
     "ClusterError",
@@ -87,6 +90,15 @@ def node_names(count: int, prefix: str = "node-") -> list[str]:
 def _stderr_log(message: str) -> None:
     sys.stderr.write(f"[cluster] {message}\n")
     sys.stderr.flush()
+
+
+class ClientOptions(TypedDict, total=False):
+    """The credential keyword arguments of a :class:`phalanx.client.Client` (`LocalCluster.client_options`)."""
+
+    token: str
+    tls_ca: str
+    tls_cert: str
+    tls_key: str
 
 
 class LocalCluster:
@@ -207,7 +219,7 @@ class LocalCluster:
         self.env = dict(env or {})
         self.tokens = Path(tokens).resolve() if tokens else None
         self.tls = tls
-        self.pki = None  # phalanx.cli.certs.LocalPKI once started with tls
+        self.pki: LocalPKI | None = None  # once started with tls
         self.admin_token = ""  # the supervisor's own credential when authentication is on
         self._service_token = ""
         self._node_tokens: dict[str, str] = {}
@@ -216,7 +228,7 @@ class LocalCluster:
         self.agents: dict[str, ManagedProcess] = {}
         self.failed_service: ManagedProcess | None = None  # a scheduler/coordinator that died while running
         self._lock = threading.RLock()
-        self._lock_file = None
+        self._lock_file: TextIO | None = None
         self._started = False
         self._stopping = False
         self._monitor_stop = threading.Event()
@@ -237,13 +249,15 @@ class LocalCluster:
     def logs_dir(self) -> Path:
         return self.state_dir / "logs"
 
-    def client_options(self) -> dict[str, str | None]:
+    def client_options(self) -> ClientOptions:
         """Keyword arguments for a :class:`phalanx.client.Client` of this cluster (the supervisor's credential)."""
-        out: dict[str, str | None] = {}
+        out: ClientOptions = {}
         if self.tokens is not None:
             out["token"] = self.admin_token
         if self.pki is not None:
-            out.update(tls_ca=str(self.pki.ca), tls_cert=str(self.pki.client_cert), tls_key=str(self.pki.client_key))
+            out["tls_ca"] = str(self.pki.ca)
+            out["tls_cert"] = str(self.pki.client_cert)
+            out["tls_key"] = str(self.pki.client_key)
         return out
 
     def _security(self) -> tuple[list[str], dict[str, str], dict[str, str]]:

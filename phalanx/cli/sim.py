@@ -18,7 +18,7 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
     from phalanx.sim.engine import POLICIES, ClusterSpec, equal_quotas, simulate
     from phalanx.sim.network import NetworkSpec
     from phalanx.sim.report import plots_unavailable, write_report
-    from phalanx.sim.traces import DataNotFound, find_data, load_trace
+    from phalanx.sim.traces import DataNotFound, TraceJob, find_data, load_trace
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -37,7 +37,7 @@ def cmd_sim_run(args: argparse.Namespace) -> int:
         raise UsageError("--min-runtime must be >= 0 (seconds)")
     try:
         data = find_data(args.data)
-        jobs = load_trace(args.trace, data)
+        jobs: list[TraceJob] = load_trace(args.trace, data)  # a Trace; the cuts below make plain lists
     except DataNotFound as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1

@@ -13,12 +13,19 @@ from phalanx.core.model import NodeCapacity
 
 
 class Job(Protocol):
-    job_id: str
-    submit_s: float
-    replicas: int
-    gpus_per_replica: int
-    gpu_milli: int
-    duration_s: float
+    # Read-only (properties): a replay only reads them, and a trace's jobs are frozen (TraceJob).
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def submit_s(self) -> float: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def gpus_per_replica(self) -> int: ...
+    @property
+    def gpu_milli(self) -> int: ...
+    @property
+    def duration_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -35,16 +42,19 @@ class ClusterSpec:
         head, *opts = [p.strip() for p in text.split(",")]
         try:
             nodes, _, gpus = head.lower().partition("x")
-            spec = {"nodes": int(nodes), "gpus": int(gpus or 8)}
+            counts = {"nodes": int(nodes), "gpus": int(gpus or 8)}
+            oversub = cls.oversub
             for opt in opts:
                 key, _, value = opt.partition("=")
-                name = {"leaf": "per_leaf", "spine": "leaves_per_spine", "oversub": "oversub"}[key]
-                spec[name] = float(value) if name == "oversub" else int(value)
+                if key == "oversub":
+                    oversub = float(value)
+                else:
+                    counts[{"leaf": "per_leaf", "spine": "leaves_per_spine"}[key]] = int(value)
         except (ValueError, KeyError):
             raise ValueError(
                 f"cluster {text!r}: give NODESxGPUS[,leaf=N][,spine=N][,oversub=R], e.g. 512x8,leaf=32"
             ) from None
-        out = cls(**spec)
+        out = cls(**counts, oversub=oversub)
         if min(out.nodes, out.gpus, out.per_leaf, out.leaves_per_spine, out.oversub) < 1:
             raise ValueError(f"cluster {text!r}: every number must be >= 1")
         return out

@@ -117,6 +117,14 @@ class _State:
     evict_by: str = ""  # preemption: the gang it makes way for, while it writes its checkpoint (the grace)
     evict_at: float = 0.0  # when it was asked to checkpoint (its progress stopped then)
     evict_reclaim: bool = False  # evicted for quota reclaim rather than for priority
+
+    @property
+    def placed(self) -> Placement:
+        """The placement of a gang that runs (set from `start` to `stop`)."""
+        if self.placement is None:
+            raise RuntimeError(f"job {self.job.job_id} has no placement: it is not running")
+        return self.placement
+
     preempted: int = 0  # times it was preempted
 
 
@@ -132,7 +140,7 @@ class _Running(dict):
 
     def __setitem__(self, job_id: str, st: _State) -> None:
         super().__setitem__(job_id, st)
-        self.ends.add(RunningEnd(job_id, st.placement, st.started + st.request.time_limit))
+        self.ends.add(RunningEnd(job_id, st.placed, st.started + st.request.time_limit))
 
     def pop(self, job_id: str, *default):
         self.ends.discard(job_id)
@@ -475,7 +483,7 @@ class _Replay:
         of its shape (one node: NVLink; else whole rails per node) communication is `comm_fraction` of a step."""
         r, network = st.request, self.network
         ranks = r.replicas * r.gpus_per_replica
-        if self.net is None or ranks < 2 or r.gpu_milli:
+        if self.net is None or network is None or ranks < 2 or r.gpu_milli:  # network model off: both None
             return None
         message = float(getattr(st.job, "param_bytes", 0) or DEFAULT_MESSAGE_BYTES)
         best = network.nvlink_bw if r.replicas == 1 else min(network.nvlink_bw, r.gpus_per_replica * network.ib_rail_bw)
@@ -484,14 +492,14 @@ class _Replay:
         st.ideal_step = compute + ideal_comm
         return NetJob(placement, message, compute)
 
-    def settle(self, changed) -> None:
-        """Jobs whose bandwidth changed: account the work done at the old speed, go on at the new one."""
+    def settle(self, net: NetworkState, changed) -> None:
+        """Jobs whose bandwidth changed (in `net`): account the work done at the old speed, go on at the new one."""
         for job_id in changed:
             st = self.running.get(job_id)
             if st is None:
                 continue
             self.advance(st)
-            st.rate = min(1.0, st.ideal_step / self.net.step_time(job_id)) if st.ideal_step else 1.0
+            st.rate = min(1.0, st.ideal_step / net.step_time(job_id)) if st.ideal_step else 1.0
             st.end_seq = self.push(self.now + st.work_left / st.rate, "finish", job_id)
 
     def advance(self, st: _State) -> None:
@@ -507,8 +515,8 @@ class _Replay:
         slow = self.speed(st.job, placement) if self.speed else 1.0
         st.rate = 1.0 / slow if slow > 0 else 1.0
         job = self.net_job(st, placement)
-        if job is not None:
-            self.settle(self.net.add(job))
+        if job is not None and self.net is not None:  # net_job gives a job only with the network model on
+            self.settle(self.net, self.net.add(job))
         else:
             st.end_seq = self.push(self.now + st.work_left / st.rate, "finish", st.job.job_id)
 
@@ -537,7 +545,7 @@ class _Replay:
     def _view(self, st: _State, by: str = "", deadline: float = 0.0) -> RunningJob:
         return RunningJob(
             st.request,
-            st.placement,
+            st.placed,
             st.started,
             _tenant(st.job),
             st.flavor,
@@ -556,8 +564,9 @@ class _Replay:
         self.allocated -= self.held(st)
         self.fair["hold"][_tenant(st.job)] -= self.held(st)
         if not released:
-            self.cap.release_placement(st.placement)
+            self.cap.release_placement(st.placed)
         a = st.attempts[-1]
+        ran_from = st.started  # = a.running_at: `start` opens every attempt running
         if finished and st.evict_by:
             # A preempted gang stopped: requeued with the work left. With checkpointing it keeps everything done
             # until it was asked (the checkpoint was taken then).
@@ -565,7 +574,7 @@ class _Replay:
                 st.remaining_s = max(0.0, st.remaining_s - self.useful_work(st))
                 kept_until, rolled_back = st.evict_at, 0.0
             else:
-                kept_until, rolled_back = None, st.evict_at - a.running_at
+                kept_until, rolled_back = None, st.evict_at - ran_from
             st.attempts[-1] = AttemptTimes(
                 a.attempt, a.gpus, a.reserved_at, a.running_at, now, "PREEMPTED", kept_until=kept_until
             )
@@ -585,7 +594,7 @@ class _Replay:
             if self.checkpoint == "young-daly" and interval:
                 kept = math.floor(st.attempt_work / (interval + self.checkpoint_cost_s)) * interval
             st.remaining_s = max(0.0, st.remaining_s - kept)
-            wall = now - a.running_at
+            wall = now - ran_from
             kept_wall = wall * kept / st.attempt_work if st.attempt_work > 0 else 0.0
             st.attempts[-1] = AttemptTimes(
                 a.attempt,
@@ -594,7 +603,7 @@ class _Replay:
                 a.running_at,
                 now,
                 "NODE_LOST",
-                kept_until=a.running_at + kept_wall if kept else None,
+                kept_until=ran_from + kept_wall if kept else None,
             )
             self.pending[st.job.job_id] = st
         st.placement = None
@@ -602,7 +611,7 @@ class _Replay:
         st.evict_by, st.evict_reclaim = "", False
         self.running.pop(st.job.job_id, None)
         if self.net is not None and st.job.job_id in self.net:
-            self.settle(self.net.remove(st.job.job_id))
+            self.settle(self.net, self.net.remove(st.job.job_id))
 
     def useful_work(self, st: _State) -> float:
         """The full-speed seconds of the job's own work done in this attempt (its periodic checkpoint writes left
@@ -625,7 +634,7 @@ class _Replay:
         self.evicting[st.job.job_id] = by
         self.running.views[st.job.job_id] = self._view(st, by, deadline)
         if self.net is not None and st.job.job_id in self.net:
-            self.settle(self.net.remove(st.job.job_id))
+            self.settle(self.net, self.net.remove(st.job.job_id))
         st.end_seq = 0  # no finish while it checkpoints
 
     def resume(self, st: _State) -> None:
@@ -634,7 +643,7 @@ class _Replay:
         st.evict_by, st.evict_reclaim = "", False
         self.evicting.pop(st.job.job_id, None)
         self.running.views[st.job.job_id] = self._view(st)
-        self._run_at_speed(st, st.placement)
+        self._run_at_speed(st, st.placed)
 
     # ---- fairness, integrated over time -----------------------------------------------------------------------
 

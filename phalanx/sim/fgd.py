@@ -247,9 +247,10 @@ def write_results(
         for ours, theirs in OURS_TO_PUBLISHED.items():
             if (n, ours) in mean and theirs in paper.get(n, {}):
                 fidelity[f"{n}/{ours}"] = round(mean[(n, ours)] - paper[n][theirs], 3)
+    seeds = sorted({r.seed for r in results})
     doc = {
         "tune_ratio": TUNE_RATIO,
-        "seeds": sorted({r.seed for r in results}),
+        "seeds": seeds,
         "wall_s": round(wall_s, 1),
         "mean_alloc_130": {f"{n}/{p}": round(mean[(n, p)], 3) for n, p in sorted(mean)},
         "mean_alloc_100": {f"{n}/{p}": round(mean100[(n, p)], 3) for n, p in sorted(mean100)},
@@ -262,7 +263,7 @@ def write_results(
         "# FGD experiment (ATC'23) through Phalanx's packing core",
         "",
         "GPU allocation ratio (%) once 130% of the 6,212 GPUs' capacity has arrived, mean over seeds "
-        f"{', '.join(str(s) for s in doc['seeds'])}. Published columns are the FGD authors' results "
+        f"{', '.join(str(s) for s in seeds)}. Published columns are the FGD authors' results "
         "(fgd-simulator-results); ours are this run. Δ is ours minus the published figure of the same policy.",
         "",
     ]

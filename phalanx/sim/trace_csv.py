@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from .trace_records import MAX_GPUS_PER_NODE, Trace, TraceJob, _open_text, _Skips
 
@@ -69,7 +70,7 @@ def load_csv(path: str | os.PathLike) -> Trace:
         if missing:
             raise ValueError(f"{p}: missing column(s) {missing}; expected a header of {_FIELDS}")
         for row in rd:
-            kw = {}
+            kw: dict[str, Any] = {}  # TraceJob's keyword arguments, each parsed to its field's type above
             try:
                 for name in _FIELDS:
                     v = row.get(name)

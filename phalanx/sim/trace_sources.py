@@ -143,20 +143,20 @@ def load_philly(
                 durations[i] = (max(1.0, _quantile(runtimes, q)), True)
     jobs = []
     for i, (team, idx, jt, steps, arrival, gpus) in enumerate(rows):
-        r, g = gang_shape(gpus, gpus_per_node)
-        m = _BATCH_RE.search(jt)
+        replicas, per_replica = gang_shape(gpus, gpus_per_node)
+        batch = _BATCH_RE.search(jt)
         dur, est = durations[i]
         jobs.append(
             TraceJob(
                 job_id=f"{team}-{idx}",
                 tenant=team,
                 submit_s=arrival,
-                replicas=r,
-                gpus_per_replica=g,
+                replicas=replicas,
+                gpus_per_replica=per_replica,
                 gpu_milli=0,
                 duration_s=dur,
                 model=jt,
-                batch_size=int(m.group(1)) if m else 0,
+                batch_size=int(batch.group(1)) if batch else 0,
                 total_steps=steps,
                 param_bytes=_param_bytes(jt),
                 duration_estimated=est,

@@ -227,7 +227,15 @@ class LiteAgent:
             await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, int(cmd[1]))
 
     async def _report(
-        self, job_id: str, attempt: int, rank: int, state: int, code: int, *, message: str = "", retryable: bool = False
+        self,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        state: common_pb2.RankState,
+        code: int,
+        *,
+        message: str = "",
+        retryable: bool = False,
     ) -> bool:
         for _ in range(50):
             try:

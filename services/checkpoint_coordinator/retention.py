@@ -432,7 +432,7 @@ class Retention:
         seen: set[Path] = set()
         for uri in plan.shards.get(c.id, []):
             path, why = deletable_path(uri, self.root, plan.job_id, plan.tenant)
-            if path is None:
+            if path is None or self.root is None:  # (no root: no path either, and `why` says so)
                 left.append((uri, why))
                 continue
             if path in seen or path in gone:

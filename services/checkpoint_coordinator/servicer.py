@@ -109,20 +109,21 @@ class CheckpointCoordinatorServicer(checkpoint_pb2_grpc.CheckpointCoordinatorSer
         self._again: set[str] = set()  # jobs that committed again meanwhile: one more pass
 
     def _committed(self, job_id: str) -> None:
-        if self.retention is None:
+        retention = self.retention
+        if retention is None:
             return
         task = self._pruning.get(job_id)
         if task is not None and not task.done():
             self._again.add(job_id)
             return
-        self._pruning[job_id] = asyncio.create_task(self._prune(job_id))
+        self._pruning[job_id] = asyncio.create_task(self._prune(retention, job_id))
 
-    async def _prune(self, job_id: str) -> None:
+    async def _prune(self, retention: Retention, job_id: str) -> None:
         try:
             while True:
                 self._again.discard(job_id)
                 try:
-                    await asyncio.to_thread(self.retention.prune_job, self.engine, job_id)
+                    await asyncio.to_thread(retention.prune_job, self.engine, job_id)
                 except Exception as exc:  # best effort: the sweep finds what is left
                     log.warning("checkpoint_retention_failed", job_id=job_id, error=str(exc)[:500])
                 if job_id not in self._again:

@@ -393,7 +393,7 @@ def _discover(nv, use_nvidia_smi: bool, sysfs_root: Path, probes: Probes) -> age
             return smi.cell(a, b) or "SYS"
         return pci_relation(pci[a], pci[b])
 
-    matrix = {a: {} for a in devices}
+    matrix: dict[str, dict[str, str]] = {a: {} for a in devices}
     for x, a in enumerate(devices):
         matrix[a][a] = "X"
         for b in devices[x + 1 :]:

@@ -31,7 +31,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phalanx.api.v1 import common_pb2
 
 HEALTHY, DEGRADED, FATAL = "HEALTHY", "DEGRADED", "FATAL"
 _RANK = {HEALTHY: 0, DEGRADED: 1, FATAL: 2}
@@ -242,7 +245,9 @@ class NvmlHealthSource:
 
     def __init__(self, nvml: Any = None, *, event_timeout_ms: int = 500, max_nvlinks: int = 18) -> None:
         if nvml is None:
-            import pynvml as nvml  # only on real GPU hosts
+            import pynvml  # only on real GPU hosts
+
+            nvml = pynvml
         self.nvml = nvml
         self.event_timeout_ms = event_timeout_ms
         self._handles: list[Any] = []
@@ -418,10 +423,11 @@ class HealthMonitor:
 def health_to_proto(health: NodeHealth):
     from phalanx.api.v1 import common_pb2
 
+    pb_state = _pb_states()
     return common_pb2.NodeHealth(
-        state=_PB_STATE[health.state],
+        state=pb_state[health.state],
         gpus=[
-            common_pb2.GpuHealth(index=i, state=_PB_STATE[g.state], reasons=g.reasons)
+            common_pb2.GpuHealth(index=i, state=pb_state[g.state], reasons=g.reasons)
             for i, g in sorted(health.gpus.items())
         ],
         reason=health.reason,
@@ -431,9 +437,17 @@ def health_to_proto(health: NodeHealth):
 def event_to_proto(e: Event):
     from phalanx.api.v1 import common_pb2
 
-    return common_pb2.HealthEvent(
-        gpu=e.gpu, severity=_PB_STATE.get(e.severity, 0), kind=e.kind, code=e.code, reason=e.reason, at=e.at
-    )
+    severity = _pb_states().get(e.severity, common_pb2.HEALTH_STATE_UNSPECIFIED)
+    return common_pb2.HealthEvent(gpu=e.gpu, severity=severity, kind=e.kind, code=e.code, reason=e.reason, at=e.at)
 
 
-_PB_STATE = {HEALTHY: 1, DEGRADED: 2, FATAL: 3, INFO: 1}
+def _pb_states() -> dict[str, common_pb2.HealthState]:
+    """Health state (or event severity) -> its protobuf HealthState; INFO reports as HEALTHY."""
+    from phalanx.api.v1 import common_pb2
+
+    return {
+        HEALTHY: common_pb2.HEALTH_STATE_HEALTHY,
+        DEGRADED: common_pb2.HEALTH_STATE_DEGRADED,
+        FATAL: common_pb2.HEALTH_STATE_FATAL,
+        INFO: common_pb2.HEALTH_STATE_HEALTHY,
+    }

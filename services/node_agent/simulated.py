@@ -102,9 +102,12 @@ def simulated_node(
 ) -> SimulatedNode:
     """A simulated host from a shipped profile name or a dump/profile file, discovered through the real bindings.
     With `state_dir`, its MIG state persists there and its sysfs tree is built there (`sysfs/`)."""
-    if (profile is None) == (dump_file is None):
+    if profile is not None and dump_file is None:
+        prof = load_profile(profile)
+    elif profile is None and dump_file is not None:
+        prof = load_profile_file(dump_file)
+    else:
         raise ValueError("give exactly one of profile or dump_file")
-    prof = load_profile(profile) if profile is not None else load_profile_file(dump_file)
     cluster, clique = _fabric_of(prof, fabric_cluster_uuid, fabric_clique)
     n = prof.gpu_count
     state = Path(state_dir) if state_dir is not None else None

@@ -60,10 +60,12 @@ def load_bindings(name: str = "") -> Any:
     if spec is None or spec.origin is None:
         raise ImportError("nvidia-ml-py (pynvml) is not installed")
     private = importlib.util.spec_from_file_location(name or f"pynvml_simulated_{next(_counter)}", spec.origin)
+    if private is None or private.loader is None:  # a .py file always has a spec and a loader
+        raise ImportError(f"cannot load pynvml from {spec.origin}")
     module = importlib.util.module_from_spec(private)
     sys.modules[private.name] = module  # the binding looks itself up there while it is imported
     try:
-        private.loader.exec_module(module)  # type: ignore[union-attr]
+        private.loader.exec_module(module)
     finally:
         sys.modules.pop(private.name, None)
     return module

@@ -5,6 +5,7 @@ makes the ctypes function type (arity checked, as a C call would not be)."""
 from __future__ import annotations
 
 import ctypes as C
+from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr, the base of every C function type
 
 
 def _c_function(*argtypes):
@@ -41,4 +42,4 @@ ULL = _integer(C.c_ulonglong)
 def _prototype(argtypes: tuple, restype=C.c_int) -> type:
     # _flags_ 0 rather than CFUNCTYPE's cdecl flag: on Linux the calling convention is the same, and ctypes then
     # refuses a call with the wrong number of arguments instead of passing extras a C function would never read.
-    return type("NvmlCFunction", (C._CFuncPtr,), {"_argtypes_": argtypes, "_restype_": restype, "_flags_": 0})
+    return type("NvmlCFunction", (CFuncPtr,), {"_argtypes_": argtypes, "_restype_": restype, "_flags_": 0})

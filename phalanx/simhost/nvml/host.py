@@ -22,6 +22,7 @@ from .codes import (
     MAX_LINKS_PER_GPU,
     NVML_ERROR_INSUFFICIENT_RESOURCES,
     NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_UNKNOWN,
     NVML_EVENT_TYPE_XID_CRITICAL_ERROR,
     NVML_FEATURE_DISABLED,
     NVML_FEATURE_ENABLED,
@@ -275,7 +276,8 @@ class SimulatedHost:
         with self._lock:
             gi = self._create_gi(g, prof, start)
             if isinstance(gi, int):
-                raise ValueError(f"cannot create {profile} at {start} on GPU {gpu}: {_ERROR_STRINGS.get(gi)}")
+                error = _ERROR_STRINGS.get(gi, _ERROR_STRINGS[NVML_ERROR_UNKNOWN]).decode()
+                raise ValueError(f"cannot create {profile} at {start} on GPU {gpu}: {error}")
             if ci:
                 gi.cis.append(SimComputeInstance(0, prof.nvml_ci_value, gi.compute))
             self.save()

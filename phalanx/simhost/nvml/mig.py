@@ -43,7 +43,7 @@ class MigFunctions(NvmlBase):
 
     def _mig_gpu(self, handle) -> tuple[SimGpu | None, int]:
         gpu, err = self._device(handle)
-        if err:
+        if gpu is None:  # err says why
             return None, err
         if not gpu.mig_capable or gpu.family is None:
             return None, NVML_ERROR_NOT_SUPPORTED
@@ -74,7 +74,7 @@ class MigFunctions(NvmlBase):
 
     def _mig_on(self, handle) -> tuple[SimGpu | None, int]:
         gpu, err = self._mig_gpu(handle)
-        if err:
+        if gpu is None:
             return None, err
         if gpu.mig_mode[0] != 1:
             return None, NVML_ERROR_INVALID_ARGUMENT
@@ -154,7 +154,7 @@ class MigFunctions(NvmlBase):
 
     def _create(self, handle, profile_id, start, out) -> int:
         gpu, err = self._mig_on(handle)
-        if err:
+        if gpu is None:
             return err
         prof = self._host._profile_by_id(gpu, profile_id)
         if prof is None:

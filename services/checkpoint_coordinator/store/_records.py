@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, String, select
 
 from db.models import (
     Checkpoint,
@@ -22,9 +22,18 @@ ABORTED = "ABORTED"
 DEFAULT_DEADLINE_S = 600.0
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 MAX_WORLD_SIZE = 1 << 20
-MAX_JOB_ID = Job.__table__.c.id.type.length
-MAX_CHECKSUM = CheckpointShard.__table__.c.checksum.type.length
-MAX_CHECKPOINT_ID = Checkpoint.__table__.c.id.type.length
+
+
+def _declared_length(column: ColumnElement[str]) -> int:
+    """The length a String column is declared with (db.models): the longest value the database keeps."""
+    if not isinstance(column.type, String) or column.type.length is None:
+        raise TypeError(f"column {column} is not a String of a declared length")
+    return column.type.length
+
+
+MAX_JOB_ID = _declared_length(Job.__table__.c.id)
+MAX_CHECKSUM = _declared_length(CheckpointShard.__table__.c.checksum)
+MAX_CHECKPOINT_ID = _declared_length(Checkpoint.__table__.c.id)
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_SKIPPED = 100
