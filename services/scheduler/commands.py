@@ -128,8 +128,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
         cycle.state.pass_due = True
     for i, value in list(results.items()):
         if isinstance(value, tuple):
-            job = cycle.state.jobs.get(value[1])
-            results[i] = job if job else ("read", value[1])
+            known = cycle.state.jobs.get(value[1])
+            results[i] = known if known else ("read", value[1])
     return results
 
 

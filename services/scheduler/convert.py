@@ -113,16 +113,24 @@ def job_from_record(job: JobRecord) -> common_pb2.Job:
     return job_from_row(job.__dict__, job.allocations, job.partials)
 
 
-_HEALTH = {"HEALTHY": 1, "DEGRADED": 2, "FATAL": 3}
+_HEALTH: dict[str, common_pb2.HealthState] = {
+    "HEALTHY": common_pb2.HEALTH_STATE_HEALTHY,
+    "DEGRADED": common_pb2.HEALTH_STATE_DEGRADED,
+    "FATAL": common_pb2.HEALTH_STATE_FATAL,
+}
 
 
 def node_health(n: Any) -> common_pb2.NodeHealth:
     detail = n.get("health_detail") or {}
     return common_pb2.NodeHealth(
-        state=_HEALTH.get(n.get("health") or "HEALTHY", 0),
+        state=_HEALTH.get(n.get("health") or "HEALTHY", common_pb2.HEALTH_STATE_UNSPECIFIED),
         reason=detail.get("reason", ""),
         gpus=[
-            common_pb2.GpuHealth(index=int(i), state=_HEALTH.get(g.get("state", ""), 0), reasons=g.get("reasons", []))
+            common_pb2.GpuHealth(
+                index=int(i),
+                state=_HEALTH.get(g.get("state", ""), common_pb2.HEALTH_STATE_UNSPECIFIED),
+                reasons=g.get("reasons", []),
+            )
             for i, g in sorted((detail.get("gpus") or {}).items(), key=lambda kv: int(kv[0]))
         ],
     )

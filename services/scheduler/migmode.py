@@ -109,8 +109,8 @@ def report_changes(node: NodeRecord, statuses: dict[int, MigStatus], acked: int)
     for gpu, sw in sorted(node.mig_switches.items()):
         if not sw.active or gpu in moved:
             continue
-        st = statuses.get(gpu)
-        if st is not None and st.current == _mode(sw.enable) and (gpu in node.mig_gpus) == sw.enable:
+        now_st = statuses.get(gpu)
+        if now_st is not None and now_st.current == _mode(sw.enable) and (gpu in node.mig_gpus) == sw.enable:
             out.append(Change("done", gpu))
             continue
         if acked < sw.revision:
@@ -164,16 +164,18 @@ def apply_changes(cycle: Cycle, node: NodeRecord, changes: Sequence[Change]) -> 
                 node.foreign = {g: m for g, m in node.foreign.items() if g != c.gpu}
             node.mig_switched_at[c.gpu] = now
             work.write(ledger.set_gpu_mig, gpu_id, **values)
-            asked = sw is not None and sw.active and sw.enable == c.value
+            asked_at = sw.asked_at if sw is not None and sw.active and sw.enable == c.value else None
             what = f"GPU {c.gpu} switched {'to' if c.value else 'out of'} MIG mode" + (
-                f", {now - sw.asked_at:.1f}s after the scheduler asked" if asked else " (not asked by the scheduler)"
+                f", {now - asked_at:.1f}s after the scheduler asked"
+                if asked_at is not None
+                else " (not asked by the scheduler)"
             )
             log.info(
                 "node_mig_mode_changed",
                 node=node.name,
                 gpu=c.gpu,
                 mig_mode=_mode(c.value),
-                asked=asked,
+                asked=asked_at is not None,
                 mig_gpus=sorted(node.mig_gpus),
             )
             events.append(dict(at=now, gpu=c.gpu, severity="HEALTHY", kind="mig_mode", code=int(c.value), reason=what))
@@ -360,7 +362,7 @@ def after_pass(
     if not backfill:
         return message, note
     region = frozenset(result.reservation.nodes) if result.reservation is not None else frozenset()
-    taken = (plan.placement,) if plan is not None else ()
+    taken: tuple[Placement, ...] = (plan.placement,) if plan is not None else ()
     skip = set(result.quota_blocked)
     behind = sorted(
         (

@@ -448,7 +448,7 @@ class SchedulerService:
         ):
             self._draining.add(name)
             fut = self._loop.create_future()
-            fut.add_done_callback(lambda f, n=name: self._draining.discard(n))
+            fut.add_done_callback(functools.partial(_discard_later, self._draining, name))
             self._inbox.append((Drain(name, "the agent is draining (SIGTERM): it takes no new work"), fut))
             self._wake.set()
         if node.state != "LOST" and (events or (health is not None and health.state in HEALTH_NAMES)):
@@ -463,7 +463,7 @@ class SchedulerService:
             # Back after it was lost, and its agent runs no health monitor: this heartbeat is its health report.
             self._health_queued[name] = ("HEALTHY", "", {})
             fut = self._loop.create_future()
-            fut.add_done_callback(lambda f, n=name: self._health_queued.pop(n, None))
+            fut.add_done_callback(functools.partial(_pop_later, self._health_queued, name))
             self._inbox.append((HealthReport(name, None, [], alive=True), fut))
             self._wake.set()
         if node.mig_manage and node.state != "LOST":
@@ -480,10 +480,10 @@ class SchedulerService:
             return
         statuses = migmode.statuses_from_proto(mig_modes)
         try:
-            changes = migmode.report_changes(node, statuses, gate)
+            changed = bool(migmode.report_changes(node, statuses, gate))
         except RuntimeError:  # the writer thread changed the record meanwhile: let the cycle decide
-            changes = True
-        if not changes:
+            changed = True
+        if not changed:
             return
         sig = (tuple(sorted(statuses.items())), gate)
         if self._mig_queued.get(node.name) == sig:
@@ -644,11 +644,14 @@ class SchedulerService:
         url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         while not self._stopping:
             try:
+                loop = self._loop
+                if loop is None:  # started only from start(), once the loop is known
+                    raise RuntimeError("the listener runs before the service's event loop is known")
                 with psycopg.connect(url, autocommit=True) as conn:
                     conn.execute(f"LISTEN {ledger.NOTIFY_CHANNEL}")
                     while not self._stopping:
                         for note in conn.notifies(timeout=1.0):
-                            self._loop.call_soon_threadsafe(self._on_remote_change, note.payload)
+                            loop.call_soon_threadsafe(self._on_remote_change, note.payload)
             except Exception as exc:  # keep listening across outages
                 if not self._stopping:
                     log.warning("listen_reconnect", error=str(exc)[:200])
@@ -727,3 +730,12 @@ def _merge(a: Cycle | None, b: Cycle) -> Cycle:
     a.woken_nodes |= b.woken_nodes
     a.metrics.reserved += b.metrics.reserved
     return a
+
+
+def _discard_later(names: set[str], name: str, _done: asyncio.Future) -> None:
+    """A queued command's future is done: `name` may be queued again."""
+    names.discard(name)
+
+
+def _pop_later(queued: dict[str, Any], name: str, _done: asyncio.Future) -> None:
+    queued.pop(name, None)

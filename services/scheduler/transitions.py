@@ -116,6 +116,9 @@ class Command:
     """A request to the cycle. Each kind has `execute(cycle)`, which raises ServiceError before writing anything
     or returns a result; submissions are the exception, taken all at once by `submit_all`."""
 
+    def execute(self, cycle: Cycle) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} is taken by submit_all, not executed one by one")
+
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 

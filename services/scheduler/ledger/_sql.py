@@ -121,7 +121,10 @@ def pipelined(conn: Connection, enabled: bool = True):
     if conn.dialect.name != "postgresql" or not enabled:
         yield
         return
-    with conn.connection.driver_connection.pipeline():
+    driver = conn.connection.driver_connection  # psycopg's Connection (None only once the pool closed it)
+    if driver is None:
+        raise RuntimeError("pipelined: the connection has no live driver connection")
+    with driver.pipeline():
         yield
 
 

@@ -29,18 +29,24 @@ def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | N
     foreign: dict[int, dict[int, int]] = {}
     switches: dict[int, tuple[dict, dict, dict]] = {}  # node id -> (switches, pending modes, switched at)
     gpu_stmt = select(
-        Gpu.id, Gpu.node_id, Gpu.index, Gpu.memory_mib, Gpu.mig_mode, Gpu.mig_instances, *MIG_SWITCH_COLUMNS
+        Gpu.id,
+        Gpu.node_id,
+        Gpu.index.label("gpu_index"),
+        Gpu.memory_mib,
+        Gpu.mig_mode,
+        Gpu.mig_instances,
+        *MIG_SWITCH_COLUMNS,
     )
     node_stmt = select(*Node.__table__.c)
     if wanted is not None:
         gpu_stmt = gpu_stmt.where(Gpu.node_id.in_(wanted))
         node_stmt = node_stmt.where(Node.id.in_(wanted))
     for row in conn.execute(gpu_stmt):
-        gpu_ids.setdefault(row.node_id, {})[row.index] = row.id
+        gpu_ids.setdefault(row.node_id, {})[row.gpu_index] = row.id
         if row.mig_switch_to or row.mig_mode_pending or row.mig_switched_at:
             mine = switches.setdefault(row.node_id, ({}, {}, {}))
             if row.mig_switch_to:
-                mine[0][row.index] = MigSwitch(
+                mine[0][row.gpu_index] = MigSwitch(
                     row.mig_switch_to == "ENABLED",
                     row.mig_switch_at or 0.0,
                     int(row.mig_switch_revision or 0),
@@ -48,15 +54,15 @@ def read_node_records(conn: Connection, fabric_path, node_ids: Iterable[int] | N
                     row.mig_retry_after or 0.0,
                 )
             if row.mig_mode_pending:
-                mine[1][row.index] = row.mig_mode_pending == "ENABLED"
+                mine[1][row.gpu_index] = row.mig_mode_pending == "ENABLED"
             if row.mig_switched_at:
-                mine[2][row.index] = row.mig_switched_at
+                mine[2][row.gpu_index] = row.mig_switched_at
         memory[row.node_id] = max(memory.get(row.node_id, 0), row.memory_mib or 0)
         if row.mig_mode == "ENABLED":
-            mig_gpus.setdefault(row.node_id, set()).add(row.index)
+            mig_gpus.setdefault(row.node_id, set()).add(row.gpu_index)
         mask = foreign_mask(_json_list(row.mig_instances))
         if mask:
-            foreign.setdefault(row.node_id, {})[row.index] = mask
+            foreign.setdefault(row.node_id, {})[row.gpu_index] = mask
     releasing = read_releasing(conn, wanted)
     releasing_use = read_releasing_use(conn, wanted)
     for n in conn.execute(node_stmt).mappings():
@@ -365,7 +371,8 @@ def strike_node(conn: Connection, node_id: int) -> int:
 
 
 def gpu_ids(conn: Connection, node_id: int) -> dict[int, int]:
-    return {r.index: r.id for r in conn.execute(select(Gpu.index, Gpu.id).where(Gpu.node_id == node_id))}
+    rows = conn.execute(select(Gpu.index.label("gpu_index"), Gpu.id).where(Gpu.node_id == node_id))
+    return {r.gpu_index: r.id for r in rows}
 
 
 def set_node_state(

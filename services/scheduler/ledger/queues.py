@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, delete, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -59,4 +59,4 @@ def upsert_queue(conn: Connection, spec: QueueSpec, now: float) -> None:
 
 def delete_queue(conn: Connection, name: str) -> None:
     _changed_queues(conn)
-    conn.execute(Queue.__table__.delete().where(Queue.name == name))
+    conn.execute(delete(Queue).where(Queue.name == name))
