@@ -36,7 +36,7 @@ def domain_key(node: NodeCapacity, level: int, top: int) -> str:
     return node.path[level - 1] if level - 1 < len(node.path) else ""
 
 
-# The time budget of the exact placement search, in ms (0: none); see placement.place_gang and README.md.
+# The time budget of the exact placement search, in ms (0: none); see placement.place_gang and docs/benchmarks.md.
 PLACEMENT_BUDGET_MS = 50.0
 
 

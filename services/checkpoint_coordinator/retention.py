@@ -1,5 +1,5 @@
 """Checkpoint retention: the coordinator keeps the newest K complete committed checkpoints of each job and deletes
-the older ones, and the shards of aborted checkpoints (README, "Checkpoint retention").
+the older ones, and the shards of aborted checkpoints (docs/guides/checkpoints-and-preemption.md, "Checkpoint retention").
 
 K is the job's own `keep_checkpoints` (JobSpec.keep_checkpoints, jobs.keep_checkpoints) when above 0, else the
 coordinator's `--keep-checkpoints` (default 3). A finished job (SUCCEEDED, FAILED, CANCELLED) follows

@@ -245,7 +245,7 @@ FLAGS = (
         default=DEFAULT_RETAIN_FINISHED_S,
         metavar="DURATION",
         help="keep finished jobs in the ledger's jobs table this long after they finished (seconds, or 30d, 12h, "
-        "90m), then move them to job_archive with their goodput (README, Retention); 0 or forever: keep them "
+        "90m), then move them to job_archive with their goodput (docs/operations/retention.md); 0 or forever: keep them "
         "there (default 30d)",
     ),
 )
@@ -307,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     (services.common.auth) and the per-tenant limits; environment variables as the flags say."""
     p = argparse.ArgumentParser(prog="phalanx-scheduler", description="Run a Phalanx scheduler replica.")
     add_flags(p, FLAGS)
-    add_flags(p.add_argument_group("limits", "what one caller may ask of the server (README, Limits)"), LIMIT_FLAGS)
+    add_flags(
+        p.add_argument_group("limits", "what one caller may ask of the server (docs/guides/quotas-and-tenants.md)"),
+        LIMIT_FLAGS,
+    )
     p.add_argument("--upgrade-db", action="store_true", help="apply migrations before starting")
     add_security_flags(p, env_prefix="PHALANX_SCHEDULER")
     add_flags(p, TENANT_LIMIT_FLAGS)

@@ -36,7 +36,7 @@ from time import perf_counter
 #   lower levels may then be above the optimum, and the placement's reason says which bound stopped the search.
 #   The work bound is where the gap to the unbounded search closes in bench/placement_optimality.py (2,048 nodes,
 #   large gangs: 0 of 44 placed worse at 2,000,000 cells, 5 at 200,000, 10 at the old 20,000); the time budget is
-#   a safety net several times above what that search takes, so it rarely decides (see README.md, Benchmarks).
+#   a safety net several times above what that search takes, so it rarely decides (see docs/benchmarks.md).
 #   The tests' clusters stay far below both.
 # Best fit among placements of equal cost: the domain with the least free GPUs (`_fewest_children`); inside one,
 # where the greedy is optimal, its rule (fullest whole, the remainder into the tightest child that holds it); where

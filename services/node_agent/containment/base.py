@@ -31,7 +31,7 @@ V2_CONTROLLERS = ("memory", "pids", "cpu")
 V2_REQUIRED = ("memory", "pids")
 AGENT_LEAF = "agent"  # under delegation: the leaf of the delegated cgroup the agent's own processes move into
 V2_MOVE_TRIES = 20  # a process the agent forks while it empties its cgroup lands there: move again, this often
-# Why the agent sets no device rules on cgroup v2 (also in Containment.devices_reason, and the README):
+# Why the agent sets no device rules on cgroup v2 (also in Containment.devices_reason, and docs/operations/node-agent.md):
 V2_DEVICES_NOT_ENFORCED = (
     "cgroup v2 has no devices files: device rules are a BPF_PROG_TYPE_CGROUP_DEVICE program attached to the cgroup "
     "(bpf(2) BPF_PROG_LOAD + BPF_PROG_ATTACH), and no maintained PyPI library loads one: BCC's Python module ships "
