@@ -66,8 +66,8 @@ class SchedulerSettings:
     # Retention (services/scheduler/retention.py): finished jobs stay in `jobs` this long after they finished, then the
     # leader moves them to job_archive (their goodput into goodput_totals); 0: never (--retain-finished).
     retain_finished_s: float = 30 * 86400.0
-    # Limits that keep any one caller from exhausting the server (docs/guides/quotas-and-tenants.md, "Limits"): a request or response message
-    # at most max_message_bytes; per tenant (per caller with authentication off) at most max_watches WatchJobs
+    # Limits that keep any one caller from exhausting the server (docs/guides/quotas-and-tenants.md, "Limits"):
+    # a request or response message at most max_message_bytes; per tenant (per caller with authentication off) at most max_watches WatchJobs
     # streams at once, each buffering at most watch_queue changes (a watcher further behind is ended,
     # RESOURCE_EXHAUSTED); a job spec at most max_replicas replicas, max_command_bytes of command, max_env_vars
     # variables and max_env_bytes of env.
