@@ -67,10 +67,10 @@ class SchedulerSettings:
     # leader moves them to job_archive (their goodput into goodput_totals); 0: never (--retain-finished).
     retain_finished_s: float = 30 * 86400.0
     # Limits that keep any one caller from exhausting the server (docs/guides/quotas-and-tenants.md, "Limits"):
-    # a request or response message at most max_message_bytes; per tenant (per caller with authentication off) at most max_watches WatchJobs
-    # streams at once, each buffering at most watch_queue changes (a watcher further behind is ended,
-    # RESOURCE_EXHAUSTED); a job spec at most max_replicas replicas, max_command_bytes of command, max_env_vars
-    # variables and max_env_bytes of env.
+    # a request or response message at most max_message_bytes; per tenant (per caller with authentication off) at
+    # most max_watches WatchJobs streams at once, each buffering at most watch_queue changes (a watcher further
+    # behind is ended, RESOURCE_EXHAUSTED); a job spec at most max_replicas replicas, max_command_bytes of command,
+    # max_env_vars variables and max_env_bytes of env.
     max_message_bytes: int = 16 * 1024 * 1024
     max_watches: int = 64
     watch_queue: int = 10_000
