@@ -174,6 +174,45 @@ def test_the_commit_clears_the_request_and_its_reports(engine):
     assert not _poll(engine, 0, 9).requested
 
 
+def _commit(engine, step: int, world: int = 4) -> store.CheckpointRecord:
+    for rank in range(world):
+        done = store.report_shard(
+            engine, JOB, 1, step, 0, store.ShardRecord(rank, f"file:///c/{step}/{rank}", 1, f"sha256:{rank:064x}")
+        )
+    assert done.state == store.COMMITTED
+    return done
+
+
+def test_a_commit_before_the_agreed_step_leaves_the_request_and_its_agreement(engine):
+    """A checkpoint begun after the request but at a step before the one the ranks agreed (one they took anyway,
+    every N steps) does not clear it: ranks that know the target act on it without asking again, so it stands,
+    stable, until a checkpoint at or past the target commits."""
+    store.request_checkpoint(engine, JOB, "preemption", now=100.0)
+    for rank in range(4):
+        target = _poll(engine, rank, 4).target_step
+    assert target == 5
+    before = _agreement_rows(engine)
+    _commit(engine, 4)
+    assert _agreement_rows(engine) == before
+    assert [(_poll(engine, r, 5).target_step) for r in range(4)] == [5] * 4
+    _commit(engine, 5)
+    assert _agreement_rows(engine) == ([], [])
+    # Undecided, or decided at the committed step: the commit clears it, as always.
+    for step, reporters in ((7, range(3)), (8, range(4))):
+        store.request_checkpoint(engine, JOB, "user", now=200.0)
+        for rank in reporters:
+            _poll(engine, rank, step - 1)
+        # A whole checkpoint recorded in one call clears by the same rule.
+        store.record_checkpoint(
+            engine,
+            JOB,
+            1,
+            step,
+            [store.ShardRecord(r, f"file:///r/{step}/{r}", 1, f"sha256:{r:064x}") for r in range(4)],
+        )
+        assert _agreement_rows(engine) == ([], [])
+
+
 # -- real Checkpointers over gRPC -----------------------------------------------------------------------------------
 
 
@@ -457,6 +496,59 @@ async def test_a_rank_that_missed_the_agreed_step_gets_a_new_agreement(db_url, t
             (False, False),
         ]
         assert _ledger_checkpoints(db_url) == [(3, "PENDING", [1]), (5, "COMMITTED", [0, 1])]
+    finally:
+        for c in ranks:
+            c.close()
+        ch.close()
+        await srv.stop(0)
+
+
+async def test_a_periodic_checkpoint_just_before_the_agreed_step_does_not_split_the_ranks(db_url, tmp_path, clock):
+    """A request's step is agreed one step after a checkpoint the ranks take anyway (PHALANX_CHECKPOINT_EVERY):
+    rank 1's report decides the target (5) at step 4, rank 0 reported 4 just before and does not know it yet,
+    and both save step 4 (every 4), a checkpoint begun after the request. Its commit must not clear the request:
+    rank 1 acts on the target it holds without polling again (same poll slot), while rank 0 still polls at every
+    step, so a cleared request would have rank 1 checkpoint at step 5 and rank 0 not (the demo's exit 4, "the
+    ranks disagree whether to checkpoint"). The request stands until its agreed step commits."""
+    srv = await _serve(db_url, 2)
+    ch = grpc.insecure_channel(srv.address)
+    stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(ch)
+    env = dict(PHALANX_CHECKPOINT_POLL_S="10", PHALANX_CHECKPOINT_EVERY="4")
+    ranks = [train.Checkpointer(_env(srv.address, tmp_path, r, 2, **env), channel=ch) for r in range(2)]
+
+    def decide(rank: int, s: int) -> bool:
+        return ranks[rank].should_checkpoint(s)
+
+    def lockstep(s: int, first: int = 0) -> tuple[bool, bool]:
+        """Both ranks decide at step `s` (`first` calls first), then save if they agree, as a training loop in
+        lockstep does (the collectives of a data-parallel step)."""
+        got = {first: decide(first, s)}
+        got[1 - first] = decide(1 - first, s)
+        if got[0] and got[1]:
+            for r in (0, 1):
+                ranks[r].save(s, {"rank": r, "step": s})
+        return got[0], got[1]
+
+    def drive():
+        got = [lockstep(1), lockstep(2)]  # both poll once at step 1 (no request), then wait for the next slot
+        stub.RequestCheckpoint(pb.RequestCheckpointRequest(job_id=JOB, reason="preemption"))
+        three = [decide(1, 3)]  # rank 1: still in the slot of its last poll, it does not see the request yet
+        clock.sleep(10)  # the next poll slot
+        three.insert(0, decide(0, 3))  # rank 0 polls, sees the request and reports step 3
+        got.append((three[0], three[1]))
+        got.append(lockstep(4))  # rank 0 reports 4; rank 1 polls (a new slot), reports 4 and decides 5; every 4
+        got.append(lockstep(5))  # rank 0 polls (it reports at every step), rank 1 holds 5 (same slot)
+        got.append(lockstep(6))
+        return got
+
+    try:
+        got = await asyncio.to_thread(drive)
+        assert got == [(False, False), (False, False), (False, False), (True, True), (True, True), (False, False)]
+        assert _ledger_checkpoints(db_url) == [(4, "COMMITTED", [0, 1]), (5, "COMMITTED", [0, 1])]
+        state = await asyncio.to_thread(
+            stub.GetCheckpointRequest, pb.GetCheckpointRequestRequest(job_id=JOB, attempt=1)
+        )
+        assert state.agreeing and not state.requested  # the agreed step's commit cleared it
     finally:
         for c in ranks:
             c.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import Engine, delete, insert, select, update
+from sqlalchemy import Engine, delete, insert, or_, select, update
 
 from db.models import (
     Checkpoint,
@@ -113,20 +113,36 @@ def record_checkpoint(
                 for s in shards
             ],
         )
-        _clear_requests(conn, job_id, ts)
+        _clear_requests(conn, job_id, attempt, step, ts)
     return CheckpointRecord(ckpt_id, job_id, attempt, step, ts, list(shards), COMMITTED, len(shards), 0.0, ts)
 
 
-def _clear_requests(conn, job_id: str, begun_at: float) -> None:
-    """A commit of a checkpoint begun at or after a request satisfies it; the ranks' step reports for it go too."""
-    conn.execute(
-        delete(CheckpointRequest).where(CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at <= begun_at)
+def _clear_requests(conn, job_id: str, attempt: int, step: int, begun_at: float) -> None:
+    """A commit of a checkpoint begun at or after a request satisfies it; the ranks' step reports for it go too.
+
+    Except a request whose step the committing attempt's ranks have agreed (target_step) after the committed one:
+    it stands, with its reports, until a checkpoint at or past that step commits. A decided target is stable, and a
+    rank that knows it checkpoints at it without asking again (should_checkpoint polls once per poll slot), while
+    a rank that does not know it yet polls at that step: clearing the request under them (a checkpoint the ranks
+    took anyway, e.g. every N steps, just before the agreed step) would split the gang at the agreed step."""
+    not_agreed_later = or_(  # NULL-safe: not (target_attempt == attempt and target_step > step)
+        CheckpointRequest.target_step.is_(None),
+        CheckpointRequest.target_attempt.is_(None),
+        CheckpointRequest.target_attempt != attempt,
+        CheckpointRequest.target_step <= step,
     )
     conn.execute(
-        delete(CheckpointStepReport).where(
-            CheckpointStepReport.job_id == job_id, CheckpointStepReport.requested_at <= begun_at
+        delete(CheckpointRequest).where(
+            CheckpointRequest.job_id == job_id, CheckpointRequest.requested_at <= begun_at, not_agreed_later
         )
     )
+    kept = conn.scalar(select(CheckpointRequest.requested_at).where(CheckpointRequest.job_id == job_id))
+    reports = delete(CheckpointStepReport).where(
+        CheckpointStepReport.job_id == job_id, CheckpointStepReport.requested_at <= begun_at
+    )
+    if kept is not None:
+        reports = reports.where(CheckpointStepReport.requested_at != kept)
+    conn.execute(reports)
 
 
 def _validate_target(job_id: str, attempt: int, step: int, world_size: int, deadline_s: float) -> None:
@@ -296,7 +312,7 @@ def report_shard(
                 .where(Checkpoint.id == row.id, Checkpoint.state == PENDING)
                 .values(state=COMMITTED, committed_at=ts)
             )
-            _clear_requests(conn, job_id, row.created_at)
+            _clear_requests(conn, job_id, attempt, step, row.created_at)
             fail_point("checkpoint.commit")
             row = conn.execute(select(Checkpoint).where(Checkpoint.id == row.id)).first()
         return _record(row, shard_rows)
