@@ -197,13 +197,20 @@ def _all_acked(db_url: str) -> bool:
 
 
 def quiet_settings(db_url: str) -> SchedulerSettings:
-    """A scheduler whose ledger stays still between calls once the test holds its agents' heartbeats: nodes are not
-    lost for an hour, heartbeats reach the ledger at most hourly, the leader's lease is renewed every 20 minutes."""
+    """A scheduler whose ledger stays still between calls once the test holds its agents' heartbeats: no timer of
+    its own fires within the test (its timeout, 300 s): nodes are not lost for an hour, the gangs' launch deadline is
+    an hour, heartbeats reach the ledger at most hourly, the leader's lease is renewed every 20 minutes.
+
+    The launch deadline matters because the tests' jobs run `hang` (LiteAgent: the ranks never report RUNNING, so the
+    job stays RUNNING with its ranks ASSIGNED): at the default 60 s the scheduler tore the gang down (LAUNCH_TIMEOUT,
+    requeued: a new attempt, released allocations, ...) in the middle of the table on a loaded host, and that showed
+    as the doing of whichever refused call was checked then."""
     return SchedulerSettings(
         db_url=db_url,
         listen="127.0.0.1:0",
         fabric=default_fabric(["node-0", "node-1"]),
         lease_timeout=3600.0,
+        launch_timeout=3600.0,
         heartbeat_persist_interval=3600.0,
         leader_lease_s=3600.0,
     )
