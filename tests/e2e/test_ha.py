@@ -211,7 +211,13 @@ async def test_kill9_leader_under_load_a_follower_takes_over(pg_url, tmp_path):
         new_leader, new_epoch, _ = await wait_leader(ledger, not_=leader, timeout=15)
         print(f"failover after kill -9: {time.time() - stopped_at:.2f}s ({leader}/{epoch} -> {new_leader}/{new_epoch})")
         # The next epoch went to one of the survivors (a loaded machine may stall that one past its lease too, and
-        # the third take over: legitimate, as long as each epoch had one leader).
+        # the third take over: legitimate, as long as each epoch had one leader). The ledger shows an epoch as soon
+        # as the cycle that took it commits; its replica logs `leadership_acquired` only after that commit returned
+        # (Leadership.committed), so on a loaded host the log can lag the ledger that wait_leader read: wait for the
+        # line of epoch + 1 (written once that commit returns, whatever else happens) before counting who wrote it.
+        await eventually(
+            lambda: _any_acquired(replicas, epoch + 1), timeout=15, what=f"the log line of epoch {epoch + 1}"
+        )
         successors = [r.name for r in replicas if epoch + 1 in _acquired(r)]
         assert len(successors) == 1 and successors[0] != leader, successors
         await asyncio.gather(*load)
@@ -351,6 +357,10 @@ async def _renewed_since(ledger: Ledger, name: str, epoch: int, until: float) ->
 def _acquired(replica) -> set[int]:
     """The leadership epochs a replica's log says it acquired."""
     return {json.loads(line)["epoch"] for line in log_of(replica).splitlines() if '"leadership_acquired"' in line}
+
+
+async def _any_acquired(replicas, epoch: int) -> bool:
+    return any(epoch in _acquired(r) for r in replicas)
 
 
 async def _call(call):

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 from helpers.tokens import write_tokens
-from sqlalchemy import MetaData, create_engine, select, text
+from sqlalchemy import MetaData, create_engine, select
 
 from db.engine import make_engine
 from db.migrate import ensure_rank_key
@@ -171,39 +171,51 @@ def _order(table) -> list:
 
 def _quiet(db_url: str, hold: float = 1.3, timeout: float = 60.0) -> tuple:
     """A snapshot once the ledger has stood still for `hold` seconds: what the allowed calls before set going (a
-    placement, the agents' acks and rank reports) has landed, so what changes next is the next call's doing. The
-    scheduler keeps acks in memory and writes them at most once a second, at its next cycle (a quarter second):
-    `hold` outlasts both."""
+    placement, the agents' acks and rank reports) has landed, so what changes next is the next call's doing. Stillness
+    alone is not enough for acks: the scheduler keeps them in memory and writes them (at most once a second) with
+    the next cycle that runs for another reason, and on PostgreSQL a cycle with nothing else to do runs only every
+    5 s, longer than `hold`; so every node must also have acked, in the snapshot returned."""
     deadline = time.monotonic() + timeout
     last = _snapshot(db_url)
     while True:
         time.sleep(hold)
         now = _snapshot(db_url)
         # Still, and every node's assignments acked in the ledger: on a loaded host an agent's ack can land later
-        # than `hold`, and would then show as the next (refused) call's doing.
-        if now == last and _all_acked(db_url):
+        # than `hold`, and would then show as the next (refused) call's doing. Read from the very snapshot returned
+        # (a node's revision and acked revision are one row, read by one statement): a separate query after it could
+        # see an ack that landed after the snapshot was read, and pass a snapshot that still lacks it.
+        if now == last and not _unacked(now):
             return now
-        assert time.monotonic() < deadline, f"the ledger did not settle in {timeout:g}s: {ledger_diff(last, now)}"
+        assert time.monotonic() < deadline, (
+            f"the ledger did not settle in {timeout:g}s: {ledger_diff(last, now)}, unacked {_unacked(now)}"
+        )
         last = now
 
 
-def _all_acked(db_url: str) -> bool:
-    engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://"))
-    try:
-        with engine.connect() as conn:
-            return not conn.execute(text("SELECT 1 FROM nodes WHERE acked_revision < revision")).first()
-    finally:
-        engine.dispose()
+def _unacked(snapshot: tuple) -> list[str]:
+    """The nodes of a snapshot whose assignments are not all acked in it (acked_revision < revision)."""
+    for name, columns, rows in snapshot:
+        if name == "nodes":
+            at = {c: i for i, c in enumerate(columns)}
+            return [r[at["name"]] for r in rows if r[at["acked_revision"]] < r[at["revision"]]]
+    raise AssertionError("the snapshot has no nodes table")
 
 
 def quiet_settings(db_url: str) -> SchedulerSettings:
-    """A scheduler whose ledger stays still between calls once the test holds its agents' heartbeats: nodes are not
-    lost for an hour, heartbeats reach the ledger at most hourly, the leader's lease is renewed every 20 minutes."""
+    """A scheduler whose ledger stays still between calls once the test holds its agents' heartbeats: no timer of
+    its own fires within the test (its timeout, 300 s): nodes are not lost for an hour, the gangs' launch deadline is
+    an hour, heartbeats reach the ledger at most hourly, the leader's lease is renewed every 20 minutes.
+
+    The launch deadline matters because the tests' jobs run `hang` (LiteAgent: the ranks never report RUNNING, so the
+    job stays RUNNING with its ranks ASSIGNED): at the default 60 s the scheduler tore the gang down (LAUNCH_TIMEOUT,
+    requeued: a new attempt, released allocations, ...) in the middle of the table on a loaded host, and that showed
+    as the doing of whichever refused call was checked then."""
     return SchedulerSettings(
         db_url=db_url,
         listen="127.0.0.1:0",
         fabric=default_fabric(["node-0", "node-1"]),
         lease_timeout=3600.0,
+        launch_timeout=3600.0,
         heartbeat_persist_interval=3600.0,
         leader_lease_s=3600.0,
     )
