@@ -115,11 +115,11 @@ def report_changes(node: NodeRecord, statuses: dict[int, MigStatus], acked: int)
             continue
         if acked < sw.revision:
             continue  # the agent may not have taken the assignment yet
-        if st is None:
+        if now_st is None:
             why = "the agent reports no MIG mode for this GPU"
-        elif st.error:
-            why = st.error
-        elif not st.switching and _mode(sw.enable) not in (st.current, st.pending):
+        elif now_st.error:
+            why = now_st.error
+        elif not now_st.switching and _mode(sw.enable) not in (now_st.current, now_st.pending):
             why = "the agent reports no switch under way (it may have restarted before switching)"
         else:
             continue

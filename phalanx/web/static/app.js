@@ -26,7 +26,13 @@ function el(tag, props, ...children) {
 const jobLink = (id, text) => el("a", { href: "#/job/" + encodeURIComponent(id), dataset: { open: id } }, text);
 
 let csrf = "";
+let events = null; // the live state stream
+let leaving = false;
+// Once: the sign-out click and the stream's 401 both lead here, and a second navigation would abort the first.
 function signedOut() {
+  if (leaving) return;
+  leaving = true;
+  if (events) events.close();
   location.replace("/login");
 }
 async function api(path) {
@@ -304,6 +310,7 @@ function closeJob() {
 }
 
 async function signOut() {
+  if (events) events.close(); // the session ends now: the stream must not see it end and navigate on its own
   const r = await fetch("/logout", { method: "POST", credentials: "same-origin", headers: { "X-CSRF-Token": csrf } });
   if (r.ok || r.status === 401) signedOut();
 }
@@ -322,7 +329,7 @@ document.addEventListener("click", (e) => {
 async function start() {
   try { csrf = (await api("/api/session")).csrf; } catch (e) { return; }
   render(await api("/api/state"));
-  const events = new EventSource("/api/events");
+  events = new EventSource("/api/events");
   events.addEventListener("state", (e) => window.phalanxLive !== false && render(JSON.parse(e.data)));
   events.onerror = () => {
     document.getElementById("status").textContent = "reconnecting…";
