@@ -30,6 +30,7 @@ from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
     Cycle,
+    CycleCommand,
     change_job,
     set_job,
     teardown,
@@ -147,7 +148,7 @@ def write_new_jobs(cycle: Cycle) -> None:
 
 
 @dataclass
-class Cancel(Command):
+class Cancel(CycleCommand):
     job_id: str
     tenant: str | None = None  # a user's tenant: another tenant's job is NOT_FOUND (None: any job)
 
@@ -171,7 +172,7 @@ class Cancel(Command):
 
 
 @dataclass
-class RequestCheckpoint(Command):
+class RequestCheckpoint(CycleCommand):
     """A user asks a running job to checkpoint now (`phalanx checkpoint JOB`)."""
 
     job_id: str
@@ -202,7 +203,7 @@ def lookup_job(cycle: Cycle, job_id: str) -> JobRecord | None:
 
 
 @dataclass
-class Register(Command):
+class Register(CycleCommand):
     name: str
     topology: Any  # agent_pb2.HostTopology
     topology_json: dict[str, Any]
@@ -358,7 +359,7 @@ def mig_instances(gpu: Any) -> list[dict[str, Any]]:
 
 
 @dataclass
-class AttemptReleased(Command):
+class AttemptReleased(CycleCommand):
     """A node's agent says every process of an ended attempt on it is gone: the GPUs it held there are free."""
 
     node: str
@@ -384,7 +385,7 @@ class AttemptReleased(Command):
 
 
 @dataclass
-class RankReport(Command):
+class RankReport(CycleCommand):
     node: str
     job_id: str
     attempt: int
@@ -513,7 +514,7 @@ HEALTH_NAMES = {1: "HEALTHY", 2: "DEGRADED", 3: "FATAL"}
 
 
 @dataclass
-class HealthReport(Command):
+class HealthReport(CycleCommand):
     """A node's health changed, or it reported health events (from a heartbeat; see SchedulerService.heartbeat).
 
     FATAL GPUs leave the capacity view at once (the next placement in this very cycle cannot use them) and a FATAL
@@ -601,7 +602,7 @@ def tear_down_on_fatal(cycle: Cycle, node: NodeRecord) -> None:
 
 
 @dataclass
-class Drain(Command):
+class Drain(CycleCommand):
     """The node's agent is stopping (SIGTERM): DRAINED, out of placement at once. Its ranks are killed and
     reported by the agent (and requeued here as usual); registering again makes the node READY. If the agent never
     comes back, the lease still expires and the node becomes LOST."""
@@ -624,7 +625,7 @@ CORDON_MESSAGE = "drained by an admin (phalanx node undrain puts it back)"
 
 
 @dataclass
-class CordonNode(Command):
+class CordonNode(CycleCommand):
     """An admin drains a node (`phalanx node drain`): DRAINED and cordoned, so registering again keeps it DRAINED;
     running gangs are left alone. `cordon=False` undoes it (`phalanx node undrain`): READY again when its agent is
     alive (heartbeats within the lease), else it stays as it is until the agent registers. NotFound: no such node."""
@@ -655,7 +656,7 @@ class CordonNode(Command):
 
 
 @dataclass
-class SetQueue(Command):
+class SetQueue(CycleCommand):
     """An admin creates or replaces a queue (`phalanx quota set`); it applies from this very cycle's pass."""
 
     spec: QueueSpec
@@ -675,7 +676,7 @@ class SetQueue(Command):
 
 
 @dataclass
-class DeleteQueue(Command):
+class DeleteQueue(CycleCommand):
     name: str
 
     def execute(self, cycle: Cycle) -> str:

@@ -24,6 +24,7 @@ from .state import JobRecord
 from .transitions import (
     Command,
     Cycle,
+    CycleCommand,
     teardown,
 )
 
@@ -140,7 +141,9 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
     batched = len(registers) > 1
     for i, command in enumerate(commands):
         if isinstance(command, Submit) or (batched and isinstance(command, Register)):
-            continue
+            continue  # taken together above (submit_all, register_all)
+        if not isinstance(command, CycleCommand):
+            raise TypeError(f"{type(command).__name__} is neither a submission nor a command the cycle executes")
         try:
             results[i] = command.execute(cycle)
         except ServiceError as exc:

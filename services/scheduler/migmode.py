@@ -47,7 +47,7 @@ from phalanx.core.model import Placement
 
 from . import ledger
 from .state import JobRecord, MigSwitch, NodeRecord, SchedulerState
-from .transitions import Command, Cycle, set_job
+from .transitions import Cycle, CycleCommand, set_job
 
 log = structlog.get_logger()
 
@@ -128,7 +128,7 @@ def report_changes(node: NodeRecord, statuses: dict[int, MigStatus], acked: int)
 
 
 @dataclass
-class MigModeReport(Command):
+class MigModeReport(CycleCommand):
     """A --mig-manage agent's heartbeat reported MIG modes that change the view (SchedulerService.heartbeat)."""
 
     name: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,11 +114,14 @@ class Cycle:
 
 
 class Command:
-    """A request to the cycle. Each kind has `execute(cycle)`, which raises ServiceError before writing anything
-    or returns a result; submissions are the exception, taken all at once by `submit_all`."""
+    """A request to the cycle: a CycleCommand, executed on its own, or a submission, taken with the others of its
+    cycle by `submit_all`."""
 
+
+class CycleCommand(Command, ABC):
+    @abstractmethod
     def execute(self, cycle: Cycle) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} is taken by submit_all, not executed one by one")
+        """Raise ServiceError before writing anything, or return the command's result."""
 
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")

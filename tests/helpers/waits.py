@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.scheduler.transitions import CycleCommand
+
 
 async def eventually(
     check: Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"
@@ -48,7 +50,7 @@ async def holds(check: Callable[[], Any]) -> Any:
     return check()
 
 
-class _Noop:
+class _Noop(CycleCommand):
     """A scheduler command that changes nothing: it only makes the scheduler run a cycle."""
 
     def execute(self, cycle) -> None:

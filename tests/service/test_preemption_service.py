@@ -15,6 +15,7 @@ from phalanx.core.preemption import PreemptionPolicy
 from phalanx.testing.lite_agent import LiteAgent
 from services.checkpoint_coordinator import store
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.transitions import CycleCommand
 
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
 PREEMPTING = common_pb2.JOB_STATE_PREEMPTING
@@ -209,7 +210,7 @@ async def test_checkpoint_request_errors(db_url, job_id):
         assert c.sql("SELECT reason FROM checkpoint_requests WHERE job_id = :j", j=blocker.id)[0][0] == "before upgrade"
 
 
-class _Nothing:
+class _Nothing(CycleCommand):
     """A command that only makes the service run a cycle."""
 
     def execute(self, cycle):

@@ -24,6 +24,7 @@ from services.scheduler import ledger
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
+from services.scheduler.transitions import CycleCommand
 
 TERMINAL = {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_CANCELLED, common_pb2.JOB_STATE_FAILED}
 
@@ -280,7 +281,7 @@ async def _acks_in(pair: Pair) -> None:
     await eventually(acked, what="every agent's ack of its last assignment")
 
 
-class _Noop:
+class _Noop(CycleCommand):
     """A command that changes nothing: it makes the replica run a cycle now (and so catch up on the ledger)."""
 
     def execute(self, cycle):

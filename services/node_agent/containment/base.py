@@ -341,18 +341,23 @@ class _CgroupGroup(Group):
                 self._rmdir(Path(here))
 
     def _rmdir(self, d: Path) -> None:
-        deadline = time.monotonic() + REMOVE_WAIT_S
-        while True:
-            try:
-                os.rmdir(d)
-                return
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                # A task that has just been killed leaves the cgroup a moment after it is reaped.
-                if e.errno != errno.EBUSY or time.monotonic() >= deadline:
-                    raise ContainmentError(f"cannot remove {d}: {e.strerror or e}") from e
-                time.sleep(0.01)
+        remove_cgroup_dir(d)
+
+
+def remove_cgroup_dir(d: Path, rmdir: Callable[[Path], None] = os.rmdir) -> None:
+    """Remove an emptied cgroup directory (gone already: fine), through `rmdir` (a CgroupFs's, on v2)."""
+    deadline = time.monotonic() + REMOVE_WAIT_S
+    while True:
+        try:
+            rmdir(d)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            # A task that has just been killed leaves the cgroup a moment after it is reaped.
+            if e.errno != errno.EBUSY or time.monotonic() >= deadline:
+                raise ContainmentError(f"cannot remove {d}: {e.strerror or e}") from e
+            time.sleep(0.01)
 
 
 # --- containments ----------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import contextlib
 import errno
 import os
 import posixpath
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from .base import (
     CPU_PERIOD_US,
     NO_LIMITS,
     REAL_FS,
-    REMOVE_WAIT_S,
     V2_CONTROLLERS,
     V2_DEVICES_NOT_ENFORCED,
     V2_MOVE_TRIES,
@@ -43,6 +41,7 @@ from .base import (
     cpu_quota_us,
     limit_writes,
     log,
+    remove_cgroup_dir,
 )
 from .devrules import _device_rules
 
@@ -114,17 +113,7 @@ class _V2Group(_CgroupGroup):
                 self._rmdir(Path(below))
 
     def _rmdir_fs(self, d: Path) -> None:
-        deadline = time.monotonic() + REMOVE_WAIT_S
-        while True:
-            try:
-                self.fs.rmdir(d)
-                return
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                if e.errno != errno.EBUSY or time.monotonic() >= deadline:
-                    raise ContainmentError(f"cannot remove {d}: {e.strerror or e}") from e
-                time.sleep(0.01)
+        remove_cgroup_dir(d, self.fs.rmdir)
 
 
 class _V2Containment(_CgroupContainment):
