@@ -148,6 +148,7 @@ class Job(Base):
         Index(None, "submitted_at", "id"),  # ListJobs' pages (revision 0017; services/scheduler/paging.py)
         Index(None, "tenant", "submitted_at"),
         Index(None, "state", "finished_at"),  # the finished jobs due for the archive (revision 0016)
+        Index(None, "service", "state"),  # a service's replicas (revision 0023)
         # The jobs not accounted (revision 0016): the goodput total reads these, whatever the number of finished ones.
         Index(
             "ix_jobs_unaccounted_submitted_at",
@@ -217,6 +218,13 @@ class Job(Base):
     # Submitted by an admin (revision 0021; every caller is one with authentication off): it may preempt other
     # queues' jobs by priority; other jobs only take back quota those queues borrowed.
     by_admin: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    # Serving (revision 0023): the service it is a replica of ("" none), and what the gang asked for serving
+    # (roles, start_order, ready_probe, restart, and for a replica its service_replica, service_revision,
+    # spread_tier, surge); `ready`: its leader's readiness probe passes now (ready_at: since when).
+    service: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    serving: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    ready: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    ready_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
 class Queue(Base):
@@ -235,6 +243,38 @@ class Queue(Base):
     updated_at: Mapped[float] = mapped_column()
     # The highest priority its jobs may ask for unless an admin submits them (revision 0021)
     max_priority: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class Service(Base):
+    """A serving fleet (revision 0023): K replicas of `revision`'s template, each a job whose `service` names it.
+    `spec`: the rest of its ServiceSpec (spread tier, rollout bounds, autoscaler, port) as JSON; `replicas` is K.
+    A deleted service keeps its row (`deleted_at`) and revisions until its name is used again."""
+
+    __tablename__ = "services"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    revision: Mapped[int] = mapped_column(Integer)
+    replicas: Mapped[int] = mapped_column(Integer)
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    message: Mapped[str] = mapped_column(Text, default="", server_default="")
+    autoscaler: Mapped[str] = mapped_column(Text, default="", server_default="")
+    created_at: Mapped[float] = mapped_column()
+    updated_at: Mapped[float] = mapped_column()
+    deleted_at: Mapped[float | None] = mapped_column(nullable=True)
+    version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class ServiceRevision(Base):
+    """Every revision of a service's replica template (a JobSpec as JSON), kept for rollback and history."""
+
+    __tablename__ = "service_revisions"
+
+    service: Mapped[str] = mapped_column(ForeignKey("services.name", ondelete="CASCADE"), primary_key=True)
+    revision: Mapped[int] = mapped_column(Integer, primary_key=True)
+    template: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[float] = mapped_column()
+    cause: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class ServiceEndpoint(Base):

@@ -34,13 +34,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .capacity import ClusterCapacity
 from .claims import ClaimShield, outside, with_claimed
 from .model import GangRequest, Placement
-from .placement import Unplaceable, place_gang, queue_order
+from .placement import Unplaceable, domain_members, place_gang, queue_order
 from .quota import DEFAULT_QUEUE, QuotaBook, Refusal, fair_order
 from .reservation import (
     InEndOrder,
@@ -395,8 +395,13 @@ def schedule_with_backfill(
     kept = _keep_claimed_quota(book, shield, pending)
     recharge: tuple[str, str, GangRequest] | None = None  # the last claimant tried, until it is placed
     behind: _BehindHead | None = None  # the gangs behind the head, once there is one
+    # A service's replicas placed in this pass, as the nodes of their domains: its next replicas keep off them
+    # where they fit elsewhere (GangRequest.spread_group).
+    spread_seen: dict[str, frozenset[str]] = {}
     try:
         for queue, request in order:
+            if request.spread_group in spread_seen:
+                request = replace(request, spread=request.spread | spread_seen[request.spread_group])
             recharge = _swap_kept(book, kept, recharge, request.job_id)
             claimant = shield is not None and shield.owns(request.job_id)
             if shield:
@@ -451,6 +456,9 @@ def schedule_with_backfill(
                 shield.drop(request.job_id)
             placements.append(result)
             ends[result.job_id] = limit_end
+            if request.spread_group and request.spread_tier:
+                seen = domain_members(capacity, result.nodes, request.spread_tier, fabric_tiers)
+                spread_seen[request.spread_group] = spread_seen.get(request.spread_group, frozenset()) | seen
             if book is not None:
                 book.charge(queue, flavor, variant)
                 flavors[result.job_id] = flavor

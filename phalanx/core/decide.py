@@ -449,6 +449,8 @@ class _Decision:
     def _lower(self, head: PendingJob, book: QuotaBook | None) -> tuple[list[tuple[RunningJob, int]], set[str]]:
         """The running gangs the head may preempt, each with the priority it counts as, and those of them taken by
         a quota reclaim."""
+        if not head.preempts:  # a rolling update's surge replica: it waits for a release, never evicts (LWS #717)
+            return [], set()
         priority = head.request.priority
         # Reclaim (quotas): a head within its queue's nominal quota may also evict, whatever their priority, gangs
         # of other queues of its cohort that run on borrowed quota; they count as just below its priority. A head

@@ -38,6 +38,15 @@ class GangRequest:
     # Nodes that struck this gang (their host could not set up one of its ranks): placement avoids them while the
     # gang fits elsewhere, and uses them only when nothing else holds it.
     avoid: frozenset[str] = frozenset()
+    # Soft preferences of a service's replica (never a reason to wait): `prefer`, the nodes of the domain it ran in
+    # before (a restarted replica goes back there when it fits); `spread`, the nodes of the domains its sibling
+    # replicas occupy (kept clear while the gang fits elsewhere, so one domain's failure takes fewer replicas down).
+    prefer: frozenset[str] = frozenset()
+    spread: frozenset[str] = frozenset()
+    # The replicas of one service (`spread_group`, its name) keep apart in domains of `spread_tier`: within one
+    # pass, a replica placed adds its domain's nodes to the `spread` of the group's next ones (backfill).
+    spread_group: str = ""
+    spread_tier: str = ""
     # Host resources of each replica on its node (core.resources): CPUs in thousandths and memory in bytes; 0 none.
     cpu_milli: int = 0
     memory: int = 0

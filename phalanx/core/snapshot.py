@@ -39,6 +39,9 @@ class PendingJob:
     # An admin submitted it (always so with authentication off): it may preempt other queues' gangs by priority.
     # Anyone else's job preempts only within its own queue, or to take back quota another queue borrowed.
     by_admin: bool = True
+    # False: it never preempts (a rolling update's surge replica waits for an old replica's release instead of
+    # evicting running work, the deadlock of LeaderWorkerSet issues 717 and 1050).
+    preempts: bool = True
 
     @property
     def job_id(self) -> str:

@@ -94,6 +94,7 @@ def audit_admin(method: str, obj: str, detail: str = "") -> None:
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 SCHEDULER = "/phalanx.v1.Scheduler/"
 NODE_SERVICE = "/phalanx.v1.NodeService/"
+SERVICES = "/phalanx.v1.ServiceService/"  # serving fleets: a user reaches only its own tenant's services
 CHECKPOINT = "/phalanx.v1.CheckpointCoordinator/"
 ADMIN_METHODS = frozenset(
     {SCHEDULER + "DrainNode", SCHEDULER + "UndrainNode", SCHEDULER + "SetQueue", SCHEDULER + "DeleteQueue"}
@@ -104,7 +105,7 @@ def allowed_roles(method: str) -> frozenset[str]:
     """Which roles may call `method` (a full gRPC method name); empty: nobody."""
     if method in ADMIN_METHODS:
         return frozenset({"admin"})
-    if method.startswith(SCHEDULER):
+    if method.startswith(SCHEDULER) or method.startswith(SERVICES):
         return frozenset({"user", "admin"})
     if method.startswith(NODE_SERVICE):
         return frozenset({"node"})

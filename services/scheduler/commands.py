@@ -25,13 +25,14 @@ from .admission import (
     check_priority,
     check_queue,
 )
-from .convert import job_from_record
+from .convert import job_from_record, serving_of_spec
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
     Cycle,
     CycleCommand,
     change_job,
+    release_held,
     set_job,
     teardown,
 )
@@ -46,6 +47,10 @@ class Submit(Command):
     request_id: str
     tenant: str = ""  # the caller's tenant (authentication on), stamped on the job
     admin: bool = True  # an admin submits it (always so with authentication off): no priority cap applies
+    # A service's replica (services/scheduler/serving): the service's name, and its index, revision, spread tier
+    # and surge flag, kept in the job's `serving` JSON with what the spec asks for serving
+    service: str = ""
+    replica_of: dict[str, Any] | None = None
 
 
 def register_all(cycle: Cycle, registers: list[Register]) -> dict[int, Any]:
@@ -116,6 +121,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             by_admin=sub.admin,
             cpu_milli=cpu_milli(spec.cpus_per_replica),
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
+            service=sub.service,
+            serving={**serving_of_spec(spec), **(sub.replica_of or {})},
         )
         new.append(job)
         results[i] = job
@@ -385,6 +392,34 @@ class AttemptReleased(CycleCommand):
 
 
 @dataclass
+class ReadinessReport(CycleCommand):
+    """The leader's agent says the gang's readiness probe passes now, or no longer does."""
+
+    node: str
+    job_id: str
+    attempt: int
+    ready: bool
+    message: str = ""
+
+    def execute(self, cycle: Cycle) -> bool:
+        """Returns True when the attempt is not the job's running one (the agent stops probing it)."""
+        if self.node not in cycle.state.nodes:
+            raise NotFound(f"node {self.node!r} is not registered")
+        job = cycle.state.jobs.get(self.job_id)
+        if job is None or job.state != "RUNNING" or job.attempt != self.attempt:
+            return True
+        if not job.allocations or job.allocations[0][1] != self.node:
+            raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no leader on node {self.node}")
+        if job.ready == self.ready:
+            return False
+        why = f": {self.message[:200]}" if self.message else ""
+        message = "ready: its readiness probe passes" if self.ready else f"not ready: its readiness probe fails{why}"
+        change_job(cycle, job, ready=self.ready, ready_at=cycle.now if self.ready else 0.0, message=message)
+        log.info("readiness_changed", job=job.id, attempt=job.attempt, ready=self.ready, message=self.message)
+        return False
+
+
+@dataclass
 class RankReport(CycleCommand):
     node: str
     job_id: str
@@ -436,12 +471,23 @@ class RankReport(CycleCommand):
         # What the agent knows beyond the exit code ("out of memory (limit 512M)"), for the job's reason
         why = f": {self.message}" if self.message and not self.message.startswith("exited with code") else ""
         if self.state == "RUNNING":
+            release_held(cycle, job)
             if all(r.state != "ASSIGNED" for r in job.ranks.values()):
                 job.launch_deadline = None
                 if not job.running_at:
                     job.running_at = cycle.now
                     cycle.work.later(ledger.mark_attempt_running, copy.copy(job), cycle.now)
+                if job.service and not job.serving.get("ready_probe") and not job.ready:
+                    # no probe: a replica serves once every rank runs
+                    change_job(cycle, job, ready=True, ready_at=cycle.now)
                 cycle.touched(job)
+        elif self.state == "EXITED" and job.serving.get("restart") == "always":
+            teardown(
+                cycle,
+                job,
+                cause="RANK_FAILED",
+                message=f"{where} exited with code {self.exit_code}{why}: a server restarts whole",
+            )
         elif self.state == "EXITED" and self.exit_code != 0 and job.failures < job.max_restarts:
             teardown(
                 cycle,

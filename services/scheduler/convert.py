@@ -35,6 +35,67 @@ RANK_STATE_NAMES = {
 
 
 def _spec(j: Any) -> common_pb2.JobSpec:
+    spec = _plain_spec(j)
+    serving = j.get("serving") or {}
+    if serving:
+        serving_into_spec(serving, spec)
+    return spec
+
+
+def serving_into_spec(serving: dict[str, Any], spec: common_pb2.JobSpec) -> None:
+    """The serving fields of a job's `serving` JSON (ledger.jobs) back into its JobSpec."""
+    for role in serving.get("roles") or ():
+        spec.roles.add(
+            name=str(role.get("name", "")),
+            replicas=int(role.get("replicas", 0)),
+            command=[str(a) for a in role.get("command") or ()],
+            env={str(k): str(v) for k, v in (role.get("env") or {}).items()},
+        )
+    spec.start_order = str(serving.get("start_order") or "")
+    spec.restart = str(serving.get("restart") or "")
+    probe = serving.get("ready_probe")
+    if probe:
+        spec.ready_probe.CopyFrom(probe_message(probe))
+
+
+def probe_message(probe: dict[str, Any]) -> common_pb2.ReadyProbe:
+    return common_pb2.ReadyProbe(
+        command=[str(a) for a in probe.get("command") or ()],
+        http_port=int(probe.get("http_port") or 0),
+        http_path=str(probe.get("http_path") or ""),
+        period_s=float(probe.get("period_s") or 0.0),
+        initial_delay_s=float(probe.get("initial_delay_s") or 0.0),
+        timeout_s=float(probe.get("timeout_s") or 0.0),
+        failure_threshold=int(probe.get("failure_threshold") or 0),
+    )
+
+
+def serving_of_spec(spec: common_pb2.JobSpec) -> dict[str, Any]:
+    """What a JobSpec asks for serving, as the job's `serving` JSON ({} for a plain batch job)."""
+    out: dict[str, Any] = {}
+    if spec.roles:
+        out["roles"] = [
+            dict(name=r.name, replicas=r.replicas, command=list(r.command), env=dict(r.env)) for r in spec.roles
+        ]
+    if spec.start_order and spec.start_order != "any":
+        out["start_order"] = spec.start_order
+    if spec.restart:
+        out["restart"] = spec.restart
+    if spec.HasField("ready_probe"):
+        p = spec.ready_probe
+        out["ready_probe"] = dict(
+            command=list(p.command),
+            http_port=p.http_port,
+            http_path=p.http_path,
+            period_s=p.period_s,
+            initial_delay_s=p.initial_delay_s,
+            timeout_s=p.timeout_s,
+            failure_threshold=p.failure_threshold,
+        )
+    return out
+
+
+def _plain_spec(j: Any) -> common_pb2.JobSpec:
     return common_pb2.JobSpec(
         name=j["name"],
         replicas=j["replicas"],
@@ -106,6 +167,11 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         tenant=j.get("tenant") or "",
         flavor=j.get("flavor") or "",
         struck_nodes=[str(n) for n in (j.get("struck_nodes") or ()) if isinstance(n, str)],
+        service=j.get("service") or "",
+        service_replica=int((j.get("serving") or {}).get("replica", 0)),
+        service_revision=int((j.get("serving") or {}).get("revision", 0)),
+        ready=bool(j.get("ready")),
+        ready_at=j.get("ready_at") or 0.0,
     )
 
 

@@ -38,6 +38,7 @@ from .commands import (
     CordonNode,
     DeleteQueue,
     RankReport,
+    ReadinessReport,
     Register,
     RequestCheckpoint,
     SetQueue,
@@ -45,6 +46,7 @@ from .commands import (
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
 from .service import SchedulerService
+from .serving.spec import normalize_roles, serving_problems
 from .settings import SchedulerSettings
 
 MAX_NAME = 253
@@ -182,6 +184,7 @@ def validate_spec(
                 f"memory_per_replica {spec.memory_per_replica[:40]!r} is not a size like 512M or 64G "
                 "(a number with a binary unit K, M, G, T or P)"
             )
+    problems += serving_problems(spec)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
@@ -256,6 +259,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @unary
     async def SubmitJob(self, request, context):
+        normalize_roles(request.spec)
         validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
         check_text("request_id", request.request_id, 128)
         ident = current_identity()
@@ -754,6 +758,25 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             )
         )
         return agent_pb2.ReportRankStatusResponse(stale=stale)
+
+    @unary
+    async def ReportReadiness(self, request, context):
+        self._caller_is(request.node_name, "ReportReadiness", context)
+        if request.attempt < 1:
+            raise InvalidArgument("attempt must be >= 1")
+        check_job_id(request.job_id)
+        node = self.service.state.nodes.get(request.node_name)
+        if request.agent_instance and node is not None and node.agent_instance not in ("", request.agent_instance):
+            raise FailedPrecondition(
+                f"a report from agent instance {request.agent_instance[:16]!r} of node {request.node_name[:80]!r}, "
+                "which is not the instance registered now: register again"
+            )
+        stale = await self.service.execute(
+            ReadinessReport(
+                request.node_name, request.job_id, request.attempt, request.ready, _clean(request.message, 500)
+            )
+        )
+        return agent_pb2.ReportReadinessResponse(stale=stale)
 
 
 def _job_view(conn, job_id: str, tenant: str | None, now: float):

@@ -94,6 +94,13 @@ class JobRecord:
     memory: int = 0
     # Submitted by an admin (always, with authentication off): may preempt other queues' jobs by priority
     by_admin: bool = True
+    # Serving (services/scheduler/serving): the service it is a replica of ("" none); what the gang asked for
+    # serving (roles, start_order, ready_probe, restart; a replica's index, revision, spread_tier, surge); whether
+    # its leader's readiness probe passes now, and since when.
+    service: str = ""
+    serving: dict[str, Any] = field(default_factory=dict)
+    ready: bool = False
+    ready_at: float = 0.0
     # The decision's inputs built from this record last time, with the fields they were built from
     # (planning.running_job; the pending ones are kept by JobTable.pending_view).
     snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)

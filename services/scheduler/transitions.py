@@ -22,7 +22,7 @@ from phalanx.common.tokens import rank_token
 from phalanx.core.model import Placement
 
 from . import ledger, lifecycle
-from .convert import job_from_record
+from .convert import job_from_record, probe_message
 from .settings import SchedulerSettings
 from .state import (
     TERMINAL_RANK_STATES,
@@ -151,20 +151,25 @@ def teardown(
         return
     s, now = cycle.settings, cycle.now
     changes: dict[str, Any] = dict(preempted_by="", preempt_deadline=0.0)
+    if job.ready:  # a torn-down gang serves nothing: out of its service's endpoints at once
+        changes.update(ready=False, ready_at=0.0)
+    restart = job.serving.get("restart", "")
     if final_state is None and cause == "PREEMPTED":
         changes.update(state="PENDING", preemptions=job.preemptions + 1, message=f"{message}; requeued")
+    elif final_state is None and restart == "never":
+        final_state, message = "FAILED", f"{message}; its restart policy is never: it stays down"
     elif final_state is None:
         failures = job.failures + 1
         changes.update(failures=failures)
-        if failures >= s.max_attempts:
+        if failures >= s.max_attempts and restart != "always":
             final_state, message = "FAILED", f"{message}; gave up after {failures} failed attempts"
         else:
             delay = retry_backoff(s.retry_backoff_s, s.retry_backoff_max_s, failures)
+            limit = "restarts always" if restart == "always" else f"of at most {s.max_attempts}"
             changes.update(
                 state="PENDING",
                 not_before=now + delay,
-                message=f"{message}; requeued (failure {failures} of at most {s.max_attempts}), "
-                f"retried after a {delay:g}s backoff",
+                message=f"{message}; requeued (failure {failures}, {limit}), retried after a {delay:g}s backoff",
             )
     if final_state:
         changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)
@@ -279,7 +284,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     taken = ports_taken(cycle, master)
     port = master_port(job.id, job.attempt + 1, port_range(cycle.state.nodes.get(master)), taken)
     taken.add(port)
-    placement_info = dict(
+    placement_info: dict[str, Any] = dict(
         tier=placement.tier,
         domains=placement.domains,
         score=placement.score,
@@ -288,6 +293,9 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
         epoch=cycle.epoch,
         master_port=port,
     )
+    held = held_replicas(job)
+    if held:  # --start-order: these replicas' launches wait until the first group's ranks run (release_held)
+        placement_info["held"] = held
     set_job(
         cycle,
         job,
@@ -312,9 +320,21 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     if job.attempt > 1:
         job.restored_step = cycle.work.ask(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
     cycle.work.new_allocations.append(job)
+    send_launches(cycle, job, exclude=set(held))
+    job.launch_deadline = cycle.now + cycle.settings.launch_timeout
+    cycle.metrics.reserved.append((job, cycle.now - job.submitted_at))
+    cycle.touched(job)
+
+
+def send_launches(
+    cycle: Cycle, job: JobRecord, *, only: Collection[int] | None = None, exclude: Collection[int] = ()
+) -> None:
+    """Queue the launch assignments of the attempt's replicas (`only` these, or all but `exclude`)."""
     run_as = cycle.state.unix_user(job.tenant) if cycle.state.unix_user is not None and job.tenant else ""
     credential = rank_token(cycle.state.rank_key, job.id, job.attempt) if cycle.state.rank_key else ""
     for launch in launches(job, cycle.state.nodes, cycle.settings, checkpoint_endpoint(cycle)):
+        if launch.replica in exclude or (only is not None and launch.replica not in only):
+            continue
         launch.run_as = run_as
         if credential:  # the ranks' own credential, scoped to this job and attempt (never the job's --env)
             launch.env["PHALANX_JOB_TOKEN"] = credential
@@ -322,9 +342,30 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
         cycle.send(
             node, job.id, job.attempt, "launch", lambda rev, one=launch: agent_pb2.Assignment(revision=rev, launch=one)
         )
-    job.launch_deadline = cycle.now + cycle.settings.launch_timeout
-    cycle.metrics.reserved.append((job, cycle.now - job.submitted_at))
-    cycle.touched(job)
+
+
+def held_replicas(job: JobRecord) -> list[int]:
+    """The replicas whose launch waits for the others' ranks to run: the workers with --start-order leader-first,
+    the leader (replica 0) with workers-first; none otherwise."""
+    order = job.serving.get("start_order", "")
+    if order == "leader-first":
+        return list(range(1, job.replicas))
+    if order == "workers-first" and job.replicas > 1:
+        return [0]
+    return []
+
+
+def release_held(cycle: Cycle, job: JobRecord) -> None:
+    """--start-order: once every rank of the replicas launched first runs, launch the held ones."""
+    held = set(job.placement.get("held") or ())
+    if not held:
+        return
+    first = [r for r in job.ranks.values() if r.replica not in held]
+    if first and all(r.state == "RUNNING" for r in first):
+        send_launches(cycle, job, only=held)
+        placement = {k: v for k, v in job.placement.items() if k != "held"}
+        change_job(cycle, job, placement=placement)
+        log.info("held_replicas_launched", job=job.id, attempt=job.attempt, replicas=sorted(held))
 
 
 ENDPOINT_TTL_S = 10.0
@@ -412,6 +453,20 @@ def launches(
     by_replica: dict[int, list[RankRecord]] = {}
     for r in job.ranks.values():
         by_replica.setdefault(r.replica, []).append(r)
+    roles = role_layout(job)
+    if job.service or job.serving:  # LeaderWorkerSet's variables: a distributed server starts without discovery
+        base.update(
+            LWS_LEADER_ADDRESS=master,
+            LWS_GROUP_SIZE=str(job.replicas),
+            LWS_GROUP_INDEX=str(job.serving.get("replica", 0)),
+        )
+        if job.service:
+            base.update(
+                PHALANX_SERVICE=job.service,
+                PHALANX_SERVICE_REPLICA=str(job.serving.get("replica", 0)),
+                PHALANX_SERVICE_REVISION=str(job.serving.get("revision", 0)),
+            )
+    probe = job.serving.get("ready_probe")
     out = []
     for replica, node, gpus in job.allocations:
         ranks = []
@@ -434,16 +489,33 @@ def launches(
                 launch.gpu_milli = part.milli
             ranks.append(launch)
         env = dict(base, NODE_RANK=str(replica), PHALANX_REPLICA=str(replica), PHALANX_NODE=node)
-        out.append(
-            agent_pb2.LaunchReplica(
-                job_id=job.id,
-                attempt=job.attempt,
-                replica=replica,
-                command=job.command,
-                ranks=ranks,
-                env=env,
-                cpus=job.cpu_milli / 1000,
-                memory_bytes=job.memory,
-            )
+        command = job.command
+        if job.service or job.serving:
+            env["LWS_WORKER_INDEX"] = str(replica)
+        if roles:
+            role, index = roles[replica]
+            env.update({str(k): str(v) for k, v in (role.get("env") or {}).items()})
+            env.update(PHALANX_ROLE=str(role["name"]), PHALANX_ROLE_INDEX=str(index))
+            command = list(role.get("command") or ()) or job.command
+        launch = agent_pb2.LaunchReplica(
+            job_id=job.id,
+            attempt=job.attempt,
+            replica=replica,
+            command=command,
+            ranks=ranks,
+            env=env,
+            cpus=job.cpu_milli / 1000,
+            memory_bytes=job.memory,
         )
+        if probe and replica == 0:  # the leader's agent runs the readiness probe
+            launch.ready_probe.CopyFrom(probe_message(probe))
+        out.append(launch)
     return out
+
+
+def role_layout(job: JobRecord) -> list[tuple[dict[str, Any], int]]:
+    """Each replica's role and its index within the role, in the roles' order ([] without roles)."""
+    out: list[tuple[dict[str, Any], int]] = []
+    for role in job.serving.get("roles") or ():
+        out.extend((role, i) for i in range(int(role.get("replicas", 0))))
+    return out if len(out) == job.replicas else []

@@ -30,7 +30,7 @@ from services.node_agent.state import AgentState
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-HEAD = "0022"
+HEAD = "0023"
 OLD_JOB = "0123456789ab"
 
 

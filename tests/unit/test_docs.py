@@ -256,7 +256,7 @@ def test_the_proto_parser_agrees_with_the_generated_descriptors():
 
 def test_grpc_reference_has_a_page_per_proto_with_every_rpc():
     pages = docs_gen.grpc_reference(ROOT / "proto")
-    assert set(pages) == {"index.md", "agent.md", "checkpoint.md", "common.md", "scheduler.md"}
+    assert set(pages) == {"index.md", "agent.md", "checkpoint.md", "common.md", "scheduler.md", "service.md"}
     assert "| `SubmitJob` |" in pages["scheduler.md"] and "### JobSpec {" in pages["common.md"]
     assert "Idempotency key" in pages["scheduler.md"]  # a field's comment comes along
 

@@ -30,8 +30,17 @@ from .gpus import _build as _build
 from .gpus import pick_gpus
 from .search import _scan_cost as _scan_cost
 from .search import _take as _take
-from .tiers import domain_of, tier_level, tier_names
+from .tiers import domain_members, domain_of, tier_level, tier_names
 
 # The private names above are re-exported for the benchmarks (bench/placement_speed.py, placement_optimality.py),
 # which compare the search with its scan version and report its default bound.
-__all__ = ["Unplaceable", "domain_of", "pick_gpus", "place_gang", "queue_order", "tier_level", "tier_names"]
+__all__ = [
+    "Unplaceable",
+    "domain_members",
+    "domain_of",
+    "pick_gpus",
+    "place_gang",
+    "queue_order",
+    "tier_level",
+    "tier_names",
+]

@@ -125,6 +125,10 @@ def _most_room(capacity: ClusterCapacity, cpu: int, memory: int) -> str:
 def _place_avoiding(
     capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
 ) -> Placement | Unplaceable:
+    if request.prefer or request.spread:
+        preferred = _place_preferring(capacity, request, fabric_tiers, bounds)
+        if preferred is not None:
+            return preferred
     if request.avoid:
         hidden = [n for n in request.avoid if n in capacity.nodes and capacity.nodes[n].schedulable]
         if hidden:
@@ -146,6 +150,42 @@ def _place_avoiding(
             )
         return got
     return _place_gang(capacity, request, fabric_tiers, bounds)
+
+
+def _place_hiding(
+    capacity: ClusterCapacity,
+    request: GangRequest,
+    fabric_tiers: Sequence[str],
+    bounds: tuple[float, int | None],
+    hidden: list[str],
+) -> Placement | Unplaceable:
+    for name in hidden:
+        capacity.set_schedulable(name, False)
+    try:
+        return _place_gang(capacity, request, fabric_tiers, bounds)
+    finally:
+        for name in hidden:
+            capacity.set_schedulable(name, True)
+
+
+def _place_preferring(
+    capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
+) -> Placement | None:
+    """A service replica's soft preferences, tried before the plain search: first only the nodes it ran on before
+    (`prefer`), then every node but its siblings' domains (`spread`), struck nodes hidden in both. None: neither
+    holds it, and the plain search decides (a preference never makes a gang wait)."""
+    live = [name for name, node in capacity.nodes.items() if node.schedulable]
+    if request.prefer:
+        hidden = [n for n in live if n not in request.prefer or n in request.avoid]
+        got = _place_hiding(capacity, request, fabric_tiers, bounds, hidden)
+        if isinstance(got, Placement):
+            return replace(got, reason=f"{got.reason}; back in the domain it ran in before")
+    if request.spread:
+        hidden = [n for n in live if n in request.spread or n in request.avoid]
+        got = _place_hiding(capacity, request, fabric_tiers, bounds, hidden)
+        if isinstance(got, Placement):
+            return replace(got, reason=f"{got.reason}; in a domain apart from its sibling replicas")
+    return None
 
 
 def _place_gang(

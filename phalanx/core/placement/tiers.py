@@ -37,3 +37,21 @@ def tier_level(capacity: ClusterCapacity, tier: str, fabric_tiers: Sequence[str]
     if tier in fabric_tiers:
         return capacity.levels()
     return None
+
+
+def domain_members(
+    capacity: ClusterCapacity, nodes: Sequence[str], tier: str, fabric_tiers: Sequence[str] = ()
+) -> frozenset[str]:
+    """Every node in the same domain of `tier` as one of `nodes` (the nodes themselves for "node"; empty for an
+    unknown tier, or for "cluster", whose one domain holds everything and so keeps nothing apart)."""
+    level = tier_level(capacity, tier, fabric_tiers)
+    top = capacity.levels()
+    if level is None or level >= top:
+        return frozenset()
+    if level == 0:
+        return frozenset(n for n in nodes if n in capacity.nodes)
+    domains = {domain_of(capacity.nodes[n], level) for n in nodes if n in capacity.nodes}
+    domains.discard("")
+    if not domains:
+        return frozenset()
+    return frozenset(name for name, node in capacity.nodes.items() if domain_of(node, level) in domains)

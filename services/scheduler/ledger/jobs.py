@@ -122,6 +122,10 @@ def job_from_row(j) -> JobRecord:
         cpu_milli=j.get("cpu_milli") or 0,
         memory=j.get("memory") or 0,
         by_admin=bool(j.get("by_admin", True)),
+        service=j.get("service") or "",
+        serving=dict(j.get("serving") or {}),
+        ready=bool(j.get("ready")),
+        ready_at=j.get("ready_at") or 0.0,
     )
 
 
@@ -170,6 +174,10 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 cpu_milli=j.cpu_milli,
                 memory=j.memory,
                 by_admin=j.by_admin,
+                service=j.service,
+                serving=j.serving,
+                ready=j.ready,
+                ready_at=j.ready_at,
             )
             for j in jobs
         ],
