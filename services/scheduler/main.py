@@ -7,7 +7,7 @@ import asyncio
 import signal
 import sys
 
-from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, service_pb2, service_pb2_grpc
 from phalanx.common.defaults import DEFAULT_DB_URL
 from phalanx.common.flags import Flag, add_flags
 from phalanx.common.logging import configure_logging
@@ -30,18 +30,22 @@ from services.common.server import AioServer
 from .retention import DEFAULT_RETAIN_FINISHED_S, parse_retain
 from .service import SchedulerService
 from .servicer import NodeServicer, SchedulerServicer
+from .serving.controller import ServiceController
+from .serving.servicer import ServiceServicer
 from .settings import SchedulerSettings
 
 
 class RunningScheduler:
-    def __init__(self, service: SchedulerService, server: AioServer) -> None:
+    def __init__(self, service: SchedulerService, server: AioServer, controller: ServiceController) -> None:
         self.service = service
         self.server = server
+        self.controller = controller
         self.address = server.address
         self.port = server.port
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
+        await self.controller.stop()
         await self.service.stop()
 
 
@@ -61,22 +65,26 @@ async def serve(
         service.state.unix_user = tokens.unix_user  # the tenants' Unix users, for their launches
     await service.start()
     service.state.rank_key = await asyncio.to_thread(_rank_key, service.engine)
+    controller = ServiceController(service)
     server = AioServer(
         settings.listen,
         [
             lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service, limits), s),
             lambda s: agent_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(service), s),
+            lambda s: service_pb2_grpc.add_ServiceServiceServicer_to_server(ServiceServicer(service, controller), s),
         ],
         [
             scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
             agent_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+            service_pb2.DESCRIPTOR.services_by_name["ServiceService"].full_name,
         ],
         interceptors=[AuthInterceptor(tokens, service.state.rank_key)] if tokens is not None else [],
         tls=tls,
         max_message_bytes=settings.max_message_bytes,
     )
     await server.start()
-    return RunningScheduler(service, server)
+    controller.start()
+    return RunningScheduler(service, server, controller)
 
 
 def _rank_key(engine) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -32,7 +33,8 @@ from phalanx.core.decide import (
     Wait,
     WakeAt,
 )
-from phalanx.core.model import Placement, ReplicaPlacement
+from phalanx.core.model import GangRequest, Placement, ReplicaPlacement
+from phalanx.core.placement import domain_members
 from phalanx.core.quota import cluster_totals
 
 from . import ledger, lifecycle
@@ -65,10 +67,43 @@ class _Lazy(Mapping):
         return len(self._get())
 
 
-def pending_job(job: JobRecord) -> PendingJob:
+def pending_job(job: JobRecord, state: SchedulerState | None = None, tiers: tuple[str, ...] = ()) -> PendingJob:
     """The job as the decision's pending queue holds it (built by JobTable.pending_view only for the jobs that
-    entered the queue or changed since the last cycle)."""
-    return PendingJob(job.request(), job.queue, job.not_before, job.by_admin)
+    entered the queue or changed since the last cycle). A service's replica carries its soft preferences (the
+    domain it ran in before, its siblings' domains) and, while it is a rolling update's surge, that it never
+    preempts."""
+    request = job.request()
+    if job.service and state is not None:
+        request = serving_preferences(job, request, state, tiers)
+    return PendingJob(request, job.queue, job.not_before, job.by_admin, preempts=not job.serving.get("surge"))
+
+
+def serving_preferences(
+    job: JobRecord, request: GangRequest, state: SchedulerState, tiers: tuple[str, ...]
+) -> GangRequest:
+    """A replica goes back to the domain (of the fabric's lowest tier) it ran in before when it fits there, and
+    keeps off the domains of `spread_tier` its running siblings occupy when it fits elsewhere."""
+    spread_tier = str(job.serving.get("spread_tier") or "")
+    prefer: frozenset[str] = frozenset()
+    if job.allocations:  # its last attempt's nodes
+        prefer = domain_members(state.capacity, job.nodes, tiers[0] if tiers else "node", tiers)
+    spread: frozenset[str] = frozenset()
+    if spread_tier:
+        siblings = [
+            node
+            for other in state.jobs.in_state("RUNNING").values()
+            if other.service == job.service and other.id != job.id
+            for node in other.nodes
+        ]
+        spread = domain_members(state.capacity, siblings, spread_tier, tiers)
+        prefer = prefer - spread
+    return replace(
+        request,
+        prefer=prefer,
+        spread=spread,
+        spread_group=job.service if spread_tier else "",
+        spread_tier=spread_tier,
+    )
 
 
 def running_job(job: JobRecord) -> RunningJob:
@@ -178,7 +213,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
     )
     return Snapshot(
         capacity=state.capacity,
-        pending=jobs.pending_view(pending_job),
+        pending=jobs.pending_view(lambda job: pending_job(job, state, s.fabric.tiers)),
         running=_Lazy(running),
         config=config,
         unusable=unusable(state),

@@ -46,7 +46,7 @@ from .commands import (
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
 from .service import SchedulerService
-from .serving.spec import normalize_roles, serving_problems
+from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
 
 MAX_NAME = 253

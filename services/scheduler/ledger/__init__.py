@@ -85,8 +85,22 @@ from .reads import (
     read_nodes,
     restore_message,
 )
+from .services import (
+    add_revision,
+    failed_replicas,
+    insert_service,
+    read_revisions,
+    read_services,
+    update_service,
+)
 
 __all__ = [
+    "add_revision",
+    "failed_replicas",
+    "insert_service",
+    "read_revisions",
+    "read_services",
+    "update_service",
     "CHANGES",
     "CHANGES_KEPT_S",
     "Changes",

@@ -1,0 +1,149 @@
+"""The service controller: the leader's loop that keeps every service at its desired state.
+
+It reconciles (serving.commands.Reconcile, a command of the scheduling cycle) each service:
+- soon after one of its replica jobs changes (a replica became ready, failed, was preempted): the fan-out of job
+  changes wakes it, so a rolling update moves on as soon as a new replica is ready;
+- at least every `period_s` (a replica whose backoff ended, a failed submission);
+- after every API change (`kick`).
+
+The autoscaler runs here too: every service with an Autoscale policy is evaluated every its period_s, from the
+metric values pushed (PushMetric) or scraped from its ready leaders (off the event loop, in a thread), through the
+pure rule phalanx.core.autoscale.recommend; a new count is a ScaleService command of the cycle.
+
+Only the leader runs it (a replica that does not lead would only fail its cycles' writes); its memory (the
+autoscaler's recommendation history, pushed values) starts empty on a new leader, as HPA's does on a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from phalanx.core.autoscale import AutoscaleState, recommend
+
+from .. import ledger
+from .autoscaling import MetricBook, period_of, policy_of, scrape
+from .commands import Reconcile, ScaleService, service_spec_of
+from .views import read_service_views, serving_port
+
+if TYPE_CHECKING:
+    from ..service import SchedulerService
+
+log = structlog.get_logger()
+
+
+@dataclass
+class _Scaled:
+    state: AutoscaleState = field(default_factory=AutoscaleState)
+    next_at: float = 0.0
+
+
+class ServiceController:
+    def __init__(self, service: SchedulerService, period_s: float = 1.0) -> None:
+        self.service = service
+        self.period_s = period_s
+        self.metrics = MetricBook()
+        self.watches: dict[str, int] = {}
+        self._scaled: dict[str, _Scaled] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="service-controller")
+        self._watch = asyncio.create_task(self._follow_jobs(), name="service-controller-jobs")
+
+    async def stop(self) -> None:
+        for task in (self._task, self._watch):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def forget(self, name: str) -> None:
+        self._scaled.pop(name, None)
+        self.metrics.forget(name)
+
+    async def _follow_jobs(self) -> None:
+        entry = self.service.fanout.subscribe(None, None)
+        try:
+            while True:
+                got = await entry.get()
+                if got is None:  # fell behind: resubscribe and reconcile everything
+                    self.service.fanout.unsubscribe(entry)
+                    entry = self.service.fanout.subscribe(None, None)
+                    self.kick()
+                    continue
+                if got[0].service:
+                    self.kick()
+        finally:
+            self.service.fanout.unsubscribe(entry)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.period_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if not self.service.leading:
+                continue
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next tick tries again; the controller must not die
+                log.warning("service_controller_failed", error=str(exc)[:300])
+
+    async def tick(self) -> None:
+        rows = await self.service.read_snapshot(ledger.read_services)
+        if not rows:
+            return
+        await self.service.execute(Reconcile())
+        now = time.time()
+        for row in rows:
+            auto = (row["spec"] or {}).get("autoscale")
+            if auto:
+                await self._autoscale(row, now)
+
+    async def _autoscale(self, row: dict, now: float) -> None:
+        name = row["name"]
+        spec = service_spec_of(row)
+        scaled = self._scaled.setdefault(name, _Scaled())
+        if now < scaled.next_at:
+            return
+        scaled.next_at = now + period_of(spec.autoscale)
+        policy = policy_of(spec.autoscale)
+        views = await self.service.read_snapshot(read_service_views, names=[name])
+        if not views:
+            return
+        view = views[0]
+        ready = [r for r in view.replicas if r.ready]
+        a = spec.autoscale
+        if a.metrics_port:
+            path = a.metrics_path or "/metrics"
+            hosts = {
+                r.index: r.leader_address.rsplit(":", 1)[0] if serving_port(row) else r.leader_address for r in ready
+            }
+            got = await asyncio.gather(
+                *(asyncio.to_thread(scrape, f"http://{h}:{a.metrics_port}{path}", a.metric) for h in hosts.values())
+            )
+            for index, scraped in zip(hosts, got, strict=True):
+                if scraped is not None:
+                    self.metrics.put(name, index, a.metric, scraped, now)
+        values = self.metrics.per_replica(name, a.metric, [r.index for r in ready], now)
+        current = row["replicas"]
+        rec = recommend(policy, current, values, now, scaled.state)
+        if rec.replicas != current or rec.reason != row["autoscaler"]:
+            if rec.replicas != current:
+                log.info("service_autoscaled", service=name, replicas=rec.replicas, was=current, reason=rec.reason)
+            await self.service.execute(ScaleService(name, rec.replicas, None, by_autoscaler=rec.reason))
