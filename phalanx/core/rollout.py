@@ -69,12 +69,10 @@ def plan_fleet(
     floor = max(0, desired - max_unavailable)
     ceiling = desired + max_surge
     ready = sum(1 for r in live if r.ready)
-    starts: list[Start] = []
     total = len(live)
     missing = max(0, want_new - len(new))
-    for index in _free(used, min(missing, max(0, ceiling - total))):
-        starts.append(Start(index, revision, surge=total >= desired))
-        total += 1
+    indices = _free(used, min(missing, max(0, ceiling - total)))
+    total += len(indices)
     # Old replicas go only as far as the new ones need: live replicas never fall below the floor.
     removable = max(0, total - floor)
     stops: list[Stop] = []
@@ -88,6 +86,9 @@ def plan_fleet(
             break
         stops.append(Stop(r.key, r.index, f"replaced by revision {revision}"))
         above_floor -= 1
+    # A start is a surge when, with this step's stops gone, K or more replicas live beside it.
+    base = len(live) - len(stops)
+    starts = [Start(index, revision, surge=base + i >= desired) for i, index in enumerate(indices)]
     new_ready = sum(1 for r in new if r.ready)
     message = (
         f"rolling out revision {revision}: {new_ready} of {want_new} new replica(s) ready, {len(old)} old left "

@@ -115,3 +115,244 @@ async def test_a_bad_spec_is_invalid_argument_and_changes_nothing(db_url):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (s, err.value.details())
         assert c.sql("SELECT count(*) FROM services") == [(0,)]
         assert c.sql("SELECT count(*) FROM jobs") == [(0,)]
+
+
+class Readiness:
+    """The ready replicas of a service, followed from the scheduler's committed job changes."""
+
+    def __init__(self, c: LiteCluster, service: str, watch, now: service_pb2.Service) -> None:
+        self.c, self.service, self.watch = c, service, watch
+        self.state: dict[str, bool] = {r.job_id: r.ready for r in now.replicas}
+        self.lowest: int | None = sum(self.state.values())
+
+    @classmethod
+    async def of(cls, c: LiteCluster, service: str) -> Readiness:
+        """Subscribe first, then read the service: no change falls between the two."""
+        watch = c.scheduler.service.fanout.subscribe(None)
+        now = await stub(c).GetService(service_pb2.GetServiceRequest(name=service))
+        return cls(c, service, watch, now)
+
+    async def pump(self, until, timeout: float = 20.0):
+        import asyncio
+
+        async def run():
+            while True:
+                result = await until()
+                if result:
+                    return result
+                try:
+                    got = await asyncio.wait_for(self.watch.get(), 0.2)
+                except TimeoutError:
+                    continue
+                assert got is not None
+                job = got[0]
+                if job.service == self.service:
+                    self.state[job.id] = job.ready and job.state == RUNNING
+                    count = sum(self.state.values())
+                    if self.lowest is None or count < self.lowest:
+                        self.lowest = count
+
+        return await asyncio.wait_for(run(), timeout)
+
+
+async def test_a_rolling_update_of_three_never_drops_below_two_ready(db_url):
+    async with cluster(db_url, nodes=8) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=3, nodes=2)))
+        await eventually(lambda: ready_count(c, "llm", 3), what="3 ready replicas")
+        follow = await Readiness.of(c, "llm")
+        new = common_pb2.JobSpec(replicas=2, gpus_per_replica=8, command=["run", "v2"])
+        updated = await stub(c).UpdateService(service_pb2.UpdateServiceRequest(name="llm", template=new))
+        assert updated.revision == 2
+
+        async def rolled():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            done = len(got.replicas) == 3 and all(r.revision == 2 and r.ready for r in got.replicas)
+            return got if done else None
+
+        final = await follow.pump(rolled)
+        assert follow.lowest is not None and follow.lowest >= 2, follow.lowest
+        history = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+        assert [(r.revision, r.cause) for r in history.revisions] == [(2, "update"), (1, "create")]
+        launched = {launch.job_id: list(launch.command) for a in c.agents for launch in a.launched}
+        assert all(launched[r.job_id] == ["run", "v2"] for r in final.replicas)
+        rolled_back = await stub(c).RollbackService(service_pb2.RollbackServiceRequest(name="llm"))
+        assert rolled_back.revision == 3
+
+        async def back():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            return got if all(r.revision == 3 and r.ready for r in got.replicas) and len(got.replicas) == 3 else None
+
+        again = await follow.pump(back)
+        launched = {launch.job_id: list(launch.command) for a in c.agents for launch in a.launched}
+        assert all(launched[r.job_id] == ["run"] for r in again.replicas)
+        assert again.revisions[0].cause == "rollback to 1"
+
+
+async def test_scaling_up_preempts_a_lower_priority_gang_which_runs_again_after_scaling_down(db_url):
+    from phalanx.core.preemption import PreemptionPolicy
+
+    policy = PreemptionPolicy(min_runtime_s=0.0, grace_period_s=0.5)
+    async with cluster(db_url, nodes=8, preemption=policy) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=2, nodes=2, priority=100)))
+        await eventually(lambda: ready_count(c, "llm", 2), what="2 ready replicas")
+        batch = await c.submit("train", 4, 8, ("run",), priority=0)
+        await c.wait_running(batch.id)
+        changes = c.changes()
+        await stub(c).ScaleService(service_pb2.ScaleServiceRequest(name="llm", replicas=4))
+        # asked to checkpoint first (the handshake), then stopped
+        await changes.until(batch.id, lambda j: j.state == common_pb2.JOB_STATE_PREEMPTING, "asked to checkpoint")
+        await eventually(lambda: ready_count(c, "llm", 4), what="4 ready replicas")
+        stopped = await c.job(batch.id)
+        assert stopped.state == common_pb2.JOB_STATE_PENDING and stopped.preemptions == 1
+        await stub(c).ScaleService(service_pb2.ScaleServiceRequest(name="llm", replicas=2))
+        resumed = await c.wait_running(batch.id)
+        assert resumed.attempt == 2
+        assert (await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))).ready_replicas == 2
+
+
+async def test_a_lost_node_restarts_only_its_replica_elsewhere_and_endpoints_follow(db_url):
+    async with cluster(db_url, nodes=8, lease_timeout=1.0, heartbeat_interval=0.2) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=2, nodes=2, port=9000)))
+        svc = await eventually(lambda: ready_count(c, "llm", 2), what="2 ready replicas")
+        victim, other = svc.replicas
+        watch = stub(c).WatchEndpoints(service_pb2.WatchEndpointsRequest(name="llm"))
+        assert len((await watch.read()).endpoints) == 2
+        follow = await Readiness.of(c, "llm")
+        lost = next(a for a in c.agents if a.name == victim.nodes[1])
+        await lost.partition()
+        assert [e.replica for e in (await watch.read()).endpoints] == [other.index]  # the lost one leaves at once
+        back = await watch.read()
+        assert sorted(e.replica for e in back.endpoints) == [0, 1]
+        now = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+        moved = next(r for r in now.replicas if r.index == victim.index)
+        assert lost.name not in moved.nodes and moved.job_id == victim.job_id
+        assert follow.state.get(other.job_id, True)  # the other replica never stopped being ready
+        assert (await c.job(other.job_id)).attempt == 1
+        watch.cancel()
+
+
+async def test_a_surge_replica_that_does_not_fit_waits_without_preempting_and_short_gangs_backfill(db_url):
+    from phalanx.core.preemption import PreemptionPolicy
+
+    policy = PreemptionPolicy(min_runtime_s=0.0, grace_period_s=0.5)
+    async with cluster(db_url, nodes=4, preemption=policy) as c:
+        first = spec(replicas=1, nodes=2, priority=100, max_surge=1, max_unavailable=0)
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=first))
+        await eventually(lambda: ready_count(c, "llm", 1), what="1 ready replica")
+        blocker = await c.submit("blocker", 1, 8, ("sleep", "3"), time_limit_s=4.0)
+        await c.wait_running(blocker.id)
+        new = common_pb2.JobSpec(replicas=2, gpus_per_replica=8, command=["run", "v2"], priority=100)
+        await stub(c).UpdateService(service_pb2.UpdateServiceRequest(name="llm", template=new))
+
+        async def surge_waits():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            surge = [r for r in got.replicas if r.surge]
+            return surge[0] if surge and surge[0].state == "PENDING" else None
+
+        waiting = await eventually(surge_waits, what="a waiting surge replica")
+        short = await c.submit("short", 1, 8, ("sleep", "0.3"), time_limit_s=1.0)
+        unlimited = await c.submit("unlimited", 1, 8, ("run",))
+        await eventually(lambda: _finished(c, short.id), what="the short gang backfilled and done")
+        assert (await c.job(unlimited.id)).state == common_pb2.JOB_STATE_PENDING  # it would delay the surge
+
+        async def rolled():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            return got if [(r.revision, r.ready) for r in got.replicas] == [(2, True)] else None
+
+        await eventually(rolled, timeout=20.0, what="the rollout done once the blocker ended")
+        done = await c.job(blocker.id)
+        assert done.state == common_pb2.JOB_STATE_SUCCEEDED and done.preemptions == 0
+        assert (await c.job(waiting.job_id)).preemptions == 0
+
+
+async def _finished(c: LiteCluster, job_id: str):
+    job = await c.job(job_id)
+    return job if job.state == common_pb2.JOB_STATE_SUCCEEDED else None
+
+
+async def test_restart_never_leaves_a_failed_replica_down_until_the_next_revision(db_url):
+    async with cluster(db_url) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=2, restart="never")))
+        svc = await eventually(lambda: ready_count(c, "llm", 2), what="2 ready replicas")
+        victim = svc.replicas[0]
+        node = next(a for a in c.agents if a.name == victim.nodes[0])
+        await node._report(victim.job_id, 1, 0, common_pb2.RANK_STATE_EXITED, 3)
+
+        async def down():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            states = sorted(r.state for r in got.replicas)
+            return got if states == ["FAILED", "READY"] else None
+
+        await eventually(down, what="one replica FAILED, one READY")
+        await c.settled(svc.replicas[1].job_id)
+        assert (await c.job(victim.job_id)).state == common_pb2.JOB_STATE_FAILED
+        assert len((await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))).replicas) == 2
+        new = common_pb2.JobSpec(replicas=2, gpus_per_replica=8, command=["run", "v2"], restart="never")
+        await stub(c).UpdateService(service_pb2.UpdateServiceRequest(name="llm", template=new))
+
+        async def replaced():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            return got if [(r.revision, r.state) for r in got.replicas] == [(2, "READY"), (2, "READY")] else None
+
+        await eventually(replaced, what="both replicas at revision 2")
+
+
+async def test_start_order_holds_the_rest_of_the_gang_until_the_first_group_runs(db_url):
+    async with cluster(db_url) as c:
+        leader_first = spec(name="lf", replicas=1, nodes=0, start_order="leader-first")
+        leader_first.template.roles.add(name="leader", replicas=1, command=["hang"])  # never reports RUNNING
+        leader_first.template.roles.add(name="worker", replicas=2, command=["run"])
+        workers_first = spec(name="wf", replicas=1, nodes=0, start_order="workers-first")
+        workers_first.template.roles.add(name="leader", replicas=1, command=["run"])
+        workers_first.template.roles.add(name="worker", replicas=1, command=["hang"])
+        for s in (leader_first, workers_first):
+            await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=s))
+
+        async def placed(name):
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name=name))
+            return got.replicas[0] if got.replicas and got.replicas[0].state == "STARTING" else None
+
+        lf = await eventually(lambda: placed("lf"), what="lf placed")
+        wf = await eventually(lambda: placed("wf"), what="wf placed")
+        await c.settled()
+        launched = [launch for a in c.agents for launch in a.launched]
+        assert sorted(x.replica for x in launched if x.job_id == lf.job_id) == [0]  # the workers wait
+        assert sorted(x.replica for x in launched if x.job_id == wf.job_id) == [1]  # the leader waits
+        (worker,) = [x for x in launched if x.job_id == wf.job_id]
+        assert list(worker.command) == ["hang"] and worker.env["PHALANX_ROLE"] == "worker"
+
+
+async def test_deleting_a_service_stops_every_replica(db_url):
+    async with cluster(db_url) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=2)))
+        svc = await eventually(lambda: ready_count(c, "llm", 2), what="2 ready replicas")
+        deleted = await stub(c).DeleteService(service_pb2.DeleteServiceRequest(name="llm"))
+        assert deleted.deleted
+        for r in svc.replicas:
+            assert (await c.job(r.job_id)).state == common_pb2.JOB_STATE_CANCELLED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not (await stub(c).ListServices(service_pb2.ListServicesRequest())).services
+        again = await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=1)))
+        assert again.revision == 1  # the name is free again
+
+
+async def test_the_autoscaler_follows_a_pushed_metric_up_and_down(db_url):
+    async with cluster(db_url) as c:
+        s = spec(replicas=1, nodes=1)
+        s.autoscale.CopyFrom(
+            service_pb2.Autoscale(
+                min_replicas=1, max_replicas=3, metric="queue", target=10, period_s=0.1, scale_down_window_s=0.5
+            )
+        )
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=s))
+        await eventually(lambda: ready_count(c, "llm", 1), what="1 ready replica")
+        await stub(c).PushMetric(service_pb2.PushMetricRequest(service="llm", metric="queue", value=25, replica=-1))
+        up = await eventually(lambda: ready_count(c, "llm", 3), what="scaled up to 3")
+        assert "queue averages" in up.autoscaler
+        await stub(c).PushMetric(service_pb2.PushMetricRequest(service="llm", metric="queue", value=1, replica=-1))
+        await eventually(lambda: ready_count(c, "llm", 1), what="scaled back to 1")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub(c).ScaleService(service_pb2.ScaleServiceRequest(name="llm", replicas=5))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
