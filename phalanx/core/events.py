@@ -46,6 +46,8 @@ class Submitted:
     gpus_per_replica: int = 1
     demand: tuple[float, float] = (0.0, 0.0)
     fits_empty: bool = True
+    # False: it may never preempt (a service's surge replica during a rolling update; invariant g)
+    preempts: bool = True
 
 
 @dataclass(frozen=True, slots=True)

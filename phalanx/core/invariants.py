@@ -25,6 +25,9 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
     cohort lends); a reclaim only evicts a gang whose queue is borrowing.
 (f) MIG and shares. No MIG instance on a GPU outside MIG mode, no whole-GPU job on one in it, no GPU's mode changed
     under an instance; no GPU's shares above one GPU.
+(g) serving. A gang that may not preempt (a service's surge replica during a rolling update) never asks a gang to
+    checkpoint and never claims capacity: it waits for a release instead (the deadlock of LeaderWorkerSet issues
+    717 and 1050 is a surge that evicts, or waits on, what must go first).
 
 `check(events, ...)` returns the violations, each naming its invariant, the index of the event that broke it and
 what happened; `Checker` takes the events one at a time (the randomized checker asserts after every step). The
@@ -116,6 +119,7 @@ class _Job:
     holds: tuple[Hold, ...] = ()
     finished: bool = False
     submitted_at: float = 0.0
+    preempts: bool = True
 
 
 @dataclass
@@ -225,6 +229,7 @@ class Checker:
             e.replicas,
             e.gpus_per_replica,
             submitted_at=e.t,
+            preempts=e.preempts,
         )
         if self.quiet_at is not None:
             self._bad("d", f"job {e.job} arrived after the quiet point")
@@ -432,6 +437,8 @@ class Checker:
                     other.lost_index = self.index
         victim = self.jobs.get(e.victim)
         by = self.jobs.get(e.by)
+        if by is not None and not by.preempts:
+            self._bad("g", f"job {e.by} may not preempt (a surge replica) but asked {e.victim} to checkpoint")
         if victim is None or victim.attempt != e.attempt:
             self._bad("c", f"job {e.victim} asked to stop for {e.by} while not running")
             return
@@ -529,6 +536,9 @@ class Checker:
                 )
 
     def _on_ClaimMade(self, e: ClaimMade) -> None:
+        claimant = self.jobs.get(e.job)
+        if claimant is not None and not claimant.preempts:
+            self._bad("g", f"job {e.job} may not preempt (a surge replica) but claimed capacity")
         self.claims[e.job] = e
 
     def _on_ClaimEnded(self, e: ClaimEnded) -> None:

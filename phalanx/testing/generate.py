@@ -115,6 +115,7 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         checkpoint=rng.choice(("early", "late", "never")),
         fails=rng.choice((0, 0, 0, 1)),
         by_admin=rng.random() < 0.9,
+        preempts=rng.random() < 0.9,
     )
 
 

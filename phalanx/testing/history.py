@@ -84,6 +84,13 @@ def _json(value: Any) -> Any:
     return value
 
 
+def _json_dict(value: Any) -> dict[str, Any]:
+    """A JSON column read through plain SQL: a dict on PostgreSQL, its text on SQLite."""
+    if isinstance(value, str):
+        value = json.loads(value or "{}")
+    return value if isinstance(value, dict) else {}
+
+
 def _rows(conn: Connection, sql: str, **params: Any) -> list[Any]:
     return list(conn.execute(text(sql), params))
 
@@ -211,7 +218,7 @@ def _submissions(
     for row in _rows(
         conn,
         "SELECT id, state, priority, queue, replicas, gpus_per_replica, mig_profile, gpu_milli, submitted_at, "
-        "finished_at, required_tier, gpu_model, flavor FROM jobs",
+        "finished_at, required_tier, gpu_model, flavor, serving FROM jobs",
     ):
         jobs[row.id] = dict(row._mapping)
     for job_id, j in jobs.items():
@@ -240,6 +247,7 @@ def _submissions(
                 request.gpus_per_replica,
                 demand(request),
                 fits,
+                not _json_dict(j.get("serving")).get("surge"),
             ),
         )
     return jobs

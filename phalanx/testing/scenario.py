@@ -52,6 +52,7 @@ class JobSpec:
     checkpoint: str = "early"
     fails: int = 0
     by_admin: bool = True
+    preempts: bool = True  # False: a service's surge replica, which waits instead of preempting
 
     def request(self, submitted_at: float) -> GangRequest:
         partial = bool(self.mig_profile or self.gpu_milli)
@@ -93,7 +94,7 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     """Actions written one a line, for the regression table:
 
         submit NAME RxG [p=PRIORITY] [q=QUEUE] [work=S] [limit=S] [mig=PROFILE] [milli=M] [tier=T] [ckpt=early|late|never]
-               [fails=N] [user]
+               [fails=N] [user] [surge]
         advance SECONDS | release K | commit K | fail K | down K | up K | cancel K | mig K | gpu K
 
     ("#" starts a comment.)"""
@@ -111,6 +112,9 @@ def parse_actions(text: str) -> tuple[Action, ...]:
                 key, _, value = opt.partition("=")
                 if key == "user":
                     kw["by_admin"] = False
+                    continue
+                if key == "surge":  # a service's surge replica: it never preempts
+                    kw["preempts"] = False
                     continue
                 field_name, conv = _OPTIONS[key]
                 kw[field_name] = conv(value)
@@ -150,6 +154,8 @@ def format_actions(actions: Iterable[Action]) -> str:
                     parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
             if not arg.by_admin:
                 parts.append("user")
+            if not arg.preempts:
+                parts.append("surge")
             lines.append(" ".join(parts))
         elif verb == "advance":
             lines.append(f"advance {float(arg):g}")  # type: ignore[arg-type]

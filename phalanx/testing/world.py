@@ -183,7 +183,7 @@ class World:
 
     def snapshot(self) -> Snapshot:
         pending = [
-            PendingJob(j.request, j.spec.queue, j.not_before, j.spec.by_admin)
+            PendingJob(j.request, j.spec.queue, j.not_before, j.spec.by_admin, j.spec.preempts)
             for j in (self.jobs[i] for i in self.order)
             if j.state == "PENDING"
         ]
@@ -375,6 +375,7 @@ class World:
                 request.gpus_per_replica,
                 demand(request),
                 self.fits_empty(request, spec.queue),
+                spec.preempts,
             )
         )
 

@@ -58,6 +58,7 @@ def jobs(draw, name: str, cluster: ClusterSpec, queues: tuple[str, ...]) -> JobS
         checkpoint=draw(st.sampled_from(("early", "late", "never"))),
         fails=draw(st.integers(0, 1)),
         by_admin=not draw(st.booleans()) if queues else True,  # (a user's job: only with queues)
+        preempts=draw(st.sampled_from((True, True, True, False))),  # False: a service's surge replica
     )
 
 

@@ -356,3 +356,88 @@ async def test_the_autoscaler_follows_a_pushed_metric_up_and_down(db_url):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub(c).ScaleService(service_pb2.ScaleServiceRequest(name="llm", replicas=5))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_queue_quota_covers_a_services_replicas(db_url):
+    from phalanx.api.v1 import scheduler_pb2
+
+    async with cluster(db_url) as c:
+        await c.stub.SetQueue(
+            scheduler_pb2.SetQueueRequest(
+                spec=scheduler_pb2.QueueSpec(name="serve", quotas=[scheduler_pb2.FlavorQuota(flavor="*", gpus=16)])
+            )
+        )
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=3, nodes=1, queue="serve")))
+
+        async def two_ready():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            return got if got.ready_replicas == 2 else None
+
+        await eventually(two_ready, what="2 replicas within the quota")
+
+        async def third_waits():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            waiting = [r for r in got.replicas if r.state == "PENDING"]
+            return waiting[0] if len(got.replicas) == 3 and waiting and "quota" in waiting[0].message else None
+
+        await eventually(third_waits, what="the third replica waiting on the quota")
+
+
+class FakeMetrics:
+    """A Prometheus endpoint whose vLLM queue length the test sets (what the autoscaler scrapes)."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        owner = self
+        self.waiting = 0.0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = (
+                    "# TYPE vllm:num_requests_waiting gauge\n"
+                    f'vllm:num_requests_waiting{{model_name="llama"}} {owner.waiting}\n'
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_the_autoscaler_follows_a_scraped_prometheus_metric_up_and_down(db_url):
+    metrics = FakeMetrics()
+    try:
+        async with cluster(db_url) as c:
+            s = spec(replicas=1, nodes=1)
+            s.autoscale.CopyFrom(
+                service_pb2.Autoscale(
+                    min_replicas=1,
+                    max_replicas=3,
+                    metric="vllm:num_requests_waiting",
+                    target=5,
+                    metrics_port=metrics.port,
+                    period_s=0.1,
+                    scale_down_window_s=0.5,
+                )
+            )
+            await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=s))
+            await eventually(lambda: ready_count(c, "llm", 1), what="1 ready replica")
+            metrics.waiting = 15  # 3 x the target on the one replica: 3 wanted, the bound
+            await eventually(lambda: ready_count(c, "llm", 3), what="scaled up to 3")
+            metrics.waiting = 0
+            await eventually(lambda: ready_count(c, "llm", 1), what="scaled back down to 1")
+    finally:
+        metrics.close()

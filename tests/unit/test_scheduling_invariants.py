@@ -88,3 +88,42 @@ def test_generated_scenarios_find_violations_of_a_decision_without_claims() -> N
     broken = [s for s in seeds if run(random_scenario(random.Random(s)), claims=False).violations]
     assert len(broken) >= 3, broken
     assert not [s for s in broken if run(random_scenario(random.Random(s))).violations]
+
+
+# Serving (invariant g): a rolling update's surge replica that does not fit waits for a release; it never asks a
+# running gang to checkpoint, even one of lower priority that an ordinary gang of its priority would preempt.
+SURGE = Scenario(
+    ClusterSpec(nodes=2, gpus=8, per_leaf=2),
+    parse_actions(
+        """
+        submit batch 2x8 p=0 work=20 ckpt=early
+        advance 6
+        submit surge 2x8 p=100 work=10 surge
+        advance 10
+        submit critical 1x8 p=200 work=5
+        advance 60
+        """
+    ),
+    min_runtime_s=5,
+    grace_s=3,
+)
+
+
+def test_a_surge_replica_waits_for_a_release_instead_of_preempting() -> None:
+    world = run(SURGE)
+    assert not world.violations, world.violations
+    asked = [e for e in world.history if isinstance(e, inv.Asked)]
+    assert [e.by for e in asked] == ["critical"]  # the ordinary gang preempts; the surge never does
+    starts = [e.job for e in world.history if isinstance(e, inv.Started)]
+    assert starts.index("surge") > starts.index("batch")
+
+
+def test_the_checker_flags_a_surge_replica_that_preempts() -> None:
+    history = [
+        inv.Cluster(0.0, {"n1": 8}),
+        inv.Submitted(0.0, "batch", 0, replicas=1, gpus_per_replica=8),
+        inv.Started(1.0, "batch", 1, tuple(inv.Hold("n1", g) for g in range(8)), 8),
+        inv.Submitted(2.0, "surge", 100, replicas=1, gpus_per_replica=8, preempts=False),
+        inv.Asked(3.0, "batch", 1, "surge"),
+    ]
+    assert [v.invariant for v in inv.check(history)] == ["g"]
