@@ -1,4 +1,4 @@
-"""Every RPC of the scheduler's two services, and of a node agent's AgentLogs, against every kind of caller (issues
+"""Every RPC of the scheduler's three services (Scheduler, NodeService, ServiceService), and of a node agent's AgentLogs, against every kind of caller (issues
 20 and 31), each with the status it must get; after every refusal the whole ledger (every table and column:
 jobs, attempts, allocations, ranks, assignments, nodes with their acked revision and heartbeat, the clock with its
 leader lease, the change log, ...) is checked unchanged. The checkpoint coordinator's table is in
@@ -25,7 +25,15 @@ from sqlalchemy import MetaData, create_engine, select
 from db.engine import make_engine
 from db.migrate import ensure_rank_key
 from db.models import Base
-from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.api.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    service_pb2,
+    service_pb2_grpc,
+)
 from phalanx.client._channel import open_aio_channel
 from phalanx.common.tokens import TokenStore, node_logs_key, rank_token
 from phalanx.core.fabric import default_fabric
@@ -86,8 +94,38 @@ def scheduler_calls(job: str) -> list[tuple[str, object, str, bool]]:
     ]
 
 
+def service_calls(service: str) -> list[tuple[str, object, str, bool]]:
+    """The ServiceService: a tenant's service is its own (another tenant gets NOT_FOUND, as for a job)."""
+    template = common_pb2.JobSpec(replicas=1, gpus_per_replica=1, command=["hang"])
+    other = common_pb2.JobSpec(replicas=1, gpus_per_replica=1, command=["hang", "v2"])
+    new = service_pb2.ServiceSpec(name="svc-t", replicas=1, template=template)
+    return [
+        ("GetService", service_pb2.GetServiceRequest(name=service), "user", False),
+        ("WatchEndpoints", service_pb2.WatchEndpointsRequest(name=service), "user", True),
+        ("ListServices", service_pb2.ListServicesRequest(), "list", False),
+        (
+            "PushMetric",
+            service_pb2.PushMetricRequest(service=service, metric="m", value=1.0, replica=-1),
+            "user",
+            False,
+        ),
+        ("ScaleService", service_pb2.ScaleServiceRequest(name=service, replicas=1), "user", False),
+        ("UpdateService", service_pb2.UpdateServiceRequest(name=service, template=other), "user", False),
+        ("RollbackService", service_pb2.RollbackServiceRequest(name=service), "user", False),
+        ("CreateService", service_pb2.CreateServiceRequest(spec=new), "list", False),
+        ("ApplyService", service_pb2.ApplyServiceRequest(spec=new), "list", False),
+        ("DeleteService", service_pb2.DeleteServiceRequest(name=service), "user", False),
+    ]
+
+
 def node_calls(job: str, topology) -> list[tuple[str, object, str, bool]]:
     return [
+        (
+            "ReportReadiness",
+            agent_pb2.ReportReadinessRequest(node_name="node-0", job_id=job, attempt=7, ready=True),
+            "node",
+            False,
+        ),
         ("Heartbeat", agent_pb2.HeartbeatRequest(node_name="node-0"), "node", False),
         ("AckAssignments", agent_pb2.AckAssignmentsRequest(node_name="node-0", revision=0), "node", False),
         (
@@ -265,6 +303,11 @@ async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_pat
         channels.append(channel)
         return scheduler_pb2_grpc.SchedulerStub(channel), agent_pb2_grpc.NodeServiceStub(channel)
 
+    def service_stub(token: str):
+        channel = open_aio_channel(scheduler.address, token=token)
+        channels.append(channel)
+        return service_pb2_grpc.ServiceServiceStub(channel)
+
     def logs_stub(token: str):
         channel = open_aio_channel(logs_address, token=token)  # the token too: AgentLogs must not take it instead
         channels.append(channel)
@@ -286,6 +329,12 @@ async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_pat
             raise AssertionError(f"{name} did not run")
 
         mine, theirs, ended = await running(alice, "mine"), await running(bob, "theirs"), await running(alice, "ended")
+        svc_template = common_pb2.JobSpec(replicas=1, gpus_per_replica=1, command=["hang"])
+        await service_stub("tok-alice").CreateService(
+            service_pb2.CreateServiceRequest(
+                spec=service_pb2.ServiceSpec(name="svc-a", replicas=1, template=svc_template)
+            )
+        )
         await alice.CancelJob(scheduler_pb2.CancelJobRequest(job_id=ended))
         engine = make_engine(db_url)
         with engine.begin() as conn:
@@ -318,8 +367,9 @@ async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_pat
         def read_log(caller: str) -> agent_pb2.ReadRankLogRequest:
             return agent_pb2.ReadRankLogRequest(credential=credential_of[caller], job_id=mine, attempt=1, rank=0)
 
-        callers = {c: (*stubs(t), logs_stub(t)) for c, t in tokens_of.items()}
+        callers = {c: (*stubs(t), logs_stub(t), service_stub(t)) for c, t in tokens_of.items()}
         table = [(m, r, role, s, 0) for m, r, role, s in scheduler_calls(mine)]
+        table += [(m, r, role, s, 3) for m, r, role, s in service_calls("svc-a")]
         table += [(m, r, role, s, 1) for m, r, role, s in node_calls(mine, agents[0].topology())]
         table += [("ReadRankLog", read_log, "logs", True, 2)]
         for agent in agents:  # from here on nothing but the calls of the table writes the ledger
@@ -334,7 +384,11 @@ async def test_every_scheduler_and_node_rpc_against_every_caller(db_url, tmp_pat
                 code, details = await _status(callers[caller][service], method, message, streaming)
                 if want is OK:
                     assert code not in (UNAUTH, DENIED), (method, caller, code, details)
-                    assert not (code is HIDDEN and "no job" in details), (method, caller, details)
+                    assert not (code is HIDDEN and ("no job" in details or "no service" in details)), (
+                        method,
+                        caller,
+                        details,
+                    )
                 else:
                     assert code is want, (method, caller, code, details)
                     after = _snapshot(db_url)

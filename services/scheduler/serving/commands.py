@@ -20,7 +20,6 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
 )
 
 from .. import ledger
@@ -135,7 +134,7 @@ class CreateService(CycleCommand):
         if existing and not self.apply:
             raise AlreadyExists(f"a service named {name!r} exists; change it with `phalanx service update` or apply")
         if existing and existing[0]["tenant"] != self.tenant and not self.admin:
-            raise PermissionDenied(f"service {name!r} belongs to another tenant")
+            raise AlreadyExists(f"the service name {name!r} is taken: choose another")  # another tenant's
         admit_template(cycle, template, self.tenant, self.admin)
         if not existing:
             cycle.work.write(

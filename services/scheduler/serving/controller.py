@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from phalanx.api.v1 import service_pb2
 from phalanx.core.autoscale import AutoscaleState, recommend
+from phalanx.core.rollout import ReplicaView, plan_fleet
 
 from .. import ledger
 from .autoscaling import MetricBook, period_of, policy_of, scrape
@@ -40,6 +42,22 @@ log = structlog.get_logger()
 class _Scaled:
     state: AutoscaleState = field(default_factory=AutoscaleState)
     next_at: float = 0.0
+
+
+def needs_reconcile(view: service_pb2.Service) -> bool:
+    """Whether the fleet plan, from this read of the service, would start or stop a replica or say something new
+    (the cycle's Reconcile plans again on its own view: this only spares a steady fleet its write)."""
+    spec = view.spec
+    replicas = [
+        ReplicaView(r.index, r.revision, r.job_id, ready=r.ready, down=r.state == "FAILED") for r in view.replicas
+    ]
+    plan = plan_fleet(
+        replicas, spec.replicas, view.revision, max_surge=spec.max_surge, max_unavailable=spec.max_unavailable
+    )
+    if plan.starts or plan.stops or plan.message != view.message:
+        return True
+    rolling = any(r.revision != view.revision for r in view.replicas if r.state != "FAILED")
+    return not rolling and any(r.surge for r in view.replicas)  # a finished rollout's surge flags to clear
 
 
 class ServiceController:
@@ -108,7 +126,10 @@ class ServiceController:
         rows = await self.service.read_snapshot(ledger.read_services)
         if not rows:
             return
-        await self.service.execute(Reconcile())
+        views = await self.service.read_snapshot(read_service_views, names=[r["name"] for r in rows])
+        due = [v.spec.name for v in views if needs_reconcile(v)]
+        if due:  # a steady fleet costs a read, never a write (nor a cycle)
+            await self.service.execute(Reconcile(due))
         now = time.time()
         for row in rows:
             auto = (row["spec"] or {}).get("autoscale")

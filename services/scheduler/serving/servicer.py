@@ -99,6 +99,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
         if request.template.time_limit_s or request.template.max_restarts:
             raise InvalidArgument("invalid update: a service's replicas take no time_limit_s or max_restarts")
         check_template(request.template, request.name, self.service)
+        await self._view(request.name)  # NOT_FOUND before the cycle: a refusal writes nothing, not even a cycle
         _, admin = _caller()
         command = UpdateService(
             request.name,
@@ -116,6 +117,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
     async def ScaleService(self, request, context):
         if not 0 <= request.replicas <= MAX_SERVICE_REPLICAS:
             raise InvalidArgument(f"replicas must be 0-{MAX_SERVICE_REPLICAS}, got {request.replicas}")
+        await self._view(request.name)
         await self.service.execute(ScaleService(request.name, request.replicas, tenant_scope()))
         self.controller.kick()
         return await self._view(request.name)
@@ -124,6 +126,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
     async def RollbackService(self, request, context):
         if request.revision < 0:
             raise InvalidArgument(f"revision must be 0 (the previous one) or a revision number, got {request.revision}")
+        await self._view(request.name)
         _, admin = _caller()
         await self.service.execute(RollbackService(request.name, request.revision, tenant_scope(), admin))
         self.controller.kick()
@@ -131,14 +134,21 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
 
     @unary
     async def DeleteService(self, request, context):
+        """Idempotent: deleting a deleted service answers it as it is (as cancelling a cancelled job does)."""
+
+        async def read() -> service_pb2.Service:
+            views = await self.service.read_snapshot(
+                read_service_views, names=[request.name], tenant=tenant_scope(), deleted=True
+            )
+            if not views:
+                raise NotFound(f"no service named {request.name[:64]!r}")
+            return views[0]
+
+        if (await read()).deleted:
+            return await read()
         await self.service.execute(DeleteService(request.name, tenant_scope()))
         self.controller.forget(request.name)
-        views = await self.service.read_snapshot(
-            read_service_views, names=[request.name], tenant=tenant_scope(), deleted=True
-        )
-        if not views:
-            raise NotFound(f"no service named {request.name[:64]!r}")
-        return views[0]
+        return await read()
 
     @unary
     async def PushMetric(self, request, context):
