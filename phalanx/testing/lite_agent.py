@@ -11,6 +11,9 @@ read from the job's command:
 `mig_instances` the MIG instances it reports per GPU. `setup_failure` (a message) makes every rank it is given report
 FAILED_TO_START with `retryable` set, as a real agent does when it cannot create a MIG instance or start MPS;
 `start_failure` the same without `retryable` (the job's own fault, e.g. a missing binary).
+
+It runs no readiness probe: a test says when the leader is ready with `report_readiness(job_id, attempt, ready)`
+(ReportReadiness, as the leader's real agent reports each change of its probe).
 """
 
 from __future__ import annotations
@@ -225,6 +228,29 @@ class LiteAgent:
             await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, 0)
         elif cmd[:1] == ["exit"]:
             await self._report(launch.job_id, launch.attempt, rank.rank, common_pb2.RANK_STATE_EXITED, int(cmd[1]))
+
+    async def report_readiness(self, job_id: str, attempt: int, ready: bool, message: str = "") -> bool:
+        """Report the leader's readiness as a real agent's probe would (ReportReadiness); True when the scheduler
+        answers `stale` (the attempt is not the job's running one: a real agent stops probing it). Retried while the
+        scheduler is unavailable; any other error is raised."""
+        for _ in range(50):
+            try:
+                resp = await self.stub.ReportReadiness(
+                    agent_pb2.ReportReadinessRequest(
+                        node_name=self.name,
+                        agent_instance=self.instance,
+                        job_id=job_id,
+                        attempt=attempt,
+                        ready=ready,
+                        message=message,
+                    )
+                )
+                return resp.stale
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"the scheduler stayed unavailable for readiness of {job_id}/{attempt}")
 
     async def _report(
         self,

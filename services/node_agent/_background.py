@@ -18,10 +18,11 @@ class Background:
         self.tasks: set[asyncio.Task] = set()
         self.releases: set[asyncio.Future] = set()  # MIG instance / MPS share work in worker threads
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        t = asyncio.create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=name)
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
+        return t
 
     def track(self, fut: asyncio.Future) -> None:
         """A worker-thread future shutdown waits for; forgotten once done."""

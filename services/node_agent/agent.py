@@ -34,6 +34,11 @@ Protocol (proto/phalanx/api/v1/agent.proto, NodeService):
   ranks never get a CUDA_MPS_* variable (neither the agent's own nor the launch's). A daemon that cannot be started
   fails the rank's start (FAILED_TO_START, `retryable`: the host's fault). A restarted agent adopts the daemons of
   the share ranks it adopts and stops those no live share uses.
+- Readiness (readiness.py): a launch with `ready_probe` (the leader's replica of a gang with a probe) is probed
+  once its ranks start (an HTTP GET of `--address`:port/path, or a command run like a rank: in the attempt's
+  container, as its user, with the leader's environment), after initial_delay_s and every period_s; ready on the
+  first pass, not ready after failure_threshold failures in a row, each change queued for ReportReadiness. It stops
+  with the attempt, when a report is answered `stale`, and with the agent; a restarted agent probes on.
 - Health (health.py): before every heartbeat the HealthMonitor checks its source (NVML on a discovered host; the
   simulated source, fed by `<state_dir>/health.json` or `health_source.inject()`, on a simulated one); the
   heartbeat carries the node's health and the events since the last answered heartbeat (kept until one is).
@@ -51,6 +56,7 @@ The agent is a composition (this module wires it):
 - attempts.py, the attempt table: containers, closing an attempt, releasing it, MASTER_PORT and users.
 - devices.py, the device glue: MIG, MPS, health.
 - reports.py, the persisted report queue: ranks and attempts report there (plus an event), never to the session.
+- readiness.py, the readiness prober: the leader's probe per attempt, its changes reported through the queue.
 The simulated host (--simulate, tests) is injected: AgentConfig.nvml or AgentConfig.simulated_nvml.
 """
 
@@ -75,6 +81,7 @@ from ._background import Background
 from .attempts import AttemptTable
 from .devices import DeviceGlue
 from .mig_manager import MigBackend
+from .readiness import ReadinessProber
 from .reports import RANKS_RUNNING, REPORTS_PENDING, ReportQueue
 from .session import CHANNEL_OPTIONS, SchedulerSession, backoff_delay
 from .state import AgentState, RankRecord, StateLock, default_state_dir
@@ -209,6 +216,16 @@ class NodeAgent:
         self.attempts = AttemptTable(
             config, self.state, self.state_dir, self.log, self.reports, self.devices, self.background, self.rank_user
         )
+        self.probes = ReadinessProber(
+            config,
+            self.state,
+            self.state_dir,
+            self.log,
+            self.reports,
+            self.attempts,
+            self.background,
+            stopping=self._stop.is_set,
+        )
         self.ranks = RankSupervisor(
             config,
             self.state,
@@ -220,6 +237,7 @@ class NodeAgent:
             self.background,
             stopping=self._stop.is_set,
             logs_key=lambda: self.session.logs_key,
+            probes=self.probes,
         )
         self.session = SchedulerSession(
             config,
@@ -232,6 +250,7 @@ class NodeAgent:
             self.background,
             self._stop,
             registration=self._registration,
+            readiness_stale=self.probes.stale,
         )
 
     def _registration(self) -> dict:
@@ -269,6 +288,7 @@ class NodeAgent:
             self.attempts.open_containment()
             self.ranks.adopt()
             self.attempts.clean_up_containers()
+            self.probes.resume()  # the readiness probes of the attempts adopted
             if self.mig.mig_gpus():
                 await asyncio.to_thread(self.devices.clean_up_mig)
             self.session.start_reporter()
@@ -320,6 +340,7 @@ class NodeAgent:
     async def _shutdown(self) -> None:
         """Drain: stop every live attempt (KILLED), wait for their containers to close and for MIG/MPS work in
         worker threads, then flush the queued reports."""
+        self.probes.stop_all()
         live = [r for r in self.state.ranks.values() if not r.final]
         self.log.info("agent_shutting_down", live_ranks=len(live), pending_reports=len(self.state.pending_reports))
         attempts = sorted({(r.job_id, r.attempt) for r in live})

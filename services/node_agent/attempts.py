@@ -358,6 +358,7 @@ class AttemptTable:
         key = attempt_key(job_id, attempt)
         self.users.pop(key, None)
         self.state.oom_seen.pop(key, None)
+        self.state.probes.pop(key, None)  # its readiness probe, if this host ran it (readiness.py)
         for port in [p for p, holder in self.ports.items() if holder == key]:
             del self.ports[port]
         self.reports.released(job_id, attempt)

@@ -44,16 +44,9 @@ def spawn_rank(
     status.parent.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     status.unlink(missing_ok=True)
-    flags = ["--status-file", str(status)]
-    for path in join:
-        flags += ["--join", path]
-    if user:
-        flags += ["--user", user]
-    if cwd:
-        flags += ["--cwd", cwd]
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-I", "-S", WRAPPER, *flags, "--", *command],  # -S: the wrapper needs no site
+            wrapper_argv(status, command, join=join, user=user, cwd=cwd),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -61,6 +54,41 @@ def spawn_rank(
             start_new_session=True,
             close_fds=True,
         )
+
+
+def wrapper_argv(
+    status_file: str | Path,
+    command: list[str],
+    *,
+    join: Sequence[str] = (),
+    user: str | None = None,
+    cwd: str | None = None,
+) -> list[str]:
+    """The rank wrapper's command line: `command` in the container of the `join` files, as `user`, in `cwd` (a
+    rank's, and a readiness probe command's, readiness.py)."""
+    flags = ["--status-file", str(status_file)]
+    for path in join:
+        flags += ["--join", path]
+    if user:
+        flags += ["--user", user]
+    if cwd:
+        flags += ["--cwd", cwd]
+    return [sys.executable, "-I", "-S", WRAPPER, *flags, "--", *command]  # -S: the wrapper needs no site
+
+
+def read_environ(pid: int) -> dict[str, str] | None:
+    """A live process's environment from /proc/<pid>/environ (a process of the agent's own user, or any as root);
+    None when it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name:
+            env[name.decode(errors="replace")] = value.decode(errors="replace")
+    return env
 
 
 def mig_env(env: dict[str, str], mig_uuids: list[str]) -> dict[str, str]:
@@ -151,7 +179,9 @@ __all__ = [
     "pid_alive",
     "proc_start_time",
     "rank_paths",
+    "read_environ",
     "read_status",
     "signal_group",
     "spawn_rank",
+    "wrapper_argv",
 ]

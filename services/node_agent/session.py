@@ -6,8 +6,9 @@
 - StreamAssignments from the last revision acked in the local state file. Each assignment is applied
   idempotently by the rank supervisor (through the `RankControl` protocol), the state file is written, and only
   then AckAssignments(revision).
-- The reporter sends the persisted report queue (reports.py) with ReportRankStatus / ReportAttemptReleased until
-  the scheduler takes each item; a report answered `stale` kills the rank.
+- The reporter sends the persisted report queue (reports.py) with ReportRankStatus / ReportAttemptReleased /
+  ReportReadiness until the scheduler takes each item; a rank report answered `stale` kills the rank, a readiness
+  report answered `stale` stops the attempt's probe (readiness.py).
 - Ledger identity (check_ledger): saved state of another cluster id, or ahead of the ledger's revision, is
   another ledger's: its ranks are killed and forgotten and the agent streams from revision 0.
 - Self-fencing (fence_watch): a node whose registration is not renewed within the lease stops its ranks.
@@ -106,6 +107,7 @@ class SchedulerSession:
         background: Background,
         stop: asyncio.Event,
         registration: Callable[[], dict],
+        readiness_stale: Callable[[str, int], None] | None = None,
     ) -> None:
         self.config = config
         self.node_name = config.node_name
@@ -118,6 +120,9 @@ class SchedulerSession:
         self.background = background
         self._stop = stop
         self.registration = registration  # the host's fields of RegisterNodeRequest (containment, resources, logs)
+        # Told when a readiness report is answered `stale` (the attempt is not the job's running one): the prober
+        # stops probing it (readiness.py).
+        self.readiness_stale = readiness_stale
         # `--scheduler host1:port,host2:port`: the replicas, tried in turn (any replica takes an agent; see
         # docs/design.md, "Leadership"). A failed session moves on to the next address.
         self.schedulers = [t.strip() for t in config.scheduler.split(",") if t.strip()] or [config.scheduler]
@@ -361,6 +366,7 @@ class SchedulerSession:
         self.state.killed_attempts.clear()
         dropped = self.reports.clear()
         self.state.oom_seen.clear()
+        self.state.probes.clear()  # their probes end with their ranks
         self.state.acked_revision = 0
         self.state.save()
         self.log.warning(
@@ -409,6 +415,18 @@ class SchedulerSession:
             await asyncio.gather(self.reporter, return_exceptions=True)
 
     async def _send(self, stub, item: dict) -> Any:
+        if item.get("kind") == "ready":
+            return await stub.ReportReadiness(
+                agent_pb2.ReportReadinessRequest(
+                    node_name=self.node_name,
+                    agent_instance=self.instance,
+                    job_id=item["job_id"],
+                    attempt=item["attempt"],
+                    ready=bool(item["ready"]),
+                    message=item.get("message", ""),
+                ),
+                timeout=self.config.rpc_timeout_s,
+            )
         if item.get("kind") == "released":
             return await stub.ReportAttemptReleased(
                 agent_pb2.ReportAttemptReleasedRequest(
@@ -453,11 +471,11 @@ class SchedulerSession:
                 await self.connected.wait()
                 continue
             item = self.state.pending_reports[0]
-            released = item.get("kind") == "released"
+            kind = item.get("kind", "rank")  # rank | released | ready
             what = (
-                f"{item['job_id']}/{item['attempt']} released"
-                if released
-                else rank_key(item["job_id"], item["attempt"], item["rank"])
+                rank_key(item["job_id"], item["attempt"], item["rank"])
+                if kind == "rank"
+                else f"{item['job_id']}/{item['attempt']} {kind}"
             )
             try:
                 resp = await self._send(stub, item)
@@ -476,7 +494,7 @@ class SchedulerSession:
                     self.log.warning(
                         "report_rejected",
                         rank=what,
-                        state=item.get("state", "released"),
+                        state=item.get("state", kind),
                         code=exc.code().name,
                         detail=exc.details(),
                     )
@@ -496,11 +514,13 @@ class SchedulerSession:
             attempt = 0
             if self.state.pending_reports and self.state.pending_reports[0] is item:
                 self.state.pending_reports.pop(0)
-                if not released and item["state"] != "running":  # its last report: the scheduler has its end
+                if kind == "rank" and item["state"] != "running":  # its last report: the scheduler has its end
                     self.state.forget(rank_key(item["job_id"], item["attempt"], item["rank"]))
                 self.state.save()
                 REPORTS_PENDING.set(len(self.state.pending_reports))
-            if not released and resp.stale:
+            if kind == "ready" and resp.stale and self.readiness_stale is not None:
+                self.readiness_stale(item["job_id"], item["attempt"])
+            elif kind == "rank" and resp.stale:
                 rec = self.state.ranks.get(rank_key(item["job_id"], item["attempt"], item["rank"]))
                 if rec is not None and not rec.final:
                     self.log.info("stale_rank", rank=rec.key)

@@ -1,5 +1,5 @@
-"""The agent's local state file: the ledger it belongs to (cluster id), acked revision, launched ranks, killed attempts
-and unsent reports.
+"""The agent's local state file: the ledger it belongs to (cluster id), acked revision, launched ranks, killed attempts,
+unsent reports and the readiness probes it runs.
 
 One directory per node name (default `$PHALANX_HOME/agents/<node-name>/`, PHALANX_HOME being `.phalanx` under
 the working directory unless set), so several agents on one host never share a file. Written atomically (temp file,
@@ -125,6 +125,10 @@ class AgentState:
     # Attempt key -> the OOM kills in its container already told in a rank's report ("out of memory (limit ...)"),
     # so that one kill is told once, across agent restarts too. Dropped once the attempt is released.
     oom_seen: dict[str, int] = field(default_factory=dict)
+    # Attempt key -> the readiness probe this agent runs for it (readiness.py: its spec, the ranks' user, the leader
+    # rank, the last state reported), so that a restarted agent that adopts the ranks probes on. Dropped when
+    # probing ends or the attempt is released.
+    probes: dict[str, dict] = field(default_factory=dict)
     _writer: _Writer | None = field(default=None, repr=False, compare=False)
     _dirty: bool = field(default=False, repr=False, compare=False)  # a save() not serialized yet (writer mode)
 
@@ -144,6 +148,7 @@ class AgentState:
             pending_reports=list(data.get("pending_reports", [])),
             mig_created=list(data.get("mig_created", [])),
             oom_seen={str(k): int(v) for k, v in (data.get("oom_seen") or {}).items()},
+            probes={str(k): dict(v) for k, v in (data.get("probes") or {}).items()},
         )
         unsent = {rank_key(r["job_id"], r["attempt"], r["rank"]) for r in state.pending_reports if "rank" in r}
         for key in [k for k, r in state.ranks.items() if r.final and k not in unsent]:
@@ -167,6 +172,7 @@ class AgentState:
             "pending_reports": self.pending_reports,
             "mig_created": self.mig_created,
             "oom_seen": self.oom_seen,
+            "probes": self.probes,
         }
 
     def save(self) -> None:

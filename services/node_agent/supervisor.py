@@ -5,7 +5,8 @@ its attempt's container (attempts.py) with its environment (partial GPUs through
 through identity.py) under the rank wrapper (launcher.py), watches it, kills it, adopts the ranks an earlier agent
 process left, and serves and rotates their logs (logs.py). A rank's state moves through the table of
 rank_states.py; every change is reported through the persisted queue (reports.py), never to the scheduler session
-directly. The session drives this class through its `RankControl` protocol (session.py).
+directly. A launch with a readiness probe starts it (readiness.py) once its ranks are started. The session drives
+this class through its `RankControl` protocol (session.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .attempts import AttemptTable
 from .devices import DeviceGlue
 from .mig_manager import MigError
 from .mps import MpsError
+from .readiness import ReadinessProber
 from .reports import ReportQueue
 from .state import AgentState, RankRecord, attempt_key, rank_key
 
@@ -46,6 +48,7 @@ class RankSupervisor:
         background: Background,
         stopping: Callable[[], bool],
         logs_key: Callable[[], str],
+        probes: ReadinessProber | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -57,6 +60,7 @@ class RankSupervisor:
         self.background = background
         self.stopping = stopping
         self.logs_key = logs_key
+        self.probes = probes  # the leader's readiness probe (readiness.py), started once its ranks are
         self.procs: dict[str, subprocess.Popen] = {}
         self.monitors: dict[str, asyncio.Task] = {}
         self.logs_port = 0
@@ -101,6 +105,8 @@ class RankSupervisor:
 
     def prepare_kill(self, kill: agent_pb2.KillJob) -> None:
         self.state.killed_attempts.add(attempt_key(kill.job_id, kill.attempt))
+        if self.probes is not None:
+            self.probes.stop(kill.job_id, kill.attempt, kill.reason or "killed by the scheduler")
         for rec in self.attempts.ranks_of(kill.job_id, kill.attempt):
             rec.kill_requested = True
 
@@ -118,6 +124,7 @@ class RankSupervisor:
             return
         shared = dict(launch.env)
         envs = {r.rank: {**shared, **r.env} for r in launch.ranks}
+        leader: tuple[RankRecord, dict[str, str]] | None = None  # the first rank started, and its environment
         for rec in records:
             if rec.final:
                 continue
@@ -133,7 +140,11 @@ class RankSupervisor:
             if self.stopping():
                 self.finish(rec, "killed", message="node agent shutting down")  # releases its instances
                 continue
-            self._spawn(rec, list(command), env)
+            started = self._spawn(rec, list(command), env)
+            if started is not None and leader is None:
+                leader = (rec, started)
+        if leader is not None and launch is not None and launch.HasField("ready_probe") and self.probes is not None:
+            self.probes.start(leader[0], launch.ready_probe, leader[1], self.attempts.user_of(leader[0]))
         self.state.save()
 
     async def _partial_env(self, rec: RankRecord, records: list[RankRecord], env: dict) -> dict[str, str] | None:
@@ -161,8 +172,9 @@ class RankSupervisor:
         """The rank's environment, for a partial GPU once its MIG instances exist or its GPU's MPS daemon runs."""
         return await self.devices.rank_env(rec, env, self.attempts.user_of(rec))
 
-    def _spawn(self, rec: RankRecord, command: list[str], env: dict[str, str]) -> None:
-        """The rank's wrapper, in its attempt's container, as its user; a monitor watches it."""
+    def _spawn(self, rec: RankRecord, command: list[str], env: dict[str, str]) -> dict[str, str] | None:
+        """The rank's wrapper, in its attempt's container, as its user; a monitor watches it. Its whole environment
+        once started, None when it could not be (the rank has ended FAILED)."""
         try:
             group = self.attempts.container(rec)
             work = self.attempts.work_dir(rec.job_id, rec.attempt)
@@ -185,12 +197,13 @@ class RankSupervisor:
             )
         except (OSError, cgroups.ContainmentError) as exc:
             self.finish(rec, "failed", exit_code=127, message=f"cannot start rank wrapper: {exc}")
-            return
+            return None
         rec.wrapper_pid = proc.pid
         rec.wrapper_start = launcher.proc_start_time(proc.pid)
         self.procs[rec.key] = proc
         self.log.info("rank_spawned", job_id=rec.job_id, attempt=rec.attempt, rank=rec.rank, pid=proc.pid)
         self.monitors[rec.key] = asyncio.create_task(self.monitor(rec, proc), name=f"rank {rec.key}")
+        return env
 
     def roll_back(self, failed: RankRecord, records: list[RankRecord], why: str) -> None:
         """A rank of this attempt could not be set up: its other ranks here give their MIG instances back at once
@@ -209,6 +222,8 @@ class RankSupervisor:
         ranks = self.attempts.ranks_of(job_id, attempt)
         for rec in ranks:
             rec.kill_requested = True
+        if self.probes is not None:
+            self.probes.stop(job_id, attempt, reason)
         self.state.save()
         group = self.attempts.groups.get(attempt_key(job_id, attempt))
         if group is None:
