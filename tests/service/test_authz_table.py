@@ -1,9 +1,9 @@
-"""Every RPC of the scheduler's three services (Scheduler, NodeService, ServiceService), and of a node agent's AgentLogs, against every kind of caller (issues
-20 and 31), each with the status it must get; after every refusal the whole ledger (every table and column:
-jobs, attempts, allocations, ranks, assignments, nodes with their acked revision and heartbeat, the clock with its
-leader lease, the change log, ...) is checked unchanged. The checkpoint coordinator's table is in
-test_coordinator_auth.py. Real scheduler, real gRPC, real ledger (SQLite and PostgreSQL), the agent's real
-AgentLogs servicer.
+"""Every RPC of the scheduler's three services (Scheduler, NodeService, ServiceService), and of a node agent's
+AgentLogs, against every kind of caller (issues 20, 31 and 33), each with the status it must get; after every
+refusal the whole ledger (every table and column: jobs, attempts, allocations, ranks, assignments, nodes with their
+acked revision and heartbeat, the clock with its leader lease, the change log, services, ...) is checked unchanged.
+The checkpoint coordinator's table is in test_coordinator_auth.py. Real scheduler, real gRPC, real ledger (SQLite
+and PostgreSQL), the agent's real AgentLogs servicer.
 
 Callers: no credential; a user of the owning tenant (alice) and of another (bob); the rank credential of alice's
 running job, of bob's job, and of an ended attempt; the node token of node-0 (the node the calls name) and of
