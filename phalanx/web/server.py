@@ -2,8 +2,8 @@
 
 One process: an HTTP server (the standard library's, one thread per connection) serves the page and its assets
 (shipped in the package: nothing is fetched at run time), the cluster's state as JSON (`/api/state`), a job
-(`/api/job/ID`, with its goodput split and its rank 0's last log lines), and the state again as server-sent events
-(`/api/events`) each time it changes.
+(`/api/job/ID`, with its goodput split; then its checkpoints and its rank 0's last log lines, apart:
+phalanx.web.jobpage), and the state again as server-sent events (`/api/events`) each time it changes.
 
 The dashboard holds no credential of its own. A visitor signs in (`/login`) with their own Phalanx token, which the
 server checks with a call to the scheduler made with it; the session is a random id in an HttpOnly, SameSite=Strict
@@ -52,6 +52,7 @@ from phalanx.client import (
     PhalanxError,
     UnauthenticatedError,
 )
+from phalanx.web.jobpage import checkpoints, job_detail, log_tail
 
 STATIC = resources.files("phalanx.web") / "static"
 JOB_SYNC_S = 30.0  # how often the poll lists the active jobs besides the watch (and at each reconnect)
@@ -208,52 +209,24 @@ class Model:
             self.refused = f"the scheduler no longer accepts this token: {exc}"
         self.stop()
 
+    # A job's page, in three parts (phalanx.web.jobpage): the job at once, its checkpoints and log tail after. Each
+    # part asks the scheduler for the job with the visitor's token first: another tenant's job is NotFoundError in
+    # every part, as it is for the job itself.
+
     def job(self, job_id: str) -> dict[str, Any]:
         with self.client() as client:
             j = client.get_job(job_id)
-            out = job_view(j)
-            out.update(
-                spec={
-                    "replicas": j.replicas,
-                    "gpus_per_replica": j.gpus_per_replica,
-                    "command": j.command,
-                    "required_tier": j.required_tier,
-                    "time_limit": j.time_limit,
-                },
-                failures=j.failures,
-                preemptions=j.preemptions,
-                restore=j.restore,
-                goodput=j.goodput.to_dict() if j.goodput else None,
-                placement=j.placement,
-            )
-            out["checkpoints"] = self._checkpoints(job_id)
-            try:
-                out["logs"] = [f"[rank {r}] {line}" for r, line in client.logs(job_id, rank=0, tail=50)]
-            except PhalanxError as exc:
-                out["logs"] = [f"(no log: {exc})"]
-        return out
+        return job_detail(j, job_view(j))
 
-    def _checkpoints(self, job_id: str) -> list[dict[str, Any]] | str:
-        """The job's newest committed checkpoints from the coordinator (a string says why there are none)."""
-        if not self.checkpoint:
-            return "not shown: phalanx web --checkpoint-coordinator ADDR shows them"
-        import grpc
+    def job_checkpoints(self, job_id: str) -> dict[str, Any]:
+        with self.client() as client:
+            client.get_job(job_id)
+        return {"checkpoints": checkpoints(self.checkpoint, self.token or "", job_id)}
 
-        from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-        from phalanx.client import open_channel
-
-        channel = open_channel(self.checkpoint, token=self.token or "", retries=0)
-        try:
-            stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(channel)  # type: ignore[no-untyped-call]
-            got = stub.ListCheckpoints(checkpoint_pb2.ListCheckpointsRequest(job_id=job_id, page_size=20), timeout=5)
-        except grpc.RpcError as exc:
-            return f"the coordinator did not answer: {exc.code().name}"
-        finally:
-            channel.close()
-        return [
-            {"step": c.step, "attempt": c.attempt, "committed_at": c.committed_at, "shards": len(c.shards)}
-            for c in got.checkpoints
-        ]
+    def job_logs(self, job_id: str) -> dict[str, Any]:
+        with self.client() as client:
+            client.get_job(job_id)
+            return {"logs": log_tail(client, job_id)}
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -496,8 +469,17 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/api/state":
             return self._json(session.model.snapshot())
         if path.startswith("/api/job/"):
+            # /api/job/ID, /api/job/ID/checkpoints, /api/job/ID/logs (split before unquoting: an id is one segment)
+            job_id, _, part = path[len("/api/job/") :].partition("/")
+            fetch = {
+                "": session.model.job,
+                "checkpoints": session.model.job_checkpoints,
+                "logs": session.model.job_logs,
+            }.get(part)
+            if fetch is None or not job_id:
+                return self._json({"error": f"no such endpoint {path[:80]!r}"}, HTTPStatus.NOT_FOUND)
             try:
-                return self._json(session.model.job(unquote(path[len("/api/job/") :])))
+                return self._json(fetch(unquote(job_id)))
             except (UnauthenticatedError, PermissionDeniedError) as exc:
                 session.model._refused(exc)
                 self.sessions.end(session)

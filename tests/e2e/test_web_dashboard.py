@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from helpers.waits import eventually, holds
 from helpers.web import ADMIN, ALICE, DashCluster, browser
 
 from db.engine import make_engine
@@ -93,13 +94,25 @@ async def test_the_dashboard_draws_the_fabric_and_follows_jobs_live(sqlite_url, 
         assert set(got) == want and marked < 2.0
         await page.screenshot(path=str(shots / "02-running.png"), full_page=True)
 
-        # Two committed checkpoints (steps 100 and 200, a shard per rank): rows on the job's page.
+        # Two committed checkpoints (steps 100 and 200, a shard per rank): rows on the job's page. The page draws
+        # with the job alone: its checkpoints and log tail are held back here (as a slow coordinator or node agent
+        # would be) and the page is drawn all the same, with their places waiting; let through, they fill them.
         commit_checkpoint(sqlite_url, job.id, running.attempt, 100, 8)
         commit_checkpoint(sqlite_url, job.id, running.attempt, 200, 8)
+        held: list = []
+        for part in ("checkpoints", "logs"):
+            await page.route(f"**/api/job/{job.id}/{part}", lambda route: held.append(route))
         await page.click(f'[data-job="{job.id}"]')  # the job's page
         await page.wait_for_selector(f'[data-job-page="{job.id}"]', timeout=5_000)
         text = await page.inner_text("#job")
         assert "RUNNING" in text and "productive" in text and "sleep 60" in text
+        await wait_js(page, "document.querySelectorAll('#job [data-part]:not([data-loaded])').length === 2", 5)
+        assert await page.inner_text('#job [data-part="checkpoints"]') == "loading…"
+        await eventually(lambda: holds(lambda: len(held) == 2), timeout=5, what="the page asks for both parts")
+        for route in held:
+            await route.continue_()
+        await page.wait_for_selector(f'[data-checkpoints="{job.id}"]', timeout=5_000)
+        await wait_js(page, f"document.querySelector('[data-log=\"{job.id}\"][data-loaded]') !== null", 5)
         rows = await page.eval_on_selector_all(
             f'[data-checkpoints="{job.id}"] tr', "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
         )

@@ -47,7 +47,15 @@ async def test_an_anonymous_visitor_reaches_no_data(sqlite_url, tmp_path):
     async with DashCluster(sqlite_url, tmp_path) as c:
         await c.clients[ALICE].submit("secret-name", 1, 1, ["sleep", "60"])
         anon = c.visitor()
-        for path in ("/api/state", "/api/session", "/api/events", "/api/job/0123456789ab", "/api/nope"):
+        for path in (
+            "/api/state",
+            "/api/session",
+            "/api/events",
+            "/api/job/0123456789ab",
+            "/api/job/0123456789ab/checkpoints",
+            "/api/job/0123456789ab/logs",
+            "/api/nope",
+        ):
             r = await anon.get(path)
             assert r.status == 401, (path, r.status)
             assert "sign in" in r.json()["error"] and "secret-name" not in r.text and "node-0" not in r.text
@@ -137,6 +145,14 @@ async def test_a_tenant_sees_only_its_own_jobs_through_every_endpoint(sqlite_url
         assert r.status == 200 and r.json()["spec"]["command"] == ["echo", "bob-secret-command"]
         r = await bob.get(f"/api/job/{mine.id}")
         assert r.status == 404 and "alice-job" not in r.text
+        # the job page's parts (checkpoints, log tail) ask for the job with the visitor's token first: the same 404
+        for part in ("checkpoints", "logs"):
+            r = await alice.get(f"/api/job/{theirs.id}/{part}")
+            assert r.status == 404 and "bob-secret" not in r.text, (part, r.status, r.text)
+            r = await bob.get(f"/api/job/{theirs.id}/{part}")
+            assert r.status == 200 and part in r.json(), (part, r.text)
+        for path in (f"/api/job/{mine.id}/nope", f"/api/job/{mine.id}/logs/x", "/api/job//logs"):
+            assert (await alice.get(path)).status == 404, path
 
 
 def _first_event(url: str, sid: str) -> str:
@@ -351,10 +367,19 @@ async def test_hostile_markup_in_every_field_shows_as_text(sqlite_url, tmp_path)
             await page.route("**/api/state", lambda r: r.fulfill(json=_hostile_state(job.id)))
             await page.route("**/api/events", lambda r: r.abort())
             await page.route(f"**/api/job/{job.id}", lambda r: r.fulfill(json=_hostile_job(job.id)))
+            await page.route(
+                f"**/api/job/{job.id}/checkpoints", lambda r: r.fulfill(json={"checkpoints": _hostile("checkpoints")})
+            )
+            await page.route(
+                f"**/api/job/{job.id}/logs",
+                lambda r: r.fulfill(json={"logs": [f"[rank 0] {_hostile('log-line')}", _hostile("log-line")]}),
+            )
             await page.goto(c.web.url + f"#/job/{job.id}")
             await page.reload()  # a new hash alone loads nothing
             await page.wait_for_selector("#queues table", timeout=5_000)
             await page.wait_for_selector("#job table", timeout=5_000)
+            await page.wait_for_selector('#job [data-part="log"][data-loaded]', timeout=5_000)
+            await page.wait_for_selector('#job [data-part="checkpoints"][data-loaded]', timeout=5_000)
             await page.hover("#fabric .gpu")
             await asyncio.sleep(0.5)  # an onerror would have fired by now
             assert calls == [] and dialogs == [], (calls, dialogs)
@@ -502,6 +527,4 @@ def _hostile_job(job_id: str) -> dict:
         "restore": h("restore"),
         "goodput": None,
         "placement": None,
-        "checkpoints": h("checkpoints"),
-        "logs": [f"[rank 0] {h('log-line')}", h("log-line")],
     }

@@ -246,22 +246,29 @@ function drawHistory() {
 
 const when = (t) => (t ? new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19) : "-");
 
-function checkpointsOf(j) {
-  if (typeof j.checkpoints === "string") return el("span", { className: "muted" }, j.checkpoints);
-  if (!j.checkpoints.length) return el("span", { className: "muted" }, "none committed");
-  return el("table", { dataset: { checkpoints: j.id } }, j.checkpoints.map((c) =>
+function checkpointsOf(id, checkpoints) {
+  if (typeof checkpoints === "string") return el("span", { className: "muted" }, checkpoints);
+  if (!checkpoints || !checkpoints.length) return el("span", { className: "muted" }, "none committed");
+  return el("table", { dataset: { checkpoints: id } }, checkpoints.map((c) =>
     el("tr", { dataset: { step: c.step } }, el("td", {}, `step ${c.step}`), el("td", {}, `attempt ${c.attempt}`),
       el("td", {}, when(c.committed_at)), el("td", {}, `${c.shards} shard(s)`))));
 }
 
+// A job's page draws as soon as the job comes (/api/job/ID); its checkpoints and log tail are fetched after, at
+// once and apart (each bounded by the server), and fill their places: a slow coordinator or node agent delays only
+// its own part. `opened` counts the pages opened: an answer for a page since replaced is dropped.
+let opened = 0;
 async function openJob(id) {
+  const ticket = ++opened;
   selected = id;
   location.hash = "#/job/" + encodeURIComponent(id);
   document.getElementById("job-section").hidden = false;
   document.getElementById("job-title").textContent = id;
   const out = document.getElementById("job");
+  const base = "/api/job/" + encodeURIComponent(id);
   let j;
-  try { j = await api("/api/job/" + encodeURIComponent(id)); } catch (e) { return; }
+  try { j = await api(base); } catch (e) { return; }
+  if (ticket !== opened) return;
   if (j.error) { out.textContent = j.error; return; }
   const g = j.goodput || {};
   const total = Math.max(1, (g.allocated || 0) + (g.waiting || 0));
@@ -272,6 +279,8 @@ async function openJob(id) {
   });
   const row = (k, ...v) => el("tr", {}, el("td", {}, k), el("td", {}, ...v));
   const spec = j.spec || {};
+  const checkpointsBox = el("div", { dataset: { part: "checkpoints" } }, el("span", { className: "muted" }, "loading…"));
+  const logBox = el("pre", { dataset: { part: "log", log: j.id } }, "loading…");
   out.replaceChildren(
     el("table", { dataset: { jobPage: j.id } },
       row("name", j.name),
@@ -283,10 +292,20 @@ async function openJob(id) {
       row("history", `submitted ${when(j.submitted_at)}, started ${when(j.started_at)}, finished ${when(j.finished_at)}`),
       row("placement", (j.allocations || []).map((a) => `${a.node}: ${a.gpus.join(",")}`).join("; ") || "-"),
       row("restored", j.restore || "no restore reported")),
-    el("h2", {}, "Checkpoints"), checkpointsOf(j),
+    el("h2", {}, "Checkpoints"), checkpointsBox,
     el("h2", {}, "Goodput"), el("table", {}, parts),
-    el("h2", {}, "Rank 0 log"), el("pre", { dataset: { log: j.id } }, (j.logs || []).join("\n")));
+    el("h2", {}, "Rank 0 log"), logBox);
   if (state) drawFabric();
+  fillPart(ticket, base + "/checkpoints", checkpointsBox, (d) => checkpointsOf(j.id, d.checkpoints));
+  fillPart(ticket, base + "/logs", logBox, (d) => (d.logs || []).join("\n"));
+}
+
+async function fillPart(ticket, path, box, draw) {
+  let d;
+  try { d = await api(path); } catch (e) { d = { error: String(e) }; }
+  if (ticket !== opened) return;
+  box.replaceChildren(d.error ? el("span", { className: "muted" }, d.error) : draw(d));
+  box.dataset.loaded = "1";
 }
 
 function render(next) {
