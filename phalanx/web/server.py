@@ -3,17 +3,19 @@
 One process: an HTTP server (the standard library's, one thread per connection) serves the page and its assets
 (shipped in the package: nothing is fetched at run time), the cluster's state as JSON (`/api/state`), a job
 (`/api/job/ID`, with its goodput split; then its checkpoints and its rank 0's last log lines, apart:
-phalanx.web.jobpage), and the state again as server-sent events (`/api/events`) each time it changes.
+phalanx.web.jobpage), and the state again as server-sent events (`/api/events`) each time it changes. The state
+holds the serving fleets too (phalanx.web.serving): each service with its replicas and their readiness, and each
+job that is a replica says which.
 
 The dashboard holds no credential of its own. A visitor signs in (`/login`) with their own Phalanx token, which the
 server checks with a call to the scheduler made with it; the session is a random id in an HttpOnly, SameSite=Strict
 cookie (Secure, and __Host-, over TLS) that names, server-side, the token, an expiry and a CSRF token that every
 state-changing request (sign-out) must carry in the X-CSRF-Token header; the sign-in form itself is accepted only
 from the dashboard's own origin. Every data request goes to the scheduler with the visitor's token, so a user sees
-its tenant's jobs, an admin everything: a `Model` per distinct token keeps that token's view, the nodes (ListNodes
-every `node_poll_s`), the jobs (a WatchJobs stream of every job the token may see), the queues, and a short history
-of utilization and goodput, and stops with the last session using it. A token the scheduler stops accepting ends
-its sessions at their next request.
+its tenant's jobs and services, an admin everything: a `Model` per distinct token keeps that token's view, the nodes
+and the services (ListNodes and ListServices every `node_poll_s`), the jobs (a WatchJobs stream of every job the
+token may see), the queues, and a short history of utilization and goodput, and stops with the last session using
+it. A token the scheduler stops accepting ends its sessions at their next request.
 
 It serves 127.0.0.1 by default; beyond loopback only over TLS (a certificate and key) or when told `insecure`.
 Every response carries a strict Content-Security-Policy (scripts, styles and connections from the dashboard only,
@@ -53,6 +55,7 @@ from phalanx.client import (
     UnauthenticatedError,
 )
 from phalanx.web.jobpage import checkpoints, job_detail, log_tail
+from phalanx.web.serving import list_services, replica_index, with_services
 
 STATIC = resources.files("phalanx.web") / "static"
 JOB_SYNC_S = 30.0  # how often the poll lists the active jobs besides the watch (and at each reconnect)
@@ -89,6 +92,7 @@ def job_view(j: Job) -> dict[str, Any]:
         "finished_at": j.finished_at,
         "gang": f"{j.replicas}x{j.mig_profile or (str(j.gpu_milli) + 'm' if j.gpu_milli else j.gpus_per_replica)}",
         "allocations": [a.to_dict() for a in j.allocations],
+        "service": None,  # a replica's: its service, index, revision and readiness (the snapshot joins them)
     }
 
 
@@ -105,6 +109,8 @@ class Model:
         self.nodes: list[dict[str, Any]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.queues: list[dict[str, Any]] = []
+        self.services: list[dict[str, Any]] | None = []  # None: the scheduler has no ServiceService
+        self.replicas: dict[str, dict[str, Any]] = {}  # job id -> its place in its service (serving.replica_index)
         self.history: deque[tuple[float, float, float]] = deque(maxlen=HISTORY)  # (t, utilization, goodput)
         self.error = ""
         self.refused = ""  # non-empty: the scheduler refused the token (its sessions are over), and why
@@ -137,23 +143,27 @@ class Model:
 
     def snapshot(self) -> dict[str, Any]:
         with self.cond:
+            active = [j for j in self.jobs.values() if j["state"] in ("PENDING", "RUNNING", "PREEMPTING")]
             return {
                 "version": self.version,
                 "scheduler": self.scheduler,
                 "nodes": self.nodes,
-                "jobs": [j for j in self.jobs.values() if j["state"] in ("PENDING", "RUNNING", "PREEMPTING")],
+                "jobs": with_services(active, self.replicas),
                 "queues": self.queues,
+                "services": self.services or [],
+                "serving": self.services is not None,
                 "history": list(self.history),
                 "error": self.error,
             }
 
     def _poll(self) -> None:
-        """Nodes, queues, utilization and goodput, every node_poll_s."""
+        """Nodes, queues, services, utilization and goodput, every node_poll_s."""
         while not self._stop.is_set():
             try:
                 with self.client() as client:
                     nodes = [node_view(n) for n in client.nodes()]
                     queues = [q.to_dict() for q in client.queues()]
+                    services = list_services(client)
                     report = client.goodput(limit=1)
                     jobs = None
                     if time.monotonic() >= self._next_sync:
@@ -163,8 +173,11 @@ class Model:
                 used = sum(n["gpus"] - n["free"] for n in nodes if n["state"] == "READY")
                 ratio = report.cluster.ratio if report.cluster.allocated else 0.0
                 with self.cond:
-                    moved = nodes != self.nodes or queues != self.queues or bool(self.error)
+                    moved = (
+                        nodes != self.nodes or queues != self.queues or services != self.services or bool(self.error)
+                    )
                     self.nodes, self.queues, self.error = nodes, queues, ""
+                    self.services, self.replicas = services, replica_index(services or [])
                     if jobs is not None:  # the watch keeps them current between these
                         for j in jobs:
                             self.jobs.setdefault(j.id, job_view(j))
@@ -216,7 +229,10 @@ class Model:
     def job(self, job_id: str) -> dict[str, Any]:
         with self.client() as client:
             j = client.get_job(job_id)
-        return job_detail(j, job_view(j))
+        out = job_detail(j, job_view(j))
+        with self.cond:
+            out["service"] = self.replicas.get(j.id)
+        return out
 
     def job_checkpoints(self, job_id: str) -> dict[str, Any]:
         with self.client() as client:

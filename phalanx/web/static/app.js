@@ -214,17 +214,62 @@ function drawQueues() {
   root.replaceChildren(table);
 }
 
+// A replica's badge: its service and index, and whether it is ready (a job of no service: none).
+function serviceBadge(j) {
+  const s = j.service;
+  if (!s) return null;
+  return el("span", { className: "badge " + (s.ready ? "ready" : "unready"), dataset: { serviceOf: j.id },
+    title: `replica ${s.replica} of service ${s.service}, revision ${s.revision}: ${s.state}` },
+    `${s.service}[${s.replica}] ${s.ready ? "ready" : "not ready"}`);
+}
+
 function drawJobs() {
   const order = { RUNNING: 0, PREEMPTING: 1, PENDING: 2 };
   const jobs = [...state.jobs].sort((a, b) => (order[a.state] - order[b.state]) || (a.submitted_at - b.submitted_at));
   const table = el("table", {});
   for (const j of jobs) {
     table.append(el("tr", { dataset: { jobRow: j.id } },
-      el("td", {}, jobLink(j.id, j.id)), el("td", {}, j.name), el("td", {}, j.tenant || ""), el("td", {}, j.state),
-      el("td", {}, j.gang)));
+      el("td", {}, jobLink(j.id, j.id)), el("td", {}, j.name, " ", serviceBadge(j)), el("td", {}, j.tenant || ""),
+      el("td", {}, j.state), el("td", {}, j.gang)));
     if (j.state === "PENDING") table.append(el("tr", {}, el("td", { colSpan: 5, className: "reason" }, j.message || "")));
   }
   document.getElementById("jobs").replaceChildren(table);
+}
+
+// Serving fleets: each service with its revision, ready/desired replicas, the controller's message and the
+// autoscaler's last decision, then a row per replica (index, revision, state, readiness, nodes, leader, job).
+function serviceElement(s) {
+  const scale = s.autoscale
+    ? `autoscaled ${s.autoscale.min}–${s.autoscale.max} on ${s.autoscale.metric} (target ${s.autoscale.target})`
+    : "no autoscaler";
+  const head = el("div", { className: "service-head" },
+    el("b", { dataset: { serviceName: s.name } }, s.name), " ",
+    s.tenant ? el("span", { className: "muted" }, `(${s.tenant})`) : null, " ",
+    el("span", { className: "badge " + (s.ready >= s.desired ? "ready" : "unready"), dataset: { serviceReady: s.name } },
+      `${s.ready}/${s.desired} ready`), " ",
+    el("span", {}, `revision ${s.revision}, replicas of ${s.gang}, ${scale}`));
+  const rows = s.replicas.map((r) =>
+    el("tr", { dataset: { replica: `${s.name}/${r.index}/${r.revision}` } },
+      el("td", {}, String(r.index), r.surge ? el("span", { className: "muted" }, " surge") : null),
+      el("td", {}, `r${r.revision}`),
+      el("td", {}, r.state, r.message ? [" ", el("span", { className: "reason" }, r.message)] : null),
+      el("td", {}, el("span", { className: "badge " + (r.ready ? "ready" : "unready") }, r.ready ? "ready" : "not ready")),
+      el("td", {}, r.nodes.join(", ") || "-"),
+      el("td", {}, el("code", {}, r.leader || "-")),
+      el("td", {}, r.job_id ? jobLink(r.job_id, r.job_id) : "-")));
+  const header = el("tr", {}, ["replica", "revision", "state", "ready", "nodes", "leader", "job"].map((h) => el("th", {}, h)));
+  return el("div", { className: "service", dataset: { service: s.name } },
+    head,
+    s.message ? el("div", { className: "reason" }, s.message) : null,
+    s.autoscaler ? el("div", { className: "reason" }, "autoscaler: ", s.autoscaler) : null,
+    el("table", { dataset: { replicas: s.name } }, header, rows));
+}
+
+function drawServices() {
+  const root = document.getElementById("services");
+  if (!state.serving) { root.replaceChildren(el("span", { className: "muted" }, "this scheduler serves no services")); return; }
+  if (!state.services.length) { root.replaceChildren(el("span", { className: "muted" }, "no services")); return; }
+  root.replaceChildren(...state.services.map(serviceElement));
 }
 
 function drawHistory() {
@@ -252,6 +297,14 @@ function checkpointsOf(id, checkpoints) {
   return el("table", { dataset: { checkpoints: id } }, checkpoints.map((c) =>
     el("tr", { dataset: { step: c.step } }, el("td", {}, `step ${c.step}`), el("td", {}, `attempt ${c.attempt}`),
       el("td", {}, when(c.committed_at)), el("td", {}, `${c.shards} shard(s)`))));
+}
+
+// What a replica is, on its job's page.
+function serviceOf(j) {
+  const s = j.service;
+  if (!s) return "-";
+  return el("span", {}, `replica ${s.replica} of `, el("b", {}, s.service), `, revision ${s.revision}, ${s.state} `,
+    serviceBadge(j));
 }
 
 // A job's page draws as soon as the job comes (/api/job/ID); its checkpoints and log tail are fetched after, at
@@ -286,6 +339,7 @@ async function openJob(id) {
       row("name", j.name),
       row("tenant", j.tenant || "-"),
       row("queue", j.queue || "-"),
+      row("service", serviceOf(j)),
       row("state", `${j.state} (attempt ${j.attempt}, ${j.failures} failure(s), ${j.preemptions} preemption(s))`),
       row("message", j.message || ""),
       row("command", el("code", { className: "spec" }, (spec.command || []).join(" "))),
@@ -313,6 +367,7 @@ function render(next) {
   state = next;
   drawFabric();
   drawQueues();
+  drawServices();
   drawJobs();
   drawHistory();
   document.getElementById("status").textContent = state.error ? "error: " + state.error : `live · ${state.scheduler}`;
