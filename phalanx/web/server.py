@@ -2,18 +2,20 @@
 
 One process: an HTTP server (the standard library's, one thread per connection) serves the page and its assets
 (shipped in the package: nothing is fetched at run time), the cluster's state as JSON (`/api/state`), a job
-(`/api/job/ID`, with its goodput split and its rank 0's last log lines), and the state again as server-sent events
-(`/api/events`) each time it changes.
+(`/api/job/ID`, with its goodput split; then its checkpoints and its rank 0's last log lines, apart:
+phalanx.web.jobpage), and the state again as server-sent events (`/api/events`) each time it changes. The state
+holds the serving fleets too (phalanx.web.serving): each service with its replicas and their readiness, and each
+job that is a replica says which.
 
 The dashboard holds no credential of its own. A visitor signs in (`/login`) with their own Phalanx token, which the
 server checks with a call to the scheduler made with it; the session is a random id in an HttpOnly, SameSite=Strict
 cookie (Secure, and __Host-, over TLS) that names, server-side, the token, an expiry and a CSRF token that every
 state-changing request (sign-out) must carry in the X-CSRF-Token header; the sign-in form itself is accepted only
 from the dashboard's own origin. Every data request goes to the scheduler with the visitor's token, so a user sees
-its tenant's jobs, an admin everything: a `Model` per distinct token keeps that token's view, the nodes (ListNodes
-every `node_poll_s`), the jobs (a WatchJobs stream of every job the token may see), the queues, and a short history
-of utilization and goodput, and stops with the last session using it. A token the scheduler stops accepting ends
-its sessions at their next request.
+its tenant's jobs and services, an admin everything: a `Model` per distinct token keeps that token's view, the nodes
+and the services (ListNodes and ListServices every `node_poll_s`), the jobs (a WatchJobs stream of every job the
+token may see), the queues, and a short history of utilization and goodput, and stops with the last session using
+it. A token the scheduler stops accepting ends its sessions at their next request.
 
 It serves 127.0.0.1 by default; beyond loopback only over TLS (a certificate and key) or when told `insecure`.
 Every response carries a strict Content-Security-Policy (scripts, styles and connections from the dashboard only,
@@ -52,6 +54,8 @@ from phalanx.client import (
     PhalanxError,
     UnauthenticatedError,
 )
+from phalanx.web.jobpage import checkpoints, job_detail, log_tail
+from phalanx.web.serving import list_services, replica_index, with_services
 
 STATIC = resources.files("phalanx.web") / "static"
 JOB_SYNC_S = 30.0  # how often the poll lists the active jobs besides the watch (and at each reconnect)
@@ -88,6 +92,7 @@ def job_view(j: Job) -> dict[str, Any]:
         "finished_at": j.finished_at,
         "gang": f"{j.replicas}x{j.mig_profile or (str(j.gpu_milli) + 'm' if j.gpu_milli else j.gpus_per_replica)}",
         "allocations": [a.to_dict() for a in j.allocations],
+        "service": None,  # a replica's: its service, index, revision and readiness (the snapshot joins them)
     }
 
 
@@ -104,6 +109,8 @@ class Model:
         self.nodes: list[dict[str, Any]] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.queues: list[dict[str, Any]] = []
+        self.services: list[dict[str, Any]] | None = []  # None: the scheduler has no ServiceService
+        self.replicas: dict[str, dict[str, Any]] = {}  # job id -> its place in its service (serving.replica_index)
         self.history: deque[tuple[float, float, float]] = deque(maxlen=HISTORY)  # (t, utilization, goodput)
         self.error = ""
         self.refused = ""  # non-empty: the scheduler refused the token (its sessions are over), and why
@@ -136,23 +143,27 @@ class Model:
 
     def snapshot(self) -> dict[str, Any]:
         with self.cond:
+            active = [j for j in self.jobs.values() if j["state"] in ("PENDING", "RUNNING", "PREEMPTING")]
             return {
                 "version": self.version,
                 "scheduler": self.scheduler,
                 "nodes": self.nodes,
-                "jobs": [j for j in self.jobs.values() if j["state"] in ("PENDING", "RUNNING", "PREEMPTING")],
+                "jobs": with_services(active, self.replicas),
                 "queues": self.queues,
+                "services": self.services or [],
+                "serving": self.services is not None,
                 "history": list(self.history),
                 "error": self.error,
             }
 
     def _poll(self) -> None:
-        """Nodes, queues, utilization and goodput, every node_poll_s."""
+        """Nodes, queues, services, utilization and goodput, every node_poll_s."""
         while not self._stop.is_set():
             try:
                 with self.client() as client:
                     nodes = [node_view(n) for n in client.nodes()]
                     queues = [q.to_dict() for q in client.queues()]
+                    services = list_services(client)
                     report = client.goodput(limit=1)
                     jobs = None
                     if time.monotonic() >= self._next_sync:
@@ -162,8 +173,11 @@ class Model:
                 used = sum(n["gpus"] - n["free"] for n in nodes if n["state"] == "READY")
                 ratio = report.cluster.ratio if report.cluster.allocated else 0.0
                 with self.cond:
-                    moved = nodes != self.nodes or queues != self.queues or bool(self.error)
+                    moved = (
+                        nodes != self.nodes or queues != self.queues or services != self.services or bool(self.error)
+                    )
                     self.nodes, self.queues, self.error = nodes, queues, ""
+                    self.services, self.replicas = services, replica_index(services or [])
                     if jobs is not None:  # the watch keeps them current between these
                         for j in jobs:
                             self.jobs.setdefault(j.id, job_view(j))
@@ -208,52 +222,27 @@ class Model:
             self.refused = f"the scheduler no longer accepts this token: {exc}"
         self.stop()
 
+    # A job's page, in three parts (phalanx.web.jobpage): the job at once, its checkpoints and log tail after. Each
+    # part asks the scheduler for the job with the visitor's token first: another tenant's job is NotFoundError in
+    # every part, as it is for the job itself.
+
     def job(self, job_id: str) -> dict[str, Any]:
         with self.client() as client:
             j = client.get_job(job_id)
-            out = job_view(j)
-            out.update(
-                spec={
-                    "replicas": j.replicas,
-                    "gpus_per_replica": j.gpus_per_replica,
-                    "command": j.command,
-                    "required_tier": j.required_tier,
-                    "time_limit": j.time_limit,
-                },
-                failures=j.failures,
-                preemptions=j.preemptions,
-                restore=j.restore,
-                goodput=j.goodput.to_dict() if j.goodput else None,
-                placement=j.placement,
-            )
-            out["checkpoints"] = self._checkpoints(job_id)
-            try:
-                out["logs"] = [f"[rank {r}] {line}" for r, line in client.logs(job_id, rank=0, tail=50)]
-            except PhalanxError as exc:
-                out["logs"] = [f"(no log: {exc})"]
+        out = job_detail(j, job_view(j))
+        with self.cond:
+            out["service"] = self.replicas.get(j.id)
         return out
 
-    def _checkpoints(self, job_id: str) -> list[dict[str, Any]] | str:
-        """The job's newest committed checkpoints from the coordinator (a string says why there are none)."""
-        if not self.checkpoint:
-            return "not shown: phalanx web --checkpoint-coordinator ADDR shows them"
-        import grpc
+    def job_checkpoints(self, job_id: str) -> dict[str, Any]:
+        with self.client() as client:
+            client.get_job(job_id)
+        return {"checkpoints": checkpoints(self.checkpoint, self.token or "", job_id)}
 
-        from phalanx.api.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-        from phalanx.client import open_channel
-
-        channel = open_channel(self.checkpoint, token=self.token or "", retries=0)
-        try:
-            stub = checkpoint_pb2_grpc.CheckpointCoordinatorStub(channel)  # type: ignore[no-untyped-call]
-            got = stub.ListCheckpoints(checkpoint_pb2.ListCheckpointsRequest(job_id=job_id, page_size=20), timeout=5)
-        except grpc.RpcError as exc:
-            return f"the coordinator did not answer: {exc.code().name}"
-        finally:
-            channel.close()
-        return [
-            {"step": c.step, "attempt": c.attempt, "committed_at": c.committed_at, "shards": len(c.shards)}
-            for c in got.checkpoints
-        ]
+    def job_logs(self, job_id: str) -> dict[str, Any]:
+        with self.client() as client:
+            client.get_job(job_id)
+            return {"logs": log_tail(client, job_id)}
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -496,8 +485,17 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/api/state":
             return self._json(session.model.snapshot())
         if path.startswith("/api/job/"):
+            # /api/job/ID, /api/job/ID/checkpoints, /api/job/ID/logs (split before unquoting: an id is one segment)
+            job_id, _, part = path[len("/api/job/") :].partition("/")
+            fetch = {
+                "": session.model.job,
+                "checkpoints": session.model.job_checkpoints,
+                "logs": session.model.job_logs,
+            }.get(part)
+            if fetch is None or not job_id:
+                return self._json({"error": f"no such endpoint {path[:80]!r}"}, HTTPStatus.NOT_FOUND)
             try:
-                return self._json(session.model.job(unquote(path[len("/api/job/") :])))
+                return self._json(fetch(unquote(job_id)))
             except (UnauthenticatedError, PermissionDeniedError) as exc:
                 session.model._refused(exc)
                 self.sessions.end(session)

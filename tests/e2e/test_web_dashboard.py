@@ -1,11 +1,12 @@
-"""`phalanx web` in a real browser (issue 21, items 1 and 2; issue 31): Playwright driving Debian's Chromium against
-the real dashboard server, itself a client of a real scheduler (authentication on) and checkpoint coordinator with
-protocol-level agents. A visitor signs in with their token; every GPU is drawn; a job's GPUs are marked within 2 s
-of its submission and freed within 2 s of its cancel, with no reload; its page opens with its committed checkpoints;
-a 4,096-node cluster is drawn whole (virtualized: every leaf placed, the GPUs on screen as elements). How fast that
-draws is a benchmark: bench/web_render.py. Screenshots are saved as artifacts (PHALANX_TEST_ARTIFACTS, default
-test-artifacts/web/). Without Playwright or Chromium the browser tests skip, or fail where PHALANX_REQUIRE lists
-chromium (tests/helpers/required.py). The security tests are in tests/security/test_dashboard.py."""
+"""`phalanx web` in a real browser (issue 21, items 1 and 2; issue 31): Playwright driving Debian's Chromium against the
+real dashboard server, itself a client of a real scheduler (authentication on) and checkpoint coordinator with
+protocol-level agents. A visitor signs in with their token; every GPU is drawn; a job's GPUs are marked within 2 s of
+its submission and freed within 2 s of its cancel, with no reload; its page opens with its committed checkpoints; a
+service's replicas are shown with their readiness as it changes (issue 33); a 4,096-node cluster is drawn whole
+(virtualized: every leaf placed, the GPUs on screen as elements). How fast that draws is a benchmark:
+bench/web_render.py. Screenshots are saved as artifacts (PHALANX_TEST_ARTIFACTS, default test-artifacts/web/).
+Without Playwright or Chromium the browser tests skip, or fail where PHALANX_REQUIRE lists chromium
+(tests/helpers/required.py). The security tests are in tests/security/test_dashboard.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import os
 import time
 from pathlib import Path
 
-from helpers.web import ADMIN, ALICE, DashCluster, browser
+from helpers.waits import eventually, holds
+from helpers.web import ADMIN, ALICE, BOB, DashCluster, browser
 
 from db.engine import make_engine
+from phalanx.api.v1 import agent_pb2, common_pb2, service_pb2, service_pb2_grpc
+from phalanx.client import open_aio_channel
 from services.checkpoint_coordinator import store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,13 +97,25 @@ async def test_the_dashboard_draws_the_fabric_and_follows_jobs_live(sqlite_url, 
         assert set(got) == want and marked < 2.0
         await page.screenshot(path=str(shots / "02-running.png"), full_page=True)
 
-        # Two committed checkpoints (steps 100 and 200, a shard per rank): rows on the job's page.
+        # Two committed checkpoints (steps 100 and 200, a shard per rank): rows on the job's page. The page draws
+        # with the job alone: its checkpoints and log tail are held back here (as a slow coordinator or node agent
+        # would be) and the page is drawn all the same, with their places waiting; let through, they fill them.
         commit_checkpoint(sqlite_url, job.id, running.attempt, 100, 8)
         commit_checkpoint(sqlite_url, job.id, running.attempt, 200, 8)
+        held: list = []
+        for part in ("checkpoints", "logs"):
+            await page.route(f"**/api/job/{job.id}/{part}", lambda route: held.append(route))
         await page.click(f'[data-job="{job.id}"]')  # the job's page
         await page.wait_for_selector(f'[data-job-page="{job.id}"]', timeout=5_000)
         text = await page.inner_text("#job")
         assert "RUNNING" in text and "productive" in text and "sleep 60" in text
+        await wait_js(page, "document.querySelectorAll('#job [data-part]:not([data-loaded])').length === 2", 5)
+        assert await page.inner_text('#job [data-part="checkpoints"]') == "loading…"
+        await eventually(lambda: holds(lambda: len(held) == 2), timeout=5, what="the page asks for both parts")
+        for route in held:
+            await route.continue_()
+        await page.wait_for_selector(f'[data-checkpoints="{job.id}"]', timeout=5_000)
+        await wait_js(page, f"document.querySelector('[data-log=\"{job.id}\"][data-loaded]') !== null", 5)
         rows = await page.eval_on_selector_all(
             f'[data-checkpoints="{job.id}"] tr', "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
         )
@@ -129,6 +145,88 @@ async def test_a_tenant_sees_its_own_jobs_in_the_browser(sqlite_url, tmp_path):
         await page.wait_for_selector(f'[data-job-row="{mine.id}"]', timeout=10_000)
         assert await page.query_selector(f'[data-job-row="{other.id}"]') is None
         assert "ops-run" not in await page.inner_text("body")
+
+
+async def create_service(c: DashCluster, token: str, name: str, replicas: int) -> service_pb2_grpc.ServiceServiceStub:
+    """A service of `replicas` one-node replicas (8 GPUs each) with a readiness probe: the protocol-level agents run
+    no probe, so each replica is ready when the test says so (its leader's agent reports it, as a real one would)."""
+    channel = open_aio_channel(c.scheduler.address, token=token)
+    c.channels.append(channel)
+    stub = service_pb2_grpc.ServiceServiceStub(channel)
+    template = common_pb2.JobSpec(replicas=1, gpus_per_replica=8, command=["sleep", "600"])
+    template.ready_probe.command.append("true")
+    spec = service_pb2.ServiceSpec(name=name, replicas=replicas, template=template, port=8000)
+    await stub.CreateService(service_pb2.CreateServiceRequest(spec=spec))
+    return stub
+
+
+async def report_ready(c: DashCluster, replica: service_pb2.ServiceReplica, attempt: int) -> None:
+    leader = next(a for a in c.agents if a.name == replica.nodes[0])
+    await leader.stub.ReportReadiness(
+        agent_pb2.ReportReadinessRequest(
+            node_name=leader.name, agent_instance=leader.instance, job_id=replica.job_id, attempt=attempt, ready=True
+        )
+    )
+
+
+async def test_a_service_shows_its_replicas_and_their_readiness_live(sqlite_url, tmp_path):
+    """Issue 33: a service of 2 replicas in the services view (revision, ready/desired, each replica's state,
+    readiness, node, leader address and job), its replicas' jobs marked in the jobs list, and readiness followed
+    live: both replicas become ready with no reload. Another tenant sees none of it."""
+    shots = _artifacts()
+    async with DashCluster(sqlite_url, tmp_path, nodes=4) as c, browser() as b:
+        stub = await create_service(c, ALICE, "chat", 2)
+        page = await b.new_page(viewport={"width": 1400, "height": 900})
+        await sign_in(page, c.web.url, ALICE)
+        await page.wait_for_selector('[data-service="chat"]', timeout=10_000)
+        # Both replicas placed (RUNNING, not ready: their probe has not passed yet).
+        starting = "[...document.querySelectorAll('[data-replicas=\"chat\"] tr[data-replica]')]"
+        await wait_js(page, f"{starting}.filter(r => r.cells[2].textContent.startsWith('STARTING')).length === 2", 10)
+        assert await page.inner_text('[data-service-ready="chat"]') == "0/2 ready"
+        svc = await stub.GetService(service_pb2.GetServiceRequest(name="chat"))
+        jobs = {r.index: r.job_id for r in svc.replicas}
+        assert sorted(jobs) == [0, 1]
+        for index, job_id in jobs.items():
+            await page.wait_for_selector(f'[data-service-of="{job_id}"]', timeout=5_000)
+            assert await page.inner_text(f'[data-service-of="{job_id}"]') == f"chat[{index}] not ready"
+        await page.screenshot(path=str(shots / "06-service-starting.png"), full_page=True)
+
+        # The leaders' agents report their probes pass: the page follows, replica by replica, with no reload.
+        for r in svc.replicas:
+            await report_ready(c, r, (await c.clients[ALICE].get_job(r.job_id)).attempt)
+        await wait_js(page, "document.querySelector('[data-service-ready=\"chat\"]').textContent === '2/2 ready'", 5)
+        rows = await page.eval_on_selector_all(
+            '[data-replicas="chat"] tr[data-replica]', "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
+        )
+        by_index = {int(r[0]): r for r in rows}
+        assert sorted(by_index) == [0, 1], rows
+        for r in svc.replicas:
+            index, revision, state, ready, nodes, leader, job = by_index[r.index]
+            assert (revision, ready, job) == ("r1", "ready", r.job_id), by_index[r.index]
+            assert state == "READY ready: its readiness probe passes"  # the state, then the replica's message
+            assert nodes == r.nodes[0] and leader == "127.0.0.1:8000"
+        head = await page.inner_text('[data-service="chat"] .service-head')
+        assert "revision 1" in head and "(alice)" in head, head
+        for index, job_id in jobs.items():
+            await wait_js(
+                page,
+                f"document.querySelector('[data-service-of=\"{job_id}\"]').textContent === 'chat[{index}] ready'",
+                5,
+            )
+        await page.screenshot(path=str(shots / "07-service-ready.png"), full_page=True)
+
+        # A replica's job page says what it is.
+        await page.click(f'[data-replicas="chat"] [data-open="{jobs[1]}"]')
+        await page.wait_for_selector(f'[data-job-page="{jobs[1]}"]', timeout=5_000)
+        assert "replica 1 of chat, revision 1, READY" in await page.inner_text("#job")
+
+        # Bob (another tenant) sees no service and no replica.
+        other = await b.new_page(viewport={"width": 1400, "height": 900})
+        await sign_in(other, c.web.url, BOB)
+        # (nodes and services come from the same poll: once the GPUs are drawn, so are the services bob may see)
+        await wait_js(other, "document.querySelectorAll('[data-gpu]').length === 32", 10)
+        assert await other.inner_text("#services") == "no services"
+        assert "chat" not in await other.inner_text("body")
 
 
 async def test_4096_nodes_are_all_drawn(sqlite_url, tmp_path):

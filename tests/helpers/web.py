@@ -135,12 +135,15 @@ class DashCluster:
             self.scheduler.address, poll_s=0.3, checkpoint=self.coordinator.address, **self.web_kw
         ).start()
         self.clients = {t: AsyncClient(self.scheduler.address, token=t, retries=0) for t in (ADMIN, ALICE, BOB)}
+        self.channels: list[Any] = []  # a test's own gRPC channels (the ServiceService's), closed with the cluster
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         self.web.stop()
         for c in self.clients.values():
             await c.close()
+        for channel in self.channels:
+            await channel.close()
         for agent in self.agents:
             await agent.stop()
         await self.coordinator.stop(0)

@@ -12,8 +12,9 @@ Threats, each with its tests:
      test_state_changing_requests_need_the_csrf_token, test_a_sign_in_from_another_origin_is_refused,
      test_every_response_carries_the_security_headers, test_beyond_loopback_it_needs_tls_or_insecure,
      test_over_tls_the_cookie_is_secure (and HSTS)
-- A tenant (a user token) controls its own jobs: names, commands, queues, and what its ranks print. It must see
-  only what its token allows: not another tenant's job names, messages, logs or checkpoints, through any endpoint;
+- A tenant (a user token) controls its own jobs and services: names, commands, queues, and what its ranks print. It
+  must see only what its token allows: not another tenant's job names, messages, logs, checkpoints or services
+  (nor their replicas' jobs), through any endpoint;
   its session must end when it expires or its token is revoked; and its markup must never run in another
   visitor's (an admin's) browser.
   -> test_a_tenant_sees_only_its_own_jobs_through_every_endpoint, test_an_expired_session_is_refused,
@@ -38,6 +39,8 @@ import pytest
 from helpers.waits import eventually
 from helpers.web import ADMIN, ALICE, BOB, DashCluster, Visitor, browser
 
+from phalanx.api.v1 import common_pb2, service_pb2, service_pb2_grpc
+from phalanx.client import open_aio_channel
 from phalanx.testing.lite_agent import LiteAgent
 
 ENDPOINTS = ("/api/state", "/api/session", "/api/events", "/api/job/0123456789ab", "/")
@@ -47,7 +50,15 @@ async def test_an_anonymous_visitor_reaches_no_data(sqlite_url, tmp_path):
     async with DashCluster(sqlite_url, tmp_path) as c:
         await c.clients[ALICE].submit("secret-name", 1, 1, ["sleep", "60"])
         anon = c.visitor()
-        for path in ("/api/state", "/api/session", "/api/events", "/api/job/0123456789ab", "/api/nope"):
+        for path in (
+            "/api/state",
+            "/api/session",
+            "/api/events",
+            "/api/job/0123456789ab",
+            "/api/job/0123456789ab/checkpoints",
+            "/api/job/0123456789ab/logs",
+            "/api/nope",
+        ):
             r = await anon.get(path)
             assert r.status == 401, (path, r.status)
             assert "sign in" in r.json()["error"] and "secret-name" not in r.text and "node-0" not in r.text
@@ -137,6 +148,43 @@ async def test_a_tenant_sees_only_its_own_jobs_through_every_endpoint(sqlite_url
         assert r.status == 200 and r.json()["spec"]["command"] == ["echo", "bob-secret-command"]
         r = await bob.get(f"/api/job/{mine.id}")
         assert r.status == 404 and "alice-job" not in r.text
+        # the job page's parts (checkpoints, log tail) ask for the job with the visitor's token first: the same 404
+        for part in ("checkpoints", "logs"):
+            r = await alice.get(f"/api/job/{theirs.id}/{part}")
+            assert r.status == 404 and "bob-secret" not in r.text, (part, r.status, r.text)
+            r = await bob.get(f"/api/job/{theirs.id}/{part}")
+            assert r.status == 200 and part in r.json(), (part, r.text)
+        for path in (f"/api/job/{mine.id}/nope", f"/api/job/{mine.id}/logs/x", "/api/job//logs"):
+            assert (await alice.get(path)).status == 404, path
+
+        # Services: bob's service (and its replica's job) reach bob and the admin, never alice.
+        channel = open_aio_channel(c.scheduler.address, token=BOB)
+        c.channels.append(channel)
+        template = common_pb2.JobSpec(replicas=1, gpus_per_replica=1, command=["sleep", "600"])
+        await service_pb2_grpc.ServiceServiceStub(channel).CreateService(
+            service_pb2.CreateServiceRequest(
+                spec=service_pb2.ServiceSpec(name="bob-secret-svc", replicas=1, template=template)
+            )
+        )
+
+        async def sees_the_service(v: Visitor):
+            doc = (await v.get("/api/state")).json()
+            return [s for s in doc["services"] if s["name"] == "bob-secret-svc"] and doc
+
+        for v in (bob, admin):
+            doc = await eventually(lambda v=v: sees_the_service(v), timeout=10, what="bob's service in the state")
+            [svc] = [s for s in doc["services"] if s["name"] == "bob-secret-svc"]
+            assert svc["tenant"] == "bob" and len(svc["replicas"]) == 1
+        replica_job = svc["replicas"][0]["job_id"]
+        # two more of alice's polls (each adds a point of history): she has listed services since it was created
+        polls = len((await alice.get("/api/state")).json()["history"])
+
+        async def polled_twice():
+            doc = (await alice.get("/api/state")).json()
+            return len(doc["history"]) >= polls + 2 and doc
+
+        doc = await eventually(polled_twice, timeout=10, what="alice's state, polled again")
+        assert doc["services"] == [] and "bob-secret" not in json.dumps(doc) and replica_job not in json.dumps(doc)
 
 
 def _first_event(url: str, sid: str) -> str:
@@ -339,6 +387,20 @@ async def test_hostile_markup_in_every_field_shows_as_text(sqlite_url, tmp_path)
     async with DashCluster(sqlite_url, tmp_path, nodes=1) as c:
         c.agents[0].setup_failure = _hostile("message")
         job = await c.clients[ALICE].submit(_hostile("job-name"), 1, 1, ["echo", _hostile("command")])
+        # A service (its name is refused unless [a-z0-9-]) whose replica's rank fails with the agent's message.
+        channel = open_aio_channel(c.scheduler.address, token=ALICE)
+        c.channels.append(channel)
+        template = common_pb2.JobSpec(replicas=1, gpus_per_replica=1, command=["sleep", "600"])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await service_pb2_grpc.ServiceServiceStub(channel).CreateService(
+                service_pb2.CreateServiceRequest(
+                    spec=service_pb2.ServiceSpec(name=_hostile("service"), replicas=1, template=template)
+                )
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await service_pb2_grpc.ServiceServiceStub(channel).CreateService(
+            service_pb2.CreateServiceRequest(spec=service_pb2.ServiceSpec(name="web", replicas=1, template=template))
+        )
         async with browser() as b:
             page = await b.new_page(viewport={"width": 1400, "height": 900})
             calls: list[str] = []
@@ -351,10 +413,20 @@ async def test_hostile_markup_in_every_field_shows_as_text(sqlite_url, tmp_path)
             await page.route("**/api/state", lambda r: r.fulfill(json=_hostile_state(job.id)))
             await page.route("**/api/events", lambda r: r.abort())
             await page.route(f"**/api/job/{job.id}", lambda r: r.fulfill(json=_hostile_job(job.id)))
+            await page.route(
+                f"**/api/job/{job.id}/checkpoints", lambda r: r.fulfill(json={"checkpoints": _hostile("checkpoints")})
+            )
+            await page.route(
+                f"**/api/job/{job.id}/logs",
+                lambda r: r.fulfill(json={"logs": [f"[rank 0] {_hostile('log-line')}", _hostile("log-line")]}),
+            )
             await page.goto(c.web.url + f"#/job/{job.id}")
             await page.reload()  # a new hash alone loads nothing
             await page.wait_for_selector("#queues table", timeout=5_000)
+            await page.wait_for_selector("#services table", timeout=5_000)
             await page.wait_for_selector("#job table", timeout=5_000)
+            await page.wait_for_selector('#job [data-part="log"][data-loaded]', timeout=5_000)
+            await page.wait_for_selector('#job [data-part="checkpoints"][data-loaded]', timeout=5_000)
             await page.hover("#fabric .gpu")
             await asyncio.sleep(0.5)  # an onerror would have fired by now
             assert calls == [] and dialogs == [], (calls, dialogs)
@@ -374,10 +446,21 @@ async def test_hostile_markup_in_every_field_shows_as_text(sqlite_url, tmp_path)
                 "node",
                 "restore",
                 "checkpoints",
+                "service",
+                "service-tenant",
+                "service-message",
+                "autoscaler",
+                "metric",
+                "gang",
+                "replica-state",
+                "replica-message",
+                "leader",
             ):
                 assert _hostile(what) in body, what  # the markup, as text
             titles = await page.eval_on_selector_all("[data-node]", "els => els.map(e => e.title).join(' ')")
             assert _hostile("node") in titles
+            badge = await page.eval_on_selector_all("#jobs .badge", "els => els.map(e => e.title).join(' ')")
+            assert _hostile("service") in badge and _hostile("replica-state") in badge
             assert await page.evaluate("document.querySelectorAll('main img, main script').length") == 0
 
             # The real scheduler's values: the job's name and command, the failure message its agent reports.
@@ -393,6 +476,13 @@ async def test_hostile_markup_in_every_field_shows_as_text(sqlite_url, tmp_path)
                 return _hostile("message") in await page.inner_text("#job")
 
             await eventually(message_shown, timeout=15, what="the rank's failure message on the job page")
+
+            async def replica_message_shown():
+                return _hostile("message") in await page.inner_text('[data-replicas="web"]')
+
+            await eventually(
+                replica_message_shown, timeout=15, what="the replica's failure message in the services view"
+            )
             text = await page.inner_text("#job")
             for what in ("job-name", "command", "message"):
                 assert _hostile(what) in text, what
@@ -445,6 +535,7 @@ def _hostile_state(job_id: str) -> dict:
                 "submitted_at": 0,
                 "gang": "1x1",
                 "allocations": [{"replica": 0, "node": h("node"), "gpus": [0]}],
+                "service": _hostile_replica(),
             },
             {
                 "id": "0123456789ab",
@@ -458,6 +549,34 @@ def _hostile_state(job_id: str) -> dict:
                 "submitted_at": 0,
                 "gang": "1x1",
                 "allocations": [],
+            },
+        ],
+        "serving": True,
+        "services": [
+            {
+                "name": h("service"),
+                "tenant": h("service-tenant"),
+                "revision": 1,
+                "desired": 2,
+                "ready": 1,
+                "message": h("service-message"),
+                "autoscaler": h("autoscaler"),
+                "autoscale": {"min": 1, "max": 4, "metric": h("metric"), "target": 2.0},
+                "gang": h("gang"),
+                "created_at": 0,
+                "replicas": [
+                    {
+                        "index": 0,
+                        "revision": 1,
+                        "state": h("replica-state"),
+                        "ready": True,
+                        "nodes": [h("node")],
+                        "leader": h("leader"),
+                        "job_id": job_id,
+                        "message": h("replica-message"),
+                        "surge": True,
+                    },
+                ],
             },
         ],
         "queues": [
@@ -502,6 +621,15 @@ def _hostile_job(job_id: str) -> dict:
         "restore": h("restore"),
         "goodput": None,
         "placement": None,
-        "checkpoints": h("checkpoints"),
-        "logs": [f"[rank 0] {h('log-line')}", h("log-line")],
+        "service": _hostile_replica(),
+    }
+
+
+def _hostile_replica() -> dict:
+    return {
+        "service": _hostile("service"),
+        "replica": 0,
+        "revision": 1,
+        "ready": False,
+        "state": _hostile("replica-state"),
     }

@@ -214,17 +214,62 @@ function drawQueues() {
   root.replaceChildren(table);
 }
 
+// A replica's badge: its service and index, and whether it is ready (a job of no service: none).
+function serviceBadge(j) {
+  const s = j.service;
+  if (!s) return null;
+  return el("span", { className: "badge " + (s.ready ? "ready" : "unready"), dataset: { serviceOf: j.id },
+    title: `replica ${s.replica} of service ${s.service}, revision ${s.revision}: ${s.state}` },
+    `${s.service}[${s.replica}] ${s.ready ? "ready" : "not ready"}`);
+}
+
 function drawJobs() {
   const order = { RUNNING: 0, PREEMPTING: 1, PENDING: 2 };
   const jobs = [...state.jobs].sort((a, b) => (order[a.state] - order[b.state]) || (a.submitted_at - b.submitted_at));
   const table = el("table", {});
   for (const j of jobs) {
     table.append(el("tr", { dataset: { jobRow: j.id } },
-      el("td", {}, jobLink(j.id, j.id)), el("td", {}, j.name), el("td", {}, j.tenant || ""), el("td", {}, j.state),
-      el("td", {}, j.gang)));
+      el("td", {}, jobLink(j.id, j.id)), el("td", {}, j.name, " ", serviceBadge(j)), el("td", {}, j.tenant || ""),
+      el("td", {}, j.state), el("td", {}, j.gang)));
     if (j.state === "PENDING") table.append(el("tr", {}, el("td", { colSpan: 5, className: "reason" }, j.message || "")));
   }
   document.getElementById("jobs").replaceChildren(table);
+}
+
+// Serving fleets: each service with its revision, ready/desired replicas, the controller's message and the
+// autoscaler's last decision, then a row per replica (index, revision, state, readiness, nodes, leader, job).
+function serviceElement(s) {
+  const scale = s.autoscale
+    ? `autoscaled ${s.autoscale.min}–${s.autoscale.max} on ${s.autoscale.metric} (target ${s.autoscale.target})`
+    : "no autoscaler";
+  const head = el("div", { className: "service-head" },
+    el("b", { dataset: { serviceName: s.name } }, s.name), " ",
+    s.tenant ? el("span", { className: "muted" }, `(${s.tenant})`) : null, " ",
+    el("span", { className: "badge " + (s.ready >= s.desired ? "ready" : "unready"), dataset: { serviceReady: s.name } },
+      `${s.ready}/${s.desired} ready`), " ",
+    el("span", {}, `revision ${s.revision}, replicas of ${s.gang}, ${scale}`));
+  const rows = s.replicas.map((r) =>
+    el("tr", { dataset: { replica: `${s.name}/${r.index}/${r.revision}` } },
+      el("td", {}, String(r.index), r.surge ? el("span", { className: "muted" }, " surge") : null),
+      el("td", {}, `r${r.revision}`),
+      el("td", {}, r.state, r.message ? [" ", el("span", { className: "reason" }, r.message)] : null),
+      el("td", {}, el("span", { className: "badge " + (r.ready ? "ready" : "unready") }, r.ready ? "ready" : "not ready")),
+      el("td", {}, r.nodes.join(", ") || "-"),
+      el("td", {}, el("code", {}, r.leader || "-")),
+      el("td", {}, r.job_id ? jobLink(r.job_id, r.job_id) : "-")));
+  const header = el("tr", {}, ["replica", "revision", "state", "ready", "nodes", "leader", "job"].map((h) => el("th", {}, h)));
+  return el("div", { className: "service", dataset: { service: s.name } },
+    head,
+    s.message ? el("div", { className: "reason" }, s.message) : null,
+    s.autoscaler ? el("div", { className: "reason" }, "autoscaler: ", s.autoscaler) : null,
+    el("table", { dataset: { replicas: s.name } }, header, rows));
+}
+
+function drawServices() {
+  const root = document.getElementById("services");
+  if (!state.serving) { root.replaceChildren(el("span", { className: "muted" }, "this scheduler serves no services")); return; }
+  if (!state.services.length) { root.replaceChildren(el("span", { className: "muted" }, "no services")); return; }
+  root.replaceChildren(...state.services.map(serviceElement));
 }
 
 function drawHistory() {
@@ -246,22 +291,37 @@ function drawHistory() {
 
 const when = (t) => (t ? new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19) : "-");
 
-function checkpointsOf(j) {
-  if (typeof j.checkpoints === "string") return el("span", { className: "muted" }, j.checkpoints);
-  if (!j.checkpoints.length) return el("span", { className: "muted" }, "none committed");
-  return el("table", { dataset: { checkpoints: j.id } }, j.checkpoints.map((c) =>
+function checkpointsOf(id, checkpoints) {
+  if (typeof checkpoints === "string") return el("span", { className: "muted" }, checkpoints);
+  if (!checkpoints || !checkpoints.length) return el("span", { className: "muted" }, "none committed");
+  return el("table", { dataset: { checkpoints: id } }, checkpoints.map((c) =>
     el("tr", { dataset: { step: c.step } }, el("td", {}, `step ${c.step}`), el("td", {}, `attempt ${c.attempt}`),
       el("td", {}, when(c.committed_at)), el("td", {}, `${c.shards} shard(s)`))));
 }
 
+// What a replica is, on its job's page.
+function serviceOf(j) {
+  const s = j.service;
+  if (!s) return "-";
+  return el("span", {}, `replica ${s.replica} of `, el("b", {}, s.service), `, revision ${s.revision}, ${s.state} `,
+    serviceBadge(j));
+}
+
+// A job's page draws as soon as the job comes (/api/job/ID); its checkpoints and log tail are fetched after, at
+// once and apart (each bounded by the server), and fill their places: a slow coordinator or node agent delays only
+// its own part. `opened` counts the pages opened: an answer for a page since replaced is dropped.
+let opened = 0;
 async function openJob(id) {
+  const ticket = ++opened;
   selected = id;
   location.hash = "#/job/" + encodeURIComponent(id);
   document.getElementById("job-section").hidden = false;
   document.getElementById("job-title").textContent = id;
   const out = document.getElementById("job");
+  const base = "/api/job/" + encodeURIComponent(id);
   let j;
-  try { j = await api("/api/job/" + encodeURIComponent(id)); } catch (e) { return; }
+  try { j = await api(base); } catch (e) { return; }
+  if (ticket !== opened) return;
   if (j.error) { out.textContent = j.error; return; }
   const g = j.goodput || {};
   const total = Math.max(1, (g.allocated || 0) + (g.waiting || 0));
@@ -272,21 +332,34 @@ async function openJob(id) {
   });
   const row = (k, ...v) => el("tr", {}, el("td", {}, k), el("td", {}, ...v));
   const spec = j.spec || {};
+  const checkpointsBox = el("div", { dataset: { part: "checkpoints" } }, el("span", { className: "muted" }, "loading…"));
+  const logBox = el("pre", { dataset: { part: "log", log: j.id } }, "loading…");
   out.replaceChildren(
     el("table", { dataset: { jobPage: j.id } },
       row("name", j.name),
       row("tenant", j.tenant || "-"),
       row("queue", j.queue || "-"),
+      row("service", serviceOf(j)),
       row("state", `${j.state} (attempt ${j.attempt}, ${j.failures} failure(s), ${j.preemptions} preemption(s))`),
       row("message", j.message || ""),
       row("command", el("code", { className: "spec" }, (spec.command || []).join(" "))),
       row("history", `submitted ${when(j.submitted_at)}, started ${when(j.started_at)}, finished ${when(j.finished_at)}`),
       row("placement", (j.allocations || []).map((a) => `${a.node}: ${a.gpus.join(",")}`).join("; ") || "-"),
       row("restored", j.restore || "no restore reported")),
-    el("h2", {}, "Checkpoints"), checkpointsOf(j),
+    el("h2", {}, "Checkpoints"), checkpointsBox,
     el("h2", {}, "Goodput"), el("table", {}, parts),
-    el("h2", {}, "Rank 0 log"), el("pre", { dataset: { log: j.id } }, (j.logs || []).join("\n")));
+    el("h2", {}, "Rank 0 log"), logBox);
   if (state) drawFabric();
+  fillPart(ticket, base + "/checkpoints", checkpointsBox, (d) => checkpointsOf(j.id, d.checkpoints));
+  fillPart(ticket, base + "/logs", logBox, (d) => (d.logs || []).join("\n"));
+}
+
+async function fillPart(ticket, path, box, draw) {
+  let d;
+  try { d = await api(path); } catch (e) { d = { error: String(e) }; }
+  if (ticket !== opened) return;
+  box.replaceChildren(d.error ? el("span", { className: "muted" }, d.error) : draw(d));
+  box.dataset.loaded = "1";
 }
 
 function render(next) {
@@ -294,6 +367,7 @@ function render(next) {
   state = next;
   drawFabric();
   drawQueues();
+  drawServices();
   drawJobs();
   drawHistory();
   document.getElementById("status").textContent = state.error ? "error: " + state.error : `live · ${state.scheduler}`;
