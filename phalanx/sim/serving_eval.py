@@ -120,7 +120,7 @@ def prepare(ev: ServingEval, data: Any = None) -> Prepared:
         from .traces import find_data, load_trace
 
         trace = load_trace(ev.trace, find_data(data))
-        shapes, source = pool_from_trace(trace, ev.gpus_per_node, max_gpus), f"{ev.trace} ({len(trace)} jobs)"
+        shapes, source = pool_from_trace(trace, ev.gpus_per_node, max_gpus), f"{ev.trace} ({len(trace):,} jobs)"
     mean_serving_gpus = float(load.rates.mean()) / service.target_rps * service.replica_nodes * ev.gpus_per_node
     training_gpus = ev.nodes * ev.gpus_per_node - mean_serving_gpus
     jobs = resample_training(
