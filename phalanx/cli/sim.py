@@ -169,13 +169,60 @@ def cmd_sim_fgd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sim_serving(args: argparse.Namespace) -> int:
+    from phalanx.sim.report import plots_unavailable
+    from phalanx.sim.serving_eval import ServingEval, markdown, run_eval, write_outputs
+    from phalanx.sim.traces import DataNotFound
+
+    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+    ev = ServingEval(
+        nodes=args.nodes,
+        hours=args.hours,
+        seed=args.seed,
+        serving_share=args.serving_share,
+        peak_to_trough=args.peak_trough,
+        arrival_cv=args.arrival_cv,
+        training_load=args.training_load,
+        trace=args.trace,
+        min_runtime_s=args.min_runtime,
+        startup_s=args.startup,
+        policies=policies,
+    )
+    problems = ev.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    missing = plots_unavailable()
+    if missing:
+        sys.stderr.write(f"[sim] warning: no plot will be drawn: {missing}\n")
+
+    def progress(line: str) -> None:
+        sys.stderr.write(f"[sim] {line}\n")
+        sys.stderr.flush()
+
+    try:
+        doc, results, _ = run_eval(ev, args.data, progress)
+    except DataNotFound as exc:
+        sys.stderr.write(f"error: {exc}\n(or run on the synthetic training mix: --trace synthetic)\n")
+        return 1
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    written = write_outputs(doc, results, Path(args.out))
+    sys.stderr.write(f"[sim] wrote {', '.join(str(p) for p in written)}\n")
+    if args.json:
+        print(json.dumps(doc, default=float))
+    else:
+        sys.stdout.write(markdown(doc))
+    return 0
+
+
 def register(subparsers) -> None:
-    """Add ``sim run`` and ``sim fgd`` to the ``phalanx`` subcommands."""
+    """Add ``sim run``, ``sim fgd`` and ``sim serving`` to the ``phalanx`` subcommands."""
     p = subparsers.add_parser("sim", help="trace-driven simulation through the scheduler's core")
     sub = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", parser_class=type(p))
     sub.required = True
     _add_run(sub)
     _add_fgd(sub)
+    _add_serving(sub)
 
 
 def _add_run(sub) -> None:
@@ -306,3 +353,86 @@ def _add_fgd(sub) -> None:
         "--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then ../shared/data)"
     )
     fgd.set_defaults(func=cmd_sim_fgd)
+
+
+def _add_serving(sub) -> None:
+    """``phalanx sim serving``."""
+    from phalanx.sim.serving import SERVING_POLICIES
+    from phalanx.sim.serving_load import AZURE_CONVERSATION_PEAK_TO_TROUGH, DEFAULT_ARRIVAL_CV
+
+    p = sub.add_parser(
+        "serving",
+        help="an autoscaled LLM-serving fleet next to a training trace under three policies (static split, "
+        "preemption, preemption with checkpoints and backfill): a table, JSON and a plot",
+    )
+    p.add_argument("--hours", type=float, default=72.0, metavar="H", help="the window replayed (default 72)")
+    p.add_argument("--nodes", type=int, default=64, metavar="N", help="nodes of 8 GPUs, leaves of 8 (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the load and the training jobs (default 0)")
+    p.add_argument(
+        "--out",
+        default="sim-serving",
+        metavar="DIR",
+        help="where serving.md, serving.json and serving.png go (default ./sim-serving)",
+    )
+    p.add_argument("--json", action="store_true", help="print the whole result as one JSON document, not the table")
+    p.add_argument(
+        "--trace",
+        default="philly",
+        metavar="SPEC",
+        help="where the training jobs are resampled from: a `sim run --trace` spec (default philly), or "
+        "synthetic (a Philly-like mix, no data needed)",
+    )
+    p.add_argument(
+        "--data", default=None, metavar="DIR", help="the data folder (default: $PHALANX_DATA, then ../shared/data)"
+    )
+    p.add_argument(
+        "--policy",
+        default=",".join(SERVING_POLICIES),
+        metavar="NAME[,NAME...]",
+        help=f"policies to compare (default all: {', '.join(SERVING_POLICIES)})",
+    )
+    p.add_argument(
+        "--serving-share",
+        type=float,
+        default=0.4,
+        metavar="F",
+        help="the share of the nodes the fleet wants at the load's daily peak (default 0.4)",
+    )
+    p.add_argument(
+        "--peak-trough",
+        type=float,
+        default=AZURE_CONVERSATION_PEAK_TO_TROUGH,
+        metavar="R",
+        help="the load's daily peak over its trough (default %(default)g: the Azure 2024 conversation trace; "
+        "its coding trace: about 10)",
+    )
+    p.add_argument(
+        "--arrival-cv",
+        type=float,
+        default=DEFAULT_ARRIVAL_CV,
+        metavar="C",
+        help="coefficient of variation of the Gamma inter-arrival times (1: Poisson; default %(default)g)",
+    )
+    p.add_argument(
+        "--training-load",
+        type=float,
+        default=1.0,
+        metavar="L",
+        help="training offered as a share of the GPUs serving leaves on average (default 1.0)",
+    )
+    p.add_argument(
+        "--min-runtime",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="a training gang cannot be preempted in its first S seconds (default 0: serving reclaims at once; "
+        "the scheduler's own default is 600)",
+    )
+    p.add_argument(
+        "--startup",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds from a replica's placement to ready: image, weights, warm-up (default 600)",
+    )
+    p.set_defaults(func=cmd_sim_serving)

@@ -21,7 +21,9 @@ slowdown its placement costs (`speed`, default 1: the network model plugs in the
 
 Failures (`failures_per_gpu_day`, exponential per node): a failed node is out for `repair_s`; every gang on it is
 torn down and requeued. With checkpointing (`checkpoint="young-daly"`) it restarts from its last checkpoint (taken
-every Young/Daly interval, each costing `checkpoint_cost_s`), otherwise from scratch.
+every Young/Daly interval, each costing `checkpoint_cost_s`), otherwise from scratch. The interval is planned for
+`planned_failures_per_gpu_day` (default: the failure rate itself, so no periodic checkpoints without failures; set
+it to checkpoint periodically in a replay without failures) and capped at `max_checkpoint_interval_s`.
 
 Preemption (`topo-preempt`, `topo-mig`) is the cycle's, because it is `decide`'s: when the head of the queue is
 blocked, whole running gangs of strictly lower priority that have run at least `min_runtime_s` are candidates, and
@@ -34,10 +36,12 @@ requeues it with its remaining work (goodput outcome "PREEMPTED"; the grace coun
 placed first, on the GPUs its victims freed (the cycle's atomic handover). With `checkpoint="none"` a victim is
 stopped at once, in the same decision, and loses its attempt's work. While a preemption is under way nothing is
 backfilled. A victim whose preemptor no longer waits (it found room elsewhere meanwhile) is called off (`CallOff`)
-and goes on running. A head that would run on borrowed quota may preempt only its own queue's gangs (Kueue's
-`borrowWithinCohort: Never`); `borrower_preempts=True` lets it preempt any queue's lower-priority gangs, and then a
-gang larger than its queue's quota (always borrowing) and the queues reclaiming from it evict each other in turn,
-each after `min_runtime_s` (6,643 preemptions against 12 on a 2,000-job multi-tenant mix).
+and goes on running. `checkpoint_on_preempt=False` (with periodic checkpoints) drops the handshake: a victim is
+stopped at once and keeps only what its last periodic checkpoint saved, as after a failure. A head that would run
+on borrowed quota may preempt only its own queue's gangs (Kueue's `borrowWithinCohort: Never`);
+`borrower_preempts=True` lets it preempt any queue's lower-priority gangs, and then a gang larger than its queue's
+quota (always borrowing) and the queues reclaiming from it evict each other in turn, each after `min_runtime_s`
+(6,643 preemptions against 12 on a 2,000-job multi-tenant mix).
 Metrics: `preemptions` (victims torn down), `reclaims` (of them, evicted for quota reclaim),
 `preempt_lost_gpu_hours` (the victims' checkpoint grace plus any work rolled back).
 
@@ -171,6 +175,9 @@ def simulate(
     min_runtime_s: float = 600.0,
     borrower_preempts: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    checkpoint_on_preempt: bool = True,
+    planned_failures_per_gpu_day: float | None = None,
+    max_checkpoint_interval_s: float = math.inf,
 ) -> SimResult:
     """Replay `jobs` on `cluster` under `policy`: events in time order, and after each instant one scheduling pass
     (snapshot -> `decide` -> the plan applied to the virtual cluster); then the metrics."""
@@ -193,6 +200,9 @@ def simulate(
         min_runtime_s=min_runtime_s,
         borrower_preempts=borrower_preempts,
         progress=progress,
+        checkpoint_on_preempt=checkpoint_on_preempt,
+        planned_failures_per_gpu_day=planned_failures_per_gpu_day,
+        max_checkpoint_interval_s=max_checkpoint_interval_s,
     )
     replay.run()
     return replay.result()
@@ -221,6 +231,9 @@ class _Replay:
         min_runtime_s: float,
         borrower_preempts: bool,
         progress: Callable[[int, int], None] | None,
+        checkpoint_on_preempt: bool = True,
+        planned_failures_per_gpu_day: float | None = None,
+        max_checkpoint_interval_s: float = math.inf,
     ) -> None:
         self.policy, self.checkpoint, self.checkpoint_cost_s = policy, checkpoint, checkpoint_cost_s
         self.repair_s, self.speed, self.network, self.comm_fraction = repair_s, speed, network, comm_fraction
@@ -230,7 +243,10 @@ class _Replay:
         self._reported = -1  # once per count: a preempted gang's teardown ends like a finish but counts no job
         topology = policy in ("topo", "topo-preempt", "topo-mig")
         self.cap, self.tiers, self.paths = cluster.build(topology)
-        grace = checkpoint_cost_s if checkpoint != "none" else 0.0
+        # No handshake (no checkpointing at all, or victims stopped at once): a zero grace period, and the decision
+        # stops the victims in the same plan that asks them.
+        self.handshake = checkpoint != "none" and checkpoint_on_preempt
+        grace = checkpoint_cost_s if self.handshake else 0.0
         preemption = PreemptionPolicy(min_runtime_s=min_runtime_s, grace_period_s=grace)
         self.config = DecideConfig(
             tiers=self.tiers,
@@ -264,6 +280,10 @@ class _Replay:
         for j in jobs:
             self.push(j.submit_s, "arrive", j.job_id)
         self.node_rate = failures_per_gpu_day * cluster.gpus / 86400.0
+        # Periodic checkpoints: the Young/Daly interval for this per-node rate, capped (0: none).
+        planned = failures_per_gpu_day if planned_failures_per_gpu_day is None else planned_failures_per_gpu_day
+        self.plan_rate = planned * cluster.gpus / 86400.0
+        self.max_interval = max_checkpoint_interval_s
         if self.node_rate > 0:
             for n in self.cap.nodes:
                 self.push(self.rng.expovariate(self.node_rate), "fail", n)
@@ -471,9 +491,9 @@ class _Replay:
 
     def work_of(self, st: _State, placement: Placement) -> float:
         work = st.remaining_s
-        if self.checkpoint == "young-daly" and self.node_rate > 0:
+        if self.checkpoint == "young-daly" and self.plan_rate > 0:
             nodes = max(1, len(set(placement.nodes)))
-            interval = young_daly_interval(self.checkpoint_cost_s, 1 / (self.node_rate * nodes))
+            interval = min(self.max_interval, young_daly_interval(self.checkpoint_cost_s, 1 / (self.plan_rate * nodes)))
             self.interval_of[st.job.job_id] = interval
             work += math.floor(work / interval) * self.checkpoint_cost_s
         return work
@@ -568,13 +588,17 @@ class _Replay:
         a = st.attempts[-1]
         ran_from = st.started  # = a.running_at: `start` opens every attempt running
         if finished and st.evict_by:
-            # A preempted gang stopped: requeued with the work left. With checkpointing it keeps everything done
-            # until it was asked (the checkpoint was taken then).
-            if self.checkpoint != "none":
+            # A preempted gang stopped: requeued with the work left. With the handshake it keeps everything done
+            # until it was asked (the checkpoint was taken then); without, what its last periodic one saved.
+            kept_until: float | None
+            if self.handshake:
                 st.remaining_s = max(0.0, st.remaining_s - self.useful_work(st))
                 kept_until, rolled_back = st.evict_at, 0.0
             else:
-                kept_until, rolled_back = None, st.evict_at - ran_from
+                kept, kept_wall = self.periodic_kept(st, st.evict_at - ran_from)
+                st.remaining_s = max(0.0, st.remaining_s - kept)
+                kept_until = ran_from + kept_wall if kept else None
+                rolled_back = st.evict_at - ran_from - kept_wall
             st.attempts[-1] = AttemptTimes(
                 a.attempt, a.gpus, a.reserved_at, a.running_at, now, "PREEMPTED", kept_until=kept_until
             )
@@ -589,13 +613,8 @@ class _Replay:
             self.done += 1
             self.fair["want"][_tenant(st.job)] -= demand(st.request)[0]
         else:  # torn down by a failure: keep what the last checkpoint saved
-            kept = 0.0
-            interval = self.interval_of.get(st.job.job_id)
-            if self.checkpoint == "young-daly" and interval:
-                kept = math.floor(st.attempt_work / (interval + self.checkpoint_cost_s)) * interval
+            kept, kept_wall = self.periodic_kept(st, now - ran_from)
             st.remaining_s = max(0.0, st.remaining_s - kept)
-            wall = now - ran_from
-            kept_wall = wall * kept / st.attempt_work if st.attempt_work > 0 else 0.0
             st.attempts[-1] = AttemptTimes(
                 a.attempt,
                 a.gpus,
@@ -613,11 +632,20 @@ class _Replay:
         if self.net is not None and st.job.job_id in self.net:
             self.settle(self.net, self.net.remove(st.job.job_id))
 
+    def periodic_kept(self, st: _State, wall: float) -> tuple[float, float]:
+        """What the attempt's last periodic checkpoint saved: (full-speed seconds of its own work, wall seconds
+        into the attempt when that checkpoint began); (0, 0) without periodic checkpoints."""
+        interval = self.interval_of.get(st.job.job_id)
+        if self.checkpoint != "young-daly" or not interval:
+            return 0.0, 0.0
+        kept = math.floor(st.attempt_work / (interval + self.checkpoint_cost_s)) * interval
+        return kept, (wall * kept / st.attempt_work if st.attempt_work > 0 else 0.0)
+
     def useful_work(self, st: _State) -> float:
         """The full-speed seconds of the job's own work done in this attempt (its periodic checkpoint writes left
         out)."""
         interval = (
-            self.interval_of.get(st.job.job_id) if self.checkpoint == "young-daly" and self.node_rate > 0 else None
+            self.interval_of.get(st.job.job_id) if self.checkpoint == "young-daly" and self.plan_rate > 0 else None
         )
         if not interval:
             return st.attempt_work

@@ -192,6 +192,26 @@ def test_preemption_respects_min_runtime_equal_priorities_and_loses_the_work_wit
     assert r.metrics["goodput"]["rollback"] == pytest.approx(8 * 1000)
 
 
+def test_periodic_checkpoints_without_failures_and_preemption_without_the_handshake():
+    # One node; no failures, but checkpoints planned for the Llama 3 rate and capped at an hour: "lo" (10,000 s of
+    # work) checkpoints after 3,600 s of it (60 s each). "hi" arrives at 5,400.
+    jobs = [P("lo", 0, 1, 8, 10000, priority=-1), P("hi", 5400, 1, 8, 1000, priority=10)]
+    cluster = ClusterSpec.parse("1x8")
+    kw = dict(checkpoint_cost_s=60, planned_failures_per_gpu_day=4.7e-4, max_checkpoint_interval_s=3600)
+    # Without the handshake "lo" is stopped at once and keeps the 3,600 s its checkpoint saved (begun at 3,600):
+    # 1,800 s on 8 GPUs are lost. "hi" runs 5,400-6,400; "lo" then does its last 6,400 s (one more checkpoint).
+    blunt = simulate(jobs, cluster, "topo-preempt", checkpoint_on_preempt=False, **kw)
+    assert blunt.jct == pytest.approx([1000.0, 6400.0 + 6400 + 60])
+    assert blunt.metrics["preempt_lost_gpu_hours"] == pytest.approx(8 * 1800 / 3600)
+    assert blunt.metrics["goodput"]["rollback"] == pytest.approx(8 * 1800)
+    # With it, "lo" checkpoints for 60 s and keeps all 5,340 s of its work: only the grace is lost.
+    asked = simulate(jobs, cluster, "topo-preempt", **kw)
+    assert asked.jct == pytest.approx([1060.0, 6460.0 + 4660 + 60])
+    assert asked.metrics["preempt_lost_gpu_hours"] == pytest.approx(8 * 60 / 3600)
+    # Without the planned rate there are no periodic checkpoints at all (the default): the handshake keeps all.
+    assert simulate(jobs, cluster, "topo-preempt", checkpoint_cost_s=60).jct == pytest.approx([1060.0, 11060.0])
+
+
 def test_quota_reclaim_evicts_a_gang_running_on_borrowed_quota():
     from phalanx.sim.engine import equal_quotas
 
