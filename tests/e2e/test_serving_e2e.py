@@ -245,7 +245,9 @@ def test_scaling_up_preempts_training_which_checkpoints_and_resumes_exactly(clus
             train = client.submit("train", 2, 8, _count_steps(out), procs_per_replica=1, env=CKPT_ENV)
             client.wait(train.id, ["RUNNING"], timeout=30)
             _eventually(
-                lambda: _ledger(cluster, "SELECT 1 FROM checkpoints WHERE job_id = ? AND state = 'COMMITTED'", train.id),
+                lambda: _ledger(
+                    cluster, "SELECT 1 FROM checkpoints WHERE job_id = ? AND state = 'COMMITTED'", train.id
+                ),
                 timeout=60,
                 what="a first committed checkpoint",
             )
@@ -275,7 +277,7 @@ class FakeMetrics:
         self.waiting = 0.0
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
+            def do_GET(self):
                 body = f"vllm:num_requests_waiting {owner.waiting}\n".encode()
                 self.send_response(200)
                 self.end_headers()
@@ -331,9 +333,7 @@ def test_the_autoscaler_follows_a_fake_metric_and_a_bad_spec_changes_nothing(clu
             with pytest.raises(grpc.RpcError) as err:
                 services.stub.CreateService(service_pb2.CreateServiceRequest(spec=bad), timeout=30)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-        assert [s.spec.name for s in services.stub.ListServices(service_pb2.ListServicesRequest()).services] == [
-            "auto"
-        ]
+        assert [s.spec.name for s in services.stub.ListServices(service_pb2.ListServicesRequest()).services] == ["auto"]
         assert _ledger(cluster, "SELECT count(*) AS n FROM jobs")[0]["n"] == jobs_before
         assert _ledger(cluster, "SELECT count(*) AS n FROM service_revisions")[0]["n"] == revisions_before
     finally:
