@@ -86,6 +86,9 @@ async def test_a_replica_whose_rank_exits_restarts_whole_and_alone(db_url):
         back = await eventually(lambda: ready_count(c, "llm", 2), what="the replica back")
         again = next(r for r in back.replicas if r.index == victim.index)
         assert again.job_id == victim.job_id  # the same gang, its next attempt
+        leaf = {int(n.split("-")[1]) // 4 for n in victim.nodes}
+        assert {int(n.split("-")[1]) // 4 for n in again.nodes} == leaf  # back in the domain it ran in
+        assert "back in the domain it ran in before" in (await c.job(victim.job_id)).placement.reason
         kept = next(r for r in back.replicas if r.index == other.index)
         assert kept.job_id == other.job_id and (await c.job(other.job_id)).attempt == 1  # never touched
         assert not [j for j in changes.seen if j.id == other.job_id and not j.ready]
