@@ -384,3 +384,49 @@ def _metric(body: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no metric {name}")
+
+
+async def test_services_are_kept_by_whichever_replica_leads(pg_url, tmp_path):
+    """A service created through a follower is reconciled by the leader; after kill -9 of the leader the next
+    leader's controller carries on (it scales the service), and no index ever has two live replica gangs."""
+    from phalanx.api.v1 import service_pb2, service_pb2_grpc
+
+    replicas = start_replicas(pg_url, tmp_path, 2)
+    ledger = Ledger(pg_url)
+    agents = [LiteAgent(targets(replicas, i % 2), f"node-{i}") for i in range(4)]
+    channels = [open_aio_channel(r.address) for r in replicas]
+    try:
+        leader, _, _ = await wait_leader(ledger)
+        for a in agents:
+            await a.start()
+        follower = next(i for i, r in enumerate(replicas) if r.name != leader)
+        svc = service_pb2_grpc.ServiceServiceStub(channels[follower])
+        template = common_pb2.JobSpec(replicas=1, gpus_per_replica=8, command=["run"])
+        await svc.CreateService(
+            service_pb2.CreateServiceRequest(spec=service_pb2.ServiceSpec(name="ha", replicas=2, template=template)),
+            timeout=30,
+        )
+
+        async def ready(count: int):
+            got = await svc.GetService(service_pb2.GetServiceRequest(name="ha"), timeout=5)
+            return got if got.ready_replicas == count == len(got.replicas) else None
+
+        await eventually(lambda: ready(2), timeout=30, interval=0.1, what="2 ready replicas")
+        old = next(r for r in replicas if r.name == leader)
+        old.proc.send_signal(signal.SIGKILL)
+        await wait_leader(ledger, not_=leader, timeout=30)
+        await svc.ScaleService(service_pb2.ScaleServiceRequest(name="ha", replicas=3), timeout=30)
+        await eventually(lambda: ready(3), timeout=30, interval=0.1, what="3 ready replicas under the new leader")
+        rows = ledger.rows("SELECT serving FROM jobs WHERE service = 'ha' AND state IN ('PENDING', 'RUNNING')")
+        indexes = sorted(int((s if isinstance(s, dict) else json.loads(s))["replica"]) for (s,) in rows)
+        assert indexes == [0, 1, 2], indexes  # one live gang per index, whoever led
+        ledger.check_no_double_booking()
+    finally:
+        for a in agents:
+            await a.stop()
+        for ch in channels:
+            await ch.close()
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.terminate()
+        ledger.close()
