@@ -415,6 +415,7 @@ class ReadinessReport(CycleCommand):
         why = f": {self.message[:200]}" if self.message else ""
         message = "ready: its readiness probe passes" if self.ready else f"not ready: its readiness probe fails{why}"
         change_job(cycle, job, ready=self.ready, ready_at=cycle.now if self.ready else 0.0, message=message)
+        cycle.touched(job)  # published: WatchJobs and WatchEndpoints see the readiness change
         log.info("readiness_changed", job=job.id, attempt=job.attempt, ready=self.ready, message=self.message)
         return False
 
