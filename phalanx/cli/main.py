@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: argparse matches abbreviations over the whole command line, so a verb's own flag that is a
     # prefix of these global ones (`phalanx cluster up --tls`) was refused as "ambiguous" before the verb saw it.
     parser = Parser(
-        prog="phalanx", description="Phalanx GPU-cluster control plane: jobs, nodes, database.", allow_abbrev=False
+        prog="phalanx",
+        description="Phalanx GPU-cluster control plane: jobs, services, nodes, database.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     parser.add_argument(
