@@ -8,7 +8,9 @@ Three generators, each a pure function from the repository to Markdown, used by 
 - `grpc_reference(proto_dir)`: one page per `.proto` file, its services' RPCs and its messages and enums with their
   fields and comments, parsed from the proto source;
 - `module_map(root)`: every module of the packages with the first line of its docstring and its size, read with
-  `ast` (nothing is imported), grouped by service and package.
+  `ast` (nothing is imported), grouped by service and package;
+- `service_schema_page(root)`: the service spec file's fields, from its JSON Schema
+  (`phalanx/schemas/service.schema.json`), which the site also publishes as a file (`generated_files`).
 
 `python tools/docs_gen.py OUT_DIR` writes the pages to OUT_DIR, to read them without MkDocs.
 """
@@ -442,10 +444,11 @@ ROOMS: list[tuple[str, str, str]] = [
     ("Checkpoint coordinator", "services/checkpoint_coordinator", "the `phalanx-checkpointd` service"),
     ("Shared service code", "services/common", "what the three services share: server, auth, errors, metrics"),
     ("Core", "phalanx/core", "the pure scheduling core: placement, decision, preemption, quotas (no I/O)"),
-    ("SDK", "phalanx/client", "the Python SDK: `Client`, `AsyncClient`, typed results, errors"),
+    ("SDK", "phalanx/client", "the Python SDK: `Client`, `AsyncClient`, typed results, errors, service spec files"),
     ("CLI", "phalanx/cli", "the `phalanx` command"),
     ("Rank library", "phalanx/train", "`phalanx.train`: checkpoints from training code"),
     ("Shared client code", "phalanx/common", "what the CLI and the services share"),
+    ("Schemas", "phalanx/schemas", "published JSON Schemas of spec files (data): `service.schema.json`"),
     ("Simulated hosts", "phalanx/simhost", "simulated GPU hosts below the real interfaces (NVML, sysfs, MPS)"),
     ("Simulator", "phalanx/sim", "`phalanx sim`: trace replay through the scheduling core"),
     ("Web dashboard", "phalanx/web", "`phalanx web`"),
@@ -534,6 +537,90 @@ def module_map(root: Path = ROOT) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# ------------------------------------------------------------------------------------------ service spec schema
+
+SERVICE_SCHEMA = Path("phalanx") / "schemas" / "service.schema.json"
+SCHEMA_SECTIONS = ("role", "ready_probe", "autoscale")  # the schema's objects with a section of their own
+
+
+def _schema_type(prop: dict, defs: dict) -> str:
+    """A property's type in words: `integer`, `string`, `list of role`, `integer or string`..."""
+    if "$ref" in prop:
+        name = prop["$ref"].rsplit("/", 1)[1]
+        target = defs.get(name, {})
+        return f"[{name}](#{name.replace('_', '-')})" if name in SCHEMA_SECTIONS else _schema_type(target, defs)
+    if "oneOf" in prop:
+        return " or ".join(dict.fromkeys(_schema_type(p, defs) for p in prop["oneOf"]))
+    if "enum" in prop:
+        return " \\| ".join(f"`{v}`" for v in prop["enum"])
+    if "const" in prop:
+        return f"`{prop['const']}`"
+    if prop.get("type") == "array":
+        return "list of " + _schema_type(prop.get("items", {}), defs)
+    if prop.get("type") == "object" and isinstance(prop.get("additionalProperties"), dict):
+        return "map of " + _schema_type(prop["additionalProperties"], defs)
+    kind = prop.get("type", "any")
+    return " or ".join(kind) if isinstance(kind, list) else str(kind)
+
+
+def _schema_limits(prop: dict) -> str:
+    words = []
+    for key, text in (("minimum", ">= {}"), ("exclusiveMinimum", "> {}"), ("maximum", "<= {}")):
+        if key in prop:
+            words.append(text.format(prop[key]))
+    if "pattern" in prop:
+        words.append(f"`{prop['pattern']}`")
+    return ", ".join(words)
+
+
+def _schema_table(schema: dict, defs: dict) -> list[str]:
+    required = set(schema.get("required", ()))
+    rows = ["| Field | Type | Required | Limits | What it is |", "|---|---|---|---|---|"]
+    for name, prop in schema.get("properties", {}).items():
+        target = defs.get(prop["$ref"].rsplit("/", 1)[1], {}) if "$ref" in prop else {}
+        about = prop.get("description") or target.get("description", "")
+        rows.append(
+            f"| `{name}` | {_schema_type(prop, defs)} | {'yes' if name in required else ''} | "
+            f"{_schema_limits(prop)} | {_md(about)} |"
+        )
+    return rows
+
+
+def service_schema_page(root: Path = ROOT) -> str:
+    """The reference page of the service spec file, generated from its JSON Schema."""
+    import json
+
+    text = (root / SERVICE_SCHEMA).read_text(encoding="utf-8")
+    schema = json.loads(text)
+    defs = schema.get("$defs", {})
+    out = [
+        "# Service spec schema",
+        "",
+        "The fields of a service spec file, the YAML or JSON file that `phalanx apply -f FILE` reads (see",
+        "[Serving](../guides/serving.md)). Generated at build time from its JSON Schema (draft 2020-12), which ships",
+        f"in the package as `{SERVICE_SCHEMA.as_posix()}` and is published with this site as",
+        "[service.schema.json](../schemas/service.schema.json): point an editor at it (`$schema`, or",
+        "`# yaml-language-server: $schema=...`). `phalanx apply` checks a file against it before anything is sent, and",
+        "names each problem's place (`roles[1].nodes`); a field it does not know is an error.",
+        "",
+        _md(schema.get("description", "")),
+        "",
+        *_schema_table(schema, defs),
+        "",
+    ]
+    for name in SCHEMA_SECTIONS:
+        if name in defs:
+            out += [f"## {name} {{ #{name.replace('_', '-')} }}", "", _md(defs[name].get("description", "")), ""]
+            out += [*_schema_table(defs[name], defs), ""]
+    out += ["## The schema", "", "```json", text.rstrip(), "```", ""]
+    return "\n".join(out)
+
+
+def generated_files(root: Path = ROOT) -> dict[str, str]:
+    """{path under docs/: content} of the files (not pages) the site publishes: the service spec schema."""
+    return {"schemas/service.schema.json": (root / SERVICE_SCHEMA).read_text(encoding="utf-8")}
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 
 
@@ -541,7 +628,11 @@ def generated_pages(root: Path = ROOT) -> dict[str, str]:
     """{path under docs/: Markdown} of every generated page."""
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    pages = {"reference/cli.md": cli_reference(), "architecture/modules.md": module_map(root)}
+    pages = {
+        "reference/cli.md": cli_reference(),
+        "architecture/modules.md": module_map(root),
+        "reference/service-schema.md": service_schema_page(root),
+    }
     for name, text in grpc_reference(root / "proto").items():
         pages[f"reference/grpc/{name}"] = text
     return pages
@@ -551,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write the generated reference pages to a directory.")
     parser.add_argument("out", type=Path)
     args = parser.parse_args(argv)
-    for rel, text in generated_pages().items():
+    for rel, text in {**generated_pages(), **generated_files()}.items():
         target = args.out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")

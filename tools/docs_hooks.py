@@ -1,8 +1,9 @@
 """The MkDocs hook of the documentation site (`mkdocs.yml`, `hooks:`): adds the generated reference pages.
 
 At each build, `on_files` asks `tools/docs_gen.py` for the CLI reference (from the argparse parsers), the gRPC
-reference (from `proto/`) and the module map (from the code's docstrings), and adds them to the site as pages that
-exist only in the build, never in `docs/`, so they cannot drift from the code.
+reference (from `proto/`), the module map (from the code's docstrings) and the service spec schema's page and file
+(from `phalanx/schemas/`), and adds them to the site as pages that exist only in the build, never in `docs/`, so they
+cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import docs_gen  # noqa: E402  (tools/ is not a package: found through the path 
 def on_files(files: Any, config: Any, **_: Any) -> Any:
     from mkdocs.structure.files import File
 
-    for rel, text in docs_gen.generated_pages(ROOT).items():
+    for rel, text in {**docs_gen.generated_pages(ROOT), **docs_gen.generated_files(ROOT)}.items():
         existing = files.get_file_from_path(rel)
         if existing is not None:
             files.remove(existing)

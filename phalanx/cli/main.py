@@ -1,5 +1,5 @@
-"""The ``phalanx`` command line: submit, list, inspect, cancel, checkpoint and watch jobs; GPU-time accounting
-(goodput); list, drain and undrain nodes; make tokens; migrate the database.
+"""The ``phalanx`` command line: submit, list, inspect, cancel, checkpoint and watch jobs; serving fleets (services);
+GPU-time accounting (goodput); list, drain and undrain nodes; make tokens; migrate the database.
 
 This is a stable contract that scripts depend on:
 
@@ -9,7 +9,8 @@ This is a stable contract that scripts depend on:
   (bad flags, reserved flags that are not supported yet), 130 interrupted.
 
 This module holds the global flags, the dispatch and the error handling. Each group of verbs is a module of its own
-with a ``register(sub)`` that adds its subcommands: ``jobs`` (submit, jobs, job, cancel, checkpoint), ``observe``
+with a ``register(sub)`` that adds its subcommands: ``jobs`` (submit, jobs, job, cancel, checkpoint), ``services``
+(service, services, apply), ``observe``
 (goodput, nodes, watch, web, logs), ``admin`` (node, queue, quota, token), ``database`` (db), ``cluster`` and
 ``demo`` (a local cluster), ``place`` and ``sim`` (offline tools). They share ``common`` (exit codes, the parser
 class), ``argtypes`` (flag value types) and ``console`` (output and the scheduler client).
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from phalanx import __version__
 from phalanx.client import DEFAULT_TARGET, DEFAULT_TIMEOUT, PhalanxError, RPCError
 
-from . import admin, console, database, jobs, observe
+from . import admin, console, database, jobs, observe, services
 from .admin import (
     cmd_node_drain,
     cmd_node_undrain,
@@ -90,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: argparse matches abbreviations over the whole command line, so a verb's own flag that is a
     # prefix of these global ones (`phalanx cluster up --tls`) was refused as "ambiguous" before the verb saw it.
     parser = Parser(
-        prog="phalanx", description="Phalanx GPU-cluster control plane: jobs, nodes, database.", allow_abbrev=False
+        prog="phalanx",
+        description="Phalanx GPU-cluster control plane: jobs, services, nodes, database.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     parser.add_argument(
@@ -125,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The order of the verbs in `phalanx --help` is the order they are added in.
     jobs.register(sub)  # submit, jobs, job, cancel, checkpoint
+    services.register(sub)  # service (create, get, endpoints, update, ...), services, apply
     observe.register(sub)  # goodput, nodes, watch, web, logs
     admin.register(sub)  # node, queue, quota, token
     database.register(sub)  # db

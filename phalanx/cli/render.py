@@ -18,6 +18,7 @@ __all__ = [
     "format_age",
     "format_time",
     "job_nodes",
+    "job_service",
     "jobs_table",
     "JobsTableStream",
     "next_page_hint",
@@ -86,7 +87,18 @@ def job_nodes(job: Job, limit: int = 3) -> str:
     return shown if len(nodes) <= limit else f"{shown},+{len(nodes) - limit}"
 
 
-JOB_COLUMNS = ("ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE")
+JOB_COLUMNS = ("ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE", "SERVICE")
+
+
+def job_service(job: Job) -> str:
+    """The SERVICE cell: ``-`` for a plain job; for a service's replica, the service, ``#index``, ``rREVISION``, and
+    ``ready`` or ``not-ready`` while it runs (``llm#0 r2 ready``)."""
+    if not job.service:
+        return "-"
+    cell = f"{job.service}#{job.service_replica} r{job.service_revision}"
+    if job.state.value == "RUNNING":
+        cell += " ready" if job.ready else " not-ready"
+    return cell
 
 
 def _job_rows(jobs: Sequence[Job], now: float | None) -> list[tuple[Any, ...]]:
@@ -104,13 +116,15 @@ def _job_rows(jobs: Sequence[Job], now: float | None) -> list[tuple[Any, ...]]:
             else f"{j.replicas}x{j.gpus_per_replica}",
             job_nodes(j),
             format_age(now - j.submitted_at) if j.submitted_at else "-",
+            job_service(j),
         )
         for j in jobs
     ]
 
 
 def jobs_table(jobs: Sequence[Job], now: float | None = None) -> str:
-    """The ``phalanx jobs`` table: ID NAME STATE PRI GANG NODES AGE (GANG is ``replicas x gpus``)."""
+    """The ``phalanx jobs`` table: ID NAME STATE PRI GANG NODES AGE SERVICE (GANG is ``replicas x gpus``; SERVICE
+    names the service a replica belongs to, see :func:`job_service`)."""
     return table(JOB_COLUMNS, _job_rows(jobs, now))
 
 
@@ -265,6 +279,11 @@ def job_detail(job: Job) -> str:
         lines.insert(lines.index(("attempt", job.attempt)) + 1, ("exit code", job.exit_code))
     if job.gpu_model:
         lines.insert(6, ("gpu model", job.gpu_model))
+    if job.service:
+        readiness = ", ready" if job.ready else (", not ready" if job.state.value == "RUNNING" else "")
+        lines.insert(
+            2, ("service", f"{job.service}, replica {job.service_replica}, revision {job.service_revision}" + readiness)
+        )
     if job.failures or job.preemptions:
         lines.append(("failures", job.failures))
         lines.append(("preemptions", job.preemptions))

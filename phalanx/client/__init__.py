@@ -9,8 +9,16 @@ Use :class:`Client` (blocking) or :class:`AsyncClient` (asyncio)::
         job = client.wait(job.id, timeout=3600)   # SUCCEEDED, FAILED or CANCELLED
         print(job.state, job.exit_code)
 
+Serving fleets (services: K replicas of a model server, each a gang of N nodes)::
+
+    spec = load_service_spec("llm.yaml")          # the spec file of `phalanx apply -f`, checked against its schema
+    service = client.apply_service(spec)          # or client.create_service(ServiceSpec(...))
+    for endpoints in client.watch_endpoints("llm"):
+        print([e.address for e in endpoints])     # the ready replicas' leaders, now and after every change
+
 Results are frozen dataclasses (:class:`Job`, :class:`Node`, :class:`Allocation`, :class:`GoodputReport`,
-:class:`CheckpointResult`) whose ``to_dict()`` is the JSON shape of the ``phalanx`` CLI. Errors derive from
+:class:`CheckpointResult`, :class:`Service`, :class:`Endpoint`) whose ``to_dict()`` is the JSON shape of the
+``phalanx`` CLI. Errors derive from
 :class:`PhalanxError`; see :mod:`phalanx.client._errors` for the tree (``RPCError`` and one subclass per common
 gRPC status code).
 """
@@ -30,6 +38,17 @@ from ._errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from ._service_types import (
+    Autoscale,
+    Endpoint,
+    ReadyProbe,
+    Role,
+    Service,
+    ServiceReplica,
+    ServiceRevision,
+    ServiceSpec,
+)
+from ._spec_file import ServiceSpecError, load_service_spec, parse_service_spec, service_schema, service_spec_problems
 from ._types import (
     TERMINAL_STATES,
     Allocation,
@@ -69,6 +88,20 @@ __all__ = [
     "JobState",
     "NodeState",
     "TERMINAL_STATES",
+    # Serving fleets
+    "ServiceSpec",
+    "Role",
+    "ReadyProbe",
+    "Autoscale",
+    "Service",
+    "ServiceReplica",
+    "ServiceRevision",
+    "Endpoint",
+    "load_service_spec",
+    "parse_service_spec",
+    "service_spec_problems",
+    "service_schema",
+    "ServiceSpecError",
     "DEFAULT_TARGET",
     "DEFAULT_TIMEOUT",
     "DEFAULT_RETRIES",

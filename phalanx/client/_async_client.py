@@ -12,6 +12,7 @@ import grpc
 
 from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from ._async_services import AsyncServiceCalls
 from ._channel import effective_retries, open_aio_channel, resolve_tls, resolve_token
 from ._client import (
     BACKOFF_INITIAL,
@@ -44,8 +45,9 @@ from ._types import (
 __all__ = ["AsyncClient"]
 
 
-class AsyncClient:
-    """An asyncio client for the Phalanx scheduler, with the same behaviour as :class:`Client`.
+class AsyncClient(AsyncServiceCalls):
+    """An asyncio client for the Phalanx scheduler, with the same behaviour as :class:`Client` (its service calls
+    included: :meth:`create_service`, ..., and ``async for endpoints in client.watch_endpoints(name)``).
 
     The gRPC channel is opened on first use, in the running event loop.
 
@@ -100,6 +102,12 @@ class AsyncClient:
             )
             self._stub = scheduler_stub(self._channel)
         return self._stub
+
+    def _aio_channel(self) -> grpc.aio.Channel:
+        """The channel (opened on first use), for the service calls."""
+        _ = self.stub
+        assert self._channel is not None  # opened by the stub property
+        return self._channel
 
     async def close(self) -> None:
         """Close the channel; open calls are cancelled."""

@@ -18,6 +18,7 @@ import collections
 import ipaddress
 import json
 import os
+import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ __all__ = [
     "retry_options",
     "effective_retries",
     "MAX_RETRIES",
+    "BACKOFF_INITIAL",
+    "BACKOFF_MAX",
+    "backoff_delay",
 ]
 
 ENV_TOKEN = "PHALANX_TOKEN"
@@ -291,6 +295,17 @@ def retry_service_config(
     }
     # An empty name is the channel's default method config: every service and method on it.
     return json.dumps({"methodConfig": [{"name": [{}], "retryPolicy": policy}]})
+
+
+BACKOFF_INITIAL = 0.1  # seconds: the first pause before a watch re-opens a stream that broke, then doubling
+BACKOFF_MAX = 2.0
+
+
+def backoff_delay(attempt: int, initial: float = BACKOFF_INITIAL, cap: float = BACKOFF_MAX) -> float:
+    """Exponential backoff with jitter: about ``initial * 2**attempt``, capped, scaled by a random 0.5..1 (the pause
+    before a watch re-opens a stream that broke; single calls are retried by gRPC's policy)."""
+    growth: float = 2**attempt  # int ** int is typed Any: an int, or a float for a negative attempt
+    return min(cap, initial * growth) * random.uniform(0.5, 1.0)
 
 
 def retry_options(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import shlex
 import time
 import uuid
@@ -16,8 +15,18 @@ import grpc
 import phalanx
 from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from ._channel import MAX_RETRIES, effective_retries, open_channel, resolve_tls, resolve_token
+from ._channel import (  # the backoff of re-opened watches lives with the channel's; importable from here too
+    BACKOFF_INITIAL,
+    BACKOFF_MAX,
+    MAX_RETRIES,
+    backoff_delay,
+    effective_retries,
+    open_channel,
+    resolve_tls,
+    resolve_token,
+)
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
+from ._services import ServiceCalls, service_stub
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -36,8 +45,6 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_RETRIES = 4
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-BACKOFF_INITIAL = 0.1
-BACKOFF_MAX = 2.0
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -67,13 +74,6 @@ def resolve_target(target: str | None) -> str:
         The address to dial.
     """
     return target or os.environ.get("PHALANX_SCHEDULER") or DEFAULT_TARGET
-
-
-def backoff_delay(attempt: int, initial: float = BACKOFF_INITIAL, cap: float = BACKOFF_MAX) -> float:
-    """Exponential backoff with jitter: about ``initial * 2**attempt``, capped, scaled by a random 0.5..1 (the pause
-    before a watch re-opens a stream that broke; single calls are retried by gRPC's policy)."""
-    growth: float = 2**attempt  # int ** int is typed Any: an int, or a float for a negative attempt
-    return min(cap, initial * growth) * random.uniform(0.5, 1.0)
 
 
 def list_jobs_request(
@@ -180,8 +180,9 @@ def wait_timeout_error(job_id: str, states: Iterable[JobState], timeout: float |
     return DeadlineExceededError(f"job {job_id} did not reach {names} within {timeout:g}s")
 
 
-class Client:
-    """A synchronous client for the Phalanx scheduler.
+class Client(ServiceCalls):
+    """A synchronous client for the Phalanx scheduler: jobs, nodes and queues here, serving fleets (services) in the
+    methods it gets from ``ServiceCalls`` (:meth:`create_service`, :meth:`apply_service`, :meth:`watch_endpoints`...).
 
     Every call has a deadline (``timeout`` seconds, retries included). Calls that fail with UNAVAILABLE are
     retried with exponential backoff (0.1 s doubling, at most 2 s, +-20%; shortened so that all the backoffs take
@@ -232,6 +233,7 @@ class Client:
             retry_backoff=(BACKOFF_INITIAL, BACKOFF_MAX),
         )
         self._stub = scheduler_stub(self._channel)
+        self._service_stub = service_stub(self._channel)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 

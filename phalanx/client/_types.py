@@ -288,6 +288,13 @@ class Job:
     # Nodes whose host could not set up one of its ranks (a retryable launch failure): it avoids them while it fits
     # elsewhere.
     struck_nodes: tuple[str, ...] = ()
+    # Serving: the service this job is a replica of ("" for a plain job), its replica index and revision there, and
+    # whether its readiness probe passes now (a replica without a probe is ready once every rank runs), since when.
+    service: str = ""
+    service_replica: int = 0
+    service_revision: int = 0
+    ready: bool = False
+    ready_at: float = field(default=0.0, compare=False)
     # What the current attempt restored from (get_job only; "" elsewhere and before any rank reported).
     restore: str = field(default="", compare=False)
     # A pending preemptor's standing claim (get_job only; None elsewhere, and for any other job).
@@ -361,6 +368,11 @@ class Job:
             preempted_by=msg.preempted_by,
             preempt_deadline=float(msg.preempt_deadline),
             struck_nodes=tuple(msg.struck_nodes),
+            service=msg.service,
+            service_replica=int(msg.service_replica),
+            service_revision=int(msg.service_revision),
+            ready=bool(msg.ready),
+            ready_at=float(msg.ready_at),
             restore=msg.restore,
             claim=Claim.from_proto(msg.claim) if msg.HasField("claim") else None,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
@@ -405,6 +417,10 @@ class Job:
             "preempted_by": self.preempted_by,
             "preempt_deadline": self.preempt_deadline,
             "struck_nodes": list(self.struck_nodes),
+            "service": self.service,
+            "service_replica": self.service_replica,
+            "service_revision": self.service_revision,
+            "ready": self.ready,
             "restore": self.restore,
             "claim": None if self.claim is None else self.claim.to_dict(),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),

@@ -496,10 +496,10 @@ def test_jobs_table_is_aligned(fake, capsys):
     code, out, err = cli(capsys, address, "jobs")
     assert code == 0 and err == ""
     lines = out.rstrip("\n").splitlines()
-    assert lines[0].split() == ["ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE"]
+    assert lines[0].split() == ["ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE", "SERVICE"]
     assert len(lines) == 4
     header = lines[0]
-    for column in ("NAME", "STATE", "PRI", "GANG", "NODES", "AGE"):
+    for column in ("NAME", "STATE", "PRI", "GANG", "NODES", "AGE", "SERVICE"):
         start = header.index(column)
         for row in lines[1:]:
             assert row[start - 2 : start] == "  " and row[start] != " ", (column, row)
@@ -507,6 +507,7 @@ def test_jobs_table_is_aligned(fake, capsys):
     assert rows[a.id][1:6] == ["alpha", "SUCCEEDED", "0", "2x4", "gpu-a,gpu-b"]
     assert rows[b.id][1:6] == ["beta", "RUNNING", "10", "1x8", "gpu-a"]
     assert rows[c.id][1:6] == ["gamma", "PENDING", "0", "4x8", "-"]
+    assert {row[-1] for row in rows.values()} == {"-"}  # no job is a service's replica
 
 
 def test_job_and_cancel(fake, capsys):

@@ -477,7 +477,7 @@ async def test_cli_jobs_pages_limit_page_token_all_and_json(db_url, tmp_path, mo
         code, out, err = await cli("jobs")
         assert code == 0, err
         lines = out.rstrip("\n").splitlines()
-        assert lines[0].split() == ["ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE"]
+        assert lines[0].split() == ["ID", "NAME", "STATE", "PRI", "GANG", "NODES", "AGE", "SERVICE"]
         assert ids_of(out) == order[:100]
         assert lines[-1].startswith("next page: phalanx jobs --page-token ")
         token = lines[-1].rsplit(" ", 1)[1]

@@ -304,6 +304,23 @@ def test_every_core_status_code_is_documented():
         assert f"| `{code.name}` |" in table, code
 
 
+def test_the_service_spec_files_the_docs_show_are_valid():
+    """Every YAML block of the README and the serving guide that is a service spec passes the published schema."""
+    import yaml
+
+    from phalanx.client import service_spec_problems
+
+    specs = []
+    for doc in (ROOT / "README.md", ROOT / "docs" / "guides" / "serving.md"):
+        for block in re.findall(r"^```yaml\n(.*?)^```", doc.read_text(encoding="utf-8"), re.S | re.M):
+            loaded = yaml.safe_load(block)
+            if isinstance(loaded, dict) and "replicas" in loaded:
+                specs.append(loaded)
+    assert len(specs) >= 2
+    for spec in specs:
+        assert service_spec_problems(spec) == [], spec
+
+
 def test_readme_is_short_and_links_into_the_site():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) < 200
@@ -335,6 +352,11 @@ OTHER_TOOLS_FLAGS = {
     "--test-only": "Slurm's sbatch --test-only, for comparison",
     "--fast": "a user's own eval.py in an SDK example",
     "--tls-": "the prefix of --tls-ca/--tls-cert/--tls-key in prose",
+    "--head": "ray start --head, in the serving guide's vLLM script",
+    "--block": "ray start --block, in the serving guide's vLLM script",
+    "--filter": "ray list nodes --filter, in the serving guide's vLLM script",
+    "--tensor-parallel-size": "vllm serve's, in the serving guide",
+    "--pipeline-parallel-size": "vllm serve's, in the serving guide",
 }
 
 
