@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from phalanx.api.v1 import common_pb2
@@ -50,6 +51,9 @@ class FanOut:
     def __init__(self, watch_queue: int = 10_000) -> None:
         self.watch_queue = watch_queue
         self._watchers: set[Watcher] = set()
+        # In-process listeners of every job change (the service controller's wake-up): not streams, not counted
+        # among the watchers, never buffered
+        self._listeners: list[Callable[[common_pb2.Job], None]] = []
         self._feeds: dict[str, set[asyncio.Queue]] = {}
 
     # ---- WatchJobs ------------------------------------------------------------------------------------------------
@@ -67,8 +71,18 @@ class FanOut:
     def unsubscribe(self, entry: Watcher) -> None:
         self._watchers.discard(entry)
 
+    def listen(self, listener: Callable[[common_pb2.Job], None]) -> None:
+        """Call `listener(job)` (on the event loop, it must not block) for every job change published."""
+        self._listeners.append(listener)
+
+    def unlisten(self, listener: Callable[[common_pb2.Job], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     def publish(self, job: common_pb2.Job, at: float) -> None:
         """`job` changed at `at` (unix seconds: its cycle's commit)."""
+        for listener in self._listeners:
+            listener(job)
         for w in list(self._watchers):
             if (w.job_ids is None or job.id in w.job_ids) and (w.tenant is None or job.tenant == w.tenant):
                 w.put(job, at)

@@ -165,11 +165,11 @@ def teardown(
             final_state, message = "FAILED", f"{message}; gave up after {failures} failed attempts"
         else:
             delay = retry_backoff(s.retry_backoff_s, s.retry_backoff_max_s, failures)
-            limit = "restarts always" if restart == "always" else f"of at most {s.max_attempts}"
+            limit = "; a server restarts always" if restart == "always" else f" of at most {s.max_attempts}"
             changes.update(
                 state="PENDING",
                 not_before=now + delay,
-                message=f"{message}; requeued (failure {failures}, {limit}), retried after a {delay:g}s backoff",
+                message=f"{message}; requeued (failure {failures}{limit}), retried after a {delay:g}s backoff",
             )
     if final_state:
         changes.update(state=final_state, finished_at=now, exit_code=exit_code, message=message)

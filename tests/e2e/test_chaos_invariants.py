@@ -1,4 +1,4 @@
-"""The scheduling invariants (phalanx.core.invariants, (a)-(e)) on the live scheduler (issue 30, item 4).
+"""The scheduling invariants (phalanx.core.invariants, (a)-(e) and (g)) on the live scheduler (issue 30, item 4).
 
 A seeded random workload runs through a real cluster of processes: two scheduler replicas on PostgreSQL, the
 checkpoint coordinator and four simulated 8-GPU node agents, whose ranks are real processes that exit 0, exit
@@ -6,7 +6,9 @@ non-zero (requeued by --max-restarts), trap SIGTERM and linger before exiting (t
 agent confirms they are gone), or checkpoint through phalanx.train when asked, or hang instead of committing the
 checkpoint (stopped at the end of the grace period). One agent is killed with SIGKILL and restarted after its lease
 (the node goes LOST and comes back), and the leading scheduler replica is killed with -9 once (the other takes
-over). Once every job is final, the ledger's history (phalanx.testing.history: attempts, allocations, claims, node
+over). A service runs beside the batch work (issue 33): a high-priority replica of half a node, rolled to a new
+revision during the chaos with a surge replica that may not preempt (invariant g), then deleted once the rollout is
+done. Once every job is final, the ledger's history (phalanx.testing.history: attempts, allocations, claims, node
 events, with their timestamps) is judged by `invariants.check`, and the same workload is replayed through the
 simulator (phalanx.sim.engine) to report how far its start order is from the live one (reported, not asserted:
 live durations, failures and latencies differ from the replay's model).
@@ -30,14 +32,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from helpers.procs import ROOT, ServiceProcess
 from sqlalchemy import create_engine, text
 
-from phalanx.client import Client
+from phalanx.client import Client, ServiceSpec
 from phalanx.core import invariants as inv
 from phalanx.core.fabric import default_fabric, to_slurm_tree
 from phalanx.sim import engine as sim_engine
@@ -385,6 +387,20 @@ def command(spec: Spec) -> list[str]:
     return [sys.executable, "-c", TRAIN_RANK, spec.kind, str(spec.work)]
 
 
+# The service of the chaos run: one replica of half a node at HIGH priority (it may preempt batch gangs); a rolling
+# update with a surge replica that may not preempt, and no replica taken down before its replacement is ready.
+SERVICE = ServiceSpec(
+    "chaos-svc",
+    replicas=1,
+    nodes_per_replica=1,
+    gpus_per_node=4,
+    command=["sh", "-c", 'trap "exit 0" TERM; sleep 600 & wait $!'],
+    priority=HIGH,
+    max_surge=1,
+    max_unavailable=0,
+)
+
+
 def submit_all(cluster: ChaosCluster, specs: list[Spec], chaos) -> dict[str, str]:
     """Submit each spec at its time (after the first), running `chaos(elapsed)` between them; name -> job id."""
     ids: dict[str, str] = {}
@@ -475,9 +491,16 @@ def test_live_chaos_run_keeps_the_invariants(pg_url, tmp_path):
     rng = random.Random(SEED)
     lost_node = rng.choice(cluster.names)
     plan = {"agent_killed_at": None, "agent_back_at": None, "leader_killed": None, "takeover_at": None}
-    AGENT_KILL_AT, LEADER_KILL_AT = 5.0, 10.0
+    AGENT_KILL_AT, LEADER_KILL_AT, SERVICE_UPDATE_AT = 5.0, 10.0, 7.0
+    service = replace(SERVICE, env={"CHAOS_MARKER": cluster.marker})  # what teardown may kill
 
     def chaos(elapsed: float) -> None:
+        # A rolling update of the service in the middle of it all: its surge replica never preempts (g).
+        if plan.get("service_updated") is None and elapsed >= SERVICE_UPDATE_AT:
+            with cluster.client() as client:
+                client.update_service("chaos-svc", replace(service, env={**service.env, "REVISION": "2"}))
+            plan["service_updated"] = time.time()
+            cluster.events.append((time.time(), "service chaos-svc updated to revision 2"))
         # SIGKILL one agent; start it again once its node is LOST (its lease ran out).
         if plan["agent_killed_at"] is None and elapsed >= AGENT_KILL_AT:
             cluster.kill_agent(lost_node)
@@ -502,6 +525,8 @@ def test_live_chaos_run_keeps_the_invariants(pg_url, tmp_path):
                 plan["leader_killed"] = cluster.kill_leader()
 
     try:
+        with cluster.client() as client:
+            client.create_service(service)
         t_submit = time.time()
         ids = submit_all(cluster, specs, chaos)
         while plan["leader_killed"] is None or plan["agent_back_at"] is None:
@@ -525,6 +550,28 @@ def test_live_chaos_run_keeps_the_invariants(pg_url, tmp_path):
         except AssertionError as exc:
             rows = cluster.rows("SELECT name, state, attempt, message FROM jobs ORDER BY name")
             stuck = f"{exc}:\n" + "\n".join(f"  {tuple(r)}" for r in rows)
+
+        # The rollout ends once the batch work leaves room (its surge waited rather than preempting); then the
+        # service is deleted, and its replicas end.
+        def rolled_out():
+            with cluster.client() as client:
+                svc = client.get_service("chaos-svc")
+            return [(r.revision, r.ready) for r in svc.replicas] == [(2, True)]
+
+        try:
+            cluster.wait(rolled_out, 60, "the service at revision 2, ready", interval=0.5)
+        except AssertionError as exc:
+            stuck = stuck or f"{exc}"
+        with cluster.client() as client:
+            client.delete_service("chaos-svc")
+        cluster.events.append((time.time(), "service chaos-svc deleted"))
+        cluster.wait(
+            lambda: (
+                not cluster.rows("SELECT id FROM jobs WHERE service = 'chaos-svc' AND state IN ('PENDING', 'RUNNING')")
+            ),
+            30,
+            "the service's replicas ended",
+        )
         finished_at = time.time()
     finally:
         cluster.stop()
@@ -560,7 +607,7 @@ def test_live_chaos_run_keeps_the_invariants(pg_url, tmp_path):
     print(report)
     if stuck:
         print(stuck)
-    assert not [v for v in violations if v.invariant in "abcde"], (
+    assert not [v for v in violations if v.invariant in "abcdeg"], (
         f"{len(violations)} invariant violation(s) on the live scheduler (history in {tmp_path / 'history.txt'}):\n"
         + report
     )

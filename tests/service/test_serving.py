@@ -444,3 +444,14 @@ async def test_the_autoscaler_follows_a_scraped_prometheus_metric_up_and_down(db
             await eventually(lambda: ready_count(c, "llm", 1), what="scaled back down to 1")
     finally:
         metrics.close()
+
+
+async def test_a_retried_create_returns_the_service_and_a_different_one_is_already_exists(db_url):
+    async with cluster(db_url) as c:
+        first = await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(restart="none")))
+        again = await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(restart="none")))
+        assert (again.revision, again.created_at) == (first.revision, first.created_at)
+        assert again.spec.template.restart == "never"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=3)))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS

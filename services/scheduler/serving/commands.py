@@ -132,6 +132,15 @@ class CreateService(CycleCommand):
         template = normalized_template(self.spec, cycle.settings.fabric.tiers)
         existing = cycle.work.ask(ledger.read_services, names=[name])
         if existing and not self.apply:
+            row = existing[0]
+            same = (
+                row["tenant"] == self.tenant
+                and row["replicas"] == self.spec.replicas
+                and (row["spec"] or {}) == spec_dict(self.spec, self.admin)
+                and (row["template"] or {}) == template_dict(template)
+            )
+            if same:  # a retried create (its first try went through): the service as it asked, not an error
+                return name
             raise AlreadyExists(f"a service named {name!r} exists; change it with `phalanx service update` or apply")
         if existing and existing[0]["tenant"] != self.tenant and not self.admin:
             raise AlreadyExists(f"the service name {name!r} is taken: choose another")  # another tenant's

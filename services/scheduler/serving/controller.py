@@ -2,7 +2,8 @@
 
 It reconciles (serving.commands.Reconcile, a command of the scheduling cycle) each service:
 - soon after one of its replica jobs changes (a replica became ready, failed, was preempted): the fan-out of job
-  changes wakes it, so a rolling update moves on as soon as a new replica is ready;
+  changes wakes it (a listener, not a watcher: nothing buffered), so a rolling update moves on as soon as a new
+  replica is ready;
 - at least every `period_s` (a replica whose backoff ended, a failed submission);
 - after every API change (`kick`).
 
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from phalanx.api.v1 import service_pb2
+from phalanx.api.v1 import common_pb2, service_pb2
 from phalanx.core.autoscale import AutoscaleState, recommend
 from phalanx.core.rollout import ReplicaView, plan_fleet
 
@@ -69,20 +70,19 @@ class ServiceController:
         self._scaled: dict[str, _Scaled] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._watch: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="service-controller")
-        self._watch = asyncio.create_task(self._follow_jobs(), name="service-controller-jobs")
+        self.service.fanout.listen(self._on_job)
 
     async def stop(self) -> None:
-        for task in (self._task, self._watch):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        self.service.fanout.unlisten(self._on_job)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
 
     def kick(self) -> None:
         self._wake.set()
@@ -91,20 +91,9 @@ class ServiceController:
         self._scaled.pop(name, None)
         self.metrics.forget(name)
 
-    async def _follow_jobs(self) -> None:
-        entry = self.service.fanout.subscribe(None, None)
-        try:
-            while True:
-                got = await entry.get()
-                if got is None:  # fell behind: resubscribe and reconcile everything
-                    self.service.fanout.unsubscribe(entry)
-                    entry = self.service.fanout.subscribe(None, None)
-                    self.kick()
-                    continue
-                if got[0].service:
-                    self.kick()
-        finally:
-            self.service.fanout.unsubscribe(entry)
+    def _on_job(self, job: common_pb2.Job) -> None:
+        if job.service:  # one of a service's replicas changed: reconcile soon
+            self._wake.set()
 
     async def _run(self) -> None:
         while True:

@@ -39,10 +39,8 @@ def service_problems(spec: service_pb2.ServiceSpec, tier_names: Sequence[str]) -
         problems.append("max_surge and max_unavailable cannot both be 0: a rolling update could never start")
     if not 0 <= spec.port <= 65535:
         problems.append(f"port must be 0-65535, got {spec.port}")
-    if spec.template.restart == "":
-        pass  # "always" unless asked
-    elif spec.template.restart not in ("always", "never"):
-        problems.append(f"restart {spec.template.restart[:30]!r} must be always or none")
+    if spec.template.restart not in ("", "always", "never", "none"):  # "": always; "none" is the CLI's never
+        problems.append(f"restart {spec.template.restart[:30]!r} must be always or none (never)")
     if spec.template.time_limit_s:
         problems.append("a service's replicas run until stopped: time_limit_s must be 0")
     if spec.template.max_restarts:
