@@ -58,6 +58,10 @@ JOB_FIELDS = {
     "flavor",
     "struck_nodes",
     "restore",
+    "service",  # serving (issue 33): the service a job is a replica of, its index, revision and readiness
+    "service_replica",
+    "service_revision",
+    "ready",
     "keep_checkpoints",
 }
 NODE_FIELDS = {

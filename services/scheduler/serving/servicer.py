@@ -16,6 +16,7 @@ from services.common.auth import audit_admin, current_identity, tenant_scope
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.common.rpc import stream, unary
 
+from .. import ledger
 from ..servicer import tier_choices, validate_spec
 from .commands import CreateService, DeleteService, RollbackService, ScaleService, UpdateService
 from .spec import MAX_SERVICE_REPLICAS, name_problems, normalize_roles, service_problems
@@ -56,6 +57,14 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
         if not views:
             raise NotFound(f"no service named {name[:64]!r}")
         return views[0]
+
+    async def _owned(self, name: str) -> None:
+        """NOT_FOUND for an unknown service or another tenant's, from one row: checked before a change goes to the
+        cycle, so that a refusal writes nothing (not even a cycle)."""
+        scope = tenant_scope()
+        rows = await self.service.read_snapshot(ledger.read_services, names=[name])
+        if not rows or (scope is not None and rows[0]["tenant"] != scope):
+            raise NotFound(f"no service named {name[:64]!r}")
 
     def _check_spec(self, spec: service_pb2.ServiceSpec) -> None:
         problems = service_problems(spec, tier_choices(self.service.settings.fabric.tiers))
@@ -99,7 +108,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
         if request.template.time_limit_s or request.template.max_restarts:
             raise InvalidArgument("invalid update: a service's replicas take no time_limit_s or max_restarts")
         check_template(request.template, request.name, self.service)
-        await self._view(request.name)  # NOT_FOUND before the cycle: a refusal writes nothing, not even a cycle
+        await self._owned(request.name)
         _, admin = _caller()
         command = UpdateService(
             request.name,
@@ -117,7 +126,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
     async def ScaleService(self, request, context):
         if not 0 <= request.replicas <= MAX_SERVICE_REPLICAS:
             raise InvalidArgument(f"replicas must be 0-{MAX_SERVICE_REPLICAS}, got {request.replicas}")
-        await self._view(request.name)
+        await self._owned(request.name)
         await self.service.execute(ScaleService(request.name, request.replicas, tenant_scope()))
         self.controller.kick()
         return await self._view(request.name)
@@ -126,7 +135,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
     async def RollbackService(self, request, context):
         if request.revision < 0:
             raise InvalidArgument(f"revision must be 0 (the previous one) or a revision number, got {request.revision}")
-        await self._view(request.name)
+        await self._owned(request.name)
         _, admin = _caller()
         await self.service.execute(RollbackService(request.name, request.revision, tenant_scope(), admin))
         self.controller.kick()
@@ -158,7 +167,7 @@ class ServiceServicer(service_pb2_grpc.ServiceServiceServicer):
             raise InvalidArgument(f"value must be a finite number, got {request.value}")
         if request.replica < -1:
             raise InvalidArgument(f"replica must be -1 (the whole service) or an index, got {request.replica}")
-        await self._view(request.service)  # NOT_FOUND for an unknown service or another tenant's
+        await self._owned(request.service)
         self.controller.metrics.put(request.service, request.replica, request.metric, request.value)
         return service_pb2.PushMetricResponse()
 
