@@ -36,6 +36,7 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
@@ -283,8 +284,16 @@ class Session:
 class Sessions:
     """Signed-in visitors by session id, and the Models their tokens feed (one per token, counted by session)."""
 
-    def __init__(self, scheduler: str, poll_s: float, checkpoint: str | None, ttl_s: float) -> None:
+    def __init__(
+        self,
+        scheduler: str,
+        poll_s: float,
+        checkpoint: str | None,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.scheduler, self.poll_s, self.checkpoint, self.ttl_s = scheduler, poll_s, checkpoint, ttl_s
+        self.clock = clock  # wall seconds: when sessions expire (a test moves its own)
         self.lock = threading.Lock()
         self.sign_in_lock = threading.Lock()
         self.by_id: dict[str, Session] = {}
@@ -299,7 +308,7 @@ class Sessions:
     def _sweep_every_second(self) -> None:
         while not self.stopped.wait(1.0):
             with self.lock:
-                self._sweep(time.time())
+                self._sweep(self.clock())
 
     def verify(self, token: str) -> None:
         """Raise PhalanxError unless the scheduler accepts `token` for the job API (a cheap call made with it)."""
@@ -309,7 +318,7 @@ class Sessions:
             client.list_jobs(limit=1)
 
     def create(self, token: str) -> Session:
-        now = time.time()
+        now = self.clock()
         with self.lock:
             self._sweep(now)
             while len(self.by_id) >= MAX_SESSIONS:
@@ -329,7 +338,7 @@ class Sessions:
         scheduler no longer accepts (both ended here)."""
         if not sid:
             return None
-        now = time.time()
+        now = self.clock()
         with self.lock:
             self._sweep(now)
             return self.by_id.get(sid)
@@ -639,6 +648,7 @@ class WebServer:
         tls_key: str | None = None,
         insecure: bool = False,
         session_ttl_s: float = SESSION_TTL_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if bool(tls_cert) != bool(tls_key):
             raise InsecureBind("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
@@ -649,7 +659,7 @@ class WebServer:
                 "would cross the network in clear. Give --tls-cert and --tls-key, or --insecure (behind a proxy that "
                 "terminates TLS), or serve on 127.0.0.1"
             )
-        self.sessions = Sessions(scheduler, poll_s, checkpoint, session_ttl_s)
+        self.sessions = Sessions(scheduler, poll_s, checkpoint, session_ttl_s, clock)
         handler = type("Handler", (_Handler,), {"sessions": self.sessions, "tls": tls})
         self.httpd = _Server((host, port), handler)
         if tls:
