@@ -1,5 +1,6 @@
 """``phalanx demo``: a local cluster, seven jobs through the SDK (placement, gang waiting, MIG and shares, then a
-preemption with checkpoint-restart), an eighth with torch (a DDP job), and a readable account of what happened."""
+preemption with checkpoint-restart), an eighth with torch (a DDP job), a service of two replicas rolled to a new
+revision (demo_serving.py), and a readable account of what happened."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from phalanx.core.preemption import parse_priority
 from . import render
 from .cluster import StopOnSignal, add_common_flags, cluster_from_args, print_ready, start_or_report
 from .common import UsageError
+from .demo_serving import demo_service
 from .local_cluster import DEFAULT_DEMO_STATE_DIR, DEFAULT_PROFILE, MARKER, LocalCluster
 
 RANK_PROGRAM = (
@@ -151,6 +153,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         "torch is not installed, so the demo skips its DistributedDataParallel job "
                         "(pip install 'phalanx[torch]' to see it)"
                     )
+                # 5. serving: a service with a readiness probe, its endpoints, a rolling update, its deletion
+                _say()
+                ok = demo_service(client, _say, stopper) and ok
             _demo_epilogue(cluster, gang.id, ids, ok)
             if args.keep:
                 _say(

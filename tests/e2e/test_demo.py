@@ -49,5 +49,9 @@ def test_demo_runs_every_job_and_the_preempted_trainer_resumes_exactly(tmp_path)
         r"train-batch was preempted 1 time\(s\); urgent-\d+x8 started at [\d:]+, before train-batch's attempt 2", out
     ), out[-3000:]
     assert "goodput of train-batch" in out
+    # The serving step: both replicas ready behind their probe, a rolling update that kept both ready, the deletion.
+    assert "ready: 2/2; endpoints #0 127.0.0.1:8000, #1 127.0.0.1:8000" in out, out[-3000:]
+    assert "revision 2 on both replicas; at least 2 of 2 were ready at every look" in out, out[-3000:]
+    assert "service chat deleted" in out
     # Rank 0 of the 2 x 8 gang, through `phalanx logs` (its node's agent), not whichever log sorts first.
     assert re.search(r"logs \w+ --rank 0 --tail 3\n  rank 0/16 on node-\d+ CUDA_VISIBLE_DEVICES=GPU-", out), out[-3000:]
