@@ -455,3 +455,48 @@ async def test_a_retried_create_returns_the_service_and_a_different_one_is_alrea
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=3)))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_a_replica_restarts_past_the_schedulers_attempt_limit(db_url):
+    """restart always: no limit (--max-attempts gives a batch gang up after 2 failures here; a server goes on)."""
+    async with cluster(db_url, max_attempts=2) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=1, nodes=1)))
+        svc = await eventually(lambda: ready_count(c, "llm", 1), what="1 ready replica")
+        job_id = svc.replicas[0].job_id
+        for attempt in range(1, 5):
+            job = await c.wait_running(job_id)
+            assert job.attempt == attempt
+            node = next(a for a in c.agents if a.name == job.allocations[0].node)
+            changes = c.changes()
+            await node._report(job_id, attempt, 0, common_pb2.RANK_STATE_EXITED, 1)
+            requeued = await changes.until(job_id, lambda j: j.state == common_pb2.JOB_STATE_PENDING, "requeued")
+            assert f"requeued (failure {attempt}; a server restarts always)" in requeued.message
+            changes.close()
+        back = await c.wait_running(job_id)
+        assert back.attempt == 5 and back.failures == 4
+
+
+async def test_a_fatal_gpu_restarts_only_its_replica_on_another_node(db_url):
+    from phalanx.api.v1 import agent_pb2
+
+    async with cluster(db_url) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(replicas=2, nodes=1)))
+        svc = await eventually(lambda: ready_count(c, "llm", 2), what="2 ready replicas")
+        victim, other = svc.replicas
+        sick = next(a for a in c.agents if a.name == victim.nodes[0])
+        health = common_pb2.NodeHealth(
+            state=common_pb2.HEALTH_STATE_DEGRADED,
+            gpus=[common_pb2.GpuHealth(index=3, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
+        )
+        await sick.stub.Heartbeat(
+            agent_pb2.HeartbeatRequest(node_name=sick.name, agent_instance=sick.instance, health=health)
+        )
+
+        async def moved():
+            got = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
+            again = next(r for r in got.replicas if r.index == victim.index)
+            return got if again.ready and sick.name not in again.nodes and got.ready_replicas == 2 else None
+
+        await eventually(moved, what="the replica restarted off the failed GPU's node")
+        assert (await c.job(victim.job_id)).attempt == 2
+        assert (await c.job(other.job_id)).attempt == 1  # the other replica never stopped
