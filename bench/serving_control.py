@@ -57,20 +57,40 @@ def ms(values: list[float]) -> dict[str, float]:
 
 
 class Feed:
-    """The scheduler's committed job changes, in this process, with the time each arrived."""
+    """The scheduler's committed job changes, in this process, each stamped when it was published (a task takes
+    them as they come, so a change is not stamped late by a caller still waiting on its RPC's answer)."""
 
     def __init__(self, service) -> None:
+        self.service = service
         self.watch = service.fanout.subscribe(None)
+        self.seen: list[tuple[common_pb2.Job, float]] = []
+        self.arrived = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._take())
+
+    async def _take(self) -> None:
+        while True:
+            got = await self.watch.get()
+            assert got is not None, "the change feed overflowed"
+            self.seen.append((got[0], time.perf_counter()))
+            self.arrived.set()
 
     async def until(self, check, timeout: float = 30.0) -> tuple[common_pb2.Job, float]:
         async def run():
+            i = 0
             while True:
-                got = await self.watch.get()
-                assert got is not None, "the change feed overflowed"
-                if check(got[0]):
-                    return got[0], time.perf_counter()
+                while i < len(self.seen):
+                    job, at = self.seen[i]
+                    i += 1
+                    if check(job):
+                        return job, at
+                self.arrived.clear()
+                await self.arrived.wait()
 
         return await asyncio.wait_for(run(), timeout)
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.service.fanout.unsubscribe(self.watch)
 
 
 def template(command: str = "run") -> common_pb2.JobSpec:
@@ -117,6 +137,7 @@ async def main(args) -> dict:
             )
             _, t1 = await feed.until(lambda j, jid=job.id: j.id == jid and j.state == RUNNING)
             base.append(t1 - t0)
+            feed.close()
             await jobs.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id))
         out["plain_submit_to_running"] = ms(base)
         say("plain gang, submit to RUNNING:", out["plain_submit_to_running"])
@@ -137,6 +158,7 @@ async def main(args) -> dict:
             _, t2 = await feed.until(lambda j, jid=job.id: j.id == jid and j.ready)
             reserved.append(t1 - t0)
             ready.append(t2 - t0)
+            feed.close()
             await svc.ScaleService(service_pb2.ScaleServiceRequest(name="up", replicas=k))
             await _ready(svc, "up", k)
         out["scale_up_to_running"] = ms(reserved)
@@ -157,6 +179,7 @@ async def main(args) -> dict:
                 lambda j, jid=victim.job_id, a=current.attempt: j.id == jid and j.ready and j.attempt > a
             )
             restart.append(t1 - t0)
+            feed.close()
         out["replica_restart_to_ready"] = ms(restart)
         say("replica restart, rank exit to ready:", out["replica_restart_to_ready"])
         await svc.DeleteService(service_pb2.DeleteServiceRequest(name="up"))
@@ -188,6 +211,7 @@ async def main(args) -> dict:
                 if len(view.replicas) == args.replicas and all(r.revision == 2 and r.ready for r in view.replicas):
                     break
             took = time.perf_counter() - t0
+            feed.close()
             out[f"rollout_surge{surge}_unavailable{unavailable}"] = {
                 "seconds": round(took, 3),
                 "per_replica_ms": round(took / args.replicas * 1000, 2),
