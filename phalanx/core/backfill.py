@@ -345,6 +345,24 @@ def _variants(book: QuotaBook | None, queue: str, request: GangRequest) -> list[
     return [(a.flavor, a.request) for a in admitted]
 
 
+class _Spread:
+    """A service's replicas placed in this pass, as the nodes of their domains: the service's next replicas keep off
+    them where they fit elsewhere (GangRequest.spread_group)."""
+
+    def __init__(self, capacity: ClusterCapacity, fabric_tiers: Sequence[str]) -> None:
+        self.capacity, self.fabric_tiers = capacity, fabric_tiers
+        self.seen: dict[str, frozenset[str]] = {}
+
+    def apart(self, request: GangRequest) -> GangRequest:
+        taken = self.seen.get(request.spread_group) if request.spread_group else None
+        return replace(request, spread=request.spread | taken) if taken else request
+
+    def placed(self, request: GangRequest, result: Placement) -> None:
+        if request.spread_group and request.spread_tier:
+            nodes = domain_members(self.capacity, result.nodes, request.spread_tier, self.fabric_tiers)
+            self.seen[request.spread_group] = self.seen.get(request.spread_group, frozenset()) | nodes
+
+
 def schedule_with_backfill(
     capacity: ClusterCapacity,
     pending: Sequence[GangRequest],
@@ -386,8 +404,7 @@ def schedule_with_backfill(
     head: Unplaceable | None = None
     reservation: Reservation | None = None
     backfilled: list[str] = []
-    flavors: dict[str, str] = {}
-    refused: dict[str, str] = {}
+    flavors, refused = dict[str, str](), dict[str, str]()
     order = _order(pending, book, queues)
     deadline = time.perf_counter() + budget_s if budget_s > 0 else math.inf
     # A claimant's quota is kept for it as its GPUs are: its demand is charged to its queue until its turn (so no
@@ -395,13 +412,10 @@ def schedule_with_backfill(
     kept = _keep_claimed_quota(book, shield, pending)
     recharge: tuple[str, str, GangRequest] | None = None  # the last claimant tried, until it is placed
     behind: _BehindHead | None = None  # the gangs behind the head, once there is one
-    # A service's replicas placed in this pass, as the nodes of their domains: its next replicas keep off them
-    # where they fit elsewhere (GangRequest.spread_group).
-    spread_seen: dict[str, frozenset[str]] = {}
+    spread = _Spread(capacity, fabric_tiers)
     try:
         for queue, request in order:
-            if request.spread_group in spread_seen:
-                request = replace(request, spread=request.spread | spread_seen[request.spread_group])
+            request = spread.apart(request)
             recharge = _swap_kept(book, kept, recharge, request.job_id)
             claimant = shield is not None and shield.owns(request.job_id)
             if shield:
@@ -456,9 +470,7 @@ def schedule_with_backfill(
                 shield.drop(request.job_id)
             placements.append(result)
             ends[result.job_id] = limit_end
-            if request.spread_group and request.spread_tier:
-                seen = domain_members(capacity, result.nodes, request.spread_tier, fabric_tiers)
-                spread_seen[request.spread_group] = spread_seen.get(request.spread_group, frozenset()) | seen
+            spread.placed(request, result)
             if book is not None:
                 book.charge(queue, flavor, variant)
                 flavors[result.job_id] = flavor
