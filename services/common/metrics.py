@@ -58,6 +58,13 @@ VIEW_RELOADS = Counter(
     "another replica's cycles changed)",
     ["kind"],
 )
+SERVICE_REPLICAS = Gauge(
+    "phalanx_service_replicas",
+    "Replicas of each service, by kind: desired (the count it aims at, the autoscaler's included), live (replica "
+    "gangs pending or running) and ready; set by the leading replica's service controller, a deleted service's "
+    "series removed",
+    ["service", "kind"],
+)
 RESERVATIONS = Counter("phalanx_reservations_total", "Gang reservations committed")
 RESERVATION_CONFLICTS = Counter("phalanx_reservation_conflicts_total", "Reservations refused by the ledger")
 CHECKPOINT_COMMIT_SECONDS = Histogram(

@@ -500,3 +500,25 @@ async def test_a_fatal_gpu_restarts_only_its_replica_on_another_node(db_url):
         await eventually(moved, what="the replica restarted off the failed GPU's node")
         assert (await c.job(victim.job_id)).attempt == 2
         assert (await c.job(other.job_id)).attempt == 1  # the other replica never stopped
+
+
+async def test_the_leader_exports_each_services_replica_counts(db_url):
+    from prometheus_client import REGISTRY
+
+    def gauge(name: str, kind: str) -> float | None:
+        return REGISTRY.get_sample_value("phalanx_service_replicas", {"service": name, "kind": kind})
+
+    async with cluster(db_url) as c:
+        await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=spec(name="gauged", replicas=2, nodes=1)))
+        await eventually(lambda: ready_count(c, "gauged", 2), what="2 ready replicas")
+
+        async def exported():
+            return gauge("gauged", "ready") == 2 and gauge("gauged", "desired") == 2 and gauge("gauged", "live") == 2
+
+        await eventually(exported, what="the gauges of 2 ready replicas")
+        await stub(c).DeleteService(service_pb2.DeleteServiceRequest(name="gauged"))
+
+        async def removed():
+            return gauge("gauged", "ready") is None
+
+        await eventually(removed, what="the deleted service's series gone")

@@ -27,6 +27,7 @@ import structlog
 from phalanx.api.v1 import common_pb2, service_pb2
 from phalanx.core.autoscale import AutoscaleState, recommend
 from phalanx.core.rollout import ReplicaView, plan_fleet
+from services.common import metrics
 
 from .. import ledger
 from .autoscaling import MetricBook, period_of, policy_of, scrape
@@ -70,6 +71,7 @@ class ServiceController:
         self._scaled: dict[str, _Scaled] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._measured: set[str] = set()  # services whose gauges are set
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="service-controller")
@@ -83,6 +85,21 @@ class ServiceController:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+
+    def _gauges(self, views: list[service_pb2.Service]) -> None:
+        """phalanx_service_replicas for every live service; the series of services gone since are removed."""
+        names = set()
+        for view in views:
+            name = view.spec.name
+            names.add(name)
+            live = sum(1 for r in view.replicas if r.state != "FAILED")
+            metrics.SERVICE_REPLICAS.labels(name, "desired").set(view.spec.replicas)
+            metrics.SERVICE_REPLICAS.labels(name, "live").set(live)
+            metrics.SERVICE_REPLICAS.labels(name, "ready").set(view.ready_replicas)
+        for gone in self._measured - names:
+            for kind in ("desired", "live", "ready"):
+                metrics.SERVICE_REPLICAS.remove(gone, kind)
+        self._measured = names
 
     def kick(self) -> None:
         self._wake.set()
@@ -114,8 +131,10 @@ class ServiceController:
     async def tick(self) -> None:
         rows = await self.service.read_snapshot(ledger.read_services)
         if not rows:
+            self._gauges([])
             return
         views = await self.service.read_snapshot(read_service_views, names=[r["name"] for r in rows])
+        self._gauges(views)
         due = [v.spec.name for v in views if needs_reconcile(v)]
         if due:  # a steady fleet costs a read, never a write (nor a cycle)
             await self.service.execute(Reconcile(due))
