@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -28,8 +28,8 @@ class AsyncServiceCalls:
     retries: int
     _service_stub_of: tuple[grpc.aio.Channel, service_pb2_grpc.ServiceServiceStub] | None = None
 
-    def _aio_channel(self) -> grpc.aio.Channel:  # provided by AsyncClient: its channel, opened on first use
-        raise NotImplementedError
+    # Provided by AsyncClient: its channel, opened on first use (declared here, defined there)
+    _aio_channel: Callable[[], grpc.aio.Channel]
 
     def _services(self) -> service_pb2_grpc.ServiceServiceStub:
         channel = self._aio_channel()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.local_clusters import environ_of, eventually_sync
 
 from phalanx.cli.cluster import LocalCluster
 from phalanx.client import Client, JobState
@@ -52,17 +53,6 @@ def _command(steps: int, out: Path, every: int = EVERY) -> list[str]:
         "--sync-timeout",
         "120",
     ]
-
-
-def _eventually(check, *, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 class Ledger:
@@ -118,21 +108,13 @@ def _results(out: Path, job_id: str, world: int) -> list[dict]:
     return [json.loads((out / job_id / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
 def _rank_processes(job_id: str, node: str) -> list[int]:
     """Live processes (rank wrappers and rank commands) of `job_id` on simulated node `node`, by their environment."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        env = _environ(int(entry.name))
+        env = environ_of(int(entry.name))
         if env.get("PHALANX_JOB_ID") == job_id and env.get("PHALANX_NODE") == node:
             try:
                 stat = (entry / "stat").read_text()
@@ -151,33 +133,6 @@ def _alive(pid: int) -> bool:
     return not stat[stat.rfind(")") + 2 :].startswith(("Z", "X"))
 
 
-@pytest.fixture
-def cluster_factory(tmp_path, monkeypatch):
-    monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
-    monkeypatch.delenv("PHALANX_DB", raising=False)
-    started: list[LocalCluster] = []
-    messages: list[str] = []
-
-    def make(nodes: int, **kw) -> LocalCluster:
-        kw.setdefault("mig_gpus", 0)  # the gangs here need whole 8-GPU nodes, the last one too
-        cluster = LocalCluster(
-            nodes=nodes,
-            state_dir=tmp_path / "cluster",
-            port=0,
-            log=messages.append,
-            ready_timeout=60,
-            restart_agents=False,
-            **kw,
-        )
-        started.append(cluster)
-        cluster.start()
-        return cluster
-
-    yield make
-    for cluster in started:
-        cluster.stop()
-
-
 def test_node_kill_resumes_on_other_nodes_from_the_last_committed_step(cluster_factory, tmp_path):
     steps = 80
     out = tmp_path / "out"
@@ -188,7 +143,9 @@ def test_node_kill_resumes_on_other_nodes_from_the_last_committed_step(cluster_f
         job = client.wait(job.id, ["RUNNING"], timeout=30)
         first_nodes = ledger.attempt_nodes(job.id, 1)
         assert len(set(first_nodes.values())) == 2, first_nodes
-        _eventually(lambda: ledger.latest_step(job.id) >= 20, timeout=90, what="a checkpoint >= step 20", interval=0.05)
+        eventually_sync(
+            lambda: ledger.latest_step(job.id) >= 20, timeout=90, what="a checkpoint >= step 20", interval=0.05
+        )
 
         # -- the node of rank 0 dies: its agent, then every rank process on it (wrapper and command) ---------------
         victim = first_nodes[0]
@@ -206,7 +163,7 @@ def test_node_kill_resumes_on_other_nodes_from_the_last_committed_step(cluster_f
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         committed_at_kill = ledger.latest_step(job.id)
-        _eventually(lambda: not any(_alive(p) for p in killed), timeout=10, what="the rank processes to die")
+        eventually_sync(lambda: not any(_alive(p) for p in killed), timeout=10, what="the rank processes to die")
 
         done = client.wait(job.id, timeout=90)
     assert done.state is JobState.SUCCEEDED, done
@@ -247,7 +204,7 @@ def test_preempted_gang_checkpoints_and_resumes_without_losing_a_committed_step(
         low = client.submit("count-steps", 2, 8, _command(steps, out, every), procs_per_replica=1, env=ENV)
         low = client.wait(low.id, ["RUNNING"], timeout=30)
         # Past its minimum runtime (1 s) and with a periodic checkpoint committed; then a gang that needs its GPUs.
-        _eventually(
+        eventually_sync(
             lambda: ledger.latest_step(low.id) >= every, timeout=90, what="the first periodic checkpoint", interval=0.05
         )
         periodic = ledger.latest_step(low.id)
@@ -260,12 +217,12 @@ def test_preempted_gang_checkpoints_and_resumes_without_losing_a_committed_step(
             row = ledger.job(low.id)
             return row if row["state"] == "RUNNING" and row["preempted_by"] == high.id else None
 
-        seen = _eventually(preempting, timeout=20, what="the victim to be PREEMPTING", interval=0.02)
+        seen = eventually_sync(preempting, timeout=20, what="the victim to be PREEMPTING", interval=0.02)
         assert seen["preempt_deadline"] > asked_at
         high_done = client.wait(high.id, timeout=60)
         assert high_done.state is JobState.SUCCEEDED, high_done
 
-    row = _eventually(
+    row = eventually_sync(
         lambda: (r := ledger.job(low.id))["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and r,
         timeout=60,
         what="the victim to finish",

@@ -16,12 +16,12 @@ import signal
 import sqlite3
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
 import pytest
+from helpers.local_clusters import environ_of, eventually_sync
 
 from phalanx.api.v1 import common_pb2, service_pb2, service_pb2_grpc
 from phalanx.cli.cluster import LocalCluster
@@ -44,17 +44,6 @@ SERVER = (
 PROBE = common_pb2.ReadyProbe(command=["sh", "-c", "test -f ready"], period_s=0.2)
 
 
-def _eventually(check, *, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
-
-
 def _template(nodes: int, gpus: int = 8, **kw) -> common_pb2.JobSpec:
     spec = common_pb2.JobSpec(
         replicas=nodes, gpus_per_replica=gpus, command=[sys.executable, "-c", SERVER], procs_per_replica=1, **kw
@@ -63,21 +52,13 @@ def _template(nodes: int, gpus: int = 8, **kw) -> common_pb2.JobSpec:
     return spec
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
 def _processes_of(job_id: str, node: str) -> list[int]:
     return [
         int(e.name)
         for e in Path("/proc").iterdir()
         if e.name.isdigit()
         and int(e.name) != os.getpid()
-        and (env := _environ(int(e.name))).get("PHALANX_JOB_ID") == job_id
+        and (env := environ_of(int(e.name))).get("PHALANX_JOB_ID") == job_id
         and env.get("PHALANX_NODE") == node
     ]
 
@@ -98,7 +79,7 @@ class Services:
             ok = got.ready_replicas == count == len(got.replicas)
             return got if ok and all(r.revision == revision for r in got.replicas if revision) else None
 
-        return _eventually(check, timeout=timeout, what=f"{count} ready replicas of {name}", interval=0.1)
+        return eventually_sync(check, timeout=timeout, what=f"{count} ready replicas of {name}", interval=0.1)
 
     def close(self) -> None:
         self.channel.close()
@@ -125,33 +106,6 @@ class EndpointLog:
         self.thread.join(5)
 
 
-@pytest.fixture
-def cluster_factory(tmp_path, monkeypatch):
-    monkeypatch.delenv("PHALANX_SCHEDULER", raising=False)
-    monkeypatch.delenv("PHALANX_DB", raising=False)
-    started: list[LocalCluster] = []
-    messages: list[str] = []
-
-    def make(nodes: int, **kw) -> LocalCluster:
-        kw.setdefault("mig_gpus", 0)
-        cluster = LocalCluster(
-            nodes=nodes,
-            state_dir=tmp_path / "cluster",
-            port=0,
-            log=messages.append,
-            ready_timeout=60,
-            restart_agents=False,
-            **kw,
-        )
-        started.append(cluster)
-        cluster.start()
-        return cluster
-
-    yield make
-    for cluster in started:
-        cluster.stop()
-
-
 def test_a_lost_node_restarts_only_its_replica_then_a_rolling_update_keeps_two_ready(cluster_factory):
     cluster = cluster_factory(6, lease_timeout=3.0)
     services = Services(cluster)
@@ -160,7 +114,7 @@ def test_a_lost_node_restarts_only_its_replica_then_a_rolling_update_keeps_two_r
         services.stub.CreateService(service_pb2.CreateServiceRequest(spec=spec), timeout=30)
         before = services.ready("web", 2)
         log = EndpointLog(services, "web")
-        _eventually(lambda: log.seen and len(log.seen[-1]) == 2, timeout=10, what="both endpoints listed")
+        eventually_sync(lambda: log.seen and len(log.seen[-1]) == 2, timeout=10, what="both endpoints listed")
         victim, other = before.replicas
         node = victim.nodes[1]  # a worker's node: the whole replica must go, its leader too
         cluster.kill_agent(node)
@@ -172,13 +126,13 @@ def test_a_lost_node_restarts_only_its_replica_then_a_rolling_update_keeps_two_r
             again = next(r for r in got.replicas if r.index == victim.index)
             return got if again.ready and node not in again.nodes and got.ready_replicas == 2 else None
 
-        after = _eventually(moved, timeout=60, what="the lost replica back on other nodes")
+        after = eventually_sync(moved, timeout=60, what="the lost replica back on other nodes")
         kept = next(r for r in after.replicas if r.index == other.index)
         assert kept.job_id == other.job_id and list(kept.nodes) == list(other.nodes)
         with Client(cluster.address, timeout=10) as client:
             assert client.get_job(other.job_id).attempt == 1  # the other replica was never touched
             assert client.get_job(victim.job_id).attempt == 2  # the lost one restarted whole, as one gang
-        _eventually(lambda: len(log.seen[-1]) == 2, timeout=10, what="the endpoints back to two")
+        eventually_sync(lambda: len(log.seen[-1]) == 2, timeout=10, what="the endpoints back to two")
         log.close()
         # The endpoints followed: the lost replica left them, and the other one never did.
         assert any(len(seen) == 1 for seen in log.seen), log.seen
@@ -190,12 +144,12 @@ def test_a_lost_node_restarts_only_its_replica_then_a_rolling_update_keeps_two_r
         services.stub.CreateService(service_pb2.CreateServiceRequest(spec=roll), timeout=30)
         services.ready("roll", 3)
         log = EndpointLog(services, "roll")
-        _eventually(lambda: log.seen and len(log.seen[-1]) == 3, timeout=10, what="three endpoints")
+        eventually_sync(lambda: log.seen and len(log.seen[-1]) == 3, timeout=10, what="three endpoints")
         new = _template(1)
         new.env["MODEL_VERSION"] = "2"
         services.stub.UpdateService(service_pb2.UpdateServiceRequest(name="roll", template=new), timeout=30)
         services.ready("roll", 3, revision=2)
-        _eventually(lambda: len(log.seen[-1]) == 3, timeout=10, what="three endpoints again")
+        eventually_sync(lambda: len(log.seen[-1]) == 3, timeout=10, what="three endpoints again")
         log.close()
         assert min(len(seen) for seen in log.seen) >= 2, log.seen  # never below K - max_unavailable ready
     finally:
@@ -244,7 +198,7 @@ def test_scaling_up_preempts_training_which_checkpoints_and_resumes_exactly(clus
         with Client(cluster.address, timeout=10) as client:
             train = client.submit("train", 2, 8, _count_steps(out), procs_per_replica=1, env=CKPT_ENV)
             client.wait(train.id, ["RUNNING"], timeout=30)
-            _eventually(
+            eventually_sync(
                 lambda: _ledger(
                     cluster, "SELECT 1 FROM checkpoints WHERE job_id = ? AND state = 'COMMITTED'", train.id
                 ),

@@ -29,10 +29,9 @@ from phalanx.core.autoscale import AutoscaleState, recommend
 from phalanx.core.rollout import ReplicaView, plan_fleet
 from services.common import metrics
 
-from .. import ledger
 from .autoscaling import MetricBook, period_of, policy_of, scrape
-from .commands import Reconcile, ScaleService, service_spec_of
-from .views import read_service_views, serving_port
+from .commands import Reconcile, ScaleService
+from .views import leader_host, read_service_views
 
 if TYPE_CHECKING:
     from ..service import SchedulerService
@@ -129,40 +128,28 @@ class ServiceController:
                 log.warning("service_controller_failed", error=str(exc)[:300])
 
     async def tick(self) -> None:
-        rows = await self.service.read_snapshot(ledger.read_services)
-        if not rows:
-            self._gauges([])
-            return
-        views = await self.service.read_snapshot(read_service_views, names=[r["name"] for r in rows])
+        views = await self.service.read_snapshot(read_service_views)  # the one read of a tick
         self._gauges(views)
         due = [v.spec.name for v in views if needs_reconcile(v)]
         if due:  # a steady fleet costs a read, never a write (nor a cycle)
             await self.service.execute(Reconcile(due))
         now = time.time()
-        for row in rows:
-            auto = (row["spec"] or {}).get("autoscale")
-            if auto:
-                await self._autoscale(row, now)
+        for view in views:
+            if view.spec.HasField("autoscale") and view.spec.autoscale.max_replicas:
+                await self._autoscale(view, now)
 
-    async def _autoscale(self, row: dict, now: float) -> None:
-        name = row["name"]
-        spec = service_spec_of(row)
+    async def _autoscale(self, view: service_pb2.Service, now: float) -> None:
+        name, spec = view.spec.name, view.spec
         scaled = self._scaled.setdefault(name, _Scaled())
         if now < scaled.next_at:
             return
         scaled.next_at = now + period_of(spec.autoscale)
         policy = policy_of(spec.autoscale)
-        views = await self.service.read_snapshot(read_service_views, names=[name])
-        if not views:
-            return
-        view = views[0]
         ready = [r for r in view.replicas if r.ready]
         a = spec.autoscale
         if a.metrics_port:
             path = a.metrics_path or "/metrics"
-            hosts = {
-                r.index: r.leader_address.rsplit(":", 1)[0] if serving_port(row) else r.leader_address for r in ready
-            }
+            hosts = {r.index: leader_host(r, spec) for r in ready}
             got = await asyncio.gather(
                 *(asyncio.to_thread(scrape, f"http://{h}:{a.metrics_port}{path}", a.metric) for h in hosts.values())
             )
@@ -170,9 +157,9 @@ class ServiceController:
                 if scraped is not None:
                     self.metrics.put(name, index, a.metric, scraped, now)
         values = self.metrics.per_replica(name, a.metric, [r.index for r in ready], now)
-        current = row["replicas"]
+        current = spec.replicas
         rec = recommend(policy, current, values, now, scaled.state)
-        if rec.replicas != current or rec.reason != row["autoscaler"]:
+        if rec.replicas != current or rec.reason != view.autoscaler:
             if rec.replicas != current:
                 log.info("service_autoscaled", service=name, replicas=rec.replicas, was=current, reason=rec.reason)
             await self.service.execute(ScaleService(name, rec.replicas, None, by_autoscaler=rec.reason))

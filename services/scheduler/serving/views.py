@@ -26,12 +26,14 @@ def replica_state(row: Any, *, down: bool = False) -> str:
     return str(row["state"])
 
 
-def serving_port(row: dict[str, Any]) -> int:
+def endpoint_port(spec: service_pb2.ServiceSpec) -> int:
     """The leader's port its endpoints name: the service's port, else its ready probe's HTTP port (0: none)."""
-    port = int((row["spec"] or {}).get("port") or 0)
-    if not port:
-        port = int(((row["template"] or {}).get("ready_probe") or {}).get("http_port") or 0)
-    return port
+    return spec.port or (spec.template.ready_probe.http_port if spec.template.HasField("ready_probe") else 0)
+
+
+def leader_host(replica: service_pb2.ServiceReplica, spec: service_pb2.ServiceSpec) -> str:
+    """The host of a replica's leader: its endpoint address without the port the endpoints add."""
+    return replica.leader_address.rsplit(":", 1)[0] if endpoint_port(spec) else replica.leader_address
 
 
 def read_service_views(
@@ -82,7 +84,7 @@ def _service(
         deleted=row["deleted_at"] is not None,
         autoscaler=row["autoscaler"] or "",
     )
-    port = serving_port(row)
+    port = endpoint_port(spec)
     restart_never = spec.template.restart == "never"
     replicas = []
     for job, allocations in jobs:
