@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.local_clusters import eventually_sync as _eventually
 from helpers.ports import reserved_port
 from helpers.required import needs, torch_missing
-from test_recovery_e2e import Ledger, _eventually
+from test_recovery_e2e import Ledger
 
 from phalanx.cli.cluster import LocalCluster
 from phalanx.client import Client, JobState

@@ -1,6 +1,6 @@
 """What the end-to-end tests on `LocalCluster` (real processes) share: a wait on a condition, and a process's
 environment read from /proc (to find a job's rank processes on a simulated node). The `cluster_factory` fixture
-built on them is in tests/e2e/conftest.py."""
+built on them is in tests/conftest.py."""
 
 from __future__ import annotations
 
