@@ -37,6 +37,16 @@ SHARED_DATA = Path(os.environ.get("PHALANX_DATA", ROOT.parent / "shared" / "data
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
+def pytest_configure(config):
+    # structlog's default logger prints to whatever sys.stdout is when a logger is made: inside a test that uses
+    # capsys, that is capsys's buffer, so an in-process scheduler's line (a slow cycle on a loaded machine) landed in
+    # the middle of a CLI's --json output the test parses. Services log to standard error in production
+    # (phalanx.common.logging); here they log to the process's own standard error, which pytest captures per test
+    # at the file-descriptor level (shown with a failure) and which capsys never sees. The service_logs fixture
+    # still routes them to a buffer for the tests that read them.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.__stderr__))
+
+
 def pytest_collection_modifyitems(config, items):
     """Each test is marked with its group (its folder under tests/); every e2e test is also `slow`."""
     for item in items:
@@ -203,11 +213,9 @@ class ServiceLogs:
 
 @pytest.fixture
 def service_logs(capsys):
-    """The in-process services (scheduler, coordinator, agents) log with structlog, to stdout by default: here their
-    lines go to a buffer of their own (the fixture's value), so what capsys captures of a CLI run in the test (its
-    JSON on stdout, its error lines on stderr) is the CLI's alone, whatever the services log meanwhile (a slow cycle
-    on a loaded machine, a leadership change). The buffer is printed to stderr at teardown: a failure report shows
-    it."""
+    """The in-process services (scheduler, coordinator, agents) log with structlog, to the process's standard error
+    (pytest_configure): here their lines go to a buffer of their own (the fixture's value), for the tests that read
+    what the services logged. The buffer is printed to stderr at teardown: a failure report shows it."""
     old = structlog.get_config()
     logs = ServiceLogs()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=logs))
