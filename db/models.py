@@ -149,6 +149,7 @@ class Job(Base):
         Index(None, "tenant", "submitted_at"),
         Index(None, "state", "finished_at"),  # the finished jobs due for the archive (revision 0016)
         Index(None, "service", "state"),  # a service's replicas (revision 0023)
+        Index(None, "array_parent", "array_task"),  # an array's tasks (revision 0024)
         # The jobs not accounted (revision 0016): the goodput total reads these, whatever the number of finished ones.
         Index(
             "ix_jobs_unaccounted_submitted_at",
@@ -225,6 +226,15 @@ class Job(Base):
     serving: Mapped[dict[str, Any]] = mapped_column(default=dict)
     ready: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     ready_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    # Frontier-scale training (revision 0024). `shape`: how the gang is cut and kept ({"segment", "segment_tier",
+    # "spares_per_segment", "min_replicas"}; {} a plain gang). Job graphs: `after`, the jobs it waits for
+    # ([{"job_id", "condition"}]); `array`, an array's spec and progress on its parent row; `array_parent` and
+    # `array_task`, a task's array and index ("" and -1 for a job that is not an array task).
+    shape: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    after: Mapped[list[Any]] = mapped_column(default=list)
+    array: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    array_parent: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    array_task: Mapped[int] = mapped_column(Integer, default=-1, server_default="-1")
 
 
 class Queue(Base):

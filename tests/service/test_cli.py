@@ -656,11 +656,11 @@ def test_db_upgrade_on_a_temp_sqlite_file(tmp_path, capsys):
     code, out, err = run(capsys, "db", "upgrade", "--db", url, "--json")
     assert code == 0, err
     shown = json.loads(out)
-    assert shown == {"db": url, "revision": "0023", "cluster_id": shown["cluster_id"]}
+    assert shown == {"db": url, "revision": "0024", "cluster_id": shown["cluster_id"]}
     assert len(shown["cluster_id"]) >= 32  # a UUID, the ledger's identity
-    assert current(url) == "0023"
+    assert current(url) == "0024"
     code, out, err = run(capsys, "db", "upgrade", "--db", url)  # idempotent, and the identity stays
-    assert code == 0 and "0023" in out and shown["cluster_id"] in out
+    assert code == 0 and "0024" in out and shown["cluster_id"] in out
 
 
 @pytest.mark.slow
@@ -671,7 +671,7 @@ def test_db_upgrade_url_from_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PHALANX_DB", url)
     code, out, err = run(capsys, "db", "upgrade")
     assert code == 0, err
-    assert current(url) == "0023"
+    assert current(url) == "0024"
 
 
 @pytest.mark.slow

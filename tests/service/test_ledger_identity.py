@@ -30,7 +30,7 @@ from services.node_agent.state import AgentState
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-HEAD = "0023"
+HEAD = "0024"
 OLD_JOB = "0123456789ab"
 
 

@@ -10,7 +10,7 @@ from db.models import Allocation, Base, Claim, Gpu, Job, Node
 
 
 def test_upgrade_reaches_head_with_every_table(db_url):
-    assert current(db_url) == "0023"
+    assert current(db_url) == "0024"
     engine = make_engine(db_url)
     names = set(inspect(engine).get_table_names())
     engine.dispose()

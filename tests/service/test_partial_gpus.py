@@ -520,7 +520,7 @@ async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_
             )
         )
     upgrade(url)
-    assert current(url) == "0023"
+    assert current(url) == "0024"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT kind, unit, profile, gpu_milli FROM allocations")).all() == [
             ("gpu", -1, "", 0)

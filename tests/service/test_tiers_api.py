@@ -266,7 +266,7 @@ async def test_migration_0002_keeps_existing_jobs_with_empty_tiers(empty_db_url)
         )
     engine.dispose()
     upgrade(url)
-    assert current(url) == "0023"
+    assert current(url) == "0024"
     assert run_sql(url, "SELECT name, required_tier, preferred_tier FROM jobs") == [("old", "", "")]
     # The scheduler reads the old row, and writes new ones with tiers next to it.
     async with Cluster(url) as c:
