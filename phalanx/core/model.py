@@ -50,12 +50,17 @@ class GangRequest:
     # Host resources of each replica on its node (core.resources): CPUs in thousandths and memory in bytes; 0 none.
     cpu_milli: int = 0
     memory: int = 0
+    # Segments (multi-level gangs, placement.segments): the gang is replicas / segment segments of `segment`
+    # replicas, each wholly inside one domain of `segment_tier` ("": the NVLink tier where the fabric has one, else
+    # the leaf tier), a segment's ranks contiguous. 0: no segments.
+    segment: int = 0
+    segment_tier: str = ""
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
     # What placement depends on besides the capacity (backfill: gangs of one shape fit or not alike), computed once
     # for the same reason.
-    shape: tuple[int, int, str, str, int, str, str, int, int] = field(init=False, repr=False, compare=False)
+    shape: tuple[int, int, str, str, int, str, str, int, int, int, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", (-self.priority, self.submitted_at, self.job_id))
@@ -72,6 +77,8 @@ class GangRequest:
                 self.preferred_tier,
                 self.cpu_milli,
                 self.memory,
+                self.segment,
+                self.segment_tier,
             ),
         )
 
@@ -123,6 +130,9 @@ class Placement:
     domains: int
     score: float
     reason: str
+    # A segmented gang (GangRequest.segment): the domain of its segment tier each segment lies in, segment i holding
+    # replicas i*S .. i*S+S-1. Empty for a plain gang.
+    segments: tuple[str, ...] = ()
 
     @property
     def nodes(self) -> tuple[str, ...]:

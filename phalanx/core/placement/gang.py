@@ -7,27 +7,18 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..capacity import ClusterCapacity
 from ..model import GangRequest, Placement
 from ..resources import describe, format_cpus, human_size, room
 from ..shares import place_partial
-from ..status import Code, Status
 from .budget import _Budget
 from .gpus import _build, pick_gpus
 from .search import _fewest_children, _IndexView, _Objective, _take, _take_indexed
+from .result import Unplaceable
+from .segments import place_segments
 from .tiers import tier_level, tier_names
-
-
-@dataclass(frozen=True, slots=True)
-class Unplaceable:
-    job_id: str
-    reason: str
-
-    @property
-    def status(self) -> Status:
-        return Status(Code.UNSCHEDULABLE, self.reason)
 
 
 def place_gang(
@@ -201,6 +192,9 @@ def _place_gang(
     g, need = request.gpus_per_replica, request.replicas
     if not capacity.nodes or g < 1:
         return Unplaceable(request.job_id, "the cluster has no nodes")
+    if request.segment > 0 and need % request.segment == 0:
+        got = place_segments(capacity, request, fabric_tiers, bounds, _place_gang)
+        return Unplaceable(request.job_id, got) if isinstance(got, str) else got
     top = capacity.levels()
     names = tier_names(capacity, fabric_tiers)
     limit = top
@@ -275,8 +269,7 @@ def _preferred(
     want = tier_level(capacity, request.preferred_tier, fabric_tiers)
     if want is None or names.index(placement.tier) <= want:
         return placement
-    reason = f"{placement.reason}; no single {request.preferred_tier} (preferred_tier) holds it now"
-    return Placement(placement.job_id, placement.replicas, placement.tier, placement.domains, placement.score, reason)
+    return replace(placement, reason=f"{placement.reason}; no single {request.preferred_tier} (preferred_tier) holds it now")
 
 
 _QUEUE_ORDER = operator.attrgetter("order")
