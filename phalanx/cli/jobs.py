@@ -72,6 +72,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             keep_checkpoints=args.keep_checkpoints or 0,
             cpus_per_replica=args.cpus_per_replica or 0,
             memory_per_replica=args.memory_per_replica or "",
+            segment=args.segment or 0,
+            segment_tier=args.segment_tier or "",
         )
     console.show_job(job, args.json)
     return EXIT_OK
@@ -277,6 +279,20 @@ def _add_submit(sub) -> None:
         default=None,
         metavar="MODEL",
         help="only nodes whose GPU model contains MODEL (case-insensitive), e.g. H100",
+    )
+    p.add_argument(
+        "--segment",
+        type=bounded("--segment", 1),
+        default=None,
+        metavar="S",
+        help="a multi-level gang of replicas/S segments of S replicas, each wholly inside one domain of "
+        "--segment-tier, on as few higher-tier domains as possible, a segment's ranks contiguous (S divides --replicas)",
+    )
+    p.add_argument(
+        "--segment-tier",
+        default=None,
+        metavar="TIER",
+        help="the tier each segment lies in (default: the NVLink domain where the fabric has one, else the leaf)",
     )
     p.add_argument(
         "--queue",

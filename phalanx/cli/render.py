@@ -312,6 +312,8 @@ def job_detail(job: Job) -> str:
         lines.append(("restore", job.restore))
     if job.struck_nodes:
         lines.append(("struck nodes", f"{', '.join(job.struck_nodes)} (avoided while it fits elsewhere)"))
+    if job.segment:
+        lines.append(("segments", _segments(job)))
     if job.placement:
         p = job.placement
         lines.append(
@@ -335,6 +337,17 @@ def job_detail(job: Job) -> str:
     if job.goodput is not None:
         out.extend(_goodput_section(job.goodput))
     return "\n".join(out)
+
+
+def _segments(job: Job) -> str:
+    """``4 x 18 replicas, each in one nvlink: nvl-0 (replicas 0-17), nvl-1 (18-35), ...`` (the domains once placed)."""
+    s = job.segment
+    tier = job.segment_tier or "nvlink domain (else leaf)"
+    head = f"{job.replicas // s if s else 0} x {s} replicas, each in one {tier}"
+    if not job.segment_domains:
+        return head
+    where = [f"{d} ({i * s}-{i * s + s - 1})" for i, d in enumerate(job.segment_domains)]
+    return f"{head}: " + ", ".join(where)
 
 
 # -- goodput -------------------------------------------------------------------------------------------------------

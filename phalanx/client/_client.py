@@ -106,6 +106,8 @@ def build_submit_request(
     keep_checkpoints: int = 0,
     cpus_per_replica: float = 0,
     memory_per_replica: str | int = "",
+    segment: int = 0,
+    segment_tier: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -132,6 +134,8 @@ def build_submit_request(
             if isinstance(memory_per_replica, int) and memory_per_replica
             else str(memory_per_replica or "")
         ),
+        segment=int(segment or 0),
+        segment_tier=str(segment_tier or ""),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -284,6 +288,8 @@ class Client(ServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
+        segment: int = 0,
+        segment_tier: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -315,6 +321,11 @@ class Client(ServiceCalls):
             memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
                 it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
                 number of bytes; "" or 0: none reserved and no limit.
+            segment: A multi-level gang: replicas / segment segments of this many replicas, each wholly inside one
+                domain of ``segment_tier``, spread over as few higher-tier domains as possible, a segment's ranks
+                contiguous; it must divide ``replicas`` (0: no segments).
+            segment_tier: The tier each segment lies in ("": the NVLink domain where the fabric has one, else the
+                leaf).
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -345,6 +356,8 @@ class Client(ServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
+            segment=segment,
+            segment_tier=segment_tier,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -275,6 +275,11 @@ class Job:
     # Host resources each replica reserves on its node and is limited to: CPUs, and memory in bytes (0: none)
     cpus_per_replica: float = 0.0
     memory_per_replica: int = 0
+    # A multi-level gang: replicas per segment (0: none), the tier each lies in ("": NVLink, else leaf), and the
+    # domain each segment was placed in (segment i holds replicas i*segment .. i*segment+segment-1).
+    segment: int = 0
+    segment_tier: str = ""
+    segment_domains: tuple[str, ...] = ()
     tenant: str = ""  # who submitted it ("" when authentication is off)
     queue: str = "default"
     flavor: str = ""  # the quota flavor its attempt was admitted under ("" without quotas)
@@ -359,6 +364,9 @@ class Job:
             keep_checkpoints=int(spec.keep_checkpoints),
             cpus_per_replica=float(spec.cpus_per_replica),
             memory_per_replica=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
+            segment=int(spec.segment),
+            segment_tier=spec.segment_tier,
+            segment_domains=tuple(msg.segment_domains),
             tenant=msg.tenant,
             queue=spec.queue or "default",
             flavor=msg.flavor,
@@ -398,6 +406,9 @@ class Job:
             "keep_checkpoints": self.keep_checkpoints,
             "cpus_per_replica": self.cpus_per_replica,
             "memory_per_replica": self.memory_per_replica,
+            "segment": self.segment,
+            "segment_tier": self.segment_tier,
+            "segment_domains": list(self.segment_domains),
             "tenant": self.tenant,
             "queue": self.queue,
             "flavor": self.flavor,

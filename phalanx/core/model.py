@@ -10,6 +10,10 @@ from .mig import MEDIA_BIT, is_media
 if TYPE_CHECKING:
     from .closeness import GpuCloseness
 
+# What placement depends on besides the capacity (GangRequest.shape): replicas, GPUs per replica, GPU model, MIG
+# profile, GPU share, required and preferred tier, CPUs, memory, segment, segment tier.
+Shape = tuple[int, int, str, str, int, str, str, int, int, int, str]
+
 FULL_MIG_MASK = 0xFF  # every memory slice of a GPU (mig.FULL_MASK): the GPU is held whole
 
 
@@ -60,7 +64,7 @@ class GangRequest:
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
     # What placement depends on besides the capacity (backfill: gangs of one shape fit or not alike), computed once
     # for the same reason.
-    shape: tuple[int, int, str, str, int, str, str, int, int, int, str] = field(init=False, repr=False, compare=False)
+    shape: Shape = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", (-self.priority, self.submitted_at, self.job_id))

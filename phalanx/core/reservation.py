@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from .capacity import ClusterCapacity
-from .model import GangRequest, Placement
+from .model import GangRequest, Placement, Shape
 from .placement import domain_of, place_gang, tier_names
 
 
@@ -117,7 +117,7 @@ class _EndOrdered(Protocol):
 
 # What placement depends on besides the capacity (`shape_of`), and what `plan_reservation` remembers per head shape
 # and set of nodes out (`ideal_cache`): the head's (tier rank, domains) on an empty cluster, False when it never fits.
-Shape = tuple[int, int, str, str, int, str, str, int, int]
+# (Shape: model.Shape.)
 _IdealKey = tuple[Shape, frozenset[str], frozenset[tuple[str, frozenset[int]]]]
 _Ideal = tuple[int, int] | Literal[False]
 

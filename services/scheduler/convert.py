@@ -7,6 +7,7 @@ from typing import Any
 from phalanx.api.v1 import common_pb2
 from phalanx.core.resources import format_size
 
+from .segment_fields import placed_segments, shape_into_spec
 from .state import JobRecord, Partial
 
 JOB_STATES = {
@@ -39,6 +40,9 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     serving = j.get("serving") or {}
     if serving:
         serving_into_spec(serving, spec)
+    shape = j.get("shape") or {}
+    if shape:
+        shape_into_spec(shape, spec)
     return spec
 
 
@@ -172,6 +176,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         service_revision=int((j.get("serving") or {}).get("revision", 0)),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
+        segment_domains=placed_segments(j["placement"] or {}),
     )
 
 

@@ -45,6 +45,7 @@ from .commands import (
     Submit,
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
+from .segment_fields import segment_never_fits, segment_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
@@ -185,6 +186,7 @@ def validate_spec(
                 "(a number with a binary unit K, M, G, T or P)"
             )
     problems += serving_problems(spec)
+    problems += segment_problems(spec, choices)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
@@ -261,6 +263,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def SubmitJob(self, request, context):
         normalize_roles(request.spec)
         validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
+        if request.spec.segment > 0:  # against the known nodes' structure (read only; no cycle needed)
+            known = ((n.name, n.gpus, tuple(n.path), n.gpu_model) for n in self.service.state.nodes.values())
+            why = segment_never_fits(known, request.spec, self.service.settings.fabric.tiers)
+            if why:
+                raise InvalidArgument("invalid job: " + why)
         check_text("request_id", request.request_id, 128)
         ident = current_identity()
         tenant = ident.tenant if ident is not None else ""

@@ -99,6 +99,8 @@ class JobRecord:
     # its leader's readiness probe passes now, and since when.
     service: str = ""
     serving: dict[str, Any] = field(default_factory=dict)
+    # How the gang is cut (jobs.shape): {"segment": S, "segment_tier": T} for a multi-level gang; {} plain
+    shape: dict[str, Any] = field(default_factory=dict)
     ready: bool = False
     ready_at: float = 0.0
     # The decision's inputs built from this record last time, with the fields they were built from
@@ -132,6 +134,8 @@ class JobRecord:
             avoid=frozenset(self.struck_nodes),
             cpu_milli=self.cpu_milli,
             memory=self.memory,
+            segment=int(self.shape.get("segment") or 0),
+            segment_tier=str(self.shape.get("segment_tier") or ""),
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:

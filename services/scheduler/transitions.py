@@ -293,6 +293,8 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
         epoch=cycle.epoch,
         master_port=port,
     )
+    if placement.segments:  # a multi-level gang: each segment's domain, segment i holding replicas i*S..
+        placement_info["segments"] = list(placement.segments)
     held = held_replicas(job)
     if held:  # --start-order: these replicas' launches wait until the first group's ranks run (release_held)
         placement_info["held"] = held

@@ -139,8 +139,7 @@ def test_random_segmented_gangs_keep_every_segment_in_one_domain(used, shape, g)
     else:
         # It waits only when the free domains really hold fewer segments than asked.
         holds = sum(
-            sum(len(n.free) // g for n in cap.members(1, d)) // s
-            for d in {domain_of(n, 1) for n in cap.nodes.values()}
+            sum(len(n.free) // g for n in cap.members(1, d)) // s for d in {domain_of(n, 1) for n in cap.nodes.values()}
         )
         assert holds < replicas // s
 

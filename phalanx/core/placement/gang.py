@@ -15,8 +15,8 @@ from ..resources import describe, format_cpus, human_size, room
 from ..shares import place_partial
 from .budget import _Budget
 from .gpus import _build, pick_gpus
-from .search import _fewest_children, _IndexView, _Objective, _take, _take_indexed
 from .result import Unplaceable
+from .search import _fewest_children, _IndexView, _Objective, _take, _take_indexed
 from .segments import place_segments
 from .tiers import tier_level, tier_names
 
@@ -269,7 +269,9 @@ def _preferred(
     want = tier_level(capacity, request.preferred_tier, fabric_tiers)
     if want is None or names.index(placement.tier) <= want:
         return placement
-    return replace(placement, reason=f"{placement.reason}; no single {request.preferred_tier} (preferred_tier) holds it now")
+    return replace(
+        placement, reason=f"{placement.reason}; no single {request.preferred_tier} (preferred_tier) holds it now"
+    )
 
 
 _QUEUE_ORDER = operator.attrgetter("order")

@@ -117,7 +117,9 @@ def place_segments(
     if notes:
         reason += " " + notes[0][notes[0].index("(exact search") :]
     spanned = outer.domains if vlevel else used
-    return Placement(request.job_id, got.replicas, names[real], spanned, float(real * 1000 + spanned), reason, tuple(order))
+    return Placement(
+        request.job_id, got.replicas, names[real], spanned, float(real * 1000 + spanned), reason, tuple(order)
+    )
 
 
 def _virtual(capacity: ClusterCapacity, level: int, holds: dict[str, int]) -> ClusterCapacity:

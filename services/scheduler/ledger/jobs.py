@@ -124,6 +124,7 @@ def job_from_row(j) -> JobRecord:
         by_admin=bool(j.get("by_admin", True)),
         service=j.get("service") or "",
         serving=dict(j.get("serving") or {}),
+        shape=dict(j.get("shape") or {}),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
     )
@@ -176,6 +177,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 by_admin=j.by_admin,
                 service=j.service,
                 serving=j.serving,
+                shape=j.shape,
                 ready=j.ready,
                 ready_at=j.ready_at,
             )
