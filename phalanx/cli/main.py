@@ -139,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         cluster.register(sub)
         demo.register(sub)
-    from . import place, sim
+    from . import fabric_export, place, sim
 
     place.register(sub)
+    fabric_export.register(sub)
     sim.register(sub)
     return parser
 

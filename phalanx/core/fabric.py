@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from .hostlist import expand_hostlist
+from .hostlist import compress_hostlist, expand_hostlist
 
 TREE_TIER_NAMES = ("leaf", "spine", "core")
 NVLINK_TIER = "nvlink"
@@ -186,7 +186,11 @@ class FabricError(ValueError):
 
 
 def parse_slurm_tree(text: str) -> Fabric:
-    """Parse Slurm topology.conf tree syntax (`SwitchName=s0 Nodes=dgx[01-04]`, `SwitchName=s1 Switches=s[0-1]`)."""
+    """Parse Slurm topology.conf tree syntax (`SwitchName=s0 Nodes=dgx[01-04]`, `SwitchName=s1 Switches=s[0-1]`).
+
+    A file in block syntax (any BlockName= or BlockSizes=) is read as such (`parse_slurm_block`)."""
+    if _is_block_syntax(text):
+        return parse_slurm_block(text)
     nodes_of: dict[str, list[str]] = {}
     children_of: dict[str, list[str]] = {}
     for lineno, raw in enumerate(text.splitlines(), 1):
@@ -196,8 +200,6 @@ def parse_slurm_tree(text: str) -> Fabric:
         fields = dict(_key_values(line, lineno))
         name = fields.get("switchname")
         if not name:
-            if "blockname" in fields:
-                raise FabricError(f"line {lineno}: block topology (BlockName=) is not supported yet; use tree syntax")
             raise FabricError(f"line {lineno}: expected SwitchName=..., got {raw.strip()!r}")
         if name in nodes_of or name in children_of:
             raise FabricError(f"line {lineno}: switch {name!r} is defined twice")
@@ -492,4 +494,45 @@ def to_slurm_tree(fabric: Fabric) -> str:
         lines.append(f"SwitchName={leaf} Nodes={','.join(members)}")
     for upper, kids in sorted(parents.items()):
         lines.append(f"SwitchName={upper} Switches={','.join(sorted(kids))}")
+    return "\n".join(lines) + "\n"
+
+
+def to_slurm_block(fabric: Fabric) -> str:
+    """Write the fabric as Slurm block syntax (`BlockName=` per block, then `BlockSizes=`), what `parse_slurm_block`
+    reads back to the same blocks and aggregates.
+
+    The blocks are the lowest tier's domains: the NVLink domains where the fabric has them (GB200 NVL72 racks, the
+    case Slurm's block topology is for), else the leaves. Blocks are written in switch order, so consecutive blocks
+    share their higher switches. BlockSizes is the largest block's node count, then one aggregate size per higher
+    tier while that tier groups the same number of consecutive blocks in every domain (Slurm aggregates are uniform;
+    the first tier that is not, and every tier above it, are left out; the trailing domain may be short). Nodes in no
+    block are left out. Raises FabricError for a fabric without tiers."""
+    if not fabric.tiers:
+        raise FabricError("the fabric has no tiers: there are no blocks to write")
+    blocks: dict[str, list[str]] = {}
+    above: dict[str, tuple[str, ...]] = {}
+    for node in sorted(fabric.paths, key=lambda n: (fabric.path(n)[::-1], n)):
+        path = fabric.path(node)
+        if not path or not path[0]:
+            continue
+        blocks.setdefault(path[0], []).append(node)
+        above.setdefault(path[0], path[1:])
+    lines = [f"BlockName={name} Nodes={compress_hostlist(members)}" for name, members in blocks.items()]
+    sizes = [max(len(m) for m in blocks.values())]
+    order = list(blocks)
+    for level in range(len(fabric.tiers) - 1):
+        runs: list[int] = []
+        for i, name in enumerate(order):
+            domain = above[name][level] if level < len(above[name]) else ""
+            prev = above[order[i - 1]][level] if i and level < len(above[order[i - 1]]) else None
+            if i and domain == prev:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        per = runs[0]  # blocks per domain of this tier: the parser groups that many consecutive blocks
+        if any(r != per for r in runs[:-1]) or runs[-1] > per or sizes[0] * per <= sizes[-1]:
+            break
+        sizes.append(sizes[0] * per)
+    if len(sizes) > 1:
+        lines.append("BlockSizes=" + ",".join(str(v) for v in sizes))
     return "\n".join(lines) + "\n"

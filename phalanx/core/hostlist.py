@@ -62,3 +62,35 @@ def _expand_one(part: str) -> list[str]:
         for value in values:
             out.extend(_expand_one(prefix + value + suffix))
     return out
+
+
+_NUMBERED = re.compile(r"(.*?)(\d+)\Z")
+
+
+def compress_hostlist(names: list[str]) -> str:
+    """The shortest Slurm hostlist of `names` this writes, in their order (`expand_hostlist` gives them back):
+    consecutive names of one prefix become one bracket of ranges (`gb[001-018]`, `n[1-3,7]`)."""
+    groups: list[tuple[str, list[list[str]]]] = []  # (prefix, runs as [first digits, last digits])
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match is None or "[" in name or "," in name:
+            groups.append((name, []))
+            continue
+        prefix, digits = match.groups()
+        if groups and groups[-1][1] and groups[-1][0] == prefix:
+            run = groups[-1][1][-1]
+            if int(digits) == int(run[1]) + 1 and str(int(digits)).zfill(len(run[0])) == digits:
+                run[1] = digits
+            else:
+                groups[-1][1].append([digits, digits])
+        else:
+            groups.append((prefix, [[digits, digits]]))
+    out = []
+    for prefix, runs in groups:
+        if not runs:
+            out.append(prefix)
+        elif len(runs) == 1 and runs[0][0] == runs[0][1]:
+            out.append(prefix + runs[0][0])
+        else:
+            out.append(prefix + "[" + ",".join(lo if lo == hi else f"{lo}-{hi}" for lo, hi in runs) + "]")
+    return ",".join(out)

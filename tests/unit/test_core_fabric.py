@@ -57,7 +57,7 @@ def test_slurm_tree_names_its_levels_leaf_spine_core():
         ("SwitchName=s0 Switches=nope", "unknown switch"),
         ("SwitchName=s0 Nodes=a\nSwitchName=s1 Nodes=a", "two leaf switches"),
         ("SwitchName=s0 Nodes=a\nSwitchName=s0 Nodes=b", "defined twice"),
-        ("BlockName=b0 Nodes=a[1-4]", "block topology"),
+        ("SwitchName=s0 Nodes=a\nBlockName=b0 Nodes=b[1-4]", "mixed with block topology"),
         ("Nodes=a", "expected SwitchName"),
         ("SwitchName=s0", "neither Nodes= nor Switches="),
     ],

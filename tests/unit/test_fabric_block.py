@@ -54,11 +54,6 @@ def test_parse_slurm_and_load_fabric_dispatch_by_content(tmp_path):
     assert load_fabric(conf).tiers == ("leaf", "spine")
 
 
-def test_the_tree_parser_still_refuses_block_lines():
-    with pytest.raises(FabricError, match="block topology"):
-        parse_slurm_tree(BLOCKS)
-
-
 @pytest.mark.parametrize(
     "text, words",
     [
@@ -89,3 +84,94 @@ def test_placement_keeps_a_gang_inside_one_aggregate():
     placement = place_gang(cap, GangRequest("j", 4, 8), fabric.tiers)
     assert placement.tier == "block2"
     assert len({fabric.path(r.node)[1] for r in placement.replicas}) == 1
+
+
+# -- writing block syntax (to_slurm_block) ----------------------------------------------------------------------
+
+
+def test_block_syntax_round_trips():
+    from phalanx.core.fabric import to_slurm_block
+
+    fabric = parse_slurm_block(BLOCKS)
+    text = to_slurm_block(fabric)
+    assert text.splitlines()[-1] == "BlockSizes=2,4,8"
+    again = parse_slurm_block(text)
+    assert again.tiers == fabric.tiers and dict(again.paths) == dict(fabric.paths)
+    assert to_slurm_block(again) == text
+
+
+def test_nvlink_domains_are_written_as_blocks_with_their_leaves_and_spines_as_aggregates():
+    from phalanx.core.fabric import default_fabric, group_nvlink_domains, to_slurm_block
+
+    # 8 NVL72-style domains of 18 nodes, 2 per leaf, 2 leaves per spine, 2 spines
+    names = [f"gb{i:03d}" for i in range(144)]
+    fabric = group_nvlink_domains(default_fabric(names, nodes_per_leaf=36, leaves_per_spine=2), 18)
+    text = to_slurm_block(fabric)
+    assert "BlockSizes=18,36,72" in text
+    back = parse_slurm(text)
+    assert back.tiers == ("block", "block2", "block3")
+    for a in names:  # the same partition at every tier: two nodes share a block (aggregate) iff they shared it
+        for b in names[::17]:
+            for level in range(3):
+                assert (back.path(a)[level] == back.path(b)[level]) == (fabric.path(a)[level] == fabric.path(b)[level])
+
+
+def test_non_uniform_tiers_are_left_out_and_a_fabric_without_tiers_is_refused():
+    from phalanx.core.fabric import Fabric, default_fabric, to_slurm_block
+
+    # 3 leaves of 4 nodes under spine0, 1 leaf under spine1: the spines do not group leaves uniformly... they do
+    # (the last group may be short); 2 leaves under spine0 and 3 under spine1 do not.
+    paths = {f"n{i}": (f"leaf{i // 2}", "spine0" if i < 4 else "spine1") for i in range(10)}
+    text = to_slurm_block(Fabric(tiers=("leaf", "spine"), paths=paths))
+    assert "BlockSizes" not in text and text.count("BlockName=") == 5
+    assert parse_slurm(text).tiers == ("block",)
+    short = to_slurm_block(default_fabric([f"n{i}" for i in range(12)], nodes_per_leaf=4, leaves_per_spine=2))
+    assert short.splitlines()[-1] == "BlockSizes=4,8"
+    with pytest.raises(FabricError, match="no tiers"):
+        to_slurm_block(Fabric())
+
+
+def test_the_tree_parser_reads_block_syntax():
+    assert parse_slurm_tree(BLOCKS) == parse_slurm_block(BLOCKS)
+
+
+@pytest.mark.parametrize(
+    "names, text",
+    [
+        (["gb001", "gb002", "gb003"], "gb[001-003]"),
+        (["n9", "n10", "n11"], "n[9-11]"),
+        (["gb001", "gb002", "gb004", "x", "a1", "a01", "a02"], "gb[001-002,004],x,a[1,01-02]"),
+        (["n1"], "n1"),
+        (["dgx-a", "dgx-b"], "dgx-a,dgx-b"),
+    ],
+)
+def test_hostlists_compress_and_expand_back(names, text):
+    from phalanx.core.hostlist import compress_hostlist, expand_hostlist
+
+    assert compress_hostlist(names) == text
+    assert expand_hostlist(text) == names
+
+
+def test_phalanx_fabric_export_writes_block_syntax(tmp_path, capsys):
+    from phalanx.cli.main import main
+
+    conf = tmp_path / "topology.conf"
+    conf.write_text(
+        "SwitchName=leaf0 Nodes=gb[001-036]\nSwitchName=leaf1 Nodes=gb[037-072]\nSwitchName=s Switches=leaf[0-1]\n"
+    )
+    assert main(["fabric", "export", "--fabric", str(conf), "--nvlink-domain-nodes", "18"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "BlockName=nvl-0 Nodes=gb[001-018]",
+        "BlockName=nvl-1 Nodes=gb[019-036]",
+        "BlockName=nvl-2 Nodes=gb[037-054]",
+        "BlockName=nvl-3 Nodes=gb[055-072]",
+        "BlockSizes=18,36,72",
+    ]
+    blocks = tmp_path / "blocks.conf"
+    blocks.write_text(out)
+    assert main(["fabric", "export", "--fabric", str(blocks), "--format", "slurm-tree"]) == 0
+    tree = capsys.readouterr().out
+    assert "SwitchName=nvl-0 Nodes=gb001,gb002," in tree and "SwitchName=agg2-0 Switches=nvl-0,nvl-1" in tree
+    assert main(["fabric", "export", "--fabric", str(tmp_path / "none.conf")]) == 2
+    assert "does not exist" in capsys.readouterr().err
