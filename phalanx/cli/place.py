@@ -17,9 +17,9 @@ places at the lowest tier it can). ``mig`` (a MIG profile such as ``"3g.40gb"``,
 or ``gpu_milli`` (1-999 thousandths of a GPU) make each replica a partial GPU (``gpus_per_replica`` is then 1 and may
 be left out), placed by the FGD-style fragmentation score. A malformed line is refused per line (its reason names
 the line number); the run goes on. ``segment`` (replicas per segment, dividing ``replicas``) and ``segment_tier``
-make it a multi-level gang (see placement/segments.py). ``--mig-gpus`` (``all`` or a comma list of indexes, e.g. ``7``) puts those GPUs
-of every node in MIG mode: MIG requests go only there, whole-GPU and ``gpu_milli`` requests never there (without
-it no GPU is in MIG mode, so no MIG request is placed).
+make it a multi-level gang (see placement/segments.py). ``--mig-gpus`` (``all`` or a comma list of indexes, e.g.
+``7``) puts those GPUs of every node in MIG mode: MIG requests go only there, whole-GPU and ``gpu_milli`` requests
+never there (without it no GPU is in MIG mode, so no MIG request is placed).
 
 Output, one line per request (and per release), then a summary line. With ``--json`` every such line is one JSON
 object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}, plus "slices": [{"gpu", "profile",
