@@ -55,12 +55,12 @@ def waiting_message(after: Sequence[Mapping[str, Any]]) -> str:
 def failure_reason(job_id: str, condition: str, state: str) -> str:
     """Why a dependent job failed: its dependency ended in a state that can never meet its condition."""
     want = {OK: "succeed", NOTOK: "fail or be cancelled", ANY: "end"}[normalize(condition)]
-    return f"dependency_failed: job {job_id} ended {state}, and this job needed it to {want} (after{normalize(condition)})"
+    return (
+        f"dependency_failed: job {job_id} ended {state}, and this job needed it to {want} (after{normalize(condition)})"
+    )
 
 
-def resolve(
-    after: Sequence[Mapping[str, Any]], states: Mapping[str, str]
-) -> tuple[list[dict[str, Any]], str | None]:
+def resolve(after: Sequence[Mapping[str, Any]], states: Mapping[str, str]) -> tuple[list[dict[str, Any]], str | None]:
     """Apply the final `states` (job id -> state) of the jobs it names to a dependency list: the list with the met
     ones marked, and the reason it can never run (None while it still can)."""
     out: list[dict[str, Any]] = []

@@ -155,7 +155,15 @@ def _finish(cycle: Cycle, job: JobRecord, final: str, message: str, **changes: A
 def new_array(text: str, max_size: int) -> dict[str, Any]:
     """An array parent's `array` JSON at submission: its spec, size and limit, nothing started."""
     spec = parse_array(text, max_size)
-    return {"spec": spec.text, "tasks": spec.size, "limit": spec.limit, "next": 0, "live": {}, "succeeded": 0, "failed": 0}
+    return {
+        "spec": spec.text,
+        "tasks": spec.size,
+        "limit": spec.limit,
+        "next": 0,
+        "live": {},
+        "succeeded": 0,
+        "failed": 0,
+    }
 
 
 def array_message(array: dict[str, Any]) -> str:
@@ -251,7 +259,7 @@ def new_task(parent: JobRecord, index: int, spec: Any) -> JobRecord:
 
 def cancel_tasks(cycle: Cycle, parent: JobRecord) -> None:
     """CancelJob on an array's parent: its tasks that have started are cancelled with it, and no more start."""
-    for task_id in list((parent.array.get("live") or {})):
+    for task_id in list(parent.array.get("live") or {}):
         task = cycle.state.jobs.get(task_id)
         if task is None:
             continue

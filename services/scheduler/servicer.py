@@ -45,8 +45,8 @@ from .commands import (
     Submit,
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
-from .service import SchedulerService
 from .graph_fields import DEFAULT_MAX_ARRAY_SIZE, graph_problems
+from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
 

@@ -15,7 +15,11 @@ from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
-SUCCEEDED, FAILED, CANCELLED = common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED
+SUCCEEDED, FAILED, CANCELLED = (
+    common_pb2.JOB_STATE_SUCCEEDED,
+    common_pb2.JOB_STATE_FAILED,
+    common_pb2.JOB_STATE_CANCELLED,
+)
 
 
 def cluster(db_url: str, nodes: int = 2, **settings) -> LiteCluster:
@@ -141,9 +145,7 @@ async def test_an_array_of_20_with_limit_3_runs_at_most_3_and_each_task_gets_its
 
         async def done():
             nonlocal most
-            ((running,),) = c.sql(
-                "SELECT count(*) FROM jobs WHERE array_parent = :p AND state = 'RUNNING'", p=array.id
-            )
+            ((running,),) = c.sql("SELECT count(*) FROM jobs WHERE array_parent = :p AND state = 'RUNNING'", p=array.id)
             most = max(most, running)
             job = await c.job(array.id)
             return job if job.state != PENDING else None
@@ -162,7 +164,10 @@ async def test_an_array_of_20_with_limit_3_runs_at_most_3_and_each_task_gets_its
         for k in range(3, len(tasks)):
             assert sum(1 for t in tasks[:k] if t[2] > tasks[k][1]) < 3
         env = {
-            launch.job_id: dict(launch.env) for agent in c.agents for launch in agent.launched if launch.job_id != after.id
+            launch.job_id: dict(launch.env)
+            for agent in c.agents
+            for launch in agent.launched
+            if launch.job_id != after.id
         }
         assert sorted(int(e["PHALANX_ARRAY_TASK_ID"]) for e in env.values()) == list(range(20))
         assert {e["PHALANX_ARRAY_JOB_ID"] for e in env.values()} == {array.id}

@@ -103,7 +103,10 @@ def test_resolve_marks_met_dependencies_and_names_the_first_that_never_can_be():
     assert [d["met"] for d in resolved] == [True, False, False] and reason is None
     assert dependencies.waiting_message(resolved) == "waits for job b to fail (and 1 more dependencies)"
     resolved, reason = dependencies.resolve(resolved, {"b": "SUCCEEDED", "c": "FAILED"})
-    assert reason == "dependency_failed: job b ended SUCCEEDED, and this job needed it to fail or be cancelled (afternotok)"
+    assert (
+        reason
+        == "dependency_failed: job b ended SUCCEEDED, and this job needed it to fail or be cancelled (afternotok)"
+    )
     assert after[0]["met"] is False  # the input is left as it was
     assert dependencies.waiting_message([{"job_id": "a", "condition": "ok", "met": True}]) == ""
 
