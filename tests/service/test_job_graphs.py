@@ -10,8 +10,9 @@ from helpers.lite_cluster import LiteCluster
 from helpers.procs import eventually
 from helpers.waits import next_cycle
 
-from phalanx.api.v1 import common_pb2, scheduler_pb2
+from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
@@ -216,3 +217,59 @@ async def test_a_failed_task_fails_the_array_and_an_afternotok_job_runs(db_url):
         assert (await ended(c, cleanup.id)).state == SUCCEEDED
         indices = sorted(r[0] for r in c.sql("SELECT array_task FROM jobs WHERE array_parent = :p", p=array.id))
         assert indices == [1, 3, 5, 6]
+
+
+async def test_an_end_a_follower_committed_reaches_the_leaders_dependency_check(db_url):
+    """Two replicas on one ledger: the follower (B) takes the submissions and the cancel that ends the dependency;
+    the leader (A) hears of them as deltas (ledger_changes) and its pass resolves the dependencies and runs the
+    array it never saw submitted."""
+
+    def settings(replica: str) -> SchedulerSettings:
+        return SchedulerSettings(
+            db_url=db_url, listen="127.0.0.1:0", replica_id=replica, leader_lease_s=30.0, poll_interval=0.2
+        )
+
+    a = await serve(settings("replica-a"))
+    await eventually(lambda: _now(a.service.leading), what="replica A to lead")
+    b = await serve(settings("replica-b"))
+    agents = [LiteAgent(a.address, f"node-{i}") for i in range(2)]
+    for agent in agents:
+        await agent.start()
+    channels = [grpc.aio.insecure_channel(r.address) for r in (a, b)]
+    leader, follower = (scheduler_pb2_grpc.SchedulerStub(ch) for ch in channels)
+    try:
+
+        async def submit(stub, name, command=("sleep", "0.1"), **kw):
+            spec = common_pb2.JobSpec(name=name, replicas=1, gpus_per_replica=8, command=list(command), **kw)
+            return await stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec), timeout=30)
+
+        async def end(job_id):
+            async def check():
+                job = await leader.GetJob(scheduler_pb2.GetJobRequest(job_id=job_id))
+                return job if job.state in (SUCCEEDED, FAILED, CANCELLED) else None
+
+            return await eventually(check, timeout=30, what=f"job {job_id} ended")
+
+        blocker = await submit(leader, "blocker", ("run",))
+        needs_ok = await submit(follower, "needs-ok", after=[dep(blocker.id)])
+        needs_notok = await submit(follower, "needs-notok", after=[dep(blocker.id, "notok")])
+        array = await submit(follower, "arr", array="0-3%1", after=[dep(blocker.id, "any")])
+        await follower.CancelJob(scheduler_pb2.CancelJobRequest(job_id=blocker.id), timeout=30)
+        failed = await end(needs_ok.id)
+        assert failed.state == FAILED and failed.message.startswith(
+            f"dependency_failed: job {blocker.id} ended CANCELLED"
+        )
+        assert (await end(needs_notok.id)).state == SUCCEEDED
+        done = await end(array.id)
+        assert done.state == SUCCEEDED and done.array.succeeded == 4
+    finally:
+        for agent in agents:
+            await agent.stop()
+        for ch in channels:
+            await ch.close()
+        await b.stop()
+        await a.stop()
+
+
+async def _now(value):
+    return value
