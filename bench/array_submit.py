@@ -1,9 +1,11 @@
 """Submitting a 10,000-task job array against submitting one plain job, through the gRPC API.
 
 An in-process scheduler (services.scheduler.main.serve) on a fresh ledger (SQLite in a temporary directory, or a
-scratch PostgreSQL database made and dropped through --pg ADMIN_URL, e.g. postgresql+psycopg://postgres@127.0.0.1/test) with --nodes lightweight agents of 8 GPUs (phalanx.testing.lite_agent). SubmitJob answers
-once the cycle that took the submission committed, so each figure is the whole round trip: the checks, the ledger
-write and the scheduling pass after it. The two kinds of submission alternate, --repeat times each:
+scratch PostgreSQL database made and dropped through --pg ADMIN_URL, such as
+postgresql+psycopg://postgres@127.0.0.1/test) with --nodes lightweight agents of 8 GPUs
+(phalanx.testing.lite_agent). SubmitJob answers once the cycle that took the submission committed, so each figure
+is the whole round trip: the checks, the ledger write and the scheduling pass after it. The two kinds of submission
+alternate, --repeat times each:
 - plain: one gang of 1 x 8 GPUs;
 - array: the same gang with --array 0-9999 (or --tasks): one ledger row for the array, plus the tasks the pass
   creates to place at once (none can start on the full cluster, so one, which holds its place in the queue).
