@@ -18,7 +18,7 @@ from phalanx.core import dependencies
 from phalanx.core.arrays import DEFAULT_MAX_ARRAY_SIZE, ArrayError, parse_array
 from services.common.errors import InvalidArgument
 
-from .jobgraph import final_states, new_array
+from .jobgraph import new_array, states_and_tenants
 from .state import JobRecord
 from .transitions import Cycle
 
@@ -65,7 +65,7 @@ class SubmitGraph:
         self.cycle = cycle
         jobs = cycle.state.jobs
         named = {d.job_id for spec in specs for d in spec.after if d.job_id not in jobs}
-        self.ended: dict[str, str] = cycle.work.ask(final_states, named) if named else {}
+        self.ended: dict[str, tuple[str, str]] = cycle.work.ask(states_and_tenants, named) if named else {}
 
     def check(self, spec: common_pb2.JobSpec, tenant: str, admin: bool, job_id: str = "") -> list[dict[str, Any]]:
         """The dependencies of a job submitted with `spec` (`job_id`: the job a repeated request id names), met
@@ -77,14 +77,11 @@ class SubmitGraph:
             other = jobs.get(dep["job_id"])
             if dep["job_id"] == job_id:
                 raise InvalidArgument(f"job {job_id} cannot wait for itself")
-            if other is not None:
-                if other.tenant != tenant and tenant and not admin:
-                    raise InvalidArgument(f"unknown dependency: no job with id {dep['job_id']!r}")
-                continue
-            state = self.ended.get(dep["job_id"])
-            if state is None:
+            state, owner = (other.state, other.tenant) if other is not None else self.ended.get(dep["job_id"], ("", ""))
+            if not state or (owner != tenant and tenant and not admin):  # another tenant's job is not known to a user
                 raise InvalidArgument(f"unknown dependency: no job with id {dep['job_id']!r}")
-            states[dep["job_id"]] = state
+            if other is None:
+                states[dep["job_id"]] = state
         after, reason = dependencies.resolve(after, states)
         if reason is not None:
             raise InvalidArgument(f"dependency can never be met: {reason.removeprefix('dependency_failed: ')}")

@@ -54,15 +54,20 @@ def not_before(job: JobRecord) -> float:
 
 def final_states(conn: Connection, ids: Iterable[str]) -> dict[str, str]:
     """The states of the jobs `ids` that the ledger has (finished ones moved to job_archive included)."""
+    return {job_id: state for job_id, (state, _) in states_and_tenants(conn, ids).items()}
+
+
+def states_and_tenants(conn: Connection, ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """(state, tenant) of the jobs `ids` that the ledger has, in `jobs` or moved to job_archive."""
     wanted = sorted(set(ids))
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, str]] = {}
     for start in range(0, len(wanted), 500):
         chunk = wanted[start : start + 500]
-        out.update({r.id: r.state for r in conn.execute(select(Job.id, Job.state).where(Job.id.in_(chunk)))})
-        missing = [i for i in chunk if i not in out]
-        if missing:
-            rows = conn.execute(select(JobArchive.id, JobArchive.state).where(JobArchive.id.in_(missing)))
-            out.update({r.id: r.state for r in rows})
+        for table in (Job, JobArchive):
+            missing = [i for i in chunk if i not in out]
+            if missing:
+                rows = conn.execute(select(table.id, table.state, table.tenant).where(table.id.in_(missing)))
+                out.update({r.id: (r.state, r.tenant or "") for r in rows})
     return out
 
 
