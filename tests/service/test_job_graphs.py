@@ -45,6 +45,16 @@ async def _rows_at_least(c: LiteCluster, n: int) -> bool:
     return job_rows(c) >= n
 
 
+async def gate(c: LiteCluster) -> common_pb2.Job:
+    """A gang that runs until it is cancelled: the jobs after it (`any`) wait for the test to open it (`open_gate`),
+    so that what they start is submitted before they end, however slow the machine."""
+    return await c.submit("gate", 1, 8, ("run",))
+
+
+async def open_gate(c: LiteCluster, job: common_pb2.Job) -> None:
+    await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id))
+
+
 def job_rows(c: LiteCluster) -> int:
     ((count,),) = c.sql("SELECT count(*) FROM jobs")
     return count
@@ -52,13 +62,15 @@ def job_rows(c: LiteCluster) -> int:
 
 async def test_a_dependent_job_runs_only_after_its_dependency_succeeded(db_url):
     async with cluster(db_url) as c:
-        first = await c.submit("first", 1, 8, ("sleep", "0.5"))
+        g = await gate(c)
+        first = await c.submit("first", 1, 8, ("sleep", "0.2"), after=[dep(g.id, "any")])
         then = await c.submit("then", 1, 8, ("sleep", "0.1"), after=[dep(first.id)])
         waiting = await c.job(then.id)
         assert waiting.state == PENDING, waiting
         assert waiting.message == f"waits for job {first.id} to succeed"
         assert [d.job_id for d in waiting.waiting_for] == [first.id]
         assert [(d.job_id, d.condition) for d in waiting.spec.after] == [(first.id, "ok")]
+        await open_gate(c, g)
         done_first = await ended(c, first.id)
         done_then = await ended(c, then.id)
         assert (done_first.state, done_then.state) == (SUCCEEDED, SUCCEEDED)
@@ -68,11 +80,13 @@ async def test_a_dependent_job_runs_only_after_its_dependency_succeeded(db_url):
 
 async def test_a_dependency_that_can_never_be_met_fails_the_job_and_its_dependents(db_url):
     async with cluster(db_url) as c:
-        bad = await c.submit("bad", 1, 8, ("exit", "3"))
+        g = await gate(c)
+        bad = await c.submit("bad", 1, 8, ("exit", "3"), after=[dep(g.id, "any")])
         ok_after = await c.submit("needs-ok", 1, 8, ("sleep", "0.1"), after=[dep(bad.id, "ok")])
         chained = await c.submit("chained", 1, 8, ("sleep", "0.1"), after=[dep(ok_after.id)])
         cleanup = await c.submit("cleanup", 1, 8, ("sleep", "0.1"), after=[dep(bad.id, "notok")])
         anyway = await c.submit("anyway", 1, 8, ("sleep", "0.1"), after=[dep(bad.id, "any")])
+        await open_gate(c, g)
         failed = await ended(c, ok_after.id)
         assert failed.state == FAILED and failed.message.startswith(f"dependency_failed: job {bad.id} ended FAILED")
         assert failed.started_at == 0  # it never ran
@@ -210,8 +224,10 @@ async def test_an_array_is_one_row_until_its_tasks_start_and_cancel_takes_its_ta
 
 async def test_a_failed_task_fails_the_array_and_an_afternotok_job_runs(db_url):
     async with cluster(db_url) as c:
-        array = await c.submit("flaky", 1, 8, ("exit", "1"), array="1,3,5-6")
+        g = await gate(c)
+        array = await c.submit("flaky", 1, 8, ("exit", "1"), array="1,3,5-6", after=[dep(g.id, "any")])
         cleanup = await c.submit("cleanup", 1, 8, ("sleep", "0.05"), after=[dep(array.id, "notok")])
+        await open_gate(c, g)
         parent = await ended(c, array.id)
         assert parent.state == FAILED and (parent.array.tasks, parent.array.failed) == (4, 4)
         assert (await ended(c, cleanup.id)).state == SUCCEEDED
