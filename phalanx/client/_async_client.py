@@ -162,6 +162,8 @@ class AsyncClient(AsyncServiceCalls):
         memory_per_replica: str | int = "",
         segment: int = 0,
         segment_tier: str = "",
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -187,6 +189,8 @@ class AsyncClient(AsyncServiceCalls):
             memory_per_replica: Memory each replica reserves and is limited to: a size ("512M", "64G") or bytes.
             segment: Replicas per segment of a multi-level gang (it must divide ``replicas``; 0: none).
             segment_tier: The tier each segment lies in ("": the NVLink domain, else the leaf).
+            after: Jobs this one waits for ("JOB", "JOB:notok", "JOB:any", or (job id, condition) pairs).
+            array: An array of tasks in Slurm's --array syntax ("0-99%8").
 
         Returns:
             The job as accepted by the scheduler.
@@ -213,6 +217,8 @@ class AsyncClient(AsyncServiceCalls):
             memory_per_replica=memory_per_replica,
             segment=segment,
             segment_tier=segment_tier,
+            after=after,
+            array=array,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

@@ -26,6 +26,7 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
     resolve_token,
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
+from ._graph import dependency_messages
 from ._services import ServiceCalls, service_stub
 from ._types import (
     TERMINAL_STATES,
@@ -108,6 +109,8 @@ def build_submit_request(
     memory_per_replica: str | int = "",
     segment: int = 0,
     segment_tier: str = "",
+    after: Iterable[str | tuple[str, str]] | str | None = None,
+    array: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -136,6 +139,8 @@ def build_submit_request(
         ),
         segment=int(segment or 0),
         segment_tier=str(segment_tier or ""),
+        after=dependency_messages(after),
+        array=str(array or ""),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -290,6 +295,8 @@ class Client(ServiceCalls):
         memory_per_replica: str | int = "",
         segment: int = 0,
         segment_tier: str = "",
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -321,11 +328,12 @@ class Client(ServiceCalls):
             memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
                 it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
                 number of bytes; "" or 0: none reserved and no limit.
-            segment: A multi-level gang: replicas / segment segments of this many replicas, each wholly inside one
-                domain of ``segment_tier``, spread over as few higher-tier domains as possible, a segment's ranks
-                contiguous; it must divide ``replicas`` (0: no segments).
-            segment_tier: The tier each segment lies in ("": the NVLink domain where the fabric has one, else the
-                leaf).
+            segment: Replicas per segment (0: none), each segment in one domain of ``segment_tier`` ("": NVLink, else leaf).
+            after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
+                condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
+                "any" to end; a dependency that can no longer be met fails this job ("dependency_failed: ...").
+            array: Submit an array of tasks in Slurm's --array syntax ("0-99%8": indices 0-99, at most 8 at once;
+                "1,3,5-7"; "0-99:2"). Each task runs the same gang with PHALANX_ARRAY_TASK_ID set.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -358,6 +366,8 @@ class Client(ServiceCalls):
             memory_per_replica=memory_per_replica,
             segment=segment,
             segment_tier=segment_tier,
+            after=after,
+            array=array,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 
