@@ -29,6 +29,9 @@ What one decision does, in order (numbered as `decide` runs them):
    claims where it will go (`SetClaim`); with a zero grace period they are stopped at once and the pass runs again
    (2-4), as long as preemptions stop gangs. Otherwise it waits holding nothing (`Wait`, with why), and a claim
    that nothing would now make good ends.
+5. Elastic gangs (phalanx.core.elastic). An elastic gang is placed at the most replicas that fit between its
+   minimum and maximum; a running one below its maximum is asked to checkpoint for a grow when what is left fits
+   it bigger, and is restarted at the bigger size (step 1, as its own victim) once that is committed.
 
 The invariants every plan must keep, whatever the combination of these features, are written in
 phalanx.core.invariants and checked on generated scenarios (tests/unit/test_scheduling_invariants.py,
@@ -53,6 +56,7 @@ from typing import Any
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .claims import Claim, ClaimShield, outside, with_claimed
+from .elastic import finish_grow, plan_grows, resizing
 from .model import Placement, ReplicaPlacement
 from .plan import AskCheckpoint, CallOff, EndClaim, Plan, Reserve, SetClaim, Step, Stop, Wait, WakeAt
 from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
@@ -137,6 +141,7 @@ def decide(snapshot: Snapshot, now: float, *, after_blocked: AfterBlocked | None
         d.steps.append(Wait(head.job_id, status, result.reservation))
         if not stopped:
             break
+    plan_grows(d)  # 5. elastic gangs below their maximum grow into what is left (phalanx.core.elastic)
     return d.plan()
 
 
@@ -287,6 +292,9 @@ class _Decision:
         stopped = False
         for vid in sorted(self.preempting, key=self._running_order):
             victim = self.get(vid)
+            if resizing(victim):  # an elastic gang checkpointing for its own grow (phalanx.core.elastic)
+                stopped = finish_grow(self, victim) or stopped
+                continue
             by = self.pending.get(victim.preempted_by)
             if by is None or by.job_id in self.reserved:
                 self._set_running(_replace_victim(victim, "", 0.0))

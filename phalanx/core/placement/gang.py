@@ -50,9 +50,16 @@ def place_gang(
     domain of the preferred tier whenever one fits, and otherwise at the lowest tier above it that fits (the
     reason then says the preference was not met).
 
+    An elastic gang (`request.min_replicas`) gets the most replicas that fit, from `replicas` down to its minimum
+    (placement.elastic).
+
     `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
     else is it placed as if they were not struck.
     """
+    if request.elastic:  # the most replicas that fit, between its minimum and maximum (placement.elastic)
+        from .elastic import place_elastic
+
+        return place_elastic(request, lambda fixed: place_gang(capacity, fixed, fabric_tiers, budget_ms=budget_ms, cells=cells))
     bounds = (capacity.placement_budget_ms if budget_ms is None else budget_ms, cells)
     if request.cpu_milli or request.memory:
         return _with_host_resources(capacity, request, fabric_tiers, bounds)
