@@ -106,6 +106,7 @@ def build_submit_request(
     keep_checkpoints: int = 0,
     cpus_per_replica: float = 0,
     memory_per_replica: str | int = "",
+    min_replicas: int = 0,
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -132,6 +133,7 @@ def build_submit_request(
             if isinstance(memory_per_replica, int) and memory_per_replica
             else str(memory_per_replica or "")
         ),
+        min_replicas=int(min_replicas or 0),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -284,6 +286,7 @@ class Client(ServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
+        min_replicas: int = 0,
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -315,6 +318,10 @@ class Client(ServiceCalls):
             memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
                 it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
                 number of bytes; "" or 0: none reserved and no limit.
+            min_replicas: An elastic gang: it starts once this many replicas fit, takes as many as fit up to
+                ``replicas`` (its maximum), grows towards it as capacity frees and shrinks (down to this) when a
+                node of it is lost, each time restarting from its last committed checkpoint at the new world size.
+                0: not elastic.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -345,6 +352,7 @@ class Client(ServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
+            min_replicas=min_replicas,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

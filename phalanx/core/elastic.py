@@ -22,16 +22,40 @@ Thrash is bounded: at most one grow per `grow_interval_s` per gang, each by at l
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from .capacity import ClusterCapacity
 from .model import GangRequest, Placement
 from .placement import domain_members, place_gang
-from .plan import AskCheckpoint, CallOff, Stop
-from .snapshot import ElasticPolicy, PendingJob, RunningJob
+from .plan import AskCheckpoint, CallOff, Step, Stop
+from .snapshot import DecideConfig, ElasticPolicy, PendingJob, RunningJob, Snapshot
 
-if TYPE_CHECKING:
-    from .decide import _Decision
+
+class _Decision(Protocol):
+    """What this module uses of a decision's working view (decide._Decision; named here, not imported: decide
+    imports this module)."""
+
+    snap: Snapshot
+    config: DecideConfig
+    cap: ClusterCapacity
+    now: float
+    removed: set[str]
+    preempting: set[str]
+    pending: dict[str, PendingJob]
+    steps: list[Step]
+    handover_to: set[str]
+
+    def get(self, job_id: str) -> RunningJob: ...
+    def running(self) -> Iterator[tuple[str, RunningJob]]: ...
+    def wake_at(self, t: float) -> None: ...
+    def ready(self) -> list[PendingJob]: ...
+    def serve(
+        self, pending: Sequence[PendingJob], *, backfill: bool, memo: dict[str, Any] | None, depth: int | None
+    ) -> Any: ...
+    def _set_running(self, job: RunningJob) -> None: ...
+    def _release(self, job: RunningJob) -> None: ...
 
 
 def size(job: RunningJob) -> int:

@@ -87,7 +87,7 @@ class ElasticPolicy:
     its attempt); `min_step` and `min_fraction`: by at least this many replicas and this fraction of its size (or
     to its maximum); `grace_period_s`: how long its checkpoint before the restart may take."""
 
-    grow_interval_s: float = 60.0
+    grow_interval_s: float = 300.0
     min_step: int = 1
     min_fraction: float = 0.25
     grace_period_s: float = 60.0

@@ -26,6 +26,7 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
+from .elastic_fields import shape_of_spec
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -123,6 +124,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
             service=sub.service,
             serving={**serving_of_spec(spec), **(sub.replica_of or {})},
+            shape=shape_of_spec(spec),
         )
         new.append(job)
         results[i] = job

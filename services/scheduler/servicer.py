@@ -45,6 +45,7 @@ from .commands import (
     Submit,
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
+from .elastic_fields import elastic_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
@@ -185,6 +186,7 @@ def validate_spec(
                 "(a number with a binary unit K, M, G, T or P)"
             )
     problems += serving_problems(spec)
+    problems += elastic_problems(spec)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 

@@ -126,6 +126,7 @@ def job_from_row(j) -> JobRecord:
         serving=dict(j.get("serving") or {}),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
+        shape=dict(j.get("shape") or {}),
     )
 
 
@@ -178,6 +179,7 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 serving=j.serving,
                 ready=j.ready,
                 ready_at=j.ready_at,
+                shape=j.shape,
             )
             for j in jobs
         ],
