@@ -26,7 +26,7 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
-from .elastic_fields import shape_of_spec
+from .elastic_fields import shape_of_spec, smallest
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -85,10 +85,11 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             results[i] = by_request[sub.request_id]
             continue
         try:
-            check_fits_ever(cycle.state, sub.spec)
-            check_fits_model(cycle.state, sub.spec)
-            check_fits_host_resources(cycle.state, sub.spec)
-            check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
+            fits = smallest(sub.spec)  # an elastic gang needs only its minimum to fit
+            check_fits_ever(cycle.state, fits)
+            check_fits_model(cycle.state, fits)
+            check_fits_host_resources(cycle.state, fits)
+            check_fits_required_tier(cycle.state, fits, cycle.settings.fabric.tiers)
             check_queue(cycle.state, sub.spec, sub.tenant)
             if not sub.admin:
                 check_priority(cycle.state, sub.spec)

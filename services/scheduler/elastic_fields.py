@@ -35,6 +35,17 @@ def elastic_problems(spec: common_pb2.JobSpec) -> list[str]:
     return problems
 
 
+def smallest(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
+    """The gang at its minimum size, for the checks of whether it could ever fit (an elastic gang whose maximum
+    exceeds the cluster runs at what fits); `spec` itself when it is not elastic."""
+    if not 0 < spec.min_replicas < spec.replicas:
+        return spec
+    small = common_pb2.JobSpec()
+    small.CopyFrom(spec)
+    small.replicas = spec.min_replicas
+    return small
+
+
 def shape_of_spec(spec: common_pb2.JobSpec) -> dict[str, Any]:
     """The job's `shape` keys for its elastic fields ({} when it is not elastic, or MIN equals MAX)."""
     if 0 < spec.min_replicas < spec.replicas:
