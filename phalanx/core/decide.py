@@ -56,7 +56,7 @@ from typing import Any
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .claims import Claim, ClaimShield, outside, with_claimed
-from .elastic import finish_grow, plan_grows, resizing
+from .elastic import finish_grow, plan_grows, resizing, restarting
 from .model import Placement, ReplicaPlacement
 from .plan import AskCheckpoint, CallOff, EndClaim, Plan, Reserve, SetClaim, Step, Stop, Wait, WakeAt
 from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
@@ -347,6 +347,9 @@ class _Decision:
             for p in self.pending.values():
                 if p.not_before > now:
                     self.wake_at(p.not_before)
+        if self.releasing and (waits := restarting(self)):  # elastic gangs waiting for their own GPUs' release
+            out = [p for p in out if p.job_id not in waits]
+            self.wake_at(now + self.config.poll_s)
         return out
 
     def book(self) -> QuotaBook | None:

@@ -46,6 +46,7 @@ class _Decision(Protocol):
     pending: dict[str, PendingJob]
     steps: list[Step]
     handover_to: set[str]
+    releasing: list[Placement]
 
     def get(self, job_id: str) -> RunningJob: ...
     def running(self) -> Iterator[tuple[str, RunningJob]]: ...
@@ -88,7 +89,8 @@ def plan_grows(d: _Decision) -> None:
     for job in candidates:
         if job.job_id in d.preempting or job.request.priority <= top:
             continue
-        due = job.started_at + policy.grow_interval_s
+        # From the attempt's start, or from its last grow called off (its deadline is kept: RunningJob.deadline).
+        due = max(job.started_at, job.deadline) + policy.grow_interval_s
         if d.now < due:
             d.wake_at(due)
             continue
@@ -105,37 +107,54 @@ def finish_grow(d: _Decision, job: RunningJob) -> bool:
         d.wake_at(min(job.deadline, now + d.config.poll_s))  # its commit clears the request unannounced: look again
         return False
     policy = d.config.elastic or ElasticPolicy()
-    got = None
-    if job.request.priority > _waiting_priority(d, vid):
-        got = bigger(d, job, grow_target(job, policy))
+    got, why = None, "its checkpoint was not committed within its grace period (a grow never loses work)"
+    if not job.checkpoint_pending:
+        why = "a gang of equal or higher priority waits for the capacity"
+        if job.request.priority > _waiting_priority(d, vid):
+            why = "the capacity it would take is no longer free"
+            got = bigger(d, job, grow_target(job, policy))
     if got is None:
-        d._set_running(replace(job, preempted_by="", deadline=0.0, checkpoint_pending=True))
+        # The deadline stays, as when it last tried: the next grow waits a whole interval from it (plan_grows).
+        d._set_running(replace(job, preempted_by="", checkpoint_pending=True))
         d.preempting.discard(vid)
         d.steps.append(
             CallOff(
                 vid,
-                f"running at {size(job)} of at most {job.request.replicas} replicas; the grow was called off: "
-                "the capacity it would take is no longer free, or a gang of equal or higher priority waits for it",
+                f"running at {size(job)} of at most {job.request.replicas} replicas; the grow was called off: {why}",
             )
         )
         return False
-    why = (
-        "its checkpoint is committed"
-        if not job.checkpoint_pending
-        else f"its {policy.grace_period_s:g}s grace period ended without a new committed checkpoint"
-    )
     d._release(job)
     d.pending[vid] = PendingJob(_preferring(d, job.request, job.placement), job.queue)  # placed in this very pass
     d.steps.append(
         Stop(
             vid,
-            f"elastic grow from {size(job)} towards {len(got.replicas)} replicas: {why}; it restarts at the new size "
-            "from its last committed checkpoint",
+            f"elastic grow from {size(job)} towards {len(got.replicas)} replicas: its checkpoint is committed; it "
+            "restarts at the new size from it",
             resize=True,
         )
     )
     d.handover_to.add(vid)
     return True
+
+
+def restarting(d: _Decision) -> set[str]:
+    """The pending elastic gangs whose last attempt's GPUs are still being released on nodes in service (their
+    nodes confirm that its processes are gone: the clean handover). Such a gang, stopped to grow or shrunk after a
+    loss, waits for them rather than restart on what happens to be free first, smaller, and grow back later (a
+    thrash); the releases come within moments, and each is a change the scheduler decides on."""
+    out: set[str] = set()
+    for held in d.releasing:
+        job_id = held.job_id.split("/", 1)[0]
+        pending = d.pending.get(job_id)
+        if pending is None or not pending.request.elastic or job_id in out:
+            continue
+        for rep in held.replicas:
+            node = d.cap.nodes.get(rep.node)
+            if node is not None and node.schedulable:
+                out.add(job_id)
+                break
+    return out
 
 
 def bigger(d: _Decision, job: RunningJob, target: int) -> Placement | None:
@@ -193,4 +212,6 @@ def _ask(d: _Decision, job: RunningJob, to: int, policy: ElasticPolicy) -> None:
     d.preempting.add(jid)
     d.wake_at(min(deadline, d.now + d.config.poll_s))
     if policy.grace_period_s <= 0 and finish_grow(d, d.get(jid)):  # no handshake: restarted at once, here
-        d.serve([d.pending[jid]], backfill=False, memo=None, depth=None)
+        again = [p for p in d.ready() if p.job_id == jid]  # (unless it waits for its own GPUs' release)
+        if again:
+            d.serve(again, backfill=False, memo=None, depth=None)

@@ -307,8 +307,9 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             log.info("claim_ended", job=step.job, reason=step.reason)
         elif isinstance(step, CallOff):
             victim = state.jobs.get(step.job)
-            if victim is not None:
-                set_job(cycle, victim, preempted_by="", preempt_deadline=0.0, message=step.reason)
+            if victim is not None:  # (a grow called off keeps its deadline: its last try, phalanx.core.elastic)
+                kept = victim.preempt_deadline if victim.preempted_by == victim.id else 0.0
+                set_job(cycle, victim, preempted_by="", preempt_deadline=kept, message=step.reason)
                 cycle.touched(victim)
         elif isinstance(step, Wait):
             job = state.jobs.get(step.job)
