@@ -56,10 +56,10 @@ from typing import Any
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .claims import Claim, ClaimShield, outside, with_claimed
-from .elastic import finish_grow, plan_grows, resizing, restarting
+from .elastic import finish_grow, kept_back, plan_grows, resizing, restarting
 from .model import Placement, ReplicaPlacement
 from .plan import AskCheckpoint, CallOff, EndClaim, Plan, Reserve, SetClaim, Step, Stop, Wait, WakeAt
-from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
+from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims, elastic_parts
 from .quota import QuotaBook, demand, flavor_matches, usage_of
 from .snapshot import DecideConfig, Memo, PendingJob, RunningJob, Snapshot
 from .status import Code, Status
@@ -567,7 +567,8 @@ class _Decision:
         real = list(result.victims)
         if self.config.claims:
             old = self.shield.claims.get(hid)
-            freed = [rep for v in real for rep in self.get(v).placement.replicas]
+            # (an elastic victim stopped to shrink keeps its minimum's replicas: not claimed, it restarts on them)
+            freed = [rep for v in real for rep in kept_back(self.get(v), v in result.shrunk)]
             if old is not None:  # widened: what it claimed before and nothing else holds stays claimed
                 freed += self.unheld(old)
             self.set_claim(
@@ -583,9 +584,15 @@ class _Decision:
             )
         for vid in real:
             victim = self.get(vid)
+            shrink = f"; it then restarts at its minimum of {victim.request.min_replicas} replicas (elastic)"
             self.steps.append(
                 AskCheckpoint(
-                    vid, deadline, hid, request, message, reclaim=vid in reclaim and victim.request.priority >= priority
+                    vid,
+                    deadline,
+                    hid,
+                    request,
+                    message + (shrink if vid in result.shrunk else ""),
+                    reclaim=vid in reclaim and victim.request.priority >= priority,
                 )
             )
             self._set_running(_replace_victim(victim, hid, deadline))
@@ -665,7 +672,8 @@ class _Decision:
             at = saved.get(r.job_id)
             if at is not None:
                 since = max(since, at)
-            gangs.append(RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since)))
+            gang = RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since))
+            gangs += elastic_parts(gang, r.request.min_replicas) if r.request.elastic else [gang]
         # GPUs of claims this head may not use stay out even when the search releases their holders.
         unusable = with_claimed(self.snap.unusable, self.shield.hidden_from(hid, priority) if self.shield else ())
         return choose_victims(self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, unusable)

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from .capacity import ClusterCapacity
-from .model import GangRequest, Placement
+from .model import GangRequest, Placement, ReplicaPlacement
 from .placement import domain_members, place_gang
 from .plan import AskCheckpoint, CallOff, Step, Stop
 from .snapshot import DecideConfig, ElasticPolicy, PendingJob, RunningJob, Snapshot
@@ -155,6 +155,13 @@ def restarting(d: _Decision) -> set[str]:
                 out.add(job_id)
                 break
     return out
+
+
+def kept_back(victim: RunningJob, shrunk: bool) -> tuple[ReplicaPlacement, ...]:
+    """What a preemption frees of a victim: all of it, or, when it only shrinks an elastic gang to its minimum
+    (preemption.elastic_parts), the replicas beyond its minimum."""
+    reps = victim.placement.replicas
+    return reps[victim.request.min_replicas :] if shrunk else reps
 
 
 def bigger(d: _Decision, job: RunningJob, target: int) -> Placement | None:

@@ -551,7 +551,7 @@ class Checker:
                 self._bad(
                     "c",
                     f"victims asked for {by_id} although even with them and every releasing GPU gone it "
-                    f"would fit {slots} of the {need} replicas it needs",
+                    f"would fit {slots} of its {need} replicas" + (" (its minimum)" if by.min_replicas else ""),
                 )
 
     def _on_ClaimMade(self, e: ClaimMade) -> None:

@@ -183,3 +183,37 @@ def test_never_below_min_after_a_loss():
     cap = cluster({"n0": 8, "n1": 2})
     plan = decide(snap(cap, [PendingJob(elastic(lo=2, hi=4))]), NOW)
     assert not plan.of(Reserve) and plan.of(Wait)
+
+
+# ---- preemption --------------------------------------------------------------------------------------------------
+
+
+def test_preemption_shrinks_an_elastic_victim_to_its_minimum_rather_than_evict_it():
+    from phalanx.core.preemption import PreemptionPolicy
+
+    cap = cluster({f"n{i}": 8 for i in range(4)})
+    victim = running(elastic(lo=2, hi=4, priority=0), ["n0", "n1", "n2", "n3"], cap)
+    urgent = GangRequest("urgent", 2, 8, 100, 5.0)
+    snapshot = snap(cap, [PendingJob(urgent)], run=[victim])
+    snapshot.config = DecideConfig(preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=0.0))
+    plan = decide(snapshot, NOW)
+    (stop,) = plan.of(Stop)
+    assert stop.job == "e" and stop.by == "urgent"
+    placed = {r.job: r.placement for r in plan.of(Reserve)}
+    assert len(placed["urgent"].nodes) == 2  # on what the victim gave up beyond its minimum
+    assert len(placed["e"].replicas) == 2  # and the victim runs on at its minimum, in the same decision
+    (ask,) = plan.of(AskCheckpoint)
+    assert "restarts at its minimum of 2 replicas" in ask.message
+
+
+def test_preemption_evicts_an_elastic_victim_whole_when_its_excess_is_not_enough():
+    from phalanx.core.preemption import PreemptionPolicy
+
+    cap = cluster({f"n{i}": 8 for i in range(4)})
+    victim = running(elastic(lo=3, hi=4, priority=0), ["n0", "n1", "n2", "n3"], cap)
+    urgent = GangRequest("urgent", 2, 8, 100, 5.0)
+    snapshot = snap(cap, [PendingJob(urgent)], run=[victim])
+    snapshot.config = DecideConfig(preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=0.0))
+    plan = decide(snapshot, NOW)
+    placed = {r.job: r.placement for r in plan.of(Reserve)}
+    assert len(placed["urgent"].nodes) == 2 and "e" not in placed  # evicted whole: 2 nodes left, below its 3
