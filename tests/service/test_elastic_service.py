@@ -159,3 +159,20 @@ async def test_a_maximum_beyond_the_cluster_is_accepted_and_runs_at_what_fits(db
         gang = await c.submit("elastic", 8, 1, min_replicas=1)
         running = await job_where(c, gang.id, "running at 2", lambda j: j.state == RUNNING and j.current_replicas == 2)
         assert running.spec.replicas == 8
+
+
+@pytest.mark.slow
+async def test_preemption_shrinks_an_elastic_victim_to_its_minimum(db_url):
+    from phalanx.core.preemption import PreemptionPolicy
+
+    async with cluster(db_url, preemption=PreemptionPolicy(min_runtime_s=0.0, grace_period_s=30.0)) as c:
+        gang = await c.submit("elastic", 4, 1, min_replicas=2)
+        await job_where(c, gang.id, "running at 4", lambda j: j.state == RUNNING and j.current_replicas == 4)
+        urgent = await c.submit("urgent", 2, 1, priority=100)
+        asked = await job_where(c, gang.id, "asked", lambda j: j.preempted_by == urgent.id)
+        assert "restarts at its minimum of 2 replicas" in asked.message
+        commit_checkpoint(db_url, gang.id, 1, 5, 4)
+        await c.wait_running(urgent.id)
+        shrunk = await job_where(c, gang.id, "attempt 2", lambda j: j.state == RUNNING and j.attempt == 2)
+        assert shrunk.current_replicas == 2 and shrunk.preemptions == 1 and shrunk.failures == 0
+        assert c.sql("SELECT restored_step FROM job_attempts WHERE job_id = :j AND attempt = 2", j=gang.id) == [(5,)]
