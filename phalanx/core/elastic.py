@@ -86,6 +86,7 @@ def plan_grows(d: _Decision) -> None:
     if not candidates:
         return
     top = _waiting_priority(d, "")
+    free = d.cap.free_gpus()  # (a cheap bound first: a grow needs at least its step's GPUs free)
     for job in candidates:
         if job.job_id in d.preempting or job.request.priority <= top:
             continue
@@ -94,7 +95,10 @@ def plan_grows(d: _Decision) -> None:
         if d.now < due:
             d.wake_at(due)
             continue
-        got = bigger(d, job, grow_target(job, policy))
+        target = grow_target(job, policy)
+        if free < (target - size(job)) * job.request.gpus_per_replica:
+            continue
+        got = bigger(d, job, target)
         if got is not None:
             _ask(d, job, len(got.replicas), policy)
 

@@ -192,7 +192,7 @@ def validate_spec(
 
 
 def _state(job) -> int:
-    if job["state"] == "RUNNING" and job["preempted_by"]:
+    if job["state"] == "RUNNING" and job["preempted_by"] and job["preempted_by"] != job["id"]:  # (itself: a grow)
         return common_pb2.JOB_STATE_PREEMPTING
     return JOB_STATES[job["state"]]
 
