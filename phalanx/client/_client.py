@@ -26,6 +26,7 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
     resolve_token,
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
+from ._graph import dependency_messages
 from ._services import ServiceCalls, service_stub
 from ._types import (
     TERMINAL_STATES,
@@ -107,6 +108,8 @@ def build_submit_request(
     cpus_per_replica: float = 0,
     memory_per_replica: str | int = "",
     min_replicas: int = 0,
+    after: Iterable[str | tuple[str, str]] | str | None = None,
+    array: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -134,6 +137,8 @@ def build_submit_request(
             else str(memory_per_replica or "")
         ),
         min_replicas=int(min_replicas or 0),
+        after=dependency_messages(after),
+        array=str(array or ""),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -287,6 +292,8 @@ class Client(ServiceCalls):
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
         min_replicas: int = 0,
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -322,6 +329,11 @@ class Client(ServiceCalls):
                 ``replicas`` (its maximum), grows towards it as capacity frees and shrinks (down to this) when a
                 node of it is lost, each time restarting from its last committed checkpoint at the new world size.
                 0: not elastic.
+            after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
+                condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
+                "any" to end; a dependency that can no longer be met fails this job ("dependency_failed: ...").
+            array: Submit an array of tasks in Slurm's --array syntax ("0-99%8": indices 0-99, at most 8 at once;
+                "1,3,5-7"; "0-99:2"). Each task runs the same gang with PHALANX_ARRAY_TASK_ID set.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -353,6 +365,8 @@ class Client(ServiceCalls):
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
             min_replicas=min_replicas,
+            after=after,
+            array=array,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

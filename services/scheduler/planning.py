@@ -37,7 +37,7 @@ from phalanx.core.model import GangRequest, Placement, ReplicaPlacement
 from phalanx.core.placement import domain_members
 from phalanx.core.quota import cluster_totals
 
-from . import ledger, lifecycle
+from . import jobgraph, ledger, lifecycle
 from .elastic import elastic_below_max
 from .state import JobRecord, SchedulerState
 from .transitions import Cycle, refused, reserve, set_job, teardown
@@ -78,7 +78,9 @@ def pending_job(job: JobRecord, state: SchedulerState | None = None, tiers: tupl
         request = serving_preferences(job, request, state, tiers)
     elif job.min_replicas and job.allocations:  # an elastic gang goes back to the nodes it still has (a shrink)
         request = replace(request, prefer=frozenset(job.nodes))
-    return PendingJob(request, job.queue, job.not_before, job.by_admin, preempts=not job.serving.get("surge"))
+    # A job held by its dependencies, or an array's parent row, is never placed (jobgraph.not_before)
+    start = jobgraph.not_before(job) if job.after or job.array else job.not_before
+    return PendingJob(request, job.queue, start, job.by_admin, preempts=not job.serving.get("surge"))
 
 
 def serving_preferences(
