@@ -12,8 +12,10 @@ from helpers.procs import eventually
 from db.engine import make_engine
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.client import Job
+from phalanx.core import invariants as inv
 from phalanx.core.fabric import default_fabric
 from phalanx.core.snapshot import ElasticPolicy
+from phalanx.testing.history import history_from_ledger
 from phalanx.testing.lite_agent import LiteAgent
 from services.checkpoint_coordinator import store
 from services.scheduler.settings import SchedulerSettings
@@ -62,6 +64,12 @@ def commit_checkpoint(db_url: str, job_id: str, attempt: int, step: int, world: 
         engine.dispose()
 
 
+def assert_invariants(db_url: str) -> None:
+    """The ledger's history keeps the scheduling invariants, (h) included: every elastic attempt held MIN..MAX
+    whole replicas."""
+    assert inv.check(history_from_ledger(db_url, grace_s=30.0), grace_s=30.0, tick_s=1.0) == []
+
+
 def launches(c: LiteCluster, job_id: str, attempt: int) -> list:
     return [launch for a in c.agents for launch in a.launched if launch.job_id == job_id and launch.attempt == attempt]
 
@@ -101,6 +109,7 @@ async def test_starts_small_and_grows_through_the_checkpoint_handshake_when_anot
         assert outcome == [("RESIZED",)]
         shown = Job.from_proto(grown).to_dict()
         assert (shown["min_replicas"], shown["current_replicas"], shown["replicas"]) == (2, 4, 4)
+        assert_invariants(db_url)
 
 
 @pytest.mark.slow
@@ -119,6 +128,7 @@ async def test_shrinks_at_once_when_a_node_is_lost(db_url):
             ("NODE_LOST",)
         ]
         assert {a.node for a in shrunk.allocations} == {a.node for a in first.allocations} - {lost}
+        assert_invariants(db_url)
 
 
 @pytest.mark.slow
@@ -176,3 +186,4 @@ async def test_preemption_shrinks_an_elastic_victim_to_its_minimum(db_url):
         shrunk = await job_where(c, gang.id, "attempt 2", lambda j: j.state == RUNNING and j.attempt == 2)
         assert shrunk.current_replicas == 2 and shrunk.preemptions == 1 and shrunk.failures == 0
         assert c.sql("SELECT restored_step FROM job_attempts WHERE job_id = :j AND attempt = 2", j=gang.id) == [(5,)]
+        assert_invariants(db_url)
