@@ -39,6 +39,7 @@ from .transitions import (
     set_job,
     teardown,
 )
+from .vanished import tear_down_on_vanished
 from .work import job_row
 
 log = structlog.get_logger()
@@ -353,6 +354,8 @@ class Register(CycleCommand):
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY" and not cordoned:
             log.info("node_ready_again", node=self.name, was=old.state)
+        if old is not None and node.gpus < old.gpus:
+            tear_down_on_vanished(cycle, node, old.gpus, frozenset(self.live_attempts))
         return acked
 
 
