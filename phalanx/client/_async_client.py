@@ -160,6 +160,7 @@ class AsyncClient(AsyncServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
+        min_replicas: int = 0,
         segment: int = 0,
         segment_tier: str = "",
         after: Iterable[str | tuple[str, str]] | str | None = None,
@@ -187,6 +188,7 @@ class AsyncClient(AsyncServiceCalls):
             keep_checkpoints: Newest committed checkpoints the coordinator keeps (0: its default).
             cpus_per_replica: CPUs each replica reserves on its node and is limited to (0: no limit).
             memory_per_replica: Memory each replica reserves and is limited to: a size ("512M", "64G") or bytes.
+            min_replicas: An elastic gang's minimum (``replicas`` is its maximum); 0: not elastic.
             segment: Replicas per segment of a multi-level gang (it must divide ``replicas``; 0: none).
             segment_tier: The tier each segment lies in ("": the NVLink domain, else the leaf).
             after: Jobs this one waits for ("JOB", "JOB:notok", "JOB:any", or (job id, condition) pairs).
@@ -215,6 +217,7 @@ class AsyncClient(AsyncServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
+            min_replicas=min_replicas,
             segment=segment,
             segment_tier=segment_tier,
             after=after,

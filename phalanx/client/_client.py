@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 import time
-import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 import phalanx
-from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from ._channel import (  # the backoff of re-opened watches lives with the channel's; importable from here too
     BACKOFF_INITIAL,
@@ -26,8 +24,8 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
     resolve_token,
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
-from ._graph import dependency_messages
 from ._services import ServiceCalls, service_stub
+from ._submit import build_submit_request as build_submit_request
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -84,65 +82,6 @@ def list_jobs_request(
     return scheduler_pb2.ListJobsRequest(
         states=[job_state_to_proto(s) for s in parse_states(states)], page_size=int(page_size), page_token=page_token
     )
-
-
-def build_submit_request(
-    name: str,
-    replicas: int,
-    gpus_per_replica: int,
-    command: Sequence[str] | str,
-    *,
-    priority: int,
-    procs_per_replica: int,
-    env: Mapping[str, str] | None,
-    request_id: str | None,
-    required_tier: str = "",
-    preferred_tier: str = "",
-    gpu_model: str = "",
-    mig_profile: str = "",
-    gpu_milli: int = 0,
-    max_restarts: int = 0,
-    time_limit: float = 0.0,
-    queue: str = "",
-    keep_checkpoints: int = 0,
-    cpus_per_replica: float = 0,
-    memory_per_replica: str | int = "",
-    segment: int = 0,
-    segment_tier: str = "",
-    after: Iterable[str | tuple[str, str]] | str | None = None,
-    array: str = "",
-) -> scheduler_pb2.SubmitJobRequest:
-    """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
-    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
-    spec = common_pb2.JobSpec(
-        name=name,
-        replicas=int(replicas),
-        gpus_per_replica=int(gpus_per_replica),
-        priority=int(priority),
-        procs_per_replica=int(procs_per_replica),
-        command=argv,
-        env={str(k): str(v) for k, v in (env or {}).items()},
-        required_tier=str(required_tier or ""),
-        preferred_tier=str(preferred_tier or ""),
-        gpu_model=str(gpu_model or ""),
-        mig_profile=str(mig_profile or ""),
-        gpu_milli=int(gpu_milli or 0),
-        max_restarts=int(max_restarts or 0),
-        time_limit_s=float(time_limit or 0.0),
-        queue=str(queue or ""),
-        keep_checkpoints=int(keep_checkpoints or 0),
-        cpus_per_replica=float(cpus_per_replica or 0),
-        memory_per_replica=(
-            f"{memory_per_replica}B"
-            if isinstance(memory_per_replica, int) and memory_per_replica
-            else str(memory_per_replica or "")
-        ),
-        segment=int(segment or 0),
-        segment_tier=str(segment_tier or ""),
-        after=dependency_messages(after),
-        array=str(array or ""),
-    )
-    return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
 
 def queue_request(
@@ -293,6 +232,7 @@ class Client(ServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
+        min_replicas: int = 0,
         segment: int = 0,
         segment_tier: str = "",
         after: Iterable[str | tuple[str, str]] | str | None = None,
@@ -328,6 +268,10 @@ class Client(ServiceCalls):
             memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
                 it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
                 number of bytes; "" or 0: none reserved and no limit.
+            min_replicas: An elastic gang: it starts once this many replicas fit, takes as many as fit up to
+                ``replicas`` (its maximum), grows towards it as capacity frees and shrinks (down to this) when a
+                node of it is lost, each time restarting from its last committed checkpoint at the new world size.
+                0: not elastic.
             segment: Replicas per segment (0: none), each segment in one domain of ``segment_tier`` ("": NVLink, else leaf).
             after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
                 condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
@@ -364,6 +308,7 @@ class Client(ServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
+            min_replicas=min_replicas,
             segment=segment,
             segment_tier=segment_tier,
             after=after,

@@ -304,6 +304,10 @@ class Job:
     service_revision: int = 0
     ready: bool = False
     ready_at: float = field(default=0.0, compare=False)
+    # An elastic gang (``phalanx submit --replicas MIN:MAX``): its minimum (``replicas`` is its maximum; 0: not
+    # elastic), and the replicas its current attempt runs with (0: not running, or not elastic).
+    min_replicas: int = 0
+    current_replicas: int = 0
     # What the current attempt restored from (get_job only; "" elsewhere and before any rank reported).
     restore: str = field(default="", compare=False)
     # A pending preemptor's standing claim (get_job only; None elsewhere, and for any other job).
@@ -393,6 +397,8 @@ class Job:
             service_revision=int(msg.service_revision),
             ready=bool(msg.ready),
             ready_at=float(msg.ready_at),
+            min_replicas=int(spec.min_replicas),
+            current_replicas=int(msg.current_replicas),
             restore=msg.restore,
             claim=Claim.from_proto(msg.claim) if msg.HasField("claim") else None,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
@@ -450,6 +456,8 @@ class Job:
             "service_replica": self.service_replica,
             "service_revision": self.service_revision,
             "ready": self.ready,
+            "min_replicas": self.min_replicas,
+            "current_replicas": self.current_replicas,
             "restore": self.restore,
             "claim": None if self.claim is None else self.claim.to_dict(),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),

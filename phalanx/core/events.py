@@ -51,6 +51,8 @@ class Submitted:
     fits_empty: bool = True
     # False: it may never preempt (a service's surge replica during a rolling update; invariant g)
     preempts: bool = True
+    # An elastic gang's minimum (`replicas` its maximum; 0: not elastic; invariant h)
+    min_replicas: int = 0
     # A multi-level gang: replicas per segment (0: none) and the tier each segment lies in ("": the default)
     segment: int = 0
     segment_tier: str = ""

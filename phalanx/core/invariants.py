@@ -28,7 +28,9 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
 (g) serving. A gang that may not preempt (a service's surge replica during a rolling update) never asks a gang to
     checkpoint and never claims capacity: it waits for a release instead (the deadlock of LeaderWorkerSet issues
     717 and 1050 is a surge that evicts, or waits on, what must go first).
-(h) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
+(h) elastic gangs. An elastic gang (`--replicas MIN:MAX`) runs with whole replicas, between MIN and MAX of them, all
+    of one attempt: it grows or shrinks only by a restart (a new attempt), never below MIN.
+(i) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
     contiguous) inside one domain of its segment tier (placement.segments).
 
 `check(events, ...)` returns the violations, each naming its invariant, the index of the event that broke it and
@@ -123,6 +125,7 @@ class _Job:
     finished: bool = False
     submitted_at: float = 0.0
     preempts: bool = True
+    min_replicas: int = 0
     segment: int = 0
     segment_tier: str = ""
 
@@ -238,6 +241,7 @@ class Checker:
             e.gpus_per_replica,
             submitted_at=e.t,
             preempts=e.preempts,
+            min_replicas=e.min_replicas,
             segment=e.segment,
             segment_tier=e.segment_tier,
         )
@@ -254,6 +258,8 @@ class Checker:
         whole = [(h.node, h.gpu) for h in e.holds if h.whole]
         if len(e.holds) != e.expected or len(set(whole)) != len(whole):
             self._bad("a", f"job {e.job} attempt {e.attempt} started with {len(e.holds)} of its {e.expected} GPUs")
+        if job.min_replicas:
+            self._check_elastic(e, job)
         key = (e.job, e.attempt)
         mine = frozenset((h.node, h.gpu) for h in e.holds if h.whole)  # (b, mechanism-free: whole GPUs)
         for h in e.holds:
@@ -331,12 +337,23 @@ class Checker:
             self._check_quota(job.queue, e.flavor)
         self.starts.append((self.index, e.t, e.job))
 
+    def _check_elastic(self, e: Started, job: _Job) -> None:
+        """(h) an elastic gang's attempt holds whole replicas, between its minimum and its maximum of them (and, as
+        for every gang, only GPUs of that one attempt: (a))."""
+        replicas, rest = divmod(len(e.holds), max(1, job.gpus_per_replica))
+        if rest or not job.min_replicas <= replicas <= job.replicas:
+            self._bad(
+                "h",
+                f"elastic job {e.job} attempt {e.attempt} started with {len(e.holds)} GPUs: not {job.min_replicas} "
+                f"to {job.replicas} whole replicas of {job.gpus_per_replica} GPUs",
+            )
+
     def _check_segments(self, e: Started, job: _Job) -> None:
-        """(h) each segment of S contiguous ranks inside one domain of the gang's segment tier."""
+        """(i) each segment of S contiguous ranks inside one domain of the gang's segment tier."""
         s, nodes = job.segment, e.replica_nodes
         tier = job.segment_tier or default_segment_tier(self.tiers)
-        if len(nodes) != job.replicas or job.replicas % s:
-            self._bad("h", f"job {e.job} started {len(nodes)} replicas, a gang of {job.replicas} in segments of {s}")
+        if len(nodes) % s:
+            self._bad("i", f"job {e.job} started {len(nodes)} replicas, not whole segments of {s}")
             return
         where = self.domains.get(tier)
         if where is None:
@@ -345,7 +362,7 @@ class Checker:
             got = {where.get(node, "") for node in nodes[i : i + s]}
             if len(got) != 1 or "" in got:
                 self._bad(
-                    "h",
+                    "i",
                     f"job {e.job} attempt {e.attempt}: segment {i // s} (ranks {i}-{i + s - 1}) spans {tier} "
                     f"domains {sorted(got)}",
                 )
@@ -559,11 +576,12 @@ class Checker:
                     ):
                         avail += 1
                 slots += avail // by.gpus_per_replica
-            if slots < by.replicas:
+            need = by.min_replicas or by.replicas  # an elastic preemptor starts with its minimum
+            if slots < need:
                 self._bad(
                     "c",
                     f"victims asked for {by_id} although even with them and every releasing GPU gone it "
-                    f"would fit {slots} of its {by.replicas} replicas",
+                    f"would fit {slots} of its {need} replicas" + (" (its minimum)" if by.min_replicas else ""),
                 )
 
     def _on_ClaimMade(self, e: ClaimMade) -> None:

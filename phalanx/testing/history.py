@@ -244,6 +244,7 @@ def _submissions(
             gpu_model=j["gpu_model"] or "",
             mig_profile=j["mig_profile"] or "",
             gpu_milli=int(j["gpu_milli"] or 0),
+            min_replicas=int(_json_dict(j.get("shape")).get("min_replicas") or 0),  # an elastic gang (h)
             segment=int(_json_dict(j.get("shape")).get("segment") or 0),
             segment_tier=str(_json_dict(j.get("shape")).get("segment_tier") or ""),
         )
@@ -262,8 +263,9 @@ def _submissions(
                 demand(request),
                 fits,
                 not _json_dict(j.get("serving")).get("surge"),
-                request.segment,
-                request.segment_tier,
+                request.min_replicas if request.elastic else 0,
+                segment=request.segment,
+                segment_tier=request.segment_tier,
             ),
         )
     return jobs
@@ -388,7 +390,9 @@ def _starts_ends_releases(
         if job is None:
             continue
         gang: GangRequest = job["request"]
-        expected = gang.replicas * gang.gpus_per_replica
+        got = holds.get((job_id, attempt), ())
+        # (an elastic gang's attempt has the size it was placed at: invariant h judges it)
+        expected = len(got) if gang.elastic else gang.replicas * gang.gpus_per_replica
         t0 = float(a["reserved_at"])
         placed = allocations.ranks.get((job_id, attempt), {}) if gang.segment else {}
         events.add(
@@ -401,7 +405,7 @@ def _starts_ends_releases(
                 tuple(holds.get((job_id, attempt), ())),
                 expected,
                 job["flavor"] or "",
-                tuple(node for _, node in sorted(placed.items())),
+                replica_nodes=tuple(node for _, node in sorted(placed.items())),
             ),
         )
         if a["ended_at"] is None:

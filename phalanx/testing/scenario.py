@@ -53,6 +53,7 @@ class JobSpec:
     fails: int = 0
     by_admin: bool = True
     preempts: bool = True  # False: a service's surge replica, which waits instead of preempting
+    min_replicas: int = 0  # an elastic gang's minimum (`replicas` its maximum; 0: not elastic)
     segment: int = 0  # a multi-level gang: replicas per segment, each in one domain of the lowest tier (0: none)
 
     def request(self, submitted_at: float) -> GangRequest:
@@ -68,6 +69,7 @@ class JobSpec:
             mig_profile=self.mig_profile,
             gpu_milli=self.gpu_milli,
             time_limit=self.time_limit,
+            min_replicas=self.min_replicas,
             segment=self.segment,
         )
 
@@ -96,7 +98,7 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     """Actions written one a line, for the regression table:
 
         submit NAME RxG [p=PRIORITY] [q=QUEUE] [work=S] [limit=S] [mig=PROFILE] [milli=M] [tier=T] [ckpt=early|late|never]
-               [fails=N] [seg=S] [user] [surge]
+               [fails=N] [min=MIN] [seg=S] [user] [surge]
         advance SECONDS | release K | commit K | fail K | down K | up K | cancel K | mig K | gpu K
 
     ("#" starts a comment.)"""
@@ -139,6 +141,7 @@ _OPTIONS = {
     "model": ("gpu_model", str),
     "ckpt": ("checkpoint", str),
     "fails": ("fails", int),
+    "min": ("min_replicas", int),
     "seg": ("segment", int),
 }
 

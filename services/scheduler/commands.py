@@ -26,9 +26,10 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
+from .elastic_fields import shape_of_spec, smallest
 from .graph_fields import SubmitGraph
 from .jobgraph import cancel_tasks
-from .segment_fields import shape_of_spec
+from .segment_fields import segment_shape_of_spec
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -39,6 +40,7 @@ from .transitions import (
     set_job,
     teardown,
 )
+from .vanished import tear_down_on_vanished
 from .work import job_row
 
 log = structlog.get_logger()
@@ -93,10 +95,11 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             results[i] = by_request[sub.request_id]
             continue
         try:
-            check_fits_ever(cycle.state, sub.spec)
-            check_fits_model(cycle.state, sub.spec)
-            check_fits_host_resources(cycle.state, sub.spec)
-            check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
+            fits = smallest(sub.spec)  # an elastic gang needs only its minimum to fit
+            check_fits_ever(cycle.state, fits)
+            check_fits_model(cycle.state, fits)
+            check_fits_host_resources(cycle.state, fits)
+            check_fits_required_tier(cycle.state, fits, cycle.settings.fabric.tiers)
             check_queue(cycle.state, sub.spec, sub.tenant)
             if not sub.admin:
                 check_priority(cycle.state, sub.spec)
@@ -133,7 +136,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
             service=sub.service,
             serving={**serving_of_spec(spec), **(sub.replica_of or {})},
-            shape=shape_of_spec(spec),
+            shape={**shape_of_spec(spec), **segment_shape_of_spec(spec)},
         )
         graph.apply(job, spec, after)
         new.append(job)
@@ -352,6 +355,8 @@ class Register(CycleCommand):
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY" and not cordoned:
             log.info("node_ready_again", node=self.name, was=old.state)
+        if old is not None and node.gpus < old.gpus:
+            tear_down_on_vanished(cycle, node, old.gpus, frozenset(self.live_attempts))
         return acked
 
 

@@ -7,7 +7,8 @@ from typing import Any
 from phalanx.api.v1 import common_pb2
 from phalanx.core.resources import format_size
 
-from .segment_fields import placed_segments, shape_into_spec
+from .elastic_fields import shape_into_spec
+from .segment_fields import placed_segments, segments_into_spec
 from .state import JobRecord, Partial
 
 JOB_STATES = {
@@ -43,6 +44,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     shape = j.get("shape") or {}
     if shape:
         shape_into_spec(shape, spec)
+        segments_into_spec(shape, spec)
     if j.get("after") or j.get("array"):
         graph_into_spec(j, spec)
     return spec
@@ -175,7 +177,7 @@ def allocation(
 def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None) -> common_pb2.Job:
     partials = partials or {}
     state = JOB_STATES[j["state"]]
-    if j["state"] == "RUNNING" and j.get("preempted_by"):
+    if j["state"] == "RUNNING" and j.get("preempted_by") and j["preempted_by"] != j["id"]:  # (itself: a grow)
         state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
     if j["state"] != "RUNNING":
         allocations = ()  # only a running job holds GPUs; a requeued or finished one shows none (ledger.read_jobs)
@@ -207,6 +209,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         service_revision=int((j.get("serving") or {}).get("revision", 0)),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
+        current_replicas=len(allocations) if (j.get("shape") or {}).get("min_replicas") else 0,
         segment_domains=placed_segments(j["placement"] or {}),
     )
     graph_into_job(j, msg)

@@ -35,6 +35,8 @@ def segment_problems(spec: common_pb2.JobSpec, tiers: Sequence[str]) -> list[str
         problems.append("segment_tier needs segment (replicas per segment)")
     if s and (spec.mig_profile or spec.gpu_milli):
         problems.append("segments need whole GPUs per replica, not a MIG instance or a GPU share")
+    if s and 0 < spec.min_replicas < spec.replicas:
+        problems.append("segments with an elastic gang (--replicas MIN:MAX) are not supported yet: give one size")
     return problems
 
 
@@ -86,14 +88,14 @@ def segment_never_fits(nodes: Iterable[KnownNode], spec: common_pb2.JobSpec, fab
     return ""
 
 
-def shape_of_spec(spec: common_pb2.JobSpec) -> dict[str, Any]:
+def segment_shape_of_spec(spec: common_pb2.JobSpec) -> dict[str, Any]:
     """The segment part of a job's jobs.shape JSON."""
     if spec.segment <= 0:
         return {}
     return {"segment": spec.segment, "segment_tier": spec.segment_tier}
 
 
-def shape_into_spec(shape: dict[str, Any], spec: common_pb2.JobSpec) -> None:
+def segments_into_spec(shape: dict[str, Any], spec: common_pb2.JobSpec) -> None:
     spec.segment = int(shape.get("segment") or 0)
     spec.segment_tier = str(shape.get("segment_tier") or "")
 

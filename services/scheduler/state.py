@@ -99,10 +99,11 @@ class JobRecord:
     # its leader's readiness probe passes now, and since when.
     service: str = ""
     serving: dict[str, Any] = field(default_factory=dict)
-    # How the gang is cut (jobs.shape): {"segment": S, "segment_tier": T} for a multi-level gang; {} plain
-    shape: dict[str, Any] = field(default_factory=dict)
     ready: bool = False
     ready_at: float = 0.0
+    # How the gang is cut and kept (jobs.shape, revision 0024): {"min_replicas": M} for an elastic gang,
+    # {"segment": S, "segment_tier": T} for a multi-level gang (keys live beside each other: merge, never replace).
+    shape: dict[str, Any] = field(default_factory=dict)
     # Job graphs (services/scheduler/jobgraph.py): the jobs it waits for ([{"job_id", "condition", "met"}]); on an
     # array's parent row, its spec and progress; on a task, its array's id and its index ("" and -1 otherwise).
     after: list[dict[str, Any]] = field(default_factory=list)
@@ -122,7 +123,17 @@ class JobRecord:
 
     @property
     def gpu_equivalents(self) -> float:
-        return gpu_equivalents(self.replicas, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+        return gpu_equivalents(self.size, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+
+    @property
+    def min_replicas(self) -> int:
+        """An elastic gang's minimum (0: not elastic; `replicas` is then its maximum)."""
+        return int(self.shape.get("min_replicas") or 0)
+
+    @property
+    def size(self) -> int:
+        """The replicas its current (or last) attempt runs with: `replicas`, or fewer for an elastic gang."""
+        return len(self.allocations) if self.min_replicas and self.allocations else self.replicas
 
     def request(self) -> GangRequest:
         return GangRequest(
@@ -140,6 +151,7 @@ class JobRecord:
             avoid=frozenset(self.struck_nodes),
             cpu_milli=self.cpu_milli,
             memory=self.memory,
+            min_replicas=self.min_replicas,
             segment=int(self.shape.get("segment") or 0),
             segment_tier=str(self.shape.get("segment_tier") or ""),
         )

@@ -13,8 +13,8 @@ from services.scheduler.segment_fields import (
     placed_segments,
     segment_never_fits,
     segment_problems,
-    shape_into_spec,
-    shape_of_spec,
+    segment_shape_of_spec,
+    segments_into_spec,
 )
 
 TIERS = ["node", "nvlink", "leaf", "spine", "cluster"]
@@ -35,6 +35,7 @@ def spec(**kw) -> common_pb2.JobSpec:
         (dict(segment=18, segment_tier="rack"), "segment_tier 'rack' is not a tier"),
         (dict(segment_tier="leaf"), "segment_tier needs segment"),
         (dict(replicas=2, segment=1, gpu_milli=500), "segments need whole GPUs"),
+        (dict(segment=18, min_replicas=18), "segments with an elastic gang"),
     ],
 )
 def test_problems(fields, words):
@@ -70,11 +71,11 @@ def test_check_raises_invalid_argument():
 
 
 def test_shape_json_both_ways_and_the_sdk_request():
-    assert shape_of_spec(spec()) == {}
-    shape = shape_of_spec(spec(segment=18, segment_tier="nvlink"))
+    assert segment_shape_of_spec(spec()) == {}
+    shape = segment_shape_of_spec(spec(segment=18, segment_tier="nvlink"))
     assert shape == {"segment": 18, "segment_tier": "nvlink"}
     back = common_pb2.JobSpec()
-    shape_into_spec(shape, back)
+    segments_into_spec(shape, back)
     assert (back.segment, back.segment_tier) == (18, "nvlink")
     assert placed_segments({"segments": ["nvl-0", "nvl-1"]}) == ["nvl-0", "nvl-1"] and placed_segments({}) == []
     request = build_submit_request(
