@@ -8,6 +8,7 @@ from phalanx.api.v1 import common_pb2
 from phalanx.core.resources import format_size
 
 from .segment_fields import placed_segments, shape_into_spec
+from .spare_fields import spare_into_spec, spares_into_job
 from .state import JobRecord, Partial
 
 JOB_STATES = {
@@ -43,6 +44,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     shape = j.get("shape") or {}
     if shape:
         shape_into_spec(shape, spec)
+        spare_into_spec(shape, spec)
     return spec
 
 
@@ -148,7 +150,10 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
     if j["state"] != "RUNNING":
         allocations = ()  # only a running job holds GPUs; a requeued or finished one shows none (ledger.read_jobs)
-    return common_pb2.Job(
+    spares = [a for a in allocations if a[0] < 0]  # spares kept in the domain: Job.spares, not allocations
+    if spares:
+        allocations = [a for a in allocations if a[0] >= 0]
+    msg = common_pb2.Job(
         id=j["id"],
         spec=_spec(j),
         state=state,
@@ -178,10 +183,12 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         ready_at=j.get("ready_at") or 0.0,
         segment_domains=placed_segments(j["placement"] or {}),
     )
+    spares_into_job(msg, j["placement"] or {}, spares, j["state"] == "RUNNING")
+    return msg
 
 
 def job_from_record(job: JobRecord) -> common_pb2.Job:
-    return job_from_row(job.__dict__, job.allocations, job.partials)
+    return job_from_row(job.__dict__, [*job.allocations, *job.spares] if job.spares else job.allocations, job.partials)
 
 
 _HEALTH: dict[str, common_pb2.HealthState] = {

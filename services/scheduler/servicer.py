@@ -49,6 +49,7 @@ from .segment_fields import segment_never_fits, segment_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
+from .spare_fields import spare_problems, spares_never_fit
 
 MAX_NAME = 253
 MAX_COMMAND_ARGS = 4096
@@ -186,7 +187,7 @@ def validate_spec(
                 "(a number with a binary unit K, M, G, T or P)"
             )
     problems += serving_problems(spec)
-    problems += segment_problems(spec, choices)
+    problems += segment_problems(spec, choices) + spare_problems(spec)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
@@ -264,8 +265,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         normalize_roles(request.spec)
         validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
         if request.spec.segment > 0:  # against the known nodes' structure (read only; no cycle needed)
-            known = ((n.name, n.gpus, tuple(n.path), n.gpu_model) for n in self.service.state.nodes.values())
-            why = segment_never_fits(known, request.spec, self.service.settings.fabric.tiers)
+            known = [(n.name, n.gpus, tuple(n.path), n.gpu_model) for n in self.service.state.nodes.values()]
+            tiers = self.service.settings.fabric.tiers  # spares: segments of segment + spares_per_segment
+            why = segment_never_fits(known, request.spec, tiers) or spares_never_fit(known, request.spec, tiers)
             if why:
                 raise InvalidArgument("invalid job: " + why)
         check_text("request_id", request.request_id, 128)

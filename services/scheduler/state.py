@@ -18,6 +18,7 @@ from phalanx.core.claims import Claim
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
 from phalanx.core.quota import QueueSpec
+from phalanx.core.spares import inflated
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
 
@@ -101,6 +102,9 @@ class JobRecord:
     serving: dict[str, Any] = field(default_factory=dict)
     # How the gang is cut (jobs.shape): {"segment": S, "segment_tier": T} for a multi-level gang; {} plain
     shape: dict[str, Any] = field(default_factory=dict)
+    # Spares kept in the domain (shape "spares_per_segment", services/scheduler/spares.py): the booked spares of the
+    # current attempt as (negative replica, node, GPUs), held by allocation rows like `allocations`, never launched
+    spares: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
     ready: bool = False
     ready_at: float = 0.0
     # The decision's inputs built from this record last time, with the fields they were built from
@@ -116,12 +120,17 @@ class JobRecord:
 
     @property
     def gpu_equivalents(self) -> float:
-        return gpu_equivalents(self.replicas, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+        held = self.replicas + len(self.spares)  # booked spares are charged to the job's queue too
+        return gpu_equivalents(held, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
 
     def request(self) -> GangRequest:
+        # With spares per segment, placement sees segments of S + K replicas (core.spares.inflated)
+        replicas, segment = inflated(
+            self.replicas, int(self.shape.get("segment") or 0), int(self.shape.get("spares_per_segment") or 0)
+        )
         return GangRequest(
             self.id,
-            self.replicas,
+            replicas,
             self.gpus_per_replica,
             self.priority,
             self.submitted_at,
@@ -134,15 +143,16 @@ class JobRecord:
             avoid=frozenset(self.struck_nodes),
             cpu_milli=self.cpu_milli,
             memory=self.memory,
-            segment=int(self.shape.get("segment") or 0),
+            segment=segment,
             segment_tier=str(self.shape.get("segment_tier") or ""),
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:
-        """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
+        """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back; the
+        booked spares (negative replicas, whole GPUs) after the gang's own."""
         out = []
         cpu, memory = self.cpu_milli, self.memory
-        for replica, node, gpus in self.allocations:
+        for replica, node, gpus in (*self.allocations, *self.spares) if self.spares else self.allocations:
             part = self.partials.get(replica)
             if part is None:
                 out.append(ReplicaPlacement(replica, node, gpus, cpu_milli=cpu, memory=memory))

@@ -58,6 +58,8 @@ class UnitOfWork:
     # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
     new_jobs: list[JobRecord] = field(default_factory=list)
     new_allocations: list[JobRecord] = field(default_factory=list)
+    # Spares booked again for running gangs (services/scheduler/spares.py): their rows, written with the reservations
+    new_spares: list[JobRecord] = field(default_factory=list)
     # Assignments queued for nodes (send), and those written (flush): (node, revision, message), for the fan-out
     outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
     delivered: list[tuple[str, int, Any]] = field(default_factory=list)

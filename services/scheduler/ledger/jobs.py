@@ -41,11 +41,13 @@ def read_job_records(
                 Allocation.gpu_milli,
             )
             .join(Job, and_(Job.id == Allocation.job_id, Job.attempt == Allocation.attempt))
-            .where(Allocation.job_id.in_(chunk), Allocation.kind != "hold")
+            .where(Allocation.job_id.in_(chunk), Allocation.kind != "hold", Allocation.released_at.is_(None))
             .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index, Allocation.unit)
         )
         for job_id, (allocs, partials) in _group_allocations(rows, names).items():
-            jobs[job_id].allocations = allocs
+            # A negative replica is a spare kept in the domain (services/scheduler/spares.py): held, never launched
+            jobs[job_id].allocations = [a for a in allocs if a[0] >= 0]
+            jobs[job_id].spares = [a for a in allocs if a[0] < 0]
             jobs[job_id].partials = partials
             jobs[job_id].ranks = layout_ranks(jobs[job_id])
         ranks = conn.execute(

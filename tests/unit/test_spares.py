@@ -1,0 +1,129 @@
+"""Spares kept in the domain (phalanx.core.spares): a segmented gang placed with K extra replicas per segment, split
+into the gang (ranks contiguous per segment) and its spares (in their segment's domain), and the swap decision."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.core.capacity import ClusterCapacity
+from phalanx.core.fabric import default_fabric, group_nvlink_domains
+from phalanx.core.model import GangRequest, NodeCapacity, Placement
+from phalanx.core.placement import domain_of, place_gang
+from phalanx.core.spares import (
+    SpareSlot,
+    choose_swap,
+    inflated,
+    slot_of,
+    spare_replica,
+    split_spares,
+    swapped_allocations,
+)
+
+
+def nvl_cluster(domains: int = 2, per_domain: int = 3, gpus: int = 4):
+    names = [f"n{i:03d}" for i in range(domains * per_domain)]
+    fabric = group_nvlink_domains(default_fabric(names, nodes_per_leaf=per_domain * 2), per_domain)
+    cap = ClusterCapacity(NodeCapacity(n, gpus, set(range(gpus)), True, fabric.path(n)) for n in fabric.paths)
+    return cap, fabric.tiers
+
+
+def place_with_spares(cap, tiers, replicas: int, gpus: int, segment: int, spares: int) -> tuple[Placement, list]:
+    r, s = inflated(replicas, segment, spares)
+    p = place_gang(cap, GangRequest("j", r, gpus, segment=s), tiers)
+    assert isinstance(p, Placement), p
+    return split_spares(p, segment, spares)
+
+
+def test_inflated_counts_the_spares_per_segment():
+    assert inflated(4, 2, 1) == (6, 3)
+    assert inflated(8, 4, 2) == (12, 6)
+    assert inflated(4, 2, 0) == (4, 2)
+    assert inflated(4, 0, 1) == (4, 0)  # no segments: nothing to keep spares in (refused at submit)
+    assert [spare_replica(k) for k in range(3)] == [-1, -2, -3]
+    assert all(slot_of(spare_replica(k)) == k for k in range(5))
+
+
+def test_two_segments_with_one_spare_each_fill_two_domains_and_keep_ranks_contiguous():
+    cap, tiers = nvl_cluster()
+    gang, slots = place_with_spares(cap, tiers, 4, 4, 2, 1)
+    assert [r.replica for r in gang.replicas] == [0, 1, 2, 3]
+    assert len(gang.segments) == 2 and len(set(gang.segments)) == 2
+    for i, domain in enumerate(gang.segments):
+        assert {domain_of(cap.nodes[r.node], 1) for r in gang.replicas[2 * i : 2 * i + 2]} == {domain}
+    assert [(s.slot, s.segment, s.replica) for s in slots] == [(0, 0, -1), (1, 1, -2)]
+    for s in slots:
+        assert domain_of(cap.nodes[s.node], 1) == s.domain == gang.segments[s.segment]
+        assert s.booked and len(s.gpus) == 4
+    used = {r.node for r in gang.replicas} | {s.node for s in slots}
+    assert len(used) == 6  # whole-node replicas: every spare is a node of its own
+
+
+def test_a_segment_that_cannot_hold_its_spares_does_not_fit():
+    cap, tiers = nvl_cluster(per_domain=3)
+    r, s = inflated(4, 2, 2)  # 4 nodes per segment, the domains hold 3
+    assert not isinstance(place_gang(cap, GangRequest("j", r, 4, segment=s), tiers), Placement)
+
+
+def test_swap_takes_the_spare_of_the_dead_nodes_segment_and_keeps_the_rest():
+    allocations = [(0, "a0", (0,)), (1, "a1", (0,)), (2, "b0", (0,)), (3, "b1", (0,))]
+    slots = [SpareSlot(0, 0, "nvl-0", "a2", (0,)), SpareSlot(1, 1, "nvl-1", "b2", (0,))]
+    chosen = choose_swap([(r, n) for r, n, _ in allocations], slots, 2, ["nvl-0", "nvl-1"], "b0")
+    assert chosen == {2: slots[1]}
+    after = swapped_allocations(allocations, chosen)
+    assert after == [(0, "a0", (0,)), (1, "a1", (0,)), (2, "b2", (0,)), (3, "b1", (0,))]
+
+
+def test_no_swap_without_a_usable_spare_in_the_domain():
+    actives = [(0, "a0"), (1, "a1"), (2, "b0"), (3, "b1")]
+    other_domain = [SpareSlot(0, 0, "nvl-0", "a2")]
+    assert choose_swap(actives, other_domain, 2, ["nvl-0", "nvl-1"], "b0") is None
+    missing = [SpareSlot(0, 0, "nvl-0"), SpareSlot(1, 1, "nvl-1")]  # not booked
+    assert choose_swap(actives, missing, 2, ["nvl-0", "nvl-1"], "b0") is None
+    lost = [SpareSlot(1, 1, "nvl-1", "b2")]
+    assert choose_swap(actives, lost, 2, ["nvl-0", "nvl-1"], "b0", unusable={"b2"}) is None
+    assert choose_swap(actives, lost, 2, ["nvl-0", "nvl-1"], "zz") is None  # the gang has nothing there
+
+
+def test_a_spare_of_another_segment_in_the_same_domain_serves():
+    actives = [(0, "a0"), (1, "a1"), (2, "a2"), (3, "a3")]  # both segments in nvl-0
+    slots = [SpareSlot(0, 0, "nvl-0", "a4"), SpareSlot(1, 1, "nvl-0", "")]
+    assert choose_swap(actives, slots, 2, ["nvl-0", "nvl-0"], "a3") == {3: slots[0]}
+
+
+def test_a_node_of_two_replicas_needs_two_spares():
+    actives = [(0, "a0"), (1, "a0"), (2, "b0"), (3, "b0")]  # two replicas per node
+    one = [SpareSlot(0, 0, "nvl-0", "a1"), SpareSlot(1, 1, "nvl-1", "b1")]
+    assert choose_swap(actives, one, 2, ["nvl-0", "nvl-1"], "a0") is None
+    two = [SpareSlot(0, 0, "nvl-0", "a1"), SpareSlot(1, 0, "nvl-0", "a1")]
+    assert choose_swap(actives, two, 2, ["nvl-0", "nvl-1"], "a0") == {0: two[0], 1: two[1]}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    segments=st.integers(1, 3),
+    segment=st.integers(1, 3),
+    spares=st.integers(1, 2),
+    dead_pick=st.integers(0, 100),
+)
+def test_swaps_keep_spares_in_their_domain_and_ranks_off_spares(segments, segment, spares, dead_pick):
+    cap, tiers = nvl_cluster(domains=3, per_domain=5)
+    r, s = inflated(segments * segment, segment, spares)
+    p = place_gang(cap, GangRequest("j", r, 4, segment=s), tiers)
+    if not isinstance(p, Placement):
+        return
+    gang, slots = split_spares(p, segment, spares)
+    assert len(slots) == segments * spares
+    for slot in slots:
+        assert domain_of(cap.nodes[slot.node], 1) == gang.segments[slot.segment]
+    allocations = [(x.replica, x.node, tuple(x.gpus)) for x in gang.replicas]
+    dead = allocations[dead_pick % len(allocations)][1]
+    chosen = choose_swap([(x, n) for x, n, _ in allocations], slots, segment, gang.segments, dead)
+    assert chosen is not None  # one spare per segment at least, on a node of its own
+    after = swapped_allocations(allocations, chosen)
+    assert [x for x, _, _ in after] == [x for x, _, _ in allocations]  # the same rank order
+    for (rep, node, _), (_, before, _) in zip(after, allocations, strict=True):
+        assert node != dead
+        if before != dead:
+            assert node == before  # only the dead node's replicas move
+        assert domain_of(cap.nodes[node], 1) == gang.segments[rep // segment]
