@@ -9,20 +9,23 @@ at its line, in file order, and never retried; a placed request is reserved, so 
 ``{"release": NAME}`` line frees it. Request lines::
 
     {"name": "train", "replicas": 4, "gpus_per_replica": 8, "required_tier": "spine", "priority": 0}
+    {"name": "llm", "replicas": 288, "gpus_per_replica": 4, "segment": 18, "segment_tier": "nvlink"}
 
 ``required_tier`` (a fabric tier name, or ``node`` / ``cluster``): the gang must fit under one domain of that tier
 now, else it is refused and nothing is reserved. ``preferred_tier`` is accepted and best effort (the core already
 places at the lowest tier it can). ``mig`` (a MIG profile such as ``"3g.40gb"``, on a MIG-capable profile's GPUs)
 or ``gpu_milli`` (1-999 thousandths of a GPU) make each replica a partial GPU (``gpus_per_replica`` is then 1 and may
 be left out), placed by the FGD-style fragmentation score. A malformed line is refused per line (its reason names
-the line number); the run goes on. ``--mig-gpus`` (``all`` or a comma list of indexes, e.g. ``7``) puts those GPUs
-of every node in MIG mode: MIG requests go only there, whole-GPU and ``gpu_milli`` requests never there (without
-it no GPU is in MIG mode, so no MIG request is placed).
+the line number); the run goes on. ``segment`` (replicas per segment, dividing ``replicas``) and ``segment_tier``
+make it a multi-level gang (see placement/segments.py). ``--mig-gpus`` (``all`` or a comma list of indexes, e.g.
+``7``) puts those GPUs of every node in MIG mode: MIG requests go only there, whole-GPU and ``gpu_milli`` requests
+never there (without it no GPU is in MIG mode, so no MIG request is placed).
 
 Output, one line per request (and per release), then a summary line. With ``--json`` every such line is one JSON
 object: ``{"name", "placed", "allocations": [{"replica", "node", "gpus"}, plus "slices": [{"gpu", "profile",
 "start", "size"}] for a MIG instance or "gpu_milli" for a share], "cost": {"tier", "leaves", "leaf_crossings",
-"spine_crossings", "rails", "rail_changes"} | null, "reason"}``, ``{"release": NAME}``, and finally
+"spine_crossings", "rails", "rail_changes"} | null, "reason", "segments"}`` (``segments``: a multi-level gang's
+domain of each segment, ``segment`` replicas each, [] otherwise), ``{"release": NAME}``, and finally
 ``{"summary": {"requests", "placed", "not_placed", "gpus_allocated"}}``. Errors about the command itself (a
 missing file, an unreadable fabric, an unknown profile) go to standard error with exit code 2.
 
@@ -60,7 +63,18 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_FAILURE = 1  # a malformed request line
 
-_FIELDS = {"name", "replicas", "gpus_per_replica", "required_tier", "preferred_tier", "mig", "gpu_milli", "priority"}
+_FIELDS = {
+    "name",
+    "replicas",
+    "gpus_per_replica",
+    "required_tier",
+    "preferred_tier",
+    "mig",
+    "gpu_milli",
+    "priority",
+    "segment",
+    "segment_tier",
+}
 
 
 class _CommandError(Exception):
@@ -77,6 +91,8 @@ class _Request:
     priority: int = 0
     mig: str = ""
     gpu_milli: int = 0
+    segment: int = 0  # a multi-level gang: replicas per segment (0: none), in domains of segment_tier
+    segment_tier: str = ""
     error: str = ""  # a per-line refusal decided before placement
 
 
@@ -191,9 +207,36 @@ def _parse_request(lineno: int, doc: dict, tier_order: list[str]) -> _Request:
             if value is not None and value not in tier_order:
                 raise ValueError(f"unknown {key} {value!r}; this fabric has {', '.join(tier_order)}")
             tiers[key] = value
+        segment, segment_tier = _segment_fields(doc, replicas, partial, tier_order)
     except ValueError as exc:
         return _Request(lineno, label, error=f"line {lineno}: {exc}")
-    return _Request(lineno, name, replicas, gpus, tiers["required_tier"], priority, (profile or "").lower(), milli or 0)
+    return _Request(
+        lineno,
+        name,
+        replicas,
+        gpus,
+        tiers["required_tier"],
+        priority,
+        (profile or "").lower(),
+        milli or 0,
+        segment,
+        segment_tier,
+    )
+
+
+def _segment_fields(doc: dict, replicas: int, partial: bool, tier_order: list[str]) -> tuple[int, str]:
+    """`segment` (replicas per segment, dividing `replicas`) and `segment_tier` of a request line."""
+    segment = _positive_int(doc, "segment") if doc.get("segment") is not None else 0
+    if segment and replicas % segment:
+        raise ValueError(f"'segment' {segment} does not divide 'replicas' {replicas}")
+    if segment and partial:
+        raise ValueError("segments need whole GPUs per replica (no 'mig' or 'gpu_milli')")
+    tier = doc.get("segment_tier")
+    if tier is not None and (not isinstance(tier, str) or tier not in tier_order):
+        raise ValueError(f"unknown segment_tier {json.dumps(tier)}; this fabric has {', '.join(tier_order)}")
+    if tier and not segment:
+        raise ValueError("'segment_tier' needs 'segment'")
+    return segment, tier or ""
 
 
 # -- cost ------------------------------------------------------------------------------------------------------
@@ -285,6 +328,8 @@ def run_place(
             priority=request.priority,
             mig_profile=request.mig,
             gpu_milli=request.gpu_milli,
+            segment=request.segment,
+            segment_tier=request.segment_tier,
         )
         result = place_gang(capacity, gang, fabric.tiers)
         if isinstance(result, Unplaceable):
@@ -360,6 +405,7 @@ def _json_line(outcome: _Outcome) -> dict[str, Any]:
         "allocations": allocations,
         "cost": outcome.cost,
         "reason": outcome.reason,
+        "segments": [] if outcome.placement is None else list(outcome.placement.segments),
     }
 
 

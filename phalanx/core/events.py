@@ -6,7 +6,7 @@ back from the ledger (phalanx.testing.history); plain frozen data."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +26,14 @@ class Hold:
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """The nodes (name -> GPUs) and the GPUs in MIG mode, at the start."""
+    """The nodes (name -> GPUs) and the GPUs in MIG mode, at the start; the fabric's tier names (lowest first) and,
+    per tier, each node's domain (for the segments of multi-level gangs; empty: not checked)."""
 
     t: float
     nodes: Mapping[str, int]
     mig: frozenset[tuple[str, int]] = frozenset()
+    tiers: tuple[str, ...] = ()
+    domains: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,9 @@ class Submitted:
     fits_empty: bool = True
     # False: it may never preempt (a service's surge replica during a rolling update; invariant g)
     preempts: bool = True
+    # A multi-level gang: replicas per segment (0: none) and the tier each segment lies in ("": the default)
+    segment: int = 0
+    segment_tier: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,8 @@ class Started:
     holds: tuple[Hold, ...]
     expected: int
     flavor: str = ""
+    # The node of each replica, in rank order (empty: not recorded; segments are then not checked)
+    replica_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
 (g) serving. A gang that may not preempt (a service's surge replica during a rolling update) never asks a gang to
     checkpoint and never claims capacity: it waits for a release instead (the deadlock of LeaderWorkerSet issues
     717 and 1050 is a surge that evicts, or waits on, what must go first).
+(h) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
+    contiguous) inside one domain of its segment tier (placement.segments).
 
 `check(events, ...)` returns the violations, each naming its invariant, the index of the event that broke it and
 what happened; `Checker` takes the events one at a time (the randomized checker asserts after every step). The
@@ -62,6 +64,7 @@ from .events import (  # re-exported (see __all__): callers name the events thro
     Started,
     Submitted,
 )
+from .placement.segments import default_segment_tier
 from .quota import QueueSpec
 
 __all__ = [
@@ -120,6 +123,8 @@ class _Job:
     finished: bool = False
     submitted_at: float = 0.0
     preempts: bool = True
+    segment: int = 0
+    segment_tier: str = ""
 
 
 @dataclass
@@ -162,6 +167,8 @@ class Checker:
         self.index = -1
         self.t = -math.inf
         self.nodes: dict[str, int] = {}
+        self.tiers: tuple[str, ...] = ()
+        self.domains: Mapping[str, Mapping[str, str]] = {}  # tier -> node -> its domain of that tier
         self.down: set[str] = set()
         self.mig: set[tuple[str, int]] = set()
         self.jobs: dict[str, _Job] = {}
@@ -219,6 +226,7 @@ class Checker:
     def _on_Cluster(self, e: Cluster) -> None:
         self.nodes = dict(e.nodes)
         self.mig = set(e.mig)
+        self.tiers, self.domains = tuple(e.tiers), e.domains
 
     def _on_Submitted(self, e: Submitted) -> None:
         self.jobs[e.job] = _Job(
@@ -230,6 +238,8 @@ class Checker:
             e.gpus_per_replica,
             submitted_at=e.t,
             preempts=e.preempts,
+            segment=e.segment,
+            segment_tier=e.segment_tier,
         )
         if self.quiet_at is not None:
             self._bad("d", f"job {e.job} arrived after the quiet point")
@@ -282,6 +292,8 @@ class Checker:
             holders[key] = h
         job.attempt, job.holds, job.flavor = e.attempt, e.holds, e.flavor
         self.attempt_holds[key] = e.holds
+        if job.segment > 0 and e.replica_nodes:
+            self._check_segments(e, job)
         # (b) claims: no start on claimed capacity by a gang that may not use it
         for claim in self.claims.values():
             if claim.job == e.job:
@@ -318,6 +330,25 @@ class Checker:
             use[1] += s
             self._check_quota(job.queue, e.flavor)
         self.starts.append((self.index, e.t, e.job))
+
+    def _check_segments(self, e: Started, job: _Job) -> None:
+        """(h) each segment of S contiguous ranks inside one domain of the gang's segment tier."""
+        s, nodes = job.segment, e.replica_nodes
+        tier = job.segment_tier or default_segment_tier(self.tiers)
+        if len(nodes) != job.replicas or job.replicas % s:
+            self._bad("h", f"job {e.job} started {len(nodes)} replicas, a gang of {job.replicas} in segments of {s}")
+            return
+        where = self.domains.get(tier)
+        if where is None:
+            return  # "node" is checked by the nodes themselves below; "cluster" holds everything
+        for i in range(0, len(nodes), s):
+            got = {where.get(node, "") for node in nodes[i : i + s]}
+            if len(got) != 1 or "" in got:
+                self._bad(
+                    "h",
+                    f"job {e.job} attempt {e.attempt}: segment {i // s} (ranks {i}-{i + s - 1}) spans {tier} "
+                    f"domains {sorted(got)}",
+                )
 
     def _claimed_overlap(self, claim: ClaimMade, holds: tuple[Hold, ...]) -> tuple[str, int] | None:
         """The GPU where `holds` (just taken) eat into what `claim` claims: a whole GPU it claims, a MIG slice of

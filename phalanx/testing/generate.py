@@ -100,7 +100,7 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         while replicas * per > 64:
             replicas //= 2
     del mig
-    return JobSpec(
+    job = JobSpec(
         name,
         replicas=max(1, replicas),
         gpus_per_replica=per,
@@ -117,6 +117,10 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         by_admin=rng.random() < 0.9,
         preempts=rng.random() < 0.9,
     )
+    # Drawn last, so the shapes above stay what a seed gave before segments existed.
+    if not (profile or milli) and job.replicas > 1 and rng.random() < 0.25:
+        job = replace(job, segment=rng.choice([d for d in range(1, job.replicas + 1) if job.replicas % d == 0]))
+    return job
 
 
 def shrink(scenario: Scenario, fails) -> Scenario:  # type: ignore[no-untyped-def]

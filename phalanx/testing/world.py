@@ -132,6 +132,12 @@ class World:
                 0.0,
                 {n.name: n.gpus for n in self.nodes.values()},
                 frozenset((n.name, g) for n in self.nodes.values() for g in n.mig),
+                tuple(self.tiers),
+                {
+                    tier: {n.name: n.path[i] for n in self.nodes.values() if i < len(n.path)}
+                    for i, tier in enumerate(self.tiers)
+                }
+                | {"node": {n: n for n in self.nodes}},
             )
         )
 
@@ -304,7 +310,8 @@ class World:
         job.fail_at = self.now + job.work_left / 2 if job.failures < job.spec.fails else math.inf
         holds = holds_of(placement.replicas)
         expected = job.request.replicas * (1 if job.request.partial else job.request.gpus_per_replica)
-        self.record(inv.Started(self.now, job.spec.job, job.attempt, holds, expected, flavor))
+        ranks = tuple(r.node for r in sorted(placement.replicas, key=lambda r: r.replica))
+        self.record(inv.Started(self.now, job.spec.job, job.attempt, holds, expected, flavor, ranks))
 
     def ask(self, job: _Job, step: AskCheckpoint) -> None:
         job.preempted_by, job.deadline = step.by, step.deadline
@@ -376,6 +383,8 @@ class World:
                 demand(request),
                 self.fits_empty(request, spec.queue),
                 spec.preempts,
+                request.segment,
+                request.segment_tier,
             )
         )
 

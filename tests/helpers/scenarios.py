@@ -43,6 +43,7 @@ def jobs(draw, name: str, cluster: ClusterSpec, queues: tuple[str, ...]) -> JobS
             replicas //= 2
         replicas = max(1, replicas)
     whole = not (profile or milli)
+    segments = [d for d in range(1, replicas + 1) if replicas % d == 0] if whole and replicas > 1 else [0]
     return JobSpec(
         name,
         replicas=replicas,
@@ -59,6 +60,7 @@ def jobs(draw, name: str, cluster: ClusterSpec, queues: tuple[str, ...]) -> JobS
         fails=draw(st.integers(0, 1)),
         by_admin=not draw(st.booleans()) if queues else True,  # (a user's job: only with queues)
         preempts=draw(st.sampled_from((True, True, True, False))),  # False: a service's surge replica
+        segment=draw(st.sampled_from((0, 0, 0, *segments))),  # a multi-level gang: replicas per segment
     )
 
 

@@ -286,3 +286,38 @@ def test_f_mig_instances_only_in_mig_mode_shares_within_one_gpu():
 def test_claim_events_end():
     events = [*_preempted(claim=True), ClaimEnded(10, "critical", "it runs"), Started(10, "batch", 2, eight("n2"), 8)]
     assert "b" not in letters(check(events)[:1])
+
+
+# ---- (h) segments -----------------------------------------------------------------------------------------------------
+
+SEG_CLUSTER = Cluster(
+    0.0,
+    {"n1": 8, "n2": 8, "n3": 8, "n4": 8},
+    tiers=("nvlink", "leaf"),
+    domains={
+        "nvlink": {"n1": "nvl-0", "n2": "nvl-0", "n3": "nvl-1", "n4": "nvl-1"},
+        "leaf": dict.fromkeys("n1 n2 n3 n4".split(), "leaf0"),
+    },
+)
+
+
+def test_h_a_segment_across_two_domains_or_with_ranks_interleaved_is_caught():
+    def run(nodes: tuple[str, ...], tier: str = ""):
+        holds = tuple(h for n in dict.fromkeys(nodes) for h in eight(n))
+        seg = Submitted(0, "g", 0, "default", 4, 8, (32.0, 0.0), segment=2, segment_tier=tier)
+        return check([SEG_CLUSTER, seg, Started(0, "g", 1, holds, 32, replica_nodes=nodes)])
+
+    assert run(("n1", "n2", "n3", "n4")) == []
+    first, second = run(("n1", "n3", "n2", "n4"))  # both domains used, but each segment's ranks span both
+    assert first.invariant == second.invariant == "h"
+    assert "segment 0 (ranks 0-1) spans nvlink domains ['nvl-0', 'nvl-1']" in first.what
+    assert "segment 1 (ranks 2-3)" in second.what
+    assert letters(run(("n1", "n3", "n2", "n4"), tier="leaf")) == []  # one leaf holds every segment
+    plain = [
+        SEG_CLUSTER,
+        submit(0, "p", replicas=4),
+        Started(
+            0, "p", 1, eight("n1") + eight("n3") + eight("n2") + eight("n4"), 32, replica_nodes=("n1", "n3", "n2", "n4")
+        ),
+    ]
+    assert check(plain) == []  # a plain gang has no segments to keep

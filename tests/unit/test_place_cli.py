@@ -36,7 +36,7 @@ switches:
       leaf3: ["n[07-08]"]
 """
 
-TOP_KEYS = ["name", "placed", "allocations", "cost", "reason"]
+TOP_KEYS = ["name", "placed", "allocations", "cost", "reason", "segments"]
 
 
 def req(name: str, replicas: int, gpus: int, **extra) -> dict:
@@ -415,3 +415,25 @@ def test_command_errors_go_to_stderr_with_exit_code_2(capsys, tmp_path, tree, wh
     assert code == 2
     assert cap.out == ""
     assert cap.err.startswith("error: ") and words in cap.err
+
+
+def test_segmented_requests_keep_each_segment_in_one_nvlink_domain(tmp_path, capsys):
+    fabric = tmp_path / "topology.conf"
+    fabric.write_text(
+        "SwitchName=leaf0 Nodes=gb[001-036]\nSwitchName=leaf1 Nodes=gb[037-072]\nSwitchName=s Switches=leaf[0-1]\n"
+    )
+    requests = write_requests(
+        tmp_path,
+        req("llm", 36, 4, segment=18),
+        req("bad", 6, 4, segment=4),
+        req("tiers", 4, 4, segment=2, segment_tier="rack"),
+    )
+    llm, bad, tiers, _ = place(capsys, fabric, requests, profile="gb200-nvl72", malformed=True)
+    assert llm["placed"] and len(llm["segments"]) == 2
+    nodes = [a["node"] for a in sorted(llm["allocations"], key=lambda a: a["replica"])]
+    for i, domain in enumerate(llm["segments"]):
+        block = nodes[18 * i : 18 * i + 18]
+        # 18 trays of 4 GPUs in one NVLink domain: the profile groups 18 consecutive trays of a leaf into one
+        assert len(set(block)) == 18 and len({(int(n[2:]) - 1) // 18 for n in block}) == 1 and domain
+    assert not bad["placed"] and "'segment' 4 does not divide 'replicas' 6" in bad["reason"]
+    assert not tiers["placed"] and "unknown segment_tier" in tiers["reason"]

@@ -11,8 +11,8 @@ The search is two of the plain one (`gang._place_gang`), one above the other:
    domains of each level below down to segment domains, best fit (counted in segments) among equals, with the
    exact search's bounds (`budget._Budget`) and its rank order (switch order).
 2. Inner: each segment, in that order, is placed inside its domain by the plain objective (`_take_indexed`: the
-   fewest nodes, best fit) and held while the next ones are placed, so two segments of one domain never share a
-   GPU; a domain holding k_D segments always holds the k-th one (S replicas of its k_D * S slots are left).
+   fewest nodes, best fit) and held while the next ones of its domain are placed, so two segments of one domain
+   never share a GPU; a domain holding k_D segments always holds the k-th one (S replicas of its k_D * S slots are left).
 
 Complexity: O(D) to read the segment domains from the index (D domains of the segment tier) and to build the virtual
 cluster, plus one plain placement of R / S replicas on D virtual nodes, plus R / S placements of S replicas, each
@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from ..capacity import ClusterCapacity
 from ..fabric import NVLINK_TIER
-from ..model import GangRequest, NodeCapacity, Placement
+from ..model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from .budget import _Budget
 from .gpus import _build
 from .result import Unplaceable
@@ -137,13 +137,14 @@ def _virtual(capacity: ClusterCapacity, level: int, holds: dict[str, int]) -> Cl
 def _fill(
     capacity: ClusterCapacity, request: GangRequest, level: int, order: list[str], names: list[str], budget: _Budget
 ) -> Placement:
-    """Each segment inside its domain, held while the next are placed (and given back after): replicas numbered
-    segment by segment."""
+    """Each segment inside its domain, held while the next ones of that domain are placed (and given back after):
+    replicas numbered segment by segment. The host resources of a replica are added by the caller."""
     s, g = request.segment, request.gpus_per_replica
     one = replace(request, replicas=s, segment=0, segment_tier="")
     parts: list[Placement] = []
+    held: list[Placement] = []
     try:
-        for key in order:
+        for i, key in enumerate(order):
             if level == 0:
                 takes = [(capacity.nodes[key], s)]
             elif capacity.is_tree or level == 1:
@@ -152,12 +153,16 @@ def _fill(
                 members = [n for n in capacity.members(level, key) if n.schedulable and len(n.free) >= g]
                 takes = _take(members, s, g, level, budget)
             part = _build(one, takes, names, level)
-            capacity.reserve(part)
             parts.append(part)
+            if i + 1 < len(order) and order[i + 1] == key:  # the next segment shares the domain (order groups them)
+                capacity.reserve(part)
+                held.append(part)
     finally:
-        for part in parts:
+        for part in held:
             capacity.release_placement(part)
-    replicas = tuple(replace(r, replica=i * s + r.replica) for i, part in enumerate(parts) for r in part.replicas)
+    replicas = tuple(
+        ReplicaPlacement(i * s + r.replica, r.node, r.gpus) for i, part in enumerate(parts) for r in part.replicas
+    )
     note = f" {budget.note()}" if budget.stopped or budget.capped else ""
     return Placement(request.job_id, replicas, names[level], len(set(order)), 0.0, note)
 
