@@ -74,6 +74,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             memory_per_replica=args.memory_per_replica or "",
             segment=args.segment or 0,
             segment_tier=args.segment_tier or "",
+            spares_per_segment=args.spares_per_segment or 0,
         )
     console.show_job(job, args.json)
     return EXIT_OK
@@ -293,6 +294,15 @@ def _add_submit(sub) -> None:
         default=None,
         metavar="TIER",
         help="the tier each segment lies in (default: the NVLink domain where the fabric has one, else the leaf)",
+    )
+    p.add_argument(
+        "--spares-per-segment",
+        type=bounded("--spares-per-segment", 0),
+        default=None,
+        metavar="K",
+        help="keep K spare replicas idle in each segment's domain, reserved with the gang and charged to its queue; a "
+        "lost node (or failed GPU) of the gang is swapped for one and the gang restarts there from its checkpoint "
+        "(needs --segment)",
     )
     p.add_argument(
         "--queue",

@@ -162,6 +162,7 @@ class AsyncClient(AsyncServiceCalls):
         memory_per_replica: str | int = "",
         segment: int = 0,
         segment_tier: str = "",
+        spares_per_segment: int = 0,
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -187,6 +188,7 @@ class AsyncClient(AsyncServiceCalls):
             memory_per_replica: Memory each replica reserves and is limited to: a size ("512M", "64G") or bytes.
             segment: Replicas per segment of a multi-level gang (it must divide ``replicas``; 0: none).
             segment_tier: The tier each segment lies in ("": the NVLink domain, else the leaf).
+            spares_per_segment: Spare replicas kept idle in each segment's domain and swapped in for a lost node.
 
         Returns:
             The job as accepted by the scheduler.
@@ -213,6 +215,7 @@ class AsyncClient(AsyncServiceCalls):
             memory_per_replica=memory_per_replica,
             segment=segment,
             segment_tier=segment_tier,
+            spares_per_segment=spares_per_segment,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

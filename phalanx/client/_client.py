@@ -108,6 +108,7 @@ def build_submit_request(
     memory_per_replica: str | int = "",
     segment: int = 0,
     segment_tier: str = "",
+    spares_per_segment: int = 0,
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -136,6 +137,7 @@ def build_submit_request(
         ),
         segment=int(segment or 0),
         segment_tier=str(segment_tier or ""),
+        spares_per_segment=int(spares_per_segment or 0),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -290,6 +292,7 @@ class Client(ServiceCalls):
         memory_per_replica: str | int = "",
         segment: int = 0,
         segment_tier: str = "",
+        spares_per_segment: int = 0,
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -326,6 +329,10 @@ class Client(ServiceCalls):
                 contiguous; it must divide ``replicas`` (0: no segments).
             segment_tier: The tier each segment lies in ("": the NVLink domain where the fabric has one, else the
                 leaf).
+            spares_per_segment: Spares kept in the domain: this many extra replicas reserved idle (and charged to
+                the job's queue) in each segment's domain; when a node of the gang is lost or a GPU fails, a spare of
+                that domain takes its replicas and the gang restarts there from its last committed checkpoint, with
+                no requeue. Needs ``segment``; 0: none.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -358,6 +365,7 @@ class Client(ServiceCalls):
             memory_per_replica=memory_per_replica,
             segment=segment,
             segment_tier=segment_tier,
+            spares_per_segment=spares_per_segment,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -10,6 +10,8 @@ from typing import Any
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.resources import parse_size
 
+from ._spares import Spare, spare_fields
+
 __all__ = [
     "JobState",
     "NodeState",
@@ -280,6 +282,12 @@ class Job:
     segment: int = 0
     segment_tier: str = ""
     segment_domains: tuple[str, ...] = ()
+    # Spares kept in the domain: per segment (0: none), each spare slot (booked or missing), swaps made, the last
+    spares_per_segment: int = 0
+    spares: tuple[Spare, ...] = ()
+    swaps: int = 0
+    last_swap_at: float = 0.0
+    last_swap: str = ""
     tenant: str = ""  # who submitted it ("" when authentication is off)
     queue: str = "default"
     flavor: str = ""  # the quota flavor its attempt was admitted under ("" without quotas)
@@ -367,6 +375,8 @@ class Job:
             segment=int(spec.segment),
             segment_tier=spec.segment_tier,
             segment_domains=tuple(msg.segment_domains),
+            spares_per_segment=int(spec.spares_per_segment),
+            **spare_fields(msg),
             tenant=msg.tenant,
             queue=spec.queue or "default",
             flavor=msg.flavor,
@@ -409,6 +419,11 @@ class Job:
             "segment": self.segment,
             "segment_tier": self.segment_tier,
             "segment_domains": list(self.segment_domains),
+            "spares_per_segment": self.spares_per_segment,
+            "spares": [s.to_dict() for s in self.spares],
+            "swaps": self.swaps,
+            "last_swap_at": self.last_swap_at,
+            "last_swap": self.last_swap,
             "tenant": self.tenant,
             "queue": self.queue,
             "flavor": self.flavor,
