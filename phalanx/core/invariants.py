@@ -30,6 +30,8 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
     717 and 1050 is a surge that evicts, or waits on, what must go first).
 (h) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
     contiguous) inside one domain of its segment tier (placement.segments).
+(i) spares. A spare lies in its segment's domain, no rank is on a spare, and a swap never lets another gang take
+    the slot (phalanx.core.spare_invariants).
 
 `check(events, ...)` returns the violations, each naming its invariant, the index of the event that broke it and
 what happened; `Checker` takes the events one at a time (the randomized checker asserts after every step). The
@@ -66,6 +68,7 @@ from .events import (  # re-exported (see __all__): callers name the events thro
 )
 from .placement.segments import default_segment_tier
 from .quota import QueueSpec
+from .spare_invariants import spare_violations
 
 __all__ = [
     "Asked",
@@ -125,6 +128,8 @@ class _Job:
     preempts: bool = True
     segment: int = 0
     segment_tier: str = ""
+    spares: int = 0
+    ended: tuple[int, int, tuple[Hold, ...]] = (-1, 0, ())  # its last end: (event index, attempt, holds)
 
 
 @dataclass
@@ -240,6 +245,7 @@ class Checker:
             preempts=e.preempts,
             segment=e.segment,
             segment_tier=e.segment_tier,
+            spares=e.spares,
         )
         if self.quiet_at is not None:
             self._bad("d", f"job {e.job} arrived after the quiet point")
@@ -294,6 +300,10 @@ class Checker:
         self.attempt_holds[key] = e.holds
         if job.segment > 0 and e.replica_nodes:
             self._check_segments(e, job)
+        if job.spares or e.swap_of:
+            shape = (job.replicas, job.gpus_per_replica, job.segment, job.segment_tier, job.spares)
+            for what in spare_violations(e, shape, self.domains, self.tiers, self.down, job.ended, self.index):
+                self._bad("i", what)
         # (b) claims: no start on claimed capacity by a gang that may not use it
         for claim in self.claims.values():
             if claim.job == e.job:
@@ -412,6 +422,7 @@ class Checker:
             use = self.usage[(job.queue, job.flavor)]
             use[0] -= g
             use[1] -= s
+        job.ended = (self.index, e.attempt, job.holds)
         job.attempt, job.holds = 0, ()
         for ep in self.episodes.values():
             if key in ep.waits_for:

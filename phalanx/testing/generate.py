@@ -120,6 +120,8 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
     # Drawn last, so the shapes above stay what a seed gave before segments existed.
     if not (profile or milli) and job.replicas > 1 and rng.random() < 0.25:
         job = replace(job, segment=rng.choice([d for d in range(1, job.replicas + 1) if job.replicas % d == 0]))
+        if rng.random() < 0.5:  # spares kept in the domain (drawn after the segment, for the same reason)
+            job = replace(job, spares=rng.choice((1, 1, 2)))
     return job
 
 

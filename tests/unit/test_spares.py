@@ -127,3 +127,66 @@ def test_swaps_keep_spares_in_their_domain_and_ranks_off_spares(segments, segmen
         if before != dead:
             assert node == before  # only the dead node's replicas move
         assert domain_of(cap.nodes[node], 1) == gang.segments[rep // segment]
+
+
+# ---- invariant (i) and the model world ------------------------------------------------------------------------------
+
+
+def test_the_model_world_swaps_a_spare_in_and_keeps_every_invariant():
+    from phalanx.core import invariants as inv
+    from phalanx.testing.world import ClusterSpec, Scenario, parse_actions, run
+
+    scenario = Scenario(
+        ClusterSpec(nodes=6, gpus=4, per_leaf=6, nvlink=3),
+        parse_actions(
+            """
+            submit train 4x4 seg=2 sp=1 work=300
+            submit waiter 1x4 work=5
+            advance 1
+            down 0
+            advance 1
+            down 0
+            advance 5
+            """
+        ),
+    )
+    world = run(scenario)
+    assert not world.violations, world.violations
+    starts = [e for e in world.history if isinstance(e, inv.Started) and e.job == "train"]
+    swaps = [e for e in starts if e.swap_of]
+    assert swaps and swaps[0].swap_of == 1 and len(swaps[0].spares) == 1  # one spare used, one left
+    assert all(e.job != "waiter" for e in world.history[: world.history.index(swaps[0])] if isinstance(e, inv.Started))
+
+
+def test_invariant_i_catches_a_spare_outside_its_domain_a_rank_on_a_spare_and_a_gap_in_a_swap():
+    from phalanx.core import invariants as inv
+
+    domains = {"nvlink": {"a0": "d0", "a1": "d0", "a2": "d0", "b0": "d1", "b1": "d1", "b2": "d1"}}
+    nodes = {n: 1 for n in domains["nvlink"]}
+
+    def checker():
+        c = inv.Checker()
+        c.feed(inv.Cluster(0.0, nodes, tiers=("nvlink",), domains=domains))
+        c.feed(inv.Submitted(0.0, "j", 0, replicas=2, gpus_per_replica=1, segment=1, spares=1))
+        return c
+
+    def started(spares, spare_nodes, attempt=1, swap_of=0, ranks=("a0", "b0")):
+        holds = tuple(inv.Hold(n, 0) for n in (*ranks, *spare_nodes))
+        return inv.Started(
+            1.0, "j", attempt, holds, len(holds), "", ranks, spares, tuple(inv.Hold(n, 0) for n in spare_nodes), swap_of
+        )
+
+    ok = started(((0, "a1"), (1, "b1")), ("a1", "b1"))
+    assert not checker().feed(ok)
+    outside = checker().feed(started(((0, "b1"), (1, "b2")), ("b1", "b2")))
+    assert [v.invariant for v in outside] == ["i"] and "outside its domain" in outside[0].what
+    on_rank = checker().feed(started(((0, "a0"), (1, "b1")), ("a0", "b1")))
+    assert any(v.invariant == "i" and "rank on a spare" in v.what for v in on_rank)
+
+    c = checker()
+    c.feed(ok)
+    c.feed(inv.NodeDown(2.0, "b0"))
+    c.feed(inv.Ended(2.0, "j", 1, "NODE_LOST"))
+    c.feed(inv.Reserved(2.0, "", float("nan")))  # anything between the end and the restart: the slot was open
+    gap = c.feed(started(((0, "a1"),), ("a1",), attempt=2, swap_of=1, ranks=("a0", "b1")))
+    assert [v.invariant for v in gap] == ["i"] and "not right after it ended" in gap[0].what
