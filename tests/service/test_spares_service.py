@@ -11,7 +11,7 @@ import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.waits import eventually, holds
 
-from phalanx.api.v1 import common_pb2
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
@@ -133,6 +133,53 @@ async def test_a_lost_spare_goes_missing_and_the_gang_runs_on_then_with_no_spare
 
         got = await eventually(requeued, what="the gang torn down and requeued")
         assert "was lost" in got.message and got.swaps == 0
+
+
+async def test_a_fatal_gpu_swaps_rank_0_onto_the_spare_and_goodput_counts_the_swap_as_restart(db_url):
+    async with cluster(db_url) as c:
+        first = await gang_with_spares(c)
+        await c.settled(first.id)
+        spare_of = {s.segment: s.node for s in first.spares}
+        node, gpu = nodes_of(first)[0], first.allocations[0].gpus[1]
+        waiter = await c.submit("waiter", 1, 3)  # fits the 3 healthy GPUs the failed node has left
+        async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
+            health = common_pb2.NodeHealth(
+                state=common_pb2.HEALTH_STATE_DEGRADED,
+                reason=f"GPU {gpu}: XID 79",
+                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
+            )
+            await agent_pb2_grpc.NodeServiceStub(ch).Heartbeat(
+                agent_pb2.HeartbeatRequest(node_name=node, health=health)
+            )
+
+        async def swapped():
+            job = await c.job(first.id)
+            return job if job.attempt == 2 and job.state == RUNNING else None
+
+        second = await eventually(swapped, what="rank 0 moved to its segment's spare")
+        assert nodes_of(second)[0] == spare_of[0] and second.failures == 0
+        assert f"GPU(s) [{gpu}] of {node} failed" in second.message
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=first.id) == [
+            ("GPU_FAILED",)
+        ]
+        launch = next(x for x in agent(c, spare_of[0]).launched if x.job_id == first.id and x.attempt == 2)
+        assert launch.replica == 0 and launch.env["MASTER_ADDR"] and launch.env["MASTER_PORT"]
+        # The swap's own time, from the new attempt's reservation until its ranks run, is restart time.
+        await c.settled(first.id)
+        (reserved, running) = c.sql(
+            "SELECT reserved_at, running_at FROM job_attempts WHERE job_id = :j AND attempt = 2", j=first.id
+        )[0]
+        assert reserved == pytest.approx(second.last_swap_at) and running is not None and running >= reserved
+
+        async def counted():
+            job = await c.job(first.id)
+            return job if job.goodput.restart >= 16 * (running - reserved) else None
+
+        await eventually(counted, what="goodput counting the swap as restart")
+        # The failed node's 3 healthy GPUs hold no whole spare (4 GPUs) and stay free: the waiter, not the gang,
+        # may take them (a spare is booked only where a whole replica fits).
+        assert [(s.segment, s.booked) for s in (await c.job(first.id)).spares] == [(0, False), (1, True)]
+        await c.wait_running(waiter.id)
 
 
 @pytest.mark.parametrize(
