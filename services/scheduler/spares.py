@@ -85,10 +85,13 @@ def swap(cycle: Cycle, job: JobRecord, dead: str, chosen: dict[int, SpareSlot], 
     cycle.work.write(rewrite_spare_rows, job.id, old, dead_id, lost, relabel, True, now)
     swaps = dict(job.placement.get("swaps") or {})
     placement = dict(job.placement, swaps=dict(count=int(swaps.get("count", 0)) + 1, at=now, last=f"{moves[0]}"))
-    if 0 in chosen:  # rank 0 moved: its MASTER_PORT from the new host's range, past the ports taken there
-        taken = ports_taken(cycle, chosen[0].node)
-        placement["master_port"] = master_port(job.id, old + 1, port_range(state.nodes.get(chosen[0].node)), taken)
-        taken.add(placement["master_port"])
+    # A new MASTER_PORT on rank 0's host (moved or not): the old attempt's rank 0 may still hold its port there while
+    # it exits, and an agent refuses a launch whose port another attempt holds.
+    master = chosen[0].node if 0 in chosen else job.allocations[0][1]
+    taken = ports_taken(cycle, master)
+    avoid = taken | {int(job.placement.get("master_port") or 0)}
+    placement["master_port"] = master_port(job.id, old + 1, port_range(state.nodes.get(master)), avoid)
+    taken.add(placement["master_port"])
     change_job(cycle, job, attempt=old + 1, started_at=now, placement=placement, message=what)
     job.ranks = layout_ranks(job)
     job.running_at = 0.0
