@@ -10,6 +10,7 @@ from typing import Any
 
 from phalanx.api.v1 import common_pb2
 from phalanx.core.placement.segments import default_segment_tier
+from services.common.errors import InvalidArgument
 
 # What the submit check reads of a known node: (name, GPUs, switch path from the lowest tier up, GPU model).
 KnownNode = tuple[str, int, tuple[str, ...], str]
@@ -35,6 +36,17 @@ def segment_problems(spec: common_pb2.JobSpec, tiers: Sequence[str]) -> list[str
     if s and (spec.mig_profile or spec.gpu_milli):
         problems.append("segments need whole GPUs per replica, not a MIG instance or a GPU share")
     return problems
+
+
+def check_segments_fit(nodes: Iterable[Any], spec: common_pb2.JobSpec, fabric_tiers: Sequence[str]) -> None:
+    """InvalidArgument when no domain of the segment tier could ever hold the gang's segments, judged on the known
+    nodes (the view's node records: name, gpus, path, gpu_model; read only, so the servicer needs no cycle)."""
+    if spec.segment <= 0:
+        return
+    known = ((n.name, n.gpus, tuple(n.path), n.gpu_model) for n in nodes)
+    why = segment_never_fits(known, spec, fabric_tiers)
+    if why:
+        raise InvalidArgument("invalid job: " + why)
 
 
 def segment_never_fits(nodes: Iterable[KnownNode], spec: common_pb2.JobSpec, fabric_tiers: Sequence[str]) -> str:

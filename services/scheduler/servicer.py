@@ -45,11 +45,11 @@ from .commands import (
     Submit,
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
-from .segment_fields import segment_never_fits, segment_problems
+from .segment_fields import check_segments_fit, segment_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
-from .spare_fields import spare_problems, spares_never_fit
+from .spare_fields import check_spares_fit, spare_problems
 
 MAX_NAME = 253
 MAX_COMMAND_ARGS = 4096
@@ -264,12 +264,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def SubmitJob(self, request, context):
         normalize_roles(request.spec)
         validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
-        if request.spec.segment > 0:  # against the known nodes' structure (read only; no cycle needed)
-            known = [(n.name, n.gpus, tuple(n.path), n.gpu_model) for n in self.service.state.nodes.values()]
-            tiers = self.service.settings.fabric.tiers  # spares: segments of segment + spares_per_segment
-            why = segment_never_fits(known, request.spec, tiers) or spares_never_fit(known, request.spec, tiers)
-            if why:
-                raise InvalidArgument("invalid job: " + why)
+        check_segments_fit(self.service.state.nodes.values(), request.spec, self.service.settings.fabric.tiers)
+        check_spares_fit(self.service.state.nodes.values(), request.spec, self.service.settings.fabric.tiers)
         check_text("request_id", request.request_id, 128)
         ident = current_identity()
         tenant = ident.tenant if ident is not None else ""

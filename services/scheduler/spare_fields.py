@@ -15,6 +15,7 @@ from typing import Any
 from phalanx.api.v1 import common_pb2
 from phalanx.core.model import Placement
 from phalanx.core.spares import SpareSlot, inflated, split_spares
+from services.common.errors import InvalidArgument
 
 from .segment_fields import KnownNode, segment_never_fits
 from .state import JobRecord
@@ -62,6 +63,16 @@ def spare_problems(spec: common_pb2.JobSpec) -> list[str]:
             "in one domain give segment = replicas; for spares anywhere add segment_tier cluster)"
         ]
     return []
+
+
+def check_spares_fit(nodes: Iterable[Any], spec: common_pb2.JobSpec, fabric_tiers: Sequence[str]) -> None:
+    """InvalidArgument when no domain of the segment tier could ever hold a segment with its spares (the known nodes,
+    read only, as segment_fields.check_segments_fit)."""
+    if spec.spares_per_segment <= 0 or spec.segment <= 0:
+        return
+    why = spares_never_fit([(n.name, n.gpus, tuple(n.path), n.gpu_model) for n in nodes], spec, fabric_tiers)
+    if why:
+        raise InvalidArgument("invalid job: " + why)
 
 
 def spares_never_fit(nodes: Iterable[KnownNode], spec: common_pb2.JobSpec, fabric_tiers: Sequence[str]) -> str:

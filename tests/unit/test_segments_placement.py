@@ -114,7 +114,11 @@ def test_required_tier_bounds_the_segments_and_node_tier_segments():
     assert isinstance(p, Placement)
     assert len({domain_of(cap.nodes[r.node], 2) for r in p.replicas}) == 1
     got = place_gang(cap, GangRequest("j", 12, 4, segment=4, required_tier="leaf"), tiers)
-    assert isinstance(got, Unplaceable) and "required_tier" in got.reason
+    assert isinstance(got, Unplaceable)
+    assert (
+        "3 segments of 4 x 4 GPUs, each in one nvlink, must lie under one leaf (required_tier); the best leaf holds 2"
+        in got.reason
+    )
     p = place_gang(cap, GangRequest("j", 4, 2, segment=2, segment_tier="node"), tiers)
     assert isinstance(p, Placement)
     check_segments(cap, p, 2, level=0)

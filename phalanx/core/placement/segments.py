@@ -97,14 +97,21 @@ def place_segments(
             f"segment {total + 1} of {count} ({s} x {g} GPUs) fits in no free {tier} domain now: the free "
             f"{tier} domains hold {total} such segment(s)"
         )
+    virtual = _virtual(capacity, level, holds)
     outer = place(
-        _virtual(capacity, level, holds),
+        virtual,
         GangRequest(request.job_id, count, 1, required_tier=names[required] if required is not None else ""),
         names[level + 1 : top],
         bounds,
     )
     if not isinstance(outer, Placement):
-        return f"{count} segments of {s} x {g} GPUs, each in one {tier}: {outer.reason.replace('replica', 'segment')}"
+        # Only required_tier makes it fail here (the free domains hold enough segments): say what the best holds.
+        assert required is not None, outer.reason
+        most = max((k for k, _ in virtual.domain_stats(required - level, 1).values()), default=0)
+        return (
+            f"{count} segments of {s} x {g} GPUs, each in one {tier}, must lie under one {names[required]} "
+            f"(required_tier); the best {names[required]} holds {most} such segment(s) now"
+        )
     order = [r.node for r in outer.replicas]  # segment i's domain, the domains in switch order
     got = _fill(capacity, request, level, order, names, _Budget(*bounds))
     vlevel = ["node", *names[level + 1 : top], "cluster"].index(outer.tier)
