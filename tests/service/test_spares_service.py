@@ -11,7 +11,7 @@ import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.waits import eventually, holds
 
-from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
@@ -108,6 +108,12 @@ async def test_a_lost_node_is_swapped_for_the_spare_of_its_domain_and_the_slot_i
         third = await eventually(rebooked, what="the returned node booked as a spare")
         assert third.attempt == 2 and (await c.job(waiter.id)).state == PENDING
         assert not [x for x in agent(c, dead).launched if x.job_id == first.id and x.attempt == 2]
+
+        # Cancelled, the gang gives back everything, its spares too, and the waiter runs.
+        await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=first.id))
+        await c.wait_running(waiter.id)
+        held = "SELECT count(*) FROM allocations WHERE job_id = :j AND released_at IS NULL"
+        assert c.sql(held, j=first.id) == [(0,)]
 
 
 async def test_a_lost_spare_goes_missing_and_the_gang_runs_on_then_with_no_spare_left_it_requeues(db_url):
