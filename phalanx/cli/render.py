@@ -13,6 +13,8 @@ from phalanx.client import CheckpointResult, Goodput, GoodputReport, Job, Node
 from phalanx.core.preemption import priority_name
 from phalanx.core.resources import describe, format_cpus, human_size
 
+from .graph_render import array_cell, graph_lines, table_state
+
 __all__ = [
     "table",
     "format_age",
@@ -107,14 +109,14 @@ def _job_rows(jobs: Sequence[Job], now: float | None) -> list[tuple[Any, ...]]:
         (
             j.id,
             j.name,
-            j.state.value,
+            table_state(j),
             j.priority,
             f"{j.replicas}x{j.mig_profile}"
             if j.mig_profile
             else f"{j.replicas}x{j.gpu_milli}m"
             if j.gpu_milli
             else f"{j.replicas}x{j.gpus_per_replica}",
-            job_nodes(j),
+            array_cell(j) or job_nodes(j),
             format_age(now - j.submitted_at) if j.submitted_at else "-",
             job_service(j),
         )
@@ -316,6 +318,7 @@ def job_detail(job: Job) -> str:
         lines.append(("segments", _segments(job)))
     if job.spares_per_segment:
         lines.extend(_spares(job))
+    lines += graph_lines(job)
     if job.placement:
         p = job.placement
         lines.append(

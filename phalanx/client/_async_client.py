@@ -163,6 +163,8 @@ class AsyncClient(AsyncServiceCalls):
         segment: int = 0,
         segment_tier: str = "",
         spares_per_segment: int = 0,
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -189,6 +191,8 @@ class AsyncClient(AsyncServiceCalls):
             segment: Replicas per segment of a multi-level gang (it must divide ``replicas``; 0: none).
             segment_tier: The tier each segment lies in ("": the NVLink domain, else the leaf).
             spares_per_segment: Spare replicas kept idle in each segment's domain and swapped in for a lost node.
+            after: Jobs this one waits for ("JOB", "JOB:notok", "JOB:any", or (job id, condition) pairs).
+            array: An array of tasks in Slurm's --array syntax ("0-99%8").
 
         Returns:
             The job as accepted by the scheduler.
@@ -216,6 +220,8 @@ class AsyncClient(AsyncServiceCalls):
             segment=segment,
             segment_tier=segment_tier,
             spares_per_segment=spares_per_segment,
+            after=after,
+            array=array,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

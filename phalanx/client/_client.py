@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 import time
-import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 import phalanx
-from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from phalanx.api.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from ._channel import (  # the backoff of re-opened watches lives with the channel's; importable from here too
     BACKOFF_INITIAL,
@@ -27,6 +25,7 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
 from ._services import ServiceCalls, service_stub
+from ._submit import build_submit_request  # importable from here too
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -83,63 +82,6 @@ def list_jobs_request(
     return scheduler_pb2.ListJobsRequest(
         states=[job_state_to_proto(s) for s in parse_states(states)], page_size=int(page_size), page_token=page_token
     )
-
-
-def build_submit_request(
-    name: str,
-    replicas: int,
-    gpus_per_replica: int,
-    command: Sequence[str] | str,
-    *,
-    priority: int,
-    procs_per_replica: int,
-    env: Mapping[str, str] | None,
-    request_id: str | None,
-    required_tier: str = "",
-    preferred_tier: str = "",
-    gpu_model: str = "",
-    mig_profile: str = "",
-    gpu_milli: int = 0,
-    max_restarts: int = 0,
-    time_limit: float = 0.0,
-    queue: str = "",
-    keep_checkpoints: int = 0,
-    cpus_per_replica: float = 0,
-    memory_per_replica: str | int = "",
-    segment: int = 0,
-    segment_tier: str = "",
-    spares_per_segment: int = 0,
-) -> scheduler_pb2.SubmitJobRequest:
-    """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
-    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
-    spec = common_pb2.JobSpec(
-        name=name,
-        replicas=int(replicas),
-        gpus_per_replica=int(gpus_per_replica),
-        priority=int(priority),
-        procs_per_replica=int(procs_per_replica),
-        command=argv,
-        env={str(k): str(v) for k, v in (env or {}).items()},
-        required_tier=str(required_tier or ""),
-        preferred_tier=str(preferred_tier or ""),
-        gpu_model=str(gpu_model or ""),
-        mig_profile=str(mig_profile or ""),
-        gpu_milli=int(gpu_milli or 0),
-        max_restarts=int(max_restarts or 0),
-        time_limit_s=float(time_limit or 0.0),
-        queue=str(queue or ""),
-        keep_checkpoints=int(keep_checkpoints or 0),
-        cpus_per_replica=float(cpus_per_replica or 0),
-        memory_per_replica=(
-            f"{memory_per_replica}B"
-            if isinstance(memory_per_replica, int) and memory_per_replica
-            else str(memory_per_replica or "")
-        ),
-        segment=int(segment or 0),
-        segment_tier=str(segment_tier or ""),
-        spares_per_segment=int(spares_per_segment or 0),
-    )
-    return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
 
 def queue_request(
@@ -293,6 +235,8 @@ class Client(ServiceCalls):
         segment: int = 0,
         segment_tier: str = "",
         spares_per_segment: int = 0,
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -333,6 +277,11 @@ class Client(ServiceCalls):
                 the job's queue) in each segment's domain; when a node of the gang is lost or a GPU fails, a spare of
                 that domain takes its replicas and the gang restarts there from its last committed checkpoint, with
                 no requeue. Needs ``segment``; 0: none.
+            after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
+                condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
+                "any" to end; a dependency that can no longer be met fails this job ("dependency_failed: ...").
+            array: Submit an array of tasks in Slurm's --array syntax ("0-99%8": indices 0-99, at most 8 at once;
+                "1,3,5-7"; "0-99:2"). Each task runs the same gang with PHALANX_ARRAY_TASK_ID set.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -366,6 +315,8 @@ class Client(ServiceCalls):
             segment=segment,
             segment_tier=segment_tier,
             spares_per_segment=spares_per_segment,
+            after=after,
+            array=array,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

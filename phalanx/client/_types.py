@@ -10,6 +10,7 @@ from typing import Any
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.resources import parse_size
 
+from ._graph import ArrayProgress, Dependency
 from ._spares import Spare, spare_fields
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "Claim",
     "Goodput",
     "Job",
+    "ArrayProgress",
+    "Dependency",
     "JobGoodput",
     "GroupGoodput",
     "GoodputReport",
@@ -317,6 +320,14 @@ class Job:
     goodput: Goodput | None = field(default=None, compare=False)
     # watch only: when this change happened (unix seconds, the scheduler's commit; 0 elsewhere). Not in to_dict.
     changed_at: float = field(default=0.0, compare=False)
+    # Job graphs: the jobs it waits for (as submitted) and those not met yet; an array's spec ("" otherwise) and,
+    # on the array's own job, its tasks' progress; on a task, its array's job id and its index (-1 otherwise).
+    after: tuple[Dependency, ...] = ()
+    waiting_for: tuple[Dependency, ...] = ()
+    array_spec: str = ""
+    array: ArrayProgress | None = None
+    array_parent: str = ""
+    array_task: int = -1
 
     @property
     def terminal(self) -> bool:
@@ -394,6 +405,12 @@ class Job:
             restore=msg.restore,
             claim=Claim.from_proto(msg.claim) if msg.HasField("claim") else None,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
+            after=tuple(Dependency.from_proto(d) for d in spec.after),
+            waiting_for=tuple(Dependency.from_proto(d) for d in msg.waiting_for),
+            array_spec=spec.array,
+            array=ArrayProgress.from_proto(msg.array) if msg.HasField("array") else None,
+            array_parent=msg.array_parent,
+            array_task=int(msg.array_task) if msg.array_parent else -1,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -450,6 +467,12 @@ class Job:
             "restore": self.restore,
             "claim": None if self.claim is None else self.claim.to_dict(),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),
+            "after": [d.to_dict() for d in self.after],
+            "waiting_for": [d.to_dict() for d in self.waiting_for],
+            "array_spec": self.array_spec,
+            "array": None if self.array is None else self.array.to_dict(),
+            "array_parent": self.array_parent,
+            "array_task": self.array_task,
         }
 
 

@@ -26,6 +26,8 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
+from .graph_fields import SubmitGraph
+from .jobgraph import cancel_tasks
 from .segment_fields import shape_of_spec
 from .spare_fields import spare_shape
 from .spares import drop_spares_on, swap_or_teardown
@@ -79,8 +81,14 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     existing = cycle.work.ask(ledger.find_by_request_ids, [s.request_id for s in submits if s.request_id])
     new: list[JobRecord] = []
     by_request: dict[str, JobRecord] = {}
+    graph = SubmitGraph(cycle, [s.spec for s in submits if s.spec.after])  # job graphs: dependencies checked
     for i, sub in enumerate(submits):
         if sub.request_id and sub.request_id in existing:
+            try:  # a repeated request may not make its job wait for itself (graph_fields)
+                graph.check(sub.spec, sub.tenant, sub.admin, existing[sub.request_id])
+            except InvalidArgument as exc:
+                results[i] = exc
+                continue
             results[i] = ("existing", existing[sub.request_id])
             continue
         if sub.request_id and sub.request_id in by_request:
@@ -94,7 +102,8 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             check_queue(cycle.state, sub.spec, sub.tenant)
             if not sub.admin:
                 check_priority(cycle.state, sub.spec)
-        except (FailedPrecondition, PermissionDenied) as exc:
+            after = graph.check(sub.spec, sub.tenant, sub.admin)
+        except (FailedPrecondition, PermissionDenied, InvalidArgument) as exc:
             results[i] = exc
             continue
         spec = sub.spec
@@ -128,6 +137,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             serving={**serving_of_spec(spec), **(sub.replica_of or {})},
             shape={**shape_of_spec(spec), **spare_shape(spec)},
         )
+        graph.apply(job, spec, after)
         new.append(job)
         results[i] = job
         if sub.request_id:
@@ -173,6 +183,8 @@ class Cancel(CycleCommand):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
+            if job.array:  # an array's parent: its started tasks go with it (jobgraph)
+                cancel_tasks(cycle, job)
             change_job(cycle, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started")
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)

@@ -45,7 +45,38 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     if shape:
         shape_into_spec(shape, spec)
         spare_into_spec(shape, spec)
+    if j.get("after") or j.get("array"):
+        graph_into_spec(j, spec)
     return spec
+
+
+def graph_into_spec(j: Any, spec: common_pb2.JobSpec) -> None:
+    """A job's dependencies and array spec (jobs.after, jobs.array) back into its JobSpec."""
+    for dep in j.get("after") or ():
+        spec.after.add(job_id=str(dep.get("job_id", "")), condition=str(dep.get("condition", "")))
+    spec.array = str((j.get("array") or {}).get("spec", ""))
+
+
+def graph_into_job(j: Any, msg: common_pb2.Job) -> None:
+    """A job's place in a job graph: its array and index, an array's progress, the dependencies not met yet."""
+    msg.array_parent = j.get("array_parent") or ""
+    msg.array_task = -1 if j.get("array_task") is None else int(j.get("array_task"))
+    for dep in j.get("after") or ():
+        if not dep.get("met"):
+            msg.waiting_for.add(job_id=str(dep.get("job_id", "")), condition=str(dep.get("condition", "")))
+    array = j.get("array") or {}
+    if array:
+        tasks, started = int(array.get("tasks", 0)), int(array.get("next", 0))
+        msg.array.CopyFrom(
+            common_pb2.ArrayProgress(
+                tasks=tasks,
+                limit=int(array.get("limit") or 0),
+                waiting=tasks - started,
+                active=len(array.get("live") or {}),
+                succeeded=int(array.get("succeeded", 0)),
+                failed=int(array.get("failed", 0)),
+            )
+        )
 
 
 def serving_into_spec(serving: dict[str, Any], spec: common_pb2.JobSpec) -> None:
@@ -184,6 +215,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         segment_domains=placed_segments(j["placement"] or {}),
     )
     spares_into_job(msg, j["placement"] or {}, spares, j["state"] == "RUNNING")
+    graph_into_job(j, msg)
     return msg
 
 

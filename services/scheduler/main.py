@@ -275,6 +275,7 @@ LIMIT_FLAGS = (
     _limit("--max-command-bytes", 256 * 1024, "bytes of one job's command"),
     _limit("--max-env-vars", 4096, "variables of one job's --env"),
     _limit("--max-env-bytes", 256 * 1024, "bytes of one job's --env"),
+    _limit("--max-array-size", 10_001, "tasks of one job array: its indices are 0 to N-1 (Slurm's MaxArraySize)"),
 )
 
 TENANT_LIMIT_FLAGS = (
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         max_command_bytes=args.max_command_bytes,
         max_env_vars=args.max_env_vars,
         max_env_bytes=args.max_env_bytes,
+        max_array_size=args.max_array_size,
     )
     serve_metrics(args.metrics_port)
     gcwatch.install()

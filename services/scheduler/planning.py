@@ -37,7 +37,7 @@ from phalanx.core.model import GangRequest, Placement, ReplicaPlacement
 from phalanx.core.placement import domain_members
 from phalanx.core.quota import cluster_totals
 
-from . import ledger, lifecycle
+from . import jobgraph, ledger, lifecycle
 from .state import JobRecord, SchedulerState
 from .transitions import Cycle, refused, reserve, set_job, teardown
 
@@ -75,7 +75,9 @@ def pending_job(job: JobRecord, state: SchedulerState | None = None, tiers: tupl
     request = job.request()
     if job.service and state is not None:
         request = serving_preferences(job, request, state, tiers)
-    return PendingJob(request, job.queue, job.not_before, job.by_admin, preempts=not job.serving.get("surge"))
+    # A job held by its dependencies, or an array's parent row, is never placed (jobgraph.not_before)
+    start = jobgraph.not_before(job) if job.after or job.array else job.not_before
+    return PendingJob(request, job.queue, start, job.by_admin, preempts=not job.serving.get("surge"))
 
 
 def serving_preferences(

@@ -78,6 +78,8 @@ class SchedulerSettings:
     max_command_bytes: int = 256 * 1024
     max_env_vars: int = 4096
     max_env_bytes: int = 256 * 1024
+    # Job arrays (JobSpec.array): indices 0 to max_array_size - 1, so at most that many tasks (Slurm's MaxArraySize)
+    max_array_size: int = 10_001
     # The time the cycles decide at (unix seconds): the wall clock. A test gives a clock it moves itself, so that
     # time limits, backoffs, preemption deadlines and leases pass when it says and not when a loaded machine
     # happens to get there (not a command-line flag).

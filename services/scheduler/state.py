@@ -107,6 +107,12 @@ class JobRecord:
     spares: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
     ready: bool = False
     ready_at: float = 0.0
+    # Job graphs (services/scheduler/jobgraph.py): the jobs it waits for ([{"job_id", "condition", "met"}]); on an
+    # array's parent row, its spec and progress; on a task, its array's id and its index ("" and -1 otherwise).
+    after: list[dict[str, Any]] = field(default_factory=list)
+    array: dict[str, Any] = field(default_factory=dict)
+    array_parent: str = ""
+    array_task: int = -1
     # The decision's inputs built from this record last time, with the fields they were built from
     # (planning.running_job; the pending ones are kept by JobTable.pending_view).
     snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)

@@ -129,6 +129,10 @@ def job_from_row(j) -> JobRecord:
         shape=dict(j.get("shape") or {}),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
+        after=[dict(d) for d in _json_list(j.get("after"))],
+        array=dict(j.get("array") or {}),
+        array_parent=j.get("array_parent") or "",
+        array_task=-1 if j.get("array_task") is None else j.get("array_task"),
     )
 
 
@@ -182,6 +186,10 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 shape=j.shape,
                 ready=j.ready,
                 ready_at=j.ready_at,
+                after=j.after,
+                array=j.array,
+                array_parent=j.array_parent,
+                array_task=j.array_task,
             )
             for j in jobs
         ],
