@@ -153,11 +153,18 @@ def _book(cycle: Cycle, job: JobRecord, slot: SpareSlot) -> bool:
     else:
         members = list(capacity.nodes.values())
     own = set(job.nodes)
-    fits = [n for n in members if n.schedulable and len(n.free) >= g and _room(n, job) and _model(n, job)]
+    # Never on what a waiting preemptor claims (invariant b: a spare has the gang's priority), nor on GPUs in MIG
+    # mode or with a foreign MIG instance (a spare holds whole GPUs).
+    claimed = {node for claim in cycle.state.claims.values() for node in claim.nodes} if cycle.state.claims else set()
+    fits = [
+        n
+        for n in members
+        if n.schedulable and n.name not in claimed and len(_whole(n)) >= g and _room(n, job) and _model(n, job)
+    ]
     if not fits:
         return False
     node = min(fits, key=lambda n: (n.name in own, len(n.free), n.name))
-    gpus = tuple(sorted(node.free)[:g])
+    gpus = tuple(sorted(_whole(node))[:g])
     capacity.take(node.name, gpus)
     if job.cpu_milli or job.memory:
         capacity.take_use(node.name, job.cpu_milli, job.memory)
@@ -168,6 +175,11 @@ def _book(cycle: Cycle, job: JobRecord, slot: SpareSlot) -> bool:
     cycle.work.new_spares.append(stub)  # written with the reservations, after this cycle's releases
     log.info("spare_booked", job=job.id, slot=slot.slot, node=node.name, domain=slot.domain)
     return True
+
+
+def _whole(node: NodeCapacity) -> set[int]:
+    """The node's free GPUs a whole-GPU replica may take."""
+    return node.free - set(node.mig_gpus) - set(node.foreign) if node.mig_gpus or node.foreign else node.free
 
 
 def _room(node: NodeCapacity, job: JobRecord) -> bool:
