@@ -30,7 +30,7 @@ from .graph_fields import SubmitGraph
 from .jobgraph import cancel_tasks
 from .segment_fields import shape_of_spec
 from .spare_fields import spare_shape
-from .spares import drop_spares_on, swap_or_teardown
+from .spares import drop_spares_on, still_booked, swap_or_teardown
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -167,7 +167,7 @@ def write_new_jobs(cycle: Cycle) -> None:
         cycle.work.write(ledger.insert_allocations, cycle.work.new_allocations, cycle.state.nodes, cycle.now)
         cycle.work.write(ledger.insert_attempts, cycle.work.new_allocations, cycle.now)
     if cycle.work.new_spares:  # after the cycle's releases (deferred), as the reservations
-        cycle.work.write(ledger.insert_allocations, cycle.work.new_spares, cycle.state.nodes, cycle.now)
+        cycle.work.write(ledger.insert_allocations, still_booked(cycle), cycle.state.nodes, cycle.now)
         cycle.work.new_spares = []
 
 

@@ -177,6 +177,18 @@ def _book(cycle: Cycle, job: JobRecord, slot: SpareSlot) -> bool:
     return True
 
 
+def still_booked(cycle: Cycle) -> list[JobRecord]:
+    """The spares booked again in this cycle whose gang still runs the same attempt and holds them: a gang torn
+    down, preempted or swapped later in the cycle released them with its attempt (in the view; its rows were never
+    written), so they must not be written now."""
+    out = []
+    for stub in cycle.work.new_spares:
+        job = cycle.state.jobs.get(stub.id)
+        if job is not None and job.state == "RUNNING" and job.attempt == stub.attempt and stub.spares[0] in job.spares:
+            out.append(stub)
+    return out
+
+
 def _whole(node: NodeCapacity) -> set[int]:
     """The node's free GPUs a whole-GPU replica may take."""
     return node.free - set(node.mig_gpus) - set(node.foreign) if node.mig_gpus or node.foreign else node.free

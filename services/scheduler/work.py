@@ -114,7 +114,7 @@ class UnitOfWork:
     def needs_answers(self) -> bool:
         """Whether the closing writes need their row counts: a partial GPU (ledger._hold) or host resources
         (ledger._take_use) were reserved, each under a guarded update."""
-        return any(job.partials or job.cpu_milli or job.memory for job in self.new_allocations)
+        return any(job.partials or job.cpu_milli or job.memory for job in (*self.new_allocations, *self.new_spares))
 
     def flush(self, nodes: dict[str, NodeRecord], now: float) -> None:
         """Write the queued assignments (their revisions are on `nodes`, the view's current records)."""

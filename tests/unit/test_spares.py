@@ -190,3 +190,29 @@ def test_invariant_i_catches_a_spare_outside_its_domain_a_rank_on_a_spare_and_a_
     c.feed(inv.Reserved(2.0, "", float("nan")))  # anything between the end and the restart: the slot was open
     gap = c.feed(started(((0, "a1"),), ("a1",), attempt=2, swap_of=1, ranks=("a0", "b1")))
     assert [v.invariant for v in gap] == ["i"] and "not right after it ended" in gap[0].what
+
+
+def test_a_spare_booked_again_is_not_written_for_a_gang_torn_down_later_in_the_cycle():
+    import copy
+    from types import SimpleNamespace
+
+    from services.scheduler.spares import still_booked
+    from services.scheduler.state import JobRecord
+
+    def gang(job_id: str) -> JobRecord:
+        job = JobRecord(job_id, job_id, "RUNNING", 0, 2, 4, 0, ["run"], {}, 0.0, attempt=3)
+        job.spares = [(-1, "n1", (0, 1, 2, 3))]
+        return job
+
+    kept, torn, swapped = gang("kept"), gang("torn"), gang("swapped")
+    stubs = []
+    for job in (kept, torn, swapped):
+        stub = copy.copy(job)
+        stub.allocations, stub.spares = [], list(job.spares)
+        stubs.append(stub)
+    torn.state = "PENDING"  # torn down (or preempted) after the spare was booked again
+    swapped.attempt = 4
+    cycle = SimpleNamespace(
+        work=SimpleNamespace(new_spares=stubs), state=SimpleNamespace(jobs={j.id: j for j in (kept, torn, swapped)})
+    )
+    assert [s.id for s in still_booked(cycle)] == ["kept"]
