@@ -27,6 +27,10 @@
   the loss that names the node (its registration rewrote the row), or, when those rows are gone (kept ten minutes),
   the first release or reservation of its GPUs after the loss (a later bound than the truth).
 - `GpusLost`: a node event of severity FATAL naming a GPU; `MigMode`: a node event of kind mig_mode.
+- Spares kept in the domain: `Submitted.spares` from `jobs.shape`; a `Started` of such a gang carries its spares
+  (the rows of negative replicas: slot -1 - replica, segment slot // K) apart from its ranks. A swap (the scheduler
+  re-labels the rows and moves them to the next attempt) is not rebuilt from the ledger: judge a history with swaps
+  on the model world (phalanx.testing.world), not here.
 - `Quiet`: at `quiet_at`, when the caller knows when arrivals and failures stopped (the ledger does not).
 
 What the ledger does not keep, and so is not in the history: the decisions' backfill reservations (`Reserved`: the
@@ -44,7 +48,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import create_engine, text
@@ -172,6 +176,8 @@ class _Allocations:
     whole_release: dict[tuple[str, int, str], list[float | None]]  # (job, attempt, node) -> its whole GPUs' releases
     reserved_on: dict[str, list[float]]  # node -> reservations there
     released_on: dict[str, list[float]]  # node -> releases there
+    ranks: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)  # (job, attempt) -> replica -> node
+    spare_holds: dict[tuple[str, int], list[inv.Hold]] = field(default_factory=dict)  # ... the spares' GPUs
 
 
 def _history(
@@ -189,8 +195,19 @@ def _history(
         events.add(quiet_at, _QUIET, inv.Quiet(quiet_at))
     out = events.in_order()
     first = out[0][0] if out else 0.0
-    cluster = inv.Cluster(first, {name: count for name, count in nodes.values()}, mig)
+    cluster = inv.Cluster(first, {name: count for name, count in nodes.values()}, mig, tiers, _domains(conn, tiers))
     return [cluster, *(e for _, _, _, e in out)]
+
+
+def _domains(conn: Connection, tiers: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """Per tier, each node's domain of it (from its fabric path), for invariant (h)."""
+    out: dict[str, dict[str, str]] = {tier: {} for tier in tiers}
+    out["node"] = {}
+    for name, path in _rows(conn, "SELECT name, fabric_path FROM nodes"):
+        out["node"][str(name)] = str(name)
+        for tier, domain in zip(tiers, _json(path) or (), strict=False):
+            out[tier][str(name)] = str(domain)
+    return out
 
 
 def _nodes_and_gpus(
@@ -218,7 +235,7 @@ def _submissions(
     for row in _rows(
         conn,
         "SELECT id, state, priority, queue, replicas, gpus_per_replica, mig_profile, gpu_milli, submitted_at, "
-        "finished_at, required_tier, gpu_model, flavor, serving FROM jobs",
+        "finished_at, required_tier, gpu_model, flavor, serving, shape FROM jobs",
     ):
         jobs[row.id] = dict(row._mapping)
     for job_id, j in jobs.items():
@@ -232,6 +249,8 @@ def _submissions(
             gpu_model=j["gpu_model"] or "",
             mig_profile=j["mig_profile"] or "",
             gpu_milli=int(j["gpu_milli"] or 0),
+            segment=int(_json_dict(j.get("shape")).get("segment") or 0),
+            segment_tier=str(_json_dict(j.get("shape")).get("segment_tier") or ""),
         )
         j["request"] = request
         fits = isinstance(place_gang(empty, request, tiers, budget_ms=0.0), Placement)
@@ -248,6 +267,9 @@ def _submissions(
                 demand(request),
                 fits,
                 not _json_dict(j.get("serving")).get("surge"),
+                request.segment,
+                request.segment_tier,
+                int(_json_dict(j.get("shape")).get("spares_per_segment") or 0),
             ),
         )
     return jobs
@@ -261,6 +283,8 @@ def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Alloca
     whole_release: dict[tuple[str, int, str], list[float | None]] = defaultdict(list)  # (job, attempt, node)
     reserved_on: dict[str, list[float]] = defaultdict(list)  # node -> reservations there
     released_on: dict[str, list[float]] = defaultdict(list)  # node -> releases there
+    ranks: dict[tuple[str, int], dict[int, str]] = {}  # (job, attempt) -> replica -> node
+    spare_holds: dict[tuple[str, int], list[inv.Hold]] = {}
     for job_id, attempt, replica, node_id, gpu, kind, unit, profile, milli, reserved, released in _rows(
         conn,
         "SELECT job_id, attempt, replica, node_id, gpu_index, kind, unit, profile, gpu_milli, reserved_at, released_at "
@@ -268,11 +292,14 @@ def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Alloca
     ):
         node = nodes.get(int(node_id), (f"node#{node_id}", 0))[0]
         key = (job_id, int(attempt))
+        ranks.setdefault(key, {})[int(replica)] = node
         reserved_on[node].append(float(reserved))
         if released is not None:
             released_on[node].append(float(released))
         if kind == "gpu":
             holds[key].append(inv.Hold(node, int(gpu)))
+            if int(replica) < 0:  # a spare kept in the domain
+                spare_holds.setdefault(key, []).append(inv.Hold(node, int(gpu)))
             whole_release[(job_id, int(attempt), node)].append(None if released is None else float(released))
         elif kind == "mig":
             part = (job_id, int(attempt), int(replica), node, int(gpu))
@@ -282,7 +309,7 @@ def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Alloca
             holds[key].append(inv.Hold(node, int(gpu), milli=int(milli or 0)))
     for (job_id, attempt, _replica, node, gpu), (mask, profile) in sorted(mig_parts.items()):
         holds[(job_id, attempt)].append(inv.Hold(node, gpu, mig_mask=mask | (MEDIA_BIT if is_media(profile) else 0)))
-    return _Allocations(holds, whole_release, reserved_on, released_on)
+    return _Allocations(holds, whole_release, reserved_on, released_on, ranks, spare_holds)
 
 
 def _attempts(
@@ -370,12 +397,25 @@ def _starts_ends_releases(
         if job is None:
             continue
         gang: GangRequest = job["request"]
-        expected = gang.replicas * gang.gpus_per_replica
         t0 = float(a["reserved_at"])
+        placed = allocations.ranks.get((job_id, attempt), {}) if gang.segment else {}
+        per = int(_json_dict(job.get("shape")).get("spares_per_segment") or 0)
+        spares = tuple(((-1 - r) // per, n) for r, n in sorted(placed.items(), reverse=True) if r < 0) if per else ()
+        expected = (gang.replicas + len(spares)) * gang.gpus_per_replica
         events.add(
             t0,
             _STARTED,
-            inv.Started(t0, job_id, attempt, tuple(holds.get((job_id, attempt), ())), expected, job["flavor"] or ""),
+            inv.Started(
+                t0,
+                job_id,
+                attempt,
+                tuple(holds.get((job_id, attempt), ())),
+                expected,
+                job["flavor"] or "",
+                tuple(node for r, node in sorted(placed.items()) if r >= 0),
+                spares,
+                tuple(allocations.spare_holds.get((job_id, attempt), ())),
+            ),
         )
         if a["ended_at"] is None:
             continue

@@ -13,7 +13,9 @@ from helpers.procs import eventually
 from helpers.waits import holds
 
 from phalanx.api.v1 import common_pb2, scheduler_pb2
+from phalanx.core import invariants as inv
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
+from phalanx.testing.history import history_from_ledger
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
@@ -66,6 +68,19 @@ async def test_a_segment_that_fits_no_free_domain_waits_naming_it_then_starts(db
         await c.stub.CancelJob(scheduler_pb2.CancelJobRequest(job_id=fillers[0].id))
         started = await c.wait_running(waiting.id)
         assert [len(d) for d in domains_of_segments(started, 2)] == [1]
+
+    # The ledger's history, judged by the invariants: (h) sees every start of these segmented gangs.
+    history = history_from_ledger(db_url, tiers=FABRIC.tiers)
+    starts = [e for e in history if isinstance(e, inv.Started)]
+    assert len(starts) == 3 and all(len(e.replica_nodes) in (2, 3) for e in starts)
+    assert history[0].domains["nvlink"]["node-0"] == FABRIC.path("node-0")[0]
+    assert [v for v in inv.check(history) if v.invariant == "h"] == []
+    checker = inv.Checker()
+    checker.feed(history[0])
+    bad = inv.Submitted(0.0, "x", 0, replicas=2, gpus_per_replica=4, segment=2)
+    checker.feed(bad)
+    crossed = inv.Started(0.0, "x", 1, (), 0, replica_nodes=("node-1", "node-2"))
+    assert [v.invariant for v in checker.feed(crossed) if v.invariant == "h"] == ["h"]  # nvl-0 and nvl-1
 
 
 async def test_a_leaf_segment_tier_is_kept_and_placed(db_url):

@@ -12,7 +12,9 @@ import pytest
 from helpers.lite_cluster import LiteCluster
 
 from phalanx.cli.main import main
+from phalanx.core import invariants as inv
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
+from phalanx.testing.history import history_from_ledger
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
@@ -60,3 +62,9 @@ async def test_submit_spares_flag_and_job_shows_the_spares(sqlite_url, capsys):
             capsys, address, *submit, "--segment", "2", "--spares-per-segment", "-1", "--", "run"
         )
         assert code == 2 and "--spares-per-segment must be at least 0" in err
+
+    # The ledger's history, judged by the invariants: (i) sees the gang's spares in their domains, apart from its ranks.
+    history = history_from_ledger(sqlite_url, tiers=FABRIC.tiers)
+    (start,) = [e for e in history if isinstance(e, inv.Started)]
+    assert [seg for seg, _ in start.spares] == [0, 1] and len(start.spare_holds) == 8 and len(start.holds) == 24
+    assert [v for v in inv.check(history) if v.invariant in ("a", "h", "i")] == []
