@@ -11,7 +11,17 @@ from phalanx.client import Client, JobState
 from phalanx.core.preemption import PRIORITY_CLASSES
 
 from . import console, render
-from .argtypes import bounded, cpus, duration, keep_checkpoints, memory, parse_env, parse_states, priority
+from .argtypes import (
+    bounded,
+    cpus,
+    duration,
+    keep_checkpoints,
+    memory,
+    parse_env,
+    parse_states,
+    priority,
+    replicas,
+)
 from .common import EXIT_OK, UsageError, add_json_flag
 from .graph_flags import add_graph_flags, graph_kwargs
 from .graph_render import group_arrays
@@ -54,11 +64,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise UsageError("--gpus-per-replica is required (it may be left out with --mig or --gpu-milli)")
         args.gpus_per_replica = 1
     env = parse_env(args.env)
+    min_replicas, max_replicas = args.replicas
     graph = graph_kwargs(args)  # --after, --array
     with console.client(args) as client:
         job = client.submit(
             args.name,
-            args.replicas,
+            max_replicas,
             args.gpus_per_replica,
             command,
             priority=args.priority,
@@ -78,6 +89,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             segment=args.segment or 0,
             segment_tier=args.segment_tier or "",
             spares_per_segment=args.spares_per_segment or 0,
+            min_replicas=min_replicas,
             **graph,
         )
     console.show_job(job, args.json)
@@ -235,7 +247,14 @@ def _add_submit(sub) -> None:
         usage="phalanx submit --name NAME --replicas R --gpus-per-replica G [options] -- CMD ARGS...",
     )
     p.add_argument("--name", required=True)
-    p.add_argument("--replicas", type=bounded("--replicas", 1), required=True, metavar="R")
+    p.add_argument(
+        "--replicas",
+        type=replicas,
+        required=True,
+        metavar="R",
+        help="replicas (nodes) of the gang: N, or MIN:MAX for an elastic gang that starts once MIN fit, grows "
+        "towards MAX as capacity frees and shrinks (not below MIN) when a node is lost",
+    )
     p.add_argument(
         "--gpus-per-replica",
         type=bounded("--gpus-per-replica", 1),

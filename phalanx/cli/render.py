@@ -115,6 +115,8 @@ def _job_rows(jobs: Sequence[Job], now: float | None) -> list[tuple[Any, ...]]:
             if j.mig_profile
             else f"{j.replicas}x{j.gpu_milli}m"
             if j.gpu_milli
+            else f"{j.min_replicas}:{j.replicas}x{j.gpus_per_replica}"  # an elastic gang: MIN:MAX
+            if j.min_replicas
             else f"{j.replicas}x{j.gpus_per_replica}",
             array_cell(j) or job_nodes(j),
             format_age(now - j.submitted_at) if j.submitted_at else "-",
@@ -286,10 +288,17 @@ def job_detail(job: Job) -> str:
         lines.insert(
             2, ("service", f"{job.service}, replica {job.service_replica}, revision {job.service_revision}" + readiness)
         )
+    if job.min_replicas:
+        now = f"runs with {job.current_replicas}" if job.current_replicas else "not running"
+        lines.insert(6, ("elastic", f"{job.min_replicas} to {job.replicas} replicas; {now}"))
     if job.failures or job.preemptions:
         lines.append(("failures", job.failures))
         lines.append(("preemptions", job.preemptions))
-    if job.preempted_by:
+    if job.preempted_by == job.id:  # an elastic gang's own grow (phalanx.core.elastic)
+        lines.append(
+            ("growing", f"checkpointing to restart bigger, by {format_time(job.preempt_deadline)} at the latest")
+        )
+    elif job.preempted_by:
         lines.append(
             (
                 "preempting",

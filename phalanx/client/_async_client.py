@@ -163,6 +163,7 @@ class AsyncClient(AsyncServiceCalls):
         segment: int = 0,
         segment_tier: str = "",
         spares_per_segment: int = 0,
+        min_replicas: int = 0,
         after: Iterable[str | tuple[str, str]] | str | None = None,
         array: str = "",
     ) -> Job:
@@ -191,6 +192,7 @@ class AsyncClient(AsyncServiceCalls):
             segment: Replicas per segment of a multi-level gang (it must divide ``replicas``; 0: none).
             segment_tier: The tier each segment lies in ("": the NVLink domain, else the leaf).
             spares_per_segment: Spare replicas kept idle in each segment's domain and swapped in for a lost node.
+            min_replicas: An elastic gang's minimum (``replicas`` is its maximum); 0: not elastic.
             after: Jobs this one waits for ("JOB", "JOB:notok", "JOB:any", or (job id, condition) pairs).
             array: An array of tasks in Slurm's --array syntax ("0-99%8").
 
@@ -220,6 +222,7 @@ class AsyncClient(AsyncServiceCalls):
             segment=segment,
             segment_tier=segment_tier,
             spares_per_segment=spares_per_segment,
+            min_replicas=min_replicas,
             after=after,
             array=array,
         )

@@ -235,6 +235,7 @@ class Client(ServiceCalls):
         segment: int = 0,
         segment_tier: str = "",
         spares_per_segment: int = 0,
+        min_replicas: int = 0,
         after: Iterable[str | tuple[str, str]] | str | None = None,
         array: str = "",
     ) -> Job:
@@ -277,6 +278,10 @@ class Client(ServiceCalls):
                 the job's queue) in each segment's domain; when a node of the gang is lost or a GPU fails, a spare of
                 that domain takes its replicas and the gang restarts there from its last committed checkpoint, with
                 no requeue. Needs ``segment``; 0: none.
+            min_replicas: An elastic gang: it starts once this many replicas fit, takes as many as fit up to
+                ``replicas`` (its maximum), grows towards it as capacity frees and shrinks (down to this) when a
+                node of it is lost, each time restarting from its last committed checkpoint at the new world size.
+                0: not elastic.
             after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
                 condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
                 "any" to end; a dependency that can no longer be met fails this job ("dependency_failed: ...").
@@ -315,6 +320,7 @@ class Client(ServiceCalls):
             segment=segment,
             segment_tier=segment_tier,
             spares_per_segment=spares_per_segment,
+            min_replicas=min_replicas,
             after=after,
             array=array,
         )

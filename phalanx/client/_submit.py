@@ -36,6 +36,7 @@ def build_submit_request(
     segment: int = 0,
     segment_tier: str = "",
     spares_per_segment: int = 0,
+    min_replicas: int = 0,
     after: Iterable[str | tuple[str, str]] | str | None = None,
     array: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
@@ -67,6 +68,7 @@ def build_submit_request(
         segment=int(segment or 0),
         segment_tier=str(segment_tier or ""),
         spares_per_segment=int(spares_per_segment or 0),
+        min_replicas=int(min_replicas or 0),
         after=dependency_messages(after),
         array=str(array or ""),
     )

@@ -10,6 +10,7 @@ from typing import Any
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.resources import parse_size
 
+from ._claim import Claim  # importable from here too
 from ._graph import ArrayProgress, Dependency
 from ._spares import Spare, spare_fields
 
@@ -207,44 +208,6 @@ class Goodput:
 
 
 @dataclass(frozen=True, eq=True)
-class Claim:
-    """A pending preemptor's claim on the capacity its victims free (get_job only): where it goes (`nodes`, `gpus`),
-    the gangs asked to stop for it (`victims`) and since when, and what it still waits for (victims still
-    `stopping`, claimed GPUs still `releasing_gpus`, and `waits_for` in a sentence)."""
-
-    nodes: tuple[str, ...]
-    gpus: int
-    victims: tuple[str, ...]
-    since: float
-    stopping: tuple[str, ...] = ()
-    releasing_gpus: int = 0
-    waits_for: str = ""
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.Claim) -> Claim:
-        return cls(
-            tuple(msg.nodes),
-            int(msg.gpus),
-            tuple(msg.victims),
-            float(msg.since),
-            tuple(msg.stopping),
-            int(msg.releasing_gpus),
-            msg.waits_for,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "nodes": list(self.nodes),
-            "gpus": self.gpus,
-            "victims": list(self.victims),
-            "since": self.since,
-            "stopping": list(self.stopping),
-            "releasing_gpus": self.releasing_gpus,
-            "waits_for": self.waits_for,
-        }
-
-
-@dataclass(frozen=True, eq=True)
 class Job:
     """A job as the scheduler reports it. Times are unix seconds; 0 means "not yet"."""
 
@@ -311,6 +274,10 @@ class Job:
     service_revision: int = 0
     ready: bool = False
     ready_at: float = field(default=0.0, compare=False)
+    # An elastic gang (``phalanx submit --replicas MIN:MAX``): its minimum (``replicas`` is its maximum; 0: not
+    # elastic), and the replicas its current attempt runs with (0: not running, or not elastic).
+    min_replicas: int = 0
+    current_replicas: int = 0
     # What the current attempt restored from (get_job only; "" elsewhere and before any rank reported).
     restore: str = field(default="", compare=False)
     # A pending preemptor's standing claim (get_job only; None elsewhere, and for any other job).
@@ -402,6 +369,8 @@ class Job:
             service_revision=int(msg.service_revision),
             ready=bool(msg.ready),
             ready_at=float(msg.ready_at),
+            min_replicas=int(spec.min_replicas),
+            current_replicas=int(msg.current_replicas),
             restore=msg.restore,
             claim=Claim.from_proto(msg.claim) if msg.HasField("claim") else None,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
@@ -464,6 +433,8 @@ class Job:
             "service_replica": self.service_replica,
             "service_revision": self.service_revision,
             "ready": self.ready,
+            "min_replicas": self.min_replicas,
+            "current_replicas": self.current_replicas,
             "restore": self.restore,
             "claim": None if self.claim is None else self.claim.to_dict(),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),

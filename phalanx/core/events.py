@@ -55,6 +55,8 @@ class Submitted:
     segment: int = 0
     segment_tier: str = ""
     spares: int = 0  # spares kept in the domain: per segment (0: none)
+    # An elastic gang's minimum (`replicas` its maximum; 0: not elastic; invariant h)
+    min_replicas: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,11 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
 (g) serving. A gang that may not preempt (a service's surge replica during a rolling update) never asks a gang to
     checkpoint and never claims capacity: it waits for a release instead (the deadlock of LeaderWorkerSet issues
     717 and 1050 is a surge that evicts, or waits on, what must go first).
-(h) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
-    contiguous) inside one domain of its segment tier (placement.segments).
+(h) elastic gangs. An elastic gang (`--replicas MIN:MAX`) runs with whole replicas, between MIN and MAX of them, all
+    of one attempt: it grows or shrinks only by a restart (a new attempt), never below MIN.
+(h) segments (named (h) on their branch too: the letter is to be settled). Every attempt of a multi-level gang
+    starts with each segment (replicas i*S .. i*S+S-1, ranks contiguous) inside one domain of its segment tier
+    (placement.segments).
 (i) spares. A spare lies in its segment's domain, no rank is on a spare, and a swap never lets another gang take
     the slot (phalanx.core.spare_invariants).
 
@@ -130,6 +133,7 @@ class _Job:
     segment_tier: str = ""
     spares: int = 0
     ended: tuple[int, int, tuple[Hold, ...]] = (-1, 0, ())  # its last end: (event index, attempt, holds)
+    min_replicas: int = 0
 
 
 @dataclass
@@ -246,6 +250,7 @@ class Checker:
             segment=e.segment,
             segment_tier=e.segment_tier,
             spares=e.spares,
+            min_replicas=e.min_replicas,
         )
         if self.quiet_at is not None:
             self._bad("d", f"job {e.job} arrived after the quiet point")
@@ -260,6 +265,8 @@ class Checker:
         whole = [(h.node, h.gpu) for h in e.holds if h.whole]
         if len(e.holds) != e.expected or len(set(whole)) != len(whole):
             self._bad("a", f"job {e.job} attempt {e.attempt} started with {len(e.holds)} of its {e.expected} GPUs")
+        if job.min_replicas:
+            self._check_elastic(e, job)
         key = (e.job, e.attempt)
         mine = frozenset((h.node, h.gpu) for h in e.holds if h.whole)  # (b, mechanism-free: whole GPUs)
         for h in e.holds:
@@ -359,6 +366,17 @@ class Checker:
                     f"job {e.job} attempt {e.attempt}: segment {i // s} (ranks {i}-{i + s - 1}) spans {tier} "
                     f"domains {sorted(got)}",
                 )
+
+    def _check_elastic(self, e: Started, job: _Job) -> None:
+        """(h) an elastic gang's attempt holds whole replicas, between its minimum and its maximum of them (and, as
+        for every gang, only GPUs of that one attempt: (a))."""
+        replicas, rest = divmod(len(e.holds), max(1, job.gpus_per_replica))
+        if rest or not job.min_replicas <= replicas <= job.replicas:
+            self._bad(
+                "h",
+                f"elastic job {e.job} attempt {e.attempt} started with {len(e.holds)} GPUs: not {job.min_replicas} "
+                f"to {job.replicas} whole replicas of {job.gpus_per_replica} GPUs",
+            )
 
     def _claimed_overlap(self, claim: ClaimMade, holds: tuple[Hold, ...]) -> tuple[str, int] | None:
         """The GPU where `holds` (just taken) eat into what `claim` claims: a whole GPU it claims, a MIG slice of
@@ -570,11 +588,12 @@ class Checker:
                     ):
                         avail += 1
                 slots += avail // by.gpus_per_replica
-            if slots < by.replicas:
+            need = by.min_replicas or by.replicas  # an elastic preemptor starts with its minimum
+            if slots < need:
                 self._bad(
                     "c",
                     f"victims asked for {by_id} although even with them and every releasing GPU gone it "
-                    f"would fit {slots} of its {by.replicas} replicas",
+                    f"would fit {slots} of its {need} replicas" + (" (its minimum)" if by.min_replicas else ""),
                 )
 
     def _on_ClaimMade(self, e: ClaimMade) -> None:

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from .closeness import GpuCloseness
 
 # What placement depends on besides the capacity (GangRequest.shape): replicas, GPUs per replica, GPU model, MIG
-# profile, GPU share, required and preferred tier, CPUs, memory, segment, segment tier.
-Shape = tuple[int, int, str, str, int, str, str, int, int, int, str]
+# profile, GPU share, required and preferred tier, CPUs, memory, segment, segment tier, minimum replicas (elastic).
+Shape = tuple[int, int, str, str, int, str, str, int, int, int, str, int]
 
 FULL_MIG_MASK = 0xFF  # every memory slice of a GPU (mig.FULL_MASK): the GPU is held whole
 
@@ -59,6 +59,9 @@ class GangRequest:
     # the leaf tier), a segment's ranks contiguous. 0: no segments.
     segment: int = 0
     segment_tier: str = ""
+    # Elastic gangs (phalanx.core.elastic): the gang starts once this many replicas fit, taking as many as fit up to
+    # `replicas` (its maximum) in one reservation. 0: not elastic (exactly `replicas`).
+    min_replicas: int = 0
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
@@ -83,6 +86,7 @@ class GangRequest:
                 self.memory,
                 self.segment,
                 self.segment_tier,
+                self.min_replicas,
             ),
         )
 
@@ -93,6 +97,11 @@ class GangRequest:
     @property
     def partial(self) -> bool:
         return bool(self.mig_profile) or self.gpu_milli > 0
+
+    @property
+    def elastic(self) -> bool:
+        """It may run at fewer replicas than `replicas` (down to `min_replicas`)."""
+        return 0 < self.min_replicas < self.replicas
 
 
 @dataclass(frozen=True, slots=True)

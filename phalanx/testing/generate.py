@@ -100,6 +100,9 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         while replicas * per > 64:
             replicas //= 2
     del mig
+    # An elastic gang (MIN:MAX) for a tenth of the whole-GPU gangs of 2 replicas or more (from `kind`, drawn already:
+    # the seeded streams of the other fields stay as they were).
+    elastic = not (profile or milli) and kind >= 0.9 and replicas >= 2
     job = JobSpec(
         name,
         replicas=max(1, replicas),
@@ -116,9 +119,11 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         fails=rng.choice((0, 0, 0, 1)),
         by_admin=rng.random() < 0.9,
         preempts=rng.random() < 0.9,
+        min_replicas=max(1, replicas // 2) if elastic else 0,
     )
     # Drawn last, so the shapes above stay what a seed gave before segments existed.
-    if not (profile or milli) and job.replicas > 1 and rng.random() < 0.25:
+    # (Not for an elastic gang: segments and spares are not combined with elastic gangs yet.)
+    if not (profile or milli or elastic) and job.replicas > 1 and rng.random() < 0.25:
         job = replace(job, segment=rng.choice([d for d in range(1, job.replicas + 1) if job.replicas % d == 0]))
         if rng.random() < 0.5:  # spares kept in the domain (drawn after the segment, for the same reason)
             job = replace(job, spares=rng.choice((1, 1, 2)))

@@ -251,6 +251,7 @@ def _submissions(
             gpu_milli=int(j["gpu_milli"] or 0),
             segment=int(_json_dict(j.get("shape")).get("segment") or 0),
             segment_tier=str(_json_dict(j.get("shape")).get("segment_tier") or ""),
+            min_replicas=int(_json_dict(j.get("shape")).get("min_replicas") or 0),  # an elastic gang (h)
         )
         j["request"] = request
         fits = isinstance(place_gang(empty, request, tiers, budget_ms=0.0), Placement)
@@ -270,6 +271,7 @@ def _submissions(
                 request.segment,
                 request.segment_tier,
                 int(_json_dict(j.get("shape")).get("spares_per_segment") or 0),
+                request.min_replicas if request.elastic else 0,
             ),
         )
     return jobs
@@ -397,11 +399,15 @@ def _starts_ends_releases(
         if job is None:
             continue
         gang: GangRequest = job["request"]
+        got = holds.get((job_id, attempt), ())
+        # (an elastic gang's attempt has the size it was placed at: invariant h judges it)
+        expected = len(got) if gang.elastic else gang.replicas * gang.gpus_per_replica
         t0 = float(a["reserved_at"])
         placed = allocations.ranks.get((job_id, attempt), {}) if gang.segment else {}
         per = int(_json_dict(job.get("shape")).get("spares_per_segment") or 0)
         spares = tuple(((-1 - r) // per, n) for r, n in sorted(placed.items(), reverse=True) if r < 0) if per else ()
-        expected = (gang.replicas + len(spares)) * gang.gpus_per_replica
+        if not gang.elastic:
+            expected = (gang.replicas + len(spares)) * gang.gpus_per_replica
         events.add(
             t0,
             _STARTED,
@@ -409,7 +415,7 @@ def _starts_ends_releases(
                 t0,
                 job_id,
                 attempt,
-                tuple(holds.get((job_id, attempt), ())),
+                tuple(got),
                 expected,
                 job["flavor"] or "",
                 tuple(node for r, node in sorted(placed.items()) if r >= 0),

@@ -56,6 +56,7 @@ class JobSpec:
     preempts: bool = True  # False: a service's surge replica, which waits instead of preempting
     segment: int = 0  # a multi-level gang: replicas per segment, each in one domain of the lowest tier (0: none)
     spares: int = 0  # spares kept in each segment's domain (needs segment; placed as segments of segment + spares)
+    min_replicas: int = 0  # an elastic gang's minimum (`replicas` its maximum; 0: not elastic)
 
     def request(self, submitted_at: float) -> GangRequest:
         partial = bool(self.mig_profile or self.gpu_milli)
@@ -72,6 +73,7 @@ class JobSpec:
             gpu_milli=self.gpu_milli,
             time_limit=self.time_limit,
             segment=segment,
+            min_replicas=self.min_replicas,
         )
 
 
@@ -99,7 +101,7 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     """Actions written one a line, for the regression table:
 
         submit NAME RxG [p=PRIORITY] [q=QUEUE] [work=S] [limit=S] [mig=PROFILE] [milli=M] [tier=T] [ckpt=early|late|never]
-               [fails=N] [seg=S] [sp=K] [user] [surge]
+               [fails=N] [seg=S] [sp=K] [min=MIN] [user] [surge]
         advance SECONDS | release K | commit K | fail K | down K | up K | cancel K | mig K | gpu K
 
     ("#" starts a comment.)"""
@@ -144,6 +146,7 @@ _OPTIONS = {
     "fails": ("fails", int),
     "seg": ("segment", int),
     "sp": ("spares", int),
+    "min": ("min_replicas", int),
 }
 
 

@@ -26,6 +26,8 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
+from .elastic_fields import shape_of_spec as elastic_shape
+from .elastic_fields import smallest
 from .graph_fields import SubmitGraph
 from .jobgraph import cancel_tasks
 from .segment_fields import shape_of_spec
@@ -41,6 +43,7 @@ from .transitions import (
     set_job,
     teardown,
 )
+from .vanished import tear_down_on_vanished
 from .work import job_row
 
 log = structlog.get_logger()
@@ -95,10 +98,11 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             results[i] = by_request[sub.request_id]
             continue
         try:
-            check_fits_ever(cycle.state, sub.spec)
-            check_fits_model(cycle.state, sub.spec)
-            check_fits_host_resources(cycle.state, sub.spec)
-            check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
+            fits = smallest(sub.spec)  # an elastic gang needs only its minimum to fit
+            check_fits_ever(cycle.state, fits)
+            check_fits_model(cycle.state, fits)
+            check_fits_host_resources(cycle.state, fits)
+            check_fits_required_tier(cycle.state, fits, cycle.settings.fabric.tiers)
             check_queue(cycle.state, sub.spec, sub.tenant)
             if not sub.admin:
                 check_priority(cycle.state, sub.spec)
@@ -135,7 +139,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
             service=sub.service,
             serving={**serving_of_spec(spec), **(sub.replica_of or {})},
-            shape={**shape_of_spec(spec), **spare_shape(spec)},
+            shape={**shape_of_spec(spec), **spare_shape(spec), **elastic_shape(spec)},  # each part's keys, merged
         )
         graph.apply(job, spec, after)
         new.append(job)
@@ -357,6 +361,8 @@ class Register(CycleCommand):
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY" and not cordoned:
             log.info("node_ready_again", node=self.name, was=old.state)
+        if old is not None and node.gpus < old.gpus:
+            tear_down_on_vanished(cycle, node, old.gpus, frozenset(self.live_attempts))
         return acked
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from phalanx.api.v1 import common_pb2
 from phalanx.core.resources import format_size
 
+from .elastic_fields import shape_into_spec as elastic_into_spec
 from .segment_fields import placed_segments, shape_into_spec
 from .spare_fields import spare_into_spec, spares_into_job
 from .state import JobRecord, Partial
@@ -45,6 +46,7 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     if shape:
         shape_into_spec(shape, spec)
         spare_into_spec(shape, spec)
+        elastic_into_spec(shape, spec)
     if j.get("after") or j.get("array"):
         graph_into_spec(j, spec)
     return spec
@@ -177,7 +179,7 @@ def allocation(
 def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None) -> common_pb2.Job:
     partials = partials or {}
     state = JOB_STATES[j["state"]]
-    if j["state"] == "RUNNING" and j.get("preempted_by"):
+    if j["state"] == "RUNNING" and j.get("preempted_by") and j["preempted_by"] != j["id"]:  # (itself: a grow)
         state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
     if j["state"] != "RUNNING":
         allocations = ()  # only a running job holds GPUs; a requeued or finished one shows none (ledger.read_jobs)
@@ -213,6 +215,7 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
         segment_domains=placed_segments(j["placement"] or {}),
+        current_replicas=len(allocations) if (j.get("shape") or {}).get("min_replicas") else 0,
     )
     spares_into_job(msg, j["placement"] or {}, spares, j["state"] == "RUNNING")
     graph_into_job(j, msg)

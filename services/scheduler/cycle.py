@@ -20,6 +20,7 @@ from phalanx.core.decide import AfterBlocked, decide
 from . import accounting, jobgraph, ledger
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
+from .elastic import elastic_below_max
 from .spares import drop_spares_on, rebook_spares, swap_or_teardown
 from .state import JobRecord
 from .transitions import (
@@ -93,6 +94,7 @@ def schedule(cycle: Cycle) -> None:
         state.jobs.in_state("PENDING")
         or state.claims
         or any(j.preempted_by for j in state.jobs.in_state("RUNNING").values())
+        or (cycle.settings.elastic is not None and elastic_below_max(state))
     ):
         t0 = time.perf_counter()
         snapshot = snapshot_of(cycle)

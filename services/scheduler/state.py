@@ -100,13 +100,15 @@ class JobRecord:
     # its leader's readiness probe passes now, and since when.
     service: str = ""
     serving: dict[str, Any] = field(default_factory=dict)
-    # How the gang is cut (jobs.shape): {"segment": S, "segment_tier": T} for a multi-level gang; {} plain
-    shape: dict[str, Any] = field(default_factory=dict)
     # Spares kept in the domain (shape "spares_per_segment", services/scheduler/spares.py): the booked spares of the
     # current attempt as (negative replica, node, GPUs), held by allocation rows like `allocations`, never launched
     spares: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
     ready: bool = False
     ready_at: float = 0.0
+    # How the gang is cut and kept (jobs.shape, revision 0024): {"segment": S, "segment_tier": T} for a multi-level
+    # gang, "spares_per_segment" for its spares, {"min_replicas": M} for an elastic gang; {} plain (each part's keys
+    # live beside the others': merge, never replace the dict).
+    shape: dict[str, Any] = field(default_factory=dict)
     # Job graphs (services/scheduler/jobgraph.py): the jobs it waits for ([{"job_id", "condition", "met"}]); on an
     # array's parent row, its spec and progress; on a task, its array's id and its index ("" and -1 otherwise).
     after: list[dict[str, Any]] = field(default_factory=list)
@@ -126,8 +128,18 @@ class JobRecord:
 
     @property
     def gpu_equivalents(self) -> float:
-        held = self.replicas + len(self.spares)  # booked spares are charged to the job's queue too
+        held = self.size + len(self.spares)  # booked spares are charged to the job's queue too
         return gpu_equivalents(held, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+
+    @property
+    def min_replicas(self) -> int:
+        """An elastic gang's minimum (0: not elastic; `replicas` is then its maximum)."""
+        return int(self.shape.get("min_replicas") or 0)
+
+    @property
+    def size(self) -> int:
+        """The replicas its current (or last) attempt runs with: `replicas`, or fewer for an elastic gang."""
+        return len(self.allocations) if self.min_replicas and self.allocations else self.replicas
 
     def request(self) -> GangRequest:
         # With spares per segment, placement sees segments of S + K replicas (core.spares.inflated)
@@ -151,6 +163,7 @@ class JobRecord:
             memory=self.memory,
             segment=segment,
             segment_tier=str(self.shape.get("segment_tier") or ""),
+            min_replicas=self.min_replicas,
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:

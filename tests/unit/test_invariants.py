@@ -321,3 +321,17 @@ def test_h_a_segment_across_two_domains_or_with_ranks_interleaved_is_caught():
         ),
     ]
     assert check(plain) == []  # a plain gang has no segments to keep
+
+
+# ---- (h) elastic gangs -------------------------------------------------------------------------------------------
+
+
+def test_h_an_elastic_gang_runs_between_its_minimum_and_maximum_of_whole_replicas():
+    elastic = Submitted(0, "e", 0, "default", 3, 8, (24.0, 0.0), min_replicas=2)
+    grown = [CLUSTER, elastic, Started(0, "e", 1, eight("n1") + eight("n2"), 16)]
+    grown += [Ended(1, "e", 1, "RESIZED", ()), Started(1, "e", 2, eight("n1") + eight("n2") + eight("n3"), 24)]
+    assert check(grown) == []
+    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1"), 8)])  # below its minimum
+    assert v.invariant == "h" and "not 2 to 3 whole replicas" in v.what
+    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1") + whole("n2", 0, 1, 2, 3), 12)])  # half a replica
+    assert v.invariant == "h"
