@@ -103,7 +103,7 @@ def add_failures(sub) -> None:
         help="the jobs around the gangs: resampled from the Philly-derived trace (auto: when the data is found), "
         "or a synthetic Philly-like mix (no data needed)",
     )
-    p.add_argument("--load", type=float, default=0.9, metavar="L", help="background load on the rest (default 0.9)")
+    p.add_argument("--load", type=float, default=1.0, metavar="L", help="background load on the rest (default 1.0)")
     p.add_argument("--max-job-hours", type=float, default=8.0, metavar="H", help="background durations capped at H")
     p.add_argument(
         "--min-job-hours", type=float, default=0.5, metavar="H", help="background jobs shorter than H left out"

@@ -173,6 +173,7 @@ def run_eval(ev: FailureEval, progress: Callable[[str], None] | None = None) -> 
         "spares_per_domain": ev.spares_per_domain,
         "elastic_min": ev.elastic_min,
         "seed": ev.seed,
+        "settings": {k: v for k, v in dataclasses.asdict(ev).items() if k not in ("costs", "data")},
         "citation": SOURCE_NOTE,
         "rows": rows,
         "results": results,
