@@ -109,6 +109,25 @@ def bounded(name: str, low: int, high: int | None = None):
     return arg_type(parse)
 
 
+def parse_replicas(text: str) -> tuple[int, int]:
+    """``--replicas``: "N" (exactly N: (0, N)) or "MIN:MAX" (an elastic gang: (MIN, MAX), MIN <= MAX, both >= 1).
+    ValueError naming the flag otherwise."""
+    low, colon, high = text.strip().partition(":")
+    try:
+        values = (int(low), int(high)) if colon else (0, int(low))
+    except ValueError:
+        raise ValueError(f"--replicas takes a whole number N or a range MIN:MAX, got {text!r}") from None
+    if not colon and values[1] < 1:
+        raise ValueError(f"--replicas must be at least 1, got {values[1]}")  # (as for any whole-number flag)
+    if colon and min(values) < 1:
+        raise ValueError(f"--replicas MIN:MAX must both be at least 1, got {text!r}")
+    if values[0] > values[1]:
+        raise ValueError(f"--replicas MIN:MAX wants MIN <= MAX, got {text!r}")
+    return values
+
+
+replicas = arg_type(parse_replicas)
+
 cpus = arg_type(parse_cpus)
 
 memory = arg_type(parse_memory)

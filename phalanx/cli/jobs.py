@@ -11,8 +11,20 @@ from phalanx.client import Client, JobState
 from phalanx.core.preemption import PRIORITY_CLASSES
 
 from . import console, render
-from .argtypes import bounded, cpus, duration, keep_checkpoints, memory, parse_env, parse_states, priority
+from .argtypes import (
+    bounded,
+    cpus,
+    duration,
+    keep_checkpoints,
+    memory,
+    parse_env,
+    parse_states,
+    priority,
+    replicas,
+)
 from .common import EXIT_OK, UsageError, add_json_flag
+from .graph_flags import add_graph_flags, graph_kwargs
+from .graph_render import group_arrays
 
 # Topology flags of `phalanx submit` (SubmitJob's JobSpec.required_tier / preferred_tier): a tier name, "node", a
 # fabric tier of the scheduler ("leaf", "spine", ...) or "cluster". The scheduler checks the name.
@@ -52,10 +64,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise UsageError("--gpus-per-replica is required (it may be left out with --mig or --gpu-milli)")
         args.gpus_per_replica = 1
     env = parse_env(args.env)
+    min_replicas, max_replicas = args.replicas
+    graph = graph_kwargs(args)  # --after, --array
     with console.client(args) as client:
         job = client.submit(
             args.name,
-            args.replicas,
+            max_replicas,
             args.gpus_per_replica,
             command,
             priority=args.priority,
@@ -72,6 +86,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             keep_checkpoints=args.keep_checkpoints or 0,
             cpus_per_replica=args.cpus_per_replica or 0,
             memory_per_replica=args.memory_per_replica or "",
+            min_replicas=min_replicas,
+            **graph,
         )
     console.show_job(job, args.json)
     return EXIT_OK
@@ -96,12 +112,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     token = args.page_token or ""
     with console.client(args) as client:
         if args.all:
-            return _all_jobs(client, states, token, args.json)
+            return _all_jobs(client, states, token, args.json, args.expand)
         jobs, token = client.list_jobs_page(states or None, page_size=args.limit or 0, page_token=token)
     if args.json:
         console.emit(render.to_json({"jobs": [j.to_dict() for j in jobs], "next_page_token": token}))
         return EXIT_OK
-    console.emit(render.jobs_table(jobs))
+    console.emit(render.jobs_table(group_arrays(jobs, args.expand)))
     if token:
         command = ["phalanx", "jobs"]
         if states:
@@ -112,7 +128,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _all_jobs(client: Client, states: list[JobState], token: str, as_json: bool) -> int:
+def _all_jobs(client: Client, states: list[JobState], token: str, as_json: bool, expand: bool = False) -> int:
     """``phalanx jobs --all``: follow every page from `token`, printing each page as it arrives (an error midway
     leaves the pages printed so far, and exits 1)."""
 
@@ -132,7 +148,7 @@ def _all_jobs(client: Client, states: list[JobState], token: str, as_json: bool)
         return EXIT_OK
     table = render.JobsTableStream()
     for jobs in pages():
-        text = table.page(jobs)
+        text = table.page(group_arrays(jobs, expand))
         if text:
             console.emit(text)
     return EXIT_OK
@@ -193,6 +209,12 @@ def register(sub) -> None:
         help="print the page that a previous page's 'next page:' line (or next_page_token) names",
     )
     p.add_argument("--all", action="store_true", help="every page, each printed as it arrives (not with --limit)")
+    p.add_argument(
+        "--expand",
+        action="store_true",
+        help="list an array's tasks too (by default an array is one line with its tasks' progress; --json lists "
+        "every job)",
+    )
     add_json_flag(p)
     p.set_defaults(func=cmd_jobs)
 
@@ -222,7 +244,14 @@ def _add_submit(sub) -> None:
         usage="phalanx submit --name NAME --replicas R --gpus-per-replica G [options] -- CMD ARGS...",
     )
     p.add_argument("--name", required=True)
-    p.add_argument("--replicas", type=bounded("--replicas", 1), required=True, metavar="R")
+    p.add_argument(
+        "--replicas",
+        type=replicas,
+        required=True,
+        metavar="R",
+        help="replicas (nodes) of the gang: N, or MIN:MAX for an elastic gang that starts once MIN fit, grows "
+        "towards MAX as capacity frees and shrinks (not below MIN) when a node is lost",
+    )
     p.add_argument(
         "--gpus-per-replica",
         type=bounded("--gpus-per-replica", 1),
@@ -285,6 +314,7 @@ def _add_submit(sub) -> None:
         help="the queue to submit to (its quota, cohort and fair share apply; default: default)",
     )
     _add_submit_life(p)
+    add_graph_flags(p)
     for flag in RESERVED_SUBMIT_FLAGS:
         p.add_argument(flag, nargs="?", const="", default=None, metavar="VALUE", help="reserved: not supported yet")
     add_json_flag(p)

@@ -118,7 +118,7 @@ class LocalCluster:
         metrics_port_base: Serve Prometheus metrics: scheduler on N, coordinator on N+1, agent i on N+2+i.
         lease_timeout, heartbeat_interval, launch_timeout: The scheduler's timers (short local defaults).
         min_runtime, preemption_grace: Preemption's minimum runtime and grace period (local defaults: a few
-            seconds, so preemption shows in a demo; production: 600 s and 120 s).
+            seconds, so preemption shows in a demo; production: 600 s and 120 s). elastic_grow_interval: likewise.
         retry_backoff, retry_backoff_max: The backoff before a gang torn down by a failure is retried.
         kill_grace: Seconds an agent waits between SIGTERM and SIGKILL of a rank.
         restart_agents: Restart an agent that died, after ``restart_delay`` seconds.
@@ -162,6 +162,7 @@ class LocalCluster:
         launch_timeout: float = 30.0,
         min_runtime: float = LOCAL_POLICY.min_runtime_s,
         preemption_grace: float = LOCAL_POLICY.grace_period_s,
+        elastic_grow_interval: float = 10.0,
         retry_backoff: float = 1.0,
         retry_backoff_max: float = 10.0,
         kill_grace: float = 3.0,
@@ -206,7 +207,7 @@ class LocalCluster:
         self.heartbeat_interval = heartbeat_interval
         self.launch_timeout = launch_timeout
         self.min_runtime = min_runtime
-        self.preemption_grace = preemption_grace
+        self.preemption_grace, self.elastic_grow_interval = preemption_grace, elastic_grow_interval
         self.retry_backoff = retry_backoff
         self.retry_backoff_max = retry_backoff_max
         self.kill_grace = kill_grace
@@ -421,6 +422,8 @@ class LocalCluster:
             f"{self.min_runtime:g}",
             "--preemption-grace",
             f"{self.preemption_grace:g}",
+            "--elastic-grow-interval",
+            f"{self.elastic_grow_interval:g}",
             "--retry-backoff",
             f"{self.retry_backoff:g}",
             "--retry-backoff-max",

@@ -13,6 +13,8 @@ from phalanx.client import CheckpointResult, Goodput, GoodputReport, Job, Node
 from phalanx.core.preemption import priority_name
 from phalanx.core.resources import describe, format_cpus, human_size
 
+from .graph_render import array_cell, graph_lines, table_state
+
 __all__ = [
     "table",
     "format_age",
@@ -107,14 +109,16 @@ def _job_rows(jobs: Sequence[Job], now: float | None) -> list[tuple[Any, ...]]:
         (
             j.id,
             j.name,
-            j.state.value,
+            table_state(j),
             j.priority,
             f"{j.replicas}x{j.mig_profile}"
             if j.mig_profile
             else f"{j.replicas}x{j.gpu_milli}m"
             if j.gpu_milli
+            else f"{j.min_replicas}:{j.replicas}x{j.gpus_per_replica}"  # an elastic gang: MIN:MAX
+            if j.min_replicas
             else f"{j.replicas}x{j.gpus_per_replica}",
-            job_nodes(j),
+            array_cell(j) or job_nodes(j),
             format_age(now - j.submitted_at) if j.submitted_at else "-",
             job_service(j),
         )
@@ -284,10 +288,17 @@ def job_detail(job: Job) -> str:
         lines.insert(
             2, ("service", f"{job.service}, replica {job.service_replica}, revision {job.service_revision}" + readiness)
         )
+    if job.min_replicas:
+        now = f"runs with {job.current_replicas}" if job.current_replicas else "not running"
+        lines.insert(6, ("elastic", f"{job.min_replicas} to {job.replicas} replicas; {now}"))
     if job.failures or job.preemptions:
         lines.append(("failures", job.failures))
         lines.append(("preemptions", job.preemptions))
-    if job.preempted_by:
+    if job.preempted_by == job.id:  # an elastic gang's own grow (phalanx.core.elastic)
+        lines.append(
+            ("growing", f"checkpointing to restart bigger, by {format_time(job.preempt_deadline)} at the latest")
+        )
+    elif job.preempted_by:
         lines.append(
             (
                 "preempting",
@@ -312,6 +323,7 @@ def job_detail(job: Job) -> str:
         lines.append(("restore", job.restore))
     if job.struck_nodes:
         lines.append(("struck nodes", f"{', '.join(job.struck_nodes)} (avoided while it fits elsewhere)"))
+    lines += graph_lines(job)
     if job.placement:
         p = job.placement
         lines.append(

@@ -160,6 +160,9 @@ class AsyncClient(AsyncServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
+        min_replicas: int = 0,
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job; see :meth:`Client.submit`.
 
@@ -183,6 +186,9 @@ class AsyncClient(AsyncServiceCalls):
             keep_checkpoints: Newest committed checkpoints the coordinator keeps (0: its default).
             cpus_per_replica: CPUs each replica reserves on its node and is limited to (0: no limit).
             memory_per_replica: Memory each replica reserves and is limited to: a size ("512M", "64G") or bytes.
+            min_replicas: An elastic gang's minimum (``replicas`` is its maximum); 0: not elastic.
+            after: Jobs this one waits for ("JOB", "JOB:notok", "JOB:any", or (job id, condition) pairs).
+            array: An array of tasks in Slurm's --array syntax ("0-99%8").
 
         Returns:
             The job as accepted by the scheduler.
@@ -207,6 +213,9 @@ class AsyncClient(AsyncServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
+            min_replicas=min_replicas,
+            after=after,
+            array=array,
         )
         return Job.from_proto(await self._call("SubmitJob", request))
 

@@ -26,6 +26,7 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
     resolve_token,
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
+from ._graph import dependency_messages
 from ._services import ServiceCalls, service_stub
 from ._types import (
     TERMINAL_STATES,
@@ -106,6 +107,9 @@ def build_submit_request(
     keep_checkpoints: int = 0,
     cpus_per_replica: float = 0,
     memory_per_replica: str | int = "",
+    min_replicas: int = 0,
+    after: Iterable[str | tuple[str, str]] | str | None = None,
+    array: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
     """Build a SubmitJobRequest; a missing request_id gets a fresh uuid4 hex (the idempotency key)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
@@ -132,6 +136,9 @@ def build_submit_request(
             if isinstance(memory_per_replica, int) and memory_per_replica
             else str(memory_per_replica or "")
         ),
+        min_replicas=int(min_replicas or 0),
+        after=dependency_messages(after),
+        array=str(array or ""),
     )
     return scheduler_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
 
@@ -284,6 +291,9 @@ class Client(ServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
+        min_replicas: int = 0,
+        after: Iterable[str | tuple[str, str]] | str | None = None,
+        array: str = "",
     ) -> Job:
         """Submit a gang job of ``replicas`` x ``gpus_per_replica`` GPUs.
 
@@ -315,6 +325,15 @@ class Client(ServiceCalls):
             memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
                 it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
                 number of bytes; "" or 0: none reserved and no limit.
+            min_replicas: An elastic gang: it starts once this many replicas fit, takes as many as fit up to
+                ``replicas`` (its maximum), grows towards it as capacity frees and shrinks (down to this) when a
+                node of it is lost, each time restarting from its last committed checkpoint at the new world size.
+                0: not elastic.
+            after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
+                condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
+                "any" to end; a dependency that can no longer be met fails this job ("dependency_failed: ...").
+            array: Submit an array of tasks in Slurm's --array syntax ("0-99%8": indices 0-99, at most 8 at once;
+                "1,3,5-7"; "0-99:2"). Each task runs the same gang with PHALANX_ARRAY_TASK_ID set.
 
         Returns:
             The job as accepted by the scheduler (usually PENDING).
@@ -345,6 +364,9 @@ class Client(ServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
+            min_replicas=min_replicas,
+            after=after,
+            array=array,
         )
         return Job.from_proto(self._call(self._stub.SubmitJob, request))
 

@@ -10,6 +10,8 @@ from typing import Any
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.resources import parse_size
 
+from ._graph import ArrayProgress, Dependency
+
 __all__ = [
     "JobState",
     "NodeState",
@@ -17,6 +19,8 @@ __all__ = [
     "Claim",
     "Goodput",
     "Job",
+    "ArrayProgress",
+    "Dependency",
     "JobGoodput",
     "GroupGoodput",
     "GoodputReport",
@@ -295,6 +299,10 @@ class Job:
     service_revision: int = 0
     ready: bool = False
     ready_at: float = field(default=0.0, compare=False)
+    # An elastic gang (``phalanx submit --replicas MIN:MAX``): its minimum (``replicas`` is its maximum; 0: not
+    # elastic), and the replicas its current attempt runs with (0: not running, or not elastic).
+    min_replicas: int = 0
+    current_replicas: int = 0
     # What the current attempt restored from (get_job only; "" elsewhere and before any rank reported).
     restore: str = field(default="", compare=False)
     # A pending preemptor's standing claim (get_job only; None elsewhere, and for any other job).
@@ -304,6 +312,14 @@ class Job:
     goodput: Goodput | None = field(default=None, compare=False)
     # watch only: when this change happened (unix seconds, the scheduler's commit; 0 elsewhere). Not in to_dict.
     changed_at: float = field(default=0.0, compare=False)
+    # Job graphs: the jobs it waits for (as submitted) and those not met yet; an array's spec ("" otherwise) and,
+    # on the array's own job, its tasks' progress; on a task, its array's job id and its index (-1 otherwise).
+    after: tuple[Dependency, ...] = ()
+    waiting_for: tuple[Dependency, ...] = ()
+    array_spec: str = ""
+    array: ArrayProgress | None = None
+    array_parent: str = ""
+    array_task: int = -1
 
     @property
     def terminal(self) -> bool:
@@ -373,9 +389,17 @@ class Job:
             service_revision=int(msg.service_revision),
             ready=bool(msg.ready),
             ready_at=float(msg.ready_at),
+            min_replicas=int(spec.min_replicas),
+            current_replicas=int(msg.current_replicas),
             restore=msg.restore,
             claim=Claim.from_proto(msg.claim) if msg.HasField("claim") else None,
             goodput=Goodput.from_proto(msg.goodput) if msg.HasField("goodput") else None,
+            after=tuple(Dependency.from_proto(d) for d in spec.after),
+            waiting_for=tuple(Dependency.from_proto(d) for d in msg.waiting_for),
+            array_spec=spec.array,
+            array=ArrayProgress.from_proto(msg.array) if msg.HasField("array") else None,
+            array_parent=msg.array_parent,
+            array_task=int(msg.array_task) if msg.array_parent else -1,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -421,9 +445,17 @@ class Job:
             "service_replica": self.service_replica,
             "service_revision": self.service_revision,
             "ready": self.ready,
+            "min_replicas": self.min_replicas,
+            "current_replicas": self.current_replicas,
             "restore": self.restore,
             "claim": None if self.claim is None else self.claim.to_dict(),
             "goodput": None if self.goodput is None else self.goodput.to_dict(),
+            "after": [d.to_dict() for d in self.after],
+            "waiting_for": [d.to_dict() for d in self.waiting_for],
+            "array_spec": self.array_spec,
+            "array": None if self.array is None else self.array.to_dict(),
+            "array_parent": self.array_parent,
+            "array_task": self.array_task,
         }
 
 

@@ -585,6 +585,8 @@ class ClusterCapacity:
         if n is None:
             return
         (gpu,) = rep.gpus
+        if not 0 <= gpu < n.total:  # a GPU its node no longer has (see `vanished_gpus`): nothing of it to count
+            return
         n.free.discard(gpu)
         if rep.mig_profile:
             n.mig[gpu] = n.mig.get(gpu, 0) | rep.mig_mask
@@ -623,6 +625,7 @@ class ClusterCapacity:
         self._take(n, set(gpus))
 
     def _take(self, n: NodeCapacity, gpus: set[int]) -> None:
+        gpus = {g for g in gpus if 0 <= g < n.total}  # never a GPU the node does not have (`vanished_gpus`)
         n.free -= gpus
         if n.mig_gpus and gpus & n.mig_gpus:  # a GPU in MIG mode held whole (FATAL, or a whole-GPU job of old)
             for gpu in gpus & n.mig_gpus:
@@ -676,6 +679,14 @@ class ClusterCapacity:
             return
         n.schedulable = schedulable
         self._touch(n)
+
+
+def vanished_gpus(replicas: Iterable[ReplicaPlacement], node: str, gpus: int) -> list[int]:
+    """The GPUs of `node` that these replicas (a running gang's) hold and that a node of `gpus` GPUs does not have:
+    it registered again with fewer (a GPU fell off the bus and its agent restarted). The capacity view never counts
+    such a GPU (take, take_partial), and the gang holding one cannot run: the scheduler tears it down whole, as on a
+    fatal GPU error. Sorted; empty when every GPU the gang holds there still exists."""
+    return sorted({g for rep in replicas if rep.node == node for g in rep.gpus if not 0 <= g < gpus})
 
 
 _BATCH = 8  # nodes from which an update edits each free-count bucket once (`_changed_many`)

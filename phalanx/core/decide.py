@@ -29,6 +29,9 @@ What one decision does, in order (numbered as `decide` runs them):
    claims where it will go (`SetClaim`); with a zero grace period they are stopped at once and the pass runs again
    (2-4), as long as preemptions stop gangs. Otherwise it waits holding nothing (`Wait`, with why), and a claim
    that nothing would now make good ends.
+5. Elastic gangs (phalanx.core.elastic). An elastic gang is placed at the most replicas that fit between its
+   minimum and maximum; a running one below its maximum is asked to checkpoint for a grow when what is left fits
+   it bigger, and is restarted at the bigger size (step 1, as its own victim) once that is committed.
 
 The invariants every plan must keep, whatever the combination of these features, are written in
 phalanx.core.invariants and checked on generated scenarios (tests/unit/test_scheduling_invariants.py,
@@ -53,9 +56,10 @@ from typing import Any
 
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .claims import Claim, ClaimShield, outside, with_claimed
+from .elastic import finish_grow, kept_back, plan_grows, resizing, restarting
 from .model import Placement, ReplicaPlacement
 from .plan import AskCheckpoint, CallOff, EndClaim, Plan, Reserve, SetClaim, Step, Stop, Wait, WakeAt
-from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims
+from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims, elastic_parts
 from .quota import QuotaBook, demand, flavor_matches, usage_of
 from .snapshot import DecideConfig, Memo, PendingJob, RunningJob, Snapshot
 from .status import Code, Status
@@ -137,6 +141,7 @@ def decide(snapshot: Snapshot, now: float, *, after_blocked: AfterBlocked | None
         d.steps.append(Wait(head.job_id, status, result.reservation))
         if not stopped:
             break
+    plan_grows(d)  # 5. elastic gangs below their maximum grow into what is left (phalanx.core.elastic)
     return d.plan()
 
 
@@ -287,6 +292,9 @@ class _Decision:
         stopped = False
         for vid in sorted(self.preempting, key=self._running_order):
             victim = self.get(vid)
+            if resizing(victim):  # an elastic gang checkpointing for its own grow (phalanx.core.elastic)
+                stopped = finish_grow(self, victim) or stopped
+                continue
             by = self.pending.get(victim.preempted_by)
             if by is None or by.job_id in self.reserved:
                 self._set_running(_replace_victim(victim, "", 0.0))
@@ -339,6 +347,9 @@ class _Decision:
             for p in self.pending.values():
                 if p.not_before > now:
                     self.wake_at(p.not_before)
+        if self.releasing and (waits := restarting(self)):  # elastic gangs waiting for their own GPUs' release
+            out = [p for p in out if p.job_id not in waits]
+            self.wake_at(now + self.config.poll_s)
         return out
 
     def book(self) -> QuotaBook | None:
@@ -556,7 +567,8 @@ class _Decision:
         real = list(result.victims)
         if self.config.claims:
             old = self.shield.claims.get(hid)
-            freed = [rep for v in real for rep in self.get(v).placement.replicas]
+            # (an elastic victim stopped to shrink keeps its minimum's replicas: not claimed, it restarts on them)
+            freed = [rep for v in real for rep in kept_back(self.get(v), v in result.shrunk)]
             if old is not None:  # widened: what it claimed before and nothing else holds stays claimed
                 freed += self.unheld(old)
             self.set_claim(
@@ -572,9 +584,15 @@ class _Decision:
             )
         for vid in real:
             victim = self.get(vid)
+            shrink = f"; it then restarts at its minimum of {victim.request.min_replicas} replicas (elastic)"
             self.steps.append(
                 AskCheckpoint(
-                    vid, deadline, hid, request, message, reclaim=vid in reclaim and victim.request.priority >= priority
+                    vid,
+                    deadline,
+                    hid,
+                    request,
+                    message + (shrink if vid in result.shrunk else ""),
+                    reclaim=vid in reclaim and victim.request.priority >= priority,
                 )
             )
             self._set_running(_replace_victim(victim, hid, deadline))
@@ -654,7 +672,8 @@ class _Decision:
             at = saved.get(r.job_id)
             if at is not None:
                 since = max(since, at)
-            gangs.append(RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since)))
+            gang = RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since))
+            gangs += elastic_parts(gang, r.request.min_replicas) if r.request.elastic else [gang]
         # GPUs of claims this head may not use stay out even when the search releases their holders.
         unusable = with_claimed(self.snap.unusable, self.shield.hidden_from(hid, priority) if self.shield else ())
         return choose_victims(self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, unusable)

@@ -48,6 +48,8 @@ class Submitted:
     fits_empty: bool = True
     # False: it may never preempt (a service's surge replica during a rolling update; invariant g)
     preempts: bool = True
+    # An elastic gang's minimum (`replicas` its maximum; 0: not elastic; invariant h)
+    min_replicas: int = 0
 
 
 @dataclass(frozen=True, slots=True)

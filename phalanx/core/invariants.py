@@ -29,6 +29,9 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
     checkpoint and never claims capacity: it waits for a release instead (the deadlock of LeaderWorkerSet issues
     717 and 1050 is a surge that evicts, or waits on, what must go first).
 
+(h) elastic gangs. An elastic gang (`--replicas MIN:MAX`) runs with whole replicas, between MIN and MAX of them, all
+    of one attempt: it grows or shrinks only by a restart (a new attempt), never below MIN.
+
 `check(events, ...)` returns the violations, each naming its invariant, the index of the event that broke it and
 what happened; `Checker` takes the events one at a time (the randomized checker asserts after every step). The
 events themselves are in phalanx.core.events (re-exported here).
@@ -120,6 +123,7 @@ class _Job:
     finished: bool = False
     submitted_at: float = 0.0
     preempts: bool = True
+    min_replicas: int = 0
 
 
 @dataclass
@@ -230,6 +234,7 @@ class Checker:
             e.gpus_per_replica,
             submitted_at=e.t,
             preempts=e.preempts,
+            min_replicas=e.min_replicas,
         )
         if self.quiet_at is not None:
             self._bad("d", f"job {e.job} arrived after the quiet point")
@@ -244,6 +249,8 @@ class Checker:
         whole = [(h.node, h.gpu) for h in e.holds if h.whole]
         if len(e.holds) != e.expected or len(set(whole)) != len(whole):
             self._bad("a", f"job {e.job} attempt {e.attempt} started with {len(e.holds)} of its {e.expected} GPUs")
+        if job.min_replicas:
+            self._check_elastic(e, job)
         key = (e.job, e.attempt)
         mine = frozenset((h.node, h.gpu) for h in e.holds if h.whole)  # (b, mechanism-free: whole GPUs)
         for h in e.holds:
@@ -318,6 +325,17 @@ class Checker:
             use[1] += s
             self._check_quota(job.queue, e.flavor)
         self.starts.append((self.index, e.t, e.job))
+
+    def _check_elastic(self, e: Started, job: _Job) -> None:
+        """(h) an elastic gang's attempt holds whole replicas, between its minimum and its maximum of them (and, as
+        for every gang, only GPUs of that one attempt: (a))."""
+        replicas, rest = divmod(len(e.holds), max(1, job.gpus_per_replica))
+        if rest or not job.min_replicas <= replicas <= job.replicas:
+            self._bad(
+                "h",
+                f"elastic job {e.job} attempt {e.attempt} started with {len(e.holds)} GPUs: not {job.min_replicas} "
+                f"to {job.replicas} whole replicas of {job.gpus_per_replica} GPUs",
+            )
 
     def _claimed_overlap(self, claim: ClaimMade, holds: tuple[Hold, ...]) -> tuple[str, int] | None:
         """The GPU where `holds` (just taken) eat into what `claim` claims: a whole GPU it claims, a MIG slice of
@@ -528,11 +546,12 @@ class Checker:
                     ):
                         avail += 1
                 slots += avail // by.gpus_per_replica
-            if slots < by.replicas:
+            need = by.min_replicas or by.replicas  # an elastic preemptor starts with its minimum
+            if slots < need:
                 self._bad(
                     "c",
                     f"victims asked for {by_id} although even with them and every releasing GPU gone it "
-                    f"would fit {slots} of its {by.replicas} replicas",
+                    f"would fit {slots} of its {need} replicas" + (" (its minimum)" if by.min_replicas else ""),
                 )
 
     def _on_ClaimMade(self, e: ClaimMade) -> None:

@@ -50,12 +50,15 @@ class GangRequest:
     # Host resources of each replica on its node (core.resources): CPUs in thousandths and memory in bytes; 0 none.
     cpu_milli: int = 0
     memory: int = 0
+    # Elastic gangs (phalanx.core.elastic): the gang starts once this many replicas fit, taking as many as fit up to
+    # `replicas` (its maximum) in one reservation. 0: not elastic (exactly `replicas`).
+    min_replicas: int = 0
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
     # What placement depends on besides the capacity (backfill: gangs of one shape fit or not alike), computed once
     # for the same reason.
-    shape: tuple[int, int, str, str, int, str, str, int, int] = field(init=False, repr=False, compare=False)
+    shape: tuple[int, int, str, str, int, str, str, int, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", (-self.priority, self.submitted_at, self.job_id))
@@ -72,6 +75,7 @@ class GangRequest:
                 self.preferred_tier,
                 self.cpu_milli,
                 self.memory,
+                self.min_replicas,
             ),
         )
 
@@ -82,6 +86,11 @@ class GangRequest:
     @property
     def partial(self) -> bool:
         return bool(self.mig_profile) or self.gpu_milli > 0
+
+    @property
+    def elastic(self) -> bool:
+        """It may run at fewer replicas than `replicas` (down to `min_replicas`)."""
+        return 0 < self.min_replicas < self.replicas
 
 
 @dataclass(frozen=True, slots=True)

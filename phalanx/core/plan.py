@@ -44,11 +44,13 @@ class AskCheckpoint:
 @dataclass(frozen=True, slots=True)
 class Stop:
     """Stop a gang (released in the snapshot's capacity) and requeue it; `reason` is its message, `by` the gang it
-    made way for (a preemption's handover)."""
+    made way for (a preemption's handover). `resize`: an elastic gang stopped to restart at another size
+    (phalanx.core.elastic), neither preempted nor failed."""
 
     job: str
     reason: str
     by: str = ""
+    resize: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
-from .model import GangRequest, Placement
+from .model import GangRequest, Placement, ReplicaPlacement
 from .placement import Unplaceable, place_gang
 from .status import Code, Status
 
@@ -103,6 +103,31 @@ class RunningGang:
     # gang's, and may repeat): waiting for them costs nothing, they come free by themselves. Among candidates of
     # equal cost they come first, in the caller's order; a preemption lists them in `waits_for`, not in `victims`.
     releasing: bool = False
+    # An elastic gang above its minimum comes as two parts of one job (`elastic_parts`): SHRINK, the replicas beyond
+    # its minimum, and CORE, its minimum's; taking only the first shrinks it (it restarts at its minimum, on what it
+    # kept) rather than evicting it whole. WHOLE: any other gang.
+    part: int = 0
+
+
+WHOLE, SHRINK, CORE = 0, 1, 2
+
+
+def elastic_parts(gang: RunningGang, min_replicas: int) -> list[RunningGang]:
+    """A running elastic gang as preemption candidates: the replicas beyond `min_replicas` (taken first) and the
+    rest; the gang itself when it runs at its minimum. Both parts carry the gang's work since its checkpoint: a
+    shrink is a restart too."""
+    reps = gang.placement.replicas
+    if not 0 < min_replicas < len(reps):
+        return [gang]
+    p = gang.placement
+
+    def part(kind: int, replicas: tuple[ReplicaPlacement, ...]) -> RunningGang:
+        placement = Placement(p.job_id, replicas, p.tier, p.domains, p.score, p.reason)
+        return RunningGang(
+            gang.job_id, gang.priority, placement, gang.started_at, gang.work_since_checkpoint, part=kind
+        )
+
+    return [part(SHRINK, reps[min_replicas:]), part(CORE, reps[:min_replicas])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +142,8 @@ class Preemption:
     work_lost: float
     reason: str
     waits_for: tuple[RunningGang, ...] = ()
+    # Victims that are elastic gangs stopped only to shrink: they restart at their minimum on what they keep.
+    shrunk: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +161,16 @@ class NoPreemption:
         return Status(Code.PROTECTED if self.retry_in is not None else Code.UNSCHEDULABLE, self.reason)
 
 
-def _cost(gang: RunningGang) -> tuple[int, float, bool, str]:
-    """Eviction order: lowest priority, least work lost, then job id; releasing GPUs first among equals, in the
-    caller's order (the sort is stable)."""
-    return (gang.priority, gang.work_since_checkpoint, not gang.releasing, "" if gang.releasing else gang.job_id)
+def _cost(gang: RunningGang) -> tuple[int, float, bool, str, int]:
+    """Eviction order: lowest priority, least work lost, then job id (an elastic gang's replicas beyond its minimum
+    before the rest); releasing GPUs first among equals, in the caller's order (the sort is stable)."""
+    return (
+        gang.priority,
+        gang.work_since_checkpoint,
+        not gang.releasing,
+        "" if gang.releasing else gang.job_id,
+        gang.part,
+    )
 
 
 class _Work:
@@ -245,9 +278,10 @@ def choose_victims(
     for gang in running:
         if gang.releasing:
             continue
-        if gang.job_id in seen:
+        key = f"{gang.job_id}/{gang.part}"
+        if key in seen:
             raise ValueError(f"running gang {gang.job_id!r} is given twice")
-        seen.add(gang.job_id)
+        seen.add(key)
     fits = place_gang(capacity, pending, fabric_tiers)
     if isinstance(fits, Placement):
         return NoPreemption(pending.job_id, "it fits without preemption")
@@ -306,16 +340,22 @@ def choose_victims(
             work.restore(gang)
         kept = [g for g in kept if not _nodes(g).isdisjoint(used)]
         witness = placement
-    lost = sum(g.work_since_checkpoint for g in kept)
     evicted = [g for g in kept if not g.releasing]
+    full = {g.job_id for g in evicted if g.part != SHRINK}
+    shrunk = {g.job_id for g in evicted if g.part == SHRINK} - full  # elastic gangs left to restart at MIN
+    chosen = tuple(dict.fromkeys(g.job_id for g in evicted))
+    lost = sum({g.job_id: g.work_since_checkpoint for g in evicted}.values())  # (an elastic gang's parts: once)
     waits_for = tuple(g for g in kept if g.releasing)
-    names = ", ".join(f"{g.job_id} (priority {g.priority})" for g in evicted)
+    names = ", ".join(
+        f"{g.job_id} (priority {g.priority}{', shrunk to its minimum' if g.job_id in shrunk else ''})"
+        for g in {g.job_id: g for g in evicted}.values()
+    )
     also = f"; waits for the GPUs of {len(waits_for)} ended gang(s) being released" if waits_for else ""
     reason = (
-        f"preempts {len(evicted)} gang(s) of lower priority than {pending.priority}: {names}; work lost since "
+        f"preempts {len(chosen)} gang(s) of lower priority than {pending.priority}: {names}; work lost since "
         f"their checkpoints {lost:g}{also}; then {placement.reason}"
     )
-    return Preemption(pending.job_id, tuple(g.job_id for g in evicted), placement, lost, reason, waits_for)
+    return Preemption(pending.job_id, chosen, placement, lost, reason, waits_for, tuple(sorted(shrunk)))
 
 
 def _refusal(

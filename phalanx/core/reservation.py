@@ -117,7 +117,7 @@ class _EndOrdered(Protocol):
 
 # What placement depends on besides the capacity (`shape_of`), and what `plan_reservation` remembers per head shape
 # and set of nodes out (`ideal_cache`): the head's (tier rank, domains) on an empty cluster, False when it never fits.
-Shape = tuple[int, int, str, str, int, str, str, int, int]
+Shape = tuple[int, int, str, str, int, str, str, int, int, int]
 _IdealKey = tuple[Shape, frozenset[str], frozenset[tuple[str, frozenset[int]]]]
 _Ideal = tuple[int, int] | Literal[False]
 

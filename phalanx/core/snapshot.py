@@ -81,6 +81,18 @@ class RunningJob:
         return min(end, self.deadline) if self.preempted_by else end
 
 
+@dataclass(frozen=True, slots=True)
+class ElasticPolicy:
+    """When a running elastic gang grows. `grow_interval_s`: at most once per this many seconds (from the start of
+    its attempt); `min_step` and `min_fraction`: by at least this many replicas and this fraction of its size (or
+    to its maximum); `grace_period_s`: how long its checkpoint before the restart may take."""
+
+    grow_interval_s: float = 300.0
+    min_step: int = 1
+    min_fraction: float = 0.25
+    grace_period_s: float = 60.0
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecideConfig:
     """The policy's settings. `preemption` None: never preempt. `poll_s`: how soon to look again at a victim
@@ -100,6 +112,9 @@ class DecideConfig:
     # A preemptor keeps what it freed (phalanx.core.claims). Off only to show what breaks without it: the
     # invariant checks' own test runs a decision with claims off and expects them to catch the inversion.
     claims: bool = True
+    # Running elastic gangs grow towards their maximum (phalanx.core.elastic); None: they keep the size they
+    # started (or restarted) at.
+    elastic: ElasticPolicy | None = None
 
 
 @dataclass
@@ -145,3 +160,6 @@ class Snapshot:
     # The preemptors' claims on the capacity their victims free, by preemptor (phalanx.core.claims): kept by the
     # caller from the plans' SetClaim and EndClaim steps.
     claims: Mapping[str, Claim] = field(default_factory=_empty)
+    # Optional: the ids of the running elastic gangs below their maximum (else found in `running`), the only ones
+    # that may grow (phalanx.core.elastic).
+    elastic: Collection[str] | None = None

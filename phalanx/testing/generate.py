@@ -100,6 +100,9 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         while replicas * per > 64:
             replicas //= 2
     del mig
+    # An elastic gang (MIN:MAX) for a tenth of the whole-GPU gangs of 2 replicas or more (from `kind`, drawn already:
+    # the seeded streams of the other fields stay as they were).
+    elastic = not (profile or milli) and kind >= 0.9 and replicas >= 2
     return JobSpec(
         name,
         replicas=max(1, replicas),
@@ -116,6 +119,7 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         fails=rng.choice((0, 0, 0, 1)),
         by_admin=rng.random() < 0.9,
         preempts=rng.random() < 0.9,
+        min_replicas=max(1, replicas // 2) if elastic else 0,
     )
 
 

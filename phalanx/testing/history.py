@@ -218,7 +218,7 @@ def _submissions(
     for row in _rows(
         conn,
         "SELECT id, state, priority, queue, replicas, gpus_per_replica, mig_profile, gpu_milli, submitted_at, "
-        "finished_at, required_tier, gpu_model, flavor, serving FROM jobs",
+        "finished_at, required_tier, gpu_model, flavor, serving, shape FROM jobs",
     ):
         jobs[row.id] = dict(row._mapping)
     for job_id, j in jobs.items():
@@ -232,6 +232,7 @@ def _submissions(
             gpu_model=j["gpu_model"] or "",
             mig_profile=j["mig_profile"] or "",
             gpu_milli=int(j["gpu_milli"] or 0),
+            min_replicas=int(_json_dict(j.get("shape")).get("min_replicas") or 0),  # an elastic gang (h)
         )
         j["request"] = request
         fits = isinstance(place_gang(empty, request, tiers, budget_ms=0.0), Placement)
@@ -248,6 +249,7 @@ def _submissions(
                 demand(request),
                 fits,
                 not _json_dict(j.get("serving")).get("surge"),
+                request.min_replicas if request.elastic else 0,
             ),
         )
     return jobs
@@ -370,7 +372,9 @@ def _starts_ends_releases(
         if job is None:
             continue
         gang: GangRequest = job["request"]
-        expected = gang.replicas * gang.gpus_per_replica
+        got = holds.get((job_id, attempt), ())
+        # (an elastic gang's attempt has the size it was placed at: invariant h judges it)
+        expected = len(got) if gang.elastic else gang.replicas * gang.gpus_per_replica
         t0 = float(a["reserved_at"])
         events.add(
             t0,

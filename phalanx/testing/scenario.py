@@ -53,6 +53,7 @@ class JobSpec:
     fails: int = 0
     by_admin: bool = True
     preempts: bool = True  # False: a service's surge replica, which waits instead of preempting
+    min_replicas: int = 0  # an elastic gang's minimum (`replicas` its maximum; 0: not elastic)
 
     def request(self, submitted_at: float) -> GangRequest:
         partial = bool(self.mig_profile or self.gpu_milli)
@@ -67,6 +68,7 @@ class JobSpec:
             mig_profile=self.mig_profile,
             gpu_milli=self.gpu_milli,
             time_limit=self.time_limit,
+            min_replicas=self.min_replicas,
         )
 
 
@@ -94,7 +96,7 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     """Actions written one a line, for the regression table:
 
         submit NAME RxG [p=PRIORITY] [q=QUEUE] [work=S] [limit=S] [mig=PROFILE] [milli=M] [tier=T] [ckpt=early|late|never]
-               [fails=N] [user] [surge]
+               [fails=N] [min=MIN] [user] [surge]
         advance SECONDS | release K | commit K | fail K | down K | up K | cancel K | mig K | gpu K
 
     ("#" starts a comment.)"""
@@ -137,6 +139,7 @@ _OPTIONS = {
     "model": ("gpu_model", str),
     "ckpt": ("checkpoint", str),
     "fails": ("fails", int),
+    "min": ("min_replicas", int),
 }
 
 

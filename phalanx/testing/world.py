@@ -50,6 +50,7 @@ from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, Placeme
 from phalanx.core.placement import place_gang
 from phalanx.core.preemption import PreemptionPolicy
 from phalanx.core.quota import QuotaBook, cluster_totals, demand
+from phalanx.core.snapshot import ElasticPolicy
 
 # A scenario's data and rows, and its generation, live in their own modules; every name stays importable from here.
 from .generate import PROFILES, VERBS, WEIGHTS, fill, random_job, random_scenario, shrink  # noqa: F401
@@ -116,7 +117,9 @@ class World:
             self.nodes[name] = node
         self.queues = {q.name: q for q in scenario.queues}
         self.policy = PreemptionPolicy(min_runtime_s=scenario.min_runtime_s, grace_period_s=scenario.grace_s)
-        self.config = DecideConfig(tiers=self.tiers, preemption=self.policy, poll_s=1.0, claims=claims)
+        # Elastic gangs grow (phalanx.core.elastic) every few seconds at most, with the victims' grace period.
+        grow = ElasticPolicy(grow_interval_s=5.0, grace_period_s=scenario.grace_s)
+        self.config = DecideConfig(tiers=self.tiers, preemption=self.policy, poll_s=1.0, claims=claims, elastic=grow)
         self.memo = Memo()
         self.now = 0.0
         self.jobs: dict[str, _Job] = {}
@@ -274,10 +277,11 @@ class World:
             elif isinstance(step, AskCheckpoint):
                 self.ask(self.jobs[step.job], step)
             elif isinstance(step, Stop):
-                self.end(self.jobs[step.job], "PREEMPTED", requeue=True, backoff=False)
+                self.end(self.jobs[step.job], "RESIZED" if step.resize else "PREEMPTED", requeue=True, backoff=False)
             elif isinstance(step, CallOff):
                 job = self.jobs[step.job]
-                job.preempted_by, job.deadline, job.commit_at = "", 0.0, math.inf
+                grow = job.preempted_by == job.spec.job  # a grow called off keeps its deadline (its last try)
+                job.preempted_by, job.deadline, job.commit_at = "", job.deadline if grow else 0.0, math.inf
                 self.record(inv.CalledOff(self.now, job.spec.job, job.attempt))
             elif isinstance(step, SetClaim):
                 self.claims[step.claim.job] = step.claim
@@ -303,7 +307,8 @@ class World:
         # A failing attempt fails half way through its work.
         job.fail_at = self.now + job.work_left / 2 if job.failures < job.spec.fails else math.inf
         holds = holds_of(placement.replicas)
-        expected = job.request.replicas * (1 if job.request.partial else job.request.gpus_per_replica)
+        replicas = len(placement.replicas) if job.request.elastic else job.request.replicas  # (h) judges its size
+        expected = replicas * (1 if job.request.partial else job.request.gpus_per_replica)
         self.record(inv.Started(self.now, job.spec.job, job.attempt, holds, expected, flavor))
 
     def ask(self, job: _Job, step: AskCheckpoint) -> None:
@@ -316,7 +321,8 @@ class World:
             if kind == "late"
             else math.inf
         )
-        self.record(inv.Asked(self.now, job.spec.job, job.attempt, step.by, step.reclaim))
+        if step.by != job.spec.job:  # (an elastic gang checkpointing for its own grow is no preemption)
+            self.record(inv.Asked(self.now, job.spec.job, job.attempt, step.by, step.reclaim))
 
     def end(self, job: _Job, outcome: str, *, requeue: bool, backoff: bool, final: str = "") -> None:
         """End the running attempt: its whole GPUs stay held on confirming nodes (its ranks were killed, their
@@ -376,6 +382,7 @@ class World:
                 demand(request),
                 self.fits_empty(request, spec.queue),
                 spec.preempts,
+                request.min_replicas if request.elastic else 0,
             )
         )
 
@@ -491,7 +498,19 @@ class World:
         self.record(inv.NodeDown(self.now, node.name))
         for job in list(self.jobs.values()):
             if job.state == "RUNNING" and job.placement is not None and node.name in job.placement.nodes:
-                self.end(job, "NODE_LOST", requeue=True, backoff=True)
+                self.end(job, "NODE_LOST", requeue=True, backoff=not self.shrinks(job))
+
+    def shrinks(self, job: _Job) -> bool:
+        """An elastic gang that still has its minimum of replicas on usable nodes and GPUs restarts at once (the
+        scheduler's services/scheduler/elastic.py): no failure counted, no backoff."""
+        if not job.request.elastic or job.placement is None:
+            return False
+        left = sum(
+            1
+            for r in job.placement.replicas
+            if self.nodes[r.node].up and not set(r.gpus) & self.unusable_on(self.nodes[r.node])
+        )
+        return left >= job.request.min_replicas
 
     def do_up(self, k: object) -> None:
         """A node returns: its agent restarted, nothing of the ended attempts runs there; its GPUs are healthy."""
@@ -528,7 +547,7 @@ class World:
         for job in list(self.jobs.values()):
             if job.state == "RUNNING" and job.placement is not None:
                 if any(r.node == node.name and gpu in r.gpus for r in job.placement.replicas):
-                    self.end(job, "GPU_FAILED", requeue=True, backoff=True)
+                    self.end(job, "GPU_FAILED", requeue=True, backoff=not self.shrinks(job))
 
     def do_mig(self, k: object) -> None:
         """An idle GPU (nothing on it, nothing releasing) starts switching MIG mode."""

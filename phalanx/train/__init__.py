@@ -31,6 +31,10 @@ Young/Daly interval sqrt(2 x MTBF x cost), from the cluster's measured node fail
 "Checkpoint interval policy"). It is measured from the last save, or from the Checkpointer's start.
 PHALANX_CHECKPOINT_POLICY=off (default auto) disables it. A checkpoint request (user, preemption) applies always.
 
+Elastic gangs (`phalanx submit --replicas MIN:MAX`): `world_size()` is the current world size, `elastic_range()` the
+gang's (MIN, MAX); after a grow or shrink each rank restores the data-parallel state of the old world's rank R modulo
+its size (see `Checkpointer.restore`).
+
 Call `should_checkpoint(step)` at every step on every rank: every rank of the gang checkpoints at the same step
 (a checkpoint commits only with one shard of each rank for one step). The every-N-steps policy is the same step
 everywhere; a request, or a time policy (which, when it fires, asks the coordinator for a checkpoint rather than
@@ -46,10 +50,12 @@ from ._checkpointer import (
     SaveResult,
     SkippedCheckpoint,
     default,
+    elastic_range,
     reset,
     restore,
     save,
     should_checkpoint,
+    world_size,
 )
 from .errors import (
     CheckpointConfigError,
@@ -73,9 +79,11 @@ __all__ = [
     "SaveResult",
     "SkippedCheckpoint",
     "default",
+    "elastic_range",
     "reset",
     "restore",
     "save",
     "sha256_checksum",
     "should_checkpoint",
+    "world_size",
 ]

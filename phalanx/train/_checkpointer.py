@@ -26,6 +26,8 @@ log = logging.getLogger("phalanx.train")
 # Set by the scheduler for every rank (services/scheduler/transitions.py launches()).
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_MIN_REPLICAS = "PHALANX_MIN_REPLICAS"
+ENV_MAX_REPLICAS = "PHALANX_MAX_REPLICAS"
 ENV_JOB_ID = "PHALANX_JOB_ID"
 ENV_ATTEMPT = "PHALANX_ATTEMPT"
 # Defined here; the scheduler/agent will set them (not wired yet).
@@ -157,6 +159,8 @@ class Checkpointer:
         self.attempt = _int(env, ENV_ATTEMPT)
         self.world_size = _int(env, ENV_WORLD_SIZE, minimum=1)
         self.rank = _int(env, ENV_RANK)
+        # An elastic gang (phalanx submit --replicas MIN:MAX) restarts at another world size: see restore.
+        self.elastic = elastic_range(env)
         if self.rank >= self.world_size:
             raise CheckpointConfigError(f"{ENV_RANK}={self.rank} must be < {ENV_WORLD_SIZE}={self.world_size}")
         self.addr = _require(env, ENV_ADDR)
@@ -253,27 +257,33 @@ class Checkpointer:
 
         A pickle shard (written by an older phalanx.train) is refused with CheckpointPickleError: unpickling bytes
         from storage can run arbitrary code. Pass `allow_pickle=True` to load one from a store you trust.
-        A checkpoint of another world size raises CheckpointError (no resharding).
+        A checkpoint of another world size raises CheckpointError (no resharding), except in an elastic gang
+        (PHALANX_MIN_REPLICAS is set: it grew or shrank since), whose data-parallel ranks hold the same state: rank R
+        then restores the shard of rank R modulo the checkpoint's world size (a torch DCP checkpoint reshards into
+        the template by itself).
         """
         if verify not in (VERIFY_GANG, VERIFY_RANK):
             raise CheckpointError(f"restore(verify={verify!r}): use {VERIFY_GANG!r} or {VERIFY_RANK!r}")
         skipped: list[SkippedCheckpoint] = []
         for ckpt in self._restore_points():
+            mine = self.rank
             if len(ckpt.shards) != self.world_size:
-                raise CheckpointError(
-                    f"checkpoint {ckpt.id} (step {ckpt.step}) has {len(ckpt.shards)} shards but this gang has "
-                    f"world size {self.world_size}; resharding is not supported"
-                )
-            shard = next((s for s in ckpt.shards if s.rank == self.rank), None)
+                if self.elastic is None:
+                    raise CheckpointError(
+                        f"checkpoint {ckpt.id} (step {ckpt.step}) has {len(ckpt.shards)} shards but this gang has "
+                        f"world size {self.world_size}; resharding is not supported"
+                    )
+                mine = self.rank % len(ckpt.shards)  # elastic: the data-parallel ranks' states are the same
+            shard = next((s for s in ckpt.shards if s.rank == mine), None)
             if shard is None:
-                raise CheckpointError(f"checkpoint {ckpt.id} (step {ckpt.step}) has no shard for rank {self.rank}")
+                raise CheckpointError(f"checkpoint {ckpt.id} (step {ckpt.step}) has no shard for rank {mine}")
             checked = sorted(ckpt.shards, key=lambda s: s.rank) if verify == VERIFY_GANG else [shard]
             problem, data = None, None
             for s in checked:
                 problem, got = self._check_shard(s)
                 if problem is not None:
                     break
-                if s.rank == self.rank:
+                if s.rank == mine:
                     data = got
             if problem is not None:
                 skipped.append(SkippedCheckpoint(ckpt.id, ckpt.step, problem[:MAX_REASON]))
@@ -660,3 +670,19 @@ def save(step: int, state: Any) -> SaveResult:
 
 def should_checkpoint(step: int) -> bool:
     return default().should_checkpoint(step)
+
+
+def world_size(env: Mapping[str, str] | None = None) -> int:
+    """The gang's current world size (WORLD_SIZE): an elastic gang's changes when it grows or shrinks, each time
+    a new attempt restarted from the last committed checkpoint."""
+    env = os.environ if env is None else env
+    return _int(env, ENV_WORLD_SIZE, minimum=1)
+
+
+def elastic_range(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """(MIN, MAX) replicas of an elastic gang (PHALANX_MIN_REPLICAS, PHALANX_MAX_REPLICAS); None for a gang that is
+    not elastic. Its current replicas are PHALANX_REPLICAS (and WORLD_SIZE its ranks)."""
+    env = os.environ if env is None else env
+    if not env.get(ENV_MIN_REPLICAS):
+        return None
+    return _int(env, ENV_MIN_REPLICAS, minimum=1), _int(env, ENV_MAX_REPLICAS, minimum=1)

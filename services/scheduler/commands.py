@@ -26,6 +26,9 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
+from .elastic_fields import shape_of_spec, smallest
+from .graph_fields import SubmitGraph
+from .jobgraph import cancel_tasks
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -36,6 +39,7 @@ from .transitions import (
     set_job,
     teardown,
 )
+from .vanished import tear_down_on_vanished
 from .work import job_row
 
 log = structlog.get_logger()
@@ -76,22 +80,30 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     existing = cycle.work.ask(ledger.find_by_request_ids, [s.request_id for s in submits if s.request_id])
     new: list[JobRecord] = []
     by_request: dict[str, JobRecord] = {}
+    graph = SubmitGraph(cycle, [s.spec for s in submits if s.spec.after])  # job graphs: dependencies checked
     for i, sub in enumerate(submits):
         if sub.request_id and sub.request_id in existing:
+            try:  # a repeated request may not make its job wait for itself (graph_fields)
+                graph.check(sub.spec, sub.tenant, sub.admin, existing[sub.request_id])
+            except InvalidArgument as exc:
+                results[i] = exc
+                continue
             results[i] = ("existing", existing[sub.request_id])
             continue
         if sub.request_id and sub.request_id in by_request:
             results[i] = by_request[sub.request_id]
             continue
         try:
-            check_fits_ever(cycle.state, sub.spec)
-            check_fits_model(cycle.state, sub.spec)
-            check_fits_host_resources(cycle.state, sub.spec)
-            check_fits_required_tier(cycle.state, sub.spec, cycle.settings.fabric.tiers)
+            fits = smallest(sub.spec)  # an elastic gang needs only its minimum to fit
+            check_fits_ever(cycle.state, fits)
+            check_fits_model(cycle.state, fits)
+            check_fits_host_resources(cycle.state, fits)
+            check_fits_required_tier(cycle.state, fits, cycle.settings.fabric.tiers)
             check_queue(cycle.state, sub.spec, sub.tenant)
             if not sub.admin:
                 check_priority(cycle.state, sub.spec)
-        except (FailedPrecondition, PermissionDenied) as exc:
+            after = graph.check(sub.spec, sub.tenant, sub.admin)
+        except (FailedPrecondition, PermissionDenied, InvalidArgument) as exc:
             results[i] = exc
             continue
         spec = sub.spec
@@ -123,7 +135,9 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
             service=sub.service,
             serving={**serving_of_spec(spec), **(sub.replica_of or {})},
+            shape=shape_of_spec(spec),
         )
+        graph.apply(job, spec, after)
         new.append(job)
         results[i] = job
         if sub.request_id:
@@ -166,6 +180,8 @@ class Cancel(CycleCommand):
         if self.tenant is not None and job.tenant != self.tenant:
             raise NotFound(f"no job with id {self.job_id!r}")
         if job.state == "PENDING":
+            if job.array:  # an array's parent: its started tasks go with it (jobgraph)
+                cancel_tasks(cycle, job)
             change_job(cycle, job, state="CANCELLED", finished_at=cycle.now, message="cancelled before it started")
             del cycle.state.jobs[job.id]
             cycle.finished.append(job.id)
@@ -338,6 +354,8 @@ class Register(CycleCommand):
             state.set_node_schedulable(self.name)
         if old is not None and old.state != "READY" and not cordoned:
             log.info("node_ready_again", node=self.name, was=old.state)
+        if old is not None and node.gpus < old.gpus:
+            tear_down_on_vanished(cycle, node, old.gpus, frozenset(self.live_attempts))
         return acked
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from phalanx.api.v1 import common_pb2
 from phalanx.core.resources import format_size
 
+from .elastic_fields import shape_into_spec
 from .state import JobRecord, Partial
 
 JOB_STATES = {
@@ -39,7 +40,41 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     serving = j.get("serving") or {}
     if serving:
         serving_into_spec(serving, spec)
+    shape = j.get("shape") or {}
+    if shape:
+        shape_into_spec(shape, spec)
+    if j.get("after") or j.get("array"):
+        graph_into_spec(j, spec)
     return spec
+
+
+def graph_into_spec(j: Any, spec: common_pb2.JobSpec) -> None:
+    """A job's dependencies and array spec (jobs.after, jobs.array) back into its JobSpec."""
+    for dep in j.get("after") or ():
+        spec.after.add(job_id=str(dep.get("job_id", "")), condition=str(dep.get("condition", "")))
+    spec.array = str((j.get("array") or {}).get("spec", ""))
+
+
+def graph_into_job(j: Any, msg: common_pb2.Job) -> None:
+    """A job's place in a job graph: its array and index, an array's progress, the dependencies not met yet."""
+    msg.array_parent = j.get("array_parent") or ""
+    msg.array_task = -1 if j.get("array_task") is None else int(j.get("array_task"))
+    for dep in j.get("after") or ():
+        if not dep.get("met"):
+            msg.waiting_for.add(job_id=str(dep.get("job_id", "")), condition=str(dep.get("condition", "")))
+    array = j.get("array") or {}
+    if array:
+        tasks, started = int(array.get("tasks", 0)), int(array.get("next", 0))
+        msg.array.CopyFrom(
+            common_pb2.ArrayProgress(
+                tasks=tasks,
+                limit=int(array.get("limit") or 0),
+                waiting=tasks - started,
+                active=len(array.get("live") or {}),
+                succeeded=int(array.get("succeeded", 0)),
+                failed=int(array.get("failed", 0)),
+            )
+        )
 
 
 def serving_into_spec(serving: dict[str, Any], spec: common_pb2.JobSpec) -> None:
@@ -140,11 +175,11 @@ def allocation(
 def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None) -> common_pb2.Job:
     partials = partials or {}
     state = JOB_STATES[j["state"]]
-    if j["state"] == "RUNNING" and j.get("preempted_by"):
+    if j["state"] == "RUNNING" and j.get("preempted_by") and j["preempted_by"] != j["id"]:  # (itself: a grow)
         state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
     if j["state"] != "RUNNING":
         allocations = ()  # only a running job holds GPUs; a requeued or finished one shows none (ledger.read_jobs)
-    return common_pb2.Job(
+    msg = common_pb2.Job(
         id=j["id"],
         spec=_spec(j),
         state=state,
@@ -172,7 +207,10 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         service_revision=int((j.get("serving") or {}).get("revision", 0)),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
+        current_replicas=len(allocations) if (j.get("shape") or {}).get("min_replicas") else 0,
     )
+    graph_into_job(j, msg)
+    return msg
 
 
 def job_from_record(job: JobRecord) -> common_pb2.Job:

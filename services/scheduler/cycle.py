@@ -17,9 +17,10 @@ import structlog
 from phalanx.core.backfill import BackfillResult
 from phalanx.core.decide import AfterBlocked, decide
 
-from . import accounting, ledger
+from . import accounting, jobgraph, ledger
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
+from .elastic import elastic_below_max
 from .state import JobRecord
 from .transitions import (
     Command,
@@ -83,12 +84,14 @@ def schedule(cycle: Cycle) -> None:
         return  # nothing the pass decides on changed since the last one: it would decide the same
     state.pass_due = False
     state.wake_at = math.inf
+    jobgraph.advance(cycle)  # dependencies resolved, arrays' next tasks created, before the decision
     # With nothing waiting and no victim, there is nothing to decide (nor a capacity index to build: a registration
     # storm on an idle cluster builds it once, when the first gang arrives).
     if (
         state.jobs.in_state("PENDING")
         or state.claims
         or any(j.preempted_by for j in state.jobs.in_state("RUNNING").values())
+        or (cycle.settings.elastic is not None and elastic_below_max(state))
     ):
         t0 = time.perf_counter()
         snapshot = snapshot_of(cycle)

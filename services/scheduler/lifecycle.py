@@ -26,6 +26,8 @@ EVENTS = (
     "cancel",  # CancelJob (commands.Cancel)
     "retry",  # a requeued job is placed again once its backoff ended (transitions.reserve, attempt + 1)
     "drain",  # the node's agent drains (commands.Drain); its ranks then report KILLED (rank_exit's path)
+    "dependency_failed",  # a job it waits for ended so that its condition can never be met (jobgraph.advance)
+    "array_done",  # an array's last task ended: its parent row ends with them (jobgraph.advance)
 )
 
 # (state, event) -> the states the job may be in after it; a pair not listed is refused, changing nothing.
@@ -46,6 +48,9 @@ TRANSITIONS: dict[tuple[str | None, str], frozenset[str]] = {
     # the node leaves placement; the gang runs on until its ranks are reported KILLED (then requeued)
     (RUNNING, "drain"): frozenset({RUNNING}),
     (PENDING, "drain"): frozenset({PENDING}),
+    # job graphs: a held job never ran; an array's parent sums up its tasks (all succeeded, or not)
+    (PENDING, "dependency_failed"): frozenset({FAILED}),
+    (PENDING, "array_done"): frozenset({SUCCEEDED, FAILED}),
 }
 
 

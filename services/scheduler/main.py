@@ -15,6 +15,7 @@ from phalanx.common.tokens import TokenFileError, TokenStore
 from phalanx.core.capacity import PLACEMENT_BUDGET_MS
 from phalanx.core.fabric import Fabric, FabricError, load_fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
+from phalanx.core.snapshot import ElasticPolicy
 from services.common import gcwatch
 from services.common.auth import (
     DEFAULT_MAX_PENDING,
@@ -202,6 +203,27 @@ FLAGS = (
         help="seconds a preempted gang gets to commit a checkpoint before it is stopped",
     ),
     Flag(
+        "--elastic-grow-interval",
+        type=float,
+        default=ElasticPolicy().grow_interval_s,
+        metavar="S",
+        help="an elastic gang (--replicas MIN:MAX) grows at most once per this many seconds of its attempt",
+    ),
+    Flag(
+        "--elastic-grow-step",
+        type=float,
+        default=ElasticPolicy().min_fraction,
+        metavar="F",
+        help="an elastic gang grows only by at least this fraction of its size (or up to its maximum)",
+    ),
+    Flag(
+        "--elastic-grace",
+        type=float,
+        default=ElasticPolicy().grace_period_s,
+        metavar="S",
+        help="seconds a growing elastic gang gets to commit a checkpoint before it restarts at the bigger size",
+    ),
+    Flag(
         "--checkpoint-coordinator",
         env="PHALANX_CHECKPOINT_ADDR",
         default="",
@@ -275,6 +297,7 @@ LIMIT_FLAGS = (
     _limit("--max-command-bytes", 256 * 1024, "bytes of one job's command"),
     _limit("--max-env-vars", 4096, "variables of one job's --env"),
     _limit("--max-env-bytes", 256 * 1024, "bytes of one job's --env"),
+    _limit("--max-array-size", 10_001, "tasks of one job array: its indices are 0 to N-1 (Slurm's MaxArraySize)"),
 )
 
 TENANT_LIMIT_FLAGS = (
@@ -364,6 +387,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not (
+        0 <= args.elastic_grow_interval <= 86400
+        and 0 <= args.elastic_grow_step <= 10
+        and 0 <= args.elastic_grace <= 86400
+    ):
+        print(
+            "error: --elastic-grow-interval and --elastic-grace must be within 0-86400 s, --elastic-grow-step 0-10",
+            file=sys.stderr,
+        )
+        return 2
     if not (0 <= args.mig_switch_hold <= 86400 and 0 <= args.mig_switch_backoff <= 86400):
         print("error: --mig-switch-hold and --mig-switch-backoff must be within 0-86400 s", file=sys.stderr)
         return 2
@@ -394,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         backfill_budget_ms=args.backfill_budget_ms,
         placement_budget_ms=args.placement_budget_ms,
         preemption=PreemptionPolicy(min_runtime_s=args.min_runtime, grace_period_s=args.preemption_grace),
+        elastic=ElasticPolicy(
+            grow_interval_s=args.elastic_grow_interval,
+            min_fraction=args.elastic_grow_step,
+            grace_period_s=args.elastic_grace,
+        ),
         checkpoint_addr=args.checkpoint_coordinator,
         checkpoint_dir=args.checkpoint_dir,
         leader_lease_s=args.leader_lease,
@@ -408,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         max_command_bytes=args.max_command_bytes,
         max_env_vars=args.max_env_vars,
         max_env_bytes=args.max_env_bytes,
+        max_array_size=args.max_array_size,
     )
     serve_metrics(args.metrics_port)
     gcwatch.install()

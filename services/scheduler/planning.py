@@ -37,7 +37,8 @@ from phalanx.core.model import GangRequest, Placement, ReplicaPlacement
 from phalanx.core.placement import domain_members
 from phalanx.core.quota import cluster_totals
 
-from . import ledger, lifecycle
+from . import jobgraph, ledger, lifecycle
+from .elastic import elastic_below_max
 from .state import JobRecord, SchedulerState
 from .transitions import Cycle, refused, reserve, set_job, teardown
 
@@ -75,7 +76,11 @@ def pending_job(job: JobRecord, state: SchedulerState | None = None, tiers: tupl
     request = job.request()
     if job.service and state is not None:
         request = serving_preferences(job, request, state, tiers)
-    return PendingJob(request, job.queue, job.not_before, job.by_admin, preempts=not job.serving.get("surge"))
+    elif job.min_replicas and job.allocations:  # an elastic gang goes back to the nodes it still has (a shrink)
+        request = replace(request, prefer=frozenset(job.nodes))
+    # A job held by its dependencies, or an array's parent row, is never placed (jobgraph.not_before)
+    start = jobgraph.not_before(job) if job.after or job.array else job.not_before
+    return PendingJob(request, job.queue, start, job.by_admin, preempts=not job.serving.get("surge"))
 
 
 def serving_preferences(
@@ -210,6 +215,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         depth=s.backfill_depth or None,
         backfill_budget_ms=s.backfill_budget_ms,
         claims=s.claims,
+        elastic=s.elastic,
     )
     return Snapshot(
         capacity=state.capacity,
@@ -226,6 +232,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
         hold_on_stop=frozenset(n.name for n in state.nodes.values() if n.confirms_release),
         releasing=releasing(state),
         claims=state.claims,
+        elastic=elastic_below_max(state),
     )
 
 
@@ -275,7 +282,8 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             if step.by:
                 cycle.work.later(ledger.mark_attempt_preempted, victim.id, victim.attempt, step.by)
                 cycle.metrics.preempted.append((victim.id, step.by))
-            teardown(cycle, victim, cause="PREEMPTED", message=step.reason, released=True)
+            cause = "RESIZED" if step.resize else "PREEMPTED"
+            teardown(cycle, victim, cause=cause, message=step.reason, released=True)
             cycle.handover = True
         elif isinstance(step, SetClaim):
             cycle.work.claim(ledger.set_claim, step.claim, cycle.now)
@@ -301,8 +309,9 @@ def apply_plan(cycle: Cycle, plan: Plan) -> None:
             log.info("claim_ended", job=step.job, reason=step.reason)
         elif isinstance(step, CallOff):
             victim = state.jobs.get(step.job)
-            if victim is not None:
-                set_job(cycle, victim, preempted_by="", preempt_deadline=0.0, message=step.reason)
+            if victim is not None:  # (a grow called off keeps its deadline: its last try, phalanx.core.elastic)
+                kept = victim.preempt_deadline if victim.preempted_by == victim.id else 0.0
+                set_job(cycle, victim, preempted_by="", preempt_deadline=kept, message=step.reason)
                 cycle.touched(victim)
         elif isinstance(step, Wait):
             job = state.jobs.get(step.job)

@@ -238,6 +238,15 @@ class SchedulerService:
         except (DBAPIError, ledger.StaleJobs) as exc:
             self._resync = True
             log.warning("cycle_rolled_back", error=_db_error(exc), commands=len(commands))
+        except Exception:
+            # A bug (a check of the view such as core.capacity's CapacityError). Nothing of the cycle committed but
+            # the view may hold its changes: reload it. One command, or the pass, must not fail every caller: each
+            # command runs alone, without the pass (the next cycle runs that, and logs it if it fails again).
+            self._resync = True
+            log.exception("cycle_failed", commands=len(commands))
+            if not commands:
+                return [], None
+            return self._one_by_one(commands, schedules=False)
         # The usual cause is a stale view (a writer the generation did not reveal): nothing of the cycle
         # committed, so run it again once on a view reloaded from the ledger.
         try:
@@ -248,17 +257,25 @@ class SchedulerService:
             if not commands:
                 raise
         # Still refused: isolate the command at fault, so the others go through.
+        return self._one_by_one(commands)
+
+    def _one_by_one(self, commands: list[Command], *, schedules: bool = True) -> tuple[list[Any], Cycle | None]:
+        """Each command in a transaction of its own, on a reloaded view: the one at fault fails alone."""
         results: list[Any] = []
         merged: Cycle | None = None
         for command in commands:
             try:
-                (result,), cycle = self._transaction([command], self.clock(), resync=True)
+                (result,), cycle = self._transaction([command], self.clock(), resync=True, schedules=schedules)
                 merged = _merge(merged, cycle)
                 results.append(result)
             except (DBAPIError, ledger.StaleJobs) as exc:
                 self._resync = True
                 log.error("command_refused_by_ledger", command=type(command).__name__, error=_db_error(exc))
                 results.append(Unavailable("the ledger refused the change; nothing was written, try again"))
+            except Exception:
+                self._resync = True
+                log.exception("command_failed", command=type(command).__name__)
+                results.append(ServiceError("the scheduler failed on this request (logged); nothing was written"))
         return results, merged
 
     def _writer_connection(self):
@@ -267,11 +284,13 @@ class SchedulerService:
             self._writer_conn = self.engine.connect()
         return self._writer_conn
 
-    def _transaction(self, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
+    def _transaction(
+        self, commands: list[Command], now: float, *, resync: bool, schedules: bool = True
+    ) -> tuple[list[Any], Cycle]:
         conn = self._writer_connection()
         started = time.perf_counter()
         try:
-            out = self._transaction_on(conn, commands, now, resync=resync)
+            out = self._transaction_on(conn, commands, now, resync=resync, schedules=schedules)
             metrics.CYCLE_SECONDS.observe(time.perf_counter() - started)
             return out
         except Exception:
@@ -280,7 +299,10 @@ class SchedulerService:
             self._writer_conn = None
             raise
 
-    def _transaction_on(self, conn, commands: list[Command], now: float, *, resync: bool) -> tuple[list[Any], Cycle]:
+    def _transaction_on(
+        self, conn, commands: list[Command], now: float, *, resync: bool, schedules: bool = True
+    ) -> tuple[list[Any], Cycle]:
+        """`schedules` False: the commands only, without timers and the pass (as on a replica that does not lead)."""
         t0 = time.perf_counter()
         conn.info.pop(ledger.JOB_WRITES, None)  # nothing of a cycle that did not commit carries over
         with conn.begin() as trans:
@@ -315,7 +337,7 @@ class SchedulerService:
             self._take_beats_and_acks(cycle)
             cycle.work.generation = generation
             cycle.epoch = epoch or 0
-            results = run_cycle(cycle, commands, timers_due=self._timers, schedules=epoch is not None)
+            results = run_cycle(cycle, commands, timers_due=self._timers, schedules=schedules and epoch is not None)
             t_run = time.perf_counter()
             cycle.work.write_deferred()
             t_deferred = time.perf_counter()

@@ -45,6 +45,8 @@ from .commands import (
     Submit,
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
+from .elastic_fields import elastic_problems
+from .graph_fields import DEFAULT_MAX_ARRAY_SIZE, graph_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
@@ -185,12 +187,14 @@ def validate_spec(
                 "(a number with a binary unit K, M, G, T or P)"
             )
     problems += serving_problems(spec)
+    problems += elastic_problems(spec)
+    problems += graph_problems(spec, settings.max_array_size if settings else DEFAULT_MAX_ARRAY_SIZE)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
 
 
 def _state(job) -> int:
-    if job["state"] == "RUNNING" and job["preempted_by"]:
+    if job["state"] == "RUNNING" and job["preempted_by"] and job["preempted_by"] != job["id"]:  # (itself: a grow)
         return common_pb2.JOB_STATE_PREEMPTING
     return JOB_STATES[job["state"]]
 

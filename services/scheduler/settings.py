@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from phalanx.core.capacity import PLACEMENT_BUDGET_MS
 from phalanx.core.fabric import Fabric
 from phalanx.core.preemption import PRODUCTION_POLICY, PreemptionPolicy
+from phalanx.core.snapshot import ElasticPolicy
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class SchedulerSettings:
     # victim gets to checkpoint. While victims checkpoint, the ledger is checked this often for their commit.
     preemption: PreemptionPolicy = PRODUCTION_POLICY
     preemption_poll_s: float = 0.5
+    # Elastic gangs (phalanx.core.elastic): a running one below its maximum grows at most once per
+    # elastic.grow_interval_s, by a meaningful step, through the checkpoint handshake; None: they never grow.
+    elastic: ElasticPolicy | None = ElasticPolicy()
     # EASY backfill behind a blocked head of the queue (phalanx.core.backfill); False: strict order.
     backfill: bool = True
     # Bounds of one backfill pass behind a blocked head: at most this many gangs tried (Slurm's bf_max_job_test;
@@ -78,6 +82,8 @@ class SchedulerSettings:
     max_command_bytes: int = 256 * 1024
     max_env_vars: int = 4096
     max_env_bytes: int = 256 * 1024
+    # Job arrays (JobSpec.array): indices 0 to max_array_size - 1, so at most that many tasks (Slurm's MaxArraySize)
+    max_array_size: int = 10_001
     # The time the cycles decide at (unix seconds): the wall clock. A test gives a clock it moves itself, so that
     # time limits, backoffs, preemption deadlines and leases pass when it says and not when a loaded machine
     # happens to get there (not a command-line flag).

@@ -101,6 +101,15 @@ class JobRecord:
     serving: dict[str, Any] = field(default_factory=dict)
     ready: bool = False
     ready_at: float = 0.0
+    # How the gang is cut and kept (jobs.shape, revision 0024): {"min_replicas": M} for an elastic gang (others'
+    # keys, such as segments', live beside it: merge, never replace the dict).
+    shape: dict[str, Any] = field(default_factory=dict)
+    # Job graphs (services/scheduler/jobgraph.py): the jobs it waits for ([{"job_id", "condition", "met"}]); on an
+    # array's parent row, its spec and progress; on a task, its array's id and its index ("" and -1 otherwise).
+    after: list[dict[str, Any]] = field(default_factory=list)
+    array: dict[str, Any] = field(default_factory=dict)
+    array_parent: str = ""
+    array_task: int = -1
     # The decision's inputs built from this record last time, with the fields they were built from
     # (planning.running_job; the pending ones are kept by JobTable.pending_view).
     snapshot_cache: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
@@ -114,7 +123,17 @@ class JobRecord:
 
     @property
     def gpu_equivalents(self) -> float:
-        return gpu_equivalents(self.replicas, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+        return gpu_equivalents(self.size, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+
+    @property
+    def min_replicas(self) -> int:
+        """An elastic gang's minimum (0: not elastic; `replicas` is then its maximum)."""
+        return int(self.shape.get("min_replicas") or 0)
+
+    @property
+    def size(self) -> int:
+        """The replicas its current (or last) attempt runs with: `replicas`, or fewer for an elastic gang."""
+        return len(self.allocations) if self.min_replicas and self.allocations else self.replicas
 
     def request(self) -> GangRequest:
         return GangRequest(
@@ -132,6 +151,7 @@ class JobRecord:
             avoid=frozenset(self.struck_nodes),
             cpu_milli=self.cpu_milli,
             memory=self.memory,
+            min_replicas=self.min_replicas,
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:

@@ -23,6 +23,7 @@ from phalanx.core.model import Placement
 
 from . import ledger, lifecycle
 from .convert import job_from_record, probe_message
+from .elastic import elastic_env, shrink_changes
 from .settings import SchedulerSettings
 from .state import (
     TERMINAL_RANK_STATES,
@@ -141,10 +142,11 @@ def teardown(
     """Release every GPU of the gang at once and stop its ranks; finish the job or requeue it.
 
     `final_state` ends the job. Otherwise it requeues, to restart from its last committed checkpoint: a preemption
-    (`cause` PREEMPTED) at once and without counting; a failure (NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT,
-    SETUP_FAILED, and RANK_FAILED within the job's max_restarts) counts against `max_attempts` and waits out an
-    exponential backoff first. `released`: the decision gave its GPUs back in the capacity view already (a
-    preemption's `Stop`, see phalanx.core.decide).
+    (`cause` PREEMPTED) and an elastic gang's grow (RESIZED) at once and without counting; an elastic gang that
+    still has its minimum of replicas after a NODE_LOST or GPU_FAILED likewise, to shrink (elastic.py); a failure
+    (NODE_LOST, GPU_FAILED, RANK_LOST, LAUNCH_TIMEOUT, SETUP_FAILED, and RANK_FAILED within the job's max_restarts)
+    counts against `max_attempts` and waits out an exponential backoff first. `released`: the decision gave its GPUs
+    back in the capacity view already (a preemption's `Stop`, see phalanx.core.decide).
     """
     if job.state != lifecycle.RUNNING:  # only a reserved gang can be torn down (lifecycle.TRANSITIONS)
         refused(job, cause or final_state or "teardown")
@@ -154,7 +156,12 @@ def teardown(
     if job.ready:  # a torn-down gang serves nothing: out of its service's endpoints at once
         changes.update(ready=False, ready_at=0.0)
     restart = job.serving.get("restart", "")
-    if final_state is None and cause == "PREEMPTED":
+    shrink = shrink_changes(cycle.state, job, cause, message) if final_state is None else None
+    if shrink is not None:  # an elastic gang restarts smaller at once (elastic.py)
+        changes.update(shrink)
+    elif final_state is None and cause == "RESIZED":  # an elastic gang's grow (phalanx.core.elastic): not counted
+        changes.update(state="PENDING", message=message)
+    elif final_state is None and cause == "PREEMPTED":
         changes.update(state="PENDING", preemptions=job.preemptions + 1, message=f"{message}; requeued")
     elif final_state is None and restart == "never":
         final_state, message = "FAILED", f"{message}; its restart policy is never: it stays down"
@@ -440,6 +447,7 @@ def launches(
         PHALANX_JOB_ID=job.id,
         PHALANX_ATTEMPT=str(job.attempt),
         PHALANX_GPUS_PER_REPLICA=str(job.gpus_per_replica),
+        **elastic_env(job),
     )
     # The checkpoint coordinator and store for phalanx.train, unless the job names its own.
     addr, directory = checkpoint or ((settings.checkpoint_addr, settings.checkpoint_dir) if settings else ("", ""))

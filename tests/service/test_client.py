@@ -74,6 +74,13 @@ JOB_KEYS = {
     "tenant",
     "queue",
     "flavor",
+    # job graphs (issue 34)
+    "after",
+    "waiting_for",
+    "array_spec",
+    "array",
+    "array_parent",
+    "array_task",
 }
 GOODPUT_KEYS = {"allocated", "productive", "rollback", "restart", "waiting", "ratio"}
 

@@ -286,3 +286,17 @@ def test_f_mig_instances_only_in_mig_mode_shares_within_one_gpu():
 def test_claim_events_end():
     events = [*_preempted(claim=True), ClaimEnded(10, "critical", "it runs"), Started(10, "batch", 2, eight("n2"), 8)]
     assert "b" not in letters(check(events)[:1])
+
+
+# ---- (h) elastic gangs -------------------------------------------------------------------------------------------
+
+
+def test_h_an_elastic_gang_runs_between_its_minimum_and_maximum_of_whole_replicas():
+    elastic = Submitted(0, "e", 0, "default", 3, 8, (24.0, 0.0), min_replicas=2)
+    grown = [CLUSTER, elastic, Started(0, "e", 1, eight("n1") + eight("n2"), 16)]
+    grown += [Ended(1, "e", 1, "RESIZED", ()), Started(1, "e", 2, eight("n1") + eight("n2") + eight("n3"), 24)]
+    assert check(grown) == []
+    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1"), 8)])  # below its minimum
+    assert v.invariant == "h" and "not 2 to 3 whole replicas" in v.what
+    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1") + whole("n2", 0, 1, 2, 3), 12)])  # half a replica
+    assert v.invariant == "h"

@@ -20,7 +20,7 @@ from phalanx.api.v1 import common_pb2
 from phalanx.core.decide import Stop
 from phalanx.core.model import Placement, ReplicaPlacement
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.scheduler import lifecycle
+from services.scheduler import jobgraph, lifecycle
 from services.scheduler.commands import Cancel, Drain, RankReport, RequestCheckpoint, Submit, submit_all
 from services.scheduler.cycle import fire_timers
 from services.scheduler.lifecycle import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED
@@ -282,6 +282,28 @@ def ev_drain(state, job, now):
     return work, job
 
 
+def ev_dependency_failed(state, job, now):
+    """A job waiting for dep-1 to succeed; dep-1 ended FAILED (jobgraph.advance, the leader's pass)."""
+    was = job.state
+    job.after = [{"job_id": "dep-1", "condition": "ok", "met": False}]
+    cycle, work = new_cycle(state, now, {"final_states": {"dep-1": "FAILED"}})
+    jobgraph.advance(cycle)
+    if was == PENDING:
+        assert job.message.startswith("dependency_failed: job dep-1 ended FAILED") and job.id not in state.jobs
+    return work, job
+
+
+def ev_array_done(state, job, now):
+    """An array's parent whose one task, its last, ended SUCCEEDED."""
+    was = job.state
+    job.array = {"spec": "0", "tasks": 1, "limit": 0, "next": 1, "live": {"task-1": 0}, "succeeded": 0, "failed": 0}
+    cycle, work = new_cycle(state, now, {"final_states": {"task-1": "SUCCEEDED"}})
+    jobgraph.advance(cycle)
+    if was == PENDING:
+        assert job.array["succeeded"] == 1 and job.id in cycle.finished
+    return work, job
+
+
 EVENTS: dict[str, Callable[..., tuple[RecordingWork, JobRecord]]] = {
     "submit": ev_submit,
     "reserve": ev_reserve,
@@ -294,6 +316,8 @@ EVENTS: dict[str, Callable[..., tuple[RecordingWork, JobRecord]]] = {
     "cancel": ev_cancel,
     "retry": ev_retry,
     "drain": ev_drain,
+    "dependency_failed": ev_dependency_failed,
+    "array_done": ev_array_done,
 }
 
 # The node-wide events change the node's rows whatever the job's state: "changing nothing" means nothing of the job
@@ -331,6 +355,7 @@ def _fields(job: JobRecord) -> dict[str, Any]:
     out = {k: v for k, v in vars(job).items() if k not in ("table", "snapshot_cache")}
     out.pop("time_limit", None), out.pop("not_before", None), out.pop("failures", None)  # what the drivers set
     out.pop("preempted_by", None), out.pop("preempt_deadline", None)
+    out.pop("after", None), out.pop("array", None)
     return out
 
 

@@ -127,3 +127,39 @@ def test_the_checker_flags_a_surge_replica_that_preempts() -> None:
         inv.Asked(3.0, "batch", 1, "surge"),
     ]
     assert [v.invariant for v in inv.check(history)] == ["g"]
+
+
+# Elastic gangs (invariant h): an elastic gang starts with what fits, grows when capacity frees (a restart through
+# the checkpoint handshake, as its own "victim") and shrinks at once when one of its nodes dies.
+ELASTIC = Scenario(
+    ClusterSpec(nodes=4, gpus=8, per_leaf=4),
+    parse_actions(
+        """
+        submit other 2x8 p=0 work=10
+        submit grower 4x8 p=0 work=200 min=1 ckpt=early
+        advance 11      # other ends: the grower checkpoints, is stopped and waits for its GPUs' release
+        release 0
+        release 0
+        advance 20
+        down 0          # one of its nodes dies: it restarts smaller once the survivors' GPUs are released
+        release 0
+        release 0
+        release 0
+        advance 400
+        """
+    ),
+    min_runtime_s=5,
+    grace_s=3,
+)
+
+
+def test_an_elastic_gang_grows_and_shrinks_within_its_range() -> None:
+    world = run(ELASTIC)
+    assert not world.violations, world.violations
+    sizes = [len(e.holds) // 8 for e in world.history if isinstance(e, inv.Started) and e.job == "grower"]
+    outcomes = [e.outcome for e in world.history if isinstance(e, inv.Ended) and e.job == "grower"]
+    assert sizes[0] == 2 and 4 in sizes, sizes  # started with what fit, grew to its maximum
+    assert "RESIZED" in outcomes and "NODE_LOST" in outcomes and outcomes[-1] == "SUCCEEDED", outcomes
+    after_loss = sizes[outcomes.index("NODE_LOST") + 1]
+    assert 1 <= after_loss < 4  # restarted smaller, never below its minimum
+    assert world.jobs["grower"].failures == 0  # a shrink is no failure

@@ -6,7 +6,7 @@ every replica agrees on (`queue_order`)."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..capacity import ClusterCapacity
@@ -50,9 +50,16 @@ def place_gang(
     domain of the preferred tier whenever one fits, and otherwise at the lowest tier above it that fits (the
     reason then says the preference was not met).
 
+    An elastic gang (`request.min_replicas`) gets the most replicas that fit, from `replicas` down to its minimum
+    (_place_elastic).
+
     `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
     else is it placed as if they were not struck.
     """
+    if request.elastic:  # the most replicas that fit, between its minimum and maximum (_place_elastic)
+        return _place_elastic(
+            request, lambda fixed: place_gang(capacity, fixed, fabric_tiers, budget_ms=budget_ms, cells=cells)
+        )
     bounds = (capacity.placement_budget_ms if budget_ms is None else budget_ms, cells)
     if request.cpu_milli or request.memory:
         return _with_host_resources(capacity, request, fabric_tiers, bounds)
@@ -285,3 +292,41 @@ _QUEUE_ORDER = operator.attrgetter("order")
 def queue_order(pending: Sequence[GangRequest]) -> list[GangRequest]:
     """Priority (higher first), then submission time, then id: the order every replica agrees on."""
     return sorted(pending, key=_QUEUE_ORDER)
+
+
+def _place_elastic(
+    request: GangRequest, place: Callable[[GangRequest], Placement | Unplaceable]
+) -> Placement | Unplaceable:
+    """The largest placement of an elastic gang between its minimum and maximum sizes; Unplaceable (saying the
+    minimum does not fit) when not even `min_replicas` fit. `place` places a fixed-size gang.
+
+    Fitting is monotone in the size (dropping a replica from a placement leaves a placement of the smaller gang,
+    under the same tier constraints), so the largest size that fits is found by trying the maximum, then the
+    minimum, then a binary search between them: at most 2 + log2(MAX - MIN) placements, and one in the common case
+    (it fits whole)."""
+    low, high = request.min_replicas, request.replicas
+
+    def at(size: int) -> Placement | Unplaceable:
+        return place(replace(request, replicas=size, min_replicas=0))
+
+    best = at(high)
+    if isinstance(best, Placement):
+        return best
+    least = at(low)
+    if isinstance(least, Unplaceable):
+        return Unplaceable(
+            request.job_id,
+            f"not even its minimum of {low} of {high} replicas (elastic) fits: {least.reason}",
+        )
+    found, low = least, low + 1  # invariant: `found` fits at low - 1; nothing fits at high
+    while low < high:
+        mid = (low + high) // 2
+        got = at(mid)
+        if isinstance(got, Placement):
+            found, low = got, mid + 1
+        else:
+            high = mid
+    return replace(
+        found,
+        reason=f"{found.reason}; elastic: {len(found.replicas)} of at most {request.replicas} replicas fit now",
+    )

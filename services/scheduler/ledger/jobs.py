@@ -126,6 +126,11 @@ def job_from_row(j) -> JobRecord:
         serving=dict(j.get("serving") or {}),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
+        shape=dict(j.get("shape") or {}),
+        after=[dict(d) for d in _json_list(j.get("after"))],
+        array=dict(j.get("array") or {}),
+        array_parent=j.get("array_parent") or "",
+        array_task=-1 if j.get("array_task") is None else j.get("array_task"),
     )
 
 
@@ -178,6 +183,11 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 serving=j.serving,
                 ready=j.ready,
                 ready_at=j.ready_at,
+                shape=j.shape,
+                after=j.after,
+                array=j.array,
+                array_parent=j.array_parent,
+                array_task=j.array_task,
             )
             for j in jobs
         ],

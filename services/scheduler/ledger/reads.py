@@ -120,7 +120,8 @@ def read_jobs(
         plain = [s for s in states if s != "PREEMPTING"]
         wanted: list[Any] = [Job.state.in_(plain)] if plain else []
         if "PREEMPTING" in states and "RUNNING" not in plain:
-            wanted.append(and_(Job.state == "RUNNING", Job.preempted_by != ""))
+            # (an elastic gang checkpointing for its own grow names itself: it is RUNNING, not PREEMPTING)
+            wanted.append(and_(Job.state == "RUNNING", Job.preempted_by != "", Job.preempted_by != Job.id))
         where.append(or_(*wanted))
     if tenant is not None:
         where.append(Job.tenant == tenant)

@@ -1,0 +1,63 @@
+"""Elastic gangs in the scheduler service (the decision's side is phalanx.core.elastic): the shrink on a loss, the
+preference for the nodes it still has, and the rank environment of its size.
+
+Shrink. A node of a running elastic gang lost (or a fatal GPU error on one of its GPUs), with at least its minimum
+of replicas still on usable nodes: the gang is torn down as usual (the checkpoint coordinator fences the attempt)
+but requeued at once, without counting a failure or waiting out the retry backoff, and placed again in the same
+cycle at the most replicas that fit (at least its minimum), preferring the nodes it still has. Fewer than its
+minimum left: the usual failure path (counted, backed off), and it starts again once its minimum fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .state import JobRecord, SchedulerState
+
+SHRINK_CAUSES = ("NODE_LOST", "GPU_FAILED")
+
+
+def surviving_replicas(state: SchedulerState, job: JobRecord) -> int:
+    """The replicas of its attempt on nodes that are still usable, on none of their unusable GPUs."""
+    count = 0
+    for rep in job.replica_placements():
+        node = state.nodes.get(rep.node)
+        if node is not None and node.schedulable and not set(rep.gpus) & node.held_gpus:
+            count += 1
+    return count
+
+
+def shrink_changes(state: SchedulerState, job: JobRecord, cause: str, message: str) -> dict[str, Any] | None:
+    """The teardown's changes for an elastic gang that shrinks instead of failing (None: it does not)."""
+    if not job.min_replicas or cause not in SHRINK_CAUSES or job.serving.get("restart") == "never":
+        return None
+    left = surviving_replicas(state, job)
+    if left < job.min_replicas:
+        return None
+    return dict(
+        state="PENDING",
+        not_before=0.0,
+        message=(
+            f"{message}; elastic: {left} of its {job.size} replicas are still up, so it restarts at once from its "
+            f"last committed checkpoint with as many replicas as fit (at least {job.min_replicas}, at most "
+            f"{job.replicas}), on the nodes it still has first"
+        ),
+    )
+
+
+def elastic_env(job: JobRecord) -> dict[str, str]:
+    """What ranks of an elastic gang are told of its size (torchrun's elastic variables included); {} otherwise.
+    WORLD_SIZE (set for every gang) is the current attempt's."""
+    if not job.min_replicas:
+        return {}
+    return {
+        "PET_NNODES": f"{job.min_replicas}:{job.replicas}",
+        "PHALANX_MIN_REPLICAS": str(job.min_replicas),
+        "PHALANX_MAX_REPLICAS": str(job.replicas),
+        "PHALANX_REPLICAS": str(len(job.allocations)),
+    }
+
+
+def elastic_below_max(state: SchedulerState) -> list[str]:
+    """The running elastic gangs below their maximum: those that may grow."""
+    return [j.id for j in state.jobs.in_state("RUNNING").values() if j.min_replicas and len(j.allocations) < j.replicas]
