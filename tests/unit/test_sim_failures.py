@@ -19,7 +19,7 @@ from phalanx.sim.failures import (
     draw_outages,
     parse_failure_rate,
 )
-from phalanx.sim.recovery_replay import RecoveryConfig, RecoveryReplay, failure_metrics
+from phalanx.sim.recovery_replay import RecoveryConfig, RecoveryReplay, failure_metrics, simulate_failures
 from phalanx.sim.trace_records import TraceJob
 
 NODES = [f"n{i:03d}" for i in range(200)]
@@ -234,3 +234,12 @@ def test_sim_run_takes_llama3_and_a_repair_time(tmp_path, capsys, trace_data):
     assert code == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["policies"]["topo"]["completed"] == 50
+
+
+def test_without_failures_every_policy_runs_at_full_ettr_and_only_spares_cost_gpu_hours():
+    jobs = [TraceJob("big", "pt", 0.0, 8, 8, 0, 86400.0, priority=100)]
+    for policy in POLICIES:
+        config = RecoveryConfig(policy, FailureModel(0.0, 8), large_nodes=4)
+        m = simulate_failures(jobs, ClusterSpec(16, 8, per_leaf=8), config).metrics
+        assert m["ettr"] == pytest.approx(1.0) and m["node_failures"] == 0 and m["completed"] == 1
+        assert (m["spare_gpu_hours"] > 0) == ("spares" in policy)
