@@ -86,9 +86,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
             keep_checkpoints=args.keep_checkpoints or 0,
             cpus_per_replica=args.cpus_per_replica or 0,
             memory_per_replica=args.memory_per_replica or "",
-            min_replicas=min_replicas,
             segment=args.segment or 0,
             segment_tier=args.segment_tier or "",
+            spares_per_segment=args.spares_per_segment or 0,
+            min_replicas=min_replicas,
             **graph,
         )
     console.show_job(job, args.json)
@@ -322,6 +323,15 @@ def _add_submit(sub) -> None:
         default=None,
         metavar="TIER",
         help="the tier each segment lies in (default: the NVLink domain where the fabric has one, else the leaf)",
+    )
+    p.add_argument(
+        "--spares-per-segment",
+        type=bounded("--spares-per-segment", 0),
+        default=None,
+        metavar="K",
+        help="keep K spare replicas idle in each segment's domain, reserved with the gang and charged to its queue; a "
+        "lost node (or failed GPU) of the gang is swapped for one and the gang restarts there from its checkpoint "
+        "(needs --segment)",
     )
     p.add_argument(
         "--queue",

@@ -325,6 +325,8 @@ def job_detail(job: Job) -> str:
         lines.append(("struck nodes", f"{', '.join(job.struck_nodes)} (avoided while it fits elsewhere)"))
     if job.segment:
         lines.append(("segments", _segments(job)))
+    if job.spares_per_segment:
+        lines.extend(_spares(job))
     lines += graph_lines(job)
     if job.placement:
         p = job.placement
@@ -349,6 +351,15 @@ def job_detail(job: Job) -> str:
     if job.goodput is not None:
         out.extend(_goodput_section(job.goodput))
     return "\n".join(out)
+
+
+def _spares(job: Job) -> list[tuple[str, str]]:
+    """``spares: 1 per segment: node-2 (nvl-0, segment 0), missing (nvl-1, segment 1)`` and the swaps made."""
+    where = [f"{s.node or 'missing'} ({s.domain}, segment {s.segment})" for s in job.spares]
+    out = [("spares", f"{job.spares_per_segment} per segment" + (": " + ", ".join(where) if where else ""))]
+    if job.swaps:
+        out.append(("swaps", f"{job.swaps}, the last at {format_time(job.last_swap_at)}: {job.last_swap}"))
+    return out
 
 
 def _segments(job: Job) -> str:

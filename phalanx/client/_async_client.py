@@ -160,9 +160,10 @@ class AsyncClient(AsyncServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
-        min_replicas: int = 0,
         segment: int = 0,
         segment_tier: str = "",
+        spares_per_segment: int = 0,
+        min_replicas: int = 0,
         after: Iterable[str | tuple[str, str]] | str | None = None,
         array: str = "",
     ) -> Job:
@@ -188,9 +189,10 @@ class AsyncClient(AsyncServiceCalls):
             keep_checkpoints: Newest committed checkpoints the coordinator keeps (0: its default).
             cpus_per_replica: CPUs each replica reserves on its node and is limited to (0: no limit).
             memory_per_replica: Memory each replica reserves and is limited to: a size ("512M", "64G") or bytes.
-            min_replicas: An elastic gang's minimum (``replicas`` is its maximum); 0: not elastic.
             segment: Replicas per segment of a multi-level gang (it must divide ``replicas``; 0: none).
             segment_tier: The tier each segment lies in ("": the NVLink domain, else the leaf).
+            spares_per_segment: Spare replicas kept idle in each segment's domain and swapped in for a lost node.
+            min_replicas: An elastic gang's minimum (``replicas`` is its maximum); 0: not elastic.
             after: Jobs this one waits for ("JOB", "JOB:notok", "JOB:any", or (job id, condition) pairs).
             array: An array of tasks in Slurm's --array syntax ("0-99%8").
 
@@ -217,9 +219,10 @@ class AsyncClient(AsyncServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
-            min_replicas=min_replicas,
             segment=segment,
             segment_tier=segment_tier,
+            spares_per_segment=spares_per_segment,
+            min_replicas=min_replicas,
             after=after,
             array=array,
         )

@@ -25,7 +25,7 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
 from ._services import ServiceCalls, service_stub
-from ._submit import build_submit_request as build_submit_request
+from ._submit import build_submit_request  # importable from here too
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -232,9 +232,10 @@ class Client(ServiceCalls):
         keep_checkpoints: int = 0,
         cpus_per_replica: float = 0,
         memory_per_replica: str | int = "",
-        min_replicas: int = 0,
         segment: int = 0,
         segment_tier: str = "",
+        spares_per_segment: int = 0,
+        min_replicas: int = 0,
         after: Iterable[str | tuple[str, str]] | str | None = None,
         array: str = "",
     ) -> Job:
@@ -268,11 +269,19 @@ class Client(ServiceCalls):
             memory_per_replica: Memory each replica reserves on its node and is limited to (the rank is killed past
                 it and the job says "out of memory (limit 512M)"): a size with a binary unit ("512M", "64G") or a
                 number of bytes; "" or 0: none reserved and no limit.
+            segment: A multi-level gang: replicas / segment segments of this many replicas, each wholly inside one
+                domain of ``segment_tier``, spread over as few higher-tier domains as possible, a segment's ranks
+                contiguous; it must divide ``replicas`` (0: no segments).
+            segment_tier: The tier each segment lies in ("": the NVLink domain where the fabric has one, else the
+                leaf).
+            spares_per_segment: Spares kept in the domain: this many extra replicas reserved idle (and charged to
+                the job's queue) in each segment's domain; when a node of the gang is lost or a GPU fails, a spare of
+                that domain takes its replicas and the gang restarts there from its last committed checkpoint, with
+                no requeue. Needs ``segment``; 0: none.
             min_replicas: An elastic gang: it starts once this many replicas fit, takes as many as fit up to
                 ``replicas`` (its maximum), grows towards it as capacity frees and shrinks (down to this) when a
                 node of it is lost, each time restarting from its last committed checkpoint at the new world size.
                 0: not elastic.
-            segment: Replicas per segment (0: none), each segment in one domain of ``segment_tier`` ("": NVLink, else leaf).
             after: Jobs this one waits for: job ids ("JOB" or "JOB:ok", "JOB:notok", "JOB:any"), or (job id,
                 condition) pairs. "ok" (the default) waits for the job to succeed, "notok" to fail or be cancelled,
                 "any" to end; a dependency that can no longer be met fails this job ("dependency_failed: ...").
@@ -308,9 +317,10 @@ class Client(ServiceCalls):
             keep_checkpoints=keep_checkpoints,
             cpus_per_replica=cpus_per_replica,
             memory_per_replica=memory_per_replica,
-            min_replicas=min_replicas,
             segment=segment,
             segment_tier=segment_tier,
+            spares_per_segment=spares_per_segment,
+            min_replicas=min_replicas,
             after=after,
             array=array,
         )

@@ -1,5 +1,5 @@
-"""The SubmitJobRequest the clients send (`build_submit_request`, shared by Client and AsyncClient): every JobSpec
-field a submit may set, normalised (types, a command string split, a byte count as a size)."""
+"""The SubmitJobRequest a submission sends (:meth:`phalanx.client.Client.submit` and the async client's), built once
+for both."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def build_submit_request(
     keep_checkpoints: int = 0,
     cpus_per_replica: float = 0,
     memory_per_replica: str | int = "",
-    min_replicas: int = 0,
     segment: int = 0,
     segment_tier: str = "",
+    spares_per_segment: int = 0,
+    min_replicas: int = 0,
     after: Iterable[str | tuple[str, str]] | str | None = None,
     array: str = "",
 ) -> scheduler_pb2.SubmitJobRequest:
@@ -64,9 +65,10 @@ def build_submit_request(
             if isinstance(memory_per_replica, int) and memory_per_replica
             else str(memory_per_replica or "")
         ),
-        min_replicas=int(min_replicas or 0),
         segment=int(segment or 0),
         segment_tier=str(segment_tier or ""),
+        spares_per_segment=int(spares_per_segment or 0),
+        min_replicas=int(min_replicas or 0),
         after=dependency_messages(after),
         array=str(array or ""),
     )

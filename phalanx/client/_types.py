@@ -10,7 +10,9 @@ from typing import Any
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.resources import parse_size
 
+from ._claim import Claim  # importable from here too
 from ._graph import ArrayProgress, Dependency
+from ._spares import Spare, spare_fields
 
 __all__ = [
     "JobState",
@@ -206,44 +208,6 @@ class Goodput:
 
 
 @dataclass(frozen=True, eq=True)
-class Claim:
-    """A pending preemptor's claim on the capacity its victims free (get_job only): where it goes (`nodes`, `gpus`),
-    the gangs asked to stop for it (`victims`) and since when, and what it still waits for (victims still
-    `stopping`, claimed GPUs still `releasing_gpus`, and `waits_for` in a sentence)."""
-
-    nodes: tuple[str, ...]
-    gpus: int
-    victims: tuple[str, ...]
-    since: float
-    stopping: tuple[str, ...] = ()
-    releasing_gpus: int = 0
-    waits_for: str = ""
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.Claim) -> Claim:
-        return cls(
-            tuple(msg.nodes),
-            int(msg.gpus),
-            tuple(msg.victims),
-            float(msg.since),
-            tuple(msg.stopping),
-            int(msg.releasing_gpus),
-            msg.waits_for,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "nodes": list(self.nodes),
-            "gpus": self.gpus,
-            "victims": list(self.victims),
-            "since": self.since,
-            "stopping": list(self.stopping),
-            "releasing_gpus": self.releasing_gpus,
-            "waits_for": self.waits_for,
-        }
-
-
-@dataclass(frozen=True, eq=True)
 class Job:
     """A job as the scheduler reports it. Times are unix seconds; 0 means "not yet"."""
 
@@ -284,6 +248,12 @@ class Job:
     segment: int = 0
     segment_tier: str = ""
     segment_domains: tuple[str, ...] = ()
+    # Spares kept in the domain: per segment (0: none), each spare slot (booked or missing), swaps made, the last
+    spares_per_segment: int = 0
+    spares: tuple[Spare, ...] = ()
+    swaps: int = 0
+    last_swap_at: float = 0.0
+    last_swap: str = ""
     tenant: str = ""  # who submitted it ("" when authentication is off)
     queue: str = "default"
     flavor: str = ""  # the quota flavor its attempt was admitted under ("" without quotas)
@@ -383,6 +353,8 @@ class Job:
             segment=int(spec.segment),
             segment_tier=spec.segment_tier,
             segment_domains=tuple(msg.segment_domains),
+            spares_per_segment=int(spec.spares_per_segment),
+            **spare_fields(msg),
             tenant=msg.tenant,
             queue=spec.queue or "default",
             flavor=msg.flavor,
@@ -433,6 +405,11 @@ class Job:
             "segment": self.segment,
             "segment_tier": self.segment_tier,
             "segment_domains": list(self.segment_domains),
+            "spares_per_segment": self.spares_per_segment,
+            "spares": [s.to_dict() for s in self.spares],
+            "swaps": self.swaps,
+            "last_swap_at": self.last_swap_at,
+            "last_swap": self.last_swap,
             "tenant": self.tenant,
             "queue": self.queue,
             "flavor": self.flavor,

@@ -51,11 +51,12 @@ class Submitted:
     fits_empty: bool = True
     # False: it may never preempt (a service's surge replica during a rolling update; invariant g)
     preempts: bool = True
-    # An elastic gang's minimum (`replicas` its maximum; 0: not elastic; invariant h)
-    min_replicas: int = 0
     # A multi-level gang: replicas per segment (0: none) and the tier each segment lies in ("": the default)
     segment: int = 0
     segment_tier: str = ""
+    spares: int = 0  # spares kept in the domain: per segment (0: none)
+    # An elastic gang's minimum (`replicas` its maximum; 0: not elastic; invariant h)
+    min_replicas: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,11 @@ class Started:
     flavor: str = ""
     # The node of each replica, in rank order (empty: not recorded; segments are then not checked)
     replica_nodes: tuple[str, ...] = ()
+    # Spares kept in the domain: (segment, node) of each booked spare and their GPUs (among `holds`, no rank's);
+    # `swap_of`: the attempt this one replaces by a spare swap (0: none; invariant i)
+    spares: tuple[tuple[int, str], ...] = ()
+    spare_holds: tuple[Hold, ...] = ()
+    swap_of: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,9 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
     717 and 1050 is a surge that evicts, or waits on, what must go first).
 (h) elastic gangs. An elastic gang (`--replicas MIN:MAX`) runs with whole replicas, between MIN and MAX of them, all
     of one attempt: it grows or shrinks only by a restart (a new attempt), never below MIN.
-(i) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
+(i) spares. A spare lies in its segment's domain, no rank is on a spare, and a swap never lets another gang take
+    the slot (phalanx.core.spare_invariants).
+(j) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
     contiguous) inside one domain of its segment tier (placement.segments).
 
 `check(events, ...)` returns the violations, each naming its invariant, the index of the event that broke it and
@@ -68,6 +70,7 @@ from .events import (  # re-exported (see __all__): callers name the events thro
 )
 from .placement.segments import default_segment_tier
 from .quota import QueueSpec
+from .spare_invariants import spare_violations
 
 __all__ = [
     "Asked",
@@ -125,9 +128,11 @@ class _Job:
     finished: bool = False
     submitted_at: float = 0.0
     preempts: bool = True
-    min_replicas: int = 0
     segment: int = 0
     segment_tier: str = ""
+    spares: int = 0
+    ended: tuple[int, int, tuple[Hold, ...]] = (-1, 0, ())  # its last end: (event index, attempt, holds)
+    min_replicas: int = 0
 
 
 @dataclass
@@ -241,9 +246,10 @@ class Checker:
             e.gpus_per_replica,
             submitted_at=e.t,
             preempts=e.preempts,
-            min_replicas=e.min_replicas,
             segment=e.segment,
             segment_tier=e.segment_tier,
+            spares=e.spares,
+            min_replicas=e.min_replicas,
         )
         if self.quiet_at is not None:
             self._bad("d", f"job {e.job} arrived after the quiet point")
@@ -300,6 +306,10 @@ class Checker:
         self.attempt_holds[key] = e.holds
         if job.segment > 0 and e.replica_nodes:
             self._check_segments(e, job)
+        if job.spares or e.swap_of:
+            shape = (job.replicas, job.gpus_per_replica, job.segment, job.segment_tier, job.spares)
+            for what in spare_violations(e, shape, self.domains, self.tiers, self.down, job.ended, self.index):
+                self._bad("i", what)
         # (b) claims: no start on claimed capacity by a gang that may not use it
         for claim in self.claims.values():
             if claim.job == e.job:
@@ -337,6 +347,25 @@ class Checker:
             self._check_quota(job.queue, e.flavor)
         self.starts.append((self.index, e.t, e.job))
 
+    def _check_segments(self, e: Started, job: _Job) -> None:
+        """(j) each segment of S contiguous ranks inside one domain of the gang's segment tier."""
+        s, nodes = job.segment, e.replica_nodes
+        tier = job.segment_tier or default_segment_tier(self.tiers)
+        if len(nodes) % s:
+            self._bad("j", f"job {e.job} started {len(nodes)} replicas, not whole segments of {s}")
+            return
+        where = self.domains.get(tier)
+        if where is None:
+            return  # "node" is checked by the nodes themselves below; "cluster" holds everything
+        for i in range(0, len(nodes), s):
+            got = {where.get(node, "") for node in nodes[i : i + s]}
+            if len(got) != 1 or "" in got:
+                self._bad(
+                    "j",
+                    f"job {e.job} attempt {e.attempt}: segment {i // s} (ranks {i}-{i + s - 1}) spans {tier} "
+                    f"domains {sorted(got)}",
+                )
+
     def _check_elastic(self, e: Started, job: _Job) -> None:
         """(h) an elastic gang's attempt holds whole replicas, between its minimum and its maximum of them (and, as
         for every gang, only GPUs of that one attempt: (a))."""
@@ -347,25 +376,6 @@ class Checker:
                 f"elastic job {e.job} attempt {e.attempt} started with {len(e.holds)} GPUs: not {job.min_replicas} "
                 f"to {job.replicas} whole replicas of {job.gpus_per_replica} GPUs",
             )
-
-    def _check_segments(self, e: Started, job: _Job) -> None:
-        """(i) each segment of S contiguous ranks inside one domain of the gang's segment tier."""
-        s, nodes = job.segment, e.replica_nodes
-        tier = job.segment_tier or default_segment_tier(self.tiers)
-        if len(nodes) % s:
-            self._bad("i", f"job {e.job} started {len(nodes)} replicas, not whole segments of {s}")
-            return
-        where = self.domains.get(tier)
-        if where is None:
-            return  # "node" is checked by the nodes themselves below; "cluster" holds everything
-        for i in range(0, len(nodes), s):
-            got = {where.get(node, "") for node in nodes[i : i + s]}
-            if len(got) != 1 or "" in got:
-                self._bad(
-                    "i",
-                    f"job {e.job} attempt {e.attempt}: segment {i // s} (ranks {i}-{i + s - 1}) spans {tier} "
-                    f"domains {sorted(got)}",
-                )
 
     def _claimed_overlap(self, claim: ClaimMade, holds: tuple[Hold, ...]) -> tuple[str, int] | None:
         """The GPU where `holds` (just taken) eat into what `claim` claims: a whole GPU it claims, a MIG slice of
@@ -429,6 +439,7 @@ class Checker:
             use = self.usage[(job.queue, job.flavor)]
             use[0] -= g
             use[1] -= s
+        job.ended = (self.index, e.attempt, job.holds)
         job.attempt, job.holds = 0, ()
         for ep in self.episodes.values():
             if key in ep.waits_for:

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from .closeness import GpuCloseness
 
 # What placement depends on besides the capacity (GangRequest.shape): replicas, GPUs per replica, GPU model, MIG
-# profile, GPU share, required and preferred tier, CPUs, memory, elastic minimum, segment, segment tier.
-Shape = tuple[int, int, str, str, int, str, str, int, int, int, int, str]
+# profile, GPU share, required and preferred tier, CPUs, memory, segment, segment tier, minimum replicas (elastic).
+Shape = tuple[int, int, str, str, int, str, str, int, int, int, str, int]
 
 FULL_MIG_MASK = 0xFF  # every memory slice of a GPU (mig.FULL_MASK): the GPU is held whole
 
@@ -54,14 +54,14 @@ class GangRequest:
     # Host resources of each replica on its node (core.resources): CPUs in thousandths and memory in bytes; 0 none.
     cpu_milli: int = 0
     memory: int = 0
-    # Elastic gangs (phalanx.core.elastic): the gang starts once this many replicas fit, taking as many as fit up to
-    # `replicas` (its maximum) in one reservation. 0: not elastic (exactly `replicas`).
-    min_replicas: int = 0
     # Segments (multi-level gangs, placement.segments): the gang is replicas / segment segments of `segment`
     # replicas, each wholly inside one domain of `segment_tier` ("": the NVLink tier where the fabric has one, else
     # the leaf tier), a segment's ranks contiguous. 0: no segments.
     segment: int = 0
     segment_tier: str = ""
+    # Elastic gangs (phalanx.core.elastic): the gang starts once this many replicas fit, taking as many as fit up to
+    # `replicas` (its maximum) in one reservation. 0: not elastic (exactly `replicas`).
+    min_replicas: int = 0
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)
@@ -84,9 +84,9 @@ class GangRequest:
                 self.preferred_tier,
                 self.cpu_milli,
                 self.memory,
-                self.min_replicas,
                 self.segment,
                 self.segment_tier,
+                self.min_replicas,
             ),
         )
 

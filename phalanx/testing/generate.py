@@ -121,9 +121,12 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         preempts=rng.random() < 0.9,
         min_replicas=max(1, replicas // 2) if elastic else 0,
     )
-    # Drawn last, so the shapes above stay what a seed gave before segments existed (never with an elastic gang).
-    if not (profile or milli) and not job.min_replicas and job.replicas > 1 and rng.random() < 0.25:
+    # Drawn last, so the shapes above stay what a seed gave before segments existed.
+    # (Not for an elastic gang: segments and spares are not combined with elastic gangs yet.)
+    if not (profile or milli or elastic) and job.replicas > 1 and rng.random() < 0.25:
         job = replace(job, segment=rng.choice([d for d in range(1, job.replicas + 1) if job.replicas % d == 0]))
+        if rng.random() < 0.5:  # spares kept in the domain (drawn after the segment, for the same reason)
+            job = replace(job, spares=rng.choice((1, 1, 2)))
     return job
 
 

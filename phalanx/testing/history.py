@@ -27,6 +27,10 @@
   the loss that names the node (its registration rewrote the row), or, when those rows are gone (kept ten minutes),
   the first release or reservation of its GPUs after the loss (a later bound than the truth).
 - `GpusLost`: a node event of severity FATAL naming a GPU; `MigMode`: a node event of kind mig_mode.
+- Spares kept in the domain: `Submitted.spares` from `jobs.shape`; a `Started` of such a gang carries its spares
+  (the rows of negative replicas: slot -1 - replica, segment slot // K) apart from its ranks. A swap (the scheduler
+  re-labels the rows and moves them to the next attempt) is not rebuilt from the ledger: judge a history with swaps
+  on the model world (phalanx.testing.world), not here.
 - `Quiet`: at `quiet_at`, when the caller knows when arrivals and failures stopped (the ledger does not).
 
 What the ledger does not keep, and so is not in the history: the decisions' backfill reservations (`Reserved`: the
@@ -173,6 +177,7 @@ class _Allocations:
     reserved_on: dict[str, list[float]]  # node -> reservations there
     released_on: dict[str, list[float]]  # node -> releases there
     ranks: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)  # (job, attempt) -> replica -> node
+    spare_holds: dict[tuple[str, int], list[inv.Hold]] = field(default_factory=dict)  # ... the spares' GPUs
 
 
 def _history(
@@ -244,9 +249,9 @@ def _submissions(
             gpu_model=j["gpu_model"] or "",
             mig_profile=j["mig_profile"] or "",
             gpu_milli=int(j["gpu_milli"] or 0),
-            min_replicas=int(_json_dict(j.get("shape")).get("min_replicas") or 0),  # an elastic gang (h)
             segment=int(_json_dict(j.get("shape")).get("segment") or 0),
             segment_tier=str(_json_dict(j.get("shape")).get("segment_tier") or ""),
+            min_replicas=int(_json_dict(j.get("shape")).get("min_replicas") or 0),  # an elastic gang (h)
         )
         j["request"] = request
         fits = isinstance(place_gang(empty, request, tiers, budget_ms=0.0), Placement)
@@ -263,9 +268,10 @@ def _submissions(
                 demand(request),
                 fits,
                 not _json_dict(j.get("serving")).get("surge"),
+                request.segment,
+                request.segment_tier,
+                int(_json_dict(j.get("shape")).get("spares_per_segment") or 0),
                 request.min_replicas if request.elastic else 0,
-                segment=request.segment,
-                segment_tier=request.segment_tier,
             ),
         )
     return jobs
@@ -280,6 +286,7 @@ def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Alloca
     reserved_on: dict[str, list[float]] = defaultdict(list)  # node -> reservations there
     released_on: dict[str, list[float]] = defaultdict(list)  # node -> releases there
     ranks: dict[tuple[str, int], dict[int, str]] = {}  # (job, attempt) -> replica -> node
+    spare_holds: dict[tuple[str, int], list[inv.Hold]] = {}
     for job_id, attempt, replica, node_id, gpu, kind, unit, profile, milli, reserved, released in _rows(
         conn,
         "SELECT job_id, attempt, replica, node_id, gpu_index, kind, unit, profile, gpu_milli, reserved_at, released_at "
@@ -293,6 +300,8 @@ def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Alloca
             released_on[node].append(float(released))
         if kind == "gpu":
             holds[key].append(inv.Hold(node, int(gpu)))
+            if int(replica) < 0:  # a spare kept in the domain
+                spare_holds.setdefault(key, []).append(inv.Hold(node, int(gpu)))
             whole_release[(job_id, int(attempt), node)].append(None if released is None else float(released))
         elif kind == "mig":
             part = (job_id, int(attempt), int(replica), node, int(gpu))
@@ -302,7 +311,7 @@ def _allocations(conn: Connection, nodes: dict[int, tuple[str, int]]) -> _Alloca
             holds[key].append(inv.Hold(node, int(gpu), milli=int(milli or 0)))
     for (job_id, attempt, _replica, node, gpu), (mask, profile) in sorted(mig_parts.items()):
         holds[(job_id, attempt)].append(inv.Hold(node, gpu, mig_mask=mask | (MEDIA_BIT if is_media(profile) else 0)))
-    return _Allocations(holds, whole_release, reserved_on, released_on, ranks)
+    return _Allocations(holds, whole_release, reserved_on, released_on, ranks, spare_holds)
 
 
 def _attempts(
@@ -395,6 +404,10 @@ def _starts_ends_releases(
         expected = len(got) if gang.elastic else gang.replicas * gang.gpus_per_replica
         t0 = float(a["reserved_at"])
         placed = allocations.ranks.get((job_id, attempt), {}) if gang.segment else {}
+        per = int(_json_dict(job.get("shape")).get("spares_per_segment") or 0)
+        spares = tuple(((-1 - r) // per, n) for r, n in sorted(placed.items(), reverse=True) if r < 0) if per else ()
+        if not gang.elastic:
+            expected = (gang.replicas + len(spares)) * gang.gpus_per_replica
         events.add(
             t0,
             _STARTED,
@@ -402,10 +415,12 @@ def _starts_ends_releases(
                 t0,
                 job_id,
                 attempt,
-                tuple(holds.get((job_id, attempt), ())),
+                tuple(got),
                 expected,
                 job["flavor"] or "",
-                replica_nodes=tuple(node for _, node in sorted(placed.items())),
+                tuple(node for r, node in sorted(placed.items()) if r >= 0),
+                spares,
+                tuple(allocations.spare_holds.get((job_id, attempt), ())),
             ),
         )
         if a["ended_at"] is None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from phalanx.core.model import GangRequest
 from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec
+from phalanx.core.spares import inflated
 
 # The two GPU models of a mixed cluster: (model name, memory MiB); the first has MIG (H100 80GB: 7 slices).
 MODELS = (("NVIDIA H100 80GB HBM3", 81559), ("NVIDIA A100-SXM4-40GB", 40960))
@@ -53,14 +54,16 @@ class JobSpec:
     fails: int = 0
     by_admin: bool = True
     preempts: bool = True  # False: a service's surge replica, which waits instead of preempting
-    min_replicas: int = 0  # an elastic gang's minimum (`replicas` its maximum; 0: not elastic)
     segment: int = 0  # a multi-level gang: replicas per segment, each in one domain of the lowest tier (0: none)
+    spares: int = 0  # spares kept in each segment's domain (needs segment; placed as segments of segment + spares)
+    min_replicas: int = 0  # an elastic gang's minimum (`replicas` its maximum; 0: not elastic)
 
     def request(self, submitted_at: float) -> GangRequest:
         partial = bool(self.mig_profile or self.gpu_milli)
+        replicas, segment = inflated(self.replicas, self.segment, self.spares)
         return GangRequest(
             self.job,
-            self.replicas,
+            replicas,
             1 if partial else self.gpus_per_replica,
             self.priority,
             submitted_at,
@@ -69,8 +72,8 @@ class JobSpec:
             mig_profile=self.mig_profile,
             gpu_milli=self.gpu_milli,
             time_limit=self.time_limit,
+            segment=segment,
             min_replicas=self.min_replicas,
-            segment=self.segment,
         )
 
 
@@ -98,7 +101,7 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     """Actions written one a line, for the regression table:
 
         submit NAME RxG [p=PRIORITY] [q=QUEUE] [work=S] [limit=S] [mig=PROFILE] [milli=M] [tier=T] [ckpt=early|late|never]
-               [fails=N] [min=MIN] [seg=S] [user] [surge]
+               [fails=N] [seg=S] [sp=K] [min=MIN] [user] [surge]
         advance SECONDS | release K | commit K | fail K | down K | up K | cancel K | mig K | gpu K
 
     ("#" starts a comment.)"""
@@ -141,8 +144,9 @@ _OPTIONS = {
     "model": ("gpu_model", str),
     "ckpt": ("checkpoint", str),
     "fails": ("fails", int),
-    "min": ("min_replicas", int),
     "seg": ("segment", int),
+    "sp": ("spares", int),
+    "min": ("min_replicas", int),
 }
 
 

@@ -51,6 +51,7 @@ from phalanx.core.placement import place_gang
 from phalanx.core.preemption import PreemptionPolicy
 from phalanx.core.quota import QuotaBook, cluster_totals, demand
 from phalanx.core.snapshot import ElasticPolicy
+from phalanx.core.spares import SpareSlot, choose_swap, split_spares
 
 # A scenario's data and rows, and its generation, live in their own modules; every name stays importable from here.
 from .generate import PROFILES, VERBS, WEIGHTS, fill, random_job, random_scenario, shrink  # noqa: F401
@@ -75,6 +76,7 @@ class _Job:
     committed: bool = False
     saved_at: float = 0.0  # its last committed checkpoint (this attempt)
     fail_at: float = math.inf
+    slots: list[SpareSlot] = field(default_factory=list)  # its spares kept in the domain (booked or missing)
 
 
 @dataclass
@@ -312,11 +314,66 @@ class World:
         job.preempted_by, job.deadline, job.commit_at = "", 0.0, math.inf
         # A failing attempt fails half way through its work.
         job.fail_at = self.now + job.work_left / 2 if job.failures < job.spec.fails else math.inf
-        holds = holds_of(placement.replicas)
+        if job.spec.spares and job.spec.segment:  # the gang and its spares (negative replicas), one placement
+            gang, job.slots = split_spares(placement, job.spec.segment, job.spec.spares)
+            spares = tuple(ReplicaPlacement(s.replica, s.node, s.gpus) for s in job.slots)
+            job.placement = placement = replace(gang, replicas=gang.replicas + spares)
         replicas = len(placement.replicas) if job.request.elastic else job.request.replicas  # (h) judges its size
         expected = replicas * (1 if job.request.partial else job.request.gpus_per_replica)
-        ranks = tuple(r.node for r in sorted(placement.replicas, key=lambda r: r.replica))
-        self.record(inv.Started(self.now, job.spec.job, job.attempt, holds, expected, flavor, replica_nodes=ranks))
+        self.record_start(job, expected, flavor)
+
+    def record_start(self, job: _Job, expected: int, flavor: str, swap_of: int = 0) -> None:
+        assert job.placement is not None
+        reps = sorted(job.placement.replicas, key=lambda r: r.replica)
+        ranks = tuple(r.node for r in reps if r.replica >= 0)
+        booked = tuple((s.segment, s.node) for s in job.slots if s.booked)
+        spare_holds = holds_of(r for r in reps if r.replica < 0)
+        self.record(
+            inv.Started(
+                self.now,
+                job.spec.job,
+                job.attempt,
+                holds_of(reps),
+                expected,
+                flavor,
+                ranks,
+                spares=booked,
+                spare_holds=spare_holds,
+                swap_of=swap_of,
+            )
+        )
+
+    def swap(self, job: _Job, dead: str) -> bool:
+        """Spares kept in the domain: a spare of the dead node's segment domain takes each of its replicas, and the
+        gang restarts at once on its other GPUs (its last checkpoint kept), as the scheduler's swap does; False
+        when the domain has none left (the caller tears the gang down)."""
+        p = job.placement
+        if not job.slots or p is None:
+            return False
+        actives = [(r.replica, r.node) for r in p.replicas if r.replica >= 0]
+        if all(node != dead for _, node in actives):
+            return True  # only a spare was there: the gang runs on (the spare, on a down node, is never taken)
+        unusable = {n.name for n in self.nodes.values() if not n.up or n.fatal}
+        chosen = choose_swap(actives, job.slots, job.spec.segment, p.segments, dead, unusable)
+        if chosen is None:
+            return False
+        used = {s.replica for s in chosen.values()}
+        if job.committed or job.saved_at:
+            job.work_left = max(0.0, job.work_left - (job.saved_at - job.started_at))
+        self.record(inv.Ended(self.now, job.spec.job, job.attempt, "NODE_LOST", ()))
+        kept = []
+        for r in p.replicas:
+            if r.replica in chosen:
+                kept.append(replace(r, node=chosen[r.replica].node, gpus=chosen[r.replica].gpus))
+            elif r.node != dead and r.replica not in used:
+                kept.append(r)
+        job.slots = [replace(s, node="", gpus=()) if s.replica in used or s.node == dead else s for s in job.slots]
+        job.placement = replace(p, replicas=tuple(kept))
+        job.attempt += 1
+        job.started_at, job.committed, job.saved_at = self.now, False, 0.0
+        g = job.request.gpus_per_replica
+        self.record_start(job, len(kept) * g, job.flavor, swap_of=job.attempt - 1)
+        return True
 
     def ask(self, job: _Job, step: AskCheckpoint) -> None:
         job.preempted_by, job.deadline = step.by, step.deadline
@@ -384,14 +441,15 @@ class World:
                 spec.job,
                 spec.priority,
                 spec.queue,
-                request.replicas,
+                spec.replicas if spec.spares else request.replicas,
                 request.gpus_per_replica,
                 demand(request),
                 self.fits_empty(request, spec.queue),
                 spec.preempts,
+                spec.segment if spec.spares else request.segment,
+                request.segment_tier,
+                spec.spares if spec.segment else 0,
                 request.min_replicas if request.elastic else 0,
-                segment=request.segment,
-                segment_tier=request.segment_tier,
             )
         )
 
@@ -507,7 +565,8 @@ class World:
         self.record(inv.NodeDown(self.now, node.name))
         for job in list(self.jobs.values()):
             if job.state == "RUNNING" and job.placement is not None and node.name in job.placement.nodes:
-                self.end(job, "NODE_LOST", requeue=True, backoff=not self.shrinks(job))
+                if not self.swap(job, node.name):  # spares kept in the domain first, then an elastic shrink
+                    self.end(job, "NODE_LOST", requeue=True, backoff=not self.shrinks(job))
 
     def shrinks(self, job: _Job) -> bool:
         """An elastic gang that still has its minimum of replicas on usable nodes and GPUs restarts at once (the

@@ -26,10 +26,13 @@ from .admission import (
     check_queue,
 )
 from .convert import job_from_record, serving_of_spec
-from .elastic_fields import shape_of_spec, smallest
+from .elastic_fields import shape_of_spec as elastic_shape
+from .elastic_fields import smallest
 from .graph_fields import SubmitGraph
 from .jobgraph import cancel_tasks
-from .segment_fields import segment_shape_of_spec
+from .segment_fields import shape_of_spec
+from .spare_fields import spare_shape
+from .spares import drop_spares_on, still_booked, swap_or_teardown
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -136,7 +139,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
             service=sub.service,
             serving={**serving_of_spec(spec), **(sub.replica_of or {})},
-            shape={**shape_of_spec(spec), **segment_shape_of_spec(spec)},
+            shape={**shape_of_spec(spec), **spare_shape(spec), **elastic_shape(spec)},  # each part's keys, merged
         )
         graph.apply(job, spec, after)
         new.append(job)
@@ -167,6 +170,9 @@ def write_new_jobs(cycle: Cycle) -> None:
     if cycle.work.new_allocations:
         cycle.work.write(ledger.insert_allocations, cycle.work.new_allocations, cycle.state.nodes, cycle.now)
         cycle.work.write(ledger.insert_attempts, cycle.work.new_allocations, cycle.now)
+    if cycle.work.new_spares:  # after the cycle's releases (deferred), as the reservations
+        cycle.work.write(ledger.insert_allocations, still_booked(cycle), cycle.state.nodes, cycle.now)
+        cycle.work.new_spares = []
 
 
 @dataclass
@@ -664,7 +670,8 @@ def tear_down_on_fatal(cycle: Cycle, node: NodeRecord) -> None:
                 if node.health == "FATAL"
                 else f"GPU(s) {hit} of {node.name} failed ({'; '.join(node.gpu_health[hit[0]][1]) or 'FATAL'})"
             )
-            teardown(cycle, job, cause="GPU_FAILED", message=what)
+            swap_or_teardown(cycle, job, node.name, cause="GPU_FAILED", message=what)
+    drop_spares_on(cycle, node.name, None if node.health == "FATAL" else frozenset(fatal))
 
 
 @dataclass

@@ -7,8 +7,9 @@ from typing import Any
 from phalanx.api.v1 import common_pb2
 from phalanx.core.resources import format_size
 
-from .elastic_fields import shape_into_spec
-from .segment_fields import placed_segments, segments_into_spec
+from .elastic_fields import shape_into_spec as elastic_into_spec
+from .segment_fields import placed_segments, shape_into_spec
+from .spare_fields import spare_into_spec, spares_into_job
 from .state import JobRecord, Partial
 
 JOB_STATES = {
@@ -44,7 +45,8 @@ def _spec(j: Any) -> common_pb2.JobSpec:
     shape = j.get("shape") or {}
     if shape:
         shape_into_spec(shape, spec)
-        segments_into_spec(shape, spec)
+        spare_into_spec(shape, spec)
+        elastic_into_spec(shape, spec)
     if j.get("after") or j.get("array"):
         graph_into_spec(j, spec)
     return spec
@@ -181,6 +183,9 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         state = common_pb2.JOB_STATE_PREEMPTING  # still running and holding its GPUs, but on its way out
     if j["state"] != "RUNNING":
         allocations = ()  # only a running job holds GPUs; a requeued or finished one shows none (ledger.read_jobs)
+    spares = [a for a in allocations if a[0] < 0]  # spares kept in the domain: Job.spares, not allocations
+    if spares:
+        allocations = [a for a in allocations if a[0] >= 0]
     msg = common_pb2.Job(
         id=j["id"],
         spec=_spec(j),
@@ -209,15 +214,16 @@ def job_from_row(j: Any, allocations, partials: dict[int, Partial] | None = None
         service_revision=int((j.get("serving") or {}).get("revision", 0)),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
-        current_replicas=len(allocations) if (j.get("shape") or {}).get("min_replicas") else 0,
         segment_domains=placed_segments(j["placement"] or {}),
+        current_replicas=len(allocations) if (j.get("shape") or {}).get("min_replicas") else 0,
     )
+    spares_into_job(msg, j["placement"] or {}, spares, j["state"] == "RUNNING")
     graph_into_job(j, msg)
     return msg
 
 
 def job_from_record(job: JobRecord) -> common_pb2.Job:
-    return job_from_row(job.__dict__, job.allocations, job.partials)
+    return job_from_row(job.__dict__, [*job.allocations, *job.spares] if job.spares else job.allocations, job.partials)
 
 
 _HEALTH: dict[str, common_pb2.HealthState] = {

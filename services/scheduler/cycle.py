@@ -21,6 +21,7 @@ from . import accounting, jobgraph, ledger
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
 from .elastic import elastic_below_max
+from .spares import drop_spares_on, rebook_spares, swap_or_teardown
 from .state import JobRecord
 from .transitions import (
     Command,
@@ -49,8 +50,9 @@ def fire_timers(cycle: Cycle) -> None:
                 node.id,
                 [dict(at=now, gpu=-1, severity="FATAL", kind="LOST", code=0, reason=msg)],
             )
-            for job in cycle.state.running_on(node.name):
-                teardown(cycle, job, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
+            for job in cycle.state.running_on(node.name):  # a spare of the domain takes its place, if any
+                swap_or_teardown(cycle, job, node.name, cause="NODE_LOST", message=f"node {node.name} was lost ({msg})")
+            drop_spares_on(cycle, node.name)
     for job in cycle.state.running():  # time limits and launch deadlines apply to running gangs only
         if job.state == "RUNNING" and job.time_limit and now >= job.started_at + job.time_limit:
             teardown(
@@ -78,6 +80,7 @@ def schedule(cycle: Cycle) -> None:
     from .planning import apply_plan, snapshot_of
 
     state = cycle.state
+    rebook_spares(cycle)  # missing spares first: the domain's free GPUs go to them before pending gangs
     cycle.work.apply()  # the commands' and timers' writes, so that what they changed counts (changes.sched)
     changes = cycle.work.changes
     if not (state.pass_due or (changes is not None and changes.sched) or cycle.now >= state.wake_at):

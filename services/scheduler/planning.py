@@ -120,7 +120,7 @@ def running_job(job: JobRecord) -> RunningJob:
         job.flavor,
         job.preempted_by,
         job.preempt_deadline,
-        len(job.allocations),
+        len(job.allocations) + len(job.spares),
     )
     cached = job.snapshot_cache.get("running")
     if cached is not None and cached[0] == key:
@@ -164,7 +164,7 @@ def running_ends(state: SchedulerState) -> RunningSet:
             ends.discard(job_id)
             del built[job_id]
     for job in running.values():
-        key = (job.attempt, job.started_at, job.time_limit, len(job.allocations))
+        key = (job.attempt, job.started_at, job.time_limit, len(job.allocations) + len(job.spares))
         if built.get(job.id) != key:
             gang = running_job(job)
             ends.add(RunningEnd(job.id, gang.placement, gang.ends_at))

@@ -88,14 +88,14 @@ def segment_never_fits(nodes: Iterable[KnownNode], spec: common_pb2.JobSpec, fab
     return ""
 
 
-def segment_shape_of_spec(spec: common_pb2.JobSpec) -> dict[str, Any]:
+def shape_of_spec(spec: common_pb2.JobSpec) -> dict[str, Any]:
     """The segment part of a job's jobs.shape JSON."""
     if spec.segment <= 0:
         return {}
     return {"segment": spec.segment, "segment_tier": spec.segment_tier}
 
 
-def segments_into_spec(shape: dict[str, Any], spec: common_pb2.JobSpec) -> None:
+def shape_into_spec(shape: dict[str, Any], spec: common_pb2.JobSpec) -> None:
     spec.segment = int(shape.get("segment") or 0)
     spec.segment_tier = str(shape.get("segment_tier") or "")
 

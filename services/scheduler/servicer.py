@@ -51,6 +51,7 @@ from .segment_fields import check_segments_fit, segment_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
 from .settings import SchedulerSettings
+from .spare_fields import check_spares_fit, spare_problems
 
 MAX_NAME = 253
 MAX_COMMAND_ARGS = 4096
@@ -188,8 +189,8 @@ def validate_spec(
                 "(a number with a binary unit K, M, G, T or P)"
             )
     problems += serving_problems(spec)
+    problems += segment_problems(spec, choices) + spare_problems(spec)
     problems += elastic_problems(spec)
-    problems += segment_problems(spec, choices)
     problems += graph_problems(spec, settings.max_array_size if settings else DEFAULT_MAX_ARRAY_SIZE)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
@@ -268,6 +269,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         normalize_roles(request.spec)
         validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
         check_segments_fit(self.service.state.nodes.values(), request.spec, self.service.settings.fabric.tiers)
+        check_spares_fit(self.service.state.nodes.values(), request.spec, self.service.settings.fabric.tiers)
         check_text("request_id", request.request_id, 128)
         ident = current_identity()
         tenant = ident.tenant if ident is not None else ""

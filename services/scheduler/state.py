@@ -18,6 +18,7 @@ from phalanx.core.claims import Claim
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
 from phalanx.core.quota import QueueSpec
+from phalanx.core.spares import inflated
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
 
@@ -99,10 +100,14 @@ class JobRecord:
     # its leader's readiness probe passes now, and since when.
     service: str = ""
     serving: dict[str, Any] = field(default_factory=dict)
+    # Spares kept in the domain (shape "spares_per_segment", services/scheduler/spares.py): the booked spares of the
+    # current attempt as (negative replica, node, GPUs), held by allocation rows like `allocations`, never launched
+    spares: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
     ready: bool = False
     ready_at: float = 0.0
-    # How the gang is cut and kept (jobs.shape, revision 0024): {"min_replicas": M} for an elastic gang,
-    # {"segment": S, "segment_tier": T} for a multi-level gang (keys live beside each other: merge, never replace).
+    # How the gang is cut and kept (jobs.shape, revision 0024): {"segment": S, "segment_tier": T} for a multi-level
+    # gang, "spares_per_segment" for its spares, {"min_replicas": M} for an elastic gang; {} plain (each part's keys
+    # live beside the others': merge, never replace the dict).
     shape: dict[str, Any] = field(default_factory=dict)
     # Job graphs (services/scheduler/jobgraph.py): the jobs it waits for ([{"job_id", "condition", "met"}]); on an
     # array's parent row, its spec and progress; on a task, its array's id and its index ("" and -1 otherwise).
@@ -123,7 +128,8 @@ class JobRecord:
 
     @property
     def gpu_equivalents(self) -> float:
-        return gpu_equivalents(self.size, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
+        held = self.size + len(self.spares)  # booked spares are charged to the job's queue too
+        return gpu_equivalents(held, self.gpus_per_replica, self.mig_profile, self.gpu_milli)
 
     @property
     def min_replicas(self) -> int:
@@ -136,9 +142,13 @@ class JobRecord:
         return len(self.allocations) if self.min_replicas and self.allocations else self.replicas
 
     def request(self) -> GangRequest:
+        # With spares per segment, placement sees segments of S + K replicas (core.spares.inflated)
+        replicas, segment = inflated(
+            self.replicas, int(self.shape.get("segment") or 0), int(self.shape.get("spares_per_segment") or 0)
+        )
         return GangRequest(
             self.id,
-            self.replicas,
+            replicas,
             self.gpus_per_replica,
             self.priority,
             self.submitted_at,
@@ -151,16 +161,17 @@ class JobRecord:
             avoid=frozenset(self.struck_nodes),
             cpu_milli=self.cpu_milli,
             memory=self.memory,
-            min_replicas=self.min_replicas,
-            segment=int(self.shape.get("segment") or 0),
+            segment=segment,
             segment_tier=str(self.shape.get("segment_tier") or ""),
+            min_replicas=self.min_replicas,
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:
-        """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back."""
+        """The allocations as placement replicas (whole GPUs, MIG instances, shares), to take or give back; the
+        booked spares (negative replicas, whole GPUs) after the gang's own."""
         out = []
         cpu, memory = self.cpu_milli, self.memory
-        for replica, node, gpus in self.allocations:
+        for replica, node, gpus in (*self.allocations, *self.spares) if self.spares else self.allocations:
             part = self.partials.get(replica)
             if part is None:
                 out.append(ReplicaPlacement(replica, node, gpus, cpu_milli=cpu, memory=memory))

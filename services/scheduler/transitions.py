@@ -25,6 +25,7 @@ from . import ledger, lifecycle
 from .convert import job_from_record, probe_message
 from .elastic import elastic_env, shrink_changes
 from .settings import SchedulerSettings
+from .spare_fields import take_spares
 from .state import (
     TERMINAL_RANK_STATES,
     JobRecord,
@@ -287,6 +288,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     if not lifecycle.allowed(job.state, "reserve"):
         refused(job, "reserve")
         return
+    placement, spare_info = take_spares(job, placement)  # spares kept in the domain: held, never launched
     master = placement.replicas[0].node
     taken = ports_taken(cycle, master)
     port = master_port(job.id, job.attempt + 1, port_range(cycle.state.nodes.get(master)), taken)
@@ -302,6 +304,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     )
     if placement.segments:  # a multi-level gang: each segment's domain, segment i holding replicas i*S..
         placement_info["segments"] = list(placement.segments)
+    placement_info.update(spare_info)
     held = held_replicas(job)
     if held:  # --start-order: these replicas' launches wait until the first group's ranks run (release_held)
         placement_info["held"] = held

@@ -58,6 +58,8 @@ class UnitOfWork:
     # Jobs submitted in this cycle are written once, after scheduling, in their final state (often RUNNING).
     new_jobs: list[JobRecord] = field(default_factory=list)
     new_allocations: list[JobRecord] = field(default_factory=list)
+    # Spares booked again for running gangs (services/scheduler/spares.py): their rows, written with the reservations
+    new_spares: list[JobRecord] = field(default_factory=list)
     # Assignments queued for nodes (send), and those written (flush): (node, revision, message), for the fan-out
     outbox: list[tuple[NodeRecord, str, int, str, Any]] = field(default_factory=list)
     delivered: list[tuple[str, int, Any]] = field(default_factory=list)
@@ -112,7 +114,7 @@ class UnitOfWork:
     def needs_answers(self) -> bool:
         """Whether the closing writes need their row counts: a partial GPU (ledger._hold) or host resources
         (ledger._take_use) were reserved, each under a guarded update."""
-        return any(job.partials or job.cpu_milli or job.memory for job in self.new_allocations)
+        return any(job.partials or job.cpu_milli or job.memory for job in (*self.new_allocations, *self.new_spares))
 
     def flush(self, nodes: dict[str, NodeRecord], now: float) -> None:
         """Write the queued assignments (their revisions are on `nodes`, the view's current records)."""

@@ -74,13 +74,13 @@ async def test_a_segment_that_fits_no_free_domain_waits_naming_it_then_starts(db
     starts = [e for e in history if isinstance(e, inv.Started)]
     assert len(starts) == 3 and all(len(e.replica_nodes) in (2, 3) for e in starts)
     assert history[0].domains["nvlink"]["node-0"] == FABRIC.path("node-0")[0]
-    assert [v for v in inv.check(history) if v.invariant == "i"] == []
+    assert [v for v in inv.check(history) if v.invariant == "j"] == []
     checker = inv.Checker()
     checker.feed(history[0])
     bad = inv.Submitted(0.0, "x", 0, replicas=2, gpus_per_replica=4, segment=2)
     checker.feed(bad)
     crossed = inv.Started(0.0, "x", 1, (), 0, replica_nodes=("node-1", "node-2"))
-    assert [v.invariant for v in checker.feed(crossed) if v.invariant == "i"] == ["i"]  # nvl-0 and nvl-1
+    assert [v.invariant for v in checker.feed(crossed) if v.invariant == "j"] == ["j"]  # nvl-0 and nvl-1
 
 
 async def test_a_leaf_segment_tier_is_kept_and_placed(db_url):

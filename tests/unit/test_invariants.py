@@ -288,21 +288,7 @@ def test_claim_events_end():
     assert "b" not in letters(check(events)[:1])
 
 
-# ---- (h) elastic gangs -------------------------------------------------------------------------------------------
-
-
-def test_h_an_elastic_gang_runs_between_its_minimum_and_maximum_of_whole_replicas():
-    elastic = Submitted(0, "e", 0, "default", 3, 8, (24.0, 0.0), min_replicas=2)
-    grown = [CLUSTER, elastic, Started(0, "e", 1, eight("n1") + eight("n2"), 16)]
-    grown += [Ended(1, "e", 1, "RESIZED", ()), Started(1, "e", 2, eight("n1") + eight("n2") + eight("n3"), 24)]
-    assert check(grown) == []
-    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1"), 8)])  # below its minimum
-    assert v.invariant == "h" and "not 2 to 3 whole replicas" in v.what
-    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1") + whole("n2", 0, 1, 2, 3), 12)])  # half a replica
-    assert v.invariant == "h"
-
-
-# ---- (i) segments -----------------------------------------------------------------------------------------------------
+# ---- (j) segments -----------------------------------------------------------------------------------------------------
 
 SEG_CLUSTER = Cluster(
     0.0,
@@ -315,7 +301,7 @@ SEG_CLUSTER = Cluster(
 )
 
 
-def test_i_a_segment_across_two_domains_or_with_ranks_interleaved_is_caught():
+def test_j_a_segment_across_two_domains_or_with_ranks_interleaved_is_caught():
     def run(nodes: tuple[str, ...], tier: str = ""):
         holds = tuple(h for n in dict.fromkeys(nodes) for h in eight(n))
         seg = Submitted(0, "g", 0, "default", 4, 8, (32.0, 0.0), segment=2, segment_tier=tier)
@@ -323,7 +309,7 @@ def test_i_a_segment_across_two_domains_or_with_ranks_interleaved_is_caught():
 
     assert run(("n1", "n2", "n3", "n4")) == []
     first, second = run(("n1", "n3", "n2", "n4"))  # both domains used, but each segment's ranks span both
-    assert first.invariant == second.invariant == "i"
+    assert first.invariant == second.invariant == "j"
     assert "segment 0 (ranks 0-1) spans nvlink domains ['nvl-0', 'nvl-1']" in first.what
     assert "segment 1 (ranks 2-3)" in second.what
     assert letters(run(("n1", "n3", "n2", "n4"), tier="leaf")) == []  # one leaf holds every segment
@@ -335,3 +321,17 @@ def test_i_a_segment_across_two_domains_or_with_ranks_interleaved_is_caught():
         ),
     ]
     assert check(plain) == []  # a plain gang has no segments to keep
+
+
+# ---- (h) elastic gangs -------------------------------------------------------------------------------------------
+
+
+def test_h_an_elastic_gang_runs_between_its_minimum_and_maximum_of_whole_replicas():
+    elastic = Submitted(0, "e", 0, "default", 3, 8, (24.0, 0.0), min_replicas=2)
+    grown = [CLUSTER, elastic, Started(0, "e", 1, eight("n1") + eight("n2"), 16)]
+    grown += [Ended(1, "e", 1, "RESIZED", ()), Started(1, "e", 2, eight("n1") + eight("n2") + eight("n3"), 24)]
+    assert check(grown) == []
+    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1"), 8)])  # below its minimum
+    assert v.invariant == "h" and "not 2 to 3 whole replicas" in v.what
+    (v,) = check([CLUSTER, elastic, Started(0, "e", 1, eight("n1") + whole("n2", 0, 1, 2, 3), 12)])  # half a replica
+    assert v.invariant == "h"

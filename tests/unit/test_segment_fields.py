@@ -13,8 +13,8 @@ from services.scheduler.segment_fields import (
     placed_segments,
     segment_never_fits,
     segment_problems,
-    segment_shape_of_spec,
-    segments_into_spec,
+    shape_into_spec,
+    shape_of_spec,
 )
 
 TIERS = ["node", "nvlink", "leaf", "spine", "cluster"]
@@ -71,11 +71,11 @@ def test_check_raises_invalid_argument():
 
 
 def test_shape_json_both_ways_and_the_sdk_request():
-    assert segment_shape_of_spec(spec()) == {}
-    shape = segment_shape_of_spec(spec(segment=18, segment_tier="nvlink"))
+    assert shape_of_spec(spec()) == {}
+    shape = shape_of_spec(spec(segment=18, segment_tier="nvlink"))
     assert shape == {"segment": 18, "segment_tier": "nvlink"}
     back = common_pb2.JobSpec()
-    segments_into_spec(shape, back)
+    shape_into_spec(shape, back)
     assert (back.segment, back.segment_tier) == (18, "nvlink")
     assert placed_segments({"segments": ["nvl-0", "nvl-1"]}) == ["nvl-0", "nvl-1"] and placed_segments({}) == []
     request = build_submit_request(

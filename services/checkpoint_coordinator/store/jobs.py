@@ -56,7 +56,9 @@ def ledger_world_size(
     attempt is recorded, the job's replicas x ranks per replica."""
     per_replica = conn.execute(
         select(Allocation.replica, func.count(func.distinct(Allocation.gpu_index)))
+        # A negative replica is a spare kept in the domain (services/scheduler/spares.py): held, with no rank
         .where(Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.kind != "hold")
+        .where(Allocation.replica >= 0)
         .group_by(Allocation.replica)
     ).all()
     if per_replica:

@@ -58,7 +58,10 @@ def _policy(conn, job_id: str, attempt: int) -> cp.CheckpointPolicy:
     nodes = (
         conn.scalar(
             select(func.count(func.distinct(Allocation.node_id))).where(
-                Allocation.job_id == job_id, Allocation.attempt == attempt, Allocation.released_at.is_(None)
+                Allocation.job_id == job_id,
+                Allocation.attempt == attempt,
+                Allocation.released_at.is_(None),
+                Allocation.replica >= 0,  # the gang's own nodes: a spare's failure does not interrupt it
             )
         )
         or 0

@@ -25,7 +25,7 @@ def insert_allocations(conn: Connection, jobs: Sequence[JobRecord], nodes: dict[
     use: dict[int, list[int]] = {}  # node id -> [thousandths of CPUs, bytes] this cycle's gangs take there
     _changed_jobs(conn, *(j.id for j in jobs))
     for job in jobs:
-        for replica, node, gpus in job.allocations:
+        for replica, node, gpus in (*job.allocations, *job.spares):  # spares: negative replicas (scheduler.spares)
             rec = nodes[node]
             part = job.partials.get(replica)
             base = dict(

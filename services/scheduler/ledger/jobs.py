@@ -41,11 +41,13 @@ def read_job_records(
                 Allocation.gpu_milli,
             )
             .join(Job, and_(Job.id == Allocation.job_id, Job.attempt == Allocation.attempt))
-            .where(Allocation.job_id.in_(chunk), Allocation.kind != "hold")
+            .where(Allocation.job_id.in_(chunk), Allocation.kind != "hold", Allocation.released_at.is_(None))
             .order_by(Allocation.job_id, Allocation.replica, Allocation.gpu_index, Allocation.unit)
         )
         for job_id, (allocs, partials) in _group_allocations(rows, names).items():
-            jobs[job_id].allocations = allocs
+            # A negative replica is a spare kept in the domain (services/scheduler/spares.py): held, never launched
+            jobs[job_id].allocations = [a for a in allocs if a[0] >= 0]
+            jobs[job_id].spares = [a for a in allocs if a[0] < 0]
             jobs[job_id].partials = partials
             jobs[job_id].ranks = layout_ranks(jobs[job_id])
         ranks = conn.execute(
@@ -124,9 +126,9 @@ def job_from_row(j) -> JobRecord:
         by_admin=bool(j.get("by_admin", True)),
         service=j.get("service") or "",
         serving=dict(j.get("serving") or {}),
+        shape=dict(j.get("shape") or {}),
         ready=bool(j.get("ready")),
         ready_at=j.get("ready_at") or 0.0,
-        shape=dict(j.get("shape") or {}),
         after=[dict(d) for d in _json_list(j.get("after"))],
         array=dict(j.get("array") or {}),
         array_parent=j.get("array_parent") or "",
@@ -181,9 +183,9 @@ def insert_jobs(conn: Connection, jobs: Sequence[JobRecord]) -> None:
                 by_admin=j.by_admin,
                 service=j.service,
                 serving=j.serving,
+                shape=j.shape,
                 ready=j.ready,
                 ready_at=j.ready_at,
-                shape=j.shape,
                 after=j.after,
                 array=j.array,
                 array_parent=j.array_parent,

@@ -108,6 +108,7 @@ def read_jobs(
                 Allocation.attempt == Job.attempt,
                 Job.state == "RUNNING",
                 Allocation.kind != "hold",
+                Allocation.released_at.is_(None),  # a spare lost or swapped out (scheduler.spares) is history
             ),
         )
         .outerjoin(Node, Node.id == Allocation.node_id)

@@ -1,0 +1,57 @@
+"""Invariant (i) of phalanx.core.invariants, spares kept in the domain, as a pure check of one `Started` event:
+
+- a spare lies in its segment's domain (the domain of the segment tier its segment's ranks are in);
+- no rank on a spare: the spares' GPUs are the attempt's, and the attempt's other GPUs are exactly its ranks'
+  (replicas x GPUs per replica), so no GPU is both;
+- a swap never lets another gang take the slot: the attempt that replaces a swapped one starts at the very next
+  event after that one ended (nothing started, nor was decided, in between), on GPUs that attempt held and no
+  other, and what it gave up lies on nodes that are down (the dead node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from .events import Hold, Started
+from .placement.segments import default_segment_tier
+
+
+def spare_violations(
+    e: Started,
+    shape: tuple[int, int, int, str, int],
+    domains: Mapping[str, Mapping[str, str]],
+    tiers: Sequence[str],
+    down: Collection[str],
+    ended: tuple[int, int, tuple[Hold, ...]],
+    index: int,
+) -> list[str]:
+    """What `e` breaks of (i). `shape`: the gang's (replicas, GPUs per replica, segment, segment tier, spares per
+    segment); `ended`: its last ended attempt as (event index, attempt, holds); `index`: this event's index."""
+    replicas, g, segment, segment_tier, per_segment = shape
+    out: list[str] = []
+    who = f"job {e.job} attempt {e.attempt}"
+    held = {(h.node, h.gpu) for h in e.holds}
+    spare = {(h.node, h.gpu) for h in e.spare_holds}
+    if not spare <= held:
+        out.append(f"{who}: spare GPUs {sorted(spare - held)} are not the attempt's")
+    if len(held - spare) != replicas * g:
+        out.append(f"{who}: {len(held - spare)} GPUs for its ranks, not {replicas} x {g} (a rank on a spare?)")
+    if segment > 0 and len(e.spares) > replicas // segment * per_segment:
+        out.append(f"{who}: {len(e.spares)} spares, more than {per_segment} per segment")
+    where = domains.get(segment_tier or default_segment_tier(tiers))
+    if where is not None and segment > 0 and len(e.replica_nodes) == replicas:
+        for seg, node in e.spares:
+            want = where.get(e.replica_nodes[seg * segment], "") if seg * segment < replicas else ""
+            if not want or where.get(node, "") != want:
+                out.append(f"{who}: the spare of segment {seg} on {node} lies outside its domain {want or '?'}")
+    if e.swap_of:
+        at, attempt, before = ended
+        if attempt != e.swap_of or at != index - 1:
+            out.append(f"{who}: a swap of attempt {e.swap_of} not right after it ended (another gang could move in)")
+        old = {(h.node, h.gpu) for h in before}
+        if not held <= old:
+            out.append(f"{who}: a swap took GPUs {sorted(held - old)[:4]} its attempt did not hold")
+        left = {node for node, _ in old - held} - set(down)
+        if left:
+            out.append(f"{who}: a swap gave up GPUs of live node(s) {sorted(left)}")
+    return out
