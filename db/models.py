@@ -255,6 +255,21 @@ class Queue(Base):
     max_priority: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
+class SparePool(Base):
+    """An operator's spare pool (revision 0024; phalanx.core.pools): `per_domain` whole nodes kept idle in each
+    domain of `tier` for any gang there that loses a node; `booked` maps each domain to the nodes booked there now
+    (lent to backfill jobs with time limits meanwhile)."""
+
+    __tablename__ = "spare_pools"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(64))
+    per_domain: Mapped[int] = mapped_column(Integer)
+    booked: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[float] = mapped_column()
+    updated_at: Mapped[float] = mapped_column()
+
+
 class Service(Base):
     """A serving fleet (revision 0023): K replicas of `revision`'s template, each a job whose `service` names it.
     `spec`: the rest of its ServiceSpec (spread tier, rollout bounds, autoscaler, port) as JSON; `replicas` is K.

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from phalanx import __version__
 from phalanx.client import DEFAULT_TARGET, DEFAULT_TIMEOUT, PhalanxError, RPCError
 
-from . import admin, console, database, jobs, observe, services
+from . import admin, console, database, jobs, observe, pools, services
 from .admin import (
     cmd_node_drain,
     cmd_node_undrain,
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     services.register(sub)  # service (create, get, endpoints, update, ...), services, apply
     observe.register(sub)  # goodput, nodes, watch, web, logs
     admin.register(sub)  # node, queue, quota, token
+    pools.register(sub)  # pool create, list, delete
     database.register(sub)  # db
     try:  # POSIX only (fcntl, process groups)
         from . import cluster, demo

@@ -327,6 +327,8 @@ def job_detail(job: Job) -> str:
         lines.append(("segments", _segments(job)))
     if job.spares_per_segment:
         lines.extend(_spares(job))
+    elif job.swaps:  # a gang without spares of its own that took a spare pool's node (the last swap names the pool)
+        lines.append(("swaps", f"{job.swaps}, the last at {format_time(job.last_swap_at)}: {job.last_swap}"))
     lines += graph_lines(job)
     if job.placement:
         p = job.placement

@@ -49,6 +49,7 @@ from ._service_types import (
     ServiceSpec,
 )
 from ._spec_file import ServiceSpecError, load_service_spec, parse_service_spec, service_schema, service_spec_problems
+from ._spares import PoolDomain, SparePool
 from ._types import (
     TERMINAL_STATES,
     Allocation,
@@ -81,6 +82,8 @@ __all__ = [
     "Dependency",
     "Node",
     "QueueInfo",
+    "PoolDomain",
+    "SparePool",
     "Allocation",
     "Claim",
     "MigSlice",

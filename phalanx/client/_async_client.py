@@ -30,6 +30,7 @@ from ._client import (
     watch_ids,
 )
 from ._errors import DeadlineExceededError, from_grpc_error
+from ._spares import SparePool
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -398,6 +399,20 @@ class AsyncClient(AsyncServiceCalls):
         return QueueInfo.from_proto(
             await self._call("SetQueue", queue_request(name, quotas, cohort, weight, tenants, max_priority))
         )
+
+    async def create_pool(self, name: str, *, tier: str, per_domain: int) -> SparePool:
+        """Create a spare pool (admin); see :meth:`Client.create_pool`."""
+        request = scheduler_pb2.CreatePoolRequest(name=name, tier=tier, per_domain=per_domain)
+        return SparePool.from_proto(await self._call("CreatePool", request))
+
+    async def pools(self, name: str = "") -> list[SparePool]:
+        """The spare pools; see :meth:`Client.pools`."""
+        response = await self._call("ListPools", scheduler_pb2.ListPoolsRequest(name=name))
+        return [SparePool.from_proto(p) for p in response.pools]
+
+    async def delete_pool(self, name: str) -> None:
+        """Delete a spare pool (admin); see :meth:`Client.delete_pool`."""
+        await self._call("DeletePool", scheduler_pb2.DeletePoolRequest(name=name))
 
     async def delete_queue(self, name: str) -> None:
         """Remove a queue (admin); see :meth:`Client.delete_queue`."""

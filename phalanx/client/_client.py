@@ -26,6 +26,7 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
 from ._services import ServiceCalls, service_stub
 from ._submit import build_submit_request  # importable from here too
+from ._spares import SparePool
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,
@@ -648,6 +649,21 @@ class Client(ServiceCalls):
         return QueueInfo.from_proto(
             self._call(self._stub.SetQueue, queue_request(name, quotas, cohort, weight, tenants, max_priority))
         )
+
+    def create_pool(self, name: str, *, tier: str, per_domain: int) -> SparePool:
+        """Create an operator's spare pool (admin): `per_domain` whole nodes kept idle in each domain of `tier` for any
+        gang there that loses a node. InvalidArgumentError for an unknown tier or a bad count; AlreadyExistsError."""
+        request = scheduler_pb2.CreatePoolRequest(name=name, tier=tier, per_domain=per_domain)
+        return SparePool.from_proto(self._call(self._stub.CreatePool, request))
+
+    def pools(self, name: str = "") -> list[SparePool]:
+        """The spare pools (or `name`), per domain: booked, lent and missing nodes."""
+        response = self._call(self._stub.ListPools, scheduler_pb2.ListPoolsRequest(name=name))
+        return [SparePool.from_proto(p) for p in response.pools]
+
+    def delete_pool(self, name: str) -> None:
+        """Delete a spare pool (admin); NotFoundError for an unknown name."""
+        self._call(self._stub.DeletePool, scheduler_pb2.DeletePoolRequest(name=name))
 
     def delete_queue(self, name: str) -> None:
         """Remove a queue (admin); FailedPreconditionError while it has pending or running jobs."""

@@ -48,6 +48,9 @@ class ClusterCapacity:
         self._built = False
         # Views over the nodes of one GPU model (see `restricted`), kept up to date with this one.
         self._subs: dict[str, ClusterCapacity] = {}
+        # The operator's spare pools' booked nodes (phalanx.core.pools): placement hides them from a gang without a
+        # time limit, so that only backfill jobs with time limits borrow them (placement.gang.place_gang).
+        self.lending: frozenset[str] = frozenset()
 
     # ---- structure -------------------------------------------------------------------------------------------
 
@@ -58,13 +61,15 @@ class ClusterCapacity:
 
     def copy(self) -> ClusterCapacity:
         """A view over copies of the nodes: changing it leaves this one (and its nodes) alone."""
-        return ClusterCapacity(
+        view = ClusterCapacity(
             (
                 dataclasses.replace(n, free=set(n.free), mig=dict(n.mig), milli=dict(n.milli), foreign=dict(n.foreign))
                 for n in self.nodes.values()
             ),
             placement_budget_ms=self.placement_budget_ms,
         )
+        view.lending = self.lending
+        return view
 
     def restricted(self, gpu_model: str) -> ClusterCapacity:
         """The same nodes, only those whose GPU model contains `gpu_model` (case-insensitive), with their own

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 # What placement depends on besides the capacity (GangRequest.shape): replicas, GPUs per replica, GPU model, MIG
 # profile, GPU share, required and preferred tier, CPUs, memory, segment, segment tier, minimum replicas (elastic).
-Shape = tuple[int, int, str, str, int, str, str, int, int, int, str, int]
+Shape = tuple[int, int, str, str, int, str, str, int, int, int, str, int, bool]
 
 FULL_MIG_MASK = 0xFF  # every memory slice of a GPU (mig.FULL_MASK): the GPU is held whole
 
@@ -87,6 +87,7 @@ class GangRequest:
                 self.segment,
                 self.segment_tier,
                 self.min_replicas,
+                self.time_limit > 0,  # only a gang with a time limit may borrow a spare pool's nodes
             ),
         )
 

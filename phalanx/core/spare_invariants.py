@@ -3,6 +3,8 @@
 - a spare lies in its segment's domain (the domain of the segment tier its segment's ranks are in);
 - no rank on a spare: the spares' GPUs are the attempt's, and the attempt's other GPUs are exactly its ranks'
   (replicas x GPUs per replica), so no GPU is both;
+- (the spare pools, `pool_violations`) no booked node of an operator's spare pool is held by a job without a time
+  limit: only backfill jobs with time limits borrow them (a gang that swaps one in takes it out of the pool);
 - a swap never lets another gang take the slot: the attempt that replaces a swapped one starts at the very next
   event after that one ended (nothing started, nor was decided, in between), on GPUs that attempt held and no
   other, and what it gave up lies on nodes that are down (the dead node).
@@ -10,9 +12,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from .events import Hold, Started
+from .pools import SparePool
 from .placement.segments import default_segment_tier
 
 
@@ -54,4 +57,16 @@ def spare_violations(
         left = {node for node, _ in old - held} - set(down)
         if left:
             out.append(f"{who}: a swap gave up GPUs of live node(s) {sorted(left)}")
+    return out
+
+def pool_violations(pools: Iterable[SparePool], jobs: Iterable[tuple[str, float, Collection[str]]]) -> list[str]:
+    """The pool invariant: no booked pool node is held by a job without a time limit (a gang that swapped a pool
+    node in holds it, but that node has left the pool by then). `jobs`: (id, time limit, nodes) of running jobs."""
+    booked = {n: p.name for p in pools for n in p.nodes()}
+    out = []
+    for job_id, limit, nodes in jobs:
+        if limit > 0:
+            continue
+        for n in sorted(set(nodes) & set(booked)):
+            out.append(f"job {job_id} without a time limit holds node {n} of pool {booked[n]}")
     return out

@@ -97,7 +97,14 @@ NODE_SERVICE = "/phalanx.v1.NodeService/"
 SERVICES = "/phalanx.v1.ServiceService/"  # serving fleets: a user reaches only its own tenant's services
 CHECKPOINT = "/phalanx.v1.CheckpointCoordinator/"
 ADMIN_METHODS = frozenset(
-    {SCHEDULER + "DrainNode", SCHEDULER + "UndrainNode", SCHEDULER + "SetQueue", SCHEDULER + "DeleteQueue"}
+    {
+        SCHEDULER + "DrainNode",
+        SCHEDULER + "UndrainNode",
+        SCHEDULER + "SetQueue",
+        SCHEDULER + "DeleteQueue",
+        SCHEDULER + "CreatePool",
+        SCHEDULER + "DeletePool",
+    }
 )
 
 

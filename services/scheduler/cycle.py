@@ -21,6 +21,7 @@ from . import accounting, jobgraph, ledger
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
 from .elastic import elastic_below_max
+from .pools import book_pools
 from .spares import drop_spares_on, rebook_spares, swap_or_teardown
 from .state import JobRecord
 from .transitions import (
@@ -87,6 +88,7 @@ def schedule(cycle: Cycle) -> None:
         return  # nothing the pass decides on changed since the last one: it would decide the same
     state.pass_due = False
     state.wake_at = math.inf
+    book_pools(cycle)  # the spare pools' idle nodes, booked again where missing, before pending gangs are placed
     jobgraph.advance(cycle)  # dependencies resolved, arrays' next tasks created, before the decision
     # With nothing waiting and no victim, there is nothing to decide (nor a capacity index to build: a registration
     # storm on an idle cluster builds it once, when the first gang arrives).

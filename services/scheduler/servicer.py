@@ -47,6 +47,7 @@ from .commands import (
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
 from .elastic_fields import elastic_problems
 from .graph_fields import DEFAULT_MAX_ARRAY_SIZE, graph_problems
+from .pool_rpcs import PoolRpcs
 from .segment_fields import check_segments_fit, segment_problems
 from .service import SchedulerService
 from .serving_fields import normalize_roles, serving_problems
@@ -217,7 +218,7 @@ def scoped_request_id(tenant: str, request_id: str) -> str:
     return "t:" + hashlib.sha256(f"{tenant}\x00{request_id}".encode()).hexdigest()
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerServicer(PoolRpcs, scheduler_pb2_grpc.SchedulerServicer):
     """The job API. With authentication on (services.common.auth), a `user` sees, watches, cancels and checkpoints
     only its own tenant's jobs (another tenant's job answers NOT_FOUND, like one that does not exist); an `admin`
     sees every job. Per-tenant limits (`limits`) are checked here, before anything is queued to the cycle."""

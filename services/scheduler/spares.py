@@ -34,6 +34,7 @@ from . import ledger
 from .ledger.spare_rows import rewrite_spare_rows
 from .spare_fields import spare_slots
 from .state import TERMINAL_RANK_STATES, JobRecord, layout_ranks
+from .pools import pool_swap
 from .transitions import Cycle, change_job, master_port, port_range, ports_taken, send_launches, teardown
 
 log = structlog.get_logger()
@@ -53,18 +54,27 @@ def swap_or_teardown(cycle: Cycle, job: JobRecord, dead: str, *, cause: str, mes
         domains = job.placement.get("segments") or ()
         chosen = choose_swap(actives, spare_slots(job), segment, domains, dead, unusable_nodes(cycle))
     if chosen is None:
-        teardown(cycle, job, cause=cause, message=message)
+        # No spare of its own there: a node of an operator's spare pool in that domain (pools.pool_swap), else the
+        # teardown and requeue of before.
+        if not pool_swap(cycle, job, dead, swap, cause=cause, message=message):
+            teardown(cycle, job, cause=cause, message=message)
         return
     swap(cycle, job, dead, chosen, cause=cause, message=message)
 
 
-def swap(cycle: Cycle, job: JobRecord, dead: str, chosen: dict[int, SpareSlot], *, cause: str, message: str) -> None:
+def swap(
+    cycle: Cycle, job: JobRecord, dead: str, chosen: dict[int, SpareSlot], *, cause: str, message: str, pool: str = ""
+) -> None:
     """The swap itself, in this cycle's transaction: the old attempt's ranks killed and its end recorded (as a
     teardown does), the ledger's rows rewritten (released on `dead`, spares re-labelled, the rest moved to the next
-    attempt), and the next attempt launched from the last committed checkpoint."""
+    attempt), and the next attempt launched from the last committed checkpoint. `pool`: the chosen "spares" are
+    GPUs of that operator's spare pool's node (pools.pool_swap), already taken in the view: no rows to re-label,
+    new rows written for the next attempt instead."""
     state, now, old = cycle.state, cycle.now, job.attempt
-    moves = sorted({f"{dead} -> {s.node} ({s.domain})" for s in chosen.values()})
-    what = f"{message}; spare {', '.join(moves)} swapped in, restarting from the last committed checkpoint"
+    where = f"pool {pool}, " if pool else ""
+    moves = sorted({f"{dead} -> {s.node} ({where}{s.domain})" for s in chosen.values()})
+    source = f"node of spare pool {pool}" if pool else "spare"
+    what = f"{message}; {source} {', '.join(moves)} swapped in, restarting from the last committed checkpoint"
     for name in sorted({r.node for r in job.ranks.values() if r.state not in TERMINAL_RANK_STATES}):
         node = state.nodes.get(name)
         if node is not None:
@@ -77,7 +87,7 @@ def swap(cycle: Cycle, job: JobRecord, dead: str, chosen: dict[int, SpareSlot], 
         if rep.node == dead:
             state.capacity.release_replica(rep)
     state.hold_fatal_gpus([dead])
-    relabel = {s.replica: replica for replica, s in chosen.items()}
+    relabel = {} if pool else {s.replica: replica for replica, s in chosen.items()}
     lost = [r for r, n, _ in job.spares if n == dead]
     job.allocations = swapped_allocations(job.allocations, chosen)
     job.spares = [row for row in job.spares if row[0] not in relabel and row[1] != dead]
@@ -85,6 +95,8 @@ def swap(cycle: Cycle, job: JobRecord, dead: str, chosen: dict[int, SpareSlot], 
     cycle.work.write(rewrite_spare_rows, job.id, old, dead_id, lost, relabel, True, now)
     swaps = dict(job.placement.get("swaps") or {})
     placement = dict(job.placement, swaps=dict(count=int(swaps.get("count", 0)) + 1, at=now, last=f"{moves[0]}"))
+    if pool:
+        placement["swaps"]["pool"] = int(swaps.get("pool", 0)) + 1  # how many of them came from a pool
     # A new MASTER_PORT on rank 0's host (moved or not): the old attempt's rank 0 may still hold its port there while
     # it exits, and an agent refuses a launch whose port another attempt holds.
     master = chosen[0].node if 0 in chosen else job.allocations[0][1]
@@ -97,10 +109,15 @@ def swap(cycle: Cycle, job: JobRecord, dead: str, chosen: dict[int, SpareSlot], 
     job.running_at = 0.0
     job.restored_step = cycle.work.ask(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
     cycle.work.write(ledger.insert_attempts, [copy.copy(job)], now)
+    if pool:  # the pool node's rows, written after this cycle's releases (a borrower's), as reservations are
+        stub = copy.copy(job)
+        stub.allocations = [(r, s.node, s.gpus) for r, s in sorted(chosen.items())]
+        stub.spares, stub.partials = [], {}
+        cycle.work.new_spares.append(stub)
     send_launches(cycle, job)
     job.launch_deadline = now + cycle.settings.launch_timeout
     cycle.touched(job)
-    log.warning("spare_swapped", job=job.id, attempt=job.attempt, dead=dead, moves=moves, cause=cause)
+    log.warning("spare_swapped", job=job.id, attempt=job.attempt, dead=dead, moves=moves, cause=cause, pool=pool)
 
 
 def drop_spares_on(cycle: Cycle, dead: str, gpus: frozenset[int] | None = None) -> None:
@@ -159,7 +176,12 @@ def _book(cycle: Cycle, job: JobRecord, slot: SpareSlot) -> bool:
     fits = [
         n
         for n in members
-        if n.schedulable and n.name not in claimed and len(_whole(n)) >= g and _room(n, job) and _model(n, job)
+        if n.schedulable
+        and n.name not in claimed
+        and n.name not in capacity.lending  # a spare pool's node (pools.py) is not a gang's own spare
+        and len(_whole(n)) >= g
+        and _room(n, job)
+        and _model(n, job)
     ]
     if not fits:
         return False
@@ -184,7 +206,11 @@ def still_booked(cycle: Cycle) -> list[JobRecord]:
     out = []
     for stub in cycle.work.new_spares:
         job = cycle.state.jobs.get(stub.id)
-        if job is not None and job.state == "RUNNING" and job.attempt == stub.attempt and stub.spares[0] in job.spares:
+        if job is None or job.state != "RUNNING" or job.attempt != stub.attempt:
+            continue
+        if stub.spares and stub.spares[0] in job.spares:
+            out.append(stub)
+        elif stub.allocations and stub.allocations[0] in job.allocations:  # a pool node swapped in (pools.py)
             out.append(stub)
     return out
 

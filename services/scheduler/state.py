@@ -17,6 +17,7 @@ from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.claims import Claim
 from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
+from phalanx.core.pools import SparePool
 from phalanx.core.quota import QueueSpec
 from phalanx.core.spares import inflated
 
@@ -490,6 +491,7 @@ class SchedulerState:
         self.reservation_memo: dict = {}  # the blocked head's last reservation and what it was planned on
         self.mig_plans: dict = {}  # job id -> (signature, valid until, plan) of its last MIG mode switch plan
         self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)
+        self.pools: dict[str, SparePool] = {}  # the operator's spare pools (phalanx.core.pools; services.scheduler.pools)
         # The running gangs in end order for backfill (planning.running_ends), kept in step with the running jobs
         # cycle after cycle, with the fields each entry was built from
         self.ends = RunningSet()
@@ -549,6 +551,7 @@ class SchedulerState:
             for held in (n.held_gpus,)
         )
         capacity = self._capacity
+        capacity.lending = frozenset(n for p in self.pools.values() for n in p.nodes())
         for job in self.running():
             for rep in job.replica_placements():
                 if rep.mig_profile or rep.gpu_milli:

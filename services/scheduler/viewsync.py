@@ -99,6 +99,8 @@ def apply_changes(
         state.claims.update(ledger.read_claims(conn, changes.jobs))
     if changes.queues:
         state.queues = ledger.load_queues(conn)
+        state.pools = ledger.load_pools(conn)  # the spare pools' rows mark the same change
+        state.capacity.lending = frozenset(n for p in state.pools.values() for n in p.nodes())
     if changes.sched:
         state.pass_due = True
     if rebuild:

@@ -46,7 +46,19 @@ def place_gang(
 
     `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
     else is it placed as if they were not struck.
+
+    `capacity.lending` (the spare pools' booked nodes, phalanx.core.pools) is hidden from a gang without a time limit.
     """
+    if capacity.lending and request.time_limit <= 0:  # the spare pools' nodes: lent to time-limited gangs only
+        hidden = [n for n in capacity.lending if n in capacity.nodes and capacity.nodes[n].schedulable]
+        if hidden:
+            for name in hidden:
+                capacity.set_schedulable(name, False)
+            try:
+                return place_gang(capacity, request, fabric_tiers, budget_ms=budget_ms, cells=cells)
+            finally:
+                for name in hidden:
+                    capacity.set_schedulable(name, True)
     if request.elastic:  # the most replicas that fit, between its minimum and maximum (_place_elastic)
         return _place_elastic(
             request, lambda fixed: place_gang(capacity, fixed, fabric_tiers, budget_ms=budget_ms, cells=cells)

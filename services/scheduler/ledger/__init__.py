@@ -75,6 +75,7 @@ from .nodes import (
     upsert_node,
     upsert_nodes,
 )
+from .pools import delete_pool, insert_pool, load_pools, set_pool_booking
 from .queues import delete_queue, load_queues, queue_spec, upsert_queue
 from .reads import (
     cluster_id,
@@ -136,6 +137,10 @@ __all__ = [
     "job_from_row",
     "latest_commits",
     "load_queues",
+    "load_pools",
+    "insert_pool",
+    "delete_pool",
+    "set_pool_booking",
     "load_state",
     "mark_attempt_preempted",
     "mark_attempt_running",

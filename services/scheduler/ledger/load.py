@@ -9,6 +9,7 @@ from .allocations import recount_use
 from .claims import read_claims
 from .jobs import read_job_records
 from .nodes import read_node_records
+from .pools import load_pools
 from .queues import load_queues
 
 
@@ -20,4 +21,5 @@ def load_state(conn: Connection, state: SchedulerState, fabric_path) -> None:
     state.nodes, state.jobs = nodes, jobs
     state.claims = read_claims(conn)
     state.queues = load_queues(conn)
+    state.pools = load_pools(conn)
     state.rebuild_capacity()
