@@ -48,8 +48,8 @@ from ._service_types import (
     ServiceRevision,
     ServiceSpec,
 )
-from ._spec_file import ServiceSpecError, load_service_spec, parse_service_spec, service_schema, service_spec_problems
 from ._spares import PoolDomain, SparePool
+from ._spec_file import ServiceSpecError, load_service_spec, parse_service_spec, service_schema, service_spec_problems
 from ._types import (
     TERMINAL_STATES,
     Allocation,

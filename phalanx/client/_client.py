@@ -25,8 +25,8 @@ from ._channel import (  # the backoff of re-opened watches lives with the chann
 )
 from ._errors import DeadlineExceededError, UnavailableError, from_grpc_error
 from ._services import ServiceCalls, service_stub
-from ._submit import build_submit_request  # importable from here too
 from ._spares import SparePool
+from ._submit import build_submit_request  # importable from here too
 from ._types import (
     TERMINAL_STATES,
     CheckpointResult,

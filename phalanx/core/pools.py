@@ -103,7 +103,11 @@ def rebook(
 
 
 def choose_pool_node(
-    pools: Iterable[SparePool], domain_of: Mapping[str, Mapping[str, str]], dead: str, need: int, free: Mapping[str, int]
+    pools: Iterable[SparePool],
+    domain_of: Mapping[str, Mapping[str, str]],
+    dead: str,
+    need: int,
+    free: Mapping[str, int],
 ) -> tuple[SparePool, str] | None:
     """(pool, node): the first booked node, by pool name then node name, in the dead node's domain of the pool's
     tier with at least `need` GPUs free once its borrowers are gone (`free`: each booked node's whole GPUs not
@@ -119,4 +123,3 @@ def choose_pool_node(
 def lent(pool: SparePool, holders: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
     """The pool's booked nodes lent now: node -> the jobs (borrowers) holding GPUs there."""
     return {n: list(holders[n]) for n in sorted(pool.nodes()) if holders.get(n)}
-

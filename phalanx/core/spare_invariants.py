@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from .events import Hold, Started
-from .pools import SparePool
 from .placement.segments import default_segment_tier
+from .pools import SparePool
 
 
 def spare_violations(
@@ -58,6 +58,7 @@ def spare_violations(
         if left:
             out.append(f"{who}: a swap gave up GPUs of live node(s) {sorted(left)}")
     return out
+
 
 def pool_violations(pools: Iterable[SparePool], jobs: Iterable[tuple[str, float, Collection[str]]]) -> list[str]:
     """The pool invariant: no booked pool node is held by a job without a time limit (a gang that swapped a pool

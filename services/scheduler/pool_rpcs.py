@@ -35,7 +35,9 @@ class PoolRpcs:
     @unary
     async def CreatePool(self, request, context):
         if request.per_domain < 1:
-            raise InvalidArgument(f"invalid pool: per_domain must be at least 1 node per domain, got {request.per_domain}")
+            raise InvalidArgument(
+                f"invalid pool: per_domain must be at least 1 node per domain, got {request.per_domain}"
+            )
         pool = await self.service.execute(CreatePool(request.name, request.tier, request.per_domain))
         audit_admin(SCHEDULER_PREFIX + "CreatePool", f"pool/{pool.name}", f"tier {pool.tier}, {pool.per_domain}/domain")
         return pool_to_proto(pool_status(self.service.state, pool, self.service.settings.fabric.tiers))

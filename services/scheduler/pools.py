@@ -245,4 +245,3 @@ def pool_status(state: SchedulerState, pool: SparePool, fabric_tiers: tuple[str,
 
 def pool_statuses(state: SchedulerState, fabric_tiers: tuple[str, ...], name: str = "") -> list[Mapping[str, Any]]:
     return [pool_status(state, state.pools[n], fabric_tiers) for n in sorted(state.pools) if not name or n == name]
-

@@ -32,9 +32,9 @@ from phalanx.core.spares import SpareSlot, choose_swap, slot_of, swapped_allocat
 
 from . import ledger
 from .ledger.spare_rows import rewrite_spare_rows
+from .pools import pool_swap
 from .spare_fields import spare_slots
 from .state import TERMINAL_RANK_STATES, JobRecord, layout_ranks
-from .pools import pool_swap
 from .transitions import Cycle, change_job, master_port, port_range, ports_taken, send_launches, teardown
 
 log = structlog.get_logger()

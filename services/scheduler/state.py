@@ -491,7 +491,9 @@ class SchedulerState:
         self.reservation_memo: dict = {}  # the blocked head's last reservation and what it was planned on
         self.mig_plans: dict = {}  # job id -> (signature, valid until, plan) of its last MIG mode switch plan
         self.queues: dict[str, QueueSpec] = {}  # configured queues (none: no quotas, one unlimited queue)
-        self.pools: dict[str, SparePool] = {}  # the operator's spare pools (phalanx.core.pools; services.scheduler.pools)
+        self.pools: dict[
+            str, SparePool
+        ] = {}  # the operator's spare pools (phalanx.core.pools; services.scheduler.pools)
         # The running gangs in end order for backfill (planning.running_ends), kept in step with the running jobs
         # cycle after cycle, with the fields each entry was built from
         self.ends = RunningSet()

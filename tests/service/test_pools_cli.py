@@ -81,7 +81,7 @@ async def test_pool_verbs_and_job_after_a_pool_swap(sqlite_url, capsys):
         await eventually(swapped, what="the gang restarted on the pool node")
         code, out, err = await _cli(capsys, address, "job", gang.id)
         assert code == 0, err
-        assert f"swaps:" in out and f"{dead} -> {spare} (pool spare, {FABRIC.path(dead)[0]})" in out
+        assert "swaps:" in out and f"{dead} -> {spare} (pool spare, {FABRIC.path(dead)[0]})" in out
 
         code, out, err = await _cli(capsys, address, "pool", "delete", "spare", "--json")
         assert code == 0 and json.loads(out) == {"deleted": "spare"}

@@ -54,7 +54,9 @@ def test_lent_and_the_invariant():
     pool = SparePool("p", "nvlink", 1, booked={"nvl-0": ["n2"], "nvl-1": ["n5"]})
     assert lent(pool, {"n2": ["bf"], "n0": ["gang"]}) == {"n2": ["bf"]}
     assert pool_violations([pool], [("bf", 600.0, ["n2"]), ("gang", 0.0, ["n0", "n1"])]) == []
-    assert pool_violations([pool], [("gang", 0.0, ["n0", "n5"])]) == ["job gang without a time limit holds node n5 of pool p"]
+    assert pool_violations([pool], [("gang", 0.0, ["n0", "n5"])]) == [
+        "job gang without a time limit holds node n5 of pool p"
+    ]
 
 
 def test_placement_hides_pool_nodes_from_gangs_without_a_time_limit():
