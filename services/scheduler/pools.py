@@ -132,7 +132,10 @@ def pool_swap(cycle: Cycle, job: JobRecord, dead: str, swap: Callable[..., None]
                 continue
             if any(not limited for j, limited in holders.get(node, ()) if j != job.id):
                 continue  # never preempt a job without a time limit (not a borrower)
-            free[node] = cap.total - len(rec.fatal_gpus)
+            # GPUs still held for an ended attempt (releasing) are not the swap's to take: count them out before
+            # any borrower is preempted for nothing.
+            releasing = {g for gpus in rec.releasing.values() for g in gpus}
+            free[node] = cap.total - len(rec.fatal_gpus | releasing)
     got = choose_pool_node(state.pools.values(), domains, dead, len(hit) * g, free)
     if got is None:
         return False

@@ -59,10 +59,10 @@ async def test_pool_verbs_and_job_after_a_pool_swap(sqlite_url, capsys):
         assert code == 2
 
         # A time-limited backfill job borrows a pool node: `pool list` shows it lent.
-        borrower = await c.submit("bf", 1, 4, time_limit_s=3600)
         gang = await c.submit("train", 4, 4)
-        await c.wait_running(borrower.id)
         await c.wait_running(gang.id)
+        borrower = await c.submit("bf", 1, 4, time_limit_s=3600)  # only pool nodes are free now
+        await c.wait_running(borrower.id)
         code, out, err = await _cli(capsys, address, "pool", "list")
         assert code == 0, err
         assert f": {borrower.id}" in out

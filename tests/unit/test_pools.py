@@ -69,5 +69,8 @@ def test_placement_hides_pool_nodes_from_gangs_without_a_time_limit():
     limited = place_gang(cap, GangRequest("limited", 1, 4, time_limit=600))
     assert isinstance(limited, Placement) and limited.nodes[0] in {"n2", "n5"}
     assert cap.nodes["n2"].schedulable and cap.nodes["n5"].schedulable  # shown again afterwards
+    cap.release("n0", range(4))  # a normal node free again: a time-limited gang goes there, not on the pool
+    again = place_gang(cap, GangRequest("limited", 1, 4, time_limit=600))
+    assert isinstance(again, Placement) and again.nodes[0] == "n0"
     cap.lending = frozenset()
-    assert isinstance(place_gang(cap, GangRequest("plain", 1, 4)), Placement)
+    assert isinstance(place_gang(cap, GangRequest("plain", 2, 4)), Placement)

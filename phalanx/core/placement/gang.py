@@ -47,18 +47,21 @@ def place_gang(
     `request.avoid` (nodes that struck the gang): placed with those nodes hidden first; only when it fits nowhere
     else is it placed as if they were not struck.
 
-    `capacity.lending` (the spare pools' booked nodes, phalanx.core.pools) is hidden from a gang without a time limit.
+    `capacity.lending` (the spare pools' booked nodes, phalanx.core.pools) is hidden from a gang without a time limit;
+    a gang with one is placed off them when it fits elsewhere, and borrows them only when it does not.
     """
-    if capacity.lending and request.time_limit <= 0:  # the spare pools' nodes: lent to time-limited gangs only
+    if capacity.lending:  # the spare pools' nodes: lent to time-limited gangs only, and only when needed
         hidden = [n for n in capacity.lending if n in capacity.nodes and capacity.nodes[n].schedulable]
         if hidden:
             for name in hidden:
                 capacity.set_schedulable(name, False)
             try:
-                return place_gang(capacity, request, fabric_tiers, budget_ms=budget_ms, cells=cells)
+                got = place_gang(capacity, request, fabric_tiers, budget_ms=budget_ms, cells=cells)
             finally:
                 for name in hidden:
                     capacity.set_schedulable(name, True)
+            if request.time_limit <= 0 or isinstance(got, Placement):
+                return got
     if request.elastic:  # the most replicas that fit, between its minimum and maximum (_place_elastic)
         return _place_elastic(
             request, lambda fixed: place_gang(capacity, fixed, fabric_tiers, budget_ms=budget_ms, cells=cells)
