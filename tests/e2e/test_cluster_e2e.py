@@ -20,6 +20,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # The documented JSON shapes of `phalanx jobs --json` and `phalanx nodes --json` (README, Job/Node.to_dict).
 JOB_FIELDS = {
+    # issue 34: segments, spares, elastic gangs, job graphs
+    "after",
+    "array",
+    "array_parent",
+    "array_spec",
+    "array_task",
+    "current_replicas",
+    "last_swap",
+    "last_swap_at",
+    "min_replicas",
+    "segment",
+    "segment_domains",
+    "segment_tier",
+    "spares",
+    "spares_per_segment",
+    "swaps",
+    "waiting_for",
     "id",
     "claim",
     "name",
