@@ -11,7 +11,7 @@ import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.waits import eventually
 
-from phalanx.api.v1 import common_pb2, scheduler_pb2
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
 from phalanx.core.spare_invariants import pool_violations
 from phalanx.testing.lite_agent import LiteAgent
@@ -190,4 +190,33 @@ async def test_a_time_limited_borrower_is_preempted_at_once_when_a_swap_needs_it
         other = booked[next(d for d in booked if d != domain(lent_node))]
         again = await c.wait_running(borrower.id)
         assert list(nodes_of(again).values()) == [other]
+        invariant_holds(c)
+
+
+async def test_a_fatal_gpu_swaps_the_gangs_replica_onto_the_pool_node(db_url):
+    async with cluster(db_url) as c:
+        booked = await pool_with_one_per_domain(c)
+        first = await c.wait_running((await c.submit("train", 4, 4)).id)
+        await c.settled(first.id)
+        node, gpu = nodes_of(first)[0], first.allocations[0].gpus[1]
+        async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
+            health = common_pb2.NodeHealth(
+                state=common_pb2.HEALTH_STATE_DEGRADED,
+                reason=f"GPU {gpu}: XID 79",
+                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
+            )
+            await agent_pb2_grpc.NodeServiceStub(ch).Heartbeat(
+                agent_pb2.HeartbeatRequest(node_name=node, health=health)
+            )
+
+        async def swapped():
+            job = await c.job(first.id)
+            return job if job.attempt == 2 and job.state == RUNNING else None
+
+        second = await eventually(swapped, what="replica 0 moved to the pool node of its domain")
+        assert nodes_of(second)[0] == booked[domain(node)] and second.failures == 0
+        assert "pool spare" in second.last_swap
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=first.id) == [
+            ("GPU_FAILED",)
+        ]
         invariant_holds(c)
