@@ -49,8 +49,8 @@ class ClusterCapacity:
         # Views over the nodes of one GPU model (see `restricted`), kept up to date with this one.
         self._subs: dict[str, ClusterCapacity] = {}
         # The operator's spare pools' booked nodes (phalanx.core.pools): placement hides them from a gang without a
-        # time limit, so that only backfill jobs with time limits borrow them (placement.gang.place_gang).
-        self.lending: frozenset[str] = frozenset()
+        # time limit, so that only backfill jobs with time limits borrow them (placement.gang.place_gang, `unlent`).
+        self._lending: frozenset[str] = frozenset()
 
     # ---- structure -------------------------------------------------------------------------------------------
 
@@ -70,6 +70,29 @@ class ClusterCapacity:
         )
         view.lending = self.lending
         return view
+
+    @property
+    def lending(self) -> frozenset[str]:
+        return self._lending
+
+    @lending.setter
+    def lending(self, nodes: frozenset[str]) -> None:
+        if nodes != self._lending:
+            self._lending = frozenset(nodes)
+            self._subs.pop(_UNLENT, None)
+
+    def unlent(self) -> ClusterCapacity:
+        """The same nodes less the spare pools' (`lending`), with their own index kept up to date with this one, as
+        `restricted`'s: placement of a gang without a time limit reads it, and hiding the pools' nodes costs nothing
+        per placement (it is rebuilt only when the pools' booking changes)."""
+        sub = self._subs.get(_UNLENT)
+        if sub is None:
+            lending = self._lending
+            sub = self._subs[_UNLENT] = ClusterCapacity(
+                (n for n in self.nodes.values() if n.name not in lending), placement_budget_ms=self.placement_budget_ms
+            )
+        sub.placement_budget_ms = self.placement_budget_ms
+        return sub
 
     def restricted(self, gpu_model: str) -> ClusterCapacity:
         """The same nodes, only those whose GPU model contains `gpu_model` (case-insensitive), with their own
@@ -676,7 +699,7 @@ class ClusterCapacity:
     def _follow(self, nodes: list[NodeCapacity]) -> None:
         self._changed_many(nodes)
         for sub in self._subs.values():
-            sub._changed_many([n for n in nodes if n.name in sub.nodes])
+            sub._follow([n for n in nodes if n.name in sub.nodes])  # and its own views (unlent's restricted ones)
 
     def set_schedulable(self, node: str, schedulable: bool) -> None:
         n = self.nodes.get(node)
@@ -694,6 +717,7 @@ def vanished_gpus(replicas: Iterable[ReplicaPlacement], node: str, gpus: int) ->
     return sorted({g for rep in replicas if rep.node == node for g in rep.gpus if not 0 <= g < gpus})
 
 
+_UNLENT = "\0unlent"  # the key of `unlent`'s view among the views (a GPU model's key is never that)
 _BATCH = 8  # nodes from which an update edits each free-count bucket once (`_changed_many`)
 
 

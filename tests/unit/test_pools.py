@@ -74,3 +74,25 @@ def test_placement_hides_pool_nodes_from_gangs_without_a_time_limit():
     assert isinstance(again, Placement) and again.nodes[0] == "n0"
     cap.lending = frozenset()
     assert isinstance(place_gang(cap, GangRequest("plain", 2, 4)), Placement)
+
+
+def test_the_pool_less_view_follows_every_change_and_is_rebuilt_when_the_booking_changes():
+    nodes = [NodeCapacity(f"n{i}", 4, set(range(4)), path=(f"nvl-{i // 3}",), gpu_model="H100") for i in range(6)]
+    cap = ClusterCapacity(nodes)
+    cap.lending = frozenset({"n2", "n5"})
+    view = cap.unlent()
+    assert sorted(view.nodes) == ["n0", "n1", "n3", "n4"] and cap.unlent() is view
+    first = place_gang(cap, GangRequest("a", 2, 4, gpu_model="h100"))  # a restricted view inside the pool-less one
+    assert isinstance(first, Placement)
+    cap.reserve(first)  # through the whole view: the pool-less one (and its GPU-model view) follow
+    second = place_gang(cap, GangRequest("b", 2, 4, gpu_model="h100"))
+    assert isinstance(second, Placement) and not set(second.nodes) & set(first.nodes)
+    cap.reserve(second)
+    assert not isinstance(place_gang(cap, GangRequest("c", 1, 4, gpu_model="h100")), Placement)
+    cap.set_schedulable("n2", False)
+    lent = place_gang(cap, GangRequest("d", 1, 4, time_limit=60))
+    assert isinstance(lent, Placement) and lent.nodes[0] == "n5"  # n2 is down
+    cap.lending = frozenset({"n5"})  # the booking changed: n2 back to normal work (once schedulable)
+    assert cap.unlent() is not view and "n2" in cap.unlent().nodes
+    cap.set_schedulable("n2", True)
+    assert isinstance(place_gang(cap, GangRequest("e", 1, 4)), Placement)

@@ -51,17 +51,19 @@ def place_gang(
     a gang with one is placed off them when it fits elsewhere, and borrows them only when it does not.
     """
     if capacity.lending:  # the spare pools' nodes: lent to time-limited gangs only, and only when needed
-        hidden = [n for n in capacity.lending if n in capacity.nodes and capacity.nodes[n].schedulable]
-        if hidden:
-            for name in hidden:
-                capacity.set_schedulable(name, False)
-            try:
-                got = place_gang(capacity, request, fabric_tiers, budget_ms=budget_ms, cells=cells)
-            finally:
-                for name in hidden:
-                    capacity.set_schedulable(name, True)
-            if request.time_limit <= 0 or isinstance(got, Placement):
-                return got
+        got = _place_any(capacity.unlent(), request, fabric_tiers, budget_ms, cells)
+        if request.time_limit <= 0 or isinstance(got, Placement):
+            return got
+    return _place_any(capacity, request, fabric_tiers, budget_ms, cells)
+
+
+def _place_any(
+    capacity: ClusterCapacity,
+    request: GangRequest,
+    fabric_tiers: Sequence[str],
+    budget_ms: float | None,
+    cells: int | None,
+) -> Placement | Unplaceable:
     if request.elastic:  # the most replicas that fit, between its minimum and maximum (_place_elastic)
         return _place_elastic(
             request, lambda fixed: place_gang(capacity, fixed, fabric_tiers, budget_ms=budget_ms, cells=cells)
