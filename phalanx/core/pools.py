@@ -10,9 +10,10 @@ Pure rules, no I/O (the scheduler's services/scheduler/pools.py applies them; te
 - `choose_pool_node`: the booked node of the dead node's domain that takes the dead node's replicas;
 - `lent`: which booked nodes are lent, and to whom.
 
-Lending: the capacity index's `lending` set (ClusterCapacity.lending) holds every booked pool node; placement hides
-those nodes from a gang without a time limit (placement.gang.place_gang), so only backfill jobs with time limits land
-there, and a swap that needs such a node preempts its borrower at once, with no checkpoint handshake.
+Lending: the capacity index's `lending` set (ClusterCapacity.lending) holds every booked pool node; a gang without a
+time limit is placed on a view of the index less those nodes (ClusterCapacity.unlent; placement.gang.place_gang), a
+gang with one there first and on the pool's nodes only when it fits nowhere else. So only backfill jobs with time
+limits land there, and a swap that needs such a node preempts its borrower at once, with no checkpoint handshake.
 """
 
 from __future__ import annotations
