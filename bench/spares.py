@@ -5,8 +5,8 @@ from each trial's seed).
 Shapes (replicas x GPUs / replicas per segment + spares per segment): 256x4/16+2 (16 racks, 16 trays training and 2
 spares each: 288 trays reserved), 64x4/16+2, 32x4/8+1, 8x4/4+1. A gang with spares is placed as segments of S + K
 (the scheduler's JobRecord.request) and split (core.spares.split_spares); it is timed against the same gang without
-spares. Then, on each placed gang, every node of the gang is lost in turn and the swap decision (choose_swap and
-swapped_allocations) is timed.
+spares. Then, on each placed gang, every node of the gang is lost in turn and the swap decision
+(gang_recovery.choose_swap, through recovery.decide_recovery, and swapped_allocations) is timed.
 
 Run: .venv/bin/python bench/spares.py [--trials 40] [--seed 0]
 Prints a table and ends with one JSON line.
@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from segments import DOMAINS, GPUS, TRAYS, fabric, part_filled, pct, timed
 
+from phalanx.core.gang_recovery import choose_swap
 from phalanx.core.model import GangRequest, Placement
-from phalanx.core.spares import choose_swap, inflated, split_spares, swapped_allocations
+from phalanx.core.spares import inflated, split_spares, swapped_allocations
 
 SHAPES = [(256, 16, 2), (64, 16, 2), (32, 8, 1), (8, 4, 1)]  # (replicas, per segment, spares per segment)
 

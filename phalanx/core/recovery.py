@@ -1,8 +1,8 @@
 """What to do with a running gang when nodes under it fail: swap in spares, shrink, or requeue. Pure: no I/O.
 
 One decision, shared by the simulator (`phalanx.sim.recovery_replay`, which compares the four policies on a trace
-with failures) and, later, the scheduler's spares and elastic paths (issue 34), so that what the evaluation
-measures is what the scheduler does.
+with failures) and the scheduler's spares and elastic paths (issue 34; its adapter is `phalanx.core.gang_recovery`),
+so that what the evaluation measures is what the scheduler does.
 
 The actions, cheapest first:
 
@@ -43,7 +43,9 @@ class GangAtFailure:
     `ranks`: the node of each replica, in rank order (several replicas may share a node). `domain_of`: the domain of
     each of its nodes (and of its spares). `spares`: the idle spare nodes it holds, per domain. `min_replicas`: the
     smallest world size it may shrink to (= `replicas` for a gang that is not elastic). `multiple`: a shrunk world
-    size must be a multiple of it (1: any size)."""
+    size must be a multiple of it (1: any size). `per_rank`: each entry of `spares` is one replica's worth (a node may
+    be listed once per spare slot it holds, the scheduler's spares), so a failed node hosting k ranks needs k of
+    them; False (the simulator's whole-node spares): one spare node replaces a failed node and all its ranks."""
 
     job: str
     ranks: tuple[str, ...]
@@ -51,6 +53,7 @@ class GangAtFailure:
     min_replicas: int = 0
     spares: Mapping[str, Sequence[str]] = field(default_factory=dict)
     multiple: int = 1
+    per_rank: bool = False
 
     @property
     def replicas(self) -> int:
@@ -99,7 +102,8 @@ def decide_recovery(
     per domain that a swap may book when the gang's own spare there is missing."""
     if policy not in POLICIES:
         raise ValueError(f"unknown recovery policy {policy!r}; policies: {', '.join(POLICIES)}")
-    hit = [n for n in dict.fromkeys(gang.ranks) if n in set(failed)]
+    failed = set(failed)
+    hit = [n for n in dict.fromkeys(gang.ranks) if n in failed]
     if not hit:
         return Recovery(NOTHING, gang.ranks, reason="no node of the gang failed: nothing to do")
     reasons = []
@@ -118,25 +122,38 @@ def decide_recovery(
 
 
 def _swap(gang: GangAtFailure, hit: list[str], failed: set[str], free: Mapping[str, Sequence[str]]) -> Recovery | str:
-    """Each failed node replaced by a spare of its domain (else a free node there), or why not."""
+    """Each failed node replaced by a spare of its domain (else a free node there), or why not. With `per_rank`,
+    each rank of a failed node takes its own spare entry of the domain (in the order listed), and `swaps` has one
+    (failed node, replacement, from free) per moved rank (a failed node's ranks in rank order)."""
+    left = {d: [s for s in nodes if s not in failed] for d, nodes in gang.spares.items()}  # entries still to take
     taken: set[str] = set()
     gang_nodes = set(gang.ranks)
     swaps: list[tuple[str, str, bool]] = []
     for node in hit:
         domain = gang.domain_of[node]
-        spare = next((s for s in gang.spares.get(domain, ()) if s not in failed and s not in taken), None)
-        from_free = spare is None
-        if spare is None:
-            spare = next(
-                (s for s in free.get(domain, ()) if s not in failed and s not in taken and s not in gang_nodes),
-                None,
-            )
-        if spare is None:
-            return f"no spare or free node left in domain {domain} for {node}"
-        taken.add(spare)
-        swaps.append((node, spare, from_free))
-    moved = {old: new for old, new, _ in swaps}
-    ranks = tuple(moved.get(n, n) for n in gang.ranks)
+        for _ in range(gang.ranks.count(node) if gang.per_rank else 1):
+            pool = left.get(domain, [])
+            spare = next((s for s in pool if gang.per_rank or s not in taken), None)
+            from_free = spare is None
+            if spare is not None:
+                pool.remove(spare)
+            else:
+                spare = next(
+                    (s for s in free.get(domain, ()) if s not in failed and s not in taken and s not in gang_nodes),
+                    None,
+                )
+            if spare is None:
+                return f"no spare or free node left in domain {domain} for {node}"
+            taken.add(spare)
+            swaps.append((node, spare, from_free))
+    if gang.per_rank:
+        queues: dict[str, list[str]] = {}
+        for old, new, _ in swaps:
+            queues.setdefault(old, []).append(new)
+        ranks = tuple(queues[n].pop(0) if n in queues else n for n in gang.ranks)
+    else:
+        moved = {old: new for old, new, _ in swaps}
+        ranks = tuple(moved.get(n, n) for n in gang.ranks)
     held = sum(1 for *_, f in swaps if not f)
     return Recovery(
         SWAP,

@@ -10,9 +10,8 @@ Pure functions, no I/O: the scheduler (services/scheduler/spares.py), the simula
 - `split_spares`: such a placement back into the S active replicas of each segment (ranks contiguous per segment,
   numbered as a plain segmented gang's) and its K spares (replica indices -1, -2, ...: the ledger's rows for them
   are the gang's own, told apart by a negative replica);
-- `choose_swap`: which spare takes each replica of a dead node, or None when the domain has too few (then the
-  caller falls back to tearing the gang down and requeueing it). Kept small and separate so that a fuller recovery
-  decision (swap, shrink, requeue) can call it.
+- which spare takes each replica of a dead node is not decided here but by the recovery decision shared with the
+  simulator (`phalanx.core.recovery.decide_recovery`, through `phalanx.core.gang_recovery.choose_swap`).
 
 A spare is one replica's worth of GPUs (`gpus_per_replica`) in the segment's domain: a whole node when a replica
 fills its node, the usual layout of a training gang (8 GPUs per replica on 8-GPU nodes). Placement puts the K spares
@@ -22,7 +21,7 @@ a node with active replicas; such a spare is not used for a swap off its own nod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .model import Placement, ReplicaPlacement
@@ -85,37 +84,6 @@ def split_spares(placement: Placement, segment: int, spares: int) -> tuple[Place
                 slot = seg * spares + (j - segment)
                 slots.append(SpareSlot(slot, seg, domain, rep.node, tuple(rep.gpus)))
     return replace(placement, replicas=tuple(active)), slots
-
-
-def choose_swap(
-    actives: Iterable[tuple[int, str]],
-    spares: Sequence[SpareSlot],
-    segment: int,
-    segment_domains: Sequence[str],
-    dead: str,
-    unusable: Iterable[str] = (),
-) -> dict[int, SpareSlot] | None:
-    """Which booked spare takes each active replica of node `dead`: {replica: spare}. A replica's spare lies in its
-    segment's domain (its own segment's spares first, then another segment's in the same domain), on a node that is
-    neither `dead` nor `unusable` (lost, or with a fatal GPU). None when some replica of `dead` has no such spare,
-    or when the gang has no replica there; the caller then tears the gang down as before."""
-    hit = sorted(r for r, node in actives if node == dead)
-    if not hit or segment <= 0:
-        return None
-    bad = {dead, *unusable}
-    free = [s for s in spares if s.booked and s.node not in bad]
-    chosen: dict[int, SpareSlot] = {}
-    for replica in hit:
-        seg = replica // segment
-        domain = segment_domains[seg] if seg < len(segment_domains) else ""
-        # Its own segment's spares first (their slots in order), then another segment's of the same domain
-        fits = [s for s in free if s.segment == seg] or [s for s in free if domain and s.domain == domain]
-        if not fits:
-            return None
-        pick = fits[0]
-        chosen[replica] = pick
-        free.remove(pick)
-    return chosen
 
 
 def swapped_allocations(

@@ -46,12 +46,13 @@ from phalanx.core.decide import (
     decide,
 )
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
+from phalanx.core.gang_recovery import choose_swap
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
 from phalanx.core.preemption import PreemptionPolicy
 from phalanx.core.quota import QuotaBook, cluster_totals, demand
 from phalanx.core.snapshot import ElasticPolicy
-from phalanx.core.spares import SpareSlot, choose_swap, split_spares
+from phalanx.core.spares import SpareSlot, split_spares
 
 # A scenario's data and rows, and its generation, live in their own modules; every name stays importable from here.
 from .generate import PROFILES, VERBS, WEIGHTS, fill, random_job, random_scenario, shrink  # noqa: F401

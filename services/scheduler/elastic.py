@@ -12,28 +12,38 @@ from __future__ import annotations
 
 from typing import Any
 
+from phalanx.core.gang_recovery import elastic_gang
+from phalanx.core.recovery import REQUEUE, decide_recovery
+
 from .state import JobRecord, SchedulerState
 
 SHRINK_CAUSES = ("NODE_LOST", "GPU_FAILED")
 
 
-def surviving_replicas(state: SchedulerState, job: JobRecord) -> int:
-    """The replicas of its attempt on nodes that are still usable, on none of their unusable GPUs."""
-    count = 0
+def lost_replicas(state: SchedulerState, job: JobRecord) -> set[int]:
+    """The replicas of its attempt on a node no longer usable, or on one of its unusable GPUs."""
+    lost = set()
     for rep in job.replica_placements():
         node = state.nodes.get(rep.node)
-        if node is not None and node.schedulable and not set(rep.gpus) & node.held_gpus:
-            count += 1
-    return count
+        if node is None or not node.schedulable or set(rep.gpus) & node.held_gpus:
+            lost.add(rep.replica)
+    return lost
 
 
 def shrink_changes(state: SchedulerState, job: JobRecord, cause: str, message: str) -> dict[str, Any] | None:
     """The teardown's changes for an elastic gang that shrinks instead of failing (None: it does not)."""
     if not job.min_replicas or cause not in SHRINK_CAUSES or job.serving.get("restart") == "never":
         return None
-    left = surviving_replicas(state, job)
-    if left < job.min_replicas:
+    # The shrink half of the recovery decision the simulator evaluates (phalanx.core.recovery; the swap half ran
+    # first, in spares.swap_or_teardown): a shrink when the surviving replicas are at least its minimum.
+    replicas = [r for r, _, _ in job.allocations]
+    lost = lost_replicas(state, job)
+    if job.min_replicas > len(replicas):
         return None
+    gang, failed = elastic_gang(job.id, replicas, job.min_replicas, lost)
+    if decide_recovery(gang, failed, "elastic").action == REQUEUE:
+        return None
+    left = len(replicas) - len(lost & set(replicas))
     return dict(
         state="PENDING",
         not_before=0.0,

@@ -24,16 +24,17 @@ import copy
 import structlog
 
 from phalanx.api.v1 import agent_pb2
+from phalanx.core.gang_recovery import choose_swap, recovery_policy
 from phalanx.core.model import NodeCapacity
 from phalanx.core.placement.segments import default_segment_tier
 from phalanx.core.placement.tiers import tier_level
 from phalanx.core.resources import room
-from phalanx.core.spares import SpareSlot, choose_swap, slot_of, swapped_allocations
+from phalanx.core.spares import SpareSlot, slot_of, swapped_allocations
 
 from . import ledger
 from .ledger.spare_rows import rewrite_spare_rows
 from .pools import pool_swap
-from .spare_fields import spare_slots
+from .spare_fields import spare_slots, spares_per_segment
 from .state import TERMINAL_RANK_STATES, JobRecord, layout_ranks
 from .transitions import Cycle, change_job, master_port, port_range, ports_taken, send_launches, teardown
 
@@ -52,7 +53,11 @@ def swap_or_teardown(cycle: Cycle, job: JobRecord, dead: str, *, cause: str, mes
         segment = int(job.shape.get("segment") or 0)
         actives = ((r, n) for r, n, _ in job.allocations)
         domains = job.placement.get("segments") or ()
-        chosen = choose_swap(actives, spare_slots(job), segment, domains, dead, unusable_nodes(cycle))
+        # The recovery decision the simulator evaluates (phalanx.core.recovery through gang_recovery): a swap when
+        # the domain has a usable spare for each replica of `dead`; otherwise (shrink or requeue) the teardown below
+        # decides the shrink (elastic.shrink_changes) with the same rule.
+        policy = recovery_policy(spares_per_segment(job), job.min_replicas, len(job.allocations))
+        chosen = choose_swap(actives, spare_slots(job), segment, domains, dead, unusable_nodes(cycle), policy)
     if chosen is None:
         # No spare of its own there: a node of an operator's spare pool in that domain (pools.pool_swap), else the
         # teardown and requeue of before.

@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from phalanx.core.capacity import ClusterCapacity
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
+from phalanx.core.gang_recovery import choose_swap
 from phalanx.core.model import GangRequest, NodeCapacity, Placement
 from phalanx.core.placement import domain_of, place_gang
 from phalanx.core.spares import (
     SpareSlot,
-    choose_swap,
     inflated,
     slot_of,
     spare_replica,
