@@ -54,11 +54,18 @@ def swap_gang(
     the order the decision takes them."""
     ordered = sorted(actives)
     ranks = tuple(node for _, node in ordered)
+    keys: dict[int, str] = {}  # each segment's domain key, worked out once
     domain_of: dict[str, str] = {}
+    hit_segments: set[int] = set()
     for replica, node in ordered:
-        domain_of.setdefault(node, _domain_key(replica // segment if segment > 0 else -1, segment_domains))
+        seg = replica // segment if segment > 0 else -1
+        key = keys.get(seg)
+        if key is None:
+            key = keys[seg] = _domain_key(seg, segment_domains)
+        domain_of[node] = key  # a node lies in one domain of the tier: every replica on it gives the same
+        if node == dead:
+            hit_segments.add(seg)
     bad = {dead, *unusable}
-    hit_segments = {r // segment for r, n in ordered if n == dead} if segment > 0 else set()
     usable = [s for s in spares if s.booked and s.node not in bad]
     usable.sort(key=lambda s: (s.segment not in hit_segments, s.slot))
     per_domain: dict[str, list[str]] = {}
