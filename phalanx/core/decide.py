@@ -57,6 +57,7 @@ from typing import Any
 from .backfill import BackfillResult, Reservation, RunningEnd, RunningSet, schedule_with_backfill
 from .claims import Claim, ClaimShield, outside, with_claimed
 from .elastic import finish_grow, kept_back, plan_grows, resizing, restarting
+from .elastic_units import describe_minimum
 from .model import Placement, ReplicaPlacement
 from .plan import AskCheckpoint, CallOff, EndClaim, Plan, Reserve, SetClaim, Step, Stop, Wait, WakeAt
 from .preemption import NoPreemption, Preemption, PreemptionPolicy, RunningGang, choose_victims, elastic_parts
@@ -584,7 +585,7 @@ class _Decision:
             )
         for vid in real:
             victim = self.get(vid)
-            shrink = f"; it then restarts at its minimum of {victim.request.min_replicas} replicas (elastic)"
+            shrink = f"; it then restarts at its minimum of {describe_minimum(victim.request)} (elastic)"
             self.steps.append(
                 AskCheckpoint(
                     vid,
@@ -673,7 +674,7 @@ class _Decision:
             if at is not None:
                 since = max(since, at)
             gang = RunningGang(r.job_id, p, r.placement, r.started_at, r.gpus * max(0.0, now - since))
-            gangs += elastic_parts(gang, r.request.min_replicas) if r.request.elastic else [gang]
+            gangs += elastic_parts(gang, r.request) if r.request.elastic else [gang]
         # GPUs of claims this head may not use stay out even when the search releases their holders.
         unusable = with_claimed(self.snap.unusable, self.shield.hidden_from(hid, priority) if self.shield else ())
         return choose_victims(self.cap, head.request, releasing + gangs, now, policy, self.config.tiers, unusable)

@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from .capacity import ClusterCapacity
+from .elastic_units import noun, round_up, running_size, shown, split_at_minimum
 from .model import GangRequest, Placement, ReplicaPlacement
 from .placement import domain_members, place_gang
 from .plan import AskCheckpoint, CallOff, Step, Stop
@@ -60,14 +61,15 @@ class _Decision(Protocol):
 
 
 def size(job: RunningJob) -> int:
-    """The replicas its attempt runs with."""
-    return len(job.placement.replicas)
+    """The replicas its attempt runs with, in its request's units (a segmented gang's segments whole, with their
+    spares: elastic_units)."""
+    return running_size(job.request, job.placement.replicas)
 
 
 def grow_target(job: RunningJob, policy: ElasticPolicy) -> int:
-    """The smallest size worth a restart."""
+    """The smallest size worth a restart (whole segments for a segmented gang)."""
     now = size(job)
-    return min(job.request.replicas, now + max(policy.min_step, math.ceil(now * policy.min_fraction), 1))
+    return round_up(job.request, now + max(policy.min_step, math.ceil(now * policy.min_fraction), 1))
 
 
 def resizing(job: RunningJob) -> bool:
@@ -106,7 +108,7 @@ def plan_grows(d: _Decision) -> None:
 def finish_grow(d: _Decision, job: RunningJob) -> bool:
     """A gang asked to checkpoint for its grow: stop and requeue it once it may, or call the grow off. True when it
     was stopped (step 2 of the module docstring)."""
-    vid, now = job.job_id, d.now
+    vid, now, r = job.job_id, d.now, job.request
     if job.checkpoint_pending and now < job.deadline:
         d.wake_at(min(job.deadline, now + d.config.poll_s))  # its commit clears the request unannounced: look again
         return False
@@ -124,7 +126,8 @@ def finish_grow(d: _Decision, job: RunningJob) -> bool:
         d.steps.append(
             CallOff(
                 vid,
-                f"running at {size(job)} of at most {job.request.replicas} replicas; the grow was called off: {why}",
+                f"running at {shown(r, size(job))} of at most {shown(r, r.replicas)} {noun(r)}; the grow was called "
+                f"off: {why}",
             )
         )
         return False
@@ -133,8 +136,8 @@ def finish_grow(d: _Decision, job: RunningJob) -> bool:
     d.steps.append(
         Stop(
             vid,
-            f"elastic grow from {size(job)} towards {len(got.replicas)} replicas: its checkpoint is committed; it "
-            "restarts at the new size from it",
+            f"elastic grow from {shown(r, size(job))} towards {shown(r, len(got.replicas))} {noun(r)}: its checkpoint "
+            "is committed; it restarts at the new size from it",
             resize=True,
         )
     )
@@ -163,9 +166,9 @@ def restarting(d: _Decision) -> set[str]:
 
 def kept_back(victim: RunningJob, shrunk: bool) -> tuple[ReplicaPlacement, ...]:
     """What a preemption frees of a victim: all of it, or, when it only shrinks an elastic gang to its minimum
-    (preemption.elastic_parts), the replicas beyond its minimum."""
+    (preemption.elastic_parts), the replicas beyond its minimum (whole segments, with their spares)."""
     reps = victim.placement.replicas
-    return reps[victim.request.min_replicas :] if shrunk else reps
+    return split_at_minimum(victim.request, reps)[1] if shrunk else reps
 
 
 def bigger(d: _Decision, job: RunningJob, target: int) -> Placement | None:
@@ -208,15 +211,16 @@ def _waiting_priority(d: _Decision, besides: str) -> float:
 
 def _ask(d: _Decision, job: RunningJob, to: int, policy: ElasticPolicy) -> None:
     deadline = d.now + policy.grace_period_s
-    jid = job.job_id
+    jid, r = job.job_id, job.request
     d.steps.append(
         AskCheckpoint(
             jid,
             deadline,
             jid,
-            f"elastic grow: from {size(job)} to {to} replicas",
-            f"growing from {size(job)} to {to} of at most {job.request.replicas} replicas: asked to checkpoint; it "
-            "restarts at the new size once that is committed (by the end of its grace period at the latest)",
+            f"elastic grow: from {shown(r, size(job))} to {shown(r, to)} {noun(r)}",
+            f"growing from {shown(r, size(job))} to {shown(r, to)} of at most {shown(r, r.replicas)} {noun(r)}: asked "
+            "to checkpoint; it restarts at the new size once that is committed (by the end of its grace period at the "
+            "latest)",
         )
     )
     d._set_running(replace(job, preempted_by=jid, deadline=deadline, checkpoint_pending=True))

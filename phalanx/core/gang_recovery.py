@@ -115,10 +115,13 @@ def slots_of_swap(
 
 
 def elastic_gang(
-    job: str, replicas: Sequence[int], min_replicas: int, lost: Collection[int]
+    job: str, replicas: Sequence[int], min_replicas: int, lost: Collection[int], multiple: int = 1
 ) -> tuple[GangAtFailure, set[str]]:
-    """An elastic gang for the shrink decision: one entry per replica (`replicas`, its current attempt's), and the
-    entries of the `lost` ones (on a lost node or a fatal GPU)."""
+    """An elastic gang for the shrink decision: one entry per replica (`replicas`, its current attempt's active
+    ones), and the entries of the `lost` ones (on a lost node or a fatal GPU; a spare's negative index is no rank and
+    is left out). `multiple`: a segmented gang shrinks by whole segments (its segment size)."""
     keys = tuple(f"replica {r}" for r in sorted(replicas))
-    gang = GangAtFailure(job, keys, dict.fromkeys(keys, ""), min_replicas=min(min_replicas, len(keys)))
-    return gang, {f"replica {r}" for r in lost}
+    gang = GangAtFailure(
+        job, keys, dict.fromkeys(keys, ""), min_replicas=min(min_replicas, len(keys)), multiple=max(1, multiple)
+    )
+    return gang, {f"replica {r}" for r in lost if r >= 0}

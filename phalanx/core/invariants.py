@@ -29,7 +29,8 @@ and the live scheduler's ledger (tests/e2e/test_chaos_invariants.py):
     checkpoint and never claims capacity: it waits for a release instead (the deadlock of LeaderWorkerSet issues
     717 and 1050 is a surge that evicts, or waits on, what must go first).
 (h) elastic gangs. An elastic gang (`--replicas MIN:MAX`) runs with whole replicas, between MIN and MAX of them, all
-    of one attempt: it grows or shrinks only by a restart (a new attempt), never below MIN.
+    of one attempt: it grows or shrinks only by a restart (a new attempt), never below MIN. A segmented one runs whole
+    segments ((j)), its spares not counted as replicas ((i)).
 (i) spares. A spare lies in its segment's domain, no rank is on a spare, and a swap never lets another gang take
     the slot (phalanx.core.spare_invariants).
 (j) segments. Every attempt of a multi-level gang starts with each segment (replicas i*S .. i*S+S-1, ranks
@@ -307,7 +308,8 @@ class Checker:
         if job.segment > 0 and e.replica_nodes:
             self._check_segments(e, job)
         if job.spares or e.swap_of:
-            shape = (job.replicas, job.gpus_per_replica, job.segment, job.segment_tier, job.spares)
+            running = len(e.replica_nodes) if job.min_replicas and e.replica_nodes else job.replicas  # (h: its size)
+            shape = (running, job.gpus_per_replica, job.segment, job.segment_tier, job.spares)
             for what in spare_violations(e, shape, self.domains, self.tiers, self.down, job.ended, self.index):
                 self._bad("i", what)
         # (b) claims: no start on claimed capacity by a gang that may not use it
@@ -369,12 +371,13 @@ class Checker:
     def _check_elastic(self, e: Started, job: _Job) -> None:
         """(h) an elastic gang's attempt holds whole replicas, between its minimum and its maximum of them (and, as
         for every gang, only GPUs of that one attempt: (a))."""
-        replicas, rest = divmod(len(e.holds), max(1, job.gpus_per_replica))
+        ranks = len(e.holds) - len(e.spare_holds)  # (its spares kept in the domain are no ranks: invariant i)
+        replicas, rest = divmod(ranks, max(1, job.gpus_per_replica))
         if rest or not job.min_replicas <= replicas <= job.replicas:
             self._bad(
                 "h",
-                f"elastic job {e.job} attempt {e.attempt} started with {len(e.holds)} GPUs: not {job.min_replicas} "
-                f"to {job.replicas} whole replicas of {job.gpus_per_replica} GPUs",
+                f"elastic job {e.job} attempt {e.attempt} started with {ranks} GPUs for its ranks: not "
+                f"{job.min_replicas} to {job.replicas} whole replicas of {job.gpus_per_replica} GPUs",
             )
 
     def _claimed_overlap(self, claim: ClaimMade, holds: tuple[Hold, ...]) -> tuple[str, int] | None:

@@ -62,6 +62,10 @@ class GangRequest:
     # Elastic gangs (phalanx.core.elastic): the gang starts once this many replicas fit, taking as many as fit up to
     # `replicas` (its maximum) in one reservation. 0: not elastic (exactly `replicas`).
     min_replicas: int = 0
+    # Spares kept in the domain (phalanx.core.spares): the last `spares` of each segment's `segment` replicas are
+    # idle spares (negative replica indexes once reserved), not ranks. `replicas`, `segment` and `min_replicas` count
+    # them (core.spares.inflated): placement sees the segments whole. 0: none.
+    spares: int = 0
     # Its place in the queue (placement.queue_order): priority (higher first), submission time, id. Computed once:
     # a pass sorts thousands of pending gangs, and the scheduler keeps their requests from one cycle to the next.
     order: tuple[int, float, str] = field(init=False, repr=False, compare=False)

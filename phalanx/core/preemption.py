@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from .capacity import ClusterCapacity
+from .elastic_units import split_at_minimum
 from .model import GangRequest, Placement, ReplicaPlacement
 from .placement import Unplaceable, place_gang
 from .status import Code, Status
@@ -112,12 +113,12 @@ class RunningGang:
 WHOLE, SHRINK, CORE = 0, 1, 2
 
 
-def elastic_parts(gang: RunningGang, min_replicas: int) -> list[RunningGang]:
-    """A running elastic gang as preemption candidates: the replicas beyond `min_replicas` (taken first) and the
-    rest; the gang itself when it runs at its minimum. Both parts carry the gang's work since its checkpoint: a
-    shrink is a restart too."""
-    reps = gang.placement.replicas
-    if not 0 < min_replicas < len(reps):
+def elastic_parts(gang: RunningGang, request: GangRequest) -> list[RunningGang]:
+    """A running elastic gang as preemption candidates: the replicas beyond `request.min_replicas` (taken first; a
+    segmented gang's whole segments beyond its minimum, with their spares: elastic_units) and the rest; the gang itself
+    when it runs at its minimum. Both parts carry the gang's work since its checkpoint: a shrink is a restart too."""
+    core, extra = split_at_minimum(request, gang.placement.replicas)
+    if not core or not extra:
         return [gang]
     p = gang.placement
 
@@ -127,7 +128,7 @@ def elastic_parts(gang: RunningGang, min_replicas: int) -> list[RunningGang]:
             gang.job_id, gang.priority, placement, gang.started_at, gang.work_since_checkpoint, part=kind
         )
 
-    return [part(SHRINK, reps[min_replicas:]), part(CORE, reps[:min_replicas])]
+    return [part(SHRINK, extra), part(CORE, core)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,13 @@ def inflated(replicas: int, segment: int, spares: int) -> tuple[int, int]:
     return replicas // segment * (segment + spares), segment + spares
 
 
+def inflated_min(min_replicas: int, segment: int, spares: int) -> int:
+    """An elastic gang's minimum as placement sees it (`inflated`): MIN / S segments of S + K (0: not elastic)."""
+    if min_replicas <= 0 or spares <= 0 or segment <= 0:
+        return min_replicas
+    return -(-min_replicas // segment) * (segment + spares)
+
+
 @dataclass(frozen=True, slots=True)
 class SpareSlot:
     """One spare of a gang: its slot (ledger replica spare_replica(slot)), its segment and that segment's domain,

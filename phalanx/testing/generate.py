@@ -122,9 +122,13 @@ def random_job(rng: random.Random, name: str, cluster: ClusterSpec, queues: Sequ
         min_replicas=max(1, replicas // 2) if elastic else 0,
     )
     # Drawn last, so the shapes above stay what a seed gave before segments existed.
-    # (Not for an elastic gang: segments and spares are not combined with elastic gangs yet.)
-    if not (profile or milli or elastic) and job.replicas > 1 and rng.random() < 0.25:
-        job = replace(job, segment=rng.choice([d for d in range(1, job.replicas + 1) if job.replicas % d == 0]))
+    if not (profile or milli) and job.replicas > 1 and rng.random() < 0.25:
+        # An elastic gang's segments leave it at least two (it grows and shrinks by whole segments), and its
+        # minimum is a whole number of them.
+        sizes = [d for d in range(1, job.replicas + (0 if elastic else 1)) if job.replicas % d == 0]
+        job = replace(job, segment=rng.choice(sizes))
+        if elastic:
+            job = replace(job, min_replicas=max(job.segment, job.min_replicas // job.segment * job.segment))
         if rng.random() < 0.5:  # spares kept in the domain (drawn after the segment, for the same reason)
             job = replace(job, spares=rng.choice((1, 1, 2)))
     return job

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from phalanx.core.model import GangRequest
 from phalanx.core.quota import DEFAULT_QUEUE, QueueSpec
-from phalanx.core.spares import inflated
+from phalanx.core.spares import inflated, inflated_min
 
 # The two GPU models of a mixed cluster: (model name, memory MiB); the first has MIG (H100 80GB: 7 slices).
 MODELS = (("NVIDIA H100 80GB HBM3", 81559), ("NVIDIA A100-SXM4-40GB", 40960))
@@ -73,7 +73,8 @@ class JobSpec:
             gpu_milli=self.gpu_milli,
             time_limit=self.time_limit,
             segment=segment,
-            min_replicas=self.min_replicas,
+            min_replicas=inflated_min(self.min_replicas, self.segment, self.spares),
+            spares=self.spares if self.segment else 0,
         )
 
 

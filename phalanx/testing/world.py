@@ -46,11 +46,12 @@ from phalanx.core.decide import (
     decide,
 )
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
-from phalanx.core.gang_recovery import choose_swap
+from phalanx.core.gang_recovery import choose_swap, elastic_gang
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.placement import place_gang
 from phalanx.core.preemption import PreemptionPolicy
 from phalanx.core.quota import QuotaBook, cluster_totals, demand
+from phalanx.core.recovery import REQUEUE, decide_recovery
 from phalanx.core.snapshot import ElasticPolicy
 from phalanx.core.spares import SpareSlot, split_spares
 
@@ -450,7 +451,7 @@ class World:
                 spec.segment if spec.spares else request.segment,
                 request.segment_tier,
                 spec.spares if spec.segment else 0,
-                request.min_replicas if request.elastic else 0,
+                spec.min_replicas if request.elastic else 0,
             )
         )
 
@@ -574,12 +575,15 @@ class World:
         scheduler's services/scheduler/elastic.py): no failure counted, no backoff."""
         if not job.request.elastic or job.placement is None:
             return False
-        left = sum(
-            1
-            for r in job.placement.replicas
-            if self.nodes[r.node].up and not set(r.gpus) & self.unusable_on(self.nodes[r.node])
-        )
-        return left >= job.request.min_replicas
+        actives = [r for r in job.placement.replicas if r.replica >= 0]  # (a spare is no rank)
+        lost = {
+            r.replica
+            for r in actives
+            if not self.nodes[r.node].up or set(r.gpus) & self.unusable_on(self.nodes[r.node])
+        }
+        spec = job.spec
+        gang, failed = elastic_gang(spec.job, [r.replica for r in actives], spec.min_replicas, lost, spec.segment or 1)
+        return decide_recovery(gang, failed, "elastic").action != REQUEUE
 
     def do_up(self, k: object) -> None:
         """A node returns: its agent restarted, nothing of the ended attempts runs there; its GPUs are healthy."""

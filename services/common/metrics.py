@@ -17,7 +17,10 @@ QUEUE_PENDING = Gauge(
     ["queue"],
 )
 GPUS_FREE = Gauge("phalanx_gpus_free", "Free GPUs on ready nodes")
-GPUS_ALLOCATED = Gauge("phalanx_gpus_allocated", "GPUs held by running gangs")
+GPUS_ALLOCATED = Gauge("phalanx_gpus_allocated", "GPUs held by running gangs (their ranks' and their spares')")
+GPUS_SPARE = Gauge(
+    "phalanx_gpus_spare", "GPUs running gangs hold idle as spares kept in the domain (part of phalanx_gpus_allocated)"
+)
 TENANT_GPUS_ALLOCATED = Gauge(
     "phalanx_tenant_gpus_allocated",
     "GPUs held by running gangs per tenant ('-': jobs submitted with authentication off); sums to "
@@ -128,7 +131,7 @@ def set_scheduler_groups(
     held: dict[tuple[str, ...], float] = {}
     for job in running:
         tenant = (job.tenant or "-",)
-        held[tenant] = held.get(tenant, 0) + sum(len(gpus) for _, _, gpus in job.allocations)
+        held[tenant] = held.get(tenant, 0) + sum(len(gpus) for _, _, gpus in (*job.allocations, *job.spares))
     states: dict[tuple[str, ...], float] = {}
     for node in nodes:
         state = (node.state, node.health)

@@ -37,13 +37,14 @@ def shrink_changes(state: SchedulerState, job: JobRecord, cause: str, message: s
     # The shrink half of the recovery decision the simulator evaluates (phalanx.core.recovery; the swap half ran
     # first, in spares.swap_or_teardown): a shrink when the surviving replicas are at least its minimum.
     replicas = [r for r, _, _ in job.allocations]
-    lost = lost_replicas(state, job)
+    lost = lost_replicas(state, job) & set(replicas)  # (a spare lost with the node is no rank)
     if job.min_replicas > len(replicas):
         return None
-    gang, failed = elastic_gang(job.id, replicas, job.min_replicas, lost)
+    segment = int(job.shape.get("segment") or 0)  # a segmented gang shrinks by whole segments
+    gang, failed = elastic_gang(job.id, replicas, job.min_replicas, lost, multiple=segment or 1)
     if decide_recovery(gang, failed, "elastic").action == REQUEUE:
         return None
-    left = len(replicas) - len(lost & set(replicas))
+    left = len(replicas) - len(lost)
     return dict(
         state="PENDING",
         not_before=0.0,

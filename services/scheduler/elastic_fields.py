@@ -23,13 +23,17 @@ def elastic_problems(spec: common_pb2.JobSpec) -> list[str]:
         problems.append(
             f"min_replicas {low} is more than replicas {high}, its maximum (--replicas MIN:MAX wants MIN <= MAX)"
         )
-    # What an elastic gang is not combined with (yet): each would need its own rule for which replicas go.
+    # What an elastic gang is not combined with (yet): each would need its own rule for which replicas go. (Segments
+    # and spares are: it grows and shrinks by whole segments, each with its spares; phalanx.core.elastic_units.)
     if spec.roles:
         problems.append("an elastic gang (min_replicas) cannot have roles: each role's size is fixed")
     if spec.mig_profile or spec.gpu_milli:
         problems.append("an elastic gang (min_replicas) takes whole GPUs: not a MIG profile or a GPU share")
-    if spec.segment or spec.spares_per_segment:
-        problems.append("an elastic gang (min_replicas) cannot have segments or spares (segment, spares_per_segment)")
+    if spec.segment > 0 and low % spec.segment:
+        problems.append(
+            f"min_replicas {low} is not a multiple of segment {spec.segment}: an elastic gang with segments grows and "
+            "shrinks by whole segments (--replicas MIN:MAX wants MIN and MAX multiples of --segment)"
+        )
     if spec.start_order not in ("", "any"):
         problems.append(f"an elastic gang (min_replicas) starts all at once: not start_order {spec.start_order[:40]!r}")
     return problems

@@ -35,8 +35,6 @@ def segment_problems(spec: common_pb2.JobSpec, tiers: Sequence[str]) -> list[str
         problems.append("segment_tier needs segment (replicas per segment)")
     if s and (spec.mig_profile or spec.gpu_milli):
         problems.append("segments need whole GPUs per replica, not a MIG instance or a GPU share")
-    if s and 0 < spec.min_replicas < spec.replicas:
-        problems.append("segments with an elastic gang (--replicas MIN:MAX) are not supported yet: give one size")
     return problems
 
 

@@ -653,9 +653,12 @@ class SchedulerService:
         jobs = self.state.jobs
         metrics.QUEUE_DEPTH.set(jobs.count("PENDING"))
         metrics.GPUS_FREE.set(self.state.capacity.free_gpus())
-        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in jobs.unordered("RUNNING") for _, _, g in j.allocations))
+        running = jobs.unordered("RUNNING")
+        spare = sum(len(g) for j in running for _, _, g in j.spares)  # (held idle: charged, never a rank's)
+        metrics.GPUS_ALLOCATED.set(sum(len(g) for j in running for _, _, g in j.allocations) + spare)
+        metrics.GPUS_SPARE.set(spare)
         nodes = list(self.state.nodes.values())  # one C call: the writer thread may add a node meanwhile
-        pending, running = jobs.unordered("PENDING"), jobs.unordered("RUNNING")
+        pending = jobs.unordered("PENDING")
         metrics.set_scheduler_groups(pending, running, nodes, list(self.state.queues))
 
     # ---- cross-replica notifications (PostgreSQL) ----------------------------------------------------------------

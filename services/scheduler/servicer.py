@@ -45,7 +45,7 @@ from .commands import (
     Submit,
 )
 from .convert import JOB_STATE_NAMES, JOB_STATES, NODE_STATES, RANK_STATE_NAMES, job_from_row, node_from_row
-from .elastic_fields import elastic_problems
+from .elastic_fields import elastic_problems, smallest
 from .graph_fields import DEFAULT_MAX_ARRAY_SIZE, graph_problems
 from .pool_rpcs import PoolRpcs
 from .segment_fields import check_segments_fit, segment_problems
@@ -190,8 +190,7 @@ def validate_spec(
                 "(a number with a binary unit K, M, G, T or P)"
             )
     problems += serving_problems(spec)
-    problems += segment_problems(spec, choices) + spare_problems(spec)
-    problems += elastic_problems(spec)
+    problems += segment_problems(spec, choices) + spare_problems(spec) + elastic_problems(spec)
     problems += graph_problems(spec, settings.max_array_size if settings else DEFAULT_MAX_ARRAY_SIZE)
     if problems:
         raise InvalidArgument("invalid job: " + "; ".join(problems))
@@ -269,8 +268,9 @@ class SchedulerServicer(PoolRpcs, scheduler_pb2_grpc.SchedulerServicer):
     async def SubmitJob(self, request, context):
         normalize_roles(request.spec)
         validate_spec(request.spec, self.service.settings.fabric.tiers, self.service.settings)
-        check_segments_fit(self.service.state.nodes.values(), request.spec, self.service.settings.fabric.tiers)
-        check_spares_fit(self.service.state.nodes.values(), request.spec, self.service.settings.fabric.tiers)
+        least = smallest(request.spec)  # (an elastic gang needs only its minimum to fit)
+        check_segments_fit(self.service.state.nodes.values(), least, self.service.settings.fabric.tiers)
+        check_spares_fit(self.service.state.nodes.values(), least, self.service.settings.fabric.tiers)
         check_text("request_id", request.request_id, 128)
         ident = current_identity()
         tenant = ident.tenant if ident is not None else ""

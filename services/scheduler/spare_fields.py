@@ -62,8 +62,6 @@ def spare_problems(spec: common_pb2.JobSpec) -> list[str]:
             f"spares_per_segment {k} needs segment: spares are kept in each segment's domain (for the whole gang "
             "in one domain give segment = replicas; for spares anywhere add segment_tier cluster)"
         ]
-    if k and 0 < spec.min_replicas < spec.replicas:
-        return [f"spares_per_segment {k} cannot be combined with an elastic gang (min_replicas) yet"]
     return []
 
 

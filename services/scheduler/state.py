@@ -19,7 +19,7 @@ from phalanx.core.closeness import GpuCloseness
 from phalanx.core.model import FULL_MIG_MASK, GangRequest, NodeCapacity, ReplicaPlacement
 from phalanx.core.pools import SparePool
 from phalanx.core.quota import QueueSpec
-from phalanx.core.spares import inflated
+from phalanx.core.spares import inflated, inflated_min
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
 
@@ -144,9 +144,8 @@ class JobRecord:
 
     def request(self) -> GangRequest:
         # With spares per segment, placement sees segments of S + K replicas (core.spares.inflated)
-        replicas, segment = inflated(
-            self.replicas, int(self.shape.get("segment") or 0), int(self.shape.get("spares_per_segment") or 0)
-        )
+        s, k = int(self.shape.get("segment") or 0), int(self.shape.get("spares_per_segment") or 0)
+        replicas, segment = inflated(self.replicas, s, k)
         return GangRequest(
             self.id,
             replicas,
@@ -164,7 +163,8 @@ class JobRecord:
             memory=self.memory,
             segment=segment,
             segment_tier=str(self.shape.get("segment_tier") or ""),
-            min_replicas=self.min_replicas,
+            min_replicas=inflated_min(self.min_replicas, s, k),
+            spares=k if s else 0,
         )
 
     def replica_placements(self) -> list[ReplicaPlacement]:

@@ -16,16 +16,10 @@ NAMES = [f"node-{i}" for i in range(6)]
 FABRIC = group_nvlink_domains(default_fabric(NAMES, nodes_per_leaf=6, leaves_per_spine=1), 3)
 
 
-def cluster(db_url: str) -> LiteCluster:
-    config = SchedulerSettings(
-        db_url=db_url,
-        listen="127.0.0.1:0",
-        fabric=FABRIC,
-        lease_timeout=1.0,
-        heartbeat_interval=0.2,
-        retry_backoff_s=0.5,
-        retry_backoff_max_s=5.0,
-    )
+def cluster(db_url: str, **settings) -> LiteCluster:
+    """`settings`: SchedulerSettings fields beside (or instead of) these."""
+    defaults = dict(lease_timeout=1.0, heartbeat_interval=0.2, retry_backoff_s=0.5, retry_backoff_max_s=5.0)
+    config = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=FABRIC, **{**defaults, **settings})
     return LiteCluster(config, lambda addr: [LiteAgent(addr, n, gpus=4) for n in NAMES])
 
 

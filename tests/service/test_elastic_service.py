@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from helpers.checkpoints import commit_checkpoint
 from helpers.lite_cluster import LiteCluster
 from helpers.procs import eventually
 
-from db.engine import make_engine
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.client import Job
 from phalanx.core import invariants as inv
@@ -17,7 +17,6 @@ from phalanx.core.fabric import default_fabric
 from phalanx.core.snapshot import ElasticPolicy
 from phalanx.testing.history import history_from_ledger
 from phalanx.testing.lite_agent import LiteAgent
-from services.checkpoint_coordinator import store
 from services.scheduler.settings import SchedulerSettings
 
 PENDING, RUNNING = common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_RUNNING
@@ -45,23 +44,6 @@ async def job_where(c: LiteCluster, job_id: str, what: str, check) -> common_pb2
         return job if check(job) else None
 
     return await eventually(look, timeout=15, what=f"job {job_id}: {what}")
-
-
-def commit_checkpoint(db_url: str, job_id: str, attempt: int, step: int, world: int) -> None:
-    """What every rank's phalanx.train.save does: one shard each; the last one commits."""
-    engine = make_engine(db_url)
-    try:
-        for rank in range(world):
-            store.report_shard(
-                engine,
-                job_id,
-                attempt,
-                step,
-                world,
-                store.ShardRecord(rank, f"file:///ckpt/{job_id}/{step}/{rank}", 10, f"sha256:{rank}"),
-            )
-    finally:
-        engine.dispose()
 
 
 def assert_invariants(db_url: str) -> None:
@@ -151,7 +133,7 @@ async def test_never_below_its_minimum_it_waits_whole(db_url):
         (dict(replicas=2, min_replicas=-1), "min_replicas must be at least 1"),
         (dict(replicas=2, min_replicas=1, mig_profile="1g.10gb"), "takes whole GPUs"),
         (dict(replicas=2, min_replicas=1, gpu_milli=500), "takes whole GPUs"),
-        (dict(replicas=2, min_replicas=1, segment=1), "cannot have segments"),
+        (dict(replicas=4, min_replicas=1, segment=2), "min_replicas 1 is not a multiple of segment 2"),
         (dict(replicas=0, min_replicas=1, roles=[common_pb2.Role(name="a", replicas=2)]), "cannot have roles"),
         (dict(replicas=2, min_replicas=1, start_order="leader-first"), "starts all at once"),
     ],

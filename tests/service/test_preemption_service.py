@@ -4,16 +4,15 @@ grace period ends), hand their GPUs to the preemptor in the same commit, requeue
 from __future__ import annotations
 
 import pytest
+from helpers.checkpoints import commit_checkpoint
 from helpers.clock import FakeClock
 from helpers.lite_cluster import LiteCluster
 from helpers.procs import eventually
 
-from db.engine import make_engine
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric
 from phalanx.core.preemption import PreemptionPolicy
 from phalanx.testing.lite_agent import LiteAgent
-from services.checkpoint_coordinator import store
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.transitions import CycleCommand
 
@@ -42,23 +41,6 @@ async def in_state(c: LiteCluster, job_id: str, state: int, **fields):
         return job if ok else None
 
     return await eventually(check, timeout=15, what=f"job {job_id} {common_pb2.JobState.Name(state)} {fields}")
-
-
-def commit_checkpoint(db_url: str, job_id: str, attempt: int, step: int, world: int) -> None:
-    """What every rank's phalanx.train.save does: one shard each; the last one commits."""
-    engine = make_engine(db_url)
-    try:
-        for rank in range(world):
-            store.report_shard(
-                engine,
-                job_id,
-                attempt,
-                step,
-                world,
-                store.ShardRecord(rank, f"file:///ckpt/{job_id}/{step}/{rank}", 10, f"sha256:{rank}"),
-            )
-    finally:
-        engine.dispose()
 
 
 @pytest.mark.slow

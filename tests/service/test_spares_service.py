@@ -161,7 +161,10 @@ async def test_a_fatal_gpu_swaps_rank_0_onto_the_spare_and_goodput_counts_the_sw
         (dict(replicas=4, segment=2, spares_per_segment=-1), "spares_per_segment must be 0"),
         (dict(replicas=2, spares_per_segment=1), "spares_per_segment 1 needs segment"),
         (dict(replicas=4, segment=2, spares_per_segment=2), "too many spares: with 2 spare(s) per segment"),
-        (dict(replicas=4, segment=2, spares_per_segment=1, min_replicas=2), "cannot be combined with an elastic gang"),
+        (
+            dict(replicas=4, segment=2, spares_per_segment=1, min_replicas=1),
+            "min_replicas 1 is not a multiple of segment 2",
+        ),
     ],
 )
 async def test_bad_spares_are_invalid_argument_and_write_nothing(db_url, fields, words):

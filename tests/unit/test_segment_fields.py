@@ -35,7 +35,6 @@ def spec(**kw) -> common_pb2.JobSpec:
         (dict(segment=18, segment_tier="rack"), "segment_tier 'rack' is not a tier"),
         (dict(segment_tier="leaf"), "segment_tier needs segment"),
         (dict(replicas=2, segment=1, gpu_milli=500), "segments need whole GPUs"),
-        (dict(segment=18, min_replicas=18), "segments with an elastic gang"),
     ],
 )
 def test_problems(fields, words):
@@ -46,6 +45,7 @@ def test_problems(fields, words):
 def test_no_problems_and_a_plain_gang():
     assert segment_problems(spec(segment=18), TIERS) == []
     assert segment_problems(spec(segment=18, segment_tier="leaf"), TIERS) == []
+    assert segment_problems(spec(segment=18, min_replicas=18), TIERS) == []  # an elastic gang of 1 to 2 segments
     assert segment_problems(spec(), TIERS) == []
 
 

@@ -312,23 +312,25 @@ def _place_elastic(
     """The largest placement of an elastic gang between its minimum and maximum sizes; Unplaceable (saying the
     minimum does not fit) when not even `min_replicas` fit. `place` places a fixed-size gang.
 
-    Fitting is monotone in the size (dropping a replica from a placement leaves a placement of the smaller gang,
-    under the same tier constraints), so the largest size that fits is found by trying the maximum, then the
-    minimum, then a binary search between them: at most 2 + log2(MAX - MIN) placements, and one in the common case
-    (it fits whole)."""
-    low, high = request.min_replicas, request.replicas
+    A segmented gang's sizes are whole segments (`request.segment` replicas, its spares counted: elastic_units), so
+    the search runs over segment counts. Fitting is monotone in the size (dropping a replica, or a segment, from a
+    placement leaves a placement of the smaller gang, under the same tier constraints), so the largest size that
+    fits is found by trying the maximum, then the minimum, then a binary search between them: at most
+    2 + log2(MAX - MIN) placements, and one in the common case (it fits whole)."""
+    step = request.segment if request.segment > 0 else 1
+    low, high = -(-request.min_replicas // step), request.replicas // step  # in units of `step` replicas
 
-    def at(size: int) -> Placement | Unplaceable:
-        return place(replace(request, replicas=size, min_replicas=0))
+    def at(units: int) -> Placement | Unplaceable:
+        return place(replace(request, replicas=units * step, min_replicas=0))
 
+    what, most = ("segments" if step > 1 else "replicas"), high  # (a segment's count is the user's, spares or not)
     best = at(high)
     if isinstance(best, Placement):
         return best
     least = at(low)
     if isinstance(least, Unplaceable):
         return Unplaceable(
-            request.job_id,
-            f"not even its minimum of {low} of {high} replicas (elastic) fits: {least.reason}",
+            request.job_id, f"not even its minimum of {low} of {high} {what} (elastic) fits: {least.reason}"
         )
     found, low = least, low + 1  # invariant: `found` fits at low - 1; nothing fits at high
     while low < high:
@@ -340,5 +342,5 @@ def _place_elastic(
             high = mid
     return replace(
         found,
-        reason=f"{found.reason}; elastic: {len(found.replicas)} of at most {request.replicas} replicas fit now",
+        reason=f"{found.reason}; elastic: {len(found.replicas) // step} of at most {most} {what} fit now",
     )
