@@ -333,8 +333,8 @@ class JobAttempt(Base):
     reserved_at: Mapped[float] = mapped_column()
     running_at: Mapped[float | None] = mapped_column(nullable=True)
     ended_at: Mapped[float | None] = mapped_column(nullable=True)
-    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, GPU_FAILED, RANK_LOST, RANK_FAILED, SETUP_FAILED,
-    # LAUNCH_TIMEOUT, TIMEOUT; "" while running
+    # SUCCEEDED, FAILED, CANCELLED, PREEMPTED, NODE_LOST, NODE_DRAINED, GPU_FAILED, RANK_LOST, RANK_FAILED,
+    # SETUP_FAILED, LAUNCH_TIMEOUT, TIMEOUT; "" while running
     outcome: Mapped[str] = mapped_column(String(16), default="", server_default="")
     reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     restored_step: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")

@@ -147,6 +147,20 @@ class LiteAgent:
                 await task
         await self.channel.close()
 
+    async def drain(self) -> None:
+        """What the real agent does on SIGTERM: a last heartbeat saying `draining`, its ranks killed and reported
+        KILLED, then it goes (stop)."""
+        await self.stub.Heartbeat(
+            agent_pb2.HeartbeatRequest(node_name=self.name, agent_instance=self.instance, draining=True)
+        )
+        for (job_id, attempt), ranks in list(self.by_attempt.items()):
+            for rank, task in ranks.items():
+                if not task.done():
+                    task.cancel()
+                    await self._report(job_id, attempt, rank, common_pb2.RANK_STATE_KILLED, -15)
+        self.by_attempt.clear()
+        await self.stop()
+
     async def heal(self) -> None:
         """Come back after partition(): register again and resume the stream from the last revision taken, so the
         kills queued meanwhile (for attempts the scheduler gave up on) arrive and stop the stale ranks."""

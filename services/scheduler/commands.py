@@ -32,7 +32,7 @@ from .graph_fields import SubmitGraph
 from .jobgraph import cancel_tasks
 from .segment_fields import shape_of_spec
 from .spare_fields import spare_shape
-from .spares import drop_spares_on, still_booked, swap_or_teardown
+from .spares import drop_spares_on, leave_drained_node, still_booked, swap_or_teardown
 from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
 from .transitions import (
     Command,
@@ -691,6 +691,7 @@ class Drain(CycleCommand):
         node.state = "DRAINED"
         cycle.state.set_node_schedulable(node.name)
         log.info("node_drained", node=node.name, reason=self.message)
+        leave_drained_node(cycle, node.name, f"node {node.name} is draining ({self.message})")
         return True
 
 

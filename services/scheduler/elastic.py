@@ -17,7 +17,7 @@ from phalanx.core.recovery import REQUEUE, decide_recovery
 
 from .state import JobRecord, SchedulerState
 
-SHRINK_CAUSES = ("NODE_LOST", "GPU_FAILED")
+SHRINK_CAUSES = ("NODE_LOST", "GPU_FAILED", "NODE_DRAINED")
 
 
 def lost_replicas(state: SchedulerState, job: JobRecord) -> set[int]:

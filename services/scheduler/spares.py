@@ -32,6 +32,7 @@ from phalanx.core.resources import room
 from phalanx.core.spares import SpareSlot, slot_of, swapped_allocations
 
 from . import ledger
+from .elastic import shrink_changes
 from .ledger.spare_rows import rewrite_spare_rows
 from .pools import pool_swap
 from .spare_fields import spare_slots, spares_per_segment
@@ -48,6 +49,13 @@ def unusable_nodes(cycle: Cycle) -> set[str]:
 
 def swap_or_teardown(cycle: Cycle, job: JobRecord, dead: str, *, cause: str, message: str) -> None:
     """Swap spares of the domain in for the replicas on node `dead`, else tear the gang down (teardown)."""
+    if not try_swap(cycle, job, dead, cause=cause, message=message):
+        teardown(cycle, job, cause=cause, message=message)
+
+
+def try_swap(cycle: Cycle, job: JobRecord, dead: str, *, cause: str, message: str) -> bool:
+    """Swap spares of the domain in for the replicas on node `dead` (the gang's own, else a spare pool's node there):
+    True when it did; False, nothing changed, when the gang has no usable spare there."""
     chosen = None
     if job.spares and job.state == "RUNNING" and not job.preempted_by:
         segment = int(job.shape.get("segment") or 0)
@@ -60,11 +68,10 @@ def swap_or_teardown(cycle: Cycle, job: JobRecord, dead: str, *, cause: str, mes
         chosen = choose_swap(actives, spare_slots(job), segment, domains, dead, unusable_nodes(cycle), policy)
     if chosen is None:
         # No spare of its own there: a node of an operator's spare pool in that domain (pools.pool_swap), else the
-        # teardown and requeue of before.
-        if not pool_swap(cycle, job, dead, swap, cause=cause, message=message):
-            teardown(cycle, job, cause=cause, message=message)
-        return
+        # caller's teardown and requeue.
+        return pool_swap(cycle, job, dead, swap, cause=cause, message=message)
     swap(cycle, job, dead, chosen, cause=cause, message=message)
+    return True
 
 
 def swap(
@@ -232,3 +239,18 @@ def _room(node: NodeCapacity, job: JobRecord) -> bool:
 
 def _model(node: NodeCapacity, job: JobRecord) -> bool:
     return not job.gpu_model or job.gpu_model.lower() in node.gpu_model.lower()
+
+
+def leave_drained_node(cycle: Cycle, name: str, message: str) -> None:
+    """Node `name` is draining (its agent got SIGTERM and kills its ranks): a gang with a spare for its replicas
+    there swaps it in now, as for a lost node, and an elastic gang that keeps its minimum elsewhere shrinks now
+    (NODE_DRAINED), rather than both being requeued as failures when the killed ranks report in. Spares booked there
+    become missing. Any other gang is left to the ranks' reports (a requeue, as before)."""
+    for job in list(cycle.state.jobs.in_state("RUNNING").values()):
+        if job.preempted_by or all(node != name for _, node, _ in job.allocations):
+            continue
+        if try_swap(cycle, job, name, cause="NODE_DRAINED", message=message):
+            continue
+        if shrink_changes(cycle.state, job, "NODE_DRAINED", message) is not None:
+            teardown(cycle, job, cause="NODE_DRAINED", message=message)
+    drop_spares_on(cycle, name)

@@ -95,20 +95,19 @@ async def test_starts_small_and_grows_through_the_checkpoint_handshake_when_anot
 
 
 @pytest.mark.slow
-async def test_shrinks_at_once_when_a_node_is_lost(db_url):
+@pytest.mark.parametrize(("how", "outcome"), [("partition", "NODE_LOST"), ("drain", "NODE_DRAINED")])
+async def test_shrinks_at_once_when_a_node_is_lost_or_drains(db_url, how, outcome):
     async with cluster(db_url, nodes=3) as c:
         gang = await c.submit("elastic", 3, 1, min_replicas=2)
         first = await job_where(c, gang.id, "running at 3", lambda j: j.state == RUNNING and j.current_replicas == 3)
         lost = first.allocations[-1].node
-        await next(a for a in c.agents if a.name == lost).partition()
+        await getattr(next(a for a in c.agents if a.name == lost), how)()  # a cut network, or an agent's SIGTERM
 
         shrunk = await job_where(c, gang.id, "attempt 2", lambda j: j.state == RUNNING and j.attempt == 2)
         assert shrunk.current_replicas == 2 and lost not in {a.node for a in shrunk.allocations}
         assert shrunk.failures == 0 and shrunk.not_before == 0  # no failure counted, no backoff waited
         assert launches(c, gang.id, 2)[0].env["WORLD_SIZE"] == "2"
-        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=gang.id) == [
-            ("NODE_LOST",)
-        ]
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=gang.id) == [(outcome,)]
         assert {a.node for a in shrunk.allocations} == {a.node for a in first.allocations} - {lost}
         assert_invariants(db_url)
 

@@ -108,6 +108,37 @@ async def test_a_lost_spare_goes_missing_and_the_gang_runs_on_then_with_no_spare
         assert "was lost" in got.message and got.swaps == 0
 
 
+async def test_a_draining_node_is_swapped_for_its_spare_at_once_and_a_draining_spare_goes_missing(db_url):
+    # An agent stopping (SIGTERM: a rolling upgrade, a reboot) kills its ranks: the gang swaps the spare of that
+    # domain in before the kills are reported, instead of being requeued as a failure.
+    async with cluster(db_url) as c:
+        first = await gang_with_spares(c)
+        await c.settled(first.id)
+        spare_of = {s.segment: s.node for s in first.spares}
+        drained = nodes_of(first)[1]  # segment 0
+        await agent(c, drained).drain()
+        second = await eventually(lambda: running_attempt(c, first.id, 2), what="the spare swapped in for the drain")
+        assert nodes_of(second)[1] == spare_of[0] and second.failures == 0 and second.swaps == 1
+        assert "is draining" in second.message and "swapped in" in second.message
+        assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=first.id) == [
+            ("NODE_DRAINED",)
+        ]
+        # The other segment's spare drains: it goes missing, and the gang runs on undisturbed.
+        await agent(c, spare_of[1]).drain()
+
+        async def missing():
+            job = await c.job(first.id)
+            return job if [(s.segment, s.booked) for s in job.spares] == [(0, False), (1, False)] else None
+
+        job = await eventually(missing, what="the drained spare missing")
+        assert job.attempt == 2 and job.state == RUNNING
+
+
+async def running_attempt(c: LiteCluster, job_id: str, attempt: int) -> common_pb2.Job | None:
+    job = await c.job(job_id)
+    return job if job.attempt == attempt and job.state == RUNNING else None
+
+
 async def test_a_fatal_gpu_swaps_rank_0_onto_the_spare_and_goodput_counts_the_swap_as_restart(db_url):
     async with cluster(db_url) as c:
         first = await gang_with_spares(c)
