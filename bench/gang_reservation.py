@@ -64,6 +64,13 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] if ordered else float("nan")
 
 
+def gang_mix(nodes: int) -> list[int]:
+    """The throughput phase's gangs (GPU counts, keys of SHAPES) for `nodes` x 8 GPUs: a quarter of the GPUs in
+    64-GPU gangs, a quarter in 8-GPU gangs, half in 1-GPU gangs (bench/peers.py replays the same mix on Ray)."""
+    total = nodes * 8
+    return [64] * (total // 4 // 64) + [8] * (total // 4 // 8) + [1] * (total // 2)
+
+
 class Bench:
     def __init__(self, admin_url: str, nodes: int, workdir: Path) -> None:
         self.admin_url = admin_url
@@ -160,8 +167,7 @@ class Bench:
         return out
 
     async def throughput(self, clients: int, rounds: int, inflight: int) -> list[float]:
-        total = self.nodes * 8
-        mix = [64] * (total // 4 // 64) + [8] * (total // 4 // 8) + [1] * (total // 2)
+        mix = gang_mix(self.nodes)
         rates = []
         sdk = [AsyncClient(self.scheduler.address, timeout=60) for _ in range(clients)]
         try:

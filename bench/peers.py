@@ -1,0 +1,400 @@
+"""Phalanx beside its peers, in one run on one machine, with the same shapes (issue 35, item 4).
+
+Phalanx: a real scheduler process on a fresh PostgreSQL database with lightweight agents in a process of their own
+(bench/gang_reservation.py's Bench, reused as it is). Ray: placement groups on a local `ray.cluster_utils.Cluster`
+of fake GPU nodes (`pip install -e .[peers]`). Both clusters have 4 nodes x 8 GPUs, and are measured one after the
+other, never at the same time:
+- 1-GPU gang, submit to reserved, p50 / p99. Phalanx: from the SubmitJob call to the moment the client first knows
+  the gang is reserved (a SubmitJob reply in RUNNING, or the RUNNING event on a WatchJobs stream, whichever comes
+  first; both are printed too). Ray: a 1-bundle placement group, `placement_group([{"GPU": 1}])` to
+  `ray.get(pg.ready())`. Each sample is cancelled / removed before the next one, and waits until it is freed.
+- 4 x 8 gang p50: Phalanx 4 replicas x 8 GPUs; Ray 4 bundles of {"GPU": 8}, strategy PACK (and STRICT_SPREAD).
+- gangs reserved per second, 8 clients: bench/gang_reservation.py's mixed 1/8/64-GPU gangs that fill the cluster
+  (on 4 nodes: one 8-GPU gang and sixteen 1-GPU gangs), submitted by 8 SDK clients x 8 in flight; Ray creates the
+  same gangs as placement groups from 8 threads, pipelined (every group created, then all its `ready()` awaited).
+  The rate is gangs from the first submit to the last reservation; all are freed again between rounds.
+- Slurm (`salloc`, `sbatch` on slurmd daemons with fake GPUs) is not run yet: the bench says it skipped it.
+Without --quick, Phalanx's figures at 256 nodes are added (Phalanx alone: Ray cannot run 256 raylets here).
+
+Targets (issue 35), as ratios Phalanx / Ray of this run: 1-GPU p50 <= 0.8x; 4 x 8 p50 <= 0.8x (PACK); gangs per
+second >= 2x. The bench prints them and names the missed ones in its JSON (`targets_missed`); it exits 0.
+
+Run: .venv/bin/python bench/peers.py [--samples N] [--quick] [--no-ray] [--db ADMIN_URL]
+The last line of output is one JSON object: {"bench": "peers", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import gang_reservation as gr  # bench/ is on sys.path when this file runs (and the test puts it there)
+
+from db.engine import normalize_url
+from phalanx.api.v1 import common_pb2, scheduler_pb2
+
+NODES = 4  # the ratio rows: Ray's local cluster runs one raylet per node, so a few nodes is what one machine holds
+GPUS_PER_NODE = 8
+BIG_NODES = 256  # Phalanx alone, as in bench/gang_reservation.py
+WARMUP = 3  # samples dropped on each side (Ray starts its workers on the first ready(); Phalanx warms its caches)
+TARGETS = (  # (Phalanx's figure, Ray's, bound on Phalanx / Ray, "le": at most / "ge": at least, what it says)
+    ("g1_p50_ms", "g1_p50_ms", 0.8, "le", "1-GPU gang p50"),
+    ("g4x8_p50_ms", "g4x8_p50_ms", 0.8, "le", "4 x 8 gang p50 (Ray PACK)"),
+    ("g4x8_p50_ms", "g4x8_spread_p50_ms", None, "", "4 x 8 gang p50 (Ray STRICT_SPREAD)"),
+    ("gangs_per_s", "gangs_per_s", 2.0, "ge", "gangs reserved per second, 8 clients"),
+)
+say = gr.say
+pct = gr.pct
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+# --- Phalanx ---------------------------------------------------------------------------------------------------
+
+
+async def phalanx_latency(bench: gr.Bench, replicas: int, gpus: int, samples: int) -> dict:
+    """Submit, wait until reserved, cancel; `samples` times on an otherwise idle cluster."""
+    known, reply, event = [], [], []
+    spec = common_pb2.JobSpec(name=f"peers-{replicas}x{gpus}", replicas=replicas, gpus_per_replica=gpus)
+    spec.command.append("hang")
+    for i in range(samples + WARMUP):
+        t0 = time.perf_counter()
+        job = await bench.stub.SubmitJob(scheduler_pb2.SubmitJobRequest(spec=spec))
+        t_reply = time.perf_counter()
+        t_event = await bench.wait_reserved(job.id)
+        await bench.cancel(job.id)
+        if i < WARMUP:
+            continue
+        reply.append(t_reply - t0)
+        event.append(t_event - t0)
+        known.append((min(t_reply, t_event) if job.state == gr.RUNNING else t_event) - t0)
+    return {
+        "p50_ms": ms(pct(known, 50)),
+        "p99_ms": ms(pct(known, 99)),
+        "reply_p50_ms": ms(pct(reply, 50)),
+        "event_p50_ms": ms(pct(event, 50)),
+    }
+
+
+async def phalanx_side(admin: str, nodes: int, samples: int, rounds: int) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="phalanx-peers-"))
+    out: dict = {"nodes": nodes}
+    try:
+        async with gr.Bench(admin, nodes, workdir) as bench:
+            gr.quiesce(admin)
+            one = await phalanx_latency(bench, 1, 1, samples)
+            out |= {f"g1_{k}": v for k, v in one.items()}
+            say(f"phalanx {nodes} nodes: 1-GPU p50 {one['p50_ms']} ms, p99 {one['p99_ms']} ms {phases(one)}")
+            big = await phalanx_latency(bench, 4, 8, samples)
+            out |= {f"g4x8_{k}": v for k, v in big.items()}
+            say(f"phalanx {nodes} nodes: 4 x 8 p50 {big['p50_ms']} ms, p99 {big['p99_ms']} ms {phases(big)}")
+            rates = await bench.throughput(clients=8, rounds=rounds, inflight=8)
+            out["gangs_per_s"] = round(statistics.median(rates), 1)
+            out["gangs_per_round"] = len(gr.gang_mix(nodes))
+            say(f"phalanx {nodes} nodes: {out['gangs_per_s']} gangs/s (rounds: {[round(r) for r in rates]})")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def phases(fig: dict) -> str:
+    return f"(reply {fig['reply_p50_ms']} ms, RUNNING event {fig['event_p50_ms']} ms at p50)"
+
+
+# --- Ray --------------------------------------------------------------------------------------------------------
+
+
+def ray_missing() -> str | None:
+    try:
+        import ray  # noqa: F401
+        from ray.cluster_utils import Cluster  # noqa: F401
+    except ImportError as exc:
+        return f"ray is not installed ({exc}); pip install -e .[peers]"
+    return None
+
+
+class RayCluster:
+    """A local Ray cluster of `nodes` raylets with fake GPUs, one of them the head; the driver is this process."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.lock = threading.Lock()  # the client threads' shared queue of gangs and list of groups
+
+    def __enter__(self) -> RayCluster:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        # A raylet and its workers per node on a small machine: one CPU each, the smallest object store.
+        args = {"num_cpus": 1, "num_gpus": GPUS_PER_NODE, "object_store_memory": 80 * 1024 * 1024}
+        t0 = time.perf_counter()
+        self.cluster = Cluster(initialize_head=True, head_node_args=args | {"include_dashboard": False})
+        for _ in range(self.nodes - 1):
+            self.cluster.add_node(**args)
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, log_to_driver=False, logging_level="error")
+        self.wait_free()
+        self.version = ray.__version__
+        say(f"ray {self.version}: {self.nodes} nodes x {GPUS_PER_NODE} GPUs up in {time.perf_counter() - t0:.1f} s")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+    def wait_free(self, groups=(), timeout: float = 30.0) -> None:
+        """Until every group given is REMOVED and the GCS sees all GPUs free again (outside the timed part)."""
+        import ray
+        from ray.util import placement_group_table
+
+        deadline = time.monotonic() + timeout
+        pending = list(groups)
+        while time.monotonic() < deadline:
+            pending = [pg for pg in pending if placement_group_table(pg).get("state") != "REMOVED"]
+            if not pending and ray.available_resources().get("GPU", 0) >= self.nodes * GPUS_PER_NODE:
+                return
+            time.sleep(0.005)
+        raise TimeoutError(f"ray: placement groups not freed in {timeout} s")
+
+    def latency(self, bundles: list[dict], strategy: str, samples: int) -> dict:
+        import ray
+        from ray.util import placement_group, remove_placement_group
+
+        out = []
+        for i in range(samples + WARMUP):
+            t0 = time.perf_counter()
+            pg = placement_group(bundles, strategy=strategy)
+            ray.get(pg.ready(), timeout=60)
+            took = time.perf_counter() - t0
+            remove_placement_group(pg)
+            self.wait_free([pg])
+            if i >= WARMUP:
+                out.append(took)
+        return {"p50_ms": ms(pct(out, 50)), "p99_ms": ms(pct(out, 99))}
+
+    def throughput(self, clients: int, rounds: int) -> list[float]:
+        """gang_reservation's mix as placement groups from `clients` threads, each creating its share of the
+        groups one after another, then waiting for all of their `ready()` (pipelined), per round. The largest
+        groups are created first: in gang_reservation's order (1-GPU first) Ray spreads the 1-GPU groups over the
+        nodes and the 8-GPU group finds no whole node (`stranded` measures that)."""
+        from ray.util import remove_placement_group
+
+        rates = []
+        for _ in range(rounds):
+            queue = gr.gang_mix(self.nodes)[::-1]  # popped from the end: the largest first
+            groups: list = []
+            errors: list[BaseException] = []
+            threads = [threading.Thread(target=self._creator, args=(queue, groups, errors)) for _ in range(clients)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            took = time.perf_counter() - t0
+            if errors:
+                raise errors[0]
+            rates.append(len(groups) / took)
+            for pg in groups:
+                remove_placement_group(pg)
+            self.wait_free(groups)
+            time.sleep(0.3)  # as gang_reservation does between its rounds
+        return rates
+
+    def _creator(self, queue: list[int], groups: list, errors: list[BaseException]) -> None:
+        """One client thread: create groups off the shared queue until it is empty, then wait for their ready()."""
+        import ray
+        from ray.util import placement_group
+
+        refs = []
+        try:
+            while True:
+                with self.lock:
+                    if not queue:
+                        break
+                    gpus = queue.pop()
+                replicas, per = gr.SHAPES[gpus]
+                pg = placement_group([{"GPU": per}] * replicas, strategy="PACK")
+                refs.append(pg.ready())
+                with self.lock:
+                    groups.append(pg)
+            ray.get(refs, timeout=60)
+        except BaseException as exc:  # raised again by the main thread
+            errors.append(exc)
+
+    def stranded(self, wait_s: float = 10.0) -> dict:
+        """The mix once in gang_reservation's order (1-GPU groups first), from one thread: how many of its groups
+        are ready after `wait_s` (Phalanx reserves all of them in that order)."""
+        import ray
+        from ray.util import placement_group, remove_placement_group
+
+        mix = gr.gang_mix(self.nodes)
+        groups = []
+        for gpus in reversed(mix):  # the order in which Bench.throughput's clients pop them
+            replicas, per = gr.SHAPES[gpus]
+            groups.append(placement_group([{"GPU": per}] * replicas, strategy="PACK"))
+        ready, _ = ray.wait([pg.ready() for pg in groups], num_returns=len(groups), timeout=wait_s)
+        for pg in groups:
+            remove_placement_group(pg)
+        self.wait_free(groups)
+        return {"ready": len(ready), "gangs": len(groups), "after_s": wait_s}
+
+
+def ray_side(samples: int, rounds: int) -> dict:
+    with RayCluster(NODES) as ray_cluster:
+        out: dict = {"version": ray_cluster.version, "nodes": NODES}
+        one = ray_cluster.latency([{"GPU": 1}], "PACK", samples)
+        out |= {f"g1_{k}": v for k, v in one.items()}
+        say(f"ray: 1-bundle group p50 {one['p50_ms']} ms, p99 {one['p99_ms']} ms")
+        for strategy in ("PACK", "STRICT_SPREAD"):
+            fig = ray_cluster.latency([{"GPU": GPUS_PER_NODE}] * 4, strategy, samples)
+            key = "g4x8" if strategy == "PACK" else "g4x8_spread"
+            out |= {f"{key}_{k}": v for k, v in fig.items()}
+            say(f"ray: 4 x 8 {strategy} p50 {fig['p50_ms']} ms, p99 {fig['p99_ms']} ms")
+        rates = ray_cluster.throughput(clients=8, rounds=rounds)
+        out["gangs_per_s"] = round(statistics.median(rates), 1)
+        say(f"ray: {out['gangs_per_s']} gangs/s pipelined from 8 threads (rounds: {[round(r) for r in rates]})")
+        out["phalanx_order"] = ray_cluster.stranded()
+        say(
+            "ray: the mix in Phalanx's order (1-GPU groups first): {ready} of {gangs} ready after {after_s} s".format(
+                **out["phalanx_order"]
+            )
+        )
+    return out
+
+
+# --- Slurm ------------------------------------------------------------------------------------------------------
+
+
+def slurm_side() -> dict:
+    missing = [tool for tool in ("salloc", "sbatch", "slurmd", "slurmctld") if shutil.which(tool) is None]
+    if missing:
+        why = f"{', '.join(missing)} not on PATH (Debian: apt-get install slurm-wlm)"
+    else:
+        why = "Slurm is installed, but this bench does not drive slurmd daemons yet"
+    say(f"skipped Slurm: {why}")
+    return {"skipped": why}
+
+
+# --- the table --------------------------------------------------------------------------------------------------
+
+
+def compare(phalanx: dict, ray: dict) -> tuple[dict, list[str]]:
+    """The ratios Phalanx / Ray (keyed by Ray's figure, less its unit) and the targets they miss."""
+    ratios, missed = {}, []
+    if "skipped" in ray:
+        return ratios, missed
+    for pkey, rkey, bound, sense, what in TARGETS:
+        ratio = round(phalanx[pkey] / ray[rkey], 3)
+        ratios[rkey.removesuffix("_ms")] = ratio
+        if bound is not None and ((ratio > bound) if sense == "le" else (ratio < bound)):
+            word = "at most" if sense == "le" else "at least"
+            missed.append(f"{what}: Phalanx / Ray {ratio:.2f}x, target {word} {bound}x")
+    return ratios, missed
+
+
+def table(result: dict) -> str:
+    p, r, ratios = result["phalanx"], result["ray"], result["ratios"]
+    skipped = "skipped" in r
+
+    def row(what: str, pkey: str, rkey: str, unit: str, target: str, ratio_key: str | None) -> str:
+        rv = "skipped" if skipped else f"{r[rkey]} {unit}"
+        ratio = f"{ratios[ratio_key]:.2f}x" if ratio_key in ratios else "-"
+        return f"| {what} | {p[pkey]} {unit} | {rv} | {ratio} | {target} |"
+
+    lines = [
+        f"Phalanx vs Ray, {NODES} nodes x {GPUS_PER_NODE} GPUs each, {result['samples']} samples, {result['date']}",
+        "",
+        "| figure | Phalanx | Ray | Phalanx / Ray | target |",
+        "|---|---|---|---|---|",
+        row("1-GPU gang, submit to reserved, p50", "g1_p50_ms", "g1_p50_ms", "ms", "<= 0.8x", "g1_p50"),
+        row("1-GPU gang, submit to reserved, p99", "g1_p99_ms", "g1_p99_ms", "ms", "", None),
+        row("4 x 8 gang p50 (Ray PACK)", "g4x8_p50_ms", "g4x8_p50_ms", "ms", "<= 0.8x", "g4x8_p50"),
+        row("4 x 8 gang p50 (Ray STRICT_SPREAD)", "g4x8_p50_ms", "g4x8_spread_p50_ms", "ms", "", "g4x8_spread_p50"),
+        row("4 x 8 gang p99 (Ray PACK)", "g4x8_p99_ms", "g4x8_p99_ms", "ms", "", None),
+        row("gangs reserved per second, 8 clients", "gangs_per_s", "gangs_per_s", "/s", ">= 2x", "gangs_per_s"),
+        "",
+        f"Phalanx 1-GPU p50: SubmitJob reply {p['g1_reply_p50_ms']} ms, RUNNING event {p['g1_event_p50_ms']} ms; "
+        f"4 x 8: reply {p['g4x8_reply_p50_ms']} ms, event {p['g4x8_event_p50_ms']} ms.",
+    ]
+    big = result.get("phalanx_256")
+    if big:
+        lines.append(
+            f"Phalanx at {big['nodes']} nodes (alone): 1-GPU p50 {big['g1_p50_ms']} / p99 {big['g1_p99_ms']} ms, "
+            f"4 x 8 p50 {big['g4x8_p50_ms']} ms, {big['gangs_per_s']} gangs/s (mixed 1/8/64-GPU)."
+        )
+    if skipped:
+        lines.append(f"Ray skipped: {r['skipped']}")
+    else:
+        order = r["phalanx_order"]
+        lines.append(
+            f"Ray creates the throughput mix largest first; in Phalanx's order (1-GPU first) {order['ready']} of "
+            f"{order['gangs']} groups were ready after {order['after_s']} s."
+        )
+    lines.append(f"Slurm skipped: {result['slurm']['skipped']}" if "skipped" in result["slurm"] else "")
+    for miss in result["targets_missed"]:
+        lines.append(f"target missed: {miss}")
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    admin = normalize_url(args.db).replace("postgresql+psycopg://", "postgresql://")
+    result: dict = {
+        "bench": "peers",
+        "date": datetime.date.today().isoformat(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],  # the machine may be shared: say how busy
+        "nodes": NODES,
+        "gpus_per_node": GPUS_PER_NODE,
+        "samples": args.samples,
+        "rounds": args.rounds,
+    }
+    result["phalanx"] = asyncio.run(phalanx_side(admin, NODES, args.samples, args.rounds))
+    why = "--no-ray" if args.no_ray else ray_missing()
+    if why:
+        say(f"skipped Ray: {why}")
+        result["ray"] = {"skipped": why}
+    else:
+        result["ray"] = ray_side(args.samples, args.rounds)
+    result["slurm"] = slurm_side()
+    if not args.quick:
+        result["phalanx_256"] = asyncio.run(phalanx_side(admin, BIG_NODES, args.samples, args.rounds))
+    result["ratios"], result["targets_missed"] = compare(result["phalanx"], result["ray"])
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=200, help="latency samples per figure and side (--quick: 30)")
+    p.add_argument("--quick", action="store_true", help="fewer samples and rounds, no 256-node run: under 2 minutes")
+    p.add_argument("--no-ray", action="store_true", help="run Phalanx's side only (Ray is reported as skipped)")
+    p.add_argument(
+        "--db",
+        default=os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test"),
+        help="PostgreSQL server for Phalanx's ledger (a database is created and dropped), as gang_reservation.py",
+    )
+    args = p.parse_args()
+    args.rounds = 20
+    if args.quick:
+        args.rounds = 5
+        if "--samples" not in sys.argv:
+            args.samples = 30
+    result = run(args)
+    print(table(result), flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

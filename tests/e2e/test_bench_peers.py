@@ -1,0 +1,64 @@
+"""bench/peers.py runs Phalanx's side end to end at its smallest (a real scheduler process on PostgreSQL with
+lightweight agents), says it skipped Ray and Slurm, and ends with one JSON line; it needs no Ray installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import peers
+
+pytestmark = pytest.mark.postgres
+
+
+def test_no_ray_quick_run_prints_phalanx_figures_and_says_ray_was_skipped(pg_url):
+    admin = pg_url.rsplit("/", 1)[0] + "/test"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "peers.py"),
+            "--no-ray",
+            "--quick",
+            "--samples",
+            "3",
+            "--db",
+            os.environ.get("PHALANX_BENCH_PG", admin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "skipped Ray: --no-ray" in proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "peers"
+    assert out["nodes"] == 4 and out["gpus_per_node"] == 8 and out["samples"] == 3
+    phalanx = out["phalanx"]
+    for key in ("g1_p50_ms", "g1_p99_ms", "g1_reply_p50_ms", "g1_event_p50_ms", "g4x8_p50_ms", "gangs_per_s"):
+        assert phalanx[key] > 0, key
+    assert phalanx["g1_p50_ms"] <= phalanx["g1_p99_ms"]
+    assert phalanx["gangs_per_round"] == 17  # gang_reservation's mix on 4 x 8 GPUs: one 8-GPU and sixteen 1-GPU
+    assert out["ray"] == {"skipped": "--no-ray"}
+    assert "skipped" in out["slurm"]  # (the bench does not drive Slurm yet)
+    assert out["ratios"] == {} and out["targets_missed"] == []  # nothing to compare with
+    assert "phalanx_256" not in out  # --quick
+
+
+def test_the_ratios_name_each_missed_target():
+    phalanx = {"g1_p50_ms": 2.0, "g4x8_p50_ms": 3.0, "gangs_per_s": 1000.0}
+    ray = {"g1_p50_ms": 2.5, "g4x8_p50_ms": 4.0, "g4x8_spread_p50_ms": 4.0, "gangs_per_s": 500.0}
+    ratios, missed = peers.compare(phalanx, ray)
+    assert ratios == {"g1_p50": 0.8, "g4x8_p50": 0.75, "g4x8_spread_p50": 0.75, "gangs_per_s": 2.0}
+    assert missed == []
+    ratios, missed = peers.compare(phalanx | {"g1_p50_ms": 2.1, "gangs_per_s": 900.0}, ray)
+    assert [m.split(":")[0] for m in missed] == ["1-GPU gang p50", "gangs reserved per second, 8 clients"]
+    assert peers.compare(phalanx, {"skipped": "--no-ray"}) == ({}, [])
