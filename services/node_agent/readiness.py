@@ -29,6 +29,7 @@ import functools
 import math
 import os
 import signal
+import tempfile
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,37 +152,40 @@ async def http_check(host: str, port: int, path: str, timeout: float) -> tuple[b
 
 async def command_check(argv: list[str], env: dict[str, str], timeout: float) -> tuple[bool, str]:
     """Run `argv` (its own process group) within `timeout`: (passed: exit 0, what happened). A probe still running
-    at the timeout is killed with its whole process group."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return False, f"cannot run the probe: {exc.strerror or exc}"
-    tail = bytearray()
-    timed_out = False
-    try:
-        async with asyncio.timeout(timeout):
-            assert proc.stdout is not None
-            while chunk := await proc.stdout.read(4096):
-                tail += chunk
-                del tail[:-OUTPUT_KEPT]
-            code = await proc.wait()
-    except TimeoutError:
-        timed_out = True
-    finally:
-        if timed_out or proc.returncode is None:  # timed out, or cancelled (probing stopped)
-            launcher.signal_group(proc.pid, signal.SIGKILL)
-            await proc.wait()
-    if timed_out:
-        return False, f"the probe command did not exit within {timeout:g}s"
-    if code == 0:
-        return True, "exit 0"
+    at the timeout is killed with its whole process group.
+
+    Its output goes to an anonymous temporary file, not a pipe: asyncio's `Process.wait()` (3.11) returns only once
+    the process has exited *and* its pipes are closed, so a pipe held open by a process outside the group (a
+    daemon it started in a session of its own, a fork of this process taken while the pipe was open) kept the wait,
+    and with it the probe, hanging long after the kill."""
+    with tempfile.TemporaryFile() as out:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return False, f"cannot run the probe: {exc.strerror or exc}"
+        timed_out = False
+        try:
+            async with asyncio.timeout(timeout):
+                code = await proc.wait()
+        except TimeoutError:
+            timed_out = True
+        finally:
+            if timed_out or proc.returncode is None:  # timed out, or cancelled (probing stopped)
+                launcher.signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()  # (no pipe to wait for: only its own exit)
+        if timed_out:
+            return False, f"the probe command did not exit within {timeout:g}s"
+        if code == 0:
+            return True, "exit 0"
+        out.seek(max(0, out.seek(0, os.SEEK_END) - OUTPUT_KEPT))
+        tail = out.read()
     lines = tail.decode(errors="replace").strip().splitlines()
     last = f": {lines[-1][:200]}" if lines else ""
     return False, f"exit {launcher.exit_code_from_returncode(code)}{last}"

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import getpass
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -362,3 +364,23 @@ async def test_http_and_command_checks(tmp_path):
     assert not passed and "did not exit within 1s" in detail
     child = int(pid_file.read_text())
     await until(lambda: not launcher.pid_alive(child), what="the probe's own child killed with its process group")
+
+
+async def test_a_probe_whose_daemon_keeps_its_output_open_still_ends_at_its_timeout(tmp_path):
+    # The probe starts a daemon in a session of its own (out of reach of the group kill) that keeps the probe's
+    # output open. With the output on a pipe, asyncio's wait() waited for that pipe too, and the probe hung for as
+    # long as the daemon lived; the readiness it should have reported never came.
+    pid_file = tmp_path / "daemon.pid"
+    spawner = (
+        "import subprocess, sys, time\n"
+        "d = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+        "open(sys.argv[1], 'w').write(str(d.pid))\n"
+        "time.sleep(60)\n"
+    )
+    try:
+        async with asyncio.timeout(20):  # (the hang this guards against lasted the daemon's 60 s)
+            passed, detail = await readiness.command_check([sys.executable, "-c", spawner, str(pid_file)], {}, 1.0)
+        assert not passed and "did not exit within 1s" in detail
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -206,6 +206,7 @@ async def test_apply_a_yaml_file_with_a_probe_and_watch_its_endpoints(sqlite_url
 
         # the watcher, a real process: a JSON line now (nobody ready), then one per change, until Ctrl-C
         env = dict(os.environ, PHALANX_SCHEDULER=c.scheduler.address)
+        err = (tmp_path / "watcher.err").open("wb")
         watcher = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -216,7 +217,7 @@ async def test_apply_a_yaml_file_with_a_probe_and_watch_its_endpoints(sqlite_url
             "--watch",
             "--json",
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+            stderr=err,  # a file, not an undrained pipe: a full pipe would block the watcher's exit
             env=env,
         )
         try:
@@ -227,11 +228,12 @@ async def test_apply_a_yaml_file_with_a_probe_and_watch_its_endpoints(sqlite_url
             second = await asyncio.wait_for(watcher.stdout.readline(), 30)
             assert [(e["replica"], e["address"]) for e in json.loads(second)] == [(0, "127.0.0.1:8000")]
             watcher.send_signal(signal.SIGINT)
-            assert await asyncio.wait_for(watcher.wait(), 30) == 130
+            assert await asyncio.wait_for(watcher.wait(), 30) == 130, (tmp_path / "watcher.err").read_text()
         finally:
             if watcher.returncode is None:
                 watcher.kill()
                 await watcher.wait()
+            err.close()
 
         code, out, err = await phalanx(capsys, c, "service", "endpoints", "chat", "--json")
         assert code == 0 and json.loads(out) == [{"replica": 0, "address": "127.0.0.1:8000", "revision": 1}]
