@@ -179,7 +179,7 @@ async def command_check(argv: list[str], env: dict[str, str], timeout: float) ->
         finally:
             if timed_out or proc.returncode is None:  # timed out, or cancelled (probing stopped)
                 launcher.signal_group(proc.pid, signal.SIGKILL)
-                await proc.wait()  # (no pipe to wait for: only its own exit)
+                await _reaped(proc, timeout)
         if timed_out:
             return False, f"the probe command did not exit within {timeout:g}s"
         if code == 0:
@@ -189,6 +189,22 @@ async def command_check(argv: list[str], env: dict[str, str], timeout: float) ->
     lines = tail.decode(errors="replace").strip().splitlines()
     last = f": {lines[-1][:200]}" if lines else ""
     return False, f"exit {launcher.exit_code_from_returncode(code)}{last}"
+
+
+_UNREAPED: set[asyncio.Future[int]] = set()  # killed probes still exiting (_reaped): referenced until they have
+
+
+async def _reaped(proc: asyncio.subprocess.Process, within: float) -> None:
+    """Wait for a killed probe to exit, at most `within` seconds. A SIGKILL takes effect only once the process
+    leaves an uninterruptible wait (such as a write to a cgroup's cgroup.procs, which the kernel can hold for
+    seconds on a host busy with cgroups); the probing must not stop meanwhile, so past `within` the exit is left to
+    asyncio's child watcher, which reaps the process when it comes."""
+    done = asyncio.ensure_future(proc.wait())
+    try:
+        await asyncio.wait_for(asyncio.shield(done), within)
+    except TimeoutError:
+        _UNREAPED.add(done)
+        done.add_done_callback(_UNREAPED.discard)
 
 
 @dataclass
