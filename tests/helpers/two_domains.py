@@ -4,9 +4,10 @@ stopped agent's node is LOST within about a second."""
 
 from __future__ import annotations
 
+import grpc
 from helpers.lite_cluster import LiteCluster
 
-from phalanx.api.v1 import common_pb2
+from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from phalanx.core.fabric import default_fabric, group_nvlink_domains
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
@@ -33,3 +34,20 @@ def domain(node: str) -> str:
 
 def nodes_of(job: common_pb2.Job) -> dict[int, str]:
     return {a.replica: a.node for a in job.allocations}
+
+
+async def report_fatal_gpu(c: LiteCluster, node: str, gpu: int) -> None:
+    """What a node's agent reports for an XID 79 on one GPU: that GPU FATAL, the node DEGRADED."""
+    async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
+        health = common_pb2.NodeHealth(
+            state=common_pb2.HEALTH_STATE_DEGRADED,
+            reason=f"GPU {gpu}: XID 79",
+            gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
+        )
+        await agent_pb2_grpc.NodeServiceStub(ch).Heartbeat(agent_pb2.HeartbeatRequest(node_name=node, health=health))
+
+
+async def running_attempt(c: LiteCluster, job_id: str, attempt: int) -> common_pb2.Job | None:
+    """The job once its attempt `attempt` runs (None before)."""
+    job = await c.job(job_id)
+    return job if job.attempt == attempt and job.state == RUNNING else None

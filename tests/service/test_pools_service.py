@@ -9,10 +9,10 @@ from __future__ import annotations
 import grpc
 import pytest
 from helpers.lite_cluster import LiteCluster
-from helpers.two_domains import PENDING, RUNNING, agent, cluster, domain, nodes_of
+from helpers.two_domains import PENDING, RUNNING, agent, cluster, domain, nodes_of, report_fatal_gpu, running_attempt
 from helpers.waits import eventually
 
-from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
+from phalanx.api.v1 import scheduler_pb2
 from phalanx.core.spare_invariants import pool_violations
 
 
@@ -168,21 +168,10 @@ async def test_a_fatal_gpu_swaps_the_gangs_replica_onto_the_pool_node(db_url):
         first = await c.wait_running((await c.submit("train", 4, 4)).id)
         await c.settled(first.id)
         node, gpu = nodes_of(first)[0], first.allocations[0].gpus[1]
-        async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
-            health = common_pb2.NodeHealth(
-                state=common_pb2.HEALTH_STATE_DEGRADED,
-                reason=f"GPU {gpu}: XID 79",
-                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
-            )
-            await agent_pb2_grpc.NodeServiceStub(ch).Heartbeat(
-                agent_pb2.HeartbeatRequest(node_name=node, health=health)
-            )
-
-        async def swapped():
-            job = await c.job(first.id)
-            return job if job.attempt == 2 and job.state == RUNNING else None
-
-        second = await eventually(swapped, what="replica 0 moved to the pool node of its domain")
+        await report_fatal_gpu(c, node, gpu)
+        second = await eventually(
+            lambda: running_attempt(c, first.id, 2), what="replica 0 moved to the pool node of its domain"
+        )
         assert nodes_of(second)[0] == booked[domain(node)] and second.failures == 0
         assert "pool spare" in second.last_swap
         assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=first.id) == [

@@ -10,18 +10,15 @@ import json
 
 import pytest
 from helpers.lite_cluster import LiteCluster
+from helpers.two_domains import FABRIC, NAMES
 
 from phalanx.cli.main import main
 from phalanx.core import invariants as inv
-from phalanx.core.fabric import default_fabric, group_nvlink_domains
 from phalanx.testing.history import history_from_ledger
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler.settings import SchedulerSettings
 
 pytestmark = pytest.mark.timeout(30)
-
-NAMES = [f"node-{i}" for i in range(6)]
-FABRIC = group_nvlink_domains(default_fabric(NAMES, nodes_per_leaf=6), 3)  # nvl-0, nvl-1 of 3 nodes, one leaf
 
 
 async def _cli(capsys, address, *argv) -> tuple[int, str, str]:

@@ -9,10 +9,20 @@ from __future__ import annotations
 import grpc
 import pytest
 from helpers.lite_cluster import LiteCluster
-from helpers.two_domains import NAMES, PENDING, RUNNING, agent, cluster, domain, nodes_of
+from helpers.two_domains import (
+    NAMES,
+    PENDING,
+    RUNNING,
+    agent,
+    cluster,
+    domain,
+    nodes_of,
+    report_fatal_gpu,
+    running_attempt,
+)
 from helpers.waits import eventually, holds
 
-from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2
+from phalanx.api.v1 import common_pb2, scheduler_pb2
 
 
 async def gang_with_spares(c: LiteCluster) -> common_pb2.Job:
@@ -134,11 +144,6 @@ async def test_a_draining_node_is_swapped_for_its_spare_at_once_and_a_draining_s
         assert job.attempt == 2 and job.state == RUNNING
 
 
-async def running_attempt(c: LiteCluster, job_id: str, attempt: int) -> common_pb2.Job | None:
-    job = await c.job(job_id)
-    return job if job.attempt == attempt and job.state == RUNNING else None
-
-
 async def test_a_fatal_gpu_swaps_rank_0_onto_the_spare_and_goodput_counts_the_swap_as_restart(db_url):
     async with cluster(db_url) as c:
         first = await gang_with_spares(c)
@@ -146,21 +151,8 @@ async def test_a_fatal_gpu_swaps_rank_0_onto_the_spare_and_goodput_counts_the_sw
         spare_of = {s.segment: s.node for s in first.spares}
         node, gpu = nodes_of(first)[0], first.allocations[0].gpus[1]
         waiter = await c.submit("waiter", 1, 3)  # fits the 3 healthy GPUs the failed node has left
-        async with grpc.aio.insecure_channel(c.scheduler.address) as ch:
-            health = common_pb2.NodeHealth(
-                state=common_pb2.HEALTH_STATE_DEGRADED,
-                reason=f"GPU {gpu}: XID 79",
-                gpus=[common_pb2.GpuHealth(index=gpu, state=common_pb2.HEALTH_STATE_FATAL, reasons=["XID 79"])],
-            )
-            await agent_pb2_grpc.NodeServiceStub(ch).Heartbeat(
-                agent_pb2.HeartbeatRequest(node_name=node, health=health)
-            )
-
-        async def swapped():
-            job = await c.job(first.id)
-            return job if job.attempt == 2 and job.state == RUNNING else None
-
-        second = await eventually(swapped, what="rank 0 moved to its segment's spare")
+        await report_fatal_gpu(c, node, gpu)
+        second = await eventually(lambda: running_attempt(c, first.id, 2), what="rank 0 moved to its segment's spare")
         assert nodes_of(second)[0] == spare_of[0] and second.failures == 0
         assert f"GPU(s) [{gpu}] of {node} failed" in second.message
         assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=first.id) == [
