@@ -98,6 +98,7 @@ class LiteAgent:
     confirms_release: bool = False  # registers with confirms_release (the test then sends ReportAttemptReleased)
     memory_bytes: int = 0
     hold_heartbeats: bool = False  # True: registered and streaming, but sends no heartbeat until set back to False
+    registrations: int = 0  # RegisterNode calls made: the first, and one each time a heartbeat said `reregister`
 
     async def start(self) -> None:
         from phalanx.client import open_aio_channel
@@ -105,6 +106,13 @@ class LiteAgent:
         self.channel = self.shared_channel or open_aio_channel(self.target, token=self.token)
         self.stub = agent_pb2_grpc.NodeServiceStub(self.channel)
         self.instance = uuid.uuid4().hex
+        resp = await self._register()
+        self._ack_due = asyncio.Event()
+        self._stream_task = asyncio.create_task(self._stream())
+        self._ack_task = asyncio.create_task(self._acker())
+        self._beat_task = asyncio.create_task(self._beat(resp.heartbeat_interval_ms / 1000))
+
+    async def _register(self) -> agent_pb2.RegisterNodeResponse:
         resp = await self.stub.RegisterNode(
             agent_pb2.RegisterNodeRequest(
                 node_name=self.name,
@@ -119,10 +127,8 @@ class LiteAgent:
             )
         )
         self.acked = max(self.acked, resp.acked_revision)
-        self._ack_due = asyncio.Event()
-        self._stream_task = asyncio.create_task(self._stream())
-        self._ack_task = asyncio.create_task(self._acker())
-        self._beat_task = asyncio.create_task(self._beat(resp.heartbeat_interval_ms / 1000))
+        self.registrations += 1
+        return resp
 
     def topology(self) -> agent_pb2.HostTopology:
         topo = simple_topology(self.gpus, self.model, self.memory_mib, self.mig_gpus, self.mig_instances)
@@ -172,7 +178,13 @@ class LiteAgent:
             if self.hold_heartbeats:
                 continue
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.stub.Heartbeat(agent_pb2.HeartbeatRequest(node_name=self.name, agent_instance=self.instance))
+                resp = await self.stub.Heartbeat(
+                    agent_pb2.HeartbeatRequest(node_name=self.name, agent_instance=self.instance)
+                )
+                if resp.reregister:
+                    # As the real agent does (session.py): a scheduler that declared this node lost, while it was
+                    # alive and beating (the scheduler stalled past its lease), gets it back by a registration.
+                    await self._register()
 
     async def _stream(self) -> None:
         while True:

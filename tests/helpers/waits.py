@@ -2,6 +2,8 @@
 
 - `eventually(check, timeout=, what=)`: poll an async check until it returns something truthy.
 - `wait_until(check, timeout=, what=)`: the same for a plain (blocking) check, from a thread or synchronous test.
+- `next_message(call, timeout=, what=)`: the next message of a server stream, or a failure naming what was awaited
+  (a stream read has no deadline of its own: a message never sent would hang the test until pytest's timeout).
 - `next_cycle(service)`: wait until the in-process scheduler has run a whole cycle that began after the call (what
   it decides on what happened before is then committed: a test asserting that nothing happened asserts it after
   this, not after a sleep).
@@ -29,6 +31,14 @@ async def eventually(
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+async def next_message(call: Any, *, timeout: float = 15.0, what: str = "the next message") -> Any:
+    """The next message of a server-streaming call (grpc.aio), failing after `timeout` with what was awaited."""
+    try:
+        return await asyncio.wait_for(call.read(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 def wait_until(

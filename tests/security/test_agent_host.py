@@ -67,12 +67,23 @@ def test_t1_a_job_may_open_only_its_own_gpus_and_mig_capabilities(tmp_path):
     assert not [r for r in rules if r.startswith("c 195:") and r.split()[1] not in ("195:0", "195:255", "195:254")]
 
 
+def _seen(group, pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while pid not in group.pids():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_t2_the_agent_is_outside_the_attempts_cgroup_and_its_kill(host):
     fs, c, group, children = host
     assert fs.cgroup_of(os.getpid()) == f"{D}/agent"  # not in D (shared with nobody), not in the attempt's cgroup
     rank = subprocess.Popen(["sleep", "300"], env={**os.environ, **group.env()})
     children.append(rank)
-    assert rank.pid in group.pids() and os.getpid() not in group.pids()
+    # The model sees a rank by the marker in /proc/<pid>/environ, and the kernel fills that in only after the exec
+    # has closed the pipe Popen waits on: under load a read right after Popen can find it empty. Wait for it.
+    assert _seen(group, rank.pid) and os.getpid() not in group.pids()
     group.kill()
     assert rank.wait(timeout=5) == -signal.SIGKILL
     assert fs.cgroup_of(os.getpid()) == f"{D}/agent"  # the agent survived the attempt's cgroup.kill

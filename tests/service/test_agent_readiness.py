@@ -58,7 +58,8 @@ SERVER = (
 MAKES_READY_FILE = [
     sys.executable,
     "-c",
-    "import os, time\nopen(os.environ['READY_FILE'], 'w').close()\ntime.sleep(3600)\n",
+    # Rank 0 only: a rank 1 that starts late under load would make the file again after a test removed it
+    "import os, time\nif os.environ['RANK'] == '0':\n    open(os.environ['READY_FILE'], 'w').close()\ntime.sleep(3600)\n",
 ]
 # A command probe: records what it ran with in $PROBE_OUT, passes while $READY_FILE exists.
 PROBE = [

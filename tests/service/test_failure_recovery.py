@@ -96,6 +96,24 @@ async def test_returning_node_is_not_used_before_its_first_health_report(db_url)
         await c.wait_running(job.id)  # after the first heartbeat
 
 
+async def test_an_agent_declared_lost_while_alive_registers_again_when_its_heartbeat_says_so(db_url):
+    """A scheduler that stalled past the lease declares a node lost whose agent never stopped beating; the agent's
+    next heartbeat is answered `reregister`, and it registers again (the real agent, session.py, and the test
+    agents alike), so the node does not stay lost while it is alive."""
+    clock = FakeClock()
+    async with cluster(db_url, nodes=1, clock=clock.time) as c:
+        only = c.agents[0]
+        only.hold_heartbeats = True  # silent in the scheduler's time only while the test moves its clock
+        clock.advance(2 * c.settings.lease_timeout)
+        await eventually(lambda: _state(c, only.name, common_pb2.NODE_STATE_LOST), what="LOST")
+        assert only.registrations == 1
+        only.hold_heartbeats = False
+        await eventually(lambda: _state(c, only.name, common_pb2.NODE_STATE_READY), what="READY again")
+        assert only.registrations == 2
+        job = await c.submit("after", 1, 8)
+        await c.wait_running(job.id)
+
+
 @pytest.mark.slow
 async def test_failures_stop_at_the_retry_limit_but_preemptions_do_not_count(db_url):
     async with cluster(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from helpers.lite_cluster import LiteCluster
-from helpers.waits import eventually
+from helpers.waits import eventually, next_message
 
 from phalanx.api.v1 import common_pb2, service_pb2, service_pb2_grpc
 from phalanx.core.fabric import default_fabric
@@ -67,7 +67,7 @@ async def test_a_service_runs_k_whole_replicas_with_lws_variables_and_endpoints(
         listed = await stub(c).ListServices(service_pb2.ListServicesRequest())
         assert [s.spec.name for s in listed.services] == ["llm"]
         watch = stub(c).WatchEndpoints(service_pb2.WatchEndpointsRequest(name="llm"))
-        first = await watch.read()
+        first = await next_message(watch, what="the endpoints")
         assert [(e.replica, e.address) for e in first.endpoints] == [(0, "127.0.0.1:8000"), (1, "127.0.0.1:8000")]
         watch.cancel()
 
@@ -219,12 +219,13 @@ async def test_a_lost_node_restarts_only_its_replica_elsewhere_and_endpoints_fol
         svc = await eventually(lambda: ready_count(c, "llm", 2), what="2 ready replicas")
         victim, other = svc.replicas
         watch = stub(c).WatchEndpoints(service_pb2.WatchEndpointsRequest(name="llm"))
-        assert len((await watch.read()).endpoints) == 2
+        assert len((await next_message(watch, what="the endpoints")).endpoints) == 2
         follow = await Readiness.of(c, "llm")
         lost = next(a for a in c.agents if a.name == victim.nodes[1])
         await lost.partition()
-        assert [e.replica for e in (await watch.read()).endpoints] == [other.index]  # the lost one leaves at once
-        back = await watch.read()
+        gone = await next_message(watch, what="the endpoints without the lost replica")
+        assert [e.replica for e in gone.endpoints] == [other.index]  # the lost one leaves at once
+        back = await next_message(watch, what="the replica back elsewhere")
         assert sorted(e.replica for e in back.endpoints) == [0, 1]
         now = await stub(c).GetService(service_pb2.GetServiceRequest(name="llm"))
         moved = next(r for r in now.replicas if r.index == victim.index)
