@@ -72,7 +72,8 @@ def gang_mix(nodes: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, admin_url: str, nodes: int, workdir: Path) -> None:
+    def __init__(self, admin_url: str, nodes: int, workdir: Path, scheduler_args: tuple[str, ...] = ()) -> None:
+        self.scheduler_args = scheduler_args  # more phalanx-scheduler flags (peers.py: --no-admission-lane)
         self.admin_url = admin_url
         self.nodes = nodes
         self.workdir = workdir
@@ -100,6 +101,7 @@ class Bench:
             "10",
             "--fabric",
             str(fabric_file),
+            *self.scheduler_args,
         )
         # Agents live in their own process, so their gRPC work does not slow the measuring clients.
         ctx = multiprocessing.get_context("spawn")

@@ -88,11 +88,11 @@ async def phalanx_latency(bench: gr.Bench, replicas: int, gpus: int, samples: in
     }
 
 
-async def phalanx_side(admin: str, nodes: int, samples: int, rounds: int) -> dict:
+async def phalanx_side(admin: str, nodes: int, samples: int, rounds: int, *scheduler_args: str) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="phalanx-peers-"))
-    out: dict = {"nodes": nodes}
+    out: dict = {"nodes": nodes, "scheduler_args": list(scheduler_args)}
     try:
-        async with gr.Bench(admin, nodes, workdir) as bench:
+        async with gr.Bench(admin, nodes, workdir, scheduler_args) as bench:
             gr.quiesce(admin)
             one = await phalanx_latency(bench, 1, 1, samples)
             out |= {f"g1_{k}": v for k, v in one.items()}
@@ -329,6 +329,14 @@ def table(result: dict) -> str:
         f"Phalanx 1-GPU p50: SubmitJob reply {p['g1_reply_p50_ms']} ms, RUNNING event {p['g1_event_p50_ms']} ms; "
         f"4 x 8: reply {p['g4x8_reply_p50_ms']} ms, event {p['g4x8_event_p50_ms']} ms.",
     ]
+    base = result.get("phalanx_pass")
+    if base:
+        lines.append(
+            f"Phalanx with every submit decided by a pass (--no-admission-lane, the baseline of decide-at-submit): "
+            f"1-GPU p50 {base['g1_p50_ms']} ms, 4 x 8 p50 {base['g4x8_p50_ms']} ms, {base['gangs_per_s']} gangs/s; "
+            f"lane / pass: {p['g1_p50_ms'] / base['g1_p50_ms']:.2f}x, {p['g4x8_p50_ms'] / base['g4x8_p50_ms']:.2f}x, "
+            f"{p['gangs_per_s'] / base['gangs_per_s']:.2f}x."
+        )
     big = result.get("phalanx_256")
     if big:
         lines.append(
@@ -362,6 +370,8 @@ def run(args) -> dict:
         "rounds": args.rounds,
     }
     result["phalanx"] = asyncio.run(phalanx_side(admin, NODES, args.samples, args.rounds))
+    # The baseline of decide-at-submit, in the same run: every submit decided by a pass, as before issue 35
+    result["phalanx_pass"] = asyncio.run(phalanx_side(admin, NODES, args.samples, args.rounds, "--no-admission-lane"))
     why = "--no-ray" if args.no_ray else ray_missing()
     if why:
         say(f"skipped Ray: {why}")

@@ -55,6 +55,16 @@ CYCLE_SECONDS = Histogram(
     "Time of one scheduling cycle (its commands, timers and scheduling pass, in one transaction, commit included)",
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
 )
+ADMISSIONS = Counter(
+    "phalanx_scheduler_admissions_total",
+    "Batches of submits by where they were decided: `lane`, the admission lane on the arrivals alone (issue 35), or "
+    "`pass`, a cycle's pass over the whole queue (the view was not settled, or no arrival was ahead of the queue)",
+    ["path"],
+)
+ADMITTED_AT_SUBMIT = Counter(
+    "phalanx_scheduler_admitted_at_submit_total",
+    "Gangs the admission lane reserved in the transaction that wrote their submission",
+)
 VIEW_RELOADS = Counter(
     "phalanx_scheduler_view_reloads_total",
     "Reloads of the in-memory view from the ledger: full (start, leadership, a failed cycle) or delta (the rows "

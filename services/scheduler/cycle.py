@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -18,6 +18,7 @@ from phalanx.core.backfill import BackfillResult
 from phalanx.core.decide import AfterBlocked, decide
 
 from . import accounting, jobgraph, ledger
+from .admission_lane import admit
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
 from .elastic import elastic_below_max
@@ -130,11 +131,23 @@ def mig_hook(cycle: Cycle) -> AfterBlocked | None:
     return hook
 
 
-def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True, schedules: bool = True) -> list[Any]:
+def run_cycle(
+    cycle: Cycle,
+    commands: list[Command],
+    *,
+    timers_due: bool = True,
+    schedules: bool = True,
+    admission: bool = False,
+    timers_pending: Callable[[], bool] = lambda: True,
+) -> list[Any]:
     """Execute commands in order (submits in bulk), fire timers, schedule. Returns one result or error each.
 
-    `schedules` False (a replica that does not lead): the commands only; timers and placement are the leader's."""
+    `schedules` False (a replica that does not lead): the commands only; timers and placement are the leader's.
+    `admission` (a batch of nothing but submits, on a view no other writer changed): the admission lane decides
+    the arrivals alone when the view is settled (admission_lane.py), and the pass runs only for what it left;
+    `timers_pending()` says whether a timer is due (asked only then)."""
     t0 = time.perf_counter()
+    settled_before = not cycle.state.pass_due  # the submits set it: the lane asks whether it was owed before them
     results: list[Any] = [None] * len(commands)
     submits = [(i, c) for i, c in enumerate(commands) if isinstance(c, Submit)]
     if submits:
@@ -160,6 +173,14 @@ def run_cycle(cycle: Cycle, commands: list[Command], *, timers_due: bool = True,
     cycle.metrics.timings["commands_ms"] = _ms(t1 - t0)
     if not schedules:
         return results
+    if admission and submits:
+        arrivals = list(cycle.work.new_jobs)
+        why = admit(cycle, arrivals, settled_before=settled_before, timers_due=timers_due and timers_pending())
+        cycle.metrics.lane_skipped, cycle.metrics.admission_path = why, ("pass" if why else "lane")
+        if not why:
+            if cycle.state.pass_due:
+                schedule(cycle)  # what the lane left (an arrival not ahead of the queue, or that did not fit)
+            return results
     if timers_due:
         fire_timers(cycle)
         cycle.metrics.timings["timers_ms"] = _ms(time.perf_counter() - t1)

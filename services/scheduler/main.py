@@ -144,6 +144,13 @@ FLAGS = (
         "declared time limits)",
     ),
     Flag(
+        "--no-admission-lane",
+        dest="admission_lane",
+        action="store_false",
+        help="decide every submit in a pass over the whole queue (default: a submit strictly ahead of the pending "
+        "queue, on a settled view, is decided at once on its own: docs/architecture/admission-path.md)",
+    ),
+    Flag(
         "--no-claims",
         dest="claims",
         action="store_false",
@@ -422,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         retry_backoff_s=args.retry_backoff,
         retry_backoff_max_s=args.retry_backoff_max,
         backfill=args.backfill,
+        admission_lane=args.admission_lane,
         claims=args.claims,
         backfill_depth=args.backfill_depth,
         backfill_budget_ms=args.backfill_budget_ms,

@@ -172,8 +172,9 @@ def running_ends(state: SchedulerState) -> RunningSet:
     return ends
 
 
-def snapshot_of(cycle: Cycle) -> Snapshot:
-    """This cycle's view as the decision's input."""
+def snapshot_of(cycle: Cycle, pending: list[PendingJob] | None = None) -> Snapshot:
+    """This cycle's view as the decision's input. `pending`: instead of the whole pending queue (the admission lane
+    decides its arrivals alone)."""
     state, s = cycle.state, cycle.settings
     jobs = state.jobs
     victims = [j for j in jobs.in_state("RUNNING").values() if j.preempted_by]  # JobRecord.preempting, inline
@@ -219,7 +220,7 @@ def snapshot_of(cycle: Cycle) -> Snapshot:
     )
     return Snapshot(
         capacity=state.capacity,
-        pending=jobs.pending_view(lambda job: pending_job(job, state, s.fabric.tiers)),
+        pending=jobs.pending_view(lambda job: pending_job(job, state, s.fabric.tiers)) if pending is None else pending,
         running=_Lazy(running),
         config=config,
         unusable=unusable(state),

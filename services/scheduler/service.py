@@ -9,6 +9,7 @@ PostgreSQL LISTEN/NOTIFY (sent inside the transaction, so only committed work is
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -30,7 +31,7 @@ from services.common.errors import ServiceError, Unavailable
 from services.common.faults import fail_point
 
 from . import accounting, ledger, migmode, retention
-from .commands import HEALTH_NAMES, Drain, HealthReport
+from .commands import HEALTH_NAMES, Drain, HealthReport, Submit
 from .convert import job_from_row, node_from_row
 from .cycle import account_finished, finish_cycle, run_cycle
 from .fanout import FanOut
@@ -104,6 +105,9 @@ class SchedulerService:
         self._next_changes_prune = 0.0
         self.cycle_id = 0  # the last cycle's number in this process: bound as `cycle` in its log lines
         self.view_reloads = {"full": 0, "delta": 0}  # this replica's (phalanx_scheduler_view_reloads_total)
+        # Batches of submits by where they were decided, and the gangs the lane reserved (admission_lane.py)
+        self.admissions = {"lane": 0, "pass": 0, "admitted_at_submit": 0}
+        self.lane_skips: collections.Counter[str] = collections.Counter()  # why batches went to the pass
         self._loop: asyncio.AbstractEventLoop | None = None
         self.leadership = Leadership(settings.replica_id, settings.leader_lease_s)
 
@@ -196,8 +200,10 @@ class SchedulerService:
                 break
             batch, self._inbox = self._inbox, []
             commands = [c for c, _ in batch]
+            # Nothing but submits: the admission lane may decide them on their own (checked under the lock)
+            admission = self.settings.admission_lane and bool(commands) and all(isinstance(c, Submit) for c in commands)
             try:
-                results, outcome = await loop.run_in_executor(self._writer, self._cycle_once, commands)
+                results, outcome = await loop.run_in_executor(self._writer, self._cycle_once, commands, admission)
             except Exception as exc:  # the loop must survive anything
                 log.error("cycle_failed", error=str(exc)[:500])
                 for _, fut in batch:
@@ -214,7 +220,7 @@ class SchedulerService:
     def _next_timeout(self) -> float:
         return 0.25
 
-    def _cycle_once(self, commands: list[Command]) -> tuple[list[Any], Cycle | None]:
+    def _cycle_once(self, commands: list[Command], admission: bool = False) -> tuple[list[Any], Cycle | None]:
         """Runs in the writer thread. One transaction; on failure, reload and retry commands one by one."""
         wall, now = time.time(), self.clock()  # how often to look (the wall's), and the cycle's time (settings.clock)
         # Other processes' writes are caught by the generation check; polling only bounds how late we notice them.
@@ -229,12 +235,15 @@ class SchedulerService:
         self.cycle_id += 1
         # Every log line of the cycle, its retries included, carries its id (phalanx.common.logging merges it).
         with structlog.contextvars.bound_contextvars(cycle=self.cycle_id):
-            return self._cycle_attempts(commands, now)
+            return self._cycle_attempts(commands, now, admission)
 
-    def _cycle_attempts(self, commands: list[Command], now: float) -> tuple[list[Any], Cycle | None]:
-        """The cycle's transaction; on failure, once again on a reloaded view, then the commands one by one."""
+    def _cycle_attempts(
+        self, commands: list[Command], now: float, admission: bool = False
+    ) -> tuple[list[Any], Cycle | None]:
+        """The cycle's transaction; on failure, once again on a reloaded view (as a cycle, never the admission lane),
+        then the commands one by one."""
         try:
-            return self._transaction(commands, now, resync=self._resync)
+            return self._transaction(commands, now, resync=self._resync, admission=admission)
         except (DBAPIError, ledger.StaleJobs) as exc:
             self._resync = True
             log.warning("cycle_rolled_back", error=_db_error(exc), commands=len(commands))
@@ -285,12 +294,12 @@ class SchedulerService:
         return self._writer_conn
 
     def _transaction(
-        self, commands: list[Command], now: float, *, resync: bool, schedules: bool = True
+        self, commands: list[Command], now: float, *, resync: bool, schedules: bool = True, admission: bool = False
     ) -> tuple[list[Any], Cycle]:
         conn = self._writer_connection()
         started = time.perf_counter()
         try:
-            out = self._transaction_on(conn, commands, now, resync=resync, schedules=schedules)
+            out = self._transaction_on(conn, commands, now, resync=resync, schedules=schedules, admission=admission)
             metrics.CYCLE_SECONDS.observe(time.perf_counter() - started)
             return out
         except Exception:
@@ -300,9 +309,18 @@ class SchedulerService:
             raise
 
     def _transaction_on(
-        self, conn, commands: list[Command], now: float, *, resync: bool, schedules: bool = True
+        self,
+        conn,
+        commands: list[Command],
+        now: float,
+        *,
+        resync: bool,
+        schedules: bool = True,
+        admission: bool = False,
     ) -> tuple[list[Any], Cycle]:
-        """`schedules` False: the commands only, without timers and the pass (as on a replica that does not lead)."""
+        """`schedules` False: the commands only, without timers and the pass (as on a replica that does not lead).
+        `admission`: a batch of submits the admission lane may decide alone, if the view it holds under the lock is
+        this replica's own (no other writer since its last commit, nothing reloaded) and settled (run_cycle)."""
         t0 = time.perf_counter()
         conn.info.pop(ledger.JOB_WRITES, None)  # nothing of a cycle that did not commit carries over
         with conn.begin() as trans:
@@ -337,7 +355,18 @@ class SchedulerService:
             self._take_beats_and_acks(cycle)
             cycle.work.generation = generation
             cycle.epoch = epoch or 0
-            results = run_cycle(cycle, commands, timers_due=self._timers, schedules=schedules and epoch is not None)
+            lane = admission and not resync and not acquired and generation == self._generation
+            results = run_cycle(
+                cycle,
+                commands,
+                timers_due=self._timers,
+                schedules=schedules and epoch is not None,
+                admission=lane,
+                timers_pending=lambda: self._timers_due(now),
+            )
+            if admission and not lane and cycle.metrics.admission_path == "" and epoch is not None:
+                cycle.metrics.admission_path = "pass"
+                cycle.metrics.lane_skipped = "another writer changed the ledger" if changes else "the view was reloaded"
             t_run = time.perf_counter()
             cycle.work.write_deferred()
             t_deferred = time.perf_counter()
@@ -593,6 +622,14 @@ class SchedulerService:
             else:
                 for name in cycle.foreign_assigned:
                     self.fanout.wake_node(name)
+        if cycle.metrics.admission_path:
+            self.admissions[cycle.metrics.admission_path] += 1
+            if cycle.metrics.lane_skipped:
+                self.lane_skips[cycle.metrics.lane_skipped] += 1
+            metrics.ADMISSIONS.labels(cycle.metrics.admission_path).inc()
+        if cycle.metrics.admitted_at_submit:
+            self.admissions["admitted_at_submit"] += cycle.metrics.admitted_at_submit
+            metrics.ADMITTED_AT_SUBMIT.inc(cycle.metrics.admitted_at_submit)
         for _job, latency in cycle.metrics.reserved:
             metrics.RESERVATIONS.inc()
             metrics.RESERVATION_LATENCY.observe(max(latency, 0.0))

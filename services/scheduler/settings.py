@@ -38,6 +38,10 @@ class SchedulerSettings:
     elastic: ElasticPolicy | None = ElasticPolicy()
     # EASY backfill behind a blocked head of the queue (phalanx.core.backfill); False: strict order.
     backfill: bool = True
+    # Decide at submit (admission_lane.py): a batch of submits on a settled view is decided on its arrivals alone,
+    # without a pass over the whole queue. False (--no-admission-lane): every submit waits for a pass, as before
+    # issue 35 (the benchmarks' baseline).
+    admission_lane: bool = True
     # Bounds of one backfill pass behind a blocked head: at most this many gangs tried (Slurm's bf_max_job_test;
     # 0: no limit) and this much time (ms; 0: none). The gangs not tried wait for a pass whose inputs changed.
     backfill_depth: int = 1000

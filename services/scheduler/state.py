@@ -7,6 +7,7 @@ scheduling cycle (one thread at a time) touches it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,6 +275,9 @@ class JobTable(dict[str, JobRecord]):
         # None until built; `_dirty`: the jobs whose entry must be (re)built (new in the queue, or changed: touch)
         self._view: dict[str, Any] = {}
         self._dirty: set[str] = set()
+        # How many PENDING jobs have each priority (a priority never changes after submission): the admission lane
+        # asks whether an arrival is ahead of the whole queue in O(priorities), not O(pending).
+        self._pending_priorities: Counter[int] = Counter()
         for key, job in (jobs or {}).items():
             self[key] = job
 
@@ -340,6 +344,8 @@ class JobTable(dict[str, JobRecord]):
                 self._sorted[state] = False
             else:
                 self._last[state] = pos
+        if state == "PENDING" and index.get(job.id) is not job:
+            self._pending_priorities[job.priority] += 1
         index[job.id] = job
         if state == "PENDING":
             self._view[job.id] = None
@@ -350,8 +356,7 @@ class JobTable(dict[str, JobRecord]):
             if index.get(job.id) is job:
                 del index[job.id]
                 if state == "PENDING":
-                    self._view.pop(job.id, None)
-                    self._dirty.discard(job.id)
+                    self._left_pending(job)
 
     def _moved(self, job: JobRecord, old: str | None, new: str) -> None:
         if dict.get(self, job.id) is not job:
@@ -359,9 +364,21 @@ class JobTable(dict[str, JobRecord]):
         if old in self._by_state and self._by_state[old].get(job.id) is job:
             del self._by_state[old][job.id]
             if old == "PENDING":
-                self._view.pop(job.id, None)
-                self._dirty.discard(job.id)
+                self._left_pending(job)
         self._index(job, new)
+
+    def _left_pending(self, job: JobRecord) -> None:
+        self._view.pop(job.id, None)
+        self._dirty.discard(job.id)
+        left = self._pending_priorities[job.priority] - 1
+        if left:
+            self._pending_priorities[job.priority] = left
+        else:
+            del self._pending_priorities[job.priority]
+
+    def pending_priorities(self) -> Counter[int]:
+        """How many PENDING jobs have each priority (a copy)."""
+        return Counter(self._pending_priorities)
 
     def touch(self, job: JobRecord) -> None:
         """`job` changed (ledger.update_job, transitions.set_job): its pending_view entry is built again."""

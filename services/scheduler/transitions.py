@@ -54,6 +54,12 @@ class CycleMetrics:
     claims_run: list[tuple[str, int]] = field(default_factory=list)
     # Where the cycle's time went, by part (ms; the service logs them with a slow cycle)
     timings: dict[str, float] = field(default_factory=dict)
+    # Gangs the admission lane decided and reserved at their submission (admission_lane.py), and why a batch of
+    # submits went to the pass instead; `admission_path`: "lane" or "pass" for a batch of submits the lane was
+    # offered ("" otherwise)
+    admitted_at_submit: int = 0
+    lane_skipped: str = ""
+    admission_path: str = ""
 
 
 @dataclass

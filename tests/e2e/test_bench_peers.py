@@ -47,6 +47,10 @@ def test_no_ray_quick_run_prints_phalanx_figures_and_says_ray_was_skipped(pg_url
         assert phalanx[key] > 0, key
     assert phalanx["g1_p50_ms"] <= phalanx["g1_p99_ms"]
     assert phalanx["gangs_per_round"] == 17  # gang_reservation's mix on 4 x 8 GPUs: one 8-GPU and sixteen 1-GPU
+    baseline = out["phalanx_pass"]  # the same figures with every submit decided by a pass
+    assert baseline["scheduler_args"] == ["--no-admission-lane"] and phalanx["scheduler_args"] == []
+    assert baseline["g1_p50_ms"] > 0 and baseline["gangs_per_s"] > 0
+    assert "lane / pass:" in proc.stdout
     assert out["ray"] == {"skipped": "--no-ray"}
     assert "skipped" in out["slurm"]  # (the bench does not drive Slurm yet)
     assert out["ratios"] == {} and out["targets_missed"] == []  # nothing to compare with

@@ -17,6 +17,7 @@ from phalanx.api.v1 import common_pb2
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.common.errors import ServiceError
+from services.scheduler import admission_lane
 from services.scheduler import cycle as cycle_module
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.transitions import CycleCommand
@@ -63,6 +64,7 @@ async def test_a_failing_pass_fails_no_caller_and_scheduling_resumes_once_it_pas
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cycle_module, "decide", decide)
+    monkeypatch.setattr(admission_lane, "decide", decide)  # the decision at submit is the same core
     async with cluster(db_url) as c:
         job = await c.submit("waits", gpus=1)  # the pass fails; the submission commits all the same
         assert job.state == common_pb2.JOB_STATE_PENDING
