@@ -22,8 +22,13 @@ rates is printed.
 --mix narrow adds multi-node gangs of 1, 2 and 4 GPUs per replica (4x4, 8x2, 16x4, 32x2, 64x1, 256x4): nodes then
 hold several replicas each, so placement also weighs how many nodes (not only leaves and spines) a gang uses.
 
-Targets (TARGETS): p99 under 2 ms for gangs up to 64 GPUs and under 20 ms for 4,096 GPUs, 5,000 single-node
-decisions/s, at least 0.1x first fit's decisions/s, and the same choice as the naive placer on every decision.
+Host resources (issue 35): the same gangs in the same order again, on nodes that report a DGX H100's 224 CPUs and
+2 TiB, each gang's replicas asking for CPUs and memory (HOST_ASKS: mostly in proportion to their GPUs, sometimes
+host-heavy), so that placement must also see where the CPUs or the memory run out before the GPUs.
+
+Targets (TARGETS): p99 under 2 ms for gangs up to 64 GPUs (with and without host resources asked) and under 20 ms
+for 4,096 GPUs, 5,000 single-node decisions/s, at least 0.1x first fit's decisions/s, and the same choice as the
+naive placer on every decision.
 
 Run: .venv/bin/python bench/placement_speed.py [--decisions 20000] [--naive-decisions 3000] [--quick] [--mix narrow]
      [--no-targets]
@@ -34,6 +39,7 @@ missed (--no-targets: only print).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -106,10 +112,28 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] if ordered else float("nan")
 
 
-def make_nodes():
+def make_nodes(host: bool = False):
+    """The fabric and its nodes; `host`: each node also reports a DGX H100's host resources (HOST_CPUS, HOST_MEMORY)."""
     names = [f"n{i:04d}" for i in range(NODES)]
     fabric = default_fabric(names, nodes_per_leaf=PER_LEAF, leaves_per_spine=LEAVES_PER_SPINE)
-    return fabric, [NodeCapacity(n, GPUS, set(range(GPUS)), True, fabric.path(n)) for n in names]
+    extra = {"cpu_milli": HOST_CPUS * 1000, "memory": HOST_MEMORY} if host else {}
+    return fabric, [NodeCapacity(n, GPUS, set(range(GPUS)), True, fabric.path(n), **extra) for n in names]
+
+
+# --host-resources: a DGX H100's 224 CPU threads and 2 TiB, and what each gang's replicas ask of them per GPU they
+# hold (CPUs, GiB), drawn per gang: mostly in proportion to the GPUs, sometimes host-heavy (a data loader, a CPU
+# offload), so that on a busy node the CPUs or the memory run out before the GPUs and placement must see it.
+HOST_CPUS, HOST_MEMORY = 224, 2 * 2**40
+HOST_ASKS = [((8, 64), 40), ((16, 128), 30), ((24, 200), 15), ((56, 256), 10), ((96, 768), 5)]
+
+
+def host_request(request: GangRequest, rng: random.Random) -> GangRequest:
+    """`request` with host CPUs and memory per replica, drawn from HOST_ASKS, capped at what a node has."""
+    cpus, gib = rng.choices(*zip(*HOST_ASKS, strict=True))[0]
+    g = request.gpus_per_replica
+    cpu_milli = min(cpus * g, HOST_CPUS) * 1000
+    memory = min(gib * g * 2**30, HOST_MEMORY)
+    return dataclasses.replace(request, cpu_milli=cpu_milli, memory=memory)
 
 
 # ---- the naive full-scan placer ------------------------------------------------------------------------------
@@ -231,14 +255,17 @@ class FirstFit:
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
-def run_core(decisions: int, retries: int, seed: int, mix: list = SHAPES):
-    fabric, nodes = make_nodes()
+def run_core(decisions: int, retries: int, seed: int, mix: list = SHAPES, host: bool = False):
+    """The core's decisions on a steady mix. `host`: the nodes report host resources and every gang asks for some
+    (host_request, from an RNG of its own: the same gangs arrive in the same order as without)."""
+    fabric, nodes = make_nodes(host)
     tracemalloc.start()
     cap = ClusterCapacity(nodes)
     cap.levels()  # build the index
     _, index_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     rng = random.Random(seed)
+    host_rng = random.Random(seed + 1)
     shapes, weights = zip(*mix, strict=True)
     total = cap.total_gpus()
     held: dict[str, Placement] = {}
@@ -255,9 +282,7 @@ def run_core(decisions: int, retries: int, seed: int, mix: list = SHAPES):
         if not held:
             return
         victim = rng.choice(list(held))
-        p = held.pop(victim)
-        for rep in p.replicas:
-            cap.release(rep.node, rep.gpus)
+        cap.release_placement(held.pop(victim))  # its GPUs, and its host resources where it held any
         ops.append(("release", victim))
 
     n = 0
@@ -265,6 +290,8 @@ def run_core(decisions: int, retries: int, seed: int, mix: list = SHAPES):
         replicas, g = rng.choices(shapes, weights)[0]
         job += 1
         request = GangRequest(f"j{job}", replicas, g)
+        if host:
+            request = host_request(request, host_rng)
         for _attempt in range(retries + 1):
             if n >= decisions:
                 break
@@ -529,6 +556,31 @@ def main() -> None:
             f"(core p99 {c.get('p99_ms', float('nan')):.3f} ms)"
         )
 
+    # The same gangs in the same order, each replica also asking for host CPUs and memory (host_request)
+    _, hlat, hlat_placed, hplaced, hfailed, hutils, _, _, hnet, _ = run_core(
+        args.decisions, args.retries, args.seed, SHAPES + NARROW if args.mix == "narrow" else SHAPES, host=True
+    )
+    host = {
+        "decisions": hplaced + hfailed,
+        "placed": hplaced,
+        "failed": hfailed,
+        "all": summarize(hlat),
+        "placed_only": summarize(hlat_placed),
+        "all_without_gc": summarize(hnet),
+        "utilization_mean": round(sum(hutils) / len(hutils), 3),
+    }
+    say(
+        f"core with host CPUs and memory asked: {host['decisions']} decisions ({hplaced} placed, {hfailed} failed), "
+        f"utilization mean {host['utilization_mean']:.0%}"
+    )
+    for gpus, s in host["all_without_gc"].items():
+        c = core["all_without_gc"].get(gpus, {})
+        say(
+            f"  host {gpus:>5} GPUs: n={s['n']:>6} p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms   "
+            f"(GPUs only: p50 {c.get('p50_ms', float('nan')):.3f} ms, p99 {c.get('p99_ms', float('nan')):.3f} ms)"
+        )
+    host_64 = max((s["p99_ms"] for g, s in host["all_without_gc"].items() if int(g) <= 64), default=float("nan"))
+
     own = core["all_without_gc"]
     up_to_64 = max((s["p99_ms"] for g, s in own.items() if int(g) <= 64), default=float("nan"))
     big = own.get("4096", {}).get("p99_ms", float("nan"))
@@ -548,6 +600,11 @@ def main() -> None:
             first_fit["core_over_first_fit"] >= TARGETS["core_over_first_fit"],
         ],
         "disagree_with_naive": [disagree, 0, disagree == 0],
+        "host_p99_ms_up_to_64_gpus": [
+            host_64,
+            TARGETS["p99_ms_up_to_64_gpus"],
+            host_64 < TARGETS["p99_ms_up_to_64_gpus"],
+        ],
     }
     for name, (got, want, ok) in checks.items():
         say(f"target {name}: {got} vs {want}: {'met' if ok else 'MISSED'}")
@@ -560,6 +617,7 @@ def main() -> None:
                 "core": core,
                 "first_fit": first_fit,
                 "naive": naive,
+                "host_resources": host,
                 "targets": checks,
                 "missed": missed,
                 "max_rss_kib": rss,

@@ -378,6 +378,15 @@ class ClusterCapacity:
         free = self._dom_free[self._tie_level]
         return min(zip(map(free.__getitem__, domains), domains))[1]
 
+    def nodes_with_free(self) -> Iterator[NodeCapacity]:
+        """The schedulable nodes with at least one free whole GPU, from the index: O(such nodes), not a scan of every
+        node (on a busy cluster most have none). Do not change the capacity while iterating."""
+        self._ensure()
+        nodes, by_free = self.nodes, self._by_free
+        for f in range(1, self.largest + 1):
+            for name in by_free[f]:
+                yield nodes[name]
+
     def most_free_on_a_node(self) -> int:
         """The largest effective free count of any node (0 when none is schedulable or free)."""
         self._ensure()

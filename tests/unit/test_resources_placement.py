@@ -237,3 +237,46 @@ def test_a_binding_placement_leaves_the_index_as_it_found_it() -> None:
     assert {lv: cap.domain_stats(lv, 2) for lv in range(cap.levels() + 1)} == stats
     fresh = ClusterCapacity(cap.copy().nodes.values())
     assert {lv: fresh.domain_stats(lv, 2) for lv in range(fresh.levels() + 1)} == stats
+
+
+@given(
+    nodes=st.lists(
+        st.tuples(st.integers(0, 8), st.integers(0, 32), st.integers(0, 4)),  # free GPUs, free CPUs, leaf
+        min_size=1,
+        max_size=12,
+    ),
+    gpus=st.sampled_from([1, 2, 4, 8]),
+    cpus=st.integers(1, 24),
+)
+@settings(max_examples=150, deadline=None)
+def test_a_gang_of_one_replica_goes_to_the_tightest_node_whose_cpus_feed_it(nodes, gpus: int, cpus: int) -> None:
+    """Issue 35's faster placement with host resources keeps the rule for a gang of one replica: best fit by free GPUs
+    among the nodes whose CPUs feed it, and it waits only when no node can hold it."""
+    made = []
+    for i, (free, free_cpus, leaf) in enumerate(nodes):
+        n = node(f"n{i:02d}", cpus=32, path=(f"leaf{leaf}", "spine0"))
+        n.free = set(range(free))
+        n.cpu_used = (32 - free_cpus) * 1000
+        made.append(n)
+    cap = ClusterCapacity(made)
+    feasible = [n for n in made if len(n.free) >= gpus and (n.cpu_milli - n.cpu_used) >= cpus * 1000]
+    got = place_gang(cap, ask("j", 1, gpus, cpus=cpus))
+    if not feasible:
+        assert isinstance(got, Unplaceable)
+        return
+    assert isinstance(got, Placement)
+    (rep,) = got.replicas
+    chosen = cap.nodes[rep.node]
+    assert chosen in feasible and len(rep.gpus) == gpus and set(rep.gpus) <= chosen.free
+    assert len(chosen.free) == min(len(n.free) for n in feasible)
+    assert rep.cpu_milli == cpus * 1000
+
+
+def test_nodes_with_free_lists_the_schedulable_nodes_with_a_free_gpu_as_a_scan_would() -> None:
+    cap = ClusterCapacity(node(f"n{i}", gpus=4) for i in range(6))
+    cap.take("n0", {0, 1, 2, 3})
+    cap.take("n1", {0})
+    cap.set_schedulable("n2", False)
+    cap.release("n0", {3})
+    expected = {n.name for n in cap.nodes.values() if n.schedulable and n.free}
+    assert {n.name for n in cap.nodes_with_free()} == expected == {"n0", "n1", "n3", "n4", "n5"}

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ..capacity import ClusterCapacity
 from ..model import GangRequest, Placement
-from ..resources import describe, format_cpus, human_size, room
+from ..resources import check_use, describe, format_cpus, human_size, room
 from ..shares import place_partial
 from .budget import _Budget
 from .gpus import _build, pick_gpus
@@ -78,7 +78,18 @@ def _with_host_resources(
     capacity: ClusterCapacity, request: GangRequest, fabric_tiers: Sequence[str], bounds: tuple[float, int | None]
 ) -> Placement | Unplaceable:
     """Place a gang whose replicas also ask for host CPUs or memory: on the GPUs those can feed (_fitted_view),
-    each replica then carrying what it asks."""
+    each replica then carrying what it asks.
+
+    First as if they asked for none: when that placement's nodes can feed it (check_use), it is the answer, at the
+    cost of a GPU-only placement; and when the GPUs alone cannot hold the gang, no view with fewer can. Only a
+    placement that lands where the CPUs or the memory run out pays for the narrowed view (a look at every node
+    with a free GPU, and an index edited both ways): issue 35's bound for placement with CPUs and memory."""
+    first = _place_avoiding(capacity, request, fabric_tiers, bounds)
+    if isinstance(first, Unplaceable):
+        return first
+    fitted = _carrying(first, request)
+    if not check_use(capacity.nodes, fitted.replicas):
+        return fitted
     changes = _fitted_view(capacity, request)
     with capacity.narrowed(changes):
         got = _place_avoiding(capacity, request, fabric_tiers, bounds)
@@ -91,9 +102,14 @@ def _with_host_resources(
                 f"{_most_room(capacity, request.cpu_milli, request.memory)})",
             )
         return got
+    return _carrying(got, request)
+
+
+def _carrying(placement: Placement, request: GangRequest) -> Placement:
+    """`placement` with each replica carrying the host resources the gang's replicas ask for."""
     return replace(
-        got,
-        replicas=tuple(replace(r, cpu_milli=request.cpu_milli, memory=request.memory) for r in got.replicas),
+        placement,
+        replicas=tuple(replace(r, cpu_milli=request.cpu_milli, memory=request.memory) for r in placement.replicas),
     )
 
 
@@ -102,26 +118,40 @@ def _fitted_view(capacity: ClusterCapacity, request: GangRequest) -> dict[str, t
     with what it offers the gang: only the GPUs those replicas take (the closest set, by pick_gpus), or nothing.
     Empty when no node binds (the common case: a scan, and the GPU index as it is).
 
-    A whole-GPU replica takes `gpus_per_replica` GPUs, so a node feeding k replicas offers k x that many. A partial
-    replica (a MIG instance or a share) takes part of one GPU, several to a GPU: a node feeding none is hidden, and
+    A whole-GPU replica takes `gpus_per_replica` GPUs, so a node feeding k replicas offers k x that many. A gang of
+    one replica needs only a node that feeds one: the nodes that feed none are hidden, and the others keep their
+    free GPUs (best fit by GPUs among the nodes that can feed it; no GPU set to pick per node). A partial replica (a
+    MIG instance or a share) takes part of one GPU, several to a GPU: a node feeding none is hidden, and
     place_partial stops using a node once its replicas there use up what it feeds (it takes each replica's host
     resources as it places it).
     """
     cpu, memory = request.cpu_milli, request.memory
+    if not (cpu or memory):
+        return {}
     g = request.gpus_per_replica
-    partial = request.partial
     changes: dict[str, tuple[set[int], bool]] = {}
-    for node in capacity.nodes.values():
-        if not node.schedulable:
-            continue
-        k = room(node, cpu, memory)
-        if k is None:
-            return {}
-        if partial:
-            if k == 0:
+    if request.partial:  # a node with no whole GPU free may still hold partial replicas: every node is looked at
+        for node in capacity.nodes.values():
+            if node.schedulable and room(node, cpu, memory) == 0:
                 changes[node.name] = (node.free, False)
-        elif k * g < len(node.free):
-            changes[node.name] = (set(pick_gpus(node.free, k * g, node.closeness)) if k else set(), True)
+        return changes
+    # Whole GPUs: a node binds only where k x g < its free GPUs, so never one with none free; the index lists the
+    # others (on a busy cluster, a fraction of the nodes: issue 35's CPU-and-memory placement bound). room(),
+    # inlined: this loop is the cost of a placement where the host resources bind.
+    single = request.replicas == 1
+    for node in capacity.nodes_with_free():
+        k = -1
+        if cpu:
+            k = max(0, node.cpu_milli - node.cpu_used) // cpu
+        if memory:
+            by_memory = max(0, node.memory - node.memory_used) // memory
+            k = by_memory if k < 0 else min(k, by_memory)
+        if k * g >= len(node.free):
+            continue
+        if k == 0:
+            changes[node.name] = (set(), True)
+        elif not single:
+            changes[node.name] = (set(pick_gpus(node.free, k * g, node.closeness)), True)
     return changes
 
 
