@@ -25,7 +25,11 @@ Targets (exit status 1 when one is missed; --no-targets only prints):
 - cycle p99 under 200 ms with 10,000 pending, with 1 and with 2 replicas;
 - 2 replicas reserve at least 0.95x as fast as 1 (the same offered load; the margin is this machine's noise);
 - a first page of `phalanx jobs` under 100 ms (p50), `phalanx job` under 100 ms (p50);
-- memory grows with the nodes and the live jobs only: the 100,000 finished jobs add under 64 MiB.
+- memory grows with the nodes and the live jobs only: the 100,000 finished jobs add under 64 MiB;
+- the deep-queue drain (issue 35): after the first steady phase a quarter of the running gangs is cancelled at
+  once with the queue still deep; the gangs reserved in the first second of the refill, per second, are at least
+  0.5x the empty-cluster rate (300 gangs of the mix submitted 64 at a time before any queue, then cancelled), and
+  the first refill's delay is printed (it must not wait for a cycle period).
 
 Run: .venv/bin/python bench/live_scale.py [--quick] [--no-targets] [--nodes 4096] [--pending 10000]
      [--history 100000] [--steady 60] [--db URL]
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -248,6 +253,7 @@ class Load:
         self.runtime = runtime
         self.state: dict[str, int] = {}
         self.reserved_at: list[float] = []
+        self.reserved_time: dict[str, float] = {}  # job id -> when its first RUNNING event came
         self.submit_latency: list[float] = []
         self.cancels = 0
         self.read_errors: list[str] = []
@@ -271,12 +277,42 @@ class Load:
             time_limit_s=run * 3 + 30,
         )
 
-    async def submit(self, measure: bool = False) -> None:
+    async def submit(self, measure: bool = False) -> str:
         t0 = time.perf_counter()
         job = await self.stub().SubmitJob(scheduler_pb2.SubmitJobRequest(spec=self.spec()), timeout=60)
         if measure:
             self.submit_latency.append(time.perf_counter() - t0)
         self.state.setdefault(job.id, job.state)
+        if job.state == RUNNING:  # decided at submit: the reply may come before the event
+            self.reserved_time.setdefault(job.id, time.perf_counter())
+        return job.id
+
+    async def empty_rate(self, count: int, concurrency: int = 64) -> tuple[float, int]:
+        """The admission rate on the empty cluster, before any queue: `count` gangs of the mix (a fraction of the
+        cluster) submitted `concurrency` at a time; gangs reserved per second from the first submit to the last
+        reservation. Then they are cancelled, so the cluster is empty again for the fill."""
+        t0 = time.perf_counter()
+        ids: list[str] = []
+        left = [count]
+
+        async def worker() -> None:
+            while left[0] > 0:
+                left[0] -= 1
+                ids.append(await self.submit())
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        deadline = time.perf_counter() + 30
+        while time.perf_counter() < deadline and any(self.state.get(j) == PENDING for j in ids):
+            await asyncio.sleep(0.05)
+        times = [self.reserved_time[j] for j in ids if j in self.reserved_time]
+        rate = len(times) / (max(times) - t0) if times else 0.0
+
+        async def cancel(job_id: str) -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.stub().CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id), timeout=60)
+
+        await asyncio.gather(*(cancel(j) for j in ids))
+        return rate, len(times)
 
     async def submit_many(self, count: int, concurrency: int = 64) -> None:
         left = [count]
@@ -295,9 +331,46 @@ class Load:
             self.state[job.id] = job.state
             if job.state == RUNNING and was != RUNNING:
                 self.reserved_at.append(time.perf_counter())
+                self.reserved_time.setdefault(job.id, self.reserved_at[-1])
 
     def pending(self) -> list[str]:
         return [j for j, s in self.state.items() if s == PENDING]
+
+    def burst(self, since: float, window: float = 1.0) -> tuple[int, float, float]:
+        """The reservations after `since`: (how many in the `window` seconds from the first of them, seconds from
+        `since` to that first one, the rate in gangs/s over that window, or over the span of those reservations
+        when they end sooner). Gangs that end on their own keep reserving in the background at a far lower rate."""
+        times = sorted(t for t in self.reserved_at if t >= since)
+        if not times:
+            return 0, float("nan"), 0.0
+        inside = [t for t in times if t - times[0] <= window]
+        span = min(window, inside[-1] - inside[0])
+        return len(inside), times[0] - since, (len(inside) / span if len(inside) > 1 and span > 0 else 0.0)
+
+    async def drain(self, fraction: float) -> dict:
+        """Free `fraction` of the running gangs at once (one CancelJob each, concurrently) with the queue deep, and
+        measure the refill: the first reservation after the cancels, and the rate of the burst that follows
+        (issue 35 item 3: a freed capacity is refilled without waiting for a cycle period, and at more than one
+        admission per cycle)."""
+        running = [j for j, st in self.state.items() if st == RUNNING]
+        victims = self.rng.sample(running, min(len(running), max(1, int(len(running) * fraction))))
+        t0 = time.perf_counter()
+
+        async def cancel(job_id: str) -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # it ended meanwhile
+                await self.stub().CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id), timeout=60)
+
+        await asyncio.gather(*(cancel(j) for j in victims))
+        cancelled = time.perf_counter() - t0
+        await asyncio.sleep(2.0)  # the refill's first second, and then some
+        count, first, rate = self.burst(t0)
+        return {
+            "cancelled": len(victims),
+            "cancels_s": round(cancelled, 3),
+            "refill_first_ms": ms(first),
+            "refill_reservations_first_s": count,
+            "drain_per_s": round(rate, 1),
+        }
 
     async def steady(self, seconds: float, reads: dict[str, list[float]]) -> tuple[float, int]:
         """One new gang per reservation, two cancels a second; returns (reservations/s, reservations)."""
@@ -451,6 +524,11 @@ async def run(args, workdir: Path) -> dict:
         load = Load([a.address], rng, args.runtime, args.nodes)
         watcher = asyncio.create_task(load.watch(load.stubs[0]))
         await asyncio.sleep(0.5)
+        probe = max(10, min(300, args.nodes * 8 // 100))
+        rate, reserved = await load.empty_rate(probe)
+        results["empty_cluster_per_s"] = round(rate, 1)
+        say(f"empty cluster: {reserved} of {probe} gangs reserved, 64 submits at a time: {rate:.1f} gangs/s")
+        await asyncio.sleep(1.0)
         t = time.perf_counter()
         await load.submit_many(args.pending)
         say(f"{args.pending} gangs submitted in {time.perf_counter() - t:.1f} s")
@@ -490,6 +568,17 @@ async def run(args, workdir: Path) -> dict:
             f"{results['job_p50_ms']} ms, goodput {results['goodput_p50_ms']} ms (p99 {results['goodput_p99_ms']})"
         )
         say(f"RSS with {results['live_jobs']} live jobs: {results['rss_live_mib']} MiB")
+
+        drain = await load.drain(0.25)
+        results.update({k if k.startswith("drain_") else f"drain_{k}": v for k, v in drain.items()})
+        empty = results["empty_cluster_per_s"]
+        results["drain_over_empty"] = round(drain["drain_per_s"] / empty, 3) if empty else 0.0
+        say(
+            f"deep queue ({len(load.pending())} pending): {drain['cancelled']} running gangs cancelled in "
+            f"{drain['cancels_s']} s; first refill {drain['refill_first_ms']} ms after the first cancel, then "
+            f"{drain['refill_reservations_first_s']} reserved in its first second: {drain['drain_per_s']} gangs/s "
+            f"({results['drain_over_empty']}x the empty-cluster rate)"
+        )
 
         port_b = free_port()
         b = start_scheduler(db_url, workdir / "scheduler-b.log", *flags, "--metrics-port", str(port_b))
@@ -561,6 +650,11 @@ def check_targets(r: dict) -> list[str]:
         missed.append(f"first page of phalanx jobs {r['jobs_page_p50_ms']} ms, target < 100 ms")
     if not r["job_p50_ms"] < 100:
         missed.append(f"phalanx job {r['job_p50_ms']} ms, target < 100 ms")
+    if not r["drain_over_empty"] >= 0.5:
+        missed.append(
+            f"deep-queue drain {r['drain_per_s']} gangs/s, {r['drain_over_empty']}x the empty-cluster rate "
+            f"({r['empty_cluster_per_s']}/s), target >= 0.5x (issue 35)"
+        )
     if not r["rss_history_mib"] - r["rss_empty_mib"] < 64:
         missed.append(
             f"the history adds {r['rss_history_mib'] - r['rss_empty_mib']:.0f} MiB to the scheduler, target < 64"

@@ -13,13 +13,21 @@ other, never at the same time:
   (on 4 nodes: one 8-GPU gang and sixteen 1-GPU gangs), submitted by 8 SDK clients x 8 in flight; Ray creates the
   same gangs as placement groups from 8 threads, pipelined (every group created, then all its `ready()` awaited).
   The rate is gangs from the first submit to the last reservation; all are freed again between rounds.
-- Slurm (`salloc`, `sbatch` on slurmd daemons with fake GPUs) is not run yet: the bench says it skipped it.
+- Slurm 22.05 (Debian's slurm-wlm, as root): one slurmctld and one `slurmd -N nK` per node on ports of their own,
+  fake GPUs in gres.conf, munge with a key of its own (bench/slurm_peer.py, which says what each figure times).
+  1-GPU: `salloc -N1 --gres=gpu:1 /bin/true` from its launch to "Granted job allocation" (Slurm's client is its
+  command line: starting salloc is part of it); 4 x 8: `salloc -N4 --gres=gpu:8`. Throughput: the same mix by
+  `sbatch` from 8 threads, jobs from the first submit to the last allocation in slurmctld's log (SchedulerParameters
+  batch_sched_delay=0: with Slurm's default of 3 s a burst waits for its next scheduling pass even longer); also the
+  rate at which sbatch accepts them, and the mix as `salloc --no-shell` allocations (decided at submit).
+  Without slurm-wlm on PATH, or as non-root, or with --no-slurm, the bench says it skipped Slurm, and why.
 Without --quick, Phalanx's figures at 256 nodes are added (Phalanx alone: Ray cannot run 256 raylets here).
 
 Targets (issue 35), as ratios Phalanx / Ray of this run: 1-GPU p50 <= 0.8x; 4 x 8 p50 <= 0.8x (PACK); gangs per
-second >= 2x. The bench prints them and names the missed ones in its JSON (`targets_missed`); it exits 0.
+second >= 2x; and Phalanx / Slurm: gangs per second >= 2x Slurm's sbatch jobs allocated per second. The bench prints
+them and names the missed ones in its JSON (`targets_missed`); it exits 0.
 
-Run: .venv/bin/python bench/peers.py [--samples N] [--quick] [--no-ray] [--db ADMIN_URL]
+Run: .venv/bin/python bench/peers.py [--samples N] [--quick] [--no-ray] [--no-slurm] [--db ADMIN_URL]
 The last line of output is one JSON object: {"bench": "peers", ...}.
 """
 
@@ -32,6 +40,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +48,7 @@ import time
 from pathlib import Path
 
 import gang_reservation as gr  # bench/ is on sys.path when this file runs (and the test puts it there)
+import slurm_peer as sp
 
 from db.engine import normalize_url
 from phalanx.api.v1 import common_pb2, scheduler_pb2
@@ -53,6 +63,14 @@ TARGETS = (  # (Phalanx's figure, Ray's, bound on Phalanx / Ray, "le": at most /
     ("g4x8_p50_ms", "g4x8_spread_p50_ms", None, "", "4 x 8 gang p50 (Ray STRICT_SPREAD)"),
     ("gangs_per_s", "gangs_per_s", 2.0, "ge", "gangs reserved per second, 8 clients"),
 )
+SLURM_TARGETS = (  # the same, Phalanx / Slurm (the ratios are keyed "slurm_" + Slurm's figure, less its unit)
+    ("g1_p50_ms", "g1_p50_ms", None, "", "1-GPU gang p50 (Slurm salloc -N1)"),
+    ("g4x8_p50_ms", "g4x8_p50_ms", None, "", "4 x 8 gang p50 (Slurm salloc -N4)"),
+    ("gangs_per_s", "sbatch_per_s", 2.0, "ge", "gangs reserved per second vs Slurm sbatch jobs allocated per second"),
+    ("gangs_per_s", "sbatch_accepted_per_s", None, "", "gangs reserved per second vs Slurm sbatch jobs accepted"),
+    ("gangs_per_s", "salloc_per_s", None, "", "gangs reserved per second vs Slurm salloc --no-shell allocations"),
+)
+SLURM_SCHEDULER_PARAMETERS = "batch_sched_delay=0"  # batch jobs on Slurm's next pass, not up to 3 s later
 say = gr.say
 pct = gr.pct
 
@@ -278,53 +296,116 @@ def ray_side(samples: int, rounds: int) -> dict:
 # --- Slurm ------------------------------------------------------------------------------------------------------
 
 
-def slurm_side() -> dict:
-    missing = [tool for tool in ("salloc", "sbatch", "slurmd", "slurmctld") if shutil.which(tool) is None]
-    if missing:
+def slurm_side(samples: int, rounds: int, no_slurm: bool = False) -> dict:
+    """Slurm's figures, or {"skipped": why} when it is not run (--no-slurm, not installed, not root) or fails."""
+    if no_slurm:
+        why = "--no-slurm"
+    elif missing := sp.missing_tools():
         why = f"{', '.join(missing)} not on PATH (Debian: apt-get install slurm-wlm)"
+    elif os.geteuid() != 0:
+        why = "slurmd must run as root (it starts jobs as their user)"
     else:
-        why = "Slurm is installed, but this bench does not drive slurmd daemons yet"
+        try:
+            return slurm_figures(samples, rounds)
+        except (sp.SlurmError, OSError, subprocess.SubprocessError) as exc:
+            why = f"Slurm failed: {exc}"
     say(f"skipped Slurm: {why}")
     return {"skipped": why}
+
+
+def slurm_figures(samples: int, rounds: int, clients: int = 8) -> dict:
+    with sp.SlurmCluster(NODES, GPUS_PER_NODE, scheduler_parameters=SLURM_SCHEDULER_PARAMETERS) as cluster:
+        out: dict = {
+            "version": cluster.version,
+            "nodes": NODES,
+            "daemons": f"1 slurmctld, {NODES} x `slurmd -N nK` on ports of their own, on this host",
+            "auth": cluster.auth,
+            "scheduler_parameters": SLURM_SCHEDULER_PARAMETERS,
+        }
+        say(f"{cluster.version}: {NODES} slurmd x {GPUS_PER_NODE} GPUs up in {cluster.started_s:.1f} s")
+        for key, nodes, gpus in (("g1", 1, 1), ("g4x8", 4, GPUS_PER_NODE)):
+            granted, exited = cluster.allocation_latency(nodes, gpus, samples, WARMUP)
+            out |= {
+                f"{key}_p50_ms": ms(pct(granted, 50)),
+                f"{key}_p99_ms": ms(pct(granted, 99)),
+                f"{key}_exit_p50_ms": ms(pct(exited, 50)),
+            }
+            say(
+                f"slurm: salloc -N{nodes} --gres=gpu:{gpus} granted p50 {out[f'{key}_p50_ms']} ms, "
+                f"p99 {out[f'{key}_p99_ms']} ms (salloc exited: p50 {out[f'{key}_exit_p50_ms']} ms)"
+            )
+        mix = gr.gang_mix(NODES)
+        batch = cluster.sbatch_throughput(mix, gr.SHAPES, clients, rounds)
+        out["sbatch_per_s"] = round(statistics.median(r["jobs"] / r["allocated_s"] for r in batch), 1)
+        out["sbatch_accepted_per_s"] = round(statistics.median(r["jobs"] / r["submitted_s"] for r in batch), 1)
+        out["sbatch_from_poll"] = sum(r["from_poll"] for r in batch)  # jobs slurmctld's log did not name
+        say(
+            f"slurm: sbatch from {clients} threads: {out['sbatch_per_s']} jobs/s allocated (rounds: "
+            f"{[round(r['jobs'] / r['allocated_s']) for r in batch]}), {out['sbatch_accepted_per_s']} accepted"
+        )
+        alloc = cluster.salloc_throughput(mix, gr.SHAPES, clients, rounds)
+        out["salloc_per_s"] = round(statistics.median(r["jobs"] / r["allocated_s"] for r in alloc), 1)
+        say(f"slurm: salloc --no-shell from {clients} threads: {out['salloc_per_s']} jobs/s granted")
+        out["jobs_per_round"] = len(mix)
+        out["clients"] = clients
+    return out
 
 
 # --- the table --------------------------------------------------------------------------------------------------
 
 
-def compare(phalanx: dict, ray: dict) -> tuple[dict, list[str]]:
-    """The ratios Phalanx / Ray (keyed by Ray's figure, less its unit) and the targets they miss."""
+def compare(phalanx: dict, ray: dict, slurm: dict | None = None) -> tuple[dict, list[str]]:
+    """The ratios Phalanx / Ray (keyed by Ray's figure, less its unit) and Phalanx / Slurm (keyed "slurm_" + Slurm's
+    figure, less its unit), and the targets they miss. A peer that was skipped (or not given) adds nothing."""
     ratios, missed = {}, []
-    if "skipped" in ray:
-        return ratios, missed
-    for pkey, rkey, bound, sense, what in TARGETS:
-        ratio = round(phalanx[pkey] / ray[rkey], 3)
-        ratios[rkey.removesuffix("_ms")] = ratio
-        if bound is not None and ((ratio > bound) if sense == "le" else (ratio < bound)):
-            word = "at most" if sense == "le" else "at least"
-            missed.append(f"{what}: Phalanx / Ray {ratio:.2f}x, target {word} {bound}x")
+    for peer, name, targets, prefix in ((ray, "Ray", TARGETS, ""), (slurm, "Slurm", SLURM_TARGETS, "slurm_")):
+        if peer is None or "skipped" in peer:
+            continue
+        for pkey, rkey, bound, sense, what in targets:
+            ratio = round(phalanx[pkey] / peer[rkey], 3)
+            ratios[prefix + rkey.removesuffix("_ms")] = ratio
+            if bound is not None and ((ratio > bound) if sense == "le" else (ratio < bound)):
+                word = "at most" if sense == "le" else "at least"
+                missed.append(f"{what}: Phalanx / {name} {ratio:.2f}x, target {word} {bound}x")
     return ratios, missed
 
 
 def table(result: dict) -> str:
-    p, r, ratios = result["phalanx"], result["ray"], result["ratios"]
+    p, r, s, ratios = result["phalanx"], result["ray"], result["slurm"], result["ratios"]
     skipped = "skipped" in r
 
-    def row(what: str, pkey: str, rkey: str, unit: str, target: str, ratio_key: str | None) -> str:
-        rv = "skipped" if skipped else f"{r[rkey]} {unit}"
-        ratio = f"{ratios[ratio_key]:.2f}x" if ratio_key in ratios else "-"
-        return f"| {what} | {p[pkey]} {unit} | {rv} | {ratio} | {target} |"
+    def row(what: str, pkey: str, rkey: str | None, unit: str, target: str, skey: str | None = None) -> str:
+        """Phalanx's figure pkey beside Ray's rkey and Slurm's skey (None: no such figure), with their ratios."""
+        cells = []
+        for peer, key, prefix in ((r, rkey, ""), (s, skey, "slurm_")):
+            ratio_key = prefix + key.removesuffix("_ms") if key else None
+            value = "-" if key is None else "skipped" if "skipped" in peer else f"{peer[key]} {unit}"
+            cells += [value, f"{ratios[ratio_key]:.2f}x" if ratio_key in ratios else "-"]
+        return f"| {what} | {p[pkey]} {unit} | {' | '.join(cells)} | {target} |"
 
     lines = [
-        f"Phalanx vs Ray, {NODES} nodes x {GPUS_PER_NODE} GPUs each, {result['samples']} samples, {result['date']}",
+        f"Phalanx vs Ray and Slurm, {NODES} nodes x {GPUS_PER_NODE} GPUs each, {result['samples']} samples, "
+        f"{result['date']}",
         "",
-        "| figure | Phalanx | Ray | Phalanx / Ray | target |",
-        "|---|---|---|---|---|",
-        row("1-GPU gang, submit to reserved, p50", "g1_p50_ms", "g1_p50_ms", "ms", "<= 0.8x", "g1_p50"),
-        row("1-GPU gang, submit to reserved, p99", "g1_p99_ms", "g1_p99_ms", "ms", "", None),
-        row("4 x 8 gang p50 (Ray PACK)", "g4x8_p50_ms", "g4x8_p50_ms", "ms", "<= 0.8x", "g4x8_p50"),
-        row("4 x 8 gang p50 (Ray STRICT_SPREAD)", "g4x8_p50_ms", "g4x8_spread_p50_ms", "ms", "", "g4x8_spread_p50"),
-        row("4 x 8 gang p99 (Ray PACK)", "g4x8_p99_ms", "g4x8_p99_ms", "ms", "", None),
-        row("gangs reserved per second, 8 clients", "gangs_per_s", "gangs_per_s", "/s", ">= 2x", "gangs_per_s"),
+        "| figure | Phalanx | Ray | Phalanx / Ray | Slurm | Phalanx / Slurm | target |",
+        "|---|---|---|---|---|---|---|",
+        row("1-GPU gang, submit to reserved, p50", "g1_p50_ms", "g1_p50_ms", "ms", "<= 0.8x Ray", "g1_p50_ms"),
+        row("1-GPU gang, submit to reserved, p99", "g1_p99_ms", "g1_p99_ms", "ms", "", "g1_p99_ms"),
+        row("4 x 8 gang p50 (Ray PACK)", "g4x8_p50_ms", "g4x8_p50_ms", "ms", "<= 0.8x Ray", "g4x8_p50_ms"),
+        row("4 x 8 gang p50 (Ray STRICT_SPREAD)", "g4x8_p50_ms", "g4x8_spread_p50_ms", "ms", ""),
+        row("4 x 8 gang p99 (Ray PACK)", "g4x8_p99_ms", "g4x8_p99_ms", "ms", "", "g4x8_p99_ms"),
+        row(
+            "gangs reserved per second, 8 clients (Slurm: sbatch, allocated)",
+            "gangs_per_s",
+            "gangs_per_s",
+            "/s",
+            ">= 2x Ray, >= 2x Slurm",
+            "sbatch_per_s",
+        ),
+        row(
+            "gangs reserved per second vs Slurm sbatch accepted", "gangs_per_s", None, "/s", "", "sbatch_accepted_per_s"
+        ),
+        row("gangs reserved per second vs Slurm salloc --no-shell", "gangs_per_s", None, "/s", "", "salloc_per_s"),
         "",
         f"Phalanx 1-GPU p50: SubmitJob reply {p['g1_reply_p50_ms']} ms, RUNNING event {p['g1_event_p50_ms']} ms; "
         f"4 x 8: reply {p['g4x8_reply_p50_ms']} ms, event {p['g4x8_event_p50_ms']} ms.",
@@ -351,7 +432,17 @@ def table(result: dict) -> str:
             f"Ray creates the throughput mix largest first; in Phalanx's order (1-GPU first) {order['ready']} of "
             f"{order['gangs']} groups were ready after {order['after_s']} s."
         )
-    lines.append(f"Slurm skipped: {result['slurm']['skipped']}" if "skipped" in result["slurm"] else "")
+    if "skipped" in s:
+        lines.append(f"Slurm skipped: {s['skipped']}")
+    else:
+        lines.append(
+            f"Slurm: {s['version']}, {s['daemons']}, auth/{s['auth']}, SchedulerParameters={s['scheduler_parameters']}; "
+            f'salloc from its launch to "Granted job allocation" (the command\'s start included), and to its exit '
+            f"(ran /bin/true, gave the allocation back): 1-GPU p50 {s['g1_exit_p50_ms']} ms, 4 x 8 p50 "
+            f"{s['g4x8_exit_p50_ms']} ms; {s['jobs_per_round']} jobs a round by {s['clients']} threads: sbatch, "
+            f"first submit to last allocation in slurmctld's log, {s['sbatch_per_s']} jobs/s (accepted: "
+            f"{s['sbatch_accepted_per_s']} jobs/s); salloc --no-shell, to the last grant, {s['salloc_per_s']} jobs/s."
+        )
     for miss in result["targets_missed"]:
         lines.append(f"target missed: {miss}")
     return "\n".join(lines)
@@ -378,10 +469,10 @@ def run(args) -> dict:
         result["ray"] = {"skipped": why}
     else:
         result["ray"] = ray_side(args.samples, args.rounds)
-    result["slurm"] = slurm_side()
+    result["slurm"] = slurm_side(args.samples, args.rounds, args.no_slurm)
     if not args.quick:
         result["phalanx_256"] = asyncio.run(phalanx_side(admin, BIG_NODES, args.samples, args.rounds))
-    result["ratios"], result["targets_missed"] = compare(result["phalanx"], result["ray"])
+    result["ratios"], result["targets_missed"] = compare(result["phalanx"], result["ray"], result["slurm"])
     return result
 
 
@@ -389,7 +480,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=200, help="latency samples per figure and side (--quick: 30)")
     p.add_argument("--quick", action="store_true", help="fewer samples and rounds, no 256-node run: under 2 minutes")
-    p.add_argument("--no-ray", action="store_true", help="run Phalanx's side only (Ray is reported as skipped)")
+    p.add_argument("--no-ray", action="store_true", help="skip Ray (reported as skipped)")
+    p.add_argument("--no-slurm", action="store_true", help="skip Slurm (reported as skipped), as where it is absent")
     p.add_argument(
         "--db",
         default=os.environ.get("PHALANX_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test"),

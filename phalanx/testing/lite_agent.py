@@ -273,7 +273,9 @@ class LiteAgent:
                 )
                 return resp.stale
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                # Retried as the real agent retries its queued reports; CANCELLED: seen on a channel shared by
+                # thousands of agents (bench/live_scale.py) when a burst of kills sends a report per rank at once.
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
                 await asyncio.sleep(0.1)
         raise TimeoutError(f"the scheduler stayed unavailable for readiness of {job_id}/{attempt}")
@@ -306,7 +308,9 @@ class LiteAgent:
                 )
                 return resp.stale
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                # Retried as the real agent retries its queued reports; CANCELLED: seen on a channel shared by
+                # thousands of agents (bench/live_scale.py) when a burst of kills sends a report per rank at once.
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
                 await asyncio.sleep(0.1)
         return False

@@ -60,9 +60,14 @@ def test_tiny_run_prints_every_figure_as_one_json_line(pg_url):
         "rss_empty_mib",
         "rss_history_mib",
         "rss_live_mib",
+        "empty_cluster_per_s",
+        "drain_per_s",
+        "drain_over_empty",
+        "drain_refill_first_ms",
     ):
         assert isinstance(out[key], (int, float)), key
     assert out["reservations_1"] > 0
+    assert out["drain_cancelled"] >= 0  # (at this size the gangs may all have ended by then)
     assert out["targets_missed"] == []  # --no-targets: printed, not checked
 
 
@@ -76,11 +81,16 @@ def test_the_target_check_names_each_missed_target():
         job_p50_ms=10.0,
         rss_history_mib=110.0,
         rss_empty_mib=100.0,
+        drain_per_s=400.0,
+        empty_cluster_per_s=500.0,
+        drain_over_empty=0.8,
     )
     assert live_scale.check_targets(good) == []
     bad = dict(good, bringup_s=75.0, cycle_p99_ms_2=300.0, replicas_ratio=0.5, rss_history_mib=300.0)
+    bad.update(drain_per_s=100.0, drain_over_empty=0.2)
     missed = live_scale.check_targets(bad)
-    assert len(missed) == 4
+    assert len(missed) == 5
+    assert any("deep-queue drain 100.0 gangs/s, 0.2x" in m for m in missed)
     assert any("bring-up 75.0 s" in m for m in missed)
     assert any("2 replica" in m for m in missed)
 
