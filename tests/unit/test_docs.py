@@ -350,6 +350,7 @@ OTHER_TOOLS_FLAGS = {
     "--fix": "scripts/lint --fix (ruff's)",
     "--strict": "mkdocs build --strict",
     "--test-only": "Slurm's sbatch --test-only, for comparison",
+    "--no-shell": "Slurm's salloc --no-shell, timed by bench/peers.py",
     "--fast": "a user's own eval.py in an SDK example",
     "--tls-": "the prefix of --tls-ca/--tls-cert/--tls-key in prose",
     "--head": "ray start --head, in the serving guide's vLLM script",
