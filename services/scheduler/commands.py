@@ -465,6 +465,8 @@ class RankReport(CycleCommand):
         if node is None:
             raise NotFound(f"node {self.node!r} is not registered")
         job = cycle.state.jobs.get(self.job_id)
+        if job is None and self.job_id in cycle.state.ended:
+            return self.state == "RUNNING"  # it ended for good: no read of the ledger per report
         if job is None or job.attempt != self.attempt:
             exists = cycle.work.ask(job_row, self.job_id)  # a job this cycle finished or requeued reads so
             if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:

@@ -383,6 +383,7 @@ class SchedulerService:
                 if cycle.handover:
                     fail_point("scheduler.handover")
                 trans.commit()
+            self.state.note_ended(cycle.finished)  # committed: their ranks' late reports are answered from memory
         done = time.perf_counter()
         if done - t0 > SLOW_CYCLE_S:
             cycle.metrics.timings.update(

@@ -7,8 +7,8 @@ scheduling cycle (one thread at a time) touches it.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from phalanx.core.quota import QueueSpec
 from phalanx.core.spares import inflated, inflated_min
 
 TERMINAL_RANK_STATES = frozenset({"EXITED", "FAILED_TO_START", "KILLED", "LOST"})
+ENDED_KEPT = 50_000  # SchedulerState.ended: the reports for a job's ranks come within seconds of its end
 
 
 @dataclass
@@ -522,6 +523,19 @@ class SchedulerState:
         self.rank_key = ""
         # The preemptors' standing claims by job (phalanx.core.claims; the ledger's `claims` rows not ended)
         self.claims: dict[str, Claim] = {}
+        # The jobs this replica's committed cycles ended (a final state: no attempt of theirs runs again), the
+        # newest ENDED_KEPT: the agents' reports for their ranks (a cancelled 128-node gang's kills, 128 reports) are
+        # answered stale from memory, not by a read of the ledger each (commands.RankReport)
+        self.ended: OrderedDict[str, None] = OrderedDict()
+
+    def note_ended(self, job_ids: Iterable[str]) -> None:
+        """Remember jobs that ended in a committed cycle (service._transaction_on, after its commit)."""
+        ended = self.ended
+        for job_id in job_ids:
+            ended[job_id] = None
+            ended.move_to_end(job_id)
+        while len(ended) > ENDED_KEPT:
+            ended.popitem(last=False)
 
     @property
     def jobs(self) -> JobTable:
