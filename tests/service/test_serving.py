@@ -243,7 +243,10 @@ async def test_a_surge_replica_that_does_not_fit_waits_without_preempting_and_sh
         first = spec(replicas=1, nodes=2, priority=100, max_surge=1, max_unavailable=0)
         await stub(c).CreateService(service_pb2.CreateServiceRequest(spec=first))
         await eventually(lambda: ready_count(c, "llm", 1), what="1 ready replica")
-        blocker = await c.submit("blocker", 1, 8, ("sleep", "3"), time_limit_s=4.0)
+        # The short gang's time limit runs from its reservation, so it covers its launch and its exit report too:
+        # 2.5 s for 0.3 s of work leaves room for a loaded machine's slow cycles (1 s did not: a 0.7 s cycle after a
+        # stall stopped it at its limit), and still ends well before the blocker's 6 s, whose end the surge awaits.
+        blocker = await c.submit("blocker", 1, 8, ("sleep", "4"), time_limit_s=6.0)
         await c.wait_running(blocker.id)
         new = common_pb2.JobSpec(replicas=2, gpus_per_replica=8, command=["run", "v2"], priority=100)
         await stub(c).UpdateService(service_pb2.UpdateServiceRequest(name="llm", template=new))
@@ -254,7 +257,7 @@ async def test_a_surge_replica_that_does_not_fit_waits_without_preempting_and_sh
             return surge[0] if surge and surge[0].state == "PENDING" else None
 
         waiting = await eventually(surge_waits, what="a waiting surge replica")
-        short = await c.submit("short", 1, 8, ("sleep", "0.3"), time_limit_s=1.0)
+        short = await c.submit("short", 1, 8, ("sleep", "0.3"), time_limit_s=2.5)
         unlimited = await c.submit("unlimited", 1, 8, ("run",))
         await eventually(lambda: _finished(c, short.id), what="the short gang backfilled and done")
         assert (await c.job(unlimited.id)).state == common_pb2.JOB_STATE_PENDING  # it would delay the surge
