@@ -306,13 +306,17 @@ class Load:
             await asyncio.sleep(0.05)
         times = [self.reserved_time[j] for j in ids if j in self.reserved_time]
         rate = len(times) / (max(times) - t0) if times else 0.0
+        await self.cancel_all(ids)
+        return rate, len(times)
+
+    async def cancel_all(self, job_ids: list[str]) -> None:
+        """Cancel these jobs at once, one CancelJob each, concurrently (one that ended meanwhile is passed over)."""
 
         async def cancel(job_id: str) -> None:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.stub().CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id), timeout=60)
 
-        await asyncio.gather(*(cancel(j) for j in ids))
-        return rate, len(times)
+        await asyncio.gather(*(cancel(j) for j in job_ids))
 
     async def submit_many(self, count: int, concurrency: int = 64) -> None:
         left = [count]
@@ -355,12 +359,7 @@ class Load:
         running = [j for j, st in self.state.items() if st == RUNNING]
         victims = self.rng.sample(running, min(len(running), max(1, int(len(running) * fraction))))
         t0 = time.perf_counter()
-
-        async def cancel(job_id: str) -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):  # it ended meanwhile
-                await self.stub().CancelJob(scheduler_pb2.CancelJobRequest(job_id=job_id), timeout=60)
-
-        await asyncio.gather(*(cancel(j) for j in victims))
+        await self.cancel_all(victims)
         cancelled = time.perf_counter() - t0
         await asyncio.sleep(2.0)  # the refill's first second, and then some
         count, first, rate = self.burst(t0)

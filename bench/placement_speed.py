@@ -470,8 +470,9 @@ def main() -> None:
         f"{NODES // PER_LEAF // LEAVES_PER_SPINE} spines of {LEAVES_PER_SPINE} leaves"
     )
     gc.callbacks.append(COLLECTOR)
+    mix = SHAPES + NARROW if args.mix == "narrow" else SHAPES
     ops, lat, lat_placed, placed, failed, utils, index_peak, stopped, net, net_placed = run_core(
-        args.decisions, args.retries, args.seed, SHAPES + NARROW if args.mix == "narrow" else SHAPES
+        args.decisions, args.retries, args.seed, mix
     )
     full = list(COLLECTOR.full)
     per_s, single_per_s = rates(lat)
@@ -558,7 +559,7 @@ def main() -> None:
 
     # The same gangs in the same order, each replica also asking for host CPUs and memory (host_request)
     _, hlat, hlat_placed, hplaced, hfailed, hutils, _, _, hnet, _ = run_core(
-        args.decisions, args.retries, args.seed, SHAPES + NARROW if args.mix == "narrow" else SHAPES, host=True
+        args.decisions, args.retries, args.seed, mix, host=True
     )
     host = {
         "decisions": hplaced + hfailed,

@@ -64,27 +64,34 @@ def jobs(draw, name: str, cluster: ClusterSpec, queues: tuple[str, ...]) -> JobS
     )
 
 
+def lab_queues(draw, cluster: ClusterSpec, names: tuple[str, ...], *, mig: bool = False) -> tuple[QueueSpec, ...]:
+    """Queues of one cohort ("lab") with drawn quotas (a whole, half or quarter of the cluster's GPUs), borrow limits
+    and weights; `mig`: each also draws a quota of MIG slices."""
+    total = cluster.nodes * cluster.gpus
+    return tuple(
+        QueueSpec(
+            name,
+            {
+                "*": FlavorQuota(
+                    gpus=float(draw(st.sampled_from((total, total // 2, total // 4)))),
+                    borrow_limit=draw(st.sampled_from((None, 0.0, float(cluster.gpus)))),
+                    **({"mig_slices": draw(st.sampled_from((0, 7, 14)))} if mig else {}),
+                )
+            },
+            cohort="lab",
+            weight=draw(st.sampled_from((1.0, 2.0))),
+        )
+        for name in names
+    )
+
+
 @st.composite
 def scenarios(draw, max_actions: int = 40) -> Scenario:
     cluster = draw(clusters)
     queues: tuple[QueueSpec, ...] = ()
     if draw(st.booleans()):
-        total = cluster.nodes * cluster.gpus
         count = draw(st.integers(2, 3))
-        queues = tuple(
-            QueueSpec(
-                name,
-                {
-                    "*": FlavorQuota(
-                        gpus=float(draw(st.sampled_from((total, total // 2, total // 4)))),
-                        borrow_limit=draw(st.sampled_from((None, 0.0, float(cluster.gpus)))),
-                    )
-                },
-                cohort="lab",
-                weight=draw(st.sampled_from((1.0, 2.0))),
-            )
-            for name in ("a", "b", "c")[:count]
-        )
+        queues = lab_queues(draw, cluster, ("a", "b", "c")[:count])
     names = tuple(q.name for q in queues)
     count = draw(st.integers(1, max_actions))
     actions: list = []

@@ -49,10 +49,10 @@ from phalanx.core.decide import (
 )
 from phalanx.core.model import GangRequest, NodeCapacity, Placement, ReplicaPlacement
 from phalanx.core.preemption import PreemptionPolicy
-from phalanx.core.quota import FlavorQuota, QueueSpec, demand
+from phalanx.core.quota import QueueSpec, demand
 from phalanx.core.snapshot import ElasticPolicy
 from phalanx.testing.world import ClusterSpec, JobSpec, Scenario, World
-from tests.helpers.scenarios import jobs
+from tests.helpers.scenarios import jobs, lab_queues
 
 pytestmark = pytest.mark.unit
 
@@ -112,22 +112,7 @@ def cases(draw) -> Case:
     cluster = draw(clusters)
     queues: tuple[QueueSpec, ...] = ()
     if draw(st.booleans()):
-        total = cluster.nodes * cluster.gpus
-        queues = tuple(
-            QueueSpec(
-                name,
-                {
-                    "*": FlavorQuota(
-                        gpus=float(draw(st.sampled_from((total, total // 2, total // 4)))),
-                        borrow_limit=draw(st.sampled_from((None, 0.0, float(cluster.gpus)))),
-                        mig_slices=draw(st.sampled_from((0, 7, 14))),
-                    )
-                },
-                cohort="lab",
-                weight=draw(st.sampled_from((1.0, 2.0))),
-            )
-            for name in ("a", "b")
-        )
+        queues = lab_queues(draw, cluster, ("a", "b"), mig=True)
     names = tuple(q.name for q in queues)
     running = tuple(
         (
