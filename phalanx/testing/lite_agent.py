@@ -177,7 +177,7 @@ class LiteAgent:
             await asyncio.sleep(interval)
             if self.hold_heartbeats:
                 continue
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            try:
                 resp = await self.stub.Heartbeat(
                     agent_pb2.HeartbeatRequest(node_name=self.name, agent_instance=self.instance)
                 )
@@ -185,6 +185,8 @@ class LiteAgent:
                     # As the real agent does (session.py): a scheduler that declared this node lost, while it was
                     # alive and beating (the scheduler stalled past its lease), gets it back by a registration.
                     await self._register()
+            except grpc.aio.AioRpcError:
+                _unless_stopping()
 
     async def _stream(self) -> None:
         while True:
@@ -195,6 +197,7 @@ class LiteAgent:
                 async for assignment in call:
                     await self._take(assignment)
             except grpc.aio.AioRpcError:
+                _unless_stopping()
                 await asyncio.sleep(0.2)
 
     async def _take(self, a: agent_pb2.Assignment) -> None:
@@ -277,6 +280,7 @@ class LiteAgent:
                 # thousands of agents (bench/live_scale.py) when a burst of kills sends a report per rank at once.
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
+                _unless_stopping()
                 await asyncio.sleep(0.1)
         raise TimeoutError(f"the scheduler stayed unavailable for readiness of {job_id}/{attempt}")
 
@@ -312,5 +316,15 @@ class LiteAgent:
                 # thousands of agents (bench/live_scale.py) when a burst of kills sends a report per rank at once.
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
+                _unless_stopping()
                 await asyncio.sleep(0.1)
         return False
+
+
+def _unless_stopping() -> None:
+    """Called where a failed call is retried: a task being cancelled (stop(), partition()) whose call ended in an
+    error rather than CancelledError must still end, or the loop that retries would outlive its cancellation and
+    stop() would wait for it for good."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
