@@ -84,8 +84,8 @@ async def test_a_submit_waits_for_the_pass_while_a_preemption_is_under_way(db_ur
         assert urgent.state == PENDING
         after = counts(c)
         assert after["pass"] == before["pass"] + 1 and after["lane"] == before["lane"]
-        skips = c.scheduler.service.lane_skips
-        assert skips["a claim is held"] + skips["a preemption is under way"] >= 1
+        # (why it went there is not asserted: besides the claim and the victim, the victim's checkpoint poll makes a
+        # wake-up due every 0.1 s, and under load that is often the first reason the lane finds)
 
 
 async def _asked(c: LiteCluster, job_id: str) -> bool:
