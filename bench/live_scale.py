@@ -97,6 +97,10 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+# Every cycle logs its duration (cycle_slow, services/scheduler/service.py), for CycleLog
+EVERY_CYCLE = {"PHALANX_SLOW_CYCLE_MS": "0"}
+
+
 def free_port() -> int:
     import socket
 
@@ -133,6 +137,35 @@ class Histogram:
             if self.buckets[le] >= want:
                 return le
         return float("inf")
+
+
+class CycleLog:
+    """Every cycle's duration, measured (not a histogram's bucket): the scheduler runs with PHALANX_SLOW_CYCLE_MS=0,
+    so each cycle logs `cycle_slow ms=...`; a phase reads the lines written since its start."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def mark(self) -> None:
+        self.offset = self.path.stat().st_size
+
+    def since_mark(self) -> list[float]:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            text = f.read().decode(errors="replace")
+        out = []
+        for line in text.splitlines():
+            if "cycle_slow" not in line:
+                continue
+            if line.startswith("{"):  # the services log JSON when stderr is not a terminal
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if event.get("event") == "cycle_slow":
+                        out.append(float(event["ms"]) / 1000)
+            elif m := re.search(r"\bms=([0-9.]+)", line):
+                out.append(float(m.group(1)) / 1000)
+        return out
 
 
 def metrics_text(port: int) -> str:
@@ -353,22 +386,27 @@ class Load:
 
     async def drain(self, fraction: float) -> dict:
         """Free `fraction` of the running gangs at once (one CancelJob each, concurrently) with the queue deep, and
-        measure the refill: the first reservation after the cancels, and the rate of the burst that follows
-        (issue 35 item 3: a freed capacity is refilled without waiting for a cycle period, and at more than one
-        admission per cycle)."""
+        measure the refill (issue 35 item 3: a freed capacity is refilled without waiting for a cycle period, and at
+        more than one admission per cycle): the first reservation after the first cancel, and the drain rate, the
+        reservations from the first cancel to one second after the last cancel was answered, over that window. The
+        window is anchored at the cancels, not at the first reservation after them (a gang that ended on its own
+        just then anchored it before the refill began, and the rate measured the wait)."""
         running = [j for j, st in self.state.items() if st == RUNNING]
         victims = self.rng.sample(running, min(len(running), max(1, int(len(running) * fraction))))
         t0 = time.perf_counter()
         await self.cancel_all(victims)
         cancelled = time.perf_counter() - t0
-        await asyncio.sleep(2.0)  # the refill's first second, and then some
-        count, first, rate = self.burst(t0)
+        await asyncio.sleep(2.0)  # the window's second, and then some
+        _, first, _ = self.burst(t0)
+        window = cancelled + 1.0
+        count = sum(1 for t in self.reserved_at if t0 <= t <= t0 + window)
         return {
             "cancelled": len(victims),
             "cancels_s": round(cancelled, 3),
             "refill_first_ms": ms(first),
-            "refill_reservations_first_s": count,
-            "drain_per_s": round(rate, 1),
+            "refill_reservations": count,
+            "window_s": round(window, 3),
+            "drain_per_s": round(count / window, 1),
         }
 
     async def steady(self, seconds: float, reads: dict[str, list[float]]) -> tuple[float, int]:
@@ -501,7 +539,9 @@ async def run(args, workdir: Path) -> dict:
         say(f"history: {args.history} finished jobs written in {time.perf_counter() - t:.1f} s")
 
         port_a = free_port()
-        a = start_scheduler(db_url, workdir / "scheduler-a.log", *flags, "--metrics-port", str(port_a))
+        flags += args.scheduler_arg
+        a = start_scheduler(db_url, workdir / "scheduler-a.log", *flags, "--metrics-port", str(port_a), env=EVERY_CYCLE)
+        cycles_a = CycleLog(workdir / "scheduler-a.log")
         procs.append(a)
         time.sleep(1.0)
         results["rss_history_mib"] = rss_mib(a.proc.pid)
@@ -538,8 +578,10 @@ async def run(args, workdir: Path) -> dict:
 
         reads: dict[str, list[float]] = {"jobs_page": [], "job": [], "goodput": []}
         before = scrape(port_a)
+        cycles_a.mark()
         rate1, n1 = await load.steady(args.steady, reads)
         cycles = scrape(port_a).minus(before)
+        measured = cycles_a.since_mark()
         results.update(
             reservations_per_s_1=round(rate1, 1),
             reservations_1=n1,
@@ -547,6 +589,9 @@ async def run(args, workdir: Path) -> dict:
             cycle_p50_ms_1=ms(cycles.quantile(0.5)),
             cycle_p99_ms_1=ms(cycles.quantile(0.99)),
             cycle_mean_ms_1=ms(cycles.sum / max(cycles.count, 1)),
+            cycle_measured_p50_ms_1=ms(pct(measured, 50)),
+            cycle_measured_p99_ms_1=ms(pct(measured, 99)),
+            cycle_measured_max_ms_1=ms(max(measured, default=float("nan"))),
             submit_p50_ms=ms(pct(load.submit_latency, 50)),
             submit_p99_ms=ms(pct(load.submit_latency, 99)),
             pending_1=len(load.pending()),
@@ -559,7 +604,8 @@ async def run(args, workdir: Path) -> dict:
         say(
             f"1 replica: {rate1:.1f} reservations/s ({n1}); cycles {int(cycles.count)}: p50 <= "
             f"{results['cycle_p50_ms_1']} ms, p99 <= {results['cycle_p99_ms_1']} ms, mean "
-            f"{results['cycle_mean_ms_1']} ms; submit p50 {results['submit_p50_ms']} ms p99 "
+            f"{results['cycle_mean_ms_1']} ms; measured p50 {results['cycle_measured_p50_ms_1']} ms p99 "
+            f"{results['cycle_measured_p99_ms_1']} ms; submit p50 {results['submit_p50_ms']} ms p99 "
             f"{results['submit_p99_ms']} ms; pending {results['pending_1']}"
         )
         say(
@@ -574,13 +620,21 @@ async def run(args, workdir: Path) -> dict:
         results["drain_over_empty"] = round(drain["drain_per_s"] / empty, 3) if empty else 0.0
         say(
             f"deep queue ({len(load.pending())} pending): {drain['cancelled']} running gangs cancelled in "
-            f"{drain['cancels_s']} s; first refill {drain['refill_first_ms']} ms after the first cancel, then "
-            f"{drain['refill_reservations_first_s']} reserved in its first second: {drain['drain_per_s']} gangs/s "
-            f"({results['drain_over_empty']}x the empty-cluster rate)"
+            f"{drain['cancels_s']} s; first refill {drain['refill_first_ms']} ms after the first cancel; "
+            f"{drain['refill_reservations']} reserved in the {drain['window_s']} s from the first cancel to 1 s after "
+            f"the last: {drain['drain_per_s']} gangs/s ({results['drain_over_empty']}x the empty-cluster rate)"
         )
+        reports = {}
+        for line in metrics_text(port_a).splitlines():
+            m = re.match(r'phalanx_scheduler_rank_reports_total\{path="(\w+)"\} (\S+)', line)
+            if m:
+                reports[m.group(1)] = int(float(m.group(2)))
+        results["rank_reports"] = reports
+        say(f"rank reports by path so far: {reports}")
 
         port_b = free_port()
-        b = start_scheduler(db_url, workdir / "scheduler-b.log", *flags, "--metrics-port", str(port_b))
+        b = start_scheduler(db_url, workdir / "scheduler-b.log", *flags, "--metrics-port", str(port_b), env=EVERY_CYCLE)
+        logs = {port_a: CycleLog(workdir / "scheduler-a.log"), port_b: CycleLog(workdir / "scheduler-b.log")}
         procs.append(b)
         await asyncio.sleep(2.0)
         load_b = Load([b.address], rng, args.runtime, args.nodes)
@@ -592,9 +646,12 @@ async def run(args, workdir: Path) -> dict:
         ports = [port_a, port_b]
         _, epoch_before = leader_epoch(ports)
         before_all = {port: scrape(port) for port in ports}
+        for log_file in logs.values():
+            log_file.mark()
         rate2, n2 = await load.steady(args.steady, reads2)
         leader_port, epoch_after = leader_epoch(ports)
         cycles = scrape(leader_port).minus(before_all[leader_port])
+        measured = logs[leader_port].since_mark()
         results.update(
             leader_2="a" if leader_port == port_a else "b",
             leadership_changes_2=int(epoch_after - epoch_before) if epoch_after == epoch_after else -1,
@@ -606,6 +663,8 @@ async def run(args, workdir: Path) -> dict:
             cycle_p50_ms_2=ms(cycles.quantile(0.5)),
             cycle_p99_ms_2=ms(cycles.quantile(0.99)),
             cycle_mean_ms_2=ms(cycles.sum / max(cycles.count, 1)),
+            cycle_measured_p50_ms_2=ms(pct(measured, 50)),
+            cycle_measured_p99_ms_2=ms(pct(measured, 99)),
             replicas_ratio=round(rate2 / rate1, 3) if rate1 else 0.0,
             read_errors=len(load.read_errors),
         )
@@ -615,7 +674,8 @@ async def run(args, workdir: Path) -> dict:
             f"2 replicas: {rate2:.1f} reservations/s ({n2}, {results['replicas_ratio']}x one); leader "
             f"({results['leader_2']}, {results['leadership_changes_2']} leadership changes) cycles "
             f"{int(cycles.count)}: p50 <= {results['cycle_p50_ms_2']} ms, p99 <= {results['cycle_p99_ms_2']} ms, "
-            f"mean {results['cycle_mean_ms_2']} ms"
+            f"mean {results['cycle_mean_ms_2']} ms; measured p50 {results['cycle_measured_p50_ms_2']} ms p99 "
+            f"{results['cycle_measured_p99_ms_2']} ms"
         )
         watcher.cancel()
         await load.close()
@@ -641,8 +701,10 @@ def check_targets(r: dict) -> list[str]:
     if not r["bringup_s"] < 60:
         missed.append(f"bring-up {r['bringup_s']} s, target < 60 s")
     for n in (1, 2):
-        if not r[f"cycle_p99_ms_{n}"] < 200:
-            missed.append(f"cycle p99 with {n} replica(s) {r[f'cycle_p99_ms_{n}']} ms, target < 200 ms")
+        if not r[f"cycle_measured_p99_ms_{n}"] < 200:
+            missed.append(
+                f"cycle p99 with {n} replica(s) {r[f'cycle_measured_p99_ms_{n}']} ms (measured), target < 200"
+            )
     if not r["replicas_ratio"] >= 0.95:
         missed.append(f"2 replicas at {r['replicas_ratio']}x the reservation rate of 1, target >= 0.95x")
     if not r["jobs_page_p50_ms"] < 100:
@@ -683,6 +745,13 @@ def main() -> None:
         "--quick", action="store_true", help="512 nodes, 1,000 gangs, 10,000 finished jobs, 15 s phases (CI size)"
     )
     p.add_argument("--no-targets", action="store_true", help="print the figures; do not check the targets")
+    p.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for the schedulers (repeatable; e.g. --scheduler-arg=--no-status-lane for a baseline)",
+    )
     args = p.parse_args()
     if args.quick:
         args.nodes, args.pending, args.history, args.steady = 512, 1000, 10000, 15.0

@@ -65,6 +65,13 @@ ADMITTED_AT_SUBMIT = Counter(
     "phalanx_scheduler_admitted_at_submit_total",
     "Gangs the admission lane reserved in the transaction that wrote their submission",
 )
+RANK_REPORTS = Counter(
+    "phalanx_scheduler_rank_reports_total",
+    "Agents' rank reports by how they were taken: `lane`, recorded by the status lane and answered at its commit "
+    "(issue 35); `answered`, answered from the view with nothing to write (stale, or a state the rank has); "
+    "`cycle`, a cycle command (the view could not judge it, this replica does not lead, or --no-status-lane)",
+    ["path"],
+)
 VIEW_RELOADS = Counter(
     "phalanx_scheduler_view_reloads_total",
     "Reloads of the in-memory view from the ledger: full (start, leadership, a failed cycle) or delta (the rows "

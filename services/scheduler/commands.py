@@ -458,6 +458,9 @@ class RankReport(CycleCommand):
     # With FAILED_TO_START: the host could not set the rank up (a MIG instance, the MPS daemon), not the job's
     # fault: the gang is requeued with the failure backoff and the node struck instead of the job failing.
     retryable: bool = False
+    # Its row is in the ledger already (the status lane wrote it, status_lane.py): the cycle applies its effects on
+    # the view, idempotently (the view may have read that row already), and writes no row.
+    recorded: bool = False
 
     def execute(self, cycle: Cycle) -> bool:
         """Apply a rank's status. Returns True when the report is stale and the agent must kill the rank."""
@@ -467,6 +470,8 @@ class RankReport(CycleCommand):
         job = cycle.state.jobs.get(self.job_id)
         if job is None and self.job_id in cycle.state.ended:
             return self.state == "RUNNING"  # it ended for good: no read of the ledger per report
+        if self.recorded and (job is None or job.attempt != self.attempt):
+            return False  # the attempt ended before the cycle applied the report the lane recorded
         if job is None or job.attempt != self.attempt:
             exists = cycle.work.ask(job_row, self.job_id)  # a job this cycle finished or requeued reads so
             if exists is not None and exists.state == "RUNNING" and exists.attempt == self.attempt:
@@ -477,23 +482,26 @@ class RankReport(CycleCommand):
         rank = job.ranks.get(self.rank)
         if rank is None or rank.node != self.node:
             raise InvalidArgument(f"job {job.id} attempt {job.attempt} has no rank {self.rank} on node {self.node}")
-        if rank.state in TERMINAL_RANK_STATES or rank.state == self.state:
+        if rank.state in TERMINAL_RANK_STATES and not (self.recorded and rank.state == self.state):
+            return False  # the rank ended already: a late report changes nothing
+        if rank.state == self.state and not self.recorded:
             return False
-        cycle.work.rank_rows.append(
-            dict(
-                job_id=job.id,
-                attempt=job.attempt,
-                rank=rank.rank,
-                replica=rank.replica,
-                local_rank=rank.local_rank,
-                node_id=node.id,
-                state=self.state,
-                exit_code=self.exit_code,
-                pid=self.pid,
-                message=self.message,
-                updated_at=cycle.now,
+        if not self.recorded:
+            cycle.work.rank_rows.append(
+                dict(
+                    job_id=job.id,
+                    attempt=job.attempt,
+                    rank=rank.rank,
+                    replica=rank.replica,
+                    local_rank=rank.local_rank,
+                    node_id=node.id,
+                    state=self.state,
+                    exit_code=self.exit_code,
+                    pid=self.pid,
+                    message=self.message,
+                    updated_at=cycle.now,
+                )
             )
-        )
         rank.state, rank.exit_code = self.state, self.exit_code
         where = f"rank {self.rank} on {self.node}"
         # What the agent knows beyond the exit code ("out of memory (limit 512M)"), for the job's reason

@@ -151,6 +151,13 @@ FLAGS = (
         "queue, on a settled view, is decided at once on its own: docs/architecture/admission-path.md)",
     ),
     Flag(
+        "--no-status-lane",
+        dest="status_lane",
+        action="store_false",
+        help="let cycles take rank reports, heartbeats and acks (default: the status lane records them in "
+        "transactions of their own, never behind a decision: docs/architecture/admission-path.md)",
+    ),
+    Flag(
         "--no-claims",
         dest="claims",
         action="store_false",
@@ -430,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         retry_backoff_max_s=args.retry_backoff_max,
         backfill=args.backfill,
         admission_lane=args.admission_lane,
+        status_lane=args.status_lane,
         claims=args.claims,
         backfill_depth=args.backfill_depth,
         backfill_budget_ms=args.backfill_budget_ms,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -31,13 +32,14 @@ from services.common.errors import ServiceError, Unavailable
 from services.common.faults import fail_point
 
 from . import accounting, ledger, migmode, retention
-from .commands import HEALTH_NAMES, Drain, HealthReport, Submit
+from .commands import HEALTH_NAMES, Drain, HealthReport, RankReport, Submit
 from .convert import job_from_row, node_from_row
 from .cycle import account_finished, finish_cycle, run_cycle
 from .fanout import FanOut
 from .leadership import Leadership
 from .settings import SchedulerSettings
 from .state import SchedulerState
+from .status_lane import StatusLane, lane_report, settle_recorded_ranks
 from .transitions import Command, Cycle
 from .viewsync import apply_changes, reload_state
 from .work import UnitOfWork
@@ -69,6 +71,9 @@ class SchedulerService:
         self.read_engine: Engine = make_engine(settings.db_url, pool_size=8)
         self.state = SchedulerState()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
+        # Rank reports, heartbeats and acks reach the ledger there, never behind a cycle (status_lane.py)
+        self.status_lane = StatusLane(self.engine) if settings.status_lane else None
+        self.rank_reports: collections.Counter[str] = collections.Counter()  # by path: lane, answered, cycle
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
         self._inbox: list[tuple[Command, asyncio.Future]] = []
         self._wake = asyncio.Event()
@@ -122,6 +127,8 @@ class SchedulerService:
         self._loop = asyncio.get_running_loop()
         self._tick_at = time.monotonic()
         self._watchdog = asyncio.create_task(self._watch_stalls(), name="scheduler-stall-watchdog")
+        if self.status_lane is not None:
+            self.status_lane.start()
         await self._loop.run_in_executor(self._writer, self._cycle_once, [])
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         if not is_sqlite(self.engine):
@@ -170,6 +177,8 @@ class SchedulerService:
         self._writer.submit(self._release_leadership)
         self._writer.submit(self._close_writer_connection)
         self._writer.shutdown(wait=True)
+        if self.status_lane is not None:
+            self.status_lane.stop()
         self._readers.shutdown(wait=False)
         self.engine.dispose()
         self.read_engine.dispose()
@@ -187,6 +196,39 @@ class SchedulerService:
         if isinstance(result, ServiceError):
             raise result
         return result
+
+    async def report_rank(self, report: RankReport) -> bool:
+        """An agent's rank report; True when the rank is stale (the agent stops it). On the leader the status lane
+        takes it (status_lane.py): answered from the view when nothing is to be written, else once its row commits,
+        never after a cycle; the cycle applies it after (woken when it changes a decision's input). What the view
+        cannot judge alone is a cycle command, as on a replica that does not lead."""
+        lane = self.status_lane
+        if lane is None or not self.leading or self._resync:
+            self._count_report("cycle")
+            return await self.execute(report)
+        what, wake, row = lane_report(self.state, report, self.clock())
+        if what in ("stale", "same"):
+            self._count_report("answered")
+            return what == "stale" and report.state == "RUNNING"
+        if what == "cycle" or row is None:
+            self._count_report("cycle")
+            return await self.execute(report)
+        try:
+            await lane.record_rank(row)
+        except Exception as exc:  # nothing was recorded: the agent sends it again
+            raise Unavailable("the ledger is unavailable; the report was not recorded, send it again") from exc
+        self._count_report("lane")
+        if not self._stopping and self._loop is not None:  # else the next leader settles it from the ledger
+            fut = self._loop.create_future()
+            fut.add_done_callback(functools.partial(_log_failure, "recorded_rank_report_failed", report.job_id))
+            self._inbox.append((dataclasses.replace(report, recorded=True), fut))
+            if wake:
+                self._wake.set()
+        return False
+
+    def _count_report(self, path: str) -> None:
+        self.rank_reports[path] += 1
+        metrics.RANK_REPORTS.labels(path).inc()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -348,6 +390,7 @@ class SchedulerService:
                 # does: heartbeats that reached the old leader last may not be in the ledger yet.
                 reload_state(conn, self.state, self.settings, now, initial=self._initial or acquired)
                 cycle.foreign_assigned = None  # unknown: every stream looks
+                cycle.settle_ranks = self.status_lane is not None and epoch is not None and schedules
                 metrics.VIEW_RELOADS.labels("full").inc()
                 self.view_reloads["full"] += 1
             t_view = time.perf_counter()
@@ -355,6 +398,8 @@ class SchedulerService:
             self._take_beats_and_acks(cycle)
             cycle.work.generation = generation
             cycle.epoch = epoch or 0
+            if cycle.settle_ranks:  # ranks the lane recorded that no cycle applied
+                settle_recorded_ranks(cycle, lambda job, exc: log.warning("settle_failed", job=job, error=str(exc)))
             lane = admission and not resync and not acquired and generation == self._generation
             results = run_cycle(
                 cycle,
@@ -465,17 +510,23 @@ class SchedulerService:
         else:
             acks = {}
         persist_every = self.settings.heartbeat_persist_interval
+        lane = self.status_lane is not None  # then the handlers gave the lane what to write (heartbeat, ack)
         for name, ts in beats.items():
             node = self.state.nodes.get(name)
             if node is None:
                 continue
             node.last_heartbeat = max(node.last_heartbeat, ts)
-            if ts - node.persisted_heartbeat >= persist_every:
+            if not lane and ts - node.persisted_heartbeat >= persist_every:
                 cycle.work.heartbeats[node.id] = ts
                 node.persisted_heartbeat = ts
+        nodes = self.state.nodes
+        if lane:
+            for n, r in acks.items():
+                if n in nodes:
+                    nodes[n].acked_revision = max(nodes[n].acked_revision, r)
+            return
         # Only acks that raise what the view has: an ack of a revision already acked changes nothing, and a cycle
         # that wrote it would still commit (a new ledger generation, a change-log row) for nothing.
-        nodes = self.state.nodes
         cycle.work.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
 
     def heartbeat(
@@ -490,7 +541,10 @@ class SchedulerService:
             return "UNKNOWN", True
         if instance and node.agent_instance and instance != node.agent_instance:
             return node.state, True  # a stale agent process: nothing it says counts until it registers again
-        self._beats[name] = self.clock()
+        self._beats[name] = now = self.clock()
+        if self.status_lane is not None and now - node.persisted_heartbeat >= self.settings.heartbeat_persist_interval:
+            node.persisted_heartbeat = now  # the lane writes it (status_lane.py): no cycle does
+            self.status_lane.note_status({node.id: now}, {})
         if (
             draining
             and node.state == "READY"
@@ -592,8 +646,11 @@ class SchedulerService:
         return float("inf") if node is None or self._resync else node.revision
 
     def ack(self, name: str, revision: int) -> bool:
-        if name not in self.state.nodes:
+        node = self.state.nodes.get(name)
+        if node is None:
             return False
+        if self.status_lane is not None and revision > node.acked_revision:
+            self.status_lane.note_status({}, {node.id: revision})
         self._acks[name] = max(revision, self._acks.get(name, 0))
         self._acked_seen[name] = max(revision, self._acked_seen.get(name, 0))
         return True
@@ -802,3 +859,8 @@ def _discard_later(names: set[str], name: str, _done: asyncio.Future) -> None:
 
 def _pop_later(queued: dict[str, Any], name: str, _done: asyncio.Future) -> None:
     queued.pop(name, None)
+
+
+def _log_failure(event: str, job_id: str, done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning(event, job=job_id, error=str(done.exception())[:200])

@@ -754,7 +754,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 f"a report from agent instance {request.agent_instance[:16]!r} of node {request.node_name[:80]!r}, "
                 "which is not the instance registered now: register again"
             )
-        stale = await self.service.execute(
+        stale = await self.service.report_rank(
             RankReport(
                 request.node_name,
                 request.job_id,

@@ -42,6 +42,9 @@ class SchedulerSettings:
     # without a pass over the whole queue. False (--no-admission-lane): every submit waits for a pass, as before
     # issue 35 (the benchmarks' baseline).
     admission_lane: bool = True
+    # The status lane (status_lane.py): rank reports, heartbeats and acks reach the ledger in transactions of their
+    # own, never behind a cycle. False (--no-status-lane): cycles take them, as before issue 35 (a baseline).
+    status_lane: bool = True
     # Bounds of one backfill pass behind a blocked head: at most this many gangs tried (Slurm's bf_max_job_test;
     # 0: no limit) and this much time (ms; 0: none). The gangs not tried wait for a pass whose inputs changed.
     backfill_depth: int = 1000

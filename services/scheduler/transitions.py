@@ -75,6 +75,9 @@ class Cycle:
     changed: dict[str, common_pb2.Job] = field(default_factory=dict)
     woken_nodes: set[str] = field(default_factory=set)
     resync_after: bool = False
+    # The view was reloaded whole on the leader: apply the rank reports the status lane recorded that no cycle
+    # applied (status_lane.settle_recorded_ranks)
+    settle_ranks: bool = False
     foreign_writes: bool = False
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
     epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)

@@ -68,5 +68,7 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-def start_scheduler(db_url: str, log_path: Path, *extra: str) -> ServiceProcess:
-    return ServiceProcess("services.scheduler.main", ["--db", db_url, "--listen", "127.0.0.1:0", *extra], log_path)
+def start_scheduler(db_url: str, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> ServiceProcess:
+    return ServiceProcess(
+        "services.scheduler.main", ["--db", db_url, "--listen", "127.0.0.1:0", *extra], log_path, env=env
+    )

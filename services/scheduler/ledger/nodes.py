@@ -455,3 +455,35 @@ def _raise_node_column(conn: Connection, column: str, pg_type: str, values: dict
             text(f"UPDATE nodes SET {column} = :x WHERE id = :id AND {column} < :x"),
             [{"id": k, "x": v} for k, v in values.items()],
         )
+
+
+def raise_node_status(conn: Connection, beats: dict[int, float], acks: dict[int, int]) -> set[int]:
+    """The status lane's write (status_lane.py): raise the nodes' last heartbeat and acked revision, never lower
+    them, in one statement. Not inside a cycle: it records no change for other replicas (they need neither until
+    they lead, and a new leader reads the whole table). On PostgreSQL a node row some cycle holds locked is skipped,
+    not waited for: returns those nodes, for the next batch."""
+    ids = sorted(set(beats) | set(acks))
+    if not ids:
+        return set()
+    at = [float(beats.get(i, 0.0)) for i in ids]
+    acked = [int(acks.get(i, 0)) for i in ids]
+    if conn.dialect.name == "postgresql":
+        locked = conn.exec_driver_sql(
+            "WITH locked AS (SELECT id FROM nodes WHERE id = ANY(%s::int4[]) FOR NO KEY UPDATE SKIP LOCKED), "
+            "raised AS (UPDATE nodes SET last_heartbeat = GREATEST(nodes.last_heartbeat, v.at), "
+            "acked_revision = GREATEST(nodes.acked_revision, v.acked) "
+            "FROM unnest(%s::int4[], %s::float8[], %s::int8[]) AS v(id, at, acked) "
+            "WHERE nodes.id = v.id AND nodes.id IN (SELECT id FROM locked) "
+            "AND (nodes.last_heartbeat < v.at OR nodes.acked_revision < v.acked)) "
+            "SELECT id FROM locked",
+            (ids, ids, at, acked),
+        ).scalars()
+        return set(ids) - set(locked)
+    conn.execute(
+        text(
+            "UPDATE nodes SET last_heartbeat = MAX(last_heartbeat, :at), acked_revision = MAX(acked_revision, :acked) "
+            "WHERE id = :id AND (last_heartbeat < :at OR acked_revision < :acked)"
+        ),
+        [{"id": i, "at": a, "acked": r} for i, a, r in zip(ids, at, acked, strict=True)],
+    )
+    return set()
