@@ -254,8 +254,12 @@ def seed_history(db_url: str, count: int) -> None:
 def agents_process(address: str, nodes: int, channels: int, pipe) -> None:
     async def run() -> None:
         chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+        reports: list[tuple[float, float]] = []  # (wall time, seconds) of every rank report, for the phases
         agents = [
-            LiteAgent(address, f"node-{i:04d}", shared_channel=chans[i % channels], ack_delay=1.0) for i in range(nodes)
+            LiteAgent(
+                address, f"node-{i:04d}", shared_channel=chans[i % channels], ack_delay=1.0, report_latency=reports
+            )
+            for i in range(nodes)
         ]
         gate = asyncio.Semaphore(256)
 
@@ -271,6 +275,7 @@ def agents_process(address: str, nodes: int, channels: int, pipe) -> None:
             await a.stop()
         for c in chans:
             await c.close()
+        pipe.send(("reports", reports))
 
     asyncio.run(run())
 
@@ -387,10 +392,12 @@ class Load:
     async def drain(self, fraction: float) -> dict:
         """Free `fraction` of the running gangs at once (one CancelJob each, concurrently) with the queue deep, and
         measure the refill (issue 35 item 3: a freed capacity is refilled without waiting for a cycle period, and at
-        more than one admission per cycle): the first reservation after the first cancel, and the drain rate, the
-        reservations from the first cancel to one second after the last cancel was answered, over that window. The
-        window is anchored at the cancels, not at the first reservation after them (a gang that ended on its own
-        just then anchored it before the refill began, and the rate measured the wait)."""
+        more than one admission per cycle): the first reservation after the first cancel; the reservations from the
+        first cancel to one second after the last cancel was answered (the window), and the drain rate, those
+        reservations over the span from the first cancel to the last of them (the refill is bounded by what was
+        freed: once that is taken, the window's rest only dilutes the rate). Anchored at the cancels, not at the
+        first reservation after them (a gang that ended on its own just then anchored it before the refill began,
+        and the rate measured the wait)."""
         running = [j for j, st in self.state.items() if st == RUNNING]
         victims = self.rng.sample(running, min(len(running), max(1, int(len(running) * fraction))))
         t0 = time.perf_counter()
@@ -399,14 +406,17 @@ class Load:
         await asyncio.sleep(2.0)  # the window's second, and then some
         _, first, _ = self.burst(t0)
         window = cancelled + 1.0
-        count = sum(1 for t in self.reserved_at if t0 <= t <= t0 + window)
+        inside = sorted(t for t in self.reserved_at if t0 <= t <= t0 + window)
+        span = (inside[-1] - t0) if inside else window  # the drain: from the first cancel to its last reservation
         return {
             "cancelled": len(victims),
             "cancels_s": round(cancelled, 3),
             "refill_first_ms": ms(first),
-            "refill_reservations": count,
+            "refill_reservations": len(inside),
             "window_s": round(window, 3),
-            "drain_per_s": round(count / window, 1),
+            "span_s": round(span, 3),
+            "per_window_s": round(len(inside) / window, 1),
+            "drain_per_s": round(len(inside) / span, 1) if span > 0 else 0.0,
         }
 
     async def steady(self, seconds: float, reads: dict[str, list[float]]) -> tuple[float, int]:
@@ -486,6 +496,25 @@ def autovacuum_on(admin_url: str) -> bool:
     return value == "on"
 
 
+def goodput_direct(db_url: str, samples: int = 10) -> list[float]:
+    """GetGoodput's read (accounting.read_goodput_report, first page) run by the bench's own process on its own
+    connection, in one snapshot as the scheduler reads it: what the read costs the database and Python alone, beside
+    what the scheduler's reply costs with its threads busy (which sets whether its p99 is the read or the process)."""
+    engine = make_engine(db_url)
+    took = []
+    try:
+        for _ in range(samples):
+            t = time.perf_counter()
+            with engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="REPEATABLE READ", readonly=True)
+                with conn.begin():
+                    accounting.read_goodput_report(conn, time.time(), limit=100)
+            took.append(time.perf_counter() - t)
+    finally:
+        engine.dispose()
+    return took
+
+
 async def wait_ready(db_url: str, nodes: int, timeout: float) -> float:
     plain = normalize_url(db_url).replace("postgresql+psycopg://", "postgresql://")
     deadline = time.time() + timeout
@@ -507,6 +536,7 @@ async def run(args, workdir: Path) -> dict:
     results: dict = {"nodes": args.nodes, "gpus": args.nodes * 8, "pending_target": args.pending}
     procs = []
     agent_proc = None
+    phases: dict[int, tuple[float, float]] = {}  # steady phase -> its wall-clock span (the agents' report times)
     vacuum: VacuumStandIn | None = None
     results["server_autovacuum"] = autovacuum_on(admin)
     if not results["server_autovacuum"]:
@@ -579,7 +609,9 @@ async def run(args, workdir: Path) -> dict:
         reads: dict[str, list[float]] = {"jobs_page": [], "job": [], "goodput": []}
         before = scrape(port_a)
         cycles_a.mark()
+        started = time.time()
         rate1, n1 = await load.steady(args.steady, reads)
+        phases[1] = (started, time.time())
         cycles = scrape(port_a).minus(before)
         measured = cycles_a.since_mark()
         results.update(
@@ -613,6 +645,12 @@ async def run(args, workdir: Path) -> dict:
             f"{results['job_p50_ms']} ms, goodput {results['goodput_p50_ms']} ms (p99 {results['goodput_p99_ms']})"
         )
         say(f"RSS with {results['live_jobs']} live jobs: {results['rss_live_mib']} MiB")
+        direct = goodput_direct(db_url)
+        results["goodput_direct_p50_ms"], results["goodput_direct_p99_ms"] = ms(pct(direct, 50)), ms(pct(direct, 99))
+        say(
+            f"goodput read by this process, straight from the ledger (no scheduler, no gRPC): p50 "
+            f"{results['goodput_direct_p50_ms']} ms, p99 {results['goodput_direct_p99_ms']} ms"
+        )
 
         drain = await load.drain(0.25)
         results.update({k if k.startswith("drain_") else f"drain_{k}": v for k, v in drain.items()})
@@ -622,7 +660,8 @@ async def run(args, workdir: Path) -> dict:
             f"deep queue ({len(load.pending())} pending): {drain['cancelled']} running gangs cancelled in "
             f"{drain['cancels_s']} s; first refill {drain['refill_first_ms']} ms after the first cancel; "
             f"{drain['refill_reservations']} reserved in the {drain['window_s']} s from the first cancel to 1 s after "
-            f"the last: {drain['drain_per_s']} gangs/s ({results['drain_over_empty']}x the empty-cluster rate)"
+            f"the last ({drain['per_window_s']}/s), the last of them {drain['span_s']} s after the first cancel: "
+            f"{drain['drain_per_s']} gangs/s ({results['drain_over_empty']}x the empty-cluster rate)"
         )
         reports = {}
         for line in metrics_text(port_a).splitlines():
@@ -648,7 +687,9 @@ async def run(args, workdir: Path) -> dict:
         before_all = {port: scrape(port) for port in ports}
         for log_file in logs.values():
             log_file.mark()
+        started = time.time()
         rate2, n2 = await load.steady(args.steady, reads2)
+        phases[2] = (started, time.time())
         leader_port, epoch_after = leader_epoch(ports)
         cycles = scrape(leader_port).minus(before_all[leader_port])
         measured = logs[leader_port].since_mark()
@@ -686,6 +727,22 @@ async def run(args, workdir: Path) -> dict:
             results["vacuum_stand_in_runs"] = vacuum.runs
         if agent_proc is not None:
             pipe.send("stop")
+            reports: list = []
+            while pipe.poll(60):  # (the agents' earlier notes may be unread: skip to their reports)
+                kind, body = pipe.recv()
+                if kind == "reports":
+                    reports = body
+                    break
+            if reports:
+                for n, (start, end) in phases.items():
+                    took = [s for t, s in reports if start <= t <= end]
+                    results[f"rank_report_p50_ms_{n}"] = ms(pct(took, 50))
+                    results[f"rank_report_p99_ms_{n}"] = ms(pct(took, 99))
+                    results[f"rank_reports_{n}"] = len(took)
+                    say(
+                        f"rank reports, phase {n}: {len(took)} answered, p50 {results[f'rank_report_p50_ms_{n}']} ms, "
+                        f"p99 {results[f'rank_report_p99_ms_{n}']} ms"
+                    )
             agent_proc.join(60)
             if agent_proc.is_alive():
                 agent_proc.kill()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class LiteAgent:
     memory_bytes: int = 0
     hold_heartbeats: bool = False  # True: registered and streaming, but sends no heartbeat until set back to False
     registrations: int = 0  # RegisterNode calls made: the first, and one each time a heartbeat said `reregister`
+    # When set: (wall time, seconds) of each rank report answered, appended (benchmarks share one list)
+    report_latency: list[tuple[float, float]] | None = None
 
     async def start(self) -> None:
         from phalanx.client import open_aio_channel
@@ -296,6 +299,7 @@ class LiteAgent:
         retryable: bool = False,
     ) -> bool:
         for _ in range(50):
+            t0 = time.perf_counter()
             try:
                 resp = await self.stub.ReportRankStatus(
                     agent_pb2.ReportRankStatusRequest(
@@ -310,6 +314,8 @@ class LiteAgent:
                         agent_instance=self.instance,
                     )
                 )
+                if self.report_latency is not None:
+                    self.report_latency.append((time.time(), time.perf_counter() - t0))
                 return resp.stale
             except grpc.aio.AioRpcError as exc:
                 # Retried as the real agent retries its queued reports; CANCELLED: seen on a channel shared by

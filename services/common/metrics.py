@@ -58,7 +58,9 @@ CYCLE_SECONDS = Histogram(
 ADMISSIONS = Counter(
     "phalanx_scheduler_admissions_total",
     "Batches of submits by where they were decided: `lane`, the admission lane on the arrivals alone (issue 35), or "
-    "`pass`, a cycle's pass over the whole queue (the view was not settled, or no arrival was ahead of the queue)",
+    "`pass`, a cycle's pass over the whole queue (the view was not settled, or no arrival was ahead of the queue); "
+    "`accept`, a single submission behind a pending job of its priority or a higher one, written PENDING and "
+    "answered before any cycle (the accept lane), then decided by a pass",
     ["path"],
 )
 ADMITTED_AT_SUBMIT = Counter(

@@ -31,9 +31,10 @@ from .elastic_fields import smallest
 from .graph_fields import SubmitGraph
 from .jobgraph import cancel_tasks
 from .segment_fields import shape_of_spec
+from .settings import SchedulerSettings
 from .spare_fields import spare_shape
 from .spares import drop_spares_on, leave_drained_node, still_booked, swap_or_teardown
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, attempt_key
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState, attempt_key
 from .transitions import (
     Command,
     Cycle,
@@ -98,49 +99,13 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             results[i] = by_request[sub.request_id]
             continue
         try:
-            fits = smallest(sub.spec)  # an elastic gang needs only its minimum to fit
-            check_fits_ever(cycle.state, fits)
-            check_fits_model(cycle.state, fits)
-            check_fits_host_resources(cycle.state, fits)
-            check_fits_required_tier(cycle.state, fits, cycle.settings.fabric.tiers)
-            check_queue(cycle.state, sub.spec, sub.tenant)
-            if not sub.admin:
-                check_priority(cycle.state, sub.spec)
+            check_submission(cycle.state, cycle.settings, sub)
             after = graph.check(sub.spec, sub.tenant, sub.admin)
         except (FailedPrecondition, PermissionDenied, InvalidArgument) as exc:
             results[i] = exc
             continue
         spec = sub.spec
-        job = JobRecord(
-            id=uuid.uuid4().hex[:12],
-            name=spec.name,
-            state="PENDING",
-            priority=spec.priority,
-            replicas=spec.replicas,
-            gpus_per_replica=spec.gpus_per_replica,
-            procs_per_replica=spec.procs_per_replica,
-            command=list(spec.command),
-            env=dict(spec.env),
-            submitted_at=cycle.now,
-            request_id=sub.request_id or None,
-            required_tier=spec.required_tier,
-            preferred_tier=spec.preferred_tier,
-            message="queued",
-            gpu_model=spec.gpu_model,
-            mig_profile=spec.mig_profile.lower(),
-            gpu_milli=spec.gpu_milli,
-            max_restarts=spec.max_restarts,
-            tenant=sub.tenant,
-            time_limit=spec.time_limit_s,
-            queue=spec.queue or DEFAULT_QUEUE,
-            keep_checkpoints=spec.keep_checkpoints,
-            by_admin=sub.admin,
-            cpu_milli=cpu_milli(spec.cpus_per_replica),
-            memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
-            service=sub.service,
-            serving={**serving_of_spec(spec), **(sub.replica_of or {})},
-            shape={**shape_of_spec(spec), **spare_shape(spec), **elastic_shape(spec)},  # each part's keys, merged
-        )
+        job = new_job(sub, cycle.now)
         graph.apply(job, spec, after)
         new.append(job)
         results[i] = job
@@ -157,6 +122,74 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
             known = cycle.state.jobs.get(value[1])
             results[i] = known if known else ("read", value[1])
     return results
+
+
+def check_submission(state: SchedulerState, settings: SchedulerSettings, sub: Submit) -> None:
+    """The checks of a submission against the view (read only: the accept lane runs them on the event loop):
+    whether it could ever fit, its queue, its priority cap. Raises the caller's error."""
+    fits = smallest(sub.spec)  # an elastic gang needs only its minimum to fit
+    check_fits_ever(state, fits)
+    check_fits_model(state, fits)
+    check_fits_host_resources(state, fits)
+    check_fits_required_tier(state, fits, settings.fabric.tiers)
+    check_queue(state, sub.spec, sub.tenant)
+    if not sub.admin:
+        check_priority(state, sub.spec)
+
+
+def new_job(sub: Submit, now: float) -> JobRecord:
+    """The PENDING job a valid submission makes (its graph fields, if any, are the caller's: SubmitGraph.apply)."""
+    spec = sub.spec
+    return JobRecord(
+        id=uuid.uuid4().hex[:12],
+        name=spec.name,
+        state="PENDING",
+        priority=spec.priority,
+        replicas=spec.replicas,
+        gpus_per_replica=spec.gpus_per_replica,
+        procs_per_replica=spec.procs_per_replica,
+        command=list(spec.command),
+        env=dict(spec.env),
+        submitted_at=now,
+        request_id=sub.request_id or None,
+        required_tier=spec.required_tier,
+        preferred_tier=spec.preferred_tier,
+        message="queued",
+        gpu_model=spec.gpu_model,
+        mig_profile=spec.mig_profile.lower(),
+        gpu_milli=spec.gpu_milli,
+        max_restarts=spec.max_restarts,
+        tenant=sub.tenant,
+        time_limit=spec.time_limit_s,
+        queue=spec.queue or DEFAULT_QUEUE,
+        keep_checkpoints=spec.keep_checkpoints,
+        by_admin=sub.admin,
+        cpu_milli=cpu_milli(spec.cpus_per_replica),
+        memory=parse_size(spec.memory_per_replica) if spec.memory_per_replica else 0,
+        service=sub.service,
+        serving={**serving_of_spec(spec), **(sub.replica_of or {})},
+        shape={**shape_of_spec(spec), **spare_shape(spec), **elastic_shape(spec)},  # each part's keys, merged
+    )
+
+
+@dataclass
+class Adopt(CycleCommand):
+    """A job the accept lane wrote PENDING (accept_lane in status_lane.py), taken into the view: the pass decides
+    it from now on, the other replicas re-read it (the change log), its watchers hear of it. A view reloaded from
+    the ledger meanwhile has it already."""
+
+    job: JobRecord
+
+    def execute(self, cycle: Cycle) -> None:
+        job = self.job
+        if job.id in cycle.state.jobs or job.id in cycle.state.ended:
+            return
+        cycle.state.jobs[job.id] = job
+        cycle.state.pass_due = True
+        if cycle.work.changes is not None:
+            cycle.work.changes.jobs.add(job.id)
+            cycle.work.changes.sched = True
+        cycle.touched(job)
 
 
 def write_new_jobs(cycle: Cycle) -> None:
@@ -486,6 +519,10 @@ class RankReport(CycleCommand):
             return False  # the rank ended already: a late report changes nothing
         if rank.state == self.state and not self.recorded:
             return False
+        if self.recorded and cycle.work.changes is not None:
+            # The lane's row is not in the change log (it writes outside every cycle): announce the job now, so
+            # that another replica taking a report for the same gang reads this rank's state first
+            cycle.work.changes.jobs.add(job.id)
         if not self.recorded:
             cycle.work.rank_rows.append(
                 dict(

@@ -158,6 +158,13 @@ FLAGS = (
         "transactions of their own, never behind a decision: docs/architecture/admission-path.md)",
     ),
     Flag(
+        "--no-accept-lane",
+        dest="accept_lane",
+        action="store_false",
+        help="answer every submission after the cycle that takes it (default: one that waits for a pass whatever "
+        "happens is written PENDING and answered at once: docs/architecture/admission-path.md)",
+    ),
+    Flag(
         "--no-claims",
         dest="claims",
         action="store_false",
@@ -438,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         backfill=args.backfill,
         admission_lane=args.admission_lane,
         status_lane=args.status_lane,
+        accept_lane=args.accept_lane,
         claims=args.claims,
         backfill_depth=args.backfill_depth,
         backfill_budget_ms=args.backfill_budget_ms,

@@ -277,7 +277,7 @@ class SchedulerServicer(PoolRpcs, scheduler_pb2_grpc.SchedulerServicer):
         self._check_limits(tenant)
         self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
         try:
-            result = await self.service.execute(
+            result = await self.service.submit(
                 Submit(
                     request.spec,
                     scoped_request_id(tenant, request.request_id),

@@ -45,6 +45,10 @@ class SchedulerSettings:
     # The status lane (status_lane.py): rank reports, heartbeats and acks reach the ledger in transactions of their
     # own, never behind a cycle. False (--no-status-lane): cycles take them, as before issue 35 (a baseline).
     status_lane: bool = True
+    # The accept lane (SchedulerService.submit): a submission that waits for a pass whatever happens is written
+    # PENDING by the status lane and answered then, not after the cycles in flight. False (--no-accept-lane): it
+    # waits for its cycle, as before issue 35 (a baseline). Needs the status lane.
+    accept_lane: bool = True
     # Bounds of one backfill pass behind a blocked head: at most this many gangs tried (Slurm's bf_max_job_test;
     # 0: no limit) and this much time (ms; 0: none). The gangs not tried wait for a pass whose inputs changed.
     backfill_depth: int = 1000

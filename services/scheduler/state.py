@@ -377,6 +377,11 @@ class JobTable(dict[str, JobRecord]):
         else:
             del self._pending_priorities[job.priority]
 
+    def pending_at_or_above(self, priority: int) -> bool:
+        """Whether a PENDING job has this priority or a higher one. Safe from the event loop while the writer
+        thread changes the table (the keys are copied in one call; a priority's key exists only while counted)."""
+        return any(p >= priority for p in list(self._pending_priorities))
+
     def pending_priorities(self) -> Counter[int]:
         """How many PENDING jobs have each priority (a copy)."""
         return Counter(self._pending_priorities)

@@ -28,7 +28,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
@@ -36,7 +36,7 @@ from sqlalchemy import Connection, Engine
 
 from . import ledger
 from .commands import RankReport
-from .state import TERMINAL_RANK_STATES, SchedulerState
+from .state import TERMINAL_RANK_STATES, JobRecord, SchedulerState
 from .transitions import Cycle
 
 log = structlog.get_logger()
@@ -53,6 +53,7 @@ class StatusLane:
         self._engine = engine
         self._cond = threading.Condition()
         self._rows: list[tuple[dict[str, Any], concurrent.futures.Future]] = []
+        self._jobs: list[tuple[JobRecord, concurrent.futures.Future]] = []
         self._beats: dict[int, float] = {}
         self._acks: dict[int, int] = {}
         self._stopping = False
@@ -61,6 +62,7 @@ class StatusLane:
         # What it did (the scheduler's metrics and the benchmarks read these)
         self.batches = 0
         self.rank_rows = 0
+        self.accepted = 0  # jobs written PENDING (accept)
         self.deferred_nodes = 0  # node rows a cycle held (PostgreSQL SKIP LOCKED): left for the next batch
 
     def start(self) -> None:
@@ -71,8 +73,8 @@ class StatusLane:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=10.0)
-        for _, fut in self._rows:
-            _settle(fut, RuntimeError("the status lane stopped before recording the report"))
+        for _, fut in [*self._rows, *self._jobs]:
+            _settle(fut, RuntimeError("the status lane stopped before writing it"))
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -88,6 +90,17 @@ class StatusLane:
             self._rows.append((row, fut))
             self._cond.notify()
         await asyncio.wrap_future(fut)
+
+    async def accept(self, job: JobRecord) -> bool:
+        """Write a PENDING job (the accept lane: a submission no decision can take now, answered once written).
+        False: a job with its request id is in the ledger already (nothing written; the caller answers that one)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the status lane is stopping")
+            self._jobs.append((job, fut))
+            self._cond.notify()
+        return bool(await asyncio.wrap_future(fut))
 
     def note_status(self, beats: dict[int, float], acks: dict[int, int]) -> None:
         """Heartbeat times and acked revisions to raise in the ledger (node id -> value); nobody waits for them."""
@@ -105,25 +118,26 @@ class StatusLane:
         next_beats = time.monotonic() + BEAT_FLUSH_S
         while True:
             with self._cond:
-                while not self._stopping and not self._rows:
+                while not self._stopping and not self._rows and not self._jobs:
                     wait = next_beats - time.monotonic()
                     if wait <= 0 and (self._beats or self._acks):
                         break
                     self._cond.wait(timeout=max(wait, 0.05))
-                if self._stopping and not self._rows:
+                if self._stopping and not self._rows and not self._jobs:
                     return
                 rows, self._rows = self._rows, []
+                jobs, self._jobs = self._jobs, []
                 due = time.monotonic() >= next_beats
                 beats, acks = (self._beats, self._acks) if due else ({}, {})
                 if due:
                     self._beats, self._acks = {}, {}
                     next_beats = time.monotonic() + BEAT_FLUSH_S
             try:
-                deferred = self._commit([r for r, _ in rows], beats, acks)
+                deferred, written = self._commit([r for r, _ in rows], [j for j, _ in jobs], beats, acks)
             except Exception as exc:  # the database away: the reports fail (agents retry), the beats wait
                 self._drop_connection()
                 log.warning("status_lane_batch_failed", error=str(getattr(exc, "orig", exc))[:300], rows=len(rows))
-                for _, fut in rows:
+                for _, fut in [*rows, *jobs]:
                     _settle(fut, exc)
                 self.note_status(beats, acks)
                 with self._cond:
@@ -132,23 +146,40 @@ class StatusLane:
                 continue
             self.batches += 1
             self.rank_rows += len(rows)
+            self.accepted += len(written)
             for _, fut in rows:
                 _settle(fut, None)
+            for job, fut in jobs:
+                _settle(fut, None, job.id in written)
             if deferred:
                 self.deferred_nodes += len(deferred)
                 self.note_status(
                     {k: v for k, v in beats.items() if k in deferred}, {k: v for k, v in acks.items() if k in deferred}
                 )
 
-    def _commit(self, rows: list[dict[str, Any]], beats: dict[int, float], acks: dict[int, int]) -> set[int]:
-        """One transaction: the rank rows, then the node columns. Returns the nodes left for the next batch."""
+    def _commit(
+        self, rows: list[dict[str, Any]], jobs: list[JobRecord], beats: dict[int, float], acks: dict[int, int]
+    ) -> tuple[set[int], set[str]]:
+        """One transaction: the rank rows, the accepted jobs (but those whose request id is taken), then the node
+        columns. Returns the nodes left for the next batch, and the ids of the jobs written."""
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._conn = self._engine.connect()
         conn = self._conn
         with conn.begin():
             if rows:
                 ledger.record_ranks(conn, rows)
-            return ledger.raise_node_status(conn, beats, acks)
+            fresh: list[JobRecord] = []
+            if jobs:
+                taken = set(ledger.find_by_request_ids(conn, [j.request_id for j in jobs if j.request_id]))
+                for job in jobs:
+                    if job.request_id and job.request_id in taken:
+                        continue  # the caller answers the job that has it
+                    taken.add(job.request_id or "")
+                    job.version = 0
+                    fresh.append(job)
+                if fresh:
+                    ledger.insert_jobs(conn, fresh)
+            return ledger.raise_node_status(conn, beats, acks), {j.id for j in fresh}
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -159,11 +190,11 @@ class StatusLane:
             self._conn = None
 
 
-def _settle(fut: concurrent.futures.Future, error: BaseException | None) -> None:
-    """Answer a waiting report; its caller may have gone meanwhile (the RPC was cancelled, so was its future)."""
+def _settle(fut: concurrent.futures.Future, error: BaseException | None, result: Any = None) -> None:
+    """Answer a waiting caller; it may have gone meanwhile (the RPC was cancelled, so was its future)."""
     try:
         if error is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(error)
     except concurrent.futures.InvalidStateError:
@@ -215,17 +246,28 @@ def lane_report(state: SchedulerState, report: RankReport, at: float) -> tuple[s
     return "record", not others_waiting or bool(job.placement.get("held")), row
 
 
-def settle_recorded_ranks(cycle: Cycle, on_error: Callable[[str, Exception], None] | None = None) -> int:
-    """After the leader reloaded its view from the ledger: apply the ranks' states the lane recorded but no cycle
-    applied (the replica that recorded them stopped first). A running gang with an ended rank is torn down as that
-    report would have; one whose ranks all run gets its start. Returns how many reports it applied."""
+def settle_recorded_ranks(
+    cycle: Cycle,
+    on_error: Callable[[str, Exception], None] | None = None,
+    job_ids: Iterable[str] | None = None,
+) -> int:
+    """After the leader read jobs from the ledger (all of them, or `job_ids`, another replica's changes): apply the
+    ranks' states that no cycle of its own applied. The replica whose lane recorded them stopped first; or the
+    gang's ranks report to two replicas (their agents are connected to different ones), and the last report went to
+    the other replica, whose view did not have this lane's rows yet (they are announced only once a cycle here
+    applies them). A running gang with an ended rank is torn down as that report would have done; after a whole
+    reload, one whose ranks all run gets its start too. Returns how many reports it applied."""
     applied = 0
-    for job in list(cycle.state.running()):
+    if job_ids is None:
+        jobs = list(cycle.state.running())
+    else:
+        jobs = [j for j in (cycle.state.jobs.get(i) for i in job_ids) if j is not None and j.state == "RUNNING"]
+    for job in jobs:
         ranks = list(job.ranks.values())
         ended = [r for r in ranks if r.state in TERMINAL_RANK_STATES]
         if ended:  # the first failure decides, as its report would have; an exit with 0 ends it only with all
             picks = sorted(ended, key=lambda r: (r.state == "EXITED" and r.exit_code == 0, r.rank))[:1]
-        elif ranks and not job.running_at and all(r.state == "RUNNING" for r in ranks):
+        elif job_ids is None and ranks and not job.running_at and all(r.state == "RUNNING" for r in ranks):
             picks = ranks[:1]
         else:
             continue

@@ -78,6 +78,7 @@ class Cycle:
     # The view was reloaded whole on the leader: apply the rank reports the status lane recorded that no cycle
     # applied (status_lane.settle_recorded_ranks)
     settle_ranks: bool = False
+    settle_jobs: list[str] = field(default_factory=list)  # (or only these, read again after another replica's write)
     foreign_writes: bool = False
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
     epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)

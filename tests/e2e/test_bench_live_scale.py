@@ -66,6 +66,9 @@ def test_tiny_run_prints_every_figure_as_one_json_line(pg_url):
         "drain_per_s",
         "drain_over_empty",
         "drain_refill_first_ms",
+        "drain_span_s",
+        "goodput_direct_p50_ms",
+        "rank_report_p99_ms_1",
     ):
         assert isinstance(out[key], (int, float)), key
     assert out["reservations_1"] > 0

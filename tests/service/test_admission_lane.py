@@ -41,7 +41,9 @@ async def settle(c: LiteCluster, *running: str) -> None:
 
 
 async def test_a_submit_ahead_of_the_queue_is_decided_at_submit_and_one_behind_a_blocked_head_is_not(db_url):
-    async with cluster(db_url) as c:
+    # Without the accept lane, which would answer the same-priority submission before any pass (test_accept_lane):
+    # here the pass decides it in its own cycle, and the rule of the admission lane is what is asserted.
+    async with cluster(db_url, accept_lane=False) as c:
         filler = await c.submit("filler", 1, 8, time_limit_s=600)
         await c.wait_running(filler.id)
         head = await c.submit("head", 2, 8)  # needs both nodes: blocked, with a reservation for when filler ends

@@ -4,9 +4,10 @@ waits behind a decision, and the cycle reads their effect (services/scheduler/st
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
-from helpers.lite_cluster import LiteCluster
+from helpers.lite_cluster import LiteCluster, run_sql
 from helpers.waits import eventually, next_cycle
 from sqlalchemy import text
 
@@ -15,6 +16,7 @@ from phalanx.api.v1 import common_pb2
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
 from services.scheduler import ledger
+from services.scheduler.commands import Submit
 from services.scheduler.settings import SchedulerSettings
 
 NAMES = ["node-0", "node-1"]
@@ -159,3 +161,47 @@ async def test_the_lanes_node_write_skips_a_row_a_cycle_holds_and_never_lowers_a
             ((n, (beat, acked)) for n, beat, acked in c.sql("SELECT id, last_heartbeat, acked_revision FROM nodes"))
         )
         assert rows[held][0] == far and rows[free] == (far, 7)
+
+
+async def _value(value):
+    return value
+
+
+@pytest.mark.postgres
+async def test_a_gang_whose_ranks_report_to_two_replicas_ends_when_its_last_rank_reports_to_the_follower(pg_url):
+    """Agents may be connected to different replicas. The leader's lane records rank 0's end and its cycle applies
+    it; then rank 1's end goes to the follower, whose cycle writes it. Neither report saw the other on the way (the
+    lane writes outside the cycles' lock), yet the gang must end: the follower reads rank 0's state (announced by
+    the cycle that applied it), or the leader settles the gang when it reads the follower's write."""
+    from services.scheduler.main import serve
+
+    names = ["node-0", "node-1"]
+    fabric = default_fabric(names)
+    leader = await serve(SchedulerSettings(db_url=pg_url, listen="127.0.0.1:0", replica_id="a", fabric=fabric))
+    await eventually(lambda: _value(leader.service.leading), what="replica a to lead")
+    follower = await serve(SchedulerSettings(db_url=pg_url, listen="127.0.0.1:0", replica_id="b", fabric=fabric))
+    agents = [LiteAgent(leader.address, "node-0"), LiteAgent(follower.address, "node-1")]
+    for agent in agents:
+        await agent.start()
+    try:
+        a = leader.service
+        await eventually(lambda: _value(a.state.capacity.free_gpus() == 16), what="both nodes READY")
+        spec = common_pb2.JobSpec(name="split", replicas=2, gpus_per_replica=8, procs_per_replica=1, command=["hang"])
+        job = await a.submit(Submit(spec=spec, request_id=uuid.uuid4().hex))
+        assert job.state == common_pb2.JOB_STATE_RUNNING
+        b = follower.service  # it has read the reservation (else its report would read the gang from the ledger)
+        await eventually(lambda: _value(getattr(b.state.jobs.get(job.id), "state", "") == "RUNNING"), what="b's view")
+        on = {alloc.node: alloc.replica for alloc in job.allocations}
+        leader_rank, follower_rank = on["node-0"], on["node-1"]
+        assert await agents[0]._report(job.id, 1, leader_rank, common_pb2.RANK_STATE_EXITED, 0) is False
+        await next_cycle(a)  # the leader's cycle applied it: the gang still runs (one rank left)
+        assert a.state.jobs[job.id].state == "RUNNING" and a.rank_reports["lane"] >= 1
+        assert await agents[1]._report(job.id, 1, follower_rank, common_pb2.RANK_STATE_EXITED, 0) is False
+        # Committed by the follower's cycle when it answered; the leader's next cycle reads it before anything else
+        await next_cycle(a)
+        assert run_sql(pg_url, "SELECT state FROM jobs WHERE id = :j", j=job.id) == [("SUCCEEDED",)]
+    finally:
+        for agent in agents:
+            await agent.stop()
+        await follower.stop()
+        await leader.stop()
