@@ -112,16 +112,19 @@ def free_port() -> int:
 class Histogram:
     """A Prometheus histogram scraped from /metrics: cumulative bucket counts by upper bound."""
 
-    def __init__(self, text: str, name: str) -> None:
+    def __init__(self, text: str, name: str, labels: str = "") -> None:
+        """`labels`: the series' other labels as the exposition writes them (`method="SubmitJob"`), if any."""
         self.buckets: dict[float, float] = {}
         self.count = self.sum = 0.0
+        inner = f"{labels}," if labels else ""
+        outer = f"{{{labels}}}" if labels else ""
         for line in text.splitlines():
-            m = re.match(rf'{name}_bucket{{le="([^"]+)"}} (\S+)', line)
+            m = re.match(rf'{name}_bucket{{{re.escape(inner)}le="([^"]+)"}} (\S+)', line)
             if m:
                 self.buckets[float(m.group(1))] = float(m.group(2))
-            elif line.startswith(f"{name}_count "):
+            elif line.startswith(f"{name}_count{outer} "):
                 self.count = float(line.split()[1])
-            elif line.startswith(f"{name}_sum "):
+            elif line.startswith(f"{name}_sum{outer} "):
                 self.sum = float(line.split()[1])
 
     def minus(self, other: Histogram) -> Histogram:
@@ -175,6 +178,11 @@ def metrics_text(port: int) -> str:
 
 def scrape(port: int, name: str = "phalanx_scheduler_cycle_seconds") -> Histogram:
     return Histogram(metrics_text(port), name)
+
+
+def rpc_latency(port: int, method: str) -> Histogram:
+    """The scheduler's handling time of one unary method (phalanx_rpc_latency_seconds), as a histogram."""
+    return Histogram(metrics_text(port), "phalanx_rpc_latency_seconds", f'method="{method}"')
 
 
 def gauge(port: int, name: str) -> float:
@@ -608,12 +616,20 @@ async def run(args, workdir: Path) -> dict:
 
         reads: dict[str, list[float]] = {"jobs_page": [], "job": [], "goodput": []}
         before = scrape(port_a)
+        rpc_before = {
+            m: rpc_latency(port_a, m) for m in ("SchedulerServicer/SubmitJob", "NodeServicer/ReportRankStatus")
+        }
         cycles_a.mark()
         started = time.time()
         rate1, n1 = await load.steady(args.steady, reads)
         phases[1] = (started, time.time())
         cycles = scrape(port_a).minus(before)
         measured = cycles_a.since_mark()
+        for method, earlier in rpc_before.items():  # the server's handling time: without the bench's own loop
+            served = rpc_latency(port_a, method).minus(earlier)
+            name = method.split("/")[-1]
+            results[f"server_{name}_p50_le_ms"] = ms(served.quantile(0.5))
+            results[f"server_{name}_p99_le_ms"] = ms(served.quantile(0.99))
         results.update(
             reservations_per_s_1=round(rate1, 1),
             reservations_1=n1,
@@ -645,6 +661,12 @@ async def run(args, workdir: Path) -> dict:
             f"{results['job_p50_ms']} ms, goodput {results['goodput_p50_ms']} ms (p99 {results['goodput_p99_ms']})"
         )
         say(f"RSS with {results['live_jobs']} live jobs: {results['rss_live_mib']} MiB")
+        say(
+            "the scheduler's own handling time (histogram buckets' upper bounds): SubmitJob p50 <= "
+            f"{results['server_SubmitJob_p50_le_ms']} ms p99 <= {results['server_SubmitJob_p99_le_ms']} ms; "
+            f"ReportRankStatus p50 <= {results['server_ReportRankStatus_p50_le_ms']} ms p99 <= "
+            f"{results['server_ReportRankStatus_p99_le_ms']} ms"
+        )
         direct = goodput_direct(db_url)
         results["goodput_direct_p50_ms"], results["goodput_direct_p99_ms"] = ms(pct(direct, 50)), ms(pct(direct, 99))
         say(
@@ -748,8 +770,11 @@ async def run(args, workdir: Path) -> dict:
                 agent_proc.kill()
         for p in procs:
             p.terminate()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+        if args.keep_db:
+            say(f"the database is kept (--keep-db): {db_url}")
+        else:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
     return results
 
 
@@ -802,6 +827,7 @@ def main() -> None:
         "--quick", action="store_true", help="512 nodes, 1,000 gangs, 10,000 finished jobs, 15 s phases (CI size)"
     )
     p.add_argument("--no-targets", action="store_true", help="print the figures; do not check the targets")
+    p.add_argument("--keep-db", action="store_true", help="keep the bench's database at the end (to study it)")
     p.add_argument(
         "--scheduler-arg",
         action="append",

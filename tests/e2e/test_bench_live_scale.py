@@ -115,6 +115,17 @@ def test_histogram_quantiles_are_bucket_upper_bounds():
     assert h.quantile(0.5) == 0.01
     assert h.quantile(0.99) == 1.0
     assert h.minus(live_scale.Histogram("", "c")).count == 100.0
+    labelled = "\n".join(
+        [
+            'r_bucket{method="A",le="0.01"} 5.0',
+            'r_bucket{method="B",le="0.01"} 1.0',
+            'r_bucket{method="B",le="0.1"} 4.0',
+            'r_count{method="B"} 4.0',
+            'r_count{method="A"} 5.0',
+        ]
+    )
+    b = live_scale.Histogram(labelled, "r", 'method="B"')
+    assert b.count == 4.0 and b.quantile(0.5) == 0.1 and b.quantile(0.2) == 0.01
 
 
 def test_the_cycle_log_measures_each_cycle_written_since_its_mark(tmp_path):
