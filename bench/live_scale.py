@@ -116,16 +116,21 @@ class Histogram:
         """`labels`: the series' other labels as the exposition writes them (`method="SubmitJob"`), if any."""
         self.buckets: dict[float, float] = {}
         self.count = self.sum = 0.0
-        inner = f"{labels}," if labels else ""
-        outer = f"{{{labels}}}" if labels else ""
+        want = set(re.findall(r'\w+="[^"]*"', labels))
         for line in text.splitlines():
-            m = re.match(rf'{name}_bucket{{{re.escape(inner)}le="([^"]+)"}} (\S+)', line)
-            if m:
-                self.buckets[float(m.group(1))] = float(m.group(2))
-            elif line.startswith(f"{name}_count{outer} "):
-                self.count = float(line.split()[1])
-            elif line.startswith(f"{name}_sum{outer} "):
-                self.sum = float(line.split()[1])
+            m = re.match(rf"{name}_(bucket|count|sum)(?:{{(.*)}})? (\S+)$", line)
+            if m is None:
+                continue
+            kind, found, value = m.group(1), set(re.findall(r'\w+="[^"]*"', m.group(2) or "")), float(m.group(3))
+            le = next((x for x in found if x.startswith("le=")), None)
+            if found - {le} != want:
+                continue  # another series (the exposition puts `le` first, then the others)
+            if kind == "bucket" and le is not None:
+                self.buckets[float(le[4:-1])] = value
+            elif kind == "count":
+                self.count = value
+            elif kind == "sum":
+                self.sum = value
 
     def minus(self, other: Histogram) -> Histogram:
         out = Histogram("", "")

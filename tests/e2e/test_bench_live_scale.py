@@ -117,8 +117,8 @@ def test_histogram_quantiles_are_bucket_upper_bounds():
     assert h.minus(live_scale.Histogram("", "c")).count == 100.0
     labelled = "\n".join(
         [
-            'r_bucket{method="A",le="0.01"} 5.0',
-            'r_bucket{method="B",le="0.01"} 1.0',
+            'r_bucket{le="0.01",method="A"} 5.0',
+            'r_bucket{le="0.01",method="B"} 1.0',
             'r_bucket{method="B",le="0.1"} 4.0',
             'r_count{method="B"} 4.0',
             'r_count{method="A"} 5.0',
