@@ -34,7 +34,7 @@ from .segment_fields import shape_of_spec
 from .settings import SchedulerSettings
 from .spare_fields import spare_shape
 from .spares import drop_spares_on, leave_drained_node, still_booked, swap_or_teardown
-from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, SchedulerState, attempt_key
+from .state import TERMINAL_RANK_STATES, JobRecord, NodeRecord, RankRecord, SchedulerState, attempt_key
 from .transitions import (
     Command,
     Cycle,
@@ -495,6 +495,22 @@ class RankReport(CycleCommand):
     # the view, idempotently (the view may have read that row already), and writes no row.
     recorded: bool = False
 
+    def row(self, rank: RankRecord, node_id: int, at: float) -> dict[str, Any]:
+        """Its `ranks` row (the cycle writes it, or the status lane)."""
+        return dict(
+            job_id=self.job_id,
+            attempt=self.attempt,
+            rank=rank.rank,
+            replica=rank.replica,
+            local_rank=rank.local_rank,
+            node_id=node_id,
+            state=self.state,
+            exit_code=self.exit_code,
+            pid=self.pid,
+            message=self.message,
+            updated_at=at,
+        )
+
     def execute(self, cycle: Cycle) -> bool:
         """Apply a rank's status. Returns True when the report is stale and the agent must kill the rank."""
         node = cycle.state.nodes.get(self.node)
@@ -524,21 +540,7 @@ class RankReport(CycleCommand):
             # that another replica taking a report for the same gang reads this rank's state first
             cycle.work.changes.jobs.add(job.id)
         if not self.recorded:
-            cycle.work.rank_rows.append(
-                dict(
-                    job_id=job.id,
-                    attempt=job.attempt,
-                    rank=rank.rank,
-                    replica=rank.replica,
-                    local_rank=rank.local_rank,
-                    node_id=node.id,
-                    state=self.state,
-                    exit_code=self.exit_code,
-                    pid=self.pid,
-                    message=self.message,
-                    updated_at=cycle.now,
-                )
-            )
+            cycle.work.rank_rows.append(self.row(rank, node.id, cycle.now))
         rank.state, rank.exit_code = self.state, self.exit_code
         where = f"rank {self.rank} on {self.node}"
         # What the agent knows beyond the exit code ("out of memory (limit 512M)"), for the job's reason

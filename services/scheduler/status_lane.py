@@ -227,19 +227,7 @@ def lane_report(state: SchedulerState, report: RankReport, at: float) -> tuple[s
         return "cycle", True, None
     if rank.state in TERMINAL_RANK_STATES or rank.state == report.state:
         return "same", False, None
-    row = dict(
-        job_id=report.job_id,
-        attempt=report.attempt,
-        rank=report.rank,
-        replica=rank.replica,
-        local_rank=rank.local_rank,
-        node_id=node.id,
-        state=report.state,
-        exit_code=report.exit_code,
-        pid=report.pid,
-        message=report.message,
-        updated_at=at,
-    )
+    row = report.row(rank, node.id, at)
     if report.state != "RUNNING":
         return "record", True, row
     others_waiting = any(r.state == "ASSIGNED" for r in list(job.ranks.values()) if r.rank != report.rank)

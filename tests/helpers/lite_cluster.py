@@ -81,6 +81,14 @@ class LiteCluster:
     def sql(self, query: str, **params):
         return run_sql(self.db_url, query, **params)
 
+    async def a_session_waits_for_a_lock(self) -> bool:
+        """Whether a session of this (PostgreSQL) database waits for a lock now: a test that holds the clock row
+        waits on this for the scheduler's next cycle to be blocked behind it."""
+        rows = self.sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return rows[0][0] > 0
+
     def changes(self) -> JobChanges:
         """Every job change the scheduler commits from now on (call it before acting, to miss none)."""
         return JobChanges(self.scheduler.service)

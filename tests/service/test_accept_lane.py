@@ -94,14 +94,7 @@ async def test_an_accepted_submission_is_answered_while_a_decision_holds_the_sch
             blocker.execute(text("SELECT generation FROM ledger_clock WHERE id = 1 FOR UPDATE"))
             waiting = asyncio.ensure_future(c.submit("decision", 1, 1, priority=3))  # a cycle: waits for the lock
 
-            async def cycle_waits_for_the_lock():
-                rows = c.sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock'"
-                )
-                return rows[0][0] > 0
-
-            await eventually(cycle_waits_for_the_lock, what="a cycle waiting for the clock row")
+            await eventually(c.a_session_waits_for_a_lock, what="a cycle waiting for the clock row")
             behind = await asyncio.wait_for(c.submit("behind", 1, 8), 10)
             assert behind.state == PENDING and not waiting.done()
             assert c.sql("SELECT state FROM jobs WHERE id = :j", j=behind.id) == [("PENDING",)]

@@ -49,14 +49,7 @@ async def test_a_rank_report_and_heartbeats_reach_the_ledger_while_a_decision_ho
             beat_before = c.sql("SELECT max(last_heartbeat) FROM nodes")[0][0]
             submit = asyncio.ensure_future(c.submit("behind-the-lock", 1, 1))  # a decision: it waits for the lock
 
-            async def cycle_waits_for_the_lock():
-                rows = c.sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock'"
-                )
-                return rows[0][0] > 0
-
-            await eventually(cycle_waits_for_the_lock, what="a cycle waiting for the clock row")
+            await eventually(c.a_session_waits_for_a_lock, what="a cycle waiting for the clock row")
             stale = await asyncio.wait_for(c.agents[0]._report(job.id, 1, 0, common_pb2.RANK_STATE_RUNNING, 0), 10)
             assert stale is False
             assert rank_state(c, job.id, 0) == "RUNNING"  # committed, while no cycle could run
