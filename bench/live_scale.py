@@ -624,6 +624,7 @@ async def run(args, workdir: Path) -> dict:
         rpc_before = {
             m: rpc_latency(port_a, m) for m in ("SchedulerServicer/SubmitJob", "NodeServicer/ReportRankStatus")
         }
+        lane_before = scrape(port_a, "phalanx_scheduler_status_lane_batch_seconds")
         cycles_a.mark()
         started = time.time()
         rate1, n1 = await load.steady(args.steady, reads)
@@ -635,6 +636,10 @@ async def run(args, workdir: Path) -> dict:
             name = method.split("/")[-1]
             results[f"server_{name}_p50_le_ms"] = ms(served.quantile(0.5))
             results[f"server_{name}_p99_le_ms"] = ms(served.quantile(0.99))
+        batches = scrape(port_a, "phalanx_scheduler_status_lane_batch_seconds").minus(lane_before)
+        results["status_lane_batches_1"] = int(batches.count)
+        results["status_lane_batch_p50_le_ms"] = ms(batches.quantile(0.5))
+        results["status_lane_batch_p99_le_ms"] = ms(batches.quantile(0.99))
         results.update(
             reservations_per_s_1=round(rate1, 1),
             reservations_1=n1,
@@ -670,7 +675,9 @@ async def run(args, workdir: Path) -> dict:
             "the scheduler's own handling time (histogram buckets' upper bounds): SubmitJob p50 <= "
             f"{results['server_SubmitJob_p50_le_ms']} ms p99 <= {results['server_SubmitJob_p99_le_ms']} ms; "
             f"ReportRankStatus p50 <= {results['server_ReportRankStatus_p50_le_ms']} ms p99 <= "
-            f"{results['server_ReportRankStatus_p99_le_ms']} ms"
+            f"{results['server_ReportRankStatus_p99_le_ms']} ms; the status lane's {results['status_lane_batches_1']} "
+            f"transactions p50 <= {results['status_lane_batch_p50_le_ms']} ms p99 <= "
+            f"{results['status_lane_batch_p99_le_ms']} ms"
         )
         direct = goodput_direct(db_url)
         results["goodput_direct_p50_ms"], results["goodput_direct_p99_ms"] = ms(pct(direct, 50)), ms(pct(direct, 99))

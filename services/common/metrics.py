@@ -67,6 +67,12 @@ ADMITTED_AT_SUBMIT = Counter(
     "phalanx_scheduler_admitted_at_submit_total",
     "Gangs the admission lane reserved in the transaction that wrote their submission",
 )
+STATUS_LANE_BATCH = Histogram(
+    "phalanx_scheduler_status_lane_batch_seconds",
+    "One transaction of the status lane (rank rows, accepted jobs, node heartbeats and acks), from its start to its "
+    "commit: what a report or an accepted submission waits for at most twice (the batch in flight, then its own)",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
+)
 RANK_REPORTS = Counter(
     "phalanx_scheduler_rank_reports_total",
     "Agents' rank reports by how they were taken: `lane`, recorded by the status lane and answered at its commit "

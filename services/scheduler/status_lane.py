@@ -34,6 +34,8 @@ from typing import Any
 import structlog
 from sqlalchemy import Connection, Engine
 
+from services.common import metrics
+
 from . import ledger
 from .commands import RankReport
 from .state import TERMINAL_RANK_STATES, JobRecord, SchedulerState
@@ -132,8 +134,10 @@ class StatusLane:
                 if due:
                     self._beats, self._acks = {}, {}
                     next_beats = time.monotonic() + BEAT_FLUSH_S
+            started = time.perf_counter()
             try:
                 deferred, written = self._commit([r for r, _ in rows], [j for j, _ in jobs], beats, acks)
+                metrics.STATUS_LANE_BATCH.observe(time.perf_counter() - started)
             except Exception as exc:  # the database away: the reports fail (agents retry), the beats wait
                 self._drop_connection()
                 log.warning("status_lane_batch_failed", error=str(getattr(exc, "orig", exc))[:300], rows=len(rows))
