@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.procs import eventually
+from helpers.waits import next_cycle
 
 from phalanx.api.v1 import common_pb2
 from phalanx.core.fabric import default_fabric
@@ -33,6 +34,9 @@ async def test_short_gangs_backfill_long_ones_wait_and_the_head_starts_by_its_re
         head = await c.submit("head", 4, 8, ("sleep", "0.2"), time_limit_s=10.0)  # needs a whole leaf
         short = await c.submit("short", 1, 8, ("sleep", "0.5"), time_limit_s=1.0)
         unlimited = await c.submit("unlimited", 1, 8, ("sleep", "0.2"))
+        # Behind the pending head, the two are accepted (answered PENDING once written): a cycle after their replies
+        # has adopted them and run the pass that decides them
+        await next_cycle(c.scheduler.service)
 
         waiting = await c.job(head.id)
         assert waiting.state == PENDING and "It is next in line and starts by" in waiting.message, waiting.message
