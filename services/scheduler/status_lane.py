@@ -122,9 +122,11 @@ class StatusLane:
             with self._cond:
                 while not self._stopping and not self._rows and not self._jobs:
                     wait = next_beats - time.monotonic()
-                    if wait <= 0 and (self._beats or self._acks):
-                        break
-                    self._cond.wait(timeout=max(wait, 0.05))
+                    if wait <= 0:
+                        if self._beats or self._acks:
+                            break
+                        next_beats, wait = time.monotonic() + BEAT_FLUSH_S, BEAT_FLUSH_S  # idle: sleep, not poll
+                    self._cond.wait(timeout=wait)
                 if self._stopping and not self._rows and not self._jobs:
                     return
                 rows, self._rows = self._rows, []
