@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import functools
 import json
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,15 +31,16 @@ from services.common import metrics
 from services.common.errors import ServiceError, Unavailable
 from services.common.faults import fail_point
 
-from . import accounting, ledger, migmode, retention
-from .commands import HEALTH_NAMES, Adopt, Drain, HealthReport, RankReport, Submit, check_submission, new_job
+from . import accounting, ledger, retention
+from .commands import Adopt, Submit, check_submission, new_job
 from .convert import job_from_record, job_from_row, node_from_row
 from .cycle import account_finished, finish_cycle, run_cycle
 from .fanout import FanOut
 from .leadership import Leadership
+from .node_intake import NodeIntake, log_failure
 from .settings import SchedulerSettings
 from .state import SchedulerState
-from .status_lane import StatusLane, lane_report, settle_recorded_ranks
+from .status_lane import StatusLane, settle_recorded_ranks
 from .transitions import Command, Cycle
 from .viewsync import apply_changes, reload_state
 from .work import UnitOfWork
@@ -47,10 +48,6 @@ from .work import UnitOfWork
 log = structlog.get_logger()
 # A cycle longer than this logs where its time went (cycle_slow); PHALANX_SLOW_CYCLE_MS sets it (0: every cycle).
 SLOW_CYCLE_S = float(os.environ.get("PHALANX_SLOW_CYCLE_MS", "250")) / 1000
-# The event loop's watchdog (SchedulerService._watch_stalls) looks this often whether the loop ran on time; a tick
-# later than STALL_TOLERANCE_S past it was a stall of this process (its heartbeats went unheard meanwhile).
-STALL_TICK_S = 0.05
-STALL_TOLERANCE_S = 0.05
 
 
 class SchedulerService:
@@ -73,7 +70,6 @@ class SchedulerService:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
         # Rank reports, heartbeats and acks reach the ledger there, never behind a cycle (status_lane.py)
         self.status_lane = StatusLane(self.engine) if settings.status_lane else None
-        self.rank_reports: collections.Counter[str] = collections.Counter()  # by path: lane, answered, cycle
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
         self._inbox: list[tuple[Command, asyncio.Future]] = []
         self._wake = asyncio.Event()
@@ -82,7 +78,6 @@ class SchedulerService:
         self._last_sync = 0.0
         self._generation: int | None = None
         self._writer_conn = None
-        self._acks_persisted = 0.0
         self._next_gauges = 0.0
         self._next_goodput = 0.0
         self._next_retention = 0.0  # the next run of _retention
@@ -91,21 +86,9 @@ class SchedulerService:
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
         self.fanout = FanOut(settings.watch_queue)
-        self._beats: dict[str, float] = {}
-        # How long this process's event loop was stalled in all (seconds), as its watchdog measured it; when its
-        # watchdog last ran (monotonic); and how much of the stalls the nodes' leases were given back already.
-        self._stalled = 0.0
-        self._tick_at = time.monotonic()
-        self._stall_credited = 0.0
+        # What the agents say between cycles: heartbeats, health, MIG modes, acks, rank reports (node_intake.py)
+        self.intake = NodeIntake(self)
         self._watchdog: asyncio.Task | None = None
-        self._acks: dict[str, int] = {}
-        self._draining: set[str] = set()
-        self._health_queued: dict[str, tuple] = {}  # node -> health signature of a HealthReport not yet applied
-        # --mig-manage (migmode.py): per node the highest revision it acked, that revision as of its last heartbeat,
-        # and the signature of a MigModeReport not yet applied
-        self._acked_seen: dict[str, int] = {}
-        self._acked_at_beat: dict[str, int] = {}
-        self._mig_queued: dict[str, tuple] = {}
         self._next_timer_check = 0.0
         self._next_changes_prune = 0.0
         self.cycle_id = 0  # the last cycle's number in this process: bound as `cycle` in its log lines
@@ -125,8 +108,7 @@ class SchedulerService:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._tick_at = time.monotonic()
-        self._watchdog = asyncio.create_task(self._watch_stalls(), name="scheduler-stall-watchdog")
+        self._watchdog = asyncio.create_task(self.intake.stalls.watch(), name="scheduler-stall-watchdog")
         if self.status_lane is not None:
             self.status_lane.start()
         await self._loop.run_in_executor(self._writer, self._cycle_once, [])
@@ -229,44 +211,30 @@ class SchedulerService:
             return await self.execute(sub)
         self.admissions["accept"] += 1
         metrics.ADMISSIONS.labels("accept").inc()
-        fut = self._loop.create_future()
-        fut.add_done_callback(functools.partial(_log_failure, "adopt_failed", job.id))
-        self._inbox.append((Adopt(job), fut))
-        self._wake.set()
+        self.enqueue(Adopt(job), functools.partial(log_failure, "adopt_failed", job.id))
         return job_from_record(job)
 
-    async def report_rank(self, report: RankReport) -> bool:
-        """An agent's rank report; True when the rank is stale (the agent stops it). On the leader the status lane
-        takes it (status_lane.py): answered from the view when nothing is to be written, else once its row commits,
-        never after a cycle; the cycle applies it after (woken when it changes a decision's input). What the view
-        cannot judge alone is a cycle command, as on a replica that does not lead."""
-        lane = self.status_lane
-        if lane is None or not self.leading or self._resync:
-            self._count_report("cycle")
-            return await self.execute(report)
-        what, wake, row = lane_report(self.state, report, self.clock())
-        if what in ("stale", "same"):
-            self._count_report("answered")
-            return what == "stale" and report.state == "RUNNING"
-        if what == "cycle" or row is None:
-            self._count_report("cycle")
-            return await self.execute(report)
-        try:
-            await lane.record_rank(row)
-        except Exception as exc:  # nothing was recorded: the agent sends it again
-            raise Unavailable("the ledger is unavailable; the report was not recorded, send it again") from exc
-        self._count_report("lane")
-        if not self._stopping and self._loop is not None:  # else the next leader settles it from the ledger
-            fut = self._loop.create_future()
-            fut.add_done_callback(functools.partial(_log_failure, "recorded_rank_report_failed", report.job_id))
-            self._inbox.append((dataclasses.replace(report, recorded=True), fut))
-            if wake:
-                self._wake.set()
-        return False
+    def enqueue(self, command: Command, on_done: Callable[[asyncio.Future], None], *, wake: bool = True) -> bool:
+        """Queue a command no caller waits for (`on_done` gets its future when the cycle took it); `wake`: have the
+        loop run a cycle for it now. False (nothing queued) once the service stops or before it started."""
+        if not self.accepting or self._loop is None:
+            return False
+        fut = self._loop.create_future()
+        fut.add_done_callback(on_done)
+        self._inbox.append((command, fut))
+        if wake:
+            self._wake.set()
+        return True
 
-    def _count_report(self, path: str) -> None:
-        self.rank_reports[path] += 1
-        metrics.RANK_REPORTS.labels(path).inc()
+    @property
+    def accepting(self) -> bool:
+        """Whether commands may be queued (the service runs and does not stop)."""
+        return not self._stopping and self._loop is not None
+
+    @property
+    def view_trusted(self) -> bool:
+        """Whether the view is this replica's own, not waiting to be reloaded from the ledger."""
+        return not self._resync
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -435,7 +403,7 @@ class SchedulerService:
                 self.view_reloads["full"] += 1
             t_view = time.perf_counter()
             cycle.work.changes = ledger.track_changes(conn)
-            self._take_beats_and_acks(cycle)
+            self.intake.take_beats_and_acks(cycle)
             cycle.work.generation = generation
             cycle.epoch = epoch or 0
             if cycle.settle_ranks or cycle.settle_jobs:  # ranks the lane recorded that no cycle here applied
@@ -513,191 +481,6 @@ class SchedulerService:
             with contextlib.suppress(Exception):
                 self._writer_conn.close()
             self._writer_conn = None
-
-    async def _watch_stalls(self) -> None:
-        """Measure this process's stalls: how much later than asked the event loop wakes this task. The RPC
-        handlers that take heartbeats run on this loop, so while it stalls (the process paused or starved of CPU, a
-        long collection, a blocking call on the loop) no heartbeat is heard, however punctually the agents send."""
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(STALL_TICK_S)
-            self._tick_at = now = time.monotonic()
-            late = now - before - STALL_TICK_S
-            if late > STALL_TOLERANCE_S:
-                self._stalled += late
-
-    def _credit_stalls(self) -> None:
-        """Writer thread, at a cycle's start: a node's lease measures how long it has been silent while this
-        scheduler listened, so the time this process was stalled since the last cycle is given back to every lease
-        (else a scheduler that stalls past the lease loses all its nodes at once when it resumes, before it reads
-        the heartbeats waiting for it). Counts too the stall under way: the watchdog may not have run since."""
-        if self.clock is not time.time:
-            return  # a clock the caller drives does not run on while this process is stalled
-        ongoing = time.monotonic() - self._tick_at - STALL_TICK_S
-        stalled = self._stalled + (ongoing if ongoing > STALL_TOLERANCE_S else 0.0)
-        credit = stalled - self._stall_credited
-        if credit <= 0:
-            return
-        self._stall_credited = stalled
-        for node in self.state.nodes.values():
-            node.last_heartbeat += credit
-        if credit >= 0.25:
-            log.info("scheduler_stalled", seconds=round(credit, 3), note="every node's lease is extended by as much")
-
-    def _take_beats_and_acks(self, cycle: Cycle) -> None:
-        """Fold heartbeats and acks (kept in memory by the RPC handlers) into the view; persist them when due."""
-        self._credit_stalls()
-        beats, self._beats = self._beats, {}
-        if cycle.now - self._acks_persisted >= 1.0:
-            acks, self._acks = self._acks, {}
-            self._acks_persisted = cycle.now
-        else:
-            acks = {}
-        persist_every = self.settings.heartbeat_persist_interval
-        lane = self.status_lane is not None  # then the handlers gave the lane what to write (heartbeat, ack)
-        for name, ts in beats.items():
-            node = self.state.nodes.get(name)
-            if node is None:
-                continue
-            node.last_heartbeat = max(node.last_heartbeat, ts)
-            if not lane and ts - node.persisted_heartbeat >= persist_every:
-                cycle.work.heartbeats[node.id] = ts
-                node.persisted_heartbeat = ts
-        nodes = self.state.nodes
-        if lane:
-            for n, r in acks.items():
-                if n in nodes:
-                    nodes[n].acked_revision = max(nodes[n].acked_revision, r)
-            return
-        # Only acks that raise what the view has: an ack of a revision already acked changes nothing, and a cycle
-        # that wrote it would still commit (a new ledger generation, a change-log row) for nothing.
-        cycle.work.acks = {nodes[n].id: r for n, r in acks.items() if n in nodes and r > nodes[n].acked_revision}
-
-    def heartbeat(
-        self, name: str, health=None, events=(), draining: bool = False, mig_modes=(), instance: str = ""
-    ) -> tuple[str, bool]:
-        """Record a heartbeat (no transaction: leases live in memory and reach the ledger every few seconds).
-
-        Health costs nothing while it stays the same. A change (or any health event) queues a HealthReport and wakes
-        the loop, so the next cycle, at once and not a heartbeat later, takes FATAL GPUs out of placement."""
-        node = self.state.nodes.get(name)
-        if node is None:
-            return "UNKNOWN", True
-        if instance and node.agent_instance and instance != node.agent_instance:
-            return node.state, True  # a stale agent process: nothing it says counts until it registers again
-        self._beats[name] = now = self.clock()
-        if self.status_lane is not None and now - node.persisted_heartbeat >= self.settings.heartbeat_persist_interval:
-            node.persisted_heartbeat = now  # the lane writes it (status_lane.py): no cycle does
-            self.status_lane.note_status({node.id: now}, {})
-        if (
-            draining
-            and node.state == "READY"
-            and name not in self._draining
-            and not self._stopping
-            and self._loop is not None
-        ):
-            self._draining.add(name)
-            fut = self._loop.create_future()
-            fut.add_done_callback(functools.partial(_discard_later, self._draining, name))
-            self._inbox.append((Drain(name, "the agent is draining (SIGTERM): it takes no new work"), fut))
-            self._wake.set()
-        if node.state != "LOST" and (events or (health is not None and health.state in HEALTH_NAMES)):
-            self._queue_health(node, health, list(events))
-        elif (
-            node.health == "UNKNOWN"
-            and node.state == "READY"
-            and not self._stopping
-            and self._loop is not None
-            and name not in self._health_queued
-        ):
-            # Back after it was lost, and its agent runs no health monitor: this heartbeat is its health report.
-            self._health_queued[name] = ("HEALTHY", "", {})
-            fut = self._loop.create_future()
-            fut.add_done_callback(functools.partial(_pop_later, self._health_queued, name))
-            self._inbox.append((HealthReport(name, None, [], alive=True), fut))
-            self._wake.set()
-        if node.mig_manage and node.state != "LOST":
-            self._queue_mig(node, mig_modes)
-        return node.state, node.state == "LOST"
-
-    def _queue_mig(self, node, mig_modes) -> None:
-        """A --mig-manage agent's MIG modes: queue a MigModeReport when they change the view (a mode, a pending
-        mode, the end of a switch). Errors count only once the agent had acked the switch before its previous
-        heartbeat (migmode.py)."""
-        gate = self._acked_at_beat.get(node.name, 0)
-        self._acked_at_beat[node.name] = max(self._acked_seen.get(node.name, 0), node.acked_revision)
-        if self._stopping or self._loop is None:
-            return
-        statuses = migmode.statuses_from_proto(mig_modes)
-        try:
-            changed = bool(migmode.report_changes(node, statuses, gate))
-        except RuntimeError:  # the writer thread changed the record meanwhile: let the cycle decide
-            changed = True
-        if not changed:
-            return
-        sig = (tuple(sorted(statuses.items())), gate)
-        if self._mig_queued.get(node.name) == sig:
-            return  # the same report is queued for the next cycle already
-        self._mig_queued[node.name] = sig
-        fut = self._loop.create_future()
-
-        def done(f: asyncio.Future, name=node.name, sig=sig) -> None:
-            if self._mig_queued.get(name) == sig:
-                self._mig_queued.pop(name, None)
-            if not f.cancelled() and f.exception() is not None:
-                log.warning("mig_mode_report_failed", node=name, error=str(f.exception())[:200])
-
-        fut.add_done_callback(done)
-        self._inbox.append((migmode.MigModeReport(node.name, statuses, gate), fut))
-        self._wake.set()
-
-    def _queue_health(self, node, health, events: list) -> None:
-        if health is not None and health.state in HEALTH_NAMES:
-            sig = (
-                HEALTH_NAMES[health.state],
-                health.reason,
-                {
-                    g.index: (HEALTH_NAMES.get(g.state, "DEGRADED"), tuple(g.reasons))
-                    for g in health.gpus
-                    if g.state in (2, 3)
-                },
-            )
-        else:
-            health, sig = None, None
-        current = self._health_queued.get(node.name) or (node.health, node.health_reason, node.gpu_health)
-        if not events and (sig is None or sig == current):
-            return
-        if self._stopping or self._loop is None:
-            return
-        if sig is not None:
-            self._health_queued[node.name] = sig
-        fut = self._loop.create_future()
-
-        def done(f: asyncio.Future, name=node.name, sig=sig) -> None:
-            if self._health_queued.get(name) == sig:
-                self._health_queued.pop(name, None)  # applied, or failed: the next heartbeat compares again
-            if not f.cancelled() and f.exception() is not None:
-                log.warning("health_report_failed", node=name, error=str(f.exception())[:200])
-
-        fut.add_done_callback(done)
-        self._inbox.append((HealthReport(node.name, health, events), fut))
-        self._wake.set()
-
-    def revision_of(self, name: str) -> float:
-        """The node's last assignment revision as this replica's view has it; inf when the view does not know
-        the node (or is being reloaded): the caller reads the ledger."""
-        node = self.state.nodes.get(name)
-        return float("inf") if node is None or self._resync else node.revision
-
-    def ack(self, name: str, revision: int) -> bool:
-        node = self.state.nodes.get(name)
-        if node is None:
-            return False
-        if self.status_lane is not None and revision > node.acked_revision:
-            self.status_lane.note_status({}, {node.id: revision})
-        self._acks[name] = max(revision, self._acks.get(name, 0))
-        self._acked_seen[name] = max(revision, self._acked_seen.get(name, 0))
-        return True
 
     def _timers_due(self, now: float) -> bool:
         s = self.settings
@@ -896,15 +679,6 @@ def _merge(a: Cycle | None, b: Cycle) -> Cycle:
     return a
 
 
-def _discard_later(names: set[str], name: str, _done: asyncio.Future) -> None:
-    """A queued command's future is done: `name` may be queued again."""
-    names.discard(name)
-
-
-def _pop_later(queued: dict[str, Any], name: str, _done: asyncio.Future) -> None:
-    queued.pop(name, None)
-
-
 def accept_eligible(state: SchedulerState, sub: Submit) -> bool:
     """Whether a submission waits for a pass whatever happens, so that writing it PENDING and answering at once
     loses it nothing: a PENDING job of its priority or a higher one is ahead of it (the pass serves priority
@@ -917,8 +691,3 @@ def accept_eligible(state: SchedulerState, sub: Submit) -> bool:
     if sub.service or spec.after or spec.array or spec.mig_profile:
         return False
     return state.jobs.pending_at_or_above(spec.priority)
-
-
-def _log_failure(event: str, job_id: str, done: asyncio.Future) -> None:
-    if not done.cancelled() and done.exception() is not None:
-        log.warning(event, job=job_id, error=str(done.exception())[:200])

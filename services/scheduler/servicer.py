@@ -666,7 +666,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
             request.health.reason = _clean(request.health.reason, 2000)
             for g in request.health.gpus:
                 g.reasons[:] = [_clean(r, 2000) for r in g.reasons]
-        state, reregister = self.service.heartbeat(
+        state, reregister = self.service.intake.heartbeat(
             request.node_name,
             request.health if request.HasField("health") else None,
             request.events,
@@ -694,7 +694,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 # The view knows each node's last assignment revision (this replica's commits, and what other
                 # replicas recorded in ledger_changes): the ledger is read only when it holds something newer,
                 # so 4,096 idle streams cost no queries.
-                if need_read and self.service.revision_of(name) > last:
+                if need_read and self.service.intake.revision_of(name) > last:
                     for revision, payload in await self.service.assignments_after(name, last):
                         last = revision
                         yield agent_pb2.Assignment.FromString(payload)
@@ -719,7 +719,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
         self._caller_is(request.node_name, "AckAssignments", context)
         if request.revision < 0:
             raise InvalidArgument("revision must not be negative")
-        if not self.service.ack(request.node_name, request.revision):
+        if not self.service.intake.ack(request.node_name, request.revision):
             raise NotFound(f"node {request.node_name[:80]!r} is not registered")
         return agent_pb2.AckAssignmentsResponse()
 
@@ -754,7 +754,7 @@ class NodeServicer(agent_pb2_grpc.NodeServiceServicer):
                 f"a report from agent instance {request.agent_instance[:16]!r} of node {request.node_name[:80]!r}, "
                 "which is not the instance registered now: register again"
             )
-        stale = await self.service.report_rank(
+        stale = await self.service.intake.report_rank(
             RankReport(
                 request.node_name,
                 request.job_id,

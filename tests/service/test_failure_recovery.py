@@ -181,7 +181,7 @@ async def test_a_scheduler_that_stalls_past_the_lease_loses_no_node(db_url):
         service = c.scheduler.service
         time.sleep(2.5 * c.settings.lease_timeout)  # the whole process stalls: no heartbeat is sent or heard
         await next_cycle(service)  # the first cycle after the stall: its timers judged every lease
-        assert service._stall_credited > 2 * c.settings.lease_timeout  # it saw the stall
+        assert service.intake.stalls.credited > 2 * c.settings.lease_timeout  # it saw the stall
         assert {n.name: n.state for n in (await nodes(c)).values()} == {
             "node-0": common_pb2.NODE_STATE_READY,
             "node-1": common_pb2.NODE_STATE_READY,

@@ -193,13 +193,13 @@ class HealthCluster:
         self.scheduler = await serve(self.settings)
         # The health each heartbeat carried, in the order the scheduler received them (None: none reported).
         self.beats: list[common_pb2.NodeHealth | None] = []
-        service, received = self.scheduler.service, self.scheduler.service.heartbeat
+        intake, received = self.scheduler.service.intake, self.scheduler.service.intake.heartbeat
 
         def recording(name, health=None, events=(), **kw):
             self.beats.append(None if health is None else common_pb2.NodeHealth.FromString(health.SerializeToString()))
             return received(name, health, events, **kw)
 
-        service.heartbeat = recording
+        intake.heartbeat = recording
         self.agent = NodeAgent(
             AgentConfig(
                 scheduler=self.scheduler.address,

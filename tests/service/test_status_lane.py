@@ -54,7 +54,7 @@ async def test_a_rank_report_and_heartbeats_reach_the_ledger_while_a_decision_ho
             assert stale is False
             assert rank_state(c, job.id, 0) == "RUNNING"  # committed, while no cycle could run
             await eventually(lambda: _raised(c, beat_before), what="a heartbeat written while the lock is held")
-            assert not submit.done() and service.rank_reports["lane"] >= 1
+            assert not submit.done() and service.intake.rank_reports["lane"] >= 1
             lock.rollback()
         finally:
             blocker.close()
@@ -188,7 +188,7 @@ async def test_a_gang_whose_ranks_report_to_two_replicas_ends_when_its_last_rank
         leader_rank, follower_rank = on["node-0"], on["node-1"]
         assert await agents[0]._report(job.id, 1, leader_rank, common_pb2.RANK_STATE_EXITED, 0) is False
         await next_cycle(a)  # the leader's cycle applied it: the gang still runs (one rank left)
-        assert a.state.jobs[job.id].state == "RUNNING" and a.rank_reports["lane"] >= 1
+        assert a.state.jobs[job.id].state == "RUNNING" and a.intake.rank_reports["lane"] >= 1
         assert await agents[1]._report(job.id, 1, follower_rank, common_pb2.RANK_STATE_EXITED, 0) is False
         # Committed by the follower's cycle when it answered; the leader's next cycle reads it before anything else
         await next_cycle(a)

@@ -225,7 +225,7 @@ async def test_a_cycle_with_only_rank_reports_and_heartbeats_skips_the_schedulin
         for _ in range(5):
             await a.execute(_Noop())
             for agent in pair.agents:  # heartbeats only
-                a.heartbeat(agent.name)
+                a.intake.heartbeat(agent.name)
         assert len(passes) == before
         await pair.stubs[0].CancelJob(scheduler_pb2.CancelJobRequest(job_id=job.id), timeout=30)
         assert len(passes) > before  # a release: the waiting gang is looked at again
@@ -245,13 +245,13 @@ async def test_an_idle_assignment_stream_does_not_read_the_ledger(db_url, monkey
         # The stream decides to read the ledger just after it asks revision_of: a read it decides on is counted
         # (synchronously) before the test, on the same event loop, can see that it asked.
         looked: list[str] = []
-        revision_of = a.revision_of
+        revision_of = a.intake.revision_of
 
         def counting_looks(name):
             looked.append(name)
             return revision_of(name)
 
-        monkeypatch.setattr(a, "revision_of", counting_looks)
+        monkeypatch.setattr(a.intake, "revision_of", counting_looks)
         agent = LiteAgent(pair.a.address, "node-late")
         await agent.start()
         try:
@@ -276,7 +276,9 @@ async def _acks_in(pair: Pair) -> None:
 
     async def acked():
         service = pair.a.service
-        return all(service._acked_seen.get(a.name, 0) >= service.state.nodes[a.name].revision for a in pair.agents)
+        return all(
+            service.intake.acked_seen.get(a.name, 0) >= service.state.nodes[a.name].revision for a in pair.agents
+        )
 
     await eventually(acked, what="every agent's ack of its last assignment")
 
