@@ -22,6 +22,16 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+def head_revision() -> str:
+    """The newest revision in `migrations/`: what `upgrade` brings a ledger to."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    if head is None:
+        raise RuntimeError("migrations/ holds no revision")
+    return head
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the database at `url` to `revision` (creates the SQLite file if needed)."""
     engine = make_engine(url)

@@ -150,12 +150,25 @@ class Job(Base):
         Index(None, "state", "finished_at"),  # the finished jobs due for the archive (revision 0016)
         Index(None, "service", "state"),  # a service's replicas (revision 0023)
         Index(None, "array_parent", "array_task"),  # an array's tasks (revision 0024)
-        # The jobs not accounted (revision 0016): the goodput total reads these, whatever the number of finished ones.
+        # The jobs not accounted (revision 0016): the goodput total reads these, whatever the number of finished ones;
+        # on PostgreSQL with what it reads of them (revision 0025: an index-only scan, never the whole table).
         Index(
             "ix_jobs_unaccounted_submitted_at",
             "submitted_at",
             sqlite_where=text("accounted = 0"),
             postgresql_where=text("NOT accounted"),
+            postgresql_include=[
+                "id",
+                "state",
+                "attempt",
+                "finished_at",
+                "replicas",
+                "gpus_per_replica",
+                "mig_profile",
+                "gpu_milli",
+                "tenant",
+                "queue",
+            ],
         ),
     )
 

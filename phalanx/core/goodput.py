@@ -101,22 +101,27 @@ def account_job(
 ) -> Goodput:
     """A job's goodput from its attempts in order. `gpus`: what it asks for (its waiting is charged at that);
     `finished_at`: when it ended for good (None while it is active: a queued job is still waiting at `now`)."""
-    acc = Goodput()
+    allocated = productive = rollback = restart = waiting = 0.0  # plain sums: a Goodput per step costs more
     queued_since = submitted_at
     previous = 0
     for a in attempts:
         if a.attempt <= previous:
             raise ValueError(f"attempts must be in increasing order; {a.attempt} follows {previous}")
         previous = a.attempt
-        acc += Goodput(waiting=gpus * max(0.0, a.reserved_at - queued_since))
-        acc += account_attempt(a, now)
+        waiting += gpus * max(0.0, a.reserved_at - queued_since)
+        g = account_attempt(a, now)
+        allocated += g.allocated
+        productive += g.productive
+        rollback += g.rollback
+        restart += g.restart
         if a.ended_at is None:
-            return acc
+            return Goodput(allocated, productive, rollback, restart, waiting)
         queued_since = a.ended_at
     # Queued since the last teardown (or submission): until now, or until it ended for good (when its last attempt
     # ended it, that is the same moment: no waiting).
     end = finished_at if finished_at is not None else now
-    return acc + Goodput(waiting=gpus * max(0.0, end - queued_since))
+    waiting += gpus * max(0.0, end - queued_since)
+    return Goodput(allocated, productive, rollback, restart, waiting)
 
 
 def total(parts: Iterable[Goodput]) -> Goodput:

@@ -13,13 +13,28 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, and_, case, exists, false, func, literal, or_, select, union_all, update
+from sqlalchemy import (
+    ARRAY,
+    Connection,
+    String,
+    Table,
+    and_,
+    bindparam,
+    case,
+    false,
+    func,
+    literal,
+    or_,
+    select,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from db.models import TERMINAL_JOB_STATES, GoodputTotals, Job, JobArchive, JobAttempt
 from phalanx.api.v1 import common_pb2, scheduler_pb2
-from phalanx.core.goodput import CATEGORIES, AttemptTimes, Goodput, account_job
+from phalanx.core.goodput import CATEGORIES, AttemptTimes, Goodput, account_job, total
 
 from . import ledger, paging
 from .state import gpu_equivalents
@@ -151,7 +166,7 @@ def account_finished(
         .values(accounted=True)
         .returning(*(jobs.c[c] for c in _LIVE_COLUMNS))
     )
-    rows = list(conn.execute(stmt).mappings())
+    rows = conn.execute(stmt).mappings().all()
     if not rows:
         return 0
     attempts = ledger.read_attempts(conn, [r["id"] for r in rows])
@@ -229,6 +244,36 @@ def _live_attempts(conn: Connection, where: list[Any]) -> dict[str, list[Any]]:
     return out
 
 
+# What job_goodput reads of an attempt (attempt_times)
+_ATTEMPT_COLUMNS = ("job_id", "attempt", "gpus", "reserved_at", "running_at", "ended_at", "outcome", "kept_until")
+
+
+def _attempts_of(conn: Connection, job_ids: list[str]) -> dict[str, list[Any]]:
+    """What job_goodput reads of the attempts of `job_ids`, by job in attempt order, each job's through the primary
+    key. On PostgreSQL the ids are joined as an array (unnest): against `job_id = ANY(...)` of ~1,000 ids the planner
+    chose to scan the whole table, history included (bench/goodput_read.py). On SQLite in chunks that keep a
+    statement's bound parameters within what it takes."""
+    att = JobAttempt.__table__
+    columns = [att.c[c] for c in _ATTEMPT_COLUMNS]
+    order = (att.c.job_id, att.c.attempt)
+    if conn.dialect.name == "postgresql":
+        wanted = func.unnest(bindparam("job_ids", job_ids, type_=ARRAY(String))).table_valued("id")
+        wanted = wanted.render_derived(name="wanted")
+        stmts = (
+            [select(*columns).join_from(att, wanted, att.c.job_id == wanted.c.id).order_by(*order)] if job_ids else []
+        )
+    else:
+        stmts = [
+            select(*columns).where(att.c.job_id.in_(job_ids[start : start + 5000])).order_by(*order)
+            for start in range(0, len(job_ids), 5000)
+        ]
+    grouped: dict[str, list[Any]] = {}
+    for stmt in stmts:
+        for row in conn.execute(stmt).mappings().all():  # fetched at once: row by row costs a driver call each
+            grouped.setdefault(row["job_id"], []).append(row)
+    return grouped
+
+
 def _archived_goodput(row: Any) -> Goodput:
     return Goodput(
         allocated=row["allocated"],
@@ -240,12 +285,13 @@ def _archived_goodput(row: Any) -> Goodput:
 
 
 def _busy(jobs: Any) -> Any:
-    """The jobs not accounted whose figures need their attempts: those with an attempt, those finished (before
-    revision 0016), and MIG gangs (their GPU fraction is the profile's: gpu_equivalents). The others (queued, never
-    reserved) only wait: _idle_waiting sums them in SQL."""
-    attempt = JobAttempt.__table__.alias("any_attempt")  # aliased: _live_attempts' query reads job_attempts too
+    """The jobs not accounted whose figures need their attempts: those ever reserved (`attempt` > 0: the job_attempts
+    row of each reservation is written in the transaction that raises it), those finished (before revision 0016),
+    and MIG gangs (their GPU fraction is the profile's: gpu_equivalents). The others (queued, never reserved) only
+    wait: _idle_waiting sums them in SQL. A column of the row, not a probe of job_attempts per job: at 10,000 queued
+    jobs the probe was most of the read (bench/goodput_read.py)."""
     return or_(
-        exists().where(attempt.c.job_id == jobs.c.id),
+        jobs.c.attempt > 0,
         jobs.c.state.in_(TERMINAL_JOB_STATES),
         func.coalesce(jobs.c.mig_profile, "") != "",
     )
@@ -294,8 +340,8 @@ def _read_totals(conn: Connection, now: float, since: float, tenant: str | None,
     if tenant is not None:
         live_where.append(jobs.c.tenant == tenant)
     busy_where = [*live_where, _busy(jobs)]
-    rows = list(conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*busy_where)).mappings())  # (1)
-    attempts = _live_attempts(conn, busy_where) if rows else {}  # (2)
+    rows = conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*busy_where)).mappings().all()  # (1)
+    attempts = _attempts_of(conn, [r["id"] for r in rows])  # (2)
     sums = select(
         literal("sum").label("kind"),
         t.c.tenant,
@@ -319,14 +365,18 @@ def _read_totals(conn: Connection, now: float, since: float, tenant: str | None,
         ).where(*busy_where)
         stmt = union_all(sums, still)
     unaccounted: set[str] = set()
-    for row in conn.execute(stmt).mappings():  # (3)
+    for row in conn.execute(stmt).mappings().all():  # (3)
         if row["kind"] == "live":
             unaccounted.add(row["id"])
         else:
             out.add(row["tenant"], row["queue"], _archived_goodput(row), int(row["jobs"] or 0))
+    by_group: dict[tuple[str, str], list[Goodput]] = {}  # summed per tenant and queue, then added: one add each
     for job in rows:
         if job["id"] in unaccounted:
-            out.add(job["tenant"], job["queue"], job_goodput(job, attempts.get(job["id"], []), now), 1)
+            figures = job_goodput(job, attempts.get(job["id"], []), now)
+            by_group.setdefault((job["tenant"], job["queue"]), []).append(figures)
+    for (tenant_name, queue), parts in by_group.items():
+        out.add(tenant_name, queue, total(parts), len(parts))
     _idle_waiting(conn, now, live_where, out)  # (4)
 
 

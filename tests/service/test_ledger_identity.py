@@ -17,7 +17,7 @@ from sqlalchemy import text
 from structlog.testing import capture_logs
 
 from db.engine import make_engine
-from db.migrate import cluster_id, current, upgrade
+from db.migrate import cluster_id, current, head_revision, upgrade
 from phalanx.api.v1 import agent_pb2, agent_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.cli.main import main
 from phalanx.client import Client, JobState
@@ -30,7 +30,7 @@ from services.node_agent.state import AgentState
 from services.scheduler.main import serve
 from services.scheduler.settings import SchedulerSettings
 
-HEAD = "0024"
+HEAD = head_revision()
 OLD_JOB = "0123456789ab"
 
 

@@ -483,7 +483,7 @@ async def test_gpu_model_and_cli_flags_end_to_end(db_url, capsys, service_logs):
 async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_db_url):
     """A ledger written before partial GPUs: its allocation rows become whole-GPU rows (kind gpu, unit -1), the
     scheduler reads them back as held GPUs, and the index still refuses a second holder of the same GPU."""
-    from db.migrate import current, upgrade
+    from db.migrate import current, head_revision, upgrade
 
     url = empty_db_url
     upgrade(url, "0002")
@@ -520,7 +520,7 @@ async def test_migration_0003_keeps_whole_gpu_allocations_and_their_guard(empty_
             )
         )
     upgrade(url)
-    assert current(url) == "0024"
+    assert current(url) == head_revision()
     with engine.connect() as conn:
         assert conn.execute(text("SELECT kind, unit, profile, gpu_milli FROM allocations")).all() == [
             ("gpu", -1, "", 0)

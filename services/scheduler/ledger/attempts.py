@@ -199,7 +199,7 @@ def read_attempts(conn: Connection, job_ids: Sequence[str] | None = None) -> dic
     if job_ids is not None:
         stmt = stmt.where(JobAttempt.job_id.in_(list(job_ids)))
     out: dict[str, list[Any]] = {}
-    for row in conn.execute(stmt).mappings():
+    for row in conn.execute(stmt).mappings().all():
         out.setdefault(row["job_id"], []).append(row)
     return out
 
