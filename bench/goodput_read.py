@@ -46,6 +46,7 @@ from sqlalchemy import exists, func, insert, or_
 from db.engine import make_engine, normalize_url
 from db.migrate import upgrade
 from db.models import TERMINAL_JOB_STATES, Job, JobAttempt
+from phalanx.common.logging import configure_logging
 from services.common import gcwatch
 from services.scheduler import accounting
 
@@ -187,6 +188,7 @@ def main() -> int:
     )
     parser.add_argument("--no-targets", action="store_true")
     args = parser.parse_args()
+    configure_logging("goodput-bench")  # (to stderr: stdout ends with the JSON line)
 
     admin = normalize_url(args.db).replace("postgresql+psycopg://", "postgresql://")
     name = f"phalanx_goodput_{os.getpid()}_{uuid.uuid4().hex[:6]}"
