@@ -70,6 +70,9 @@ class SchedulerService:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
         # Rank reports, heartbeats and acks reach the ledger there, never behind a cycle (status_lane.py)
         self.status_lane = StatusLane(self.engine) if settings.status_lane else None
+        # Accepted submissions (submit) are written by a lane of their own, with its own thread and connection: a
+        # submission never waits behind a batch of rank rows and heartbeats (their SKIP LOCKED reads, their upserts).
+        self.accept_writer = StatusLane(self.engine) if settings.status_lane and settings.accept_lane else None
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
         self._inbox: list[tuple[Command, asyncio.Future]] = []
         self._wake = asyncio.Event()
@@ -109,8 +112,9 @@ class SchedulerService:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._watchdog = asyncio.create_task(self.intake.stalls.watch(), name="scheduler-stall-watchdog")
-        if self.status_lane is not None:
-            self.status_lane.start()
+        for lane in (self.status_lane, self.accept_writer):
+            if lane is not None:
+                lane.start()
         await self._loop.run_in_executor(self._writer, self._cycle_once, [])
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         if not is_sqlite(self.engine):
@@ -159,8 +163,9 @@ class SchedulerService:
         self._writer.submit(self._release_leadership)
         self._writer.submit(self._close_writer_connection)
         self._writer.shutdown(wait=True)
-        if self.status_lane is not None:
-            self.status_lane.stop()
+        for lane in (self.status_lane, self.accept_writer):
+            if lane is not None:
+                lane.stop()
         self._readers.shutdown(wait=False)
         self.engine.dispose()
         self.read_engine.dispose()
@@ -181,14 +186,14 @@ class SchedulerService:
 
     async def submit(self, sub: Submit) -> Any:
         """A submission. One that no decision can take now (a PENDING job of its priority or a higher one is ahead of
-        it, so it waits for a pass whatever happens) is accepted on the leader: written PENDING by the status lane,
-        in a transaction that takes no scheduling lock, and answered then; the next cycle adopts it into the view
+        it, so it waits for a pass whatever happens) is accepted on the leader: written PENDING by a lane of its own
+        (accept_writer, a StatusLane that writes nothing else), in a transaction that takes no scheduling lock, and
+        answered then; the next cycle adopts it into the view
         (Adopt) and the pass decides it. The others go to the writer: decided at submit (the admission lane) or by
         the pass. Either way the reply is the job as written."""
-        lane = self.status_lane
+        lane = self.accept_writer
         if (
             lane is None
-            or not self.settings.accept_lane
             or not self.leading
             or self._resync
             or self._stopping

@@ -166,14 +166,14 @@ class StatusLane:
     def _commit(
         self, rows: list[dict[str, Any]], jobs: list[JobRecord], beats: dict[int, float], acks: dict[int, int]
     ) -> tuple[set[int], set[str]]:
-        """One transaction: the rank rows, the accepted jobs (but those whose request id is taken), then the node
-        columns. Returns the nodes left for the next batch, and the ids of the jobs written."""
+        """One transaction: the node columns, the rank rows, the accepted jobs (but those whose request id is
+        taken). Returns the nodes left for the next batch, and the ids of the jobs written. The reads that need
+        answers (the request ids taken, the node rows free to raise) go first; the writes that need none and the
+        commit are then sent together (one round trip on PostgreSQL)."""
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._conn = self._engine.connect()
         conn = self._conn
-        with conn.begin():
-            if rows:
-                ledger.record_ranks(conn, rows)
+        with conn.begin() as trans:
             fresh: list[JobRecord] = []
             if jobs:
                 taken = set(ledger.find_by_request_ids(conn, [j.request_id for j in jobs if j.request_id]))
@@ -183,9 +183,14 @@ class StatusLane:
                     taken.add(job.request_id or "")
                     job.version = 0
                     fresh.append(job)
+            deferred = ledger.raise_node_status(conn, beats, acks)
+            with ledger.pipelined(conn):
+                if rows:
+                    ledger.record_ranks(conn, rows)
                 if fresh:
                     ledger.insert_jobs(conn, fresh)
-            return ledger.raise_node_status(conn, beats, acks), {j.id for j in fresh}
+                trans.commit()
+            return deferred, {j.id for j in fresh}
 
     def _drop_connection(self) -> None:
         if self._conn is not None:

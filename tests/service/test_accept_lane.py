@@ -5,6 +5,7 @@ the cycles in flight; the next cycle adopts it and the pass decides it (Schedule
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 
 import pytest
@@ -105,3 +106,34 @@ async def test_an_accepted_submission_is_answered_while_a_decision_holds_the_sch
         await waiting
         await next_cycle(service)
         assert service.state.jobs[behind.id].state == "PENDING"
+
+
+async def test_an_accepted_submission_does_not_wait_behind_a_batch_of_rank_reports(db_url, monkeypatch):
+    """Accepted submissions have a writer of their own: a batch of the status lane (rank rows, heartbeats) that takes
+    long, here held on an event, does not hold them back."""
+    async with cluster(db_url) as c:
+        service = c.scheduler.service
+        await blocked_head(c)
+        lane = service.status_lane
+        assert lane is not None and service.accept_writer is not None and service.accept_writer is not lane
+        held, entered = threading.Event(), threading.Event()
+
+        def slow_batch(rows, jobs, beats, acks):
+            entered.set()
+            held.wait(30)
+            return set(), set()
+
+        monkeypatch.setattr(lane, "_commit", slow_batch)
+        report = asyncio.ensure_future(lane.record_rank({"job_id": "held"}))
+        try:
+            await eventually(lambda: _async(entered.is_set()), what="the status lane inside its batch")
+            behind = await asyncio.wait_for(c.submit("behind", 1, 8), 10)
+            assert behind.state == PENDING and behind.message == "queued" and not report.done()
+            assert c.sql("SELECT state FROM jobs WHERE id = :j", j=behind.id) == [("PENDING",)]
+        finally:
+            held.set()
+        await report
+
+
+async def _async(value):
+    return value
