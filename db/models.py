@@ -140,6 +140,21 @@ class Gpu(Base):
     mig_switched_at: Mapped[float] = mapped_column(default=0.0, server_default="0")
 
 
+# What the goodput read takes of a job not accounted (services/scheduler/accounting.py), besides `attempt`
+GOODPUT_JOB_COLUMNS = (
+    "id",
+    "state",
+    "submitted_at",
+    "finished_at",
+    "replicas",
+    "gpus_per_replica",
+    "mig_profile",
+    "gpu_milli",
+    "tenant",
+    "queue",
+)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
@@ -157,18 +172,7 @@ class Job(Base):
             "submitted_at",
             sqlite_where=text("accounted = 0"),
             postgresql_where=text("NOT accounted"),
-            postgresql_include=[
-                "id",
-                "state",
-                "attempt",
-                "finished_at",
-                "replicas",
-                "gpus_per_replica",
-                "mig_profile",
-                "gpu_milli",
-                "tenant",
-                "queue",
-            ],
+            postgresql_include=[*(c for c in GOODPUT_JOB_COLUMNS if c != "submitted_at"), "attempt"],
         ),
     )
 

@@ -19,11 +19,11 @@ branch_labels = None
 depends_on = None
 
 NAME = "ix_jobs_unaccounted_submitted_at"
-# What the goodput read takes of a job not accounted (services/scheduler/accounting.py, _LIVE_COLUMNS and `attempt`)
+# What the goodput read takes of a job not accounted (db.models.GOODPUT_JOB_COLUMNS but the key, and `attempt`), as
+# of this revision
 COVERED = [
     "id",
     "state",
-    "attempt",
     "finished_at",
     "replicas",
     "gpus_per_replica",
@@ -31,6 +31,7 @@ COVERED = [
     "gpu_milli",
     "tenant",
     "queue",
+    "attempt",
 ]
 
 

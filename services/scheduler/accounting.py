@@ -32,7 +32,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from db.models import TERMINAL_JOB_STATES, GoodputTotals, Job, JobArchive, JobAttempt
+from db.models import GOODPUT_JOB_COLUMNS, TERMINAL_JOB_STATES, GoodputTotals, Job, JobArchive, JobAttempt
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.goodput import CATEGORIES, AttemptTimes, Goodput, account_job, total
 
@@ -199,18 +199,7 @@ class GoodputRead:
             groups[name] = (have + g, n + jobs)
 
 
-_LIVE_COLUMNS = (
-    "id",
-    "state",
-    "submitted_at",
-    "finished_at",
-    "replicas",
-    "gpus_per_replica",
-    "mig_profile",
-    "gpu_milli",
-    "tenant",
-    "queue",
-)
+_LIVE_COLUMNS = GOODPUT_JOB_COLUMNS  # (revision 0025's index carries them, on PostgreSQL)
 
 
 def _job_filter(table: Any, since: float, tenant: str | None, job_ids: Sequence[str] | None) -> list[Any]:

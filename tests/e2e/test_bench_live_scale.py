@@ -3,13 +3,11 @@ and ends with one JSON line of figures; its target check names what a run missed
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.bench import bench_server, run_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -20,32 +18,23 @@ pytestmark = pytest.mark.postgres
 
 
 def test_tiny_run_prints_every_figure_as_one_json_line(pg_url):
-    admin = pg_url.rsplit("/", 1)[0] + "/test"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "live_scale.py"),
-            "--nodes",
-            "32",
-            "--pending",
-            "60",
-            "--history",
-            "300",
-            "--steady",
-            "2",
-            "--runtime",
-            "0.2,1",
-            "--no-targets",
-            "--db",
-            os.environ.get("PHALANX_BENCH_PG", admin),
-        ],
-        capture_output=True,
-        text=True,
+    out, _ = run_bench(
+        "live_scale.py",
+        "--nodes",
+        "32",
+        "--pending",
+        "60",
+        "--history",
+        "300",
+        "--steady",
+        "2",
+        "--runtime",
+        "0.2,1",
+        "--no-targets",
+        "--db",
+        bench_server(pg_url),
         timeout=240,
-        cwd=ROOT,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["nodes"] == 32 and out["gpus"] == 256
     for key in (
         "bringup_s",

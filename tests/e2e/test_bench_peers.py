@@ -5,13 +5,12 @@ Slurm daemons on this host."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.bench import bench_server, run_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -22,27 +21,18 @@ pytestmark = pytest.mark.postgres
 
 
 def test_no_ray_quick_run_prints_phalanx_figures_and_says_ray_was_skipped(pg_url):
-    admin = pg_url.rsplit("/", 1)[0] + "/test"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "peers.py"),
-            "--no-ray",
-            "--no-slurm",
-            "--quick",
-            "--samples",
-            "3",
-            "--db",
-            os.environ.get("PHALANX_BENCH_PG", admin),
-        ],
-        capture_output=True,
-        text=True,
+    out, proc = run_bench(
+        "peers.py",
+        "--no-ray",
+        "--no-slurm",
+        "--quick",
+        "--samples",
+        "3",
+        "--db",
+        bench_server(pg_url),
         timeout=120,
-        cwd=ROOT,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "skipped Ray: --no-ray" in proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bench"] == "peers"
     assert out["nodes"] == 4 and out["gpus_per_node"] == 8 and out["samples"] == 3
     phalanx = out["phalanx"]
