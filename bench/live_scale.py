@@ -190,6 +190,11 @@ def rpc_latency(port: int, method: str) -> Histogram:
     return Histogram(metrics_text(port), "phalanx_rpc_latency_seconds", f'method="{method}"')
 
 
+def lane_batches(port: int, lane: str) -> Histogram:
+    """One lane's transactions (phalanx_scheduler_status_lane_batch_seconds): status, or accept."""
+    return Histogram(metrics_text(port), "phalanx_scheduler_status_lane_batch_seconds", f'lane="{lane}"')
+
+
 def gauge(port: int, name: str) -> float:
     for line in metrics_text(port).splitlines():
         if line.startswith(f"{name} "):
@@ -624,7 +629,7 @@ async def run(args, workdir: Path) -> dict:
         rpc_before = {
             m: rpc_latency(port_a, m) for m in ("SchedulerServicer/SubmitJob", "NodeServicer/ReportRankStatus")
         }
-        lane_before = scrape(port_a, "phalanx_scheduler_status_lane_batch_seconds")
+        lanes_before = {lane: lane_batches(port_a, lane) for lane in ("status", "accept")}
         cycles_a.mark()
         started = time.time()
         rate1, n1 = await load.steady(args.steady, reads)
@@ -636,10 +641,11 @@ async def run(args, workdir: Path) -> dict:
             name = method.split("/")[-1]
             results[f"server_{name}_p50_le_ms"] = ms(served.quantile(0.5))
             results[f"server_{name}_p99_le_ms"] = ms(served.quantile(0.99))
-        batches = scrape(port_a, "phalanx_scheduler_status_lane_batch_seconds").minus(lane_before)
-        results["status_lane_batches_1"] = int(batches.count)
-        results["status_lane_batch_p50_le_ms"] = ms(batches.quantile(0.5))
-        results["status_lane_batch_p99_le_ms"] = ms(batches.quantile(0.99))
+        for lane, earlier in lanes_before.items():  # the lanes' transactions: rank rows and beats; accepted jobs
+            batches = lane_batches(port_a, lane).minus(earlier)
+            results[f"{lane}_lane_batches_1"] = int(batches.count)
+            results[f"{lane}_lane_batch_p50_le_ms"] = ms(batches.quantile(0.5))
+            results[f"{lane}_lane_batch_p99_le_ms"] = ms(batches.quantile(0.99))
         results.update(
             reservations_per_s_1=round(rate1, 1),
             reservations_1=n1,
@@ -677,7 +683,8 @@ async def run(args, workdir: Path) -> dict:
             f"ReportRankStatus p50 <= {results['server_ReportRankStatus_p50_le_ms']} ms p99 <= "
             f"{results['server_ReportRankStatus_p99_le_ms']} ms; the status lane's {results['status_lane_batches_1']} "
             f"transactions p50 <= {results['status_lane_batch_p50_le_ms']} ms p99 <= "
-            f"{results['status_lane_batch_p99_le_ms']} ms"
+            f"{results['status_lane_batch_p99_le_ms']} ms; the accept writer's {results['accept_lane_batches_1']} "
+            f"p50 <= {results['accept_lane_batch_p50_le_ms']} ms p99 <= {results['accept_lane_batch_p99_le_ms']} ms"
         )
         direct = goodput_direct(db_url)
         results["goodput_direct_p50_ms"], results["goodput_direct_p99_ms"] = ms(pct(direct, 50)), ms(pct(direct, 99))

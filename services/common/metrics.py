@@ -69,8 +69,10 @@ ADMITTED_AT_SUBMIT = Counter(
 )
 STATUS_LANE_BATCH = Histogram(
     "phalanx_scheduler_status_lane_batch_seconds",
-    "One transaction of the status lane (rank rows, accepted jobs, node heartbeats and acks), from its start to its "
-    "commit: what a report or an accepted submission waits for at most twice (the batch in flight, then its own)",
+    "One transaction of a status lane, from its start to its commit, by lane: status (rank rows, node heartbeats and "
+    "acks) or accept (accepted submissions); what a report or an accepted submission waits for at most twice (the "
+    "batch in flight, then its own)",
+    ["lane"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5),
 )
 RANK_REPORTS = Counter(

@@ -72,7 +72,9 @@ class SchedulerService:
         self.status_lane = StatusLane(self.engine) if settings.status_lane else None
         # Accepted submissions (submit) are written by a lane of their own, with its own thread and connection: a
         # submission never waits behind a batch of rank rows and heartbeats (their SKIP LOCKED reads, their upserts).
-        self.accept_writer = StatusLane(self.engine) if settings.status_lane and settings.accept_lane else None
+        self.accept_writer = (
+            StatusLane(self.engine, "accept") if settings.status_lane and settings.accept_lane else None
+        )
         self._readers = ThreadPoolExecutor(8, thread_name_prefix="ledger-reader")
         self._inbox: list[tuple[Command, asyncio.Future]] = []
         self._wake = asyncio.Event()

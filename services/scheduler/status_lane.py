@@ -51,15 +51,16 @@ RETRY_S = 0.5
 
 
 class StatusLane:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, name: str = "status") -> None:
         self._engine = engine
+        self.name = name  # the metrics' `lane` label: status, or accept (SchedulerService.accept_writer)
         self._cond = threading.Condition()
         self._rows: list[tuple[dict[str, Any], concurrent.futures.Future]] = []
         self._jobs: list[tuple[JobRecord, concurrent.futures.Future]] = []
         self._beats: dict[int, float] = {}
         self._acks: dict[int, int] = {}
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="status-lane", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-lane", daemon=True)
         self._conn: Connection | None = None
         # What it did (the scheduler's metrics and the benchmarks read these)
         self.batches = 0
@@ -139,7 +140,7 @@ class StatusLane:
             started = time.perf_counter()
             try:
                 deferred, written = self._commit([r for r, _ in rows], [j for j, _ in jobs], beats, acks)
-                metrics.STATUS_LANE_BATCH.observe(time.perf_counter() - started)
+                metrics.STATUS_LANE_BATCH.labels(self.name).observe(time.perf_counter() - started)
             except Exception as exc:  # the database away: the reports fail (agents retry), the beats wait
                 self._drop_connection()
                 log.warning("status_lane_batch_failed", error=str(getattr(exc, "orig", exc))[:300], rows=len(rows))

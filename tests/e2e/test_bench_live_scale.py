@@ -59,6 +59,7 @@ def test_tiny_run_prints_every_figure_as_one_json_line(pg_url):
         "goodput_direct_p50_ms",
         "rank_report_p99_ms_1",
         "status_lane_batch_p99_le_ms",
+        "accept_lane_batch_p99_le_ms",
         "server_SubmitJob_p99_le_ms",
     ):
         assert isinstance(out[key], (int, float)), key

@@ -11,6 +11,7 @@ import uuid
 import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.waits import eventually, next_cycle
+from prometheus_client import REGISTRY
 from sqlalchemy import text
 
 from db.engine import make_engine
@@ -124,15 +125,21 @@ async def test_an_accepted_submission_does_not_wait_behind_a_batch_of_rank_repor
             return set(), set()
 
         monkeypatch.setattr(lane, "_commit", slow_batch)
+        accepts_before = _lane_batches("accept")
         report = asyncio.ensure_future(lane.record_rank({"job_id": "held"}))
         try:
             await eventually(lambda: _async(entered.is_set()), what="the status lane inside its batch")
             behind = await asyncio.wait_for(c.submit("behind", 1, 8), 10)
             assert behind.state == PENDING and behind.message == "queued" and not report.done()
             assert c.sql("SELECT state FROM jobs WHERE id = :j", j=behind.id) == [("PENDING",)]
+            assert _lane_batches("accept") == accepts_before + 1  # timed apart from the status lane's
         finally:
             held.set()
         await report
+
+
+def _lane_batches(lane: str) -> float:
+    return REGISTRY.get_sample_value("phalanx_scheduler_status_lane_batch_seconds_count", {"lane": lane}) or 0.0
 
 
 async def _async(value):
