@@ -324,6 +324,10 @@ async def test_a_restarted_agent_probes_on_from_the_state_it_reported(fake, agen
     first = agents(fake.port)
     fake.launch_probed(1, "svc", tmp_path, common_pb2.ReadyProbe(command=PROBE, period_s=0.05, failure_threshold=2))
     await until(lambda: fake.ready_states("svc") == [True], timeout=15, what="ready reported")
+    # Crash once the agent took the answer (its queue is empty, saved): a crash between the scheduler's answer and
+    # that would have the new agent send ready again (reports are delivered at least once), which this test is not
+    # about.
+    await until(lambda: not first.state.pending_reports, timeout=15, what="the report's answer taken")
     await first.abort()  # a crash: the rank runs on, the probe is in the state file
 
     second = agents(fake.port)
