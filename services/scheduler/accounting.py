@@ -159,23 +159,51 @@ def account_finished(
     ids = sorted(set(job_ids))
     if not ids:
         return 0
-    jobs = cast(Table, Job.__table__)
-    stmt = (
-        update(jobs)
-        .where(jobs.c.id.in_(ids), _unaccounted(jobs), jobs.c.state.in_(TERMINAL_JOB_STATES))
-        .values(accounted=True)
-        .returning(*(jobs.c[c] for c in _LIVE_COLUMNS))
-    )
-    rows = conn.execute(stmt).mappings().all()
+    rows, attempts = _mark_accounted_with_attempts(conn, ids)
     if not rows:
         return 0
-    attempts = ledger.read_attempts(conn, [r["id"] for r in rows])
     figures = [{**r, **job_goodput(r, attempts.get(r["id"], []), now).as_dict()} for r in rows]
     if totals_later is not None:
         totals_later.extend(figures)
     else:
         add_totals(conn, figures, now)
     return len(rows)
+
+
+def _mark_accounted_with_attempts(conn: Connection, ids: list[str]) -> tuple[list[Any], dict[str, list[Any]]]:
+    """Set `accounted` on the finished jobs among `ids` not accounted yet (the guard: see mark_accounted) and read
+    what their figures need: (their rows, their attempts by job in attempt order). On PostgreSQL one statement (the
+    guarded UPDATE in a CTE, joined with the attempts: it sees this transaction's earlier writes, the attempt the
+    cycle just ended included), so a cycle that finishes jobs waits for one answer, not two; elsewhere two."""
+    jobs = cast(Table, Job.__table__)
+    mark = (
+        update(jobs)
+        .where(jobs.c.id.in_(ids), _unaccounted(jobs), jobs.c.state.in_(TERMINAL_JOB_STATES))
+        .values(accounted=True)
+        .returning(*(jobs.c[c] for c in _LIVE_COLUMNS))
+    )
+    if conn.dialect.name != "postgresql":
+        rows = conn.execute(mark).mappings().all()
+        return list(rows), (_attempts_of(conn, [r["id"] for r in rows]) if rows else {})
+    marked = mark.cte("marked")
+    att = JobAttempt.__table__
+    wanted = [att.c[c].label(f"a_{c}") for c in _ATTEMPT_COLUMNS if c != "job_id"]
+    stmt = (
+        select(*marked.c, *wanted)
+        .select_from(marked.outerjoin(att, att.c.job_id == marked.c.id))
+        .order_by(marked.c.id, att.c.attempt)
+    )
+    found: dict[str, Any] = {}
+    attempts: dict[str, list[Any]] = {}
+    for row in conn.execute(stmt).mappings().all():
+        job_id = row["id"]
+        if job_id not in found:
+            found[job_id] = {c: row[c] for c in _LIVE_COLUMNS}
+        if row["a_attempt"] is not None:
+            attempts.setdefault(job_id, []).append(
+                {"job_id": job_id, **{c: row[f"a_{c}"] for c in _ATTEMPT_COLUMNS if c != "job_id"}}
+            )
+    return list(found.values()), attempts
 
 
 @dataclass

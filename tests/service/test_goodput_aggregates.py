@@ -288,8 +288,9 @@ def test_account_finished_counts_each_finished_job_once_in_a_fixed_number_of_sta
         finally:
             event.remove(engine, "before_cursor_execute", count)
     work = [s for s in statements if not s.lstrip().upper().startswith(("BEGIN", "SAVEPOINT", "RELEASE"))]
-    # the guarded flag returning the jobs, their attempts, one multi-row upsert (2 tenants x 3 queues x 1-2 days)
-    assert len(work) == 3, work
+    # the guarded flag returning the jobs, their attempts (on PostgreSQL in the same statement: the flag's UPDATE in
+    # a CTE joined with them), one multi-row upsert (2 tenants x 3 queues x 1-2 days)
+    assert len(work) == (2 if engine.dialect.name == "postgresql" else 3), work
     assert sum(t["jobs"] for t in _totals(engine)) == 40
     state = _accounted(engine)
     assert all(state[j] == ("SUCCEEDED", True) for j in finished)
