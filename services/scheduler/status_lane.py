@@ -86,24 +86,24 @@ class StatusLane:
 
     async def record_rank(self, row: dict[str, Any]) -> None:
         """Queue a rank row (the columns of `job_ranks`) and return once it committed."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the status lane is stopping")
-            self._rows.append((row, fut))
-            self._cond.notify()
-        await asyncio.wrap_future(fut)
+        await self._queued(self._rows, row)
 
     async def accept(self, job: JobRecord) -> bool:
         """Write a PENDING job (the accept lane: a submission no decision can take now, answered once written).
         False: a job with its request id is in the ledger already (nothing written; the caller answers that one)."""
+        return bool(await self._queued(self._jobs, job))
+
+    async def _queued(self, queue: list[tuple[Any, concurrent.futures.Future]], item: Any) -> Any:
+        """Queue `item` on `queue` (_rows, _jobs) for the next batch, wake the lane, and return what the batch
+        answered for it. (The lane's thread empties these lists in place when it takes a batch: they stay the same
+        objects, so a caller's reference is never to a batch already taken.)"""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the status lane is stopping")
-            self._jobs.append((job, fut))
+            queue.append((item, fut))
             self._cond.notify()
-        return bool(await asyncio.wrap_future(fut))
+        return await asyncio.wrap_future(fut)
 
     def note_status(self, beats: dict[int, float], acks: dict[int, int]) -> None:
         """Heartbeat times and acked revisions to raise in the ledger (node id -> value); nobody waits for them."""
@@ -130,8 +130,9 @@ class StatusLane:
                     self._cond.wait(timeout=wait)
                 if self._stopping and not self._rows and not self._jobs:
                     return
-                rows, self._rows = self._rows, []
-                jobs, self._jobs = self._jobs, []
+                rows, jobs = list(self._rows), list(self._jobs)  # emptied in place: see _queued
+                self._rows.clear()
+                self._jobs.clear()
                 due = time.monotonic() >= next_beats
                 beats, acks = (self._beats, self._acks) if due else ({}, {})
                 if due:

@@ -7,8 +7,9 @@ the agents to start, and get submit/get helpers and plain SQL on the same databa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 from sqlalchemy import text
@@ -88,6 +89,21 @@ class LiteCluster:
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
         )
         return rows[0][0] > 0
+
+    @contextlib.contextmanager
+    def holding_the_clock_row(self) -> Iterator[None]:
+        """Hold the ledger's clock row (the scheduling lock) in a transaction of another session, as a long decision
+        of another replica would, until the block ends (PostgreSQL): every cycle waits, the lanes do not."""
+        engine = make_engine(self.db_url)
+        blocker = engine.connect()
+        try:
+            lock = blocker.begin()
+            blocker.execute(text("SELECT generation FROM ledger_clock WHERE id = 1 FOR UPDATE"))
+            yield
+            lock.rollback()
+        finally:
+            blocker.close()
+            engine.dispose()
 
     def changes(self) -> JobChanges:
         """Every job change the scheduler commits from now on (call it before acting, to miss none)."""

@@ -12,9 +12,7 @@ import pytest
 from helpers.lite_cluster import LiteCluster
 from helpers.waits import eventually, next_cycle
 from prometheus_client import REGISTRY
-from sqlalchemy import text
 
-from db.engine import make_engine
 from phalanx.api.v1 import common_pb2, scheduler_pb2
 from phalanx.core.fabric import default_fabric
 from phalanx.testing.lite_agent import LiteAgent
@@ -89,21 +87,13 @@ async def test_an_accepted_submission_is_answered_while_a_decision_holds_the_sch
     async with cluster(pg_url) as c:
         service = c.scheduler.service
         await blocked_head(c)
-        engine = make_engine(pg_url)
-        blocker = engine.connect()
-        try:
-            lock = blocker.begin()
-            blocker.execute(text("SELECT generation FROM ledger_clock WHERE id = 1 FOR UPDATE"))
+        with c.holding_the_clock_row():
             waiting = asyncio.ensure_future(c.submit("decision", 1, 1, priority=3))  # a cycle: waits for the lock
 
             await eventually(c.a_session_waits_for_a_lock, what="a cycle waiting for the clock row")
             behind = await asyncio.wait_for(c.submit("behind", 1, 8), 10)
             assert behind.state == PENDING and not waiting.done()
             assert c.sql("SELECT state FROM jobs WHERE id = :j", j=behind.id) == [("PENDING",)]
-            lock.rollback()
-        finally:
-            blocker.close()
-            engine.dispose()
         await waiting
         await next_cycle(service)
         assert service.state.jobs[behind.id].state == "PENDING"

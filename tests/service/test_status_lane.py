@@ -41,11 +41,7 @@ async def test_a_rank_report_and_heartbeats_reach_the_ledger_while_a_decision_ho
         service = c.scheduler.service
         job = await c.submit("quiet", 2, 8, ("hang",))  # its ranks are launched and never report
         await c.wait_running(job.id)
-        engine = make_engine(pg_url)
-        blocker = engine.connect()
-        try:
-            lock = blocker.begin()
-            blocker.execute(text("SELECT generation FROM ledger_clock WHERE id = 1 FOR UPDATE"))
+        with c.holding_the_clock_row():
             beat_before = c.sql("SELECT max(last_heartbeat) FROM nodes")[0][0]
             submit = asyncio.ensure_future(c.submit("behind-the-lock", 1, 1))  # a decision: it waits for the lock
 
@@ -55,10 +51,6 @@ async def test_a_rank_report_and_heartbeats_reach_the_ledger_while_a_decision_ho
             assert rank_state(c, job.id, 0) == "RUNNING"  # committed, while no cycle could run
             await eventually(lambda: _raised(c, beat_before), what="a heartbeat written while the lock is held")
             assert not submit.done() and service.intake.rank_reports["lane"] >= 1
-            lock.rollback()
-        finally:
-            blocker.close()
-            engine.dispose()
         await submit
         await next_cycle(service)
         assert service.state.jobs[job.id].ranks[0].state == "RUNNING"  # the cycle applied what the lane recorded
