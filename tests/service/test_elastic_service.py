@@ -52,8 +52,14 @@ def assert_invariants(db_url: str) -> None:
     assert inv.check(history_from_ledger(db_url, grace_s=30.0), grace_s=30.0, tick_s=1.0) == []
 
 
-def launches(c: LiteCluster, job_id: str, attempt: int) -> list:
-    return [launch for a in c.agents for launch in a.launched if launch.job_id == job_id and launch.attempt == attempt]
+async def launches(c: LiteCluster, job_id: str, attempt: int) -> list:
+    """The launches of the attempt the agents got, once they got one: a job reads RUNNING from the commit that
+    reserved it, and the agents' assignment streams deliver its launches after that."""
+
+    async def got() -> list:
+        return [x for a in c.agents for x in a.launched if x.job_id == job_id and x.attempt == attempt]
+
+    return await eventually(got, timeout=15, what=f"a launch of {job_id} attempt {attempt} at an agent")
 
 
 @pytest.mark.slow
@@ -65,7 +71,7 @@ async def test_starts_small_and_grows_through_the_checkpoint_handshake_when_anot
         assert gang.spec.min_replicas == 2 and gang.spec.replicas == 4
         first = await job_where(c, gang.id, "running at 2", lambda j: j.state == RUNNING and j.current_replicas == 2)
         assert len(first.allocations) == 2 and "2 of at most 4" in first.placement.reason
-        env = launches(c, gang.id, 1)[0].env
+        env = (await launches(c, gang.id, 1))[0].env
         assert (env["WORLD_SIZE"], env["PET_NNODES"], env["PHALANX_REPLICAS"]) == ("2", "2:4", "2")
         assert (env["PHALANX_MIN_REPLICAS"], env["PHALANX_MAX_REPLICAS"]) == ("2", "4")
         assert c.sql("SELECT shape FROM jobs WHERE id = :j", j=gang.id)[0][0] in (
@@ -85,7 +91,7 @@ async def test_starts_small_and_grows_through_the_checkpoint_handshake_when_anot
         assert grown.current_replicas == 4 and len(grown.allocations) == 4
         assert grown.preemptions == 0 and grown.failures == 0 and not grown.preempted_by
         assert {a.node for a in first.allocations} <= {a.node for a in grown.allocations}  # kept its nodes
-        assert launches(c, gang.id, 2)[0].env["WORLD_SIZE"] == "4"
+        assert (await launches(c, gang.id, 2))[0].env["WORLD_SIZE"] == "4"
         assert c.sql("SELECT restored_step FROM job_attempts WHERE job_id = :j AND attempt = 2", j=gang.id) == [(11,)]
         outcome = c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=gang.id)
         assert outcome == [("RESIZED",)]
@@ -106,7 +112,7 @@ async def test_shrinks_at_once_when_a_node_is_lost_or_drains(db_url, how, outcom
         shrunk = await job_where(c, gang.id, "attempt 2", lambda j: j.state == RUNNING and j.attempt == 2)
         assert shrunk.current_replicas == 2 and lost not in {a.node for a in shrunk.allocations}
         assert shrunk.failures == 0 and shrunk.not_before == 0  # no failure counted, no backoff waited
-        assert launches(c, gang.id, 2)[0].env["WORLD_SIZE"] == "2"
+        assert (await launches(c, gang.id, 2))[0].env["WORLD_SIZE"] == "2"
         assert c.sql("SELECT outcome FROM job_attempts WHERE job_id = :j AND attempt = 1", j=gang.id) == [(outcome,)]
         assert {a.node for a in shrunk.allocations} == {a.node for a in first.allocations} - {lost}
         assert_invariants(db_url)
