@@ -8,9 +8,9 @@ A scratch PostgreSQL database gets the ledger's schema and:
 then the read runs --samples times in one snapshot each (REPEATABLE READ, as the scheduler reads it), and once
 under cProfile for where its time goes (SQL statements against Python).
 
-The baseline, in the same run: the same read with its "busy job" test written as the read had it before (an
-EXISTS probe of job_attempts per job not accounted: busy_by_attempt_rows, put in place of accounting._busy), on
-the same database.
+The baseline, in the same run: the same read with every job ever reserved figured in Python, as the read had it
+before (accounting._figured_in_python replaced by figured_in_python_before: those jobs' rows and attempts are
+fetched and job_goodput runs per job), on the same database.
 
 Target (issue 35): every paginated read p99 under 100 ms at 4,096 nodes and 10,000 pending; this bench times the
 read alone, the scheduler's reply adds its process (live_scale measures that).
@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import psycopg
 from live_scale import SHAPES, seed_history
-from sqlalchemy import exists, func, insert, or_
+from sqlalchemy import func, insert, or_
 
 from db.engine import make_engine, normalize_url
 from db.migrate import upgrade
-from db.models import TERMINAL_JOB_STATES, Job, JobAttempt
+from db.models import Job, JobAttempt
 from phalanx.common.logging import configure_logging
 from services.common import gcwatch
 from services.scheduler import accounting
@@ -125,12 +125,11 @@ def seed_live(db_url: str, pending: int, running: int) -> None:
     engine.dispose()
 
 
-def busy_by_attempt_rows(jobs):
-    """The baseline's test of a job that needs its attempts read: it has a job_attempts row (a probe per job)."""
-    attempt = JobAttempt.__table__.alias("any_attempt")
+def figured_in_python_before(jobs):
+    """The baseline: the read's jobs figured in Python as before their figures moved into SQL (every job ever
+    reserved or finished, and MIG gangs)."""
     return or_(
-        exists().where(attempt.c.job_id == jobs.c.id),
-        jobs.c.state.in_(TERMINAL_JOB_STATES),
+        accounting._busy(jobs),
         func.coalesce(jobs.c.mig_profile, "") != "",
     )
 
@@ -206,9 +205,10 @@ def main() -> int:
             f"{time.perf_counter() - t:.1f} s"
         )
         gcwatch.install()  # the scheduler's collection policy (freeze what survived): its reads run under it
-        current = accounting._busy
-        for label, busy in (("baseline", busy_by_attempt_rows), ("read", current)):
-            accounting._busy = busy
+        current = accounting._figured_in_python
+        for label, in_python in (("baseline", figured_in_python_before), ("read", current)):
+            accounting._figured_in_python = in_python
+            accounting._totals_statements.cache_clear()  # (built with the predicate in place)
             took, got = time_reads(db_url, args.samples)
             results[f"{label}_p50_ms"] = round(pct(took, 50) * 1000, 1)
             results[f"{label}_p99_ms"] = round(pct(took, 99) * 1000, 1)
@@ -220,7 +220,8 @@ def main() -> int:
                 f"(profiled: SQL {results[f'{label}_sql_ms']} ms, Python {results[f'{label}_python_ms']} ms); "
                 f"{got.job_count} jobs counted"
             )
-        accounting._busy = current
+        accounting._figured_in_python = current
+        accounting._totals_statements.cache_clear()
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -225,9 +225,9 @@ class Job(Base):
     # Checkpoint retention (revision 0014): the checkpoint coordinator keeps this many of its newest complete
     # committed checkpoints (JobSpec.keep_checkpoints); 0: the coordinator's --keep-checkpoints.
     keep_checkpoints: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # Goodput (revision 0016): finished, and its figures and count are in goodput_totals, added in the transaction
-    # that finished it (services/scheduler/accounting.py account_finished); the goodput total reads from `jobs`
-    # only the jobs not accounted.
+    # Goodput (revision 0016): finished, and its figures and count are in goodput_totals, added by the leader's
+    # upkeep soon after it finished (services/scheduler/accounting.py account_finished); the goodput total reads
+    # from `jobs` only the jobs not accounted.
     accounted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # Host resources of each replica (revision 0020; JobSpec.cpus_per_replica, memory_per_replica): thousandths of
     # CPUs and bytes, 0 none.

@@ -1,13 +1,16 @@
 """Goodput from the ledger: job_attempts rows through phalanx.core.goodput, per job and for the cluster.
 
 The cluster's total is kept incrementally: a job's figures enter goodput_totals (by tenant, queue and UTC day of
-submission) in the transaction that finishes it (account_finished, from the scheduling cycle; jobs.accounted marks
-it), or, for a job that finished before revision 0016, when retention archives it or account_backlog reaches it
-(retention.py). The total is then those sums plus the live figures of the jobs not accounted (the active ones): no
-read loads the finished jobs. The listed jobs are exact per job, from `jobs` (their attempts) or job_archive."""
+submission) soon after it finished, in a transaction of the leader's upkeep, never the scheduling cycle's
+(account_finished through retention.account_backlog; jobs.accounted marks it), or when retention archives it. The
+total is then those sums plus the live figures of the jobs not accounted (the active ones, and those finished in
+the last moments), computed in SQL from their attempts (_sql_figures; MIG gangs in Python): no read loads the
+finished jobs, and none costs Python per job. The listed jobs are exact per job, from `jobs` (their attempts) or
+job_archive."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +18,10 @@ from typing import Any, cast
 
 from sqlalchemy import (
     ARRAY,
+    BigInteger,
+    Boolean,
     Connection,
+    Float,
     String,
     Table,
     and_,
@@ -26,6 +32,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    true,
     union_all,
     update,
 )
@@ -144,18 +151,16 @@ def mark_accounted(conn: Connection, job_ids: Sequence[str]) -> set[str]:
     return set(conn.execute(stmt).scalars())
 
 
-def account_finished(
-    conn: Connection, job_ids: Iterable[str], now: float, *, totals_later: list[dict[str, Any]] | None = None
-) -> int:
+def account_finished(conn: Connection, job_ids: Iterable[str], now: float) -> int:
     """Add the goodput of the jobs among `job_ids` that are finished (SUCCEEDED, FAILED, CANCELLED) and not accounted
-    into goodput_totals, and mark them accounted, inside the caller's transaction (the scheduling cycle that finished
-    them: finish_cycle). Others (active, accounted, archived, unknown) are left alone, so a second call is a no-op.
+    into goodput_totals, and mark them accounted, inside the caller's transaction (the leader's upkeep:
+    retention.account_backlog, soon after the cycles that finished them). Others (active, accounted, archived,
+    unknown) are left alone, so a second call is a no-op.
 
     A constant number of statements however many jobs: the guarded UPDATE that marks them and returns their rows
-    (the jobs whose flag this transaction flipped, and no other writer's), one read of their attempts (IN), and the
-    upsert (add_totals). Each job's figures are job_goodput's as of its end, exactly what the archive would record
-    for it. `totals_later`: the upsert's rows go there instead, for the caller to write with its closing writes
-    (add_totals; the scheduling cycle pipelines them with its commit). Returns how many jobs it accounted."""
+    (the jobs whose flag this transaction flipped, and no other writer's) with their attempts (one statement on
+    PostgreSQL, two elsewhere), and the upsert (add_totals). Each job's figures are job_goodput's as of its end,
+    exactly what the archive would record for it. Returns how many jobs it accounted."""
     ids = sorted(set(job_ids))
     if not ids:
         return 0
@@ -163,10 +168,7 @@ def account_finished(
     if not rows:
         return 0
     figures = [{**r, **job_goodput(r, attempts.get(r["id"], []), now).as_dict()} for r in rows]
-    if totals_later is not None:
-        totals_later.extend(figures)
-    else:
-        add_totals(conn, figures, now)
+    add_totals(conn, figures, now)
     return len(rows)
 
 
@@ -303,98 +305,250 @@ def _archived_goodput(row: Any) -> Goodput:
 
 def _busy(jobs: Any) -> Any:
     """The jobs not accounted whose figures need their attempts: those ever reserved (`attempt` > 0: the job_attempts
-    row of each reservation is written in the transaction that raises it), those finished (before revision 0016),
-    and MIG gangs (their GPU fraction is the profile's: gpu_equivalents). The others (queued, never reserved) only
-    wait: _idle_waiting sums them in SQL. A column of the row, not a probe of job_attempts per job: at 10,000 queued
-    jobs the probe was most of the read (bench/goodput_read.py)."""
-    return or_(
-        jobs.c.attempt > 0,
-        jobs.c.state.in_(TERMINAL_JOB_STATES),
-        func.coalesce(jobs.c.mig_profile, "") != "",
-    )
+    row of each reservation is written in the transaction that raises it) and those finished (a job finished is
+    accounted by the leader's upkeep soon after, or was finished before revision 0016). The others (queued, never
+    reserved) only wait. A column of the row, not a probe of job_attempts per job: at 10,000 queued jobs the probe
+    was most of the read (bench/goodput_read.py)."""
+    return or_(jobs.c.attempt > 0, jobs.c.state.in_(TERMINAL_JOB_STATES))
 
 
-def _idle_waiting(conn: Connection, now: float, live_where: list[Any], out: GoodputRead) -> None:
-    """The jobs not accounted and not _busy: each has waited its GPUs x (now - submitted_at), summed per tenant and
-    queue in one statement (gpu_equivalents' arithmetic, in SQL), so a read costs no Python per queued job."""
-    jobs = Job.__table__
-    gpus = case(
+def _figured_in_python(jobs: Any) -> Any:
+    """The jobs not accounted whose figures job_goodput computes in Python: MIG gangs (their GPU fraction is their
+    profile's, gpu_equivalents: a table SQL does not have). Every other job's figures are computed in SQL
+    (_sql_figures), so a read costs no Python per job, busy or queued."""
+    return func.coalesce(jobs.c.mig_profile, "") != ""
+
+
+def _greatest(dialect: str, *args: Any) -> Any:
+    return (func.greatest if dialect == "postgresql" else func.max)(*args)  # (no argument is ever NULL here)
+
+
+def _least(dialect: str, *args: Any) -> Any:
+    return (func.least if dialect == "postgresql" else func.min)(*args)
+
+
+def _job_gpus(jobs: Any) -> Any:
+    """gpu_equivalents of a job that is not a MIG gang, in SQL."""
+    return case(
         (func.coalesce(jobs.c.gpu_milli, 0) > 0, jobs.c.replicas * jobs.c.gpu_milli / literal(1000.0)),
         else_=jobs.c.replicas * jobs.c.gpus_per_replica * literal(1.0),
     )
-    waited = case((jobs.c.submitted_at < now, literal(now) - jobs.c.submitted_at), else_=literal(0.0))
-    stmt = (
-        select(jobs.c.tenant, jobs.c.queue, func.count().label("jobs"), func.sum(gpus * waited).label("waiting"))
-        .where(*live_where, ~_busy(jobs))
+
+
+def _at(now: Any) -> Any:
+    """`now` as an SQL value: a number as a literal, an expression (a named bindparam) as it is."""
+    return literal(float(now)) if isinstance(now, (int, float)) else now
+
+
+def _sql_figures(dialect: str, now: Any, where: list[Any], by: Sequence[str]) -> Any:
+    """The goodput of the jobs not accounted matching `where` (none a MIG gang), computed in SQL exactly as
+    job_goodput computes it in Python (account_job and account_attempt, term by term; only the order of the final
+    additions differs), summed
+    by the `jobs` columns `by` (tenant and queue for the total; id for one row per job, which the tests compare with
+    job_goodput). Columns: *by, jobs (how many), and the categories.
+
+    Each job is joined with its attempts (a job with none gives one row of NULLs, which only waits); on PostgreSQL
+    through LATERAL, so each job's attempts are read by primary key whatever the history (a join the planner may turn
+    into a scan of every attempt ever). Window functions give each attempt its predecessor's end (from which it
+    waited), whether an earlier attempt is still open (account_job stops at the first open attempt) and whether it is
+    the last (the job waits from its end until now, or until it finished)."""
+    jobs = Job.__table__
+    att = JobAttempt.__table__
+    g, lo = functools.partial(_greatest, dialect), functools.partial(_least, dialect)
+    terminal = jobs.c.state.in_(TERMINAL_JOB_STATES)
+    at_now = _at(now)
+    finished = func.coalesce(jobs.c.finished_at, 0.0)
+    # job_goodput: a finished job is accounted as of its end (when it has one) ...
+    job_now = case((and_(terminal, finished != 0.0), lo(at_now, finished)), else_=at_now)
+    # ... and waits, after its last attempt, until it finished (else until now)
+    job_end = case((and_(terminal, jobs.c.finished_at.is_not(None)), jobs.c.finished_at), else_=at_now)
+    wanted = select(
+        *(jobs.c[c] for c in by if c != "id"),
+        jobs.c.id,
+        jobs.c.submitted_at,
+        _job_gpus(jobs).label("jg"),
+        job_now.label("job_now"),
+        job_end.label("job_end"),
+    ).where(_unaccounted(jobs), *where)
+    # SQLite: the jobs first, through the partial index (its planner, without statistics, would scan every job by
+    # primary key to get the windows' order by id)
+    j = wanted.cte("unaccounted").prefix_with("MATERIALIZED") if dialect == "sqlite" else wanted.subquery("j")
+    columns = [att.c[c] for c in ("attempt", "gpus", "reserved_at", "running_at", "ended_at", "outcome", "kept_until")]
+    if dialect == "postgresql":
+        attempts: Any = select(*columns).where(att.c.job_id == j.c.id).lateral("a")
+        joined = j.outerjoin(attempts, true())
+    else:
+        attempts = att
+        joined = j.outerjoin(att, att.c.job_id == j.c.id)
+    a = attempts.c
+    window = {"partition_by": j.c.id, "order_by": a.attempt}
+    open_before = func.sum(case((and_(a.attempt.is_not(None), a.ended_at.is_(None)), 1), else_=0)).over(
+        **window, rows=(None, -1)
+    )
+    rows = (
+        select(
+            *(j.c[c] for c in by),
+            j.c.id.label("job"),
+            j.c.submitted_at,
+            j.c.jg,
+            j.c.job_now,
+            j.c.job_end,
+            *(a[c.name] for c in columns),
+            func.lag(a.ended_at).over(**window).label("prev_end"),
+            func.lag(a.attempt).over(**window).label("prev"),
+            func.coalesce(open_before, 0).label("open_before"),
+            func.lead(a.attempt).over(**window).label("next"),
+        )
+        .select_from(joined)
+        .subquery("r")
+    )
+    r = rows.c
+    end = g(r.reserved_at, func.coalesce(r.ended_at, r.job_now))
+    ready = case((r.running_at.is_(None), end), else_=lo(g(r.running_at, r.reserved_at), end))
+    timed = select(rows, end.label("end_t"), ready.label("ready")).subquery("t")
+    t = timed.c
+    work = t.end_t - t.ready
+    kept = case(
+        (or_(t.ended_at.is_(None), t.outcome == "SUCCEEDED"), work),
+        (t.kept_until.is_(None), literal(0.0)),
+        else_=lo(g(t.kept_until - t.ready, literal(0.0)), work),
+    )
+    since = case((t.prev.is_(None), t.submitted_at), else_=t.prev_end)
+    has = t.attempt.is_not(None)
+    waited = case((has, t.jg * g(literal(0.0), t.reserved_at - since)), else_=literal(0.0))
+    tail = case(
+        (
+            and_(t.next.is_(None), or_(~has, t.ended_at.is_not(None))),
+            t.jg * g(literal(0.0), t.job_end - func.coalesce(t.ended_at, t.submitted_at)),
+        ),
+        else_=literal(0.0),
+    )
+    figures = {
+        "allocated": t.gpus * (t.end_t - t.reserved_at),
+        "productive": t.gpus * kept,
+        "rollback": t.gpus * (work - kept),
+        "restart": t.gpus * (t.ready - t.reserved_at),
+        "waiting": waited + tail,
+    }
+    return (
+        select(
+            *(t[c] for c in by),
+            func.count(func.distinct(t.job)).label("jobs"),
+            *(func.coalesce(func.sum(figures[c]), 0.0).label(c) for c in CATEGORIES),
+        )
+        .where(t.open_before == 0)
+        .group_by(*(t[c] for c in by))
+    )
+
+
+def _idle_waiting(now: Any, where: list[Any]) -> Any:
+    """The jobs matching `where` that only wait (queued, never reserved, not MIG gangs): each has waited its GPUs x
+    (now - submitted_at), summed per tenant and queue, with no join."""
+    jobs = Job.__table__
+    at_now = _at(now)
+    waited = case((jobs.c.submitted_at < at_now, at_now - jobs.c.submitted_at), else_=literal(0.0))
+    return (
+        select(
+            jobs.c.tenant,
+            jobs.c.queue,
+            func.count().label("jobs"),
+            *(literal(0.0).label(c) for c in CATEGORIES if c != "waiting"),
+            func.coalesce(func.sum(_job_gpus(jobs) * waited), 0.0).label("waiting"),
+        )
+        .where(*where)
         .group_by(jobs.c.tenant, jobs.c.queue)
     )
-    for row in conn.execute(stmt).mappings():
-        out.add(row["tenant"], row["queue"], Goodput(waiting=float(row["waiting"] or 0.0)), int(row["jobs"]))
 
 
-def _read_totals(conn: Connection, now: float, since: float, tenant: str | None, out: GoodputRead) -> None:
-    """The total (and its parts): goodput_totals' sums plus the live figures of the jobs not accounted.
-
-    Exact when the caller reads in one snapshot (SchedulerService.read(snapshot=True): REPEATABLE READ on
-    PostgreSQL; a SQLite transaction reads as of its first statement). Four statements: (1) the _busy jobs not
-    accounted, (2) their attempts, (3) the sums together with the ids of the _busy jobs not accounted as of (3),
-    (4) the waiting of the other jobs not accounted (_idle_waiting). A job read in (1) counts from its live figures
-    only when (3) still finds it not accounted, which keeps the busy jobs exact even outside a snapshot
-    (PostgreSQL's READ COMMITTED reads each statement as of its own start, and a job may be accounted or archived
-    between them):
-    - every writer moves a job out of "not accounted" and adds its figures to the sums in one transaction
-      (account_finished; the archive and prune, retention.py, through mark_accounted), nothing makes a job not
-      accounted again, and the sums only grow;
-    - so as of (3) each job is either in the sums or in (3)'s ids, never both: a job of (1) accounted or archived
-      since is not among (3)'s ids and counts once, from the sums; one still among them counts once, live;
-    - a job not in (1) was accounted already (then it is in the sums of (3), which hold at least what they held
-      then) or did not exist yet or was not busy (see below).
-    Outside a snapshot, a queued job that is reserved or finishes between (1) and (4) may be counted in neither or
-    both; in one snapshot nothing changes between the statements."""
+@functools.cache
+def _totals_statements(dialect: str, tenant_scoped: bool) -> tuple[Any, Any]:
+    """_read_totals' statements (1) and (3), built once per dialect and tenant scope (building the expression of (3)
+    costs more than the database spends on it), with the named parameters now, since, first_day, tenant and mig
+    (whether (1) found MIG gangs: (3) then lists those still not accounted). Tests that replace _figured_in_python
+    clear the cache."""
     jobs, t = Job.__table__, GoodputTotals.__table__
-    first_day = day_of(since)
-    live_where = [_unaccounted(jobs), jobs.c.submitted_at >= since]
-    if tenant is not None:
-        live_where.append(jobs.c.tenant == tenant)
-    busy_where = [*live_where, _busy(jobs)]
-    rows = conn.execute(select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*busy_where)).mappings().all()  # (1)
-    attempts = _attempts_of(conn, [r["id"] for r in rows])  # (2)
-    sums = select(
-        literal("sum").label("kind"),
-        t.c.tenant,
-        t.c.queue,
-        literal("").label("id"),
-        func.sum(t.c.jobs).label("jobs"),
-        *(func.sum(t.c[c]).label(c) for c in CATEGORIES),
-    ).where(t.c.day >= first_day)
-    if tenant is not None:
-        sums = sums.where(t.c.tenant == tenant)
-    sums = sums.group_by(t.c.tenant, t.c.queue)
-    stmt: Any = sums
-    if rows:
-        still = select(
-            literal("live").label("kind"),
+    now = bindparam("now", type_=Float)
+    live_where = [_unaccounted(jobs), jobs.c.submitted_at >= bindparam("since", type_=Float)]
+    if tenant_scoped:
+        live_where.append(jobs.c.tenant == bindparam("tenant", type_=String))
+    in_python = [*live_where, _figured_in_python(jobs)]
+    in_sql = [*live_where, ~_figured_in_python(jobs)]
+    sums = (
+        select(
+            literal("sum").label("kind"),
+            t.c.tenant,
+            t.c.queue,
+            literal("").label("id"),
+            func.sum(t.c.jobs).label("jobs"),
+            *(func.sum(t.c[c]).label(c) for c in CATEGORIES),
+        )
+        .where(t.c.day >= bindparam("first_day", type_=BigInteger))
+        .group_by(t.c.tenant, t.c.queue)
+    )
+    if tenant_scoped:
+        sums = sums.where(t.c.tenant == bindparam("tenant", type_=String))
+    parts: list[Any] = [sums]
+    for figured in (
+        _sql_figures(dialect, now, [*in_sql, _busy(jobs)], ("tenant", "queue")).subquery("busy"),
+        _idle_waiting(now, [*in_sql, ~_busy(jobs)]).subquery("idle"),
+    ):
+        f = figured.c
+        parts.append(
+            select(
+                literal("live").label("kind"),
+                f.tenant,
+                f.queue,
+                literal("").label("id"),
+                f.jobs,
+                *(f[c] for c in CATEGORIES),
+            )
+        )
+    parts.append(
+        select(
+            literal("mig").label("kind"),
             jobs.c.tenant,
             jobs.c.queue,
             jobs.c.id,
             literal(0).label("jobs"),
             *(literal(0.0).label(c) for c in CATEGORIES),
-        ).where(*busy_where)
-        stmt = union_all(sums, still)
+        ).where(*in_python, bindparam("mig", type_=Boolean))
+    )
+    return select(*(jobs.c[c] for c in _LIVE_COLUMNS)).where(*in_python), union_all(*parts)
+
+
+def _read_totals(conn: Connection, now: float, since: float, tenant: str | None, out: GoodputRead) -> None:
+    """The total (and its parts): goodput_totals' sums plus the live figures of the jobs not accounted.
+
+    Two statements, three when MIG gangs are not accounted: (1) the MIG gangs not accounted (_figured_in_python),
+    (2) their attempts, then (3) one statement (UNION ALL) with the sums, the figures of every other job not
+    accounted computed in SQL (_sql_figures for those ever reserved or finished, _idle_waiting for the queued), and
+    the ids of the MIG gangs still not accounted. Everything but the MIG gangs is thus read in one statement, as of
+    one moment: exact whatever the isolation (each job is either in the sums or not accounted, never both: every
+    writer moves a job out of "not accounted" and adds its figures to the sums in one transaction, account_finished
+    and the archive, retention.py, through mark_accounted; nothing makes a job not accounted again).
+
+    A MIG gang read in (1) counts from its live figures only when (3) still finds it not accounted, which keeps them
+    exact outside a snapshot too (PostgreSQL's READ COMMITTED reads each statement as of its own start, and a job
+    may be accounted or archived between them): as of (3) each is either in the sums or in (3)'s ids, never both; a
+    gang not in (1) was accounted already (then it is in the sums of (3), which only grow) or did not exist yet.
+    The scheduler reads in one snapshot anyway (SchedulerService.read(snapshot=True))."""
+    in_python, totals = _totals_statements(conn.dialect.name, tenant is not None)
+    params = {"now": float(now), "since": float(since), "first_day": day_of(since), "tenant": tenant}
+    rows = conn.execute(in_python, params).mappings().all()  # (1)
+    attempts = _attempts_of(conn, [r["id"] for r in rows]) if rows else {}  # (2)
     unaccounted: set[str] = set()
-    for row in conn.execute(stmt).mappings().all():  # (3)
-        if row["kind"] == "live":
+    for row in conn.execute(totals, {**params, "mig": bool(rows)}).mappings().all():  # (3)
+        if row["kind"] == "mig":
             unaccounted.add(row["id"])
-        else:
-            out.add(row["tenant"], row["queue"], _archived_goodput(row), int(row["jobs"] or 0))
+        elif row["jobs"]:
+            out.add(row["tenant"], row["queue"], _archived_goodput(row), int(row["jobs"]))
     by_group: dict[tuple[str, str], list[Goodput]] = {}  # summed per tenant and queue, then added: one add each
     for job in rows:
         if job["id"] in unaccounted:
             figures = job_goodput(job, attempts.get(job["id"], []), now)
             by_group.setdefault((job["tenant"], job["queue"]), []).append(figures)
-    for (tenant_name, queue), parts in by_group.items():
-        out.add(tenant_name, queue, total(parts), len(parts))
-    _idle_waiting(conn, now, live_where, out)  # (4)
+    for (tenant_name, queue), parts_ in by_group.items():
+        out.add(tenant_name, queue, total(parts_), len(parts_))
 
 
 def read_goodput_report(
@@ -409,7 +563,7 @@ def read_goodput_report(
 ) -> GoodputRead:
     """Goodput without loading the job history: the total (and its per-tenant and per-queue parts) is the sums of
     goodput_totals (every finished job accounted: account_finished, the archive) plus the live figures of the jobs
-    not accounted (the active ones, and jobs that finished before revision 0016 until they are accounted), read
+    not accounted (the active ones, and the finished ones until the leader's upkeep accounts them), read
     through a partial index whatever the number of finished jobs (see _read_totals). The listed jobs are the newest
     `limit` of `jobs` and job_archive together (keyset `after`, newest first), read with LIMIT queries, and only
     their attempts are read.

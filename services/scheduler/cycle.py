@@ -17,7 +17,7 @@ import structlog
 from phalanx.core.backfill import BackfillResult
 from phalanx.core.decide import AfterBlocked, decide
 
-from . import accounting, jobgraph, ledger
+from . import jobgraph, ledger
 from .admission_lane import admit
 from .commands import Register, Submit, register_all, submit_all, write_new_jobs
 from .convert import job_from_record
@@ -188,21 +188,11 @@ def run_cycle(
     return results
 
 
-def account_finished(cycle: Cycle) -> None:
-    """The goodput of the jobs this cycle finished, into goodput_totals in this commit. It marks and reads them (and
-    their attempts), so the caller runs it before the pipelined closing writes; the sums' upsert is one of those."""
-    if cycle.finished:
-        cycle.work.ask(accounting.account_finished, cycle.finished, cycle.now, totals_later=cycle.work.totals)
-
-
 def finish_cycle(cycle: Cycle, commands: list[Command], results: list[Any]) -> None:
     """The closing writes. They need no answers, so the caller sends them (and the commit) pipelined."""
     write_new_jobs(cycle)
     work = cycle.work
     work.write_claims()
-    if work.totals:
-        work.write(accounting.add_totals, work.totals, cycle.now)
-        work.totals = []
     cycle.flush()
     work.flush_ranks()
     work.write(ledger.persist_heartbeats, work.heartbeats)

@@ -5,8 +5,8 @@ events, for --retain-finished after it finished (default 30 days; 0 or `forever`
 moves it into one compact `job_archive` row (revision 0016: what it was, how it ended, its goodput figures as
 computed then, and `detail`: its command, tiers, placement, counts, each attempt's outcome and the checkpoints not
 deleted), adds its figures and a count of one into `goodput_totals` (its tenant, queue and UTC day of submission)
-unless they are there already (`jobs.accounted`: the scheduling cycle that finished it added them, see
-accounting.account_finished; only jobs that finished before revision 0016 are not), and deletes it and every row
+unless they are there already (`jobs.accounted`: the leader's upkeep adds them soon after a job finished, see
+accounting.account_finished), and deletes it and every row
 that refers to it: the tables with a foreign key to jobs.id (and theirs, e.g.
 checkpoint_shards), and the assignments its nodes acknowledged (an unacknowledged one stays for its node's stream).
 A job that still has an active allocation row (the `hold` of a GPU that other jobs' shares still use) waits.
@@ -20,10 +20,11 @@ read; PostgreSQL's `FOR UPDATE SKIP LOCKED` keeps two archivers off each other's
 IMMEDIATE runs them one after the other. The figures enter the sums only for the jobs whose `accounted` flag the
 batch itself sets (accounting.mark_accounted), so an archive and the scheduler's accounting never both count a job.
 
-`account_backlog` accounts the finished jobs that are not yet, in batches, without archiving them: after an upgrade
-to revision 0016, the goodput total then stops reading them. The leader runs it on start (SchedulerService._retention,
-MAX_BATCHES a run, a second apart, until none is left); ``python -m services.scheduler.retention account`` runs it
-all at once.
+`account_backlog` accounts the finished jobs that are not yet, in batches, without archiving them, so that the
+goodput total stops reading them. The leader runs it ACCOUNT_AFTER_S after each of its cycles that finished jobs, and
+every CHECK_INTERVAL_S for the others (another replica's, those finished before revision 0016): MAX_BATCHES a run,
+soon again while more are left (SchedulerService._account_soon); ``python -m services.scheduler.retention account``
+runs it all at once.
 
 `prune` (`phalanx db prune --before DATE --export FILE.jsonl`, which runs ``python -m services.scheduler.retention
 prune``): every finished job that finished before DATE, still in `jobs` (with its attempts) or archived, is written
@@ -75,7 +76,10 @@ def _table(model: Any) -> Table:
 
 
 DEFAULT_RETAIN_FINISHED_S = 30 * 86400.0
-CHECK_INTERVAL_S = 60.0  # how often the leader looks for finished jobs past the retention
+CHECK_INTERVAL_S = 60.0  # how often the leader looks for finished jobs past the retention (and not accounted)
+# The leader accounts the jobs its cycles finished this long after (SchedulerService._account_soon): the jobs of a
+# quarter of a second share one transaction, and the goodput read computes at most that many from their attempts
+ACCOUNT_AFTER_S = 0.25
 BATCH = 500  # jobs per transaction
 MAX_BATCHES = 20  # transactions per run
 _REASON_CHARS = 500
@@ -311,7 +315,7 @@ def archive_finished(
 
 
 def _unaccounted_finished(conn: Connection, limit: int) -> list[str]:
-    """Ids of finished jobs in `jobs` not accounted yet (they finished before revision 0016), oldest first; locked
+    """Ids of finished jobs in `jobs` not accounted yet, oldest first; locked
     for this transaction on PostgreSQL (skipping those another transaction holds)."""
     jobs = _table(Job)
     stmt = (
@@ -340,7 +344,7 @@ def account_backlog(
         if len(ids) < batch:
             break
     if total:
-        log.info("finished_jobs_accounted", count=total)
+        log.debug("finished_jobs_accounted", count=total)  # (the leader's upkeep runs it every few cycles)
     return total
 
 

@@ -34,7 +34,7 @@ from services.common.faults import fail_point
 from . import accounting, ledger, retention
 from .commands import Adopt, Submit, check_submission, new_job
 from .convert import job_from_record, job_from_row, node_from_row
-from .cycle import account_finished, finish_cycle, run_cycle
+from .cycle import finish_cycle, run_cycle
 from .fanout import FanOut
 from .leadership import Leadership
 from .node_intake import NodeIntake, log_failure
@@ -86,7 +86,11 @@ class SchedulerService:
         self._next_gauges = 0.0
         self._next_goodput = 0.0
         self._next_retention = 0.0  # the next run of _retention
-        self._backlog = True  # finished jobs not accounted may be left (_retention)
+        # The leader's accounting of finished jobs, off the cycle (_account_soon): its timer, whether it runs, and
+        # whether jobs finished while it ran
+        self._account_timer: asyncio.TimerHandle | None = None
+        self._accounting = False
+        self._account_again = False
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -152,6 +156,8 @@ class SchedulerService:
         self._wake.set()
         if self._watchdog:
             self._watchdog.cancel()
+        if self._account_timer is not None:
+            self._account_timer.cancel()
         if self._task:
             self._task.cancel()
             try:
@@ -434,8 +440,6 @@ class SchedulerService:
             t_run = time.perf_counter()
             cycle.work.write_deferred()
             t_deferred = time.perf_counter()
-            account_finished(cycle)
-            t_accounted = time.perf_counter()
             ledger.flush_job_updates(conn)  # none is left (write_deferred wrote them): the pipeline has no answers
             if self.leading and now >= self._next_changes_prune:
                 self._next_changes_prune = now + 30.0
@@ -452,8 +456,7 @@ class SchedulerService:
         if done - t0 > SLOW_CYCLE_S:
             cycle.metrics.timings.update(
                 deferred_ms=round((t_deferred - t_run) * 1000, 1),
-                accounting_ms=round((t_accounted - t_deferred) * 1000, 1),
-                closing_ms=round((done - t_accounted) * 1000, 1),
+                closing_ms=round((done - t_deferred) * 1000, 1),
             )
             log.info(
                 "cycle_slow",
@@ -538,34 +541,56 @@ class SchedulerService:
         if self.settings.metrics_port and now >= self._next_goodput:  # O(active jobs + sums): every 10 s at most
             self._next_goodput = now + 10.0
             asyncio.ensure_future(self._update_goodput())
-        if self.leading and now >= self._next_retention and (self.settings.retain_finished_s > 0 or self._backlog):
+        if self.leading and cycle.finished:
+            self._account_soon()
+        if self.leading and now >= self._next_retention:
             self._next_retention = now + retention.CHECK_INTERVAL_S
-            asyncio.ensure_future(self._retention())
+            self._account_soon()  # (also what other replicas finished, and what finished before revision 0016)
+            if self.settings.retain_finished_s > 0:
+                asyncio.ensure_future(self._retention())
+
+    def _account_soon(self) -> None:
+        """Account the finished jobs not accounted yet into goodput_totals, ACCOUNT_AFTER_S from now: the leader's
+        upkeep, on a reader thread, in transactions of their own (retention.account_backlog), never in the cycle
+        that finished them. The goodput read is exact meanwhile: it computes the jobs not accounted from their
+        attempts (accounting._read_totals). Jobs finishing within ACCOUNT_AFTER_S share one transaction."""
+        if self._accounting:
+            self._account_again = True
+        elif self._account_timer is None and not self._stopping:
+            loop = asyncio.get_running_loop()
+            self._account_timer = loop.call_later(
+                retention.ACCOUNT_AFTER_S, lambda: asyncio.ensure_future(self._account())
+            )
+
+    async def _account(self) -> None:
+        self._account_timer = None
+        self._accounting, self._account_again = True, False
+        batch, batches = retention.BATCH, retention.MAX_BATCHES
+        more = False
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(
+                self._readers,
+                functools.partial(retention.account_backlog, self.engine, batch=batch, max_batches=batches),
+            )
+            more = done >= batch * batches
+        except Exception as exc:  # tried again soon; the reads are exact meanwhile
+            log.warning("finished_jobs_accounting_failed", error=str(exc)[:200])
+            more = True
+        finally:
+            self._accounting = False
+        if (more or self._account_again) and not self._stopping:
+            self._account_soon()
 
     async def _retention(self) -> None:
-        """The leader's upkeep of finished jobs, on a reader thread, in transactions of their own (never the
-        cycle's), a batch at a time (retention.py): first the finished jobs not accounted yet (they finished before
-        revision 0016, or were written by other tools) into goodput_totals, soon after one run when more are left,
-        so that the goodput total stops reading them; then, with --retain-finished, the archive of the jobs past it."""
-        loop = asyncio.get_running_loop()
-        if self._backlog:
-            try:
-                batch, batches = retention.BATCH, retention.MAX_BATCHES
-                done = await loop.run_in_executor(
-                    self._readers,
-                    functools.partial(retention.account_backlog, self.engine, batch=batch, max_batches=batches),
-                )
-                self._backlog = done >= batch * batches
-                if self._backlog:
-                    self._next_retention = time.monotonic() + 1.0
-            except Exception as exc:  # the next run tries again
-                log.warning("finished_jobs_accounting_failed", error=str(exc)[:200])
-        if self.settings.retain_finished_s > 0:
-            before = time.time() - self.settings.retain_finished_s
-            try:
-                await loop.run_in_executor(self._readers, retention.archive_finished, self.engine, before)
-            except Exception as exc:  # retention must never hurt the scheduler; the next run tries again
-                log.warning("finished_jobs_archive_failed", error=str(exc)[:200])
+        """With --retain-finished, the leader's archive of the finished jobs past it, on a reader thread, in
+        transactions of their own (never the cycle's), a batch at a time (retention.py)."""
+        before = time.time() - self.settings.retain_finished_s
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._readers, retention.archive_finished, self.engine, before
+            )
+        except Exception as exc:  # retention must never hurt the scheduler; the next run tries again
+            log.warning("finished_jobs_archive_failed", error=str(exc)[:200])
 
     async def _update_goodput(self) -> None:
         try:

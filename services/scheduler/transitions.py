@@ -82,8 +82,8 @@ class Cycle:
     foreign_writes: bool = False
     handover: bool = False  # preempted gangs were stopped in this cycle (a fault-injection point)
     epoch: int = 0  # the leadership epoch this cycle schedules under (0: not leading, or leadership not in use)
-    # Jobs that reached a final state in this cycle: their goodput enters goodput_totals in its commit
-    # (cycle.account_finished, before the closing writes)
+    # Jobs that reached a final state in this cycle: the leader's upkeep adds their goodput to goodput_totals soon
+    # after its commit (SchedulerService._account_soon), off the cycle
     finished: list[str] = field(default_factory=list)
     # Nodes other replicas gave assignments since this replica's last cycle (None: unknown, after a full reload)
     foreign_assigned: set[str] | None = field(default_factory=set)

@@ -68,9 +68,6 @@ class UnitOfWork:
     # Writes nothing in the cycle reads back or needs an answer from (an attempt's end, its running mark, a
     # teardown's released allocations): sent together, pipelined, before the closing reads (write_deferred)
     deferred: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
-    # The figures of the jobs the cycle finished, for goodput_totals' upsert among the closing writes
-    # (accounting.account_finished)
-    totals: list[dict[str, Any]] = field(default_factory=list)
     # What this cycle's writes changed (ledger.track_changes), stored with its generation for the other replicas
     changes: ledger.Changes | None = None
     # Claims made and ended, in order: written after this cycle's new jobs (a claimant may be one of them)
@@ -130,8 +127,8 @@ class UnitOfWork:
             self.write(statement, *args)
 
     def write_deferred(self) -> None:
-        """Apply the queue, the jobs' updates (first: the reads after it, account_finished, see the jobs' ends),
-        then the deferred writes, pipelined."""
+        """Apply the queue, the jobs' updates (first: the reads after it see the jobs' ends), then the deferred
+        writes, pipelined."""
         self.write(ledger.flush_job_updates)
         self.apply()
         if self.deferred:
