@@ -127,16 +127,21 @@ class UnitOfWork:
             self.write(statement, *args)
 
     def write_deferred(self) -> None:
-        """Apply the queue, the jobs' updates (first: the reads after it see the jobs' ends), then the deferred
-        writes, pipelined."""
-        self.write(ledger.flush_job_updates)
+        """Apply the queue, then the jobs' updates (compare-and-set) and the deferred writes, pipelined: one round
+        trip on PostgreSQL, the updates' row counts checked once it is back (ledger.check_job_updates), before
+        anything else is sent (the reads after it see the jobs' ends)."""
         self.apply()
-        if self.deferred:
-            items, self.deferred = self.deferred, []
-            # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
-            # different rows or columns, so their order does not matter).
-            batches: dict[Any, list[tuple[Any, ...]]] = {}
+        if not self.deferred and not self.conn.info.get(ledger.JOB_WRITES):
+            return  # (an empty pipeline still costs its sync's round trip)
+        items, self.deferred = self.deferred, []
+        checks: list[ledger.SentUpdate] = []
+        synced = False
+        try:
             with ledger.pipelined(self.conn):
+                ledger.flush_job_updates(self.conn, checks)
+                # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
+                # different rows or columns, so their order does not matter).
+                batches: dict[Any, list[tuple[Any, ...]]] = {}
                 for statement, args in items:
                     if statement in _BATCHED:
                         batches.setdefault(statement, []).append(args)
@@ -145,6 +150,9 @@ class UnitOfWork:
                 for statement, rows in batches.items():
                     self.write(_BATCHED[statement], rows)
                 self.apply()
+            synced = True
+        finally:
+            ledger.check_job_updates(checks, verify=synced)  # (closes their cursors whatever happened)
 
     def flush_ranks(self) -> None:
         if self.rank_rows:

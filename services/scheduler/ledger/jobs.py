@@ -237,28 +237,93 @@ def queue_job_update(conn: Connection, job_id: str, read: int, changes: dict[str
     _changed_jobs(conn, job_id)
 
 
-def flush_job_updates(conn: Connection) -> None:
+def flush_job_updates(conn: Connection, checks: list[SentUpdate] | None = None) -> None:
     """Write the jobs update_job changed since the last flush, each from the version the view had read to the
-    version it has now; StaleJobs when a row did not hold the version read."""
+    version it has now; StaleJobs when a row did not hold the version read.
+
+    `checks`, on PostgreSQL inside a pipeline (UnitOfWork.write_deferred): the statements are sent through the
+    driver without waiting for their row counts, which go to `checks`; the caller checks them with
+    check_job_updates once the pipeline synced, before anything else is sent after them. The compare-and-set then
+    shares one round trip with the cycle's deferred writes, instead of one round trip per set of columns."""
     pending: dict[str, list[Any]] | None = conn.info.pop(JOB_WRITES, None)
     if not pending:
         return
-    table = cast(Table, Job.__table__)
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for job_id in sorted(pending):  # one lock order for every writer
         read, values, version = pending[job_id]
         groups.setdefault(tuple(sorted(values)), []).append(
             {"b_id": job_id, "b_read": read, "b_version": version, **{f"v_{k}": v for k, v in values.items()}}
         )
+    sent = checks is not None and conn.dialect.name == "postgresql"
     for keys, rows in groups.items():
-        stmt = (
+        stmt = _job_update(keys)
+        ids = [r["b_id"] for r in rows[:5]]
+        if sent and checks is not None:
+            sql, processors = _compiled_job_update(conn, keys, stmt)
+            driver = conn.connection.driver_connection
+            if driver is None:
+                raise RuntimeError("flush_job_updates: the connection has no live driver connection")
+            cursor = driver.cursor()
+            cursor.executemany(
+                sql, [{k: (processors[k](v) if k in processors else v) for k, v in r.items()} for r in rows]
+            )
+            checks.append(SentUpdate(cursor, len(rows), ids))
+            continue
+        _check_updated(conn.execute(stmt, rows).rowcount, len(rows), ids)
+
+
+class SentUpdate:
+    """A compare-and-set sent in a pipeline (flush_job_updates): its cursor, and how many rows it must change."""
+
+    __slots__ = ("cursor", "expected", "ids")
+
+    def __init__(self, cursor: Any, expected: int, ids: list[str]) -> None:
+        self.cursor, self.expected, self.ids = cursor, expected, ids
+
+
+def check_job_updates(checks: list[SentUpdate], *, verify: bool = True) -> None:
+    """StaleJobs unless every compare-and-set sent (flush_job_updates with `checks`) changed all its rows; call it
+    once their pipeline synced (their row counts are known then). Their cursors are closed in any case; `verify`
+    False (the pipeline failed: the transaction rolls back anyway) only closes them."""
+    try:
+        for sent in checks if verify else ():
+            _check_updated(sent.cursor.rowcount, sent.expected, sent.ids)
+    finally:
+        for sent in checks:
+            sent.cursor.close()
+        checks.clear()
+
+
+def _check_updated(changed: int, expected: int, ids: list[str]) -> None:
+    if changed != expected:
+        raise StaleJobs(
+            f"{expected - changed} of {expected} job(s) changed in the ledger since the view read "
+            f"them (among {', '.join(ids)})"
+        )
+
+
+_JOB_UPDATES: dict[tuple[str, ...], Any] = {}
+_COMPILED_JOB_UPDATES: dict[tuple[str, tuple[str, ...]], tuple[str, dict[str, Any]]] = {}
+
+
+def _job_update(keys: tuple[str, ...]) -> Any:
+    """The compare-and-set of the columns `keys`, built once per set of columns."""
+    stmt = _JOB_UPDATES.get(keys)
+    if stmt is None:
+        table = cast(Table, Job.__table__)
+        stmt = _JOB_UPDATES[keys] = (
             update(table)
             .where(table.c.id == bindparam("b_id"), table.c.version == bindparam("b_read"))
             .values({"version": bindparam("b_version"), **{k: bindparam(f"v_{k}") for k in keys}})
         )
-        result = conn.execute(stmt, rows)
-        if result.rowcount != len(rows):
-            raise StaleJobs(
-                f"{len(rows) - result.rowcount} of {len(rows)} job(s) changed in the ledger since the view read "
-                f"them (among {', '.join(r['b_id'] for r in rows[:5])})"
-            )
+    return stmt
+
+
+def _compiled_job_update(conn: Connection, keys: tuple[str, ...], stmt: Any) -> tuple[str, dict[str, Any]]:
+    """Its SQL for the driver (named parameters) and the parameters' conversions (JSON columns), compiled once."""
+    key = (conn.dialect.name, keys)
+    got = _COMPILED_JOB_UPDATES.get(key)
+    if got is None:
+        compiled = stmt.compile(dialect=conn.dialect)
+        got = _COMPILED_JOB_UPDATES[key] = (compiled.string, dict(compiled._bind_processors))
+    return got
