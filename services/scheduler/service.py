@@ -438,15 +438,16 @@ class SchedulerService:
                 cycle.metrics.admission_path = "pass"
                 cycle.metrics.lane_skipped = "another writer changed the ledger" if changes else "the view was reloaded"
             t_run = time.perf_counter()
-            cycle.work.write_deferred()
-            t_deferred = time.perf_counter()
-            ledger.flush_job_updates(conn)  # none is left (write_deferred wrote them): the pipeline has no answers
             if self.leading and now >= self._next_changes_prune:
                 self._next_changes_prune = now + 30.0
                 ledger.prune_changes(conn, now - ledger.CHANGES_KEPT_S)
-            # Closing writes and the commit: one round trip on PostgreSQL. Not when a MIG instance or share was
-            # reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
+            # The jobs' compare-and-set updates, the deferred and the closing writes, and the commit: one round trip
+            # on PostgreSQL (the server refuses a stale update: UnitOfWork.write_deferred). Not when a MIG instance
+            # or share was reserved: the guarded update of its GPU's hold row must see its row count (ledger._hold).
+            cycle.work.apply()  # the queued writes first, outside it: some read (ledger.request_checkpoint)
             with ledger.pipelined(conn, enabled=not cycle.work.needs_answers):
+                cycle.work.write_deferred()
+                t_deferred = time.perf_counter()
                 finish_cycle(cycle, commands, results)
                 if cycle.handover:
                     fail_point("scheduler.handover")

@@ -127,32 +127,26 @@ class UnitOfWork:
             self.write(statement, *args)
 
     def write_deferred(self) -> None:
-        """Apply the queue, then the jobs' updates (compare-and-set) and the deferred writes, pipelined: one round
-        trip on PostgreSQL, the updates' row counts checked once it is back (ledger.check_job_updates), before
-        anything else is sent (the reads after it see the jobs' ends)."""
+        """Apply the queue, then the jobs' updates (compare-and-set) and the deferred writes. The caller runs it at
+        the start of the cycle's closing writes, in their pipeline on PostgreSQL: the updates need no answer there,
+        the server fails the transaction when one finds its row moved (ledger.flush_job_updates, checked_by_server),
+        so they, the deferred writes, the closing writes and the COMMIT are one round trip. Nothing read after them
+        in the cycle depends on them. The queue must be applied before the pipeline: a queued write may read
+        (ledger.request_checkpoint), and a read in a pipeline gets no rows."""
         self.apply()
-        if not self.deferred and not self.conn.info.get(ledger.JOB_WRITES):
-            return  # (an empty pipeline still costs its sync's round trip)
+        ledger.flush_job_updates(self.conn, checked_by_server=True)
         items, self.deferred = self.deferred, []
-        checks: list[ledger.SentUpdate] = []
-        synced = False
-        try:
-            with ledger.pipelined(self.conn):
-                ledger.flush_job_updates(self.conn, checks)
-                # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
-                # different rows or columns, so their order does not matter).
-                batches: dict[Any, list[tuple[Any, ...]]] = {}
-                for statement, args in items:
-                    if statement in _BATCHED:
-                        batches.setdefault(statement, []).append(args)
-                    else:
-                        self.write(statement, *args)
-                for statement, rows in batches.items():
-                    self.write(_BATCHED[statement], rows)
-                self.apply()
-            synced = True
-        finally:
-            ledger.check_job_updates(checks, verify=synced)  # (closes their cursors whatever happened)
+        # The usual ones are written as one statement each for the whole cycle, not one per job (they touch
+        # different rows or columns, so their order does not matter).
+        batches: dict[Any, list[tuple[Any, ...]]] = {}
+        for statement, args in items:
+            if statement in _BATCHED:
+                batches.setdefault(statement, []).append(args)
+            else:
+                self.write(statement, *args)
+        for statement, rows in batches.items():
+            self.write(_BATCHED[statement], rows)
+        self.apply()
 
     def flush_ranks(self) -> None:
         if self.rank_rows:

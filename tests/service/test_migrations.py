@@ -100,3 +100,54 @@ def test_database_refuses_two_standing_claims_for_one_job(db_url):
             assert conn.execute(text("SELECT count(*) FROM claims WHERE job_id = 'a'")).scalar() == 2
     finally:
         engine.dispose()
+
+
+def test_a_stale_job_update_in_the_closing_pipeline_rolls_back_everything_sent_with_it(db_url):
+    """The cycle sends its jobs' compare-and-set updates, its other writes and its COMMIT together (PostgreSQL's
+    pipeline: nothing waits for the updates' row counts). An update whose row moved must fail the transaction in
+    the server (phalanx_expect_updated, revision 0026): the COMMIT sent after it rolls back, and nothing is written.
+    SQLite checks the row counts as it goes (StaleJobs)."""
+    from sqlalchemy.exc import DBAPIError
+
+    from services.scheduler import ledger
+
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            _seed(conn)
+        # the view read both jobs at version 0; job "b" moved since (another writer)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE jobs SET version = 3 WHERE id = 'b'"))
+        conn = engine.connect()
+        try:
+            with pytest.raises((DBAPIError, ledger.StaleJobs)):
+                trans = conn.begin()
+                with ledger.pipelined(conn):
+                    ledger.queue_job_update(conn, "a", 0, {"state": "SUCCEEDED", "finished_at": 5.0})
+                    ledger.queue_job_update(conn, "b", 0, {"state": "CANCELLED"})
+                    ledger.flush_job_updates(conn, checked_by_server=True)
+                    conn.execute(text("UPDATE nodes SET message = 'sent after the updates' WHERE id = 1"))
+                    trans.commit()
+        finally:
+            conn.invalidate()  # as the scheduler does with its connection after a failed cycle (_transaction)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT id, state, version FROM jobs ORDER BY id")).all() == [
+                ("a", "RUNNING", 0),
+                ("b", "RUNNING", 3),
+            ]
+            assert conn.execute(text("SELECT message FROM nodes")).scalar() == ""
+        # the same updates on the versions the ledger holds are written, in one transaction
+        with engine.connect() as conn:
+            trans = conn.begin()
+            with ledger.pipelined(conn):
+                ledger.queue_job_update(conn, "a", 0, {"state": "SUCCEEDED", "finished_at": 5.0})
+                ledger.queue_job_update(conn, "b", 3, {"state": "CANCELLED"})
+                ledger.flush_job_updates(conn, checked_by_server=True)
+                trans.commit()
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT id, state, version FROM jobs ORDER BY id")).all() == [
+                ("a", "SUCCEEDED", 1),
+                ("b", "CANCELLED", 4),
+            ]
+    finally:
+        engine.dispose()

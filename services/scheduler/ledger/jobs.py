@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, and_, bindparam, select, update
+from psycopg import pq
+from sqlalchemy import Connection, Table, and_, bindparam, literal_column, select, update
 
 from db.models import Allocation, Job, Rank
 
@@ -237,14 +238,15 @@ def queue_job_update(conn: Connection, job_id: str, read: int, changes: dict[str
     _changed_jobs(conn, job_id)
 
 
-def flush_job_updates(conn: Connection, checks: list[SentUpdate] | None = None) -> None:
+def flush_job_updates(conn: Connection, *, checked_by_server: bool = False) -> None:
     """Write the jobs update_job changed since the last flush, each from the version the view had read to the
     version it has now; StaleJobs when a row did not hold the version read.
 
-    `checks`, on PostgreSQL inside a pipeline (UnitOfWork.write_deferred): the statements are sent through the
-    driver without waiting for their row counts, which go to `checks`; the caller checks them with
-    check_job_updates once the pipeline synced, before anything else is sent after them. The compare-and-set then
-    shares one round trip with the cycle's deferred writes, instead of one round trip per set of columns."""
+    `checked_by_server`, on PostgreSQL: each update checks its own row count in the server
+    (phalanx_expect_updated, revision 0026) and fails the transaction when the row moved (a DBAPIError,
+    serialization_failure, at the latest at the COMMIT), so the caller need not wait for the answers: the cycle sends
+    them in its closing pipeline with its other writes and its COMMIT (UnitOfWork.write_deferred), one round trip
+    for all, where each set of changed columns cost one of its own."""
     pending: dict[str, list[Any]] | None = conn.info.pop(JOB_WRITES, None)
     if not pending:
         return
@@ -254,44 +256,18 @@ def flush_job_updates(conn: Connection, checks: list[SentUpdate] | None = None) 
         groups.setdefault(tuple(sorted(values)), []).append(
             {"b_id": job_id, "b_read": read, "b_version": version, **{f"v_{k}": v for k, v in values.items()}}
         )
-    sent = checks is not None and conn.dialect.name == "postgresql"
+    driver = conn.connection.driver_connection if conn.dialect.name == "postgresql" else None
+    # (outside a pipeline an answer costs nothing more: the row counts are checked here, as StaleJobs)
+    by_server = checked_by_server and driver is not None and driver.pgconn.pipeline_status != pq.PipelineStatus.OFF
     for keys, rows in groups.items():
-        stmt = _job_update(keys)
-        ids = [r["b_id"] for r in rows[:5]]
-        if sent and checks is not None:
-            sql, processors = _compiled_job_update(conn, keys, stmt)
-            driver = conn.connection.driver_connection
-            if driver is None:
-                raise RuntimeError("flush_job_updates: the connection has no live driver connection")
-            cursor = driver.cursor()
-            cursor.executemany(
-                sql, [{k: (processors[k](v) if k in processors else v) for k, v in r.items()} for r in rows]
-            )
-            checks.append(SentUpdate(cursor, len(rows), ids))
+        if by_server and driver is not None:
+            sql, processors = _checked_job_update(conn, keys)
+            with driver.cursor() as cursor:
+                cursor.executemany(
+                    sql, [{k: (processors[k](v) if k in processors else v) for k, v in r.items()} for r in rows]
+                )
             continue
-        _check_updated(conn.execute(stmt, rows).rowcount, len(rows), ids)
-
-
-class SentUpdate:
-    """A compare-and-set sent in a pipeline (flush_job_updates): its cursor, and how many rows it must change."""
-
-    __slots__ = ("cursor", "expected", "ids")
-
-    def __init__(self, cursor: Any, expected: int, ids: list[str]) -> None:
-        self.cursor, self.expected, self.ids = cursor, expected, ids
-
-
-def check_job_updates(checks: list[SentUpdate], *, verify: bool = True) -> None:
-    """StaleJobs unless every compare-and-set sent (flush_job_updates with `checks`) changed all its rows; call it
-    once their pipeline synced (their row counts are known then). Their cursors are closed in any case; `verify`
-    False (the pipeline failed: the transaction rolls back anyway) only closes them."""
-    try:
-        for sent in checks if verify else ():
-            _check_updated(sent.cursor.rowcount, sent.expected, sent.ids)
-    finally:
-        for sent in checks:
-            sent.cursor.close()
-        checks.clear()
+        _check_updated(conn.execute(_job_update(keys), rows).rowcount, len(rows), [r["b_id"] for r in rows[:5]])
 
 
 def _check_updated(changed: int, expected: int, ids: list[str]) -> None:
@@ -319,11 +295,13 @@ def _job_update(keys: tuple[str, ...]) -> Any:
     return stmt
 
 
-def _compiled_job_update(conn: Connection, keys: tuple[str, ...], stmt: Any) -> tuple[str, dict[str, Any]]:
-    """Its SQL for the driver (named parameters) and the parameters' conversions (JSON columns), compiled once."""
+def _checked_job_update(conn: Connection, keys: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """The compare-and-set of `keys` that fails in the server unless it changed its row (phalanx_expect_updated), as
+    SQL for the driver (named parameters), and the parameters' conversions (JSON columns); compiled once."""
     key = (conn.dialect.name, keys)
     got = _COMPILED_JOB_UPDATES.get(key)
     if got is None:
-        compiled = stmt.compile(dialect=conn.dialect)
-        got = _COMPILED_JOB_UPDATES[key] = (compiled.string, dict(compiled._bind_processors))
+        compiled = _job_update(keys).returning(literal_column("1")).compile(dialect=conn.dialect)
+        sql = f"WITH updated AS ({compiled.string}) SELECT phalanx_expect_updated((SELECT count(*) FROM updated), %(b_id)s)"
+        got = _COMPILED_JOB_UPDATES[key] = (sql, dict(compiled._bind_processors))
     return got
