@@ -80,6 +80,7 @@ CHECK_INTERVAL_S = 60.0  # how often the leader looks for finished jobs past the
 # The leader accounts the jobs its cycles finished this long after (SchedulerService._account_soon): the jobs of a
 # quarter of a second share one transaction, and the goodput read computes at most that many from their attempts
 ACCOUNT_AFTER_S = 0.25
+ACCOUNT_RETRY_S = 5.0  # after a failed run
 BATCH = 500  # jobs per transaction
 MAX_BATCHES = 20  # transactions per run
 _REASON_CHARS = 500

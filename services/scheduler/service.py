@@ -550,36 +550,40 @@ class SchedulerService:
             if self.settings.retain_finished_s > 0:
                 asyncio.ensure_future(self._retention())
 
-    def _account_soon(self) -> None:
-        """Account the finished jobs not accounted yet into goodput_totals, ACCOUNT_AFTER_S from now: the leader's
-        upkeep, on a reader thread, in transactions of their own (retention.account_backlog), never in the cycle
-        that finished them. The goodput read is exact meanwhile: it computes the jobs not accounted from their
+    def _account_soon(self, delay: float | None = None) -> None:
+        """Account the finished jobs not accounted yet into goodput_totals, ACCOUNT_AFTER_S (or `delay`) from now:
+        the leader's upkeep, on a reader thread, in transactions of their own (retention.account_backlog), never in
+        the cycle that finished them. The goodput read is exact meanwhile: it computes the jobs not accounted from their
         attempts (accounting._read_totals). Jobs finishing within ACCOUNT_AFTER_S share one transaction."""
         if self._accounting:
             self._account_again = True
         elif self._account_timer is None and not self._stopping:
             loop = asyncio.get_running_loop()
             self._account_timer = loop.call_later(
-                retention.ACCOUNT_AFTER_S, lambda: asyncio.ensure_future(self._account())
+                retention.ACCOUNT_AFTER_S if delay is None else delay, lambda: asyncio.ensure_future(self._account())
             )
 
     async def _account(self) -> None:
         self._account_timer = None
         self._accounting, self._account_again = True, False
         batch, batches = retention.BATCH, retention.MAX_BATCHES
-        more = False
+        more, failed = False, False
         try:
             done = await asyncio.get_running_loop().run_in_executor(
                 self._readers,
                 functools.partial(retention.account_backlog, self.engine, batch=batch, max_batches=batches),
             )
             more = done >= batch * batches
-        except Exception as exc:  # tried again soon; the reads are exact meanwhile
+        except Exception as exc:  # tried again later; the reads are exact meanwhile
             log.warning("finished_jobs_accounting_failed", error=str(exc)[:200])
-            more = True
+            failed = True
         finally:
             self._accounting = False
-        if (more or self._account_again) and not self._stopping:
+        if self._stopping:
+            return
+        if failed:
+            self._account_soon(retention.ACCOUNT_RETRY_S)  # (a ledger that refuses: not four warnings a second)
+        elif more or self._account_again:
             self._account_soon()
 
     async def _retention(self) -> None:

@@ -330,6 +330,36 @@ async def test_the_leader_accounts_the_jobs_its_cycles_finish_soon_after(db_url,
         engine.dispose()
 
 
+async def test_a_failed_accounting_run_is_tried_again_later(db_url, engine, monkeypatch, service_logs):
+    """The upkeep's run fails (the ledger refuses, say): it is tried again ACCOUNT_RETRY_S later, not at once, and
+    the finished job is accounted then."""
+    monkeypatch.setattr(retention, "ACCOUNT_AFTER_S", 0.01)
+    monkeypatch.setattr(retention, "ACCOUNT_RETRY_S", 0.5)
+    real = retention.account_backlog
+    calls: list[float] = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("the ledger refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(retention, "account_backlog", failing_once)
+    names = ["node-0"]
+    settings = SchedulerSettings(db_url=db_url, listen="127.0.0.1:0", fabric=default_fabric(names))
+    async with LiteCluster(settings, lambda addr: [LiteAgent(addr, n) for n in names]) as c:
+        ok = await c.submit("ok", gpus=2, command=["exit", "0"])
+        await eventually(lambda: _state(c, ok.id, common_pb2.JOB_STATE_SUCCEEDED), what="ok SUCCEEDED")
+
+        async def accounted():
+            return _accounted(engine).get(ok.id) == ("SUCCEEDED", True) or None
+
+        await eventually(accounted, what="the job accounted after the retry")
+    failed_at = calls[0]
+    assert len(calls) >= 2 and calls[1] - failed_at >= 0.5, calls  # not tried again at once
+    assert "finished_jobs_accounting_failed" in service_logs.text
+
+
 async def test_the_leader_accounts_the_finished_jobs_it_finds_not_accounted(db_url, engine, monkeypatch, service_logs):
     """Jobs that finished before revision 0016 (or were written by another tool) are not accounted: the leader
     accounts them in the background on start, in batches, until none is left, and the total stays the same."""
