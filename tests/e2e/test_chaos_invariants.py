@@ -37,13 +37,17 @@ from pathlib import Path
 
 import pytest
 from helpers.procs import ROOT, ServiceProcess
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, func, select, text
 
+from db.engine import make_engine
+from db.models import GoodputTotals, Job
 from phalanx.client import Client, ServiceSpec
 from phalanx.core import invariants as inv
 from phalanx.core.fabric import default_fabric, to_slurm_tree
+from phalanx.core.goodput import CATEGORIES, Goodput
 from phalanx.sim import engine as sim_engine
 from phalanx.testing.history import history_from_ledger, starts_from_ledger
+from services.scheduler import accounting, ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -616,6 +620,34 @@ def test_live_chaos_run_keeps_the_invariants(pg_url, tmp_path):
     assert counts["NodeDown"] >= 1 and counts["NodeUp"] >= 1, counts
     assert set(states) == {s.name for s in specs} and set(states.values()) <= {"SUCCEEDED", "FAILED", "CANCELLED"}
     assert -1.0 <= tau <= 1.0
+    # Goodput through the chaos (preemptions, requeues, the leader killed between a job's end and the upkeep that
+    # accounts it): each job counted once, in the sums or live, never both, and the total is the job-by-job figures.
+    total, expected, jobs, accounted, summed = _goodput_against_jobs(pg_url)
+    assert summed == accounted, (summed, accounted)
+    assert total.job_count == jobs
+    for c in CATEGORIES:
+        assert getattr(total.total, c) == pytest.approx(getattr(expected, c), rel=1e-9, abs=1e-6), c
+
+
+def _goodput_against_jobs(url: str) -> tuple[accounting.GoodputRead, Goodput, int, int, int]:
+    """In one snapshot: the goodput read, the job-by-job figures of every job, how many jobs there are, how many are
+    accounted, and how many the sums count."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                now = time.time()
+                got = accounting.read_goodput_report(conn, now, limit=0)
+                rows = conn.execute(select(Job.__table__)).mappings().all()
+                attempts = ledger.read_attempts(conn)
+                summed = int(conn.execute(select(func.coalesce(func.sum(GoodputTotals.jobs), 0))).scalar())
+        expected = Goodput()
+        for row in rows:
+            expected += accounting.job_goodput(row, attempts.get(row["id"], []), now)
+        return got, expected, len(rows), sum(1 for r in rows if r["accounted"]), summed
+    finally:
+        engine.dispose()
 
 
 def _final_states(url: str) -> dict[str, tuple[str, int, str]]:
