@@ -76,7 +76,13 @@ def _uninterrupted(out: Path, world: int = 4) -> set[str]:
         )
         procs.append(subprocess.Popen(_command(out, 0.0), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for rank, p in enumerate(procs):
-        text, _ = p.communicate(timeout=150)
+        try:
+            text, _ = p.communicate(timeout=150)
+        except subprocess.TimeoutExpired:  # say where every rank was (CI once saw this run hang, cause unknown)
+            for q in procs:
+                q.kill()
+            said = [f"rank {r}:\n{q.communicate()[0].decode()[-1500:]}" for r, q in enumerate(procs)]
+            raise AssertionError("the baseline did not end in 150 s\n" + "\n".join(said)) from None
         assert p.returncode == 0, f"baseline rank {rank} exited {p.returncode}:\n{text.decode()[-2000:]}"
     return {json.loads((out / "local" / f"rank-{r}.json").read_text())["params_sha256"] for r in range(world)}
 
