@@ -50,6 +50,7 @@ from phalanx.api.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from phalanx.client import AsyncClient
 from phalanx.core.fabric import default_fabric, to_slurm_tree
 from phalanx.testing.lite_agent import LiteAgent
+from services.scheduler.settings import SchedulerSettings
 
 RUNNING = common_pb2.JOB_STATE_RUNNING
 SHAPES = {1: (1, 1), 8: (1, 8), 64: (8, 8)}  # GPUs -> (replicas, gpus per replica)
@@ -90,6 +91,7 @@ class Bench:
         fabric = default_fabric([f"node-{i:04d}" for i in range(self.nodes)], nodes_per_leaf=32, leaves_per_spine=8)
         fabric_file = self.workdir / f"topology-{self.nodes}.conf"
         fabric_file.write_text(to_slurm_tree(fabric))
+        self.started = time.monotonic()
         self.scheduler = start_scheduler(
             self.db_url,
             self.workdir / f"scheduler-{self.nodes}.log",
@@ -113,6 +115,11 @@ class Bench:
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.watch_task = asyncio.create_task(self._watch())
         await asyncio.sleep(0.5)
+        # The scheduler decides before the clock row's lock (the fence in the pipeline) once it had time to hear
+        # any other replica: two thirds of its lease after its start (SchedulerService._fence_off_until). Measure
+        # from then, so the figures are of the path it keeps.
+        quiet = SchedulerSettings.leader_lease_s * 2 / 3
+        await asyncio.sleep(max(0.0, self.started + quiet - time.monotonic()))
         return self
 
     async def __aexit__(self, *exc) -> None:

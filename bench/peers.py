@@ -418,6 +418,15 @@ def table(result: dict) -> str:
             f"lane / pass: {p['g1_p50_ms'] / base['g1_p50_ms']:.2f}x, {p['g4x8_p50_ms'] / base['g4x8_p50_ms']:.2f}x, "
             f"{p['gangs_per_s'] / base['gangs_per_s']:.2f}x."
         )
+    locked = result.get("phalanx_locked")
+    if locked:
+        lines.append(
+            f"Phalanx with every cycle waiting for the clock row's lock first (--no-fence-in-pipeline, the baseline "
+            f"of the fence in the pipeline): 1-GPU p50 {locked['g1_p50_ms']} ms, 4 x 8 p50 {locked['g4x8_p50_ms']} ms, "
+            f"{locked['gangs_per_s']} gangs/s; fence in the pipeline / lock first: "
+            f"{p['g1_p50_ms'] / locked['g1_p50_ms']:.2f}x, {p['g4x8_p50_ms'] / locked['g4x8_p50_ms']:.2f}x, "
+            f"{p['gangs_per_s'] / locked['gangs_per_s']:.2f}x."
+        )
     big = result.get("phalanx_256")
     if big:
         lines.append(
@@ -463,6 +472,10 @@ def run(args) -> dict:
     result["phalanx"] = asyncio.run(phalanx_side(admin, NODES, args.samples, args.rounds))
     # The baseline of decide-at-submit, in the same run: every submit decided by a pass, as before issue 35
     result["phalanx_pass"] = asyncio.run(phalanx_side(admin, NODES, args.samples, args.rounds, "--no-admission-lane"))
+    # The baseline of the fence in the pipeline: every cycle waits for the clock row's lock before deciding
+    result["phalanx_locked"] = asyncio.run(
+        phalanx_side(admin, NODES, args.samples, args.rounds, "--no-fence-in-pipeline")
+    )
     why = "--no-ray" if args.no_ray else ray_missing()
     if why:
         say(f"skipped Ray: {why}")

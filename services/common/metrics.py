@@ -88,6 +88,13 @@ VIEW_RELOADS = Counter(
     "another replica's cycles changed)",
     ["kind"],
 )
+FENCES = Counter(
+    "phalanx_scheduler_fences_total",
+    "Scheduling transactions by how they held the ledger's clock row: lock (waited for it before deciding), "
+    "pipeline (sent it, checked by the server, with the closing writes) or refused (the server found the ledger "
+    "moved or the lease lost: rolled back, the view reloaded)",
+    ["how"],
+)
 SERVICE_REPLICAS = Gauge(
     "phalanx_service_replicas",
     "Replicas of each service, by kind: desired (the count it aims at, the autoscaler's included), live (replica "

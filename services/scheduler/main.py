@@ -165,6 +165,14 @@ FLAGS = (
         "happens is written PENDING and answered at once: docs/architecture/admission-path.md)",
     ),
     Flag(
+        "--no-fence-in-pipeline",
+        dest="fence_in_pipeline",
+        action="store_false",
+        help="every cycle waits for the ledger's clock row lock before deciding (default, on PostgreSQL: a leader "
+        "whose view is its own sends the lock, checked by the server, with its writes and commit: "
+        "docs/architecture/admission-path.md)",
+    ),
+    Flag(
         "--no-claims",
         dest="claims",
         action="store_false",
@@ -446,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         admission_lane=args.admission_lane,
         status_lane=args.status_lane,
         accept_lane=args.accept_lane,
+        fence_in_pipeline=args.fence_in_pipeline,
         claims=args.claims,
         backfill_depth=args.backfill_depth,
         backfill_budget_ms=args.backfill_budget_ms,

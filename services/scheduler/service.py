@@ -48,6 +48,11 @@ from .work import UnitOfWork
 log = structlog.get_logger()
 # A cycle longer than this logs where its time went (cycle_slow); PHALANX_SLOW_CYCLE_MS sets it (0: every cycle).
 SLOW_CYCLE_S = float(os.environ.get("PHALANX_SLOW_CYCLE_MS", "250")) / 1000
+# After another replica's notice (a write, or a follower saying it is here at each lease tick), a cycle that found
+# the generation moved, or a refused fence, cycles wait for the clock row's lock before deciding for this long (at
+# least a lease): the fence in the pipeline pays off only while this replica is the ledger's one writer, and a
+# refusal costs a full reload of the view.
+FENCE_QUIET_S = 10.0
 
 
 class SchedulerService:
@@ -102,6 +107,14 @@ class SchedulerService:
         self._next_changes_prune = 0.0
         self.cycle_id = 0  # the last cycle's number in this process: bound as `cycle` in its log lines
         self.view_reloads = {"full": 0, "delta": 0}  # this replica's (phalanx_scheduler_view_reloads_total)
+        # Transactions by how they held the clock row (_fence_ahead; phalanx_scheduler_fences_total)
+        self.fences = {"lock": 0, "pipeline": 0, "refused": 0}
+        # (monotonic) no fence in the pipeline before then: another replica was heard. From the start, until its
+        # followers, each saying it is here every third of a lease, had two chances to be heard.
+        self._fence_quiet_s = max(FENCE_QUIET_S, settings.leader_lease_s)
+        self._fence_off_until = time.monotonic() + settings.leader_lease_s * 2 / 3
+        self._must_lock = True  # this cycle reads the clock row first whatever (a lease tick, the periodic look)
+        self._db_clock_offset = 0.0  # the database's clock minus this host's, as the last clock row read found it
         # Batches of submits by where they were decided, and the gangs the lane reserved (admission_lane.py)
         self.admissions = {"lane": 0, "pass": 0, "accept": 0, "admitted_at_submit": 0}
         self.lane_skips: collections.Counter[str] = collections.Counter()  # why batches went to the pass
@@ -290,6 +303,7 @@ class SchedulerService:
         if self._timers:
             self._next_timer_check = wall + 0.2
         lease_tick = self.leadership.tick_due(wall)
+        self._must_lock = periodic or lease_tick  # the lease is renewed, other writers looked for, under the lock
         timers = self._timers and self.leading and self._timers_due(now)
         if not commands and not self._resync and not periodic and not timers and not lease_tick:
             return [], None
@@ -307,7 +321,15 @@ class SchedulerService:
             return self._transaction(commands, now, resync=self._resync, admission=admission)
         except (DBAPIError, ledger.StaleJobs) as exc:
             self._resync = True
-            log.warning("cycle_rolled_back", error=_db_error(exc), commands=len(commands))
+            if ledger.fence_refused(exc):
+                # Another writer since this replica's last commit, or its lease lost: nothing committed, and the
+                # retry below takes the lock first, on a reloaded view (and so do cycles for a while).
+                self._fence_off_until = time.monotonic() + self._fence_quiet_s
+                self.fences["refused"] += 1
+                metrics.FENCES.labels("refused").inc()
+                log.info("fence_refused", error=_db_error(exc), commands=len(commands))
+            else:
+                log.warning("cycle_rolled_back", error=_db_error(exc), commands=len(commands))
         except Exception:
             # A bug (a check of the view such as core.capacity's CapacityError). Nothing of the cycle committed but
             # the view may hold its changes: reload it. One command, or the pass, must not fail every caller: each
@@ -384,17 +406,40 @@ class SchedulerService:
         this replica's own (no other writer since its last commit, nothing reloaded) and settled (run_cycle)."""
         t0 = time.perf_counter()
         conn.info.pop(ledger.JOB_WRITES, None)  # nothing of a cycle that did not commit carries over
+        fenced = self._fence_ahead(resync)
         with conn.begin() as trans:
-            clock = ledger.begin_cycle(conn)
+            if fenced:
+                # The view is this replica's own as of its last commit, and it leads: decide on it now, and let the
+                # server check that with the lock (ledger.fence), sent before the cycle's first write.
+                assert self._generation is not None and self.leadership.epoch is not None
+                clock = ledger.Clock(
+                    self._generation,
+                    self.leadership.replica,
+                    self.leadership.epoch,
+                    self.leadership.until,
+                    time.time() + self._db_clock_offset,
+                )
+                epoch: int | None = clock.epoch
+                until, acquired = clock.until, False
+            else:
+                clock = ledger.begin_cycle(conn)
+                self._db_clock_offset = clock.now - time.time()
+                epoch, until, acquired = self.leadership.decide(conn, clock)
+                self._last_sync = time.time()
             t_lock = time.perf_counter()
             generation = clock.generation
-            epoch, until, acquired = self.leadership.decide(conn, clock)
             # The cycle's clock starts once it holds the ledger: a cycle of another replica that waited for the
-            # lock must not stamp a reservation earlier than the release it builds on.
+            # lock must not stamp a reservation earlier than the release it builds on. (A fenced cycle commits only
+            # if no other writer committed since this replica's last cycle, which started later than theirs.)
             now = max(now, self.clock())
             cycle = Cycle(UnitOfWork(conn), self.state, self.settings, now)
-            self._last_sync = time.time()
+            if fenced:
+                cycle.work.fence = functools.partial(ledger.fence, conn, generation, clock.leader, clock.epoch)
             cycle.foreign_writes = self._generation is not None and generation != self._generation
+            if cycle.foreign_writes:
+                self._fence_off_until = time.monotonic() + self._fence_quiet_s
+            if epoch is None and self._must_lock and schedules:
+                cycle.work.write(ledger.announce, self.settings.replica_id)  # a follower's lease tick: "I am here"
             changes = None
             if cycle.foreign_writes and not resync and not acquired:
                 changes = ledger.read_changes(conn, self._generation or 0, generation)
@@ -440,6 +485,7 @@ class SchedulerService:
             t_run = time.perf_counter()
             if self.leading and now >= self._next_changes_prune:
                 self._next_changes_prune = now + 30.0
+                cycle.work.take_fence()
                 ledger.prune_changes(conn, now - ledger.CHANGES_KEPT_S)
             # The jobs' compare-and-set updates, the deferred and the closing writes, and the commit: one round trip
             # on PostgreSQL (the server refuses a stale update: UnitOfWork.write_deferred). Not when a MIG instance
@@ -453,6 +499,9 @@ class SchedulerService:
                     fail_point("scheduler.handover")
                 trans.commit()
             self.state.note_ended(cycle.finished)  # committed: their ranks' late reports are answered from memory
+        how = "pipeline" if fenced else "lock"
+        self.fences[how] += 1
+        metrics.FENCES.labels(how).inc()
         done = time.perf_counter()
         if done - t0 > SLOW_CYCLE_S:
             cycle.metrics.timings.update(
@@ -468,6 +517,7 @@ class SchedulerService:
                 commit_ms=round((done - t_run) * 1000, 1),
                 commands=len(commands),
                 view="delta" if changes is not None else ("full" if cycle.foreign_assigned is None else "kept"),
+                fence=how,
                 reserved=len(cycle.metrics.reserved),
                 **cycle.metrics.timings,
             )
@@ -476,6 +526,20 @@ class SchedulerService:
         self._resync = cycle.resync_after
         self.leadership.committed(clock, epoch, until, acquired)
         return results, cycle
+
+    def _fence_ahead(self, resync: bool) -> bool:
+        """Whether this cycle may decide before it holds the clock row, the lock sent with its closing writes
+        (ledger.fence, PostgreSQL): this replica leads, its view is its own as of its last commit, no other writer
+        was seen lately, the cycle is not the one that renews the lease or looks for other writers, and the lease
+        has half its length left by the database's clock as last read (the server checks it again, exactly)."""
+        if not self.settings.fence_in_pipeline or resync or self._initial or self._must_lock:
+            return False
+        if self._generation is None or not self.leadership.leading or is_sqlite(self.engine):
+            return False
+        if time.monotonic() < self._fence_off_until:
+            return False
+        left = self.leadership.until - (time.time() + self._db_clock_offset)
+        return left >= self.leadership.lease_s / 2
 
     def _release_leadership(self) -> None:
         """On a graceful stop, give the lease up so that another replica leads at once (writer thread)."""
@@ -648,6 +712,9 @@ class SchedulerService:
             return
         if body.get("replica") == self.settings.replica_id:
             return
+        self._fence_off_until = time.monotonic() + self._fence_quiet_s  # (from the event loop: a float, read whole)
+        if body.get("here"):
+            return  # a follower's lease tick: nothing changed
         # The next cycle sees the generation move and reads what changed from ledger_changes (no full reload);
         # the streams of the nodes named wake now, those of a notice too large to name them after that cycle.
         self._wake.set()

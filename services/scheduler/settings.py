@@ -49,6 +49,11 @@ class SchedulerSettings:
     # PENDING by the status lane and answered then, not after the cycles in flight. False (--no-accept-lane): it
     # waits for its cycle, as before issue 35 (a baseline). Needs the status lane.
     accept_lane: bool = True
+    # The fence in the pipeline (ledger.fence, PostgreSQL): a leader whose view is its own and whose lease is far
+    # from its end decides without waiting for the clock row's lock, and sends the lock, checked by the server (the
+    # generation, its lease), first with its closing writes and commit. False (--no-fence-in-pipeline): every cycle
+    # waits for the lock first, as before (a baseline).
+    fence_in_pipeline: bool = True
     # Bounds of one backfill pass behind a blocked head: at most this many gangs tried (Slurm's bf_max_job_test;
     # 0: no limit) and this much time (ms; 0: none). The gangs not tried wait for a pass whose inputs changed.
     backfill_depth: int = 1000

@@ -74,6 +74,10 @@ class UnitOfWork:
     claim_writes: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
     # Writes queued by `write`, not applied yet: (statement, args, keyword args)
     queue: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    # The clock row's checked lock when the cycle did not wait for it before deciding (ledger.fence, the service's
+    # fence in the pipeline): sent before the cycle's first statement that may write, so it is the first row the
+    # transaction locks. None once sent, and for a cycle that took the lock first (ledger.begin_cycle).
+    fence: Callable[[], None] | None = None
 
     # ---- the statements -------------------------------------------------------------------------------------------
 
@@ -83,11 +87,21 @@ class UnitOfWork:
 
     def ask(self, statement: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Apply the queued writes, then a read or a guarded write, and return its answer."""
+        self.take_fence()
         self.apply()
         return statement(self.conn, *args, **kwargs)
 
+    def take_fence(self) -> None:
+        """Send the fence if it is still owed (before anything that may lock a row: every writer locks the clock row
+        first). Outside the closing pipeline it waits for the lock, as a cycle that took it first did."""
+        if self.fence is not None:
+            send, self.fence = self.fence, None
+            send()
+
     def apply(self) -> None:
         """Apply the queued writes, in the order they were queued."""
+        if self.queue:
+            self.take_fence()
         while self.queue:
             items, self.queue = self.queue, []
             for statement, args, kwargs in items:
@@ -133,6 +147,7 @@ class UnitOfWork:
         so they, the deferred writes, the closing writes and the COMMIT are one round trip. Nothing read after them
         in the cycle depends on them. The queue must be applied before the pipeline: a queued write may read
         (ledger.request_checkpoint), and a read in a pipeline gets no rows."""
+        self.take_fence()
         self.apply()
         ledger.flush_job_updates(self.conn, checked_by_server=True)
         items, self.deferred = self.deferred, []

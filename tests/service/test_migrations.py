@@ -151,3 +151,46 @@ def test_a_stale_job_update_in_the_closing_pipeline_rolls_back_everything_sent_w
             ]
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_the_fence_takes_the_clock_row_and_refuses_a_moved_generation_or_a_lost_lease(pg_url):
+    """phalanx_fence (revision 0027), which a leader sends first with its closing writes instead of waiting for the
+    clock row's lock before deciding: it locks the row to the commit, and fails the transaction (40001) unless the
+    row holds the generation the view was built on and the caller's lease, unexpired by the database's clock."""
+    from sqlalchemy.exc import OperationalError
+
+    from services.scheduler import ledger
+
+    engine = make_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE ledger_clock SET generation = 7, leader = 'a', leader_epoch = 3, "
+                    "leader_until = extract(epoch FROM clock_timestamp()) + 60 WHERE id = 1"
+                )
+            )
+
+        def refused(generation: int, replica: str, epoch: int) -> bool:
+            with engine.connect() as conn, conn.begin():
+                try:
+                    ledger.fence(conn, generation, replica, epoch)
+                except ledger.StaleJobs as exc:
+                    assert ledger.fence_refused(exc)
+                    return True
+                return False
+
+        assert refused(6, "a", 3)  # another writer since the view
+        assert refused(7, "b", 3)  # another leader
+        assert refused(7, "a", 2)  # an older epoch
+        assert not refused(7, "a", 3)
+        with engine.connect() as holder, holder.begin():
+            ledger.fence(holder, 7, "a", 3)
+            with engine.connect() as other, other.begin(), pytest.raises(OperationalError):  # held to the commit
+                other.execute(text("SELECT 1 FROM ledger_clock WHERE id = 1 FOR UPDATE NOWAIT"))
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE ledger_clock SET leader_until = extract(epoch FROM clock_timestamp()) - 1"))
+        assert refused(7, "a", 3)  # the lease ran out
+    finally:
+        engine.dispose()

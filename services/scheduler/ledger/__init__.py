@@ -37,7 +37,7 @@ from .attempts import (
     service_endpoint,
 )
 from .claims import claim_detail, claim_from_row, end_claim, read_claim_history, read_claims, set_claim
-from .feed import CHANGES_KEPT_S, NOTIFY_CHANNEL, bump_generation, prune_changes, read_changes, record_changes
+from .feed import CHANGES_KEPT_S, NOTIFY_CHANNEL, announce, bump_generation, prune_changes, read_changes, record_changes
 from .jobs import (
     JOB_WRITES,
     StaleJobs,
@@ -49,7 +49,7 @@ from .jobs import (
     read_job_records,
     update_job,
 )
-from .lease import Clock, begin_cycle, release_lease, take_lease
+from .lease import Clock, begin_cycle, fence, fence_refused, release_lease, take_lease
 from .load import load_state
 from .nodes import (
     MIG_SWITCH_COLUMNS,
@@ -114,6 +114,7 @@ __all__ = [
     "Registered",
     "StaleJobs",
     "add_node_events",
+    "announce",
     "append_assignments",
     "assignments_after",
     "begin_cycle",
@@ -126,6 +127,8 @@ __all__ = [
     "end_attempts",
     "end_claim",
     "ensure_cluster_id",
+    "fence",
+    "fence_refused",
     "find_by_request_ids",
     "flush_job_updates",
     "foreign_mask",

@@ -30,6 +30,14 @@ def bump_generation(conn: Connection, generation: int, notice: dict[str, Any] | 
     return generation + 1
 
 
+def announce(conn: Connection, replica: str) -> None:
+    """Tell the other replicas this one is here (PostgreSQL: a notice at commit, nothing written). A follower says so
+    at each lease tick, so that the leader knows it is not the ledger's one writer (SchedulerService._fence_ahead)."""
+    if conn.dialect.name == "postgresql":
+        body = json.dumps({"replica": replica, "here": True}, separators=(",", ":"))
+        conn.exec_driver_sql("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, body))
+
+
 CHANGES_KEPT_S = 600.0  # ledger_changes rows older than this are deleted: a replica further behind reloads whole
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+import psycopg
 from sqlalchemy import Connection, or_, select, update
 
 from db.models import LedgerClock
+
+from .jobs import StaleJobs
 
 
 class Clock(NamedTuple):
@@ -47,6 +50,37 @@ def begin_cycle(conn: Connection) -> Clock:
         )
     ).one()
     return Clock(int(row[0]), row[1] or "", int(row[2] or 0), float(row[3] or 0.0), time.time())
+
+
+FENCE_REFUSED = "fence: "  # how phalanx_fence's refusals begin (revision 0027)
+
+
+def fence(conn: Connection, generation: int, replica: str, epoch: int) -> None:
+    """Take the clock row's lock, checked: the transaction fails (SQLSTATE 40001, at the latest at its COMMIT)
+    unless the row still holds `generation` and this replica's lease of `epoch`, unexpired by the database's clock.
+
+    PostgreSQL only (phalanx_fence, revision 0027). It needs no answer, so a leader sends it first in its closing
+    pipeline instead of waiting for begin_cycle's lock before deciding: the single-writer rule and the turn-taking
+    of cycles are those of begin_cycle, checked by the server in the transaction that writes (the lock is held to
+    the commit, and it is the first row the transaction locks, so the lock order of every writer is unchanged).
+    Outside a pipeline it waits, as begin_cycle does."""
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    try:
+        with driver.cursor() as cursor:
+            cursor.execute("SELECT phalanx_fence(%s, %s, %s)", (generation, replica, epoch))
+    except psycopg.errors.SerializationFailure as exc:  # (sent alone: in a pipeline it fails the COMMIT instead)
+        raise FenceRefused(str(exc).splitlines()[0]) from exc
+
+
+class FenceRefused(StaleJobs):
+    """The fence found the ledger moved since the view was built on it, or the lease lost: nothing may commit."""
+
+
+def fence_refused(exc: BaseException) -> bool:
+    """Whether a failed transaction was refused by its fence (another writer, or the lease lost), raised here or,
+    from the closing pipeline, by the COMMIT."""
+    return isinstance(exc, FenceRefused) or FENCE_REFUSED in str(getattr(exc, "orig", exc))
 
 
 def take_lease(conn: Connection, clock: Clock, replica: str, lease_s: float, *, epoch: int | None) -> Clock | None:
