@@ -91,7 +91,6 @@ class Bench:
         fabric = default_fabric([f"node-{i:04d}" for i in range(self.nodes)], nodes_per_leaf=32, leaves_per_spine=8)
         fabric_file = self.workdir / f"topology-{self.nodes}.conf"
         fabric_file.write_text(to_slurm_tree(fabric))
-        self.started = time.monotonic()
         self.scheduler = start_scheduler(
             self.db_url,
             self.workdir / f"scheduler-{self.nodes}.log",
@@ -105,6 +104,7 @@ class Bench:
             str(fabric_file),
             *self.scheduler_args,
         )
+        self.started = time.monotonic()  # (the scheduler's service exists once it listens)
         # Agents live in their own process, so their gRPC work does not slow the measuring clients.
         ctx = multiprocessing.get_context("spawn")
         self.agent_pipe, child = ctx.Pipe()

@@ -91,8 +91,9 @@ VIEW_RELOADS = Counter(
 FENCES = Counter(
     "phalanx_scheduler_fences_total",
     "Scheduling transactions by how they held the ledger's clock row: lock (waited for it before deciding), "
-    "pipeline (sent it, checked by the server, with the closing writes) or refused (the server found the ledger "
-    "moved or the lease lost: rolled back, the view reloaded)",
+    "pipeline (sent it, checked by the server, with the closing writes), waited (decided before it, then a guarded "
+    "write of the cycle sent it alone and waited) or refused (the server found the ledger moved or the lease lost: "
+    "rolled back, the view reloaded)",
     ["how"],
 )
 SERVICE_REPLICAS = Gauge(

@@ -82,7 +82,7 @@ def submit_all(cycle: Cycle, submits: list[Submit]) -> dict[int, Any]:
     Repeated request ids return the first job.
     """
     results: dict[int, Any] = {}
-    existing = cycle.work.ask(ledger.find_by_request_ids, [s.request_id for s in submits if s.request_id])
+    existing = cycle.work.read(ledger.find_by_request_ids, [s.request_id for s in submits if s.request_id])
     new: list[JobRecord] = []
     by_request: dict[str, JobRecord] = {}
     graph = SubmitGraph(cycle, [s.spec for s in submits if s.spec.after])  # job graphs: dependencies checked

@@ -65,7 +65,7 @@ class SubmitGraph:
         self.cycle = cycle
         jobs = cycle.state.jobs
         named = {d.job_id for spec in specs for d in spec.after if d.job_id not in jobs}
-        self.ended: dict[str, tuple[str, str]] = cycle.work.ask(states_and_tenants, named) if named else {}
+        self.ended: dict[str, tuple[str, str]] = cycle.work.read(states_and_tenants, named) if named else {}
 
     def check(self, spec: common_pb2.JobSpec, tenant: str, admin: bool, job_id: str = "") -> list[dict[str, Any]]:
         """The dependencies of a job submitted with `spec` (`job_id`: the job a repeated request id names), met

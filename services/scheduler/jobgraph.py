@@ -112,7 +112,7 @@ def _ended_states(cycle: Cycle, ids: set[str]) -> dict[str, str]:
             out[job_id] = JOB_STATE_NAMES_ALL.get(changed.state, "")
     rest = ids - set(out)
     if rest:
-        out.update(cycle.work.ask(final_states, rest))
+        out.update(cycle.work.read(final_states, rest))
     return out
 
 

@@ -178,7 +178,7 @@ def snapshot_of(cycle: Cycle, pending: list[PendingJob] | None = None) -> Snapsh
     state, s = cycle.state, cycle.settings
     jobs = state.jobs
     victims = [j for j in jobs.in_state("RUNNING").values() if j.preempted_by]  # JobRecord.preempting, inline
-    waiting = cycle.work.ask(ledger.outstanding_requests, [v.id for v in victims]) if victims else set()
+    waiting = cycle.work.read(ledger.outstanding_requests, [v.id for v in victims]) if victims else set()
 
     def running() -> dict[str, RunningJob]:
         out = {}
@@ -203,7 +203,7 @@ def snapshot_of(cycle: Cycle, pending: list[PendingJob] | None = None) -> Snapsh
 
     def saved_at() -> dict[str, float]:
         ids = list(jobs.in_state("RUNNING"))
-        commits = cycle.work.ask(ledger.latest_commits, ids)
+        commits = cycle.work.read(ledger.latest_commits, ids)
         return {i: c[2] for i, c in commits.items() if i in jobs and c[1] == jobs[i].attempt}
 
     totals = quota_totals(state) if state.queues else {}

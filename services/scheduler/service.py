@@ -108,7 +108,7 @@ class SchedulerService:
         self.cycle_id = 0  # the last cycle's number in this process: bound as `cycle` in its log lines
         self.view_reloads = {"full": 0, "delta": 0}  # this replica's (phalanx_scheduler_view_reloads_total)
         # Transactions by how they held the clock row (_fence_ahead; phalanx_scheduler_fences_total)
-        self.fences = {"lock": 0, "pipeline": 0, "refused": 0}
+        self.fences = {"lock": 0, "pipeline": 0, "waited": 0, "refused": 0}
         # (monotonic) no fence in the pipeline before then: another replica was heard. From the start, until its
         # followers, each saying it is here every third of a lease, had two chances to be heard.
         self._fence_quiet_s = max(FENCE_QUIET_S, settings.leader_lease_s)
@@ -499,7 +499,7 @@ class SchedulerService:
                     fail_point("scheduler.handover")
                 trans.commit()
             self.state.note_ended(cycle.finished)  # committed: their ranks' late reports are answered from memory
-        how = "pipeline" if fenced else "lock"
+        how = ("waited" if cycle.work.fence_waited else "pipeline") if fenced else "lock"
         self.fences[how] += 1
         metrics.FENCES.labels(how).inc()
         done = time.perf_counter()

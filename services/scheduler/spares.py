@@ -119,7 +119,7 @@ def swap(
     change_job(cycle, job, attempt=old + 1, started_at=now, placement=placement, message=what)
     job.ranks = layout_ranks(job)
     job.running_at = 0.0
-    job.restored_step = cycle.work.ask(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
+    job.restored_step = cycle.work.read(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
     cycle.work.write(ledger.insert_attempts, [copy.copy(job)], now)
     if pool:  # the pool node's rows, written after this cycle's releases (a borrower's), as reservations are
         stub = copy.copy(job)

@@ -340,7 +340,7 @@ def reserve(cycle: Cycle, job: JobRecord, placement: Placement) -> None:
     job.running_at = 0.0
     job.restored_step = -1
     if job.attempt > 1:
-        job.restored_step = cycle.work.ask(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
+        job.restored_step = cycle.work.read(ledger.latest_commits, [job.id]).get(job.id, (-1,))[0]
     cycle.work.new_allocations.append(job)
     send_launches(cycle, job, exclude=set(held))
     job.launch_deadline = cycle.now + cycle.settings.launch_timeout
@@ -400,7 +400,7 @@ def checkpoint_endpoint(cycle: Cycle) -> tuple[str, str]:
     if s.checkpoint_addr:
         return s.checkpoint_addr, s.checkpoint_dir
     if state.endpoint_expires <= cycle.now:
-        found = cycle.work.ask(ledger.service_endpoint, "checkpoint-coordinator")
+        found = cycle.work.read(ledger.service_endpoint, "checkpoint-coordinator")
         state.endpoint = (found[0], str(found[1].get("checkpoint_dir", ""))) if found else ("", "")
         state.endpoint_expires = cycle.now + ENDPOINT_TTL_S
     addr, directory = state.endpoint

@@ -2,7 +2,8 @@
 
 The job life cycle (transitions.py, commands.py, planning.py, migmode.py) changes the in-memory view and hands
 its SQL here: `write(statement, *args)` queues a write with no answer, `ask(statement, *args)` applies the queue and
-then a read, or a guarded write whose answer a transition needs; `later(statement, *args)` defers a write to the
+then a read, or a guarded write whose answer a transition needs (`read` for a read that locks nothing: it need not
+wait for the clock row's lock, see `fence`); `later(statement, *args)` defers a write to the
 cycle's end (batched, pipelined), and the queues below (new jobs and allocations, assignments, rank reports, claims,
 heartbeats and acks) are the closing writes of cycle.py. A statement is a function of services/scheduler/ledger
 (or accounting) taking the connection first. Queued writes are applied in the order they were queued, before any
@@ -38,6 +39,10 @@ _BATCHED: dict[Any, Callable[[Connection, Any], None]] = {
     ledger.release_allocations: ledger.release_allocations_many,
     ledger.mark_attempt_running: ledger.mark_attempts_running,
 }
+
+
+# Queued "writes" that only record what the cycle's closing writes will send (no SQL now): applying them needs no fence
+_LOCAL = frozenset({ledger.queue_job_update})
 
 
 def job_row(conn: Connection, job_id: str) -> Any:
@@ -78,6 +83,7 @@ class UnitOfWork:
     # fence in the pipeline): sent before the cycle's first statement that may write, so it is the first row the
     # transaction locks. None once sent, and for a cycle that took the lock first (ledger.begin_cycle).
     fence: Callable[[], None] | None = None
+    fence_waited: bool = False  # the fence was sent alone, before the closing pipeline (a guarded write needed it)
 
     # ---- the statements -------------------------------------------------------------------------------------------
 
@@ -91,16 +97,24 @@ class UnitOfWork:
         self.apply()
         return statement(self.conn, *args, **kwargs)
 
+    def read(self, statement: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Apply the queued writes, then a read that locks nothing, and return its answer. Unlike `ask`, it does not
+        send the fence first: a cycle that decides before the clock row's lock reads without waiting for it (what
+        it read is checked at its commit, by the fence's generation)."""
+        self.apply()
+        return statement(self.conn, *args, **kwargs)
+
     def take_fence(self) -> None:
         """Send the fence if it is still owed (before anything that may lock a row: every writer locks the clock row
         first). Outside the closing pipeline it waits for the lock, as a cycle that took it first did."""
         if self.fence is not None:
             send, self.fence = self.fence, None
+            self.fence_waited = not ledger.in_pipeline(self.conn)
             send()
 
     def apply(self) -> None:
         """Apply the queued writes, in the order they were queued."""
-        if self.queue:
+        if self.fence is not None and any(statement not in _LOCAL for statement, _, _ in self.queue):
             self.take_fence()
         while self.queue:
             items, self.queue = self.queue, []

@@ -74,6 +74,8 @@ class RecordingWork(UnitOfWork):
         answer = self.answers[name]
         return answer(*args, **kwargs) if callable(answer) else copy.deepcopy(answer)
 
+    read = ask  # (a read that locks nothing: answered from the same table)
+
     def queued(self) -> list[str]:
         """The names of every write queued so far, applied or deferred."""
         return [w[0] for w in self.writes] + [s.__name__ for s, _ in self.deferred + self.claim_writes]

@@ -37,6 +37,8 @@ class Work(UnitOfWork):
         assert statement.__name__ == "final_states", statement
         return {i: self.ended[i] for i in args[0] if i in self.ended}
 
+    read = ask
+
 
 def view(nodes: int = 2) -> SchedulerState:
     state = SchedulerState()

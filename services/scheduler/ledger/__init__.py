@@ -11,7 +11,7 @@ Every name is re-exported here, so callers keep writing `ledger.x`."""
 
 from __future__ import annotations
 
-from ._sql import CHANGES, Changes, insert_rows, pipelined, track_changes, untrack_changes
+from ._sql import CHANGES, Changes, in_pipeline, insert_rows, pipelined, track_changes, untrack_changes
 from .allocations import (
     insert_allocations,
     read_releasing,
@@ -134,6 +134,7 @@ __all__ = [
     "foreign_mask",
     "gpu_health_from_detail",
     "gpu_ids",
+    "in_pipeline",
     "insert_allocations",
     "insert_attempts",
     "insert_jobs",

@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
+from psycopg import pq
 from sqlalchemy import Connection, insert
 
 T = TypeVar("T")
@@ -112,6 +113,14 @@ def _raised(conn: Connection, column: str, values: dict[int, Any]) -> None:
     for key, value in values.items():
         if value > mine.get(key, value - 1):
             mine[key] = value
+
+
+def in_pipeline(conn: Connection) -> bool:
+    """Whether statements on `conn` are sent without waiting for their answers now (inside `pipelined`)."""
+    if conn.dialect.name != "postgresql":
+        return False
+    driver = conn.connection.driver_connection
+    return driver is not None and driver.pgconn.pipeline_status != pq.PipelineStatus.OFF
 
 
 @contextlib.contextmanager
