@@ -44,6 +44,9 @@ def test_no_ray_quick_run_prints_phalanx_figures_and_says_ray_was_skipped(pg_url
     assert baseline["scheduler_args"] == ["--no-admission-lane"] and phalanx["scheduler_args"] == []
     assert baseline["g1_p50_ms"] > 0 and baseline["gangs_per_s"] > 0
     assert "lane / pass:" in proc.stdout
+    locked = out["phalanx_locked"]  # every cycle waiting for the clock row's lock first
+    assert locked["scheduler_args"] == ["--no-fence-in-pipeline"] and locked["g4x8_p50_ms"] > 0
+    assert "fence in the pipeline / lock first:" in proc.stdout
     assert out["ray"] == {"skipped": "--no-ray"}
     assert out["slurm"] == {"skipped": "--no-slurm"}
     assert "Slurm skipped: --no-slurm" in proc.stdout
