@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from psycopg import pq
 from sqlalchemy import Connection, Table, and_, bindparam, literal_column, select, update
 
 from db.models import Allocation, Job, Rank
 
 from ..state import JobRecord, Partial, layout_ranks, touch
-from ._sql import _changed_jobs, _chunks, _json_list, insert_rows
+from ._sql import _changed_jobs, _chunks, _json_list, in_pipeline, insert_rows
 
 
 def read_job_records(
@@ -258,7 +257,7 @@ def flush_job_updates(conn: Connection, *, checked_by_server: bool = False) -> N
         )
     driver = conn.connection.driver_connection if conn.dialect.name == "postgresql" else None
     # (outside a pipeline an answer costs nothing more: the row counts are checked here, as StaleJobs)
-    by_server = checked_by_server and driver is not None and driver.pgconn.pipeline_status != pq.PipelineStatus.OFF
+    by_server = checked_by_server and in_pipeline(conn)
     for keys, rows in groups.items():
         if by_server and driver is not None:
             sql, processors = _checked_job_update(conn, keys)
